@@ -1,0 +1,41 @@
+"""megaloop: run a whole deep-learning program as one persistent loop kernel per GPU.
+
+    import megaloop as ml
+    g = ml.Graph("mlp")
+    x = g.input("x", (8, 512), ml.bfloat16)
+    w = g.parameter("w", (512, 512), ml.bfloat16)
+    g.output("y", ml.relu(x @ w))
+    print(g)
+    ml.evaluate(g, {"x": ...}, {"w": ...}).outputs["y"]
+
+Layers, in pipeline order (each imports only the ones before it): dtypes/errors -> frontend (graph,
+tensors, op set) -> models, parallel -> plan -> codegen, reference -> runtime -> cli.
+"""
+
+from megaloop import errors
+from megaloop.dtypes import (
+    ALL_DTYPES,
+    FLOAT_DTYPES,
+    DType,
+    as_dtype,
+    bfloat16,
+    bool_,
+    float16,
+    float32,
+    int32,
+    int64,
+)
+from megaloop.errors import MegaloopError
+from megaloop.frontend import REGISTRY, Graph, OpDef, Tensor
+from megaloop.frontend.ops import *  # noqa: F403 - the op builders are the public API
+from megaloop.frontend.ops import __all__ as _ops_all
+from megaloop.parallel import match_ranks, spmd
+from megaloop.reference import Evaluation, evaluate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALL_DTYPES", "FLOAT_DTYPES", "REGISTRY", "DType", "Evaluation", "Graph", "MegaloopError", "OpDef",
+    "Tensor", "as_dtype", "bfloat16", "bool_", "errors", "evaluate", "float16", "float32", "int32", "int64",
+    "match_ranks", "spmd", *_ops_all,
+]

@@ -1,0 +1,153 @@
+"""The one place an op is defined: ``OpDef``, and the registry every other layer reads.
+
+An ``OpDef`` holds everything about an op that does not depend on where it runs: its operands,
+its shape/dtype rule (``infer``), its numpy reference (the executable spec, run by the reference
+backend), its accuracy contract (used by the tests), and its documentation. Later layers derive
+their tables from the registry (opcode enums, profiler names, test tables) instead of copying it.
+
+Kinds of op, which decide how the reference backend and later the planner treat them:
+
+- ``source``: no operands; the value comes from outside (inputs, parameters, state, constants).
+- ``compute``: a pure function of its operands, producing new contiguous tensors.
+- ``view``: output 0 is a different view (shape/strides/offset) of operand 0's storage; no data moves
+  when the layout allows it. The numpy reference still defines the values; the evaluator checks
+  that the view's declared layout yields the same values.
+- ``collective``: every rank of a group takes part; the reference maps all members' operands to all
+  members' outputs at once.
+- ``p2p``: a point-to-point send or receive between two ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megaloop.dtypes import DType
+from megaloop.errors import GraphBuildError
+from megaloop.frontend.shapes import Shape, format_shape
+
+if TYPE_CHECKING:
+    from megaloop.frontend.tensor import Tensor
+
+KINDS = ("source", "compute", "view", "collective", "p2p")
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """Where a view lives inside its operand's storage: strides and offset in elements of the
+    storage (root) tensor, not of the operand, so views of views need no chain walking."""
+
+    strides: Shape
+    offset: int
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """One output of an op as its shape rule declares it."""
+
+    shape: Shape
+    dtype: DType
+    view: ViewSpec | None = None  # set by view ops whose output aliases operand 0's storage
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """How far an implementation may stray from the float64 truth, in units of the output dtype's
+    epsilon, relative to ``|truth| + scale`` where scale is the largest magnitude in the output.
+    ``per_reduction`` adds ``sqrt(n)`` ulps for ops that sum n products (matmul, norms)."""
+
+    ulps: float = 1.0
+    per_reduction: bool = False
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: str
+    category: str  # grouping for docs and test tables: "elementwise", "reduction", ...
+    doc: str
+    operands: tuple[str, ...]  # operand names; a leading "*" marks a variadic list ("*tensors")
+    infer: Callable[[OpCall], Sequence[OutSpec]]
+    reference: Callable[..., Any] | None
+    accuracy: Accuracy = field(default_factory=Accuracy)
+    inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
+    differentiable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"op {self.name}: kind must be one of {KINDS}, got {self.kind!r}")
+
+    def operand_name(self, index: int) -> str:
+        if len(self.operands) == 1 and self.operands[0].startswith("*"):
+            return f"{self.operands[0][1:]}[{index}]"
+        if index < len(self.operands):
+            return self.operands[index]
+        return f"operand {index}"
+
+    def __repr__(self) -> str:
+        return f"OpDef({self.name})"
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in REGISTRY:
+        raise ValueError(f"op {op.name!r} is defined twice; each op has exactly one definition")
+    REGISTRY[op.name] = op
+    return op
+
+
+def describe(t: Tensor) -> str:
+    return f"{t.dtype.short}{format_shape(t.shape)}"
+
+
+class OpCall:
+    """What a shape rule sees: the op, its operands (Tensors, read-only) and its attributes, plus
+    ``error`` to build a megaloop error that names all of them."""
+
+    def __init__(self, op: OpDef, operands: Sequence[Tensor], attrs: dict[str, Any], where: str,
+                 graph: Any = None) -> None:
+        self.op = op
+        self.graph = graph  # the Graph the node is added to (ops without operands need it)
+        self.operands = tuple(operands)
+        self.attrs = attrs
+        self.where = where
+
+    def shape(self, i: int) -> Shape:
+        return self.operands[i].shape
+
+    def dtype(self, i: int) -> DType:
+        return self.operands[i].dtype
+
+    def name(self, i: int) -> str:
+        """Name of the i-th tensor operand. Slots taken by Python numbers (attrs["scalars"]) or left
+        out (attrs["absent"], e.g. an optional weight) are skipped."""
+        skipped = set(self.attrs.get("scalars", ())) | set(self.attrs.get("absent", ()))
+        if skipped:
+            i = [s for s in range(len(self.op.operands)) if s not in skipped][i]
+        return self.op.operand_name(i)
+
+    def error(self, cls: type[GraphBuildError], message: str, hint: str = "") -> GraphBuildError:
+        """``raise call.error(ShapeError, "rule broken ...", hint="what to do")``."""
+        parts = [f"{self.op.name}: {message}"]
+        if self.operands:
+            ops = ", ".join(f"{self.name(i)}: {describe(t)}" for i, t in enumerate(self.operands))
+            parts.append(f"operands: {ops}")
+        if self.where:
+            parts.append(f"at: {self.where}")
+        if hint:
+            parts.append(f"hint: {hint}")
+        return cls("\n  ".join(parts))
+
+
+def attrs_repr(attrs: dict[str, Any]) -> str:
+    items = []
+    for k, v in attrs.items():
+        if isinstance(v, np.ndarray):
+            v = f"array{format_shape(v.shape)}"
+        items.append(f"{k}={v}")
+    return ", ".join(items)

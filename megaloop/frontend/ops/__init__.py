@@ -1,0 +1,72 @@
+"""The op set. Each module defines its ops once (OpDef + builder function); importing this package
+registers all of them in ``megaloop.frontend.opdef.REGISTRY``.
+
+Builders are the public API (``megaloop.matmul``, ``megaloop.softmax``, ...).
+"""
+
+from megaloop.frontend.ops import sources
+from megaloop.frontend.ops.attention import attention, kv_cache_update
+from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
+from megaloop.frontend.ops.elementwise import (
+    abs,
+    add,
+    add_scalar,
+    cast,
+    div,
+    equal,
+    erf,
+    exp,
+    gelu,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    maximum,
+    minimum,
+    mul,
+    neg,
+    not_equal,
+    pow,
+    reciprocal,
+    relu,
+    rsqrt,
+    scale,
+    sigmoid,
+    silu,
+    sqrt,
+    sub,
+    tanh,
+    where,
+)
+from megaloop.frontend.ops.embedding import embedding
+from megaloop.frontend.ops.layout import (
+    broadcast_to,
+    concat,
+    copy,
+    getitem,
+    permute,
+    reshape,
+    slice_,
+    split,
+    squeeze,
+    transpose,
+    unsqueeze,
+)
+from megaloop.frontend.ops.matmul import linear, matmul
+from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
+from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
+from megaloop.frontend.ops.rope import inv_frequencies, rope
+
+__all__ = [
+    "abs", "add", "add_scalar", "all_gather", "all_reduce", "argmax", "attention", "broadcast_to", "cast",
+    "concat", "copy", "div", "embedding", "equal", "erf", "exp", "gelu", "getitem", "greater",
+    "greater_equal", "inv_frequencies", "kv_cache_update", "layernorm", "less", "less_equal", "linear", "log",
+    "log_softmax", "logical_and", "logical_not", "logical_or", "matmul", "max", "maximum", "mean", "min",
+    "minimum", "mul", "neg", "not_equal", "permute", "pow", "reciprocal", "recv", "reduce_scatter", "relu",
+    "reshape", "rmsnorm", "rope", "rsqrt", "scale", "send", "sigmoid", "silu", "slice_", "softmax", "sources",
+    "split", "sqrt", "squeeze", "sub", "sum", "tanh", "transpose", "unsqueeze", "where",
+]

@@ -1,0 +1,64 @@
+"""Helpers the op builders share: find the graph, check operand types, add the node."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import DtypeError, GraphBuildError, NonFiniteError
+from megaloop.frontend.opdef import OpDef
+from megaloop.frontend.tensor import Tensor
+
+
+def apply(op: OpDef, operands: list[Tensor], **attrs: Any) -> Tensor:
+    """Add one node of ``op`` to the operands' graph and return its single output."""
+    (out,) = apply_multi(op, operands, **attrs)
+    return out
+
+
+def apply_multi(op: OpDef, operands: list[Tensor], **attrs: Any) -> tuple[Tensor, ...]:
+    for i, t in enumerate(operands):
+        require_tensor(op, op.operand_name(i), t)
+    if not operands:
+        raise GraphBuildError(f"{op.name}: needs at least one megaloop Tensor operand")
+    return operands[0].graph.apply(op, operands, attrs)
+
+
+def require_tensor(op: OpDef, name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise GraphBuildError(
+            f"{op.name}: operand {name} must be a megaloop Tensor, got {type(value).__name__} {value!r:.80}; "
+            "turn arrays into tensors with graph.input/parameter/constant"
+        )
+    return value
+
+
+def require_scalar(op: OpDef, name: str, value: Any, *, allow_nonfinite: bool = False) -> float | int:
+    """A Python (or numpy scalar) int or float argument; bools refused; finite unless allowed."""
+    if isinstance(value, np.generic) and value.dtype.kind in "iuf":
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DtypeError(f"{op.name}: {name} must be a Python int or float, got {type(value).__name__} {value!r:.80}")
+    if isinstance(value, float) and not allow_nonfinite and not math.isfinite(value):
+        raise NonFiniteError(f"{op.name}: {name} is {value}, but it must be finite")
+    return value
+
+
+def require_int(op: OpDef, name: str, value: Any, *, minimum: int | None = None) -> int:
+    if isinstance(value, np.integer):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GraphBuildError(f"{op.name}: {name} must be an int, got {type(value).__name__} {value!r:.80}")
+    if minimum is not None and value < minimum:
+        raise GraphBuildError(f"{op.name}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def find_graph_tensor(op: OpDef, *values: Any) -> Tensor:
+    for v in values:
+        if isinstance(v, Tensor):
+            return v
+    raise GraphBuildError(f"{op.name}: at least one operand must be a megaloop Tensor, got "
+                          + ", ".join(type(v).__name__ for v in values))

@@ -1,0 +1,182 @@
+"""Scaled dot-product attention (causal, grouped-query, sliding window) and the KV-cache update.
+
+Layout is PyTorch's: q [batch, heads, q_len, head_dim], k [batch, kv_heads, kv_len, head_dim],
+v [batch, kv_heads, kv_len, v_dim]. With grouped-query attention (kv_heads < heads), query head h
+reads kv head h // (heads / kv_heads).
+
+Which keys a query sees: key j is visible to query i of batch b when
+  j < kv_lengths[b]                       (only the valid prefix of a cache; default: all kv_len keys)
+  and j <= q_positions[b, i]              (if causal)
+  and j > q_positions[b, i] - window      (if a sliding window is set; needs causal)
+q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
+"bottom-right" alignment of FlashAttention; for q_len == kv_len it is the usual causal mask). A
+query that sees no key returns zeros, not NaN.
+
+The KV cache is a ``state`` [batch, kv_heads, max_len, head_dim]; ``kv_cache_update`` writes the new
+keys/values at their positions and its result is the state's value for later iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import sources
+from megaloop.frontend.ops._build import apply, require_int, require_scalar
+from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
+from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import Tensor
+
+_OPTIONAL = {3: "q_positions", 4: "kv_lengths"}
+
+
+def _infer(call: OpCall) -> list[OutSpec]:
+    absent = call.attrs.get("absent", ())
+    q, k, v = call.operands[:3]
+    extra = dict(zip([s for s in (3, 4) if s not in absent], call.operands[3:]))
+    dtype = tensor_dtype(OpCall(call.op, (q, k, v), {}, call.where))
+    check_kinds(call, dtype, "f")
+    for i, t in enumerate((q, k, v)):
+        if t.ndim != 4:
+            raise call.error(ShapeError, f"{call.name(i)} must be 4-D [batch, heads, tokens, dim], got "
+                                         f"{format_shape(t.shape)}")
+    b, hq, tq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise call.error(ShapeError, f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise call.error(ShapeError, "k and v must have the same kv_heads and kv_len")
+    if k.shape[3] != d:
+        raise call.error(ShapeError, f"q head_dim {d} differs from k head_dim {k.shape[3]}")
+    hkv, tk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise call.error(ShapeError, f"heads ({hq}) must be a multiple of kv_heads ({hkv}) for grouped-query "
+                                     "attention")
+    if 3 in extra:
+        p = extra[3]
+        if not p.dtype.is_int or p.shape != (b, tq):
+            raise call.error(ShapeError, f"q_positions must be an int tensor [batch, q_len] = [{b}, {tq}], got "
+                                         f"{p.dtype.name}{format_shape(p.shape)}")
+    if 4 in extra:
+        n = extra[4]
+        if not n.dtype.is_int or n.shape != (b,):
+            raise call.error(ShapeError, f"kv_lengths must be an int tensor [batch] = [{b}], got "
+                                         f"{n.dtype.name}{format_shape(n.shape)}")
+    if call.attrs["window"] is not None and not call.attrs["causal"]:
+        raise call.error(GraphBuildError, "a sliding window needs causal=True")
+    if call.attrs["scale"] is None:
+        call.attrs["scale"] = 1.0 / math.sqrt(d)
+    return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
+
+
+def visible_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], q_positions: np.ndarray | None,
+                 kv_lengths: np.ndarray | None) -> np.ndarray:
+    """The [batch, q_len, kv_len] bool mask of which key each query sees (module docstring)."""
+    lengths = np.full((b,), tk, np.int64) if kv_lengths is None else kv_lengths.astype(np.int64)
+    if np.any((lengths < 0) | (lengths > tk)):
+        raise DataError(f"kv_lengths {lengths.tolist()} must lie in [0, {tk}]")
+    if q_positions is None:
+        qpos = lengths[:, None] - tq + np.arange(tq)[None, :]
+    else:
+        qpos = q_positions.astype(np.int64)
+    j = np.arange(tk)[None, None, :]
+    mask = j < lengths[:, None, None]
+    if attrs["causal"]:
+        mask &= j <= qpos[:, :, None]
+        if attrs["window"] is not None:
+            mask &= j > qpos[:, :, None] - attrs["window"]
+    return mask
+
+
+def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    absent = attrs.get("absent", ())
+    q, k, v = (to_compute(a) for a in arrays[:3])
+    extra = dict(zip([s for s in (3, 4) if s not in absent], arrays[3:]))
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))  # [b, tq, tk]
+    qg = q.reshape(b, hkv, hq // hkv, tq, -1)  # query heads grouped by the kv head they read
+    scores = np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"])
+    scores = np.where(mask[:, None, None], scores, -np.inf)
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    denom = np.sum(p, axis=-1, keepdims=True)
+    p = p / np.where(denom > 0, denom, 1.0)
+    out = np.einsum("bhgqk,bhkd->bhgqd", p.astype(np.float32), v)
+    return out.reshape(b, hq, tq, -1)
+
+
+ATTENTION = register(OpDef(name="attention", kind="compute", category="attention",
+                           doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
+                               "see megaloop.frontend.ops.attention for the exact mask.",
+                           operands=("q", "k", "v", "q_positions", "kv_lengths"), infer=_infer,
+                           reference=_reference, accuracy=Accuracy(ulps=2.0, per_reduction=True)))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_positions: Tensor | None = None,
+              kv_lengths: Tensor | None = None, window: int | None = None, scale: float | None = None) -> Tensor:
+    optional = {3: q_positions, 4: kv_lengths}
+    operands = [q, k, v] + [t for t in optional.values() if t is not None]
+    absent = tuple(s for s, t in optional.items() if t is None)
+    if window is not None:
+        window = require_int(ATTENTION, "window", window, minimum=1)
+    if scale is not None:
+        scale = float(require_scalar(ATTENTION, "scale", scale))
+    return apply(ATTENTION, operands, causal=bool(causal), window=window, scale=scale,
+                 **({"absent": absent} if absent else {}))
+
+
+# ---- KV cache ----------------------------------------------------------------------------------
+
+
+def _update_infer(call: OpCall) -> list[OutSpec]:
+    cache, new, pos = call.operands
+    if cache.node.op is not sources.STATE or cache.is_view:
+        raise call.error(GraphBuildError, f"cache must be a state tensor (graph.state(...)), got {cache!r}",
+                         hint="the cache persists between iterations, so declare it with graph.state")
+    if new.dtype != cache.dtype:
+        raise call.error(DtypeError, f"new is {new.dtype.name} but the cache is {cache.dtype.name}",
+                         hint=f"cast new to {cache.dtype.name}")
+    if cache.ndim != 4 or new.ndim != 4:
+        raise call.error(ShapeError, "cache and new must be 4-D [batch, kv_heads, tokens, head_dim]")
+    b, h, s, d = cache.shape
+    if new.shape[0] != b or new.shape[1] != h or new.shape[3] != d or new.shape[2] > s:
+        raise call.error(ShapeError, f"new {format_shape(new.shape)} does not fit the cache {format_shape(cache.shape)}: "
+                                     "batch, kv_heads and head_dim must match and tokens <= max_len")
+    if not pos.dtype.is_int or pos.shape != (b, new.shape[2]):
+        raise call.error(ShapeError, f"positions must be an int tensor [batch, tokens] = [{b}, {new.shape[2]}], "
+                                     f"got {pos.dtype.name}{format_shape(pos.shape)}")
+    return [OutSpec(cache.shape, cache.dtype)]
+
+
+def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    cache, new, pos = arrays
+    s = cache.shape[2]
+    if np.any((pos < 0) | (pos >= s)):
+        bad = tuple(int(i) for i in np.argwhere((pos < 0) | (pos >= s))[0])
+        raise DataError(f"position {int(pos[bad])} at index {bad} is outside the cache of {s} slots")
+    for row in pos:
+        if len(np.unique(row)) != len(row):
+            raise DataError(f"positions {row.tolist()} repeat a slot within one batch row")
+    out = cache.copy()
+    for bi in range(cache.shape[0]):
+        out[bi][:, pos[bi], :] = new[bi]
+    return out
+
+
+KV_CACHE_UPDATE = register(OpDef(name="kv_cache_update", kind="compute", category="attention",
+                                 doc="Write new [batch, kv_heads, tokens, dim] into the cache state at positions "
+                                     "[batch, tokens] along axis 2, in place; the result is the cache's next value.",
+                                 operands=("cache", "new", "positions"), infer=_update_infer, reference=_update_ref,
+                                 accuracy=Accuracy(ulps=0.0), inplace_operand=0, differentiable=False))
+
+
+def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
+    """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value."""
+    out = apply(KV_CACHE_UPDATE, [cache, new, positions])
+    cache.graph.assign(cache, out)
+    return out

@@ -1,0 +1,193 @@
+"""Collectives and point-to-point transfers between ranks.
+
+Each rank builds its own graph (``Graph(rank=r, world_size=n)``); a collective appears in the graph
+of every member of its ``group`` (default: all ranks), and the k-th collective a rank issues on a
+group matches the k-th collective every other member issues on that group. ``megaloop.parallel``
+checks that the members agree (kind, shape, dtype, attributes) and that no wait can form a cycle.
+
+Reductions have a fixed order: members are combined in increasing rank order in float32 (int64
+for integers), then rounded once, so every rank gets bitwise the same result on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from megaloop.dtypes import DType, as_dtype
+from megaloop.errors import AxisError, GraphBuildError, RankError, ShapeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
+from megaloop.frontend.ops.elementwise import check_kinds, to_compute
+from megaloop.frontend.shapes import format_shape, normalize_axis
+from megaloop.frontend.tensor import Tensor
+
+REDUCE_OPS = ("sum", "max")
+
+
+def _group(call: OpCall) -> tuple[int, ...]:
+    """Validate and canonicalise attrs['group'] (sorted ranks, including this one)."""
+    graph = call.graph
+    group = call.attrs["group"]
+    if group is None:
+        group = tuple(range(graph.world_size))
+    group = tuple(sorted(set(int(r) for r in group)))
+    bad = [r for r in group if not 0 <= r < graph.world_size]
+    if bad:
+        raise call.error(RankError, f"group {list(group)} names rank(s) {bad} outside the world of "
+                                    f"{graph.world_size} rank(s)")
+    if graph.rank not in group:
+        raise call.error(RankError, f"this graph is rank {graph.rank}, which is not in group {list(group)}",
+                         hint="only members of a group take part in its collectives")
+    call.attrs["group"] = group
+    return group
+
+
+def _reduce_order(values: list[np.ndarray], op: str) -> np.ndarray:
+    acc = values[0].astype(np.int64) if values[0].dtype.kind in "iu" else to_compute(values[0]).copy()
+    for v in values[1:]:
+        v = v.astype(np.int64) if v.dtype.kind in "iu" else to_compute(v)
+        acc = acc + v if op == "sum" else np.maximum(acc, v)
+    return acc
+
+
+def _check_reduce_op(call: OpCall) -> None:
+    if call.attrs["op"] not in REDUCE_OPS:
+        raise call.error(GraphBuildError, f"op must be one of {REDUCE_OPS}, got {call.attrs['op']!r}")
+    check_kinds(call, call.dtype(0), "fi")
+
+
+# ---- all_reduce ---------------------------------------------------------------------------------
+
+
+def _all_reduce_infer(call: OpCall) -> list[OutSpec]:
+    _group(call)
+    _check_reduce_op(call)
+    return [OutSpec(call.shape(0), call.dtype(0))]
+
+
+def _all_reduce_ref(members: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    total = _reduce_order(members, attrs["op"])
+    return [total for _ in members]
+
+
+ALL_REDUCE = register(OpDef(name="all_reduce", kind="collective", category="collective",
+                            doc="Every member gets the elementwise sum (or max) of all members' x, combined in "
+                                "rank order.", operands=("x",), infer=_all_reduce_infer,
+                            reference=_all_reduce_ref, accuracy=Accuracy(ulps=1.0, per_reduction=True)))
+
+
+def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
+    return apply(ALL_REDUCE, [x], op=op, group=None if group is None else tuple(group))
+
+
+# ---- all_gather ----------------------------------------------------------------------------------
+
+
+def _all_gather_infer(call: OpCall) -> list[OutSpec]:
+    group = _group(call)
+    x = call.operands[0]
+    try:
+        axis = call.attrs["axis"] = normalize_axis(call.attrs["axis"], x.ndim)
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+    shape = x.shape[:axis] + (x.shape[axis] * len(group),) + x.shape[axis + 1:]
+    return [OutSpec(shape, x.dtype)]
+
+
+ALL_GATHER = register(OpDef(name="all_gather", kind="collective", category="collective",
+                            doc="Every member gets all members' x concatenated along axis, in rank order.",
+                            operands=("x",), infer=_all_gather_infer,
+                            reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
+                            accuracy=Accuracy(ulps=0.0)))
+
+
+def all_gather(x: Tensor, axis: int = 0, *, group: Sequence[int] | None = None) -> Tensor:
+    return apply(ALL_GATHER, [x], axis=axis, group=None if group is None else tuple(group))
+
+
+# ---- reduce_scatter ------------------------------------------------------------------------------
+
+
+def _reduce_scatter_infer(call: OpCall) -> list[OutSpec]:
+    group = _group(call)
+    _check_reduce_op(call)
+    x = call.operands[0]
+    try:
+        axis = call.attrs["axis"] = normalize_axis(call.attrs["axis"], x.ndim)
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+    if x.shape[axis] % len(group):
+        raise call.error(ShapeError, f"axis {axis} has size {x.shape[axis]}, not divisible by the group size "
+                                     f"{len(group)}", hint="pad or pick another axis")
+    shape = x.shape[:axis] + (x.shape[axis] // len(group),) + x.shape[axis + 1:]
+    return [OutSpec(shape, x.dtype)]
+
+
+def _reduce_scatter_ref(members: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    total = _reduce_order(members, attrs["op"])
+    return np.split(total, len(members), axis=attrs["axis"])
+
+
+REDUCE_SCATTER = register(OpDef(name="reduce_scatter", kind="collective", category="collective",
+                                doc="Sum (or max) all members' x in rank order, cut it along axis into group-size "
+                                    "pieces; the i-th member of the group gets piece i.",
+                                operands=("x",), infer=_reduce_scatter_infer, reference=_reduce_scatter_ref,
+                                accuracy=Accuracy(ulps=1.0, per_reduction=True)))
+
+
+def reduce_scatter(x: Tensor, axis: int = 0, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
+    return apply(REDUCE_SCATTER, [x], axis=axis, op=op, group=None if group is None else tuple(group))
+
+
+# ---- send / recv ---------------------------------------------------------------------------------
+
+
+def _peer(call: OpCall, key: str) -> int:
+    graph = call.graph
+    peer = call.attrs[key]
+    if not 0 <= peer < graph.world_size:
+        raise call.error(RankError, f"{key} rank {peer} is unknown in a world of {graph.world_size} rank(s)")
+    if peer == graph.rank:
+        raise call.error(RankError, f"rank {graph.rank} cannot {call.op.name} to itself", hint="use the tensor directly")
+    return peer
+
+
+def _send_infer(call: OpCall) -> list[OutSpec]:
+    _peer(call, "dst")
+    return []
+
+
+def _recv_infer(call: OpCall) -> list[OutSpec]:
+    _peer(call, "src")
+    return [OutSpec(call.attrs["shape"], call.attrs["dtype"])]
+
+
+SEND = register(OpDef(name="send", kind="p2p", category="collective",
+                      doc="Hand x to rank dst; matches the recv on dst with the same source and tag, in order.",
+                      operands=("x",), infer=_send_infer, reference=None, accuracy=Accuracy(ulps=0.0)))
+RECV = register(OpDef(name="recv", kind="p2p", category="collective",
+                      doc="Receive the tensor that rank src sends with the same tag (shape and dtype declared "
+                          "here must match the send).", operands=(), infer=_recv_infer, reference=None,
+                      accuracy=Accuracy(ulps=0.0)))
+
+
+def send(x: Tensor, dst: int, *, tag: int = 0) -> None:
+    require_tensor(SEND, "x", x)
+    apply_multi(SEND, [x], dst=require_int(SEND, "dst", dst), tag=require_int(SEND, "tag", tag))
+
+
+def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag: int = 0) -> Tensor:
+    """Receive from rank ``src`` into a new tensor of this ``graph``."""
+    from megaloop.frontend.graph import Graph  # the graph module imports the ops, so import late
+
+    if not isinstance(graph, Graph):
+        raise GraphBuildError(f"recv: first argument must be the receiving Graph, got {type(graph).__name__}")
+    attrs = {"src": require_int(RECV, "src", src), "tag": require_int(RECV, "tag", tag),
+             "shape": tuple(int(d) for d in shape), "dtype": as_dtype(dtype)}
+    if any(d < 1 for d in attrs["shape"]):
+        raise ShapeError(f"recv: shape {format_shape(attrs['shape'])} must have every dimension >= 1")
+    (out,) = graph.apply(RECV, [], attrs)
+    return out

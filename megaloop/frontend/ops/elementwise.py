@@ -1,0 +1,425 @@
+"""Elementwise ops: binary arithmetic and comparisons with numpy broadcasting, ``where``, unary math,
+and casts.
+
+Dtype rule: operands must have the same dtype; megaloop never promotes implicitly (cast first).
+A Python number may stand in for one operand: it takes the other operand's dtype ("weak" typing, as
+in JAX and PyTorch) and is kept exact in the node (not rounded to bf16 first); arithmetic on
+float16/bfloat16 runs in float32 and rounds once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from megaloop import dtypes
+from megaloop.errors import BroadcastError, DtypeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
+from megaloop.frontend.shapes import broadcast_shapes, format_shape
+from megaloop.frontend.tensor import Tensor
+
+# ---- shared rules ------------------------------------------------------------------------------
+
+
+def broadcast_or_raise(call: OpCall) -> tuple[int, ...]:
+    shapes = [t.shape for t in call.operands]
+    out = broadcast_shapes(*shapes)
+    if out is not None:
+        return out
+    ndim = max(len(s) for s in shapes)
+    for axis in range(-1, -ndim - 1, -1):
+        sizes = {i: s[axis] for i, s in enumerate(shapes) if len(s) >= -axis and s[axis] != 1}
+        if len(set(sizes.values())) > 1:
+            detail = ", ".join(f"{call.name(i)} has {d}" for i, d in sizes.items())
+            break
+    raise call.error(
+        BroadcastError,
+        "shapes " + " and ".join(format_shape(s) for s in shapes) + f" cannot be broadcast: at axis {axis}, {detail}",
+        hint="sizes must match or be 1 at each trailing axis; reshape/unsqueeze an operand to line them up",
+    )
+
+
+def tensor_dtype(call: OpCall) -> dtypes.DType:
+    """The common dtype of the tensor operands; DtypeError if they differ."""
+    first = call.dtype(0)
+    for i in range(1, len(call.operands)):
+        if call.dtype(i) != first:
+            raise call.error(
+                DtypeError,
+                f"operand {call.name(0)} is {first.name} but {call.name(i)} is {call.dtype(i).name}; "
+                "megaloop does not promote dtypes implicitly",
+                hint=f"cast one side, e.g. megaloop.cast({call.name(i)}, '{first.name}')",
+            )
+    return first
+
+
+def check_kinds(call: OpCall, dtype: dtypes.DType, kinds: str) -> None:
+    """``kinds`` is a string over f (float), i (int), b (bool)."""
+    if dtype.kind[0] not in kinds:
+        allowed = {"f": "floating", "i": "integer", "b": "bool"}
+        raise call.error(
+            DtypeError,
+            f"{call.op.name} takes {' or '.join(allowed[k] for k in kinds)} tensors, not {dtype.name}",
+            hint="cast the operand first" if "f" in kinds else "",
+        )
+
+
+def check_scalars(call: OpCall, dtype: dtypes.DType) -> None:
+    for slot, value in call.attrs.get("scalars", {}).items():
+        if dtype.is_int and not isinstance(value, int):
+            raise call.error(DtypeError, f"scalar {value!r} in place of operand {call.op.operands[slot]} is not an "
+                                         f"integer, but the tensor operand is {dtype.name}", hint="cast the tensor to a float dtype")
+        if dtype.is_int:
+            info = np.iinfo(dtype.np)
+            if not info.min <= value <= info.max:
+                raise call.error(DtypeError, f"scalar {value} does not fit in {dtype.name}")
+        if dtype.is_bool:
+            raise call.error(DtypeError, f"a number cannot stand in for a bool operand ({value!r})")
+
+
+def with_scalars(arrays: list[np.ndarray], attrs: dict[str, Any], n_slots: int) -> list[np.ndarray]:
+    """Put the scalar operands back in their slots, in the tensors' compute dtype."""
+    scalars = attrs.get("scalars", {})
+    compute = next(a.dtype for a in arrays) if arrays else np.dtype(np.float32)
+    it = iter(arrays)
+    return [np.asarray(scalars[i], dtype=compute) if i in scalars else next(it) for i in range(n_slots)]
+
+
+def to_compute(a: np.ndarray) -> np.ndarray:
+    """Upcast 16-bit floats to float32 (the arithmetic type); leave other dtypes alone."""
+    return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype == dtypes.bfloat16.np else a
+
+
+def _split_operands(op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int, ...] = ()) -> tuple[list[Tensor], dict]:
+    """Separate tensors from Python numbers; numbers are recorded by slot in attrs['scalars']."""
+    find_graph_tensor(op, *(values[i] for i in (tensor_slots or range(len(values)))))
+    tensors: list[Tensor] = []
+    scalars: dict[int, float | int] = {}
+    for slot, v in enumerate(values):
+        if isinstance(v, Tensor):
+            tensors.append(v)
+        elif slot in tensor_slots:
+            require_tensor(op, op.operands[slot], v)
+        else:
+            scalars[slot] = require_scalar(op, f"operand {op.operands[slot]}", v)
+    return tensors, scalars
+
+
+# ---- binary ops --------------------------------------------------------------------------------
+
+_ARITH = Accuracy(ulps=1.0)
+
+
+def _binary_op(name: str, doc: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], kinds: str,
+               result: str = "same", accuracy: Accuracy = _ARITH) -> OpDef:
+    def infer(call: OpCall) -> list[OutSpec]:
+        shape = broadcast_or_raise(call)
+        dtype = tensor_dtype(call)
+        check_kinds(call, dtype, kinds)
+        check_scalars(call, dtype)
+        return [OutSpec(shape, dtypes.bool_ if result == "bool" else dtype)]
+
+    def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+        a, b = with_scalars([to_compute(x) for x in arrays], attrs, 2)
+        return fn(a, b)
+
+    return register(OpDef(name=name, kind="compute", category="elementwise", doc=doc, operands=("a", "b"),
+                          infer=infer, reference=reference, accuracy=accuracy))
+
+
+ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi")
+SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi")
+MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi")
+DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f")
+MAXIMUM = _binary_op("maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi")
+MINIMUM = _binary_op("minimum", "Elementwise min; NaN wins, as in numpy and torch.", np.minimum, "fi")
+POW = _binary_op("pow", "a ** b (floats only; a negative base with a fractional power gives NaN).", np.power,
+                 "f", accuracy=Accuracy(ulps=2.0))
+EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool")
+NOT_EQUAL = _binary_op("not_equal", "a != b elementwise, giving bool.", np.not_equal, "fib", result="bool")
+LESS = _binary_op("less", "a < b elementwise, giving bool.", np.less, "fi", result="bool")
+LESS_EQUAL = _binary_op("less_equal", "a <= b elementwise, giving bool.", np.less_equal, "fi", result="bool")
+GREATER = _binary_op("greater", "a > b elementwise, giving bool.", np.greater, "fi", result="bool")
+GREATER_EQUAL = _binary_op("greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi",
+                           result="bool")
+LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b")
+LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b")
+
+
+def _binary(op: OpDef, a: Any, b: Any) -> Tensor:
+    tensors, scalars = _split_operands(op, (a, b))
+    return apply(op, tensors, **({"scalars": scalars} if scalars else {}))
+
+
+def add(a: Any, b: Any) -> Tensor:
+    return _binary(ADD, a, b)
+
+
+def sub(a: Any, b: Any) -> Tensor:
+    return _binary(SUB, a, b)
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    return _binary(MUL, a, b)
+
+
+def div(a: Any, b: Any) -> Tensor:
+    return _binary(DIV, a, b)
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    return _binary(MAXIMUM, a, b)
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    return _binary(MINIMUM, a, b)
+
+
+def pow(a: Any, b: Any) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
+    return _binary(POW, a, b)
+
+
+def equal(a: Any, b: Any) -> Tensor:
+    return _binary(EQUAL, a, b)
+
+
+def not_equal(a: Any, b: Any) -> Tensor:
+    return _binary(NOT_EQUAL, a, b)
+
+
+def less(a: Any, b: Any) -> Tensor:
+    return _binary(LESS, a, b)
+
+
+def less_equal(a: Any, b: Any) -> Tensor:
+    return _binary(LESS_EQUAL, a, b)
+
+
+def greater(a: Any, b: Any) -> Tensor:
+    return _binary(GREATER, a, b)
+
+
+def greater_equal(a: Any, b: Any) -> Tensor:
+    return _binary(GREATER_EQUAL, a, b)
+
+
+def logical_and(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(LOGICAL_AND, a, b)
+
+
+def logical_or(a: Tensor, b: Tensor) -> Tensor:
+    return _binary(LOGICAL_OR, a, b)
+
+
+def scale(x: Tensor, factor: float) -> Tensor:
+    """x * factor, the factor kept exact (float32 arithmetic for 16-bit floats)."""
+    return _binary(MUL, x, factor)
+
+
+def add_scalar(x: Tensor, value: float) -> Tensor:
+    """x + value, the value kept exact (float32 arithmetic for 16-bit floats)."""
+    return _binary(ADD, x, value)
+
+
+# ---- where -------------------------------------------------------------------------------------
+
+
+def _where_infer(call: OpCall) -> list[OutSpec]:
+    shape = broadcast_or_raise(call)
+    cond = call.operands[0]
+    if not cond.dtype.is_bool:
+        raise call.error(DtypeError, f"condition must be bool, got {cond.dtype.name}",
+                         hint="build it with a comparison such as x > 0, or cast to bool")
+    values = call.operands[1:]
+    if not values:
+        raise call.error(DtypeError, "a and b cannot both be Python numbers (their dtype would be unknown)",
+                         hint="make one of them a tensor, e.g. graph.constant(1.0, 'bf16')")
+    dtype = values[0].dtype
+    for i, v in enumerate(values[1:], start=2):
+        if v.dtype != dtype:
+            raise call.error(DtypeError, f"{call.name(1)} is {dtype.name} but {call.name(i)} is {v.dtype.name}",
+                             hint="cast one of them")
+    check_scalars(call, dtype)
+    return [OutSpec(shape, dtype)]
+
+
+def _where_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    cond, values = arrays[0], [to_compute(a) for a in arrays[1:]]
+    a, b = with_scalars(values, {"scalars": {k - 1: v for k, v in attrs.get("scalars", {}).items()}}, 2)
+    return np.where(cond, a, b)
+
+
+WHERE = register(OpDef(name="where", kind="compute", category="elementwise",
+                       doc="cond ? a : b elementwise, broadcasting all three; a or b may be a number.",
+                       operands=("cond", "a", "b"), infer=_where_infer, reference=_where_ref,
+                       accuracy=Accuracy(ulps=0.0)))
+
+
+def where(cond: Tensor, a: Any, b: Any) -> Tensor:
+    tensors, scalars = _split_operands(WHERE, (cond, a, b), tensor_slots=(0,))
+    return apply(WHERE, tensors, **({"scalars": scalars} if scalars else {}))
+
+
+# ---- unary ops ---------------------------------------------------------------------------------
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_erf64 = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return _erf64(x.astype(np.float64)).astype(np.float64)
+
+
+def _gelu(x: np.ndarray, approximate: str) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        return 0.5 * x64 * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x64 + 0.044715 * x64**3)))
+    return 0.5 * x64 * (1.0 + _erf(x64 / math.sqrt(2.0)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp of a non-positive argument only, so large |x| cannot overflow
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _unary_op(name: str, doc: str, fn: Callable[..., np.ndarray], kinds: str = "f",
+              accuracy: Accuracy = Accuracy(ulps=2.0)) -> OpDef:
+    def infer(call: OpCall) -> list[OutSpec]:
+        check_kinds(call, call.dtype(0), kinds)
+        if name == "gelu" and call.attrs.get("approximate", "none") not in ("none", "tanh"):
+            raise call.error(DtypeError, f"approximate must be 'none' or 'tanh', got {call.attrs['approximate']!r}")
+        return [OutSpec(call.shape(0), call.dtype(0))]
+
+    def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+        return fn(to_compute(arrays[0]), **attrs)
+
+    return register(OpDef(name=name, kind="compute", category="elementwise", doc=doc, operands=("x",),
+                          infer=infer, reference=reference, accuracy=accuracy))
+
+
+NEG = _unary_op("neg", "-x.", np.negative, "fi", Accuracy(ulps=0.0))
+ABS = _unary_op("abs", "|x|.", np.abs, "fi", Accuracy(ulps=0.0))
+EXP = _unary_op("exp", "e**x.", np.exp)
+LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log)
+SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt)
+RSQRT = _unary_op("rsqrt", "1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x))
+RECIPROCAL = _unary_op("reciprocal", "1 / x.", lambda x: 1.0 / x)
+TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh)
+SIGMOID = _unary_op("sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid)
+RELU = _unary_op("relu", "max(x, 0).", lambda x: np.maximum(x, np.zeros((), x.dtype)), "fi", Accuracy(ulps=0.0))
+GELU = _unary_op("gelu", "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.", _gelu)
+SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x))
+ERF = _unary_op("erf", "The error function.", _erf)
+
+
+def _unary(op: OpDef, x: Tensor, **attrs: Any) -> Tensor:
+    return apply(op, [x], **attrs)
+
+
+def neg(x: Tensor) -> Tensor:
+    return _unary(NEG, x)
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001
+    return _unary(ABS, x)
+
+
+def exp(x: Tensor) -> Tensor:
+    return _unary(EXP, x)
+
+
+def log(x: Tensor) -> Tensor:
+    return _unary(LOG, x)
+
+
+def sqrt(x: Tensor) -> Tensor:
+    return _unary(SQRT, x)
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    return _unary(RSQRT, x)
+
+
+def reciprocal(x: Tensor) -> Tensor:
+    return _unary(RECIPROCAL, x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return _unary(TANH, x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return _unary(SIGMOID, x)
+
+
+def relu(x: Tensor) -> Tensor:
+    return _unary(RELU, x)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return _unary(GELU, x, approximate=approximate)
+
+
+def silu(x: Tensor) -> Tensor:
+    return _unary(SILU, x)
+
+
+def erf(x: Tensor) -> Tensor:
+    return _unary(ERF, x)
+
+
+def _logical_not_infer(call: OpCall) -> list[OutSpec]:
+    check_kinds(call, call.dtype(0), "b")
+    return [OutSpec(call.shape(0), dtypes.bool_)]
+
+
+LOGICAL_NOT = register(OpDef(name="logical_not", kind="compute", category="elementwise", doc="not x for bool masks.",
+                             operands=("x",), infer=_logical_not_infer,
+                             reference=lambda arrays, attrs: np.logical_not(arrays[0]), accuracy=Accuracy(0.0)))
+
+
+def logical_not(x: Tensor) -> Tensor:
+    return _unary(LOGICAL_NOT, x)
+
+
+# ---- cast --------------------------------------------------------------------------------------
+
+
+def _cast_infer(call: OpCall) -> list[OutSpec]:
+    src, dst = call.dtype(0), call.attrs["dtype"]
+    if src.is_float and dst.is_int:
+        raise call.error(DtypeError, f"casting {src.name} to {dst.name} is not supported (rounding mode and "
+                                     "out-of-range values would be ambiguous)",
+                         hint="compare or use argmax to produce integers")
+    return [OutSpec(call.shape(0), dst)]
+
+
+def _cast_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    x = arrays[0]
+    dst: dtypes.DType = attrs["dtype"]
+    if dst.is_bool:
+        return to_compute(x) != 0
+    if dst.is_float:
+        return x.astype(np.float32)  # exact for every float source; the evaluator rounds to dst
+    return x.astype(dst.np)  # int -> int wraps like C; bool -> 0/1
+
+
+CAST = register(OpDef(name="cast", kind="compute", category="elementwise",
+                      doc="Convert to another dtype: between floats (round to nearest even), int->float, int<->int "
+                          "(wrapping), bool<->numbers (nonzero is True). float->int is refused.",
+                      operands=("x",), infer=_cast_infer, reference=_cast_ref, accuracy=Accuracy(ulps=0.5)))
+
+
+def cast(x: Tensor, dtype: Any) -> Tensor:
+    """Convert ``x`` to ``dtype``; returns ``x`` itself when it already has that dtype."""
+    dt = dtypes.as_dtype(dtype)
+    if isinstance(x, Tensor) and x.dtype == dt:
+        return x
+    return apply(CAST, [x], dtype=dt)
+
+

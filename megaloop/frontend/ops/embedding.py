@@ -1,0 +1,43 @@
+"""Embedding lookup: gather rows of a table by integer ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import DataError, DtypeError, ShapeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops._build import apply
+from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import Tensor
+
+
+def _infer(call: OpCall) -> list[OutSpec]:
+    table, ids = call.operands
+    if table.ndim != 2:
+        raise call.error(ShapeError, f"table must be 2-D [vocab, dim], got {format_shape(table.shape)}")
+    if not ids.dtype.is_int:
+        raise call.error(DtypeError, f"ids must be int32 or int64, got {ids.dtype.name}")
+    return [OutSpec((*ids.shape, table.shape[1]), table.dtype)]
+
+
+def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    table, ids = arrays
+    bad = (ids < 0) | (ids >= table.shape[0])
+    if np.any(bad):
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise DataError(f"id {int(ids[where])} at index {where} is outside the table of {table.shape[0]} rows "
+                        f"({np.count_nonzero(bad)} bad ids in all)")
+    return table[ids]
+
+
+EMBEDDING = register(OpDef(name="embedding", kind="compute", category="gather",
+                           doc="table[ids]: rows of a [vocab, dim] table for integer ids of any shape; "
+                               "an id outside [0, vocab) is an error.",
+                           operands=("table", "ids"), infer=_infer, reference=_reference,
+                           accuracy=Accuracy(ulps=0.0), differentiable=False))
+
+
+def embedding(table: Tensor, ids: Tensor) -> Tensor:
+    return apply(EMBEDDING, [table, ids])

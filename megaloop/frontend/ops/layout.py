@@ -1,0 +1,353 @@
+"""Layout ops: reshape, permute/transpose, slice (with steps), broadcast_to, split, concat, copy.
+
+reshape, permute, slice, broadcast_to and split are *views*: they move no data, only describe the
+same storage with other strides and offset (in elements). When a reshape cannot be expressed as a
+view of a strided tensor (e.g. flattening a transposed matrix), the builder inserts a ``copy`` first,
+so ``reshape`` itself is always a view. ``concat`` and ``copy`` write new contiguous tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, ViewSpec, register
+from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
+from megaloop.frontend.shapes import (
+    broadcast_shapes,
+    format_shape,
+    normalize_axis,
+    numel,
+    reshape_strides,
+)
+from megaloop.frontend.tensor import Tensor
+
+_EXACT = Accuracy(ulps=0.0)
+
+
+def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[str, ...] = ("x",)) -> OpDef:
+    return register(OpDef(name=name, kind="view", category="layout", doc=doc, operands=operands, infer=infer,
+                          reference=reference, accuracy=_EXACT))
+
+
+def _axis(call: OpCall, axis: Any, ndim: int) -> int:
+    try:
+        return normalize_axis(axis, ndim)
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+
+
+# ---- reshape ----------------------------------------------------------------------------------
+
+
+def _resolve_shape(x: Tensor, shape: Sequence[Any]) -> tuple[int, ...]:
+    """Replace one -1 by the size that keeps the element count; ShapeError naming the problem."""
+    dims = list(shape)
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or (d < 1 and d != -1):
+            raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: sizes must be ints >= 1 (one may be -1)")
+    if dims.count(-1) > 1:
+        raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: only one size can be -1")
+    if -1 in dims:
+        known = numel(tuple(d for d in dims if d != -1))
+        if x.size % known:
+            raise ShapeError(f"reshape: cannot infer -1 in {tuple(shape)} for {x.size} elements of {x!r}")
+        dims[dims.index(-1)] = x.size // known
+    return tuple(int(d) for d in dims)
+
+
+def _reshape_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    shape = call.attrs["shape"]
+    if numel(shape) != x.size:
+        raise call.error(ShapeError, f"cannot reshape {x.size} elements into {format_shape(shape)} "
+                                     f"({numel(shape)} elements)")
+    strides = reshape_strides(x.shape, x.strides, shape)
+    if strides is None:
+        raise call.error(ShapeError, "this layout cannot be reshaped without a copy",
+                         hint="megaloop.reshape inserts the copy itself; this node was built by hand")
+    return [OutSpec(shape, x.dtype, ViewSpec(strides, x.offset))]
+
+
+RESHAPE = _view_op("reshape", "Same elements in row-major order, new shape (one size may be -1); a view, with a "
+                   "copy inserted first when the input's strides do not allow one.", _reshape_infer,
+                   lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]))
+
+
+def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
+    require_tensor(RESHAPE, "x", x)
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    new_shape = _resolve_shape(x, tuple(shape))
+    if new_shape == x.shape:
+        return x
+    if numel(new_shape) == x.size and reshape_strides(x.shape, x.strides, new_shape) is None:
+        x = copy(x)
+    return apply(RESHAPE, [x], shape=new_shape)
+
+
+def unsqueeze(x: Tensor, axis: int) -> Tensor:
+    """Insert a size-1 axis at ``axis`` (counted in the result, as in torch)."""
+    require_tensor(RESHAPE, "x", x)
+    try:
+        a = normalize_axis(axis, x.ndim + 1)
+    except ValueError as e:
+        raise AxisError(f"unsqueeze: {e} (x is {x!r})") from None
+    return reshape(x, (*x.shape[:a], 1, *x.shape[a:]))
+
+
+def squeeze(x: Tensor, axis: int | tuple[int, ...] | None = None) -> Tensor:
+    """Drop size-1 axes (all of them, or the given ones, which must have size 1)."""
+    require_tensor(RESHAPE, "x", x)
+    if axis is None:
+        axes = tuple(i for i, d in enumerate(x.shape) if d == 1)
+    else:
+        try:
+            axes = tuple(normalize_axis(a, x.ndim) for a in ((axis,) if isinstance(axis, int) else axis))
+        except ValueError as e:
+            raise AxisError(f"squeeze: {e} (x is {x!r})") from None
+        for a in axes:
+            if x.shape[a] != 1:
+                raise ShapeError(f"squeeze: axis {a} of {x!r} has size {x.shape[a]}, not 1")
+    return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+# ---- permute / transpose ------------------------------------------------------------------------
+
+
+def _permute_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    axes = call.attrs["axes"]
+    try:
+        norm = tuple(normalize_axis(a, x.ndim) for a in axes)
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+    if sorted(norm) != list(range(x.ndim)):
+        raise call.error(AxisError, f"axes {tuple(axes)} must be a permutation of 0..{x.ndim - 1}")
+    call.attrs["axes"] = norm
+    return [OutSpec(tuple(x.shape[a] for a in norm), x.dtype,
+                    ViewSpec(tuple(x.strides[a] for a in norm), x.offset))]
+
+
+PERMUTE = _view_op("permute", "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].", _permute_infer,
+                   lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]))
+
+
+def permute(x: Tensor, axes: Sequence[int]) -> Tensor:
+    return apply(PERMUTE, [x], axes=tuple(axes))
+
+
+def transpose(x: Tensor, axis0: int = -2, axis1: int = -1) -> Tensor:
+    """Swap two axes (a view)."""
+    require_tensor(PERMUTE, "x", x)
+    perm = list(range(x.ndim))
+    try:
+        a, b = normalize_axis(axis0, x.ndim), normalize_axis(axis1, x.ndim)
+    except ValueError as e:
+        raise AxisError(f"transpose: {e} (x is {x!r})") from None
+    perm[a], perm[b] = perm[b], perm[a]
+    return permute(x, perm)
+
+
+# ---- slice / getitem ----------------------------------------------------------------------------
+
+
+def _slice_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    starts, stops, steps = call.attrs["starts"], call.attrs["stops"], call.attrs["steps"]
+    if not len(starts) == len(stops) == len(steps) == x.ndim:
+        raise call.error(ShapeError, f"starts/stops/steps need one entry per axis ({x.ndim})")
+    shape, strides, offset = [], [], x.offset
+    for axis, (start, stop, step, size, stride) in enumerate(zip(starts, stops, steps, x.shape, x.strides)):
+        if step == 0:
+            raise call.error(GraphBuildError, f"step of axis {axis} is 0")
+        start, stop, step = slice(start, stop, step).indices(size)
+        n = len(range(start, stop, step))
+        if n == 0:
+            raise call.error(ShapeError, f"axis {axis} (size {size}) sliced [{start}:{stop}:{step}] is empty; "
+                                         "megaloop tensors cannot have empty axes")
+        shape.append(n)
+        strides.append(stride * step)
+        offset += start * stride
+    return [OutSpec(tuple(shape), x.dtype, ViewSpec(tuple(strides), offset))]
+
+
+def _slice_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    index = tuple(slice(a, b, c) for a, b, c in zip(attrs["starts"], attrs["stops"], attrs["steps"]))
+    return arrays[0][index]
+
+
+SLICE = _view_op("slice", "Python slicing per axis, start:stop:step (negative steps too); a view.",
+                 _slice_infer, _slice_ref)
+
+
+def slice_(x: Tensor, starts: Sequence[int | None], stops: Sequence[int | None],
+           steps: Sequence[int | None] | None = None) -> Tensor:
+    """x[starts[0]:stops[0]:steps[0], ...] with Python's rules for None and negative values."""
+    require_tensor(SLICE, "x", x)
+    steps = steps if steps is not None else [1] * len(starts)
+    return apply(SLICE, [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(1 if s is None else s for s in steps))
+
+
+def getitem(x: Tensor, index: Any) -> Tensor:
+    """numpy basic indexing: ints, slices, ``...`` and ``None``. Advanced (array) indexing is refused:
+    use ``embedding`` to gather rows."""
+    require_tensor(SLICE, "x", x)
+    items = list(index) if isinstance(index, tuple) else [index]
+    for it in items:
+        if isinstance(it, bool) or not (it is None or it is Ellipsis or isinstance(it, (int, np.integer, slice))):
+            raise GraphBuildError(f"indexing {x!r} with {type(it).__name__} {it!r:.60} is not supported; "
+                                  "use ints, slices, ... and None (gather rows with megaloop.embedding)")
+    if items.count(Ellipsis) > 1:
+        raise GraphBuildError(f"indexing {x!r}: only one ... is allowed")
+    used = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if used > x.ndim:
+        raise AxisError(f"indexing {x!r} with {used} indices, but it has only {x.ndim} axes")
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items[k:k + 1] = [slice(None)] * (x.ndim - used)
+    else:
+        items += [slice(None)] * (x.ndim - used)
+    starts, stops, steps, out_shape = [], [], [], []
+    axis = 0
+    for it in items:
+        if it is None:
+            out_shape.append(1)
+            continue
+        size = x.shape[axis]
+        if isinstance(it, slice):
+            starts.append(it.start)
+            stops.append(it.stop)
+            steps.append(1 if it.step is None else it.step)
+            if steps[-1] != 0:
+                out_shape.append(len(range(*it.indices(size))))
+        else:
+            i = int(it)
+            if not -size <= i < size:
+                raise AxisError(f"index {i} is out of range for axis {axis} of {x!r} (size {size})")
+            i %= size
+            starts.append(i)
+            stops.append(i + 1)
+            steps.append(1)
+        axis += 1
+    y = x
+    if any(not (a in (None, 0) and b is None and c == 1) for a, b, c in zip(starts, stops, steps)):
+        y = slice_(x, starts, stops, steps)
+    return reshape(y, tuple(out_shape)) if tuple(out_shape) != y.shape else y
+
+
+# ---- broadcast_to -------------------------------------------------------------------------------
+
+
+def _broadcast_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    shape = call.attrs["shape"]
+    if len(shape) < x.ndim or broadcast_shapes(x.shape, shape) != shape:
+        raise call.error(ShapeError, f"cannot broadcast {format_shape(x.shape)} to {format_shape(shape)}",
+                         hint="each axis of x must be 1 or equal the target size, aligned from the right")
+    lead = len(shape) - x.ndim
+    strides = [0] * lead + [0 if (d == 1 and s != 1) else st for d, s, st in zip(x.shape, shape[lead:], x.strides)]
+    return [OutSpec(tuple(shape), x.dtype, ViewSpec(tuple(strides), x.offset))]
+
+
+BROADCAST_TO = _view_op("broadcast_to", "Repeat size-1 (or missing leading) axes to a larger shape without "
+                        "copying (stride 0).", _broadcast_infer,
+                        lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]))
+
+
+def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
+    shape = tuple(int(d) for d in shape)
+    if isinstance(x, Tensor) and shape == x.shape:
+        return x
+    return apply(BROADCAST_TO, [x], shape=shape)
+
+
+# ---- split ------------------------------------------------------------------------------------
+
+
+def _split_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    axis = _axis(call, call.attrs["axis"], x.ndim)
+    call.attrs["axis"] = axis
+    sizes = call.attrs["sizes"]
+    if sum(sizes) != x.shape[axis] or any(s < 1 for s in sizes):
+        raise call.error(ShapeError, f"sizes {list(sizes)} must be >= 1 and add up to axis {axis}'s size "
+                                     f"{x.shape[axis]}")
+    outs, start = [], 0
+    for s in sizes:
+        shape = x.shape[:axis] + (s,) + x.shape[axis + 1:]
+        outs.append(OutSpec(shape, x.dtype, ViewSpec(x.strides, x.offset + start * x.strides[axis])))
+        start += s
+    return outs
+
+
+def _split_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    return np.split(arrays[0], np.cumsum(attrs["sizes"])[:-1], axis=attrs["axis"])
+
+
+SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given sizes (views).", _split_infer,
+                 _split_ref)
+
+
+def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
+    """``sections`` is a number of equal pieces, or the list of piece sizes."""
+    require_tensor(SPLIT, "x", x)
+    try:
+        a = normalize_axis(axis, x.ndim)
+    except ValueError as e:
+        raise AxisError(f"split: {e} (x is {x!r})") from None
+    if isinstance(sections, (int, np.integer)):
+        n = require_int(SPLIT, "sections", sections, minimum=1)
+        if x.shape[a] % n:
+            raise ShapeError(f"split: axis {a} of {x!r} has size {x.shape[a]}, which {n} pieces cannot share "
+                             "equally; pass a list of sizes")
+        sizes = (x.shape[a] // n,) * n
+    else:
+        sizes = tuple(require_int(SPLIT, "sizes[i]", s) for s in sections)
+    return apply_multi(SPLIT, [x], axis=a, sizes=sizes)
+
+
+# ---- concat / copy ------------------------------------------------------------------------------
+
+
+def _concat_infer(call: OpCall) -> list[OutSpec]:
+    first = call.operands[0]
+    axis = _axis(call, call.attrs["axis"], first.ndim)
+    call.attrs["axis"] = axis
+    total = 0
+    for i, t in enumerate(call.operands):
+        if t.dtype != first.dtype:
+            raise call.error(DtypeError, f"{call.name(i)} is {t.dtype.name} but {call.name(0)} is {first.dtype.name}")
+        if t.ndim != first.ndim or any(a != b for k, (a, b) in enumerate(zip(t.shape, first.shape)) if k != axis):
+            raise call.error(ShapeError, f"{call.name(i)} {format_shape(t.shape)} must match {call.name(0)} "
+                                         f"{format_shape(first.shape)} on every axis but {axis}")
+        total += t.shape[axis]
+    return [OutSpec(first.shape[:axis] + (total,) + first.shape[axis + 1:], first.dtype)]
+
+
+CONCAT = register(OpDef(name="concat", kind="compute", category="layout",
+                        doc="Join tensors of one dtype along an axis (all other sizes equal).",
+                        operands=("*tensors",), infer=_concat_infer,
+                        reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]), accuracy=_EXACT))
+
+
+def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise GraphBuildError("concat: needs at least one tensor")
+    if len(tensors) == 1:
+        return require_tensor(CONCAT, "tensors[0]", tensors[0])
+    return apply(CONCAT, tensors, axis=axis)
+
+
+COPY = register(OpDef(name="copy", kind="compute", category="layout",
+                      doc="Materialise x as a new contiguous tensor (same values).", operands=("x",),
+                      infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
+                      reference=lambda arrays, attrs: np.array(arrays[0], copy=True), accuracy=_EXACT))
+
+
+def copy(x: Tensor) -> Tensor:
+    return apply(COPY, [x])

@@ -1,0 +1,115 @@
+"""Reductions over one or more axes: sum, mean, max, min (with keepdims) and argmax.
+
+Floating reductions accumulate in float32 whatever the storage dtype, and round once to it.
+Integer sums accumulate in int64 and wrap to the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megaloop import dtypes
+from megaloop.errors import AxisError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops.elementwise import check_kinds, to_compute
+from megaloop.frontend.shapes import normalize_axes, normalize_axis
+from megaloop.frontend.tensor import Tensor
+
+
+def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> tuple[int, ...]:
+    if keepdims:
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+def axes_or_raise(call: OpCall, axes: Any) -> tuple[int, ...]:
+    try:
+        return normalize_axes(axes, len(call.shape(0)))
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+
+
+def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> OpDef:
+    def infer(call: OpCall) -> list[OutSpec]:
+        check_kinds(call, call.dtype(0), kinds)
+        axes = axes_or_raise(call, call.attrs["axis"])
+        call.attrs["axis"] = axes  # canonical form for later layers
+        return [OutSpec(reduced_shape(call.shape(0), axes, call.attrs["keepdims"]), call.dtype(0))]
+
+    def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+        x = arrays[0]
+        axes = normalize_axes(attrs["axis"], x.ndim)
+        if x.dtype.kind in "iu" and name == "sum":
+            return np.sum(x.astype(np.int64), axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype)
+        return fn(to_compute(x), axis=axes, keepdims=attrs["keepdims"])
+
+    return register(OpDef(name=name, kind="compute", category="reduction", doc=doc, operands=("x",),
+                          infer=infer, reference=reference, accuracy=accuracy))
+
+
+SUM = _reduction("sum", "Sum over axes (None: all), float32 accumulation.", np.sum, "fi",
+                 Accuracy(ulps=1.0, per_reduction=True))
+MEAN = _reduction("mean", "Mean over axes (None: all); floats only.", np.mean, "f",
+                  Accuracy(ulps=1.0, per_reduction=True))
+MAX = _reduction("max", "Maximum over axes (None: all); NaN propagates.", np.max, "fi", Accuracy(ulps=0.0))
+MIN = _reduction("min", "Minimum over axes (None: all); NaN propagates.", np.min, "fi", Accuracy(ulps=0.0))
+
+
+def _axis_arg(axis: Any) -> Any:
+    return tuple(axis) if isinstance(axis, list) else axis
+
+
+def sum(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return apply(SUM, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+
+
+def mean(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
+    return apply(MEAN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+
+
+def max(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return apply(MAX, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+
+
+def min(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return apply(MIN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+
+
+def _argmax_infer(call: OpCall) -> list[OutSpec]:
+    check_kinds(call, call.dtype(0), "fi")
+    axis, keepdims = call.attrs["axis"], call.attrs["keepdims"]
+    shape = call.shape(0)
+    if axis is None:
+        return [OutSpec(tuple(1 for _ in shape) if keepdims else (), dtypes.int64)]
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise call.error(AxisError, f"axis must be one int or None, got {axis!r}",
+                         hint="argmax reduces a single axis; reshape to merge axes first")
+    try:
+        a = normalize_axis(axis, len(shape))
+    except ValueError as e:
+        raise call.error(AxisError, str(e)) from None
+    call.attrs["axis"] = a
+    return [OutSpec(reduced_shape(shape, (a,), keepdims), dtypes.int64)]
+
+
+def _argmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    x = to_compute(arrays[0])
+    axis, keepdims = attrs["axis"], attrs["keepdims"]
+    if axis is None:
+        out = np.asarray(np.argmax(x))
+        return out.reshape((1,) * x.ndim) if keepdims else out
+    return np.argmax(x, axis=axis, keepdims=keepdims)
+
+
+ARGMAX = register(OpDef(name="argmax", kind="compute", category="reduction",
+                        doc="Index of the largest value along one axis (None: of the flattened tensor), int64; "
+                            "ties and NaNs give the first index.",
+                        operands=("x",), infer=_argmax_infer, reference=_argmax_ref, accuracy=Accuracy(ulps=0.0),
+                        differentiable=False))
+
+
+def argmax(x: Tensor, axis: int | None = None, *, keepdims: bool = False) -> Tensor:
+    return apply(ARGMAX, [x], axis=axis, keepdims=bool(keepdims))

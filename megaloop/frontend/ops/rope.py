@@ -1,0 +1,115 @@
+"""Rotary position embedding (RoPE), in the half-split ("neox", Llama/HF) or interleaved (GPT-J,
+original paper) pairing, for arbitrary integer positions, with optional frequency scaling.
+
+The spec computes angles and their sines/cosines in float64 (exact to float32 output), so it is
+the ideal to which faster implementations (float32 tables, fused kernels) are compared.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import DtypeError, GraphBuildError, ShapeError
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops._build import apply, require_int, require_scalar
+from megaloop.frontend.ops.elementwise import check_kinds
+from megaloop.frontend.shapes import broadcast_shapes, format_shape
+from megaloop.frontend.tensor import Tensor
+
+LAYOUTS = ("neox", "interleaved")
+SCALING_TYPES = ("linear", "llama3")
+
+
+def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
+    """The rotary_dim/2 angular frequencies (float64), after Llama-3-style or linear scaling."""
+    inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    if scaling is None:
+        return inv
+    if scaling["type"] == "linear":
+        return inv / scaling["factor"]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = np.where(wavelen > old_len / low, inv / factor, blended)
+    return np.where(wavelen < old_len / high, inv, out)
+
+
+def _infer(call: OpCall) -> list[OutSpec]:
+    x, pos = call.operands
+    check_kinds(call, x.dtype, "f")
+    if not pos.dtype.is_int:
+        raise call.error(DtypeError, f"positions must be int32 or int64, got {pos.dtype.name}")
+    if x.ndim < 2:
+        raise call.error(ShapeError, "x must be [..., tokens, head_dim] with at least 2 axes")
+    if broadcast_shapes(pos.shape, x.shape[:-1]) != x.shape[:-1]:
+        raise call.error(ShapeError, f"positions {format_shape(pos.shape)} must broadcast to x's shape without its "
+                                     f"last axis, {format_shape(x.shape[:-1])}",
+                         hint="for x [batch, heads, tokens, dim] and positions [batch, tokens], "
+                              "pass positions.reshape(batch, 1, tokens)")
+    rd = call.attrs["rotary_dim"]
+    if rd is None:
+        rd = call.attrs["rotary_dim"] = x.shape[-1]
+    if rd % 2 or not 2 <= rd <= x.shape[-1]:
+        raise call.error(ShapeError, f"rotary_dim {rd} must be even and between 2 and head_dim {x.shape[-1]}")
+    if call.attrs["layout"] not in LAYOUTS:
+        raise call.error(GraphBuildError, f"layout must be one of {LAYOUTS}, got {call.attrs['layout']!r}")
+    return [OutSpec(x.shape, x.dtype)]
+
+
+def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    x, pos = arrays
+    rd = attrs["rotary_dim"]
+    inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
+    pos = np.broadcast_to(pos, x.shape[:-1]).astype(np.float64)
+    angle = pos[..., None] * inv  # [..., rd/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    x64 = x.astype(np.float64)
+    rot, rest = x64[..., :rd], x64[..., rd:]
+    if attrs["layout"] == "neox":
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+        out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    return np.concatenate([out, rest], axis=-1).astype(np.float32)
+
+
+ROPE = register(OpDef(name="rope", kind="compute", category="position",
+                      doc="Rotate pairs of the last axis by position * frequency: layout 'neox' pairs i with "
+                          "i + rotary_dim/2, 'interleaved' pairs 2i with 2i+1; dims past rotary_dim pass through.",
+                      operands=("x", "positions"), infer=_infer, reference=_reference,
+                      accuracy=Accuracy(ulps=2.0)))
+
+
+def _check_scaling(scaling: Any) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict) or scaling.get("type", scaling.get("rope_type")) not in SCALING_TYPES:
+        raise GraphBuildError(f"rope: scaling must be None or a dict with type in {SCALING_TYPES}, got {scaling!r}")
+    s = dict(scaling)
+    s["type"] = s.pop("rope_type", s.get("type"))
+    needed = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for key in needed[s["type"]]:
+        if key not in s:
+            raise GraphBuildError(f"rope: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")
+        require_scalar(ROPE, f"scaling[{key!r}]", s[key])
+    return {k: s[k] for k in ("type", *needed[s["type"]])}
+
+
+def rope(x: Tensor, positions: Tensor, *, theta: float = 10000.0, layout: str = "neox",
+         rotary_dim: int | None = None, scaling: dict[str, Any] | None = None) -> Tensor:
+    theta = float(require_scalar(ROPE, "theta", theta))
+    if theta <= 1.0:
+        raise GraphBuildError(f"rope: theta must be > 1, got {theta}")
+    if rotary_dim is not None:
+        rotary_dim = require_int(ROPE, "rotary_dim", rotary_dim, minimum=2)
+    return apply(ROPE, [x, positions], theta=theta, layout=layout, rotary_dim=rotary_dim,
+                 scaling=_check_scaling(scaling))
