@@ -35,7 +35,25 @@ from megaloop.reference import Evaluation, evaluate
 __version__ = "0.1.0"
 
 __all__ = [
-    "ALL_DTYPES", "FLOAT_DTYPES", "REGISTRY", "DType", "Evaluation", "Graph", "MegaloopError", "OpDef",
-    "Tensor", "as_dtype", "bfloat16", "bool_", "errors", "evaluate", "float16", "float32", "int32", "int64",
-    "match_ranks", "spmd", *_ops_all,
+    "ALL_DTYPES",
+    "FLOAT_DTYPES",
+    "REGISTRY",
+    "DType",
+    "Evaluation",
+    "Graph",
+    "MegaloopError",
+    "OpDef",
+    "Tensor",
+    "as_dtype",
+    "bfloat16",
+    "bool_",
+    "errors",
+    "evaluate",
+    "float16",
+    "float32",
+    "int32",
+    "int64",
+    "match_ranks",
+    "spmd",
+    *_ops_all,
 ]

@@ -99,9 +99,7 @@ def as_dtype(value: object) -> DType:
         for dt in ALL_DTYPES:
             if dt.np == npd:
                 return dt
-    raise DtypeError(
-        f"megaloop has no dtype for {value!r}; use one of {', '.join(d.name for d in ALL_DTYPES)}"
-    )
+    raise DtypeError(f"megaloop has no dtype for {value!r}; use one of {', '.join(d.name for d in ALL_DTYPES)}")
 
 
 def round_to(array: np.ndarray, dtype: DType) -> np.ndarray:

@@ -22,8 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.dtypes import DType, as_dtype
-from megaloop.errors import CycleError, GraphBuildError, InternalError, NonFiniteError, RankError, ShapeError
+from megaloop.dtypes import DType, as_dtype, bfloat16, round_to
+from megaloop.errors import (
+    CycleError,
+    DtypeError,
+    GraphBuildError,
+    InternalError,
+    NonFiniteError,
+    RankError,
+    ShapeError,
+)
 from megaloop.frontend.opdef import OpCall, OpDef, OutSpec, attrs_repr
 from megaloop.frontend.ops import sources
 from megaloop.frontend.shapes import Shape, format_shape
@@ -35,8 +43,16 @@ class Node:
 
     __slots__ = ("attrs", "graph", "id", "inputs", "label", "op", "outputs", "scope")
 
-    def __init__(self, graph: Graph, id: int, op: OpDef, inputs: tuple[Tensor, ...], attrs: dict[str, Any],
-                 scope: str, label: str) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        id: int,
+        op: OpDef,
+        inputs: tuple[Tensor, ...],
+        attrs: dict[str, Any],
+        scope: str,
+        label: str,
+    ) -> None:
         self.graph = graph
         self.id = id
         self.op = op
@@ -99,7 +115,7 @@ class Graph:
     # ---- building --------------------------------------------------------------------------------
     def apply(self, op: OpDef, operands: Sequence[Tensor], attrs: dict[str, Any]) -> tuple[Tensor, ...]:
         """Add a node; its shape rule runs now, so a bad call fails here, naming the op."""
-        scope = ".".join(self._scope)
+        scope = "" if op.kind == "source" else ".".join(self._scope)  # a source keeps its given name
         for i, t in enumerate(operands):
             if t.graph is not self:
                 raise GraphBuildError(
@@ -120,8 +136,9 @@ class Graph:
         if spec.view is None:
             return Tensor(self, node, index, spec.shape, spec.dtype)
         owner = call.operands[0].base
-        return Tensor(self, node, index, spec.shape, spec.dtype, base=owner,
-                      strides=spec.view.strides, offset=spec.view.offset)
+        return Tensor(
+            self, node, index, spec.shape, spec.dtype, base=owner, strides=spec.view.strides, offset=spec.view.offset
+        )
 
     def input(self, name: str, shape: Sequence[int], dtype: Any) -> Tensor:
         """A value handed in for every run, e.g. activations or token ids."""
@@ -139,8 +156,9 @@ class Graph:
             t.node.attrs["init"] = self._constant_array(init, t.dtype, f"state {name!r} init", False, t.shape)
         return t
 
-    def constant(self, value: Any, dtype: Any = None, *, name: str | None = None,
-                 allow_nonfinite: bool = False) -> Tensor:
+    def constant(
+        self, value: Any, dtype: Any = None, *, name: str | None = None, allow_nonfinite: bool = False
+    ) -> Tensor:
         """A value baked into the graph. NaN/inf are refused unless ``allow_nonfinite=True``."""
         if dtype is None:
             arr = np.asarray(value)
@@ -157,8 +175,7 @@ class Graph:
         return t
 
     @staticmethod
-    def _constant_array(value: Any, dtype: DType, what: str, allow_nonfinite: bool,
-                        shape: Shape | None) -> np.ndarray:
+    def _constant_array(value: Any, dtype: DType, what: str, allow_nonfinite: bool, shape: Shape | None) -> np.ndarray:
         arr = np.array(value)
         if shape is not None and arr.shape != shape:
             raise ShapeError(f"{what}: value has shape {format_shape(arr.shape)}, expected {format_shape(shape)}")
@@ -168,11 +185,19 @@ class Graph:
                 f"{what}: holds a non-finite value {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)}; "
                 "pass allow_nonfinite=True if that is intended (e.g. a -inf mask)"
             )
-        if dtype.is_int and arr.dtype.kind == "f":
-            raise GraphBuildError(f"{what}: float values cannot be stored as {dtype.name}; round them first")
-        out = arr.astype(np.float32).astype(dtype.np) if dtype.itemsize == 2 and dtype.is_float else arr.astype(dtype.np)
+        if arr.dtype.kind not in "biuf" and arr.dtype != bfloat16.np:
+            raise DtypeError(f"{what}: values of numpy dtype {arr.dtype} cannot become a {dtype.name} constant")
+        if dtype.is_int:
+            if arr.dtype.kind == "f":
+                raise DtypeError(f"{what}: float values cannot be stored as {dtype.name}; round them first")
+            info = np.iinfo(dtype.np)
+            if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                raise DtypeError(f"{what}: values {arr.min()}..{arr.max()} do not fit in {dtype.name}")
+        with np.errstate(over="ignore"):
+            out = round_to(arr, dtype) if dtype.is_float else arr.astype(dtype.np)
         if dtype.is_float and not allow_nonfinite and not np.all(np.isfinite(out.astype(np.float32))):
             raise NonFiniteError(f"{what}: values overflow {dtype.name} (largest magnitude {np.max(np.abs(arr))})")
+        out = np.array(out, copy=True)
         out.setflags(write=False)
         return out
 
@@ -190,8 +215,10 @@ class Graph:
     def assign(self, state: Tensor, value: Tensor) -> None:
         """Make ``value`` the content of ``state`` at the start of the next iteration."""
         if not isinstance(state, Tensor) or state.graph is not self or state.node.op is not sources.STATE:
-            raise GraphBuildError(f"assign: target {state!r} is not a state of graph {self.name!r}; "
-                                  "declare it with graph.state(name, shape, dtype)")
+            raise GraphBuildError(
+                f"assign: target {state!r} is not a state of graph {self.name!r}; "
+                "declare it with graph.state(name, shape, dtype)"
+            )
         name = state.node.attrs["name"]
         if not isinstance(value, Tensor) or value.graph is not self:
             raise GraphBuildError(f"assign to state {name!r}: value must be a Tensor of graph {self.name!r}")
@@ -366,7 +393,7 @@ def _cycle_text(stuck: list[Node]) -> str:
         seen[node] = len(path)
         path.append(node)
         node = next(t.node for t in node.inputs if t.node in stuck_set)
-    loop = path[seen[node]:]
+    loop = path[seen[node] :]
     return " <- ".join(f"{n.op.name} {n.name}" for n in [*loop, loop[0]])
 
 
@@ -374,4 +401,4 @@ def _human_bytes(n: int) -> str:
     if n == 0:
         return "0 B"
     k = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024 ** k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}"
+    return f"{n / 1024**k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}"

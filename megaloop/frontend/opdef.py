@@ -109,8 +109,9 @@ class OpCall:
     """What a shape rule sees: the op, its operands (Tensors, read-only) and its attributes, plus
     ``error`` to build a megaloop error that names all of them."""
 
-    def __init__(self, op: OpDef, operands: Sequence[Tensor], attrs: dict[str, Any], where: str,
-                 graph: Any = None) -> None:
+    def __init__(
+        self, op: OpDef, operands: Sequence[Tensor], attrs: dict[str, Any], where: str, graph: Any = None
+    ) -> None:
         self.op = op
         self.graph = graph  # the Graph the node is added to (ops without operands need it)
         self.operands = tuple(operands)

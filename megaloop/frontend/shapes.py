@@ -45,6 +45,8 @@ def normalize_axes(axes: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
         return tuple(range(ndim))
     if isinstance(axes, int):
         axes = (axes,)
+    if not isinstance(axes, (tuple, list)):
+        raise ValueError(f"axis must be an int, a tuple of ints or None, got {type(axes).__name__} {axes!r}")
     out = tuple(normalize_axis(a, ndim) for a in axes)
     if len(set(out)) != len(out):
         raise ValueError(f"axes {tuple(axes)} name the same axis twice")

@@ -100,9 +100,7 @@ class Tensor:
         )
 
     def __iter__(self):  # without this, Python would try __getitem__ with 0, 1, 2, ... forever
-        raise GraphBuildError(
-            f"cannot iterate over {self!r}; use megaloop.split(x, n, axis) or index it explicitly"
-        )
+        raise GraphBuildError(f"cannot iterate over {self!r}; use megaloop.split(x, n, axis) or index it explicitly")
 
     def __len__(self) -> int:
         if not self.shape:

@@ -111,8 +111,11 @@ def _match_collectives(orders: list[list[Node]], m: RankMatching) -> None:
             nodes = tuple(by_rank[r][k] for r in group)
             first = nodes[0]
             for r, node in zip(group[1:], nodes[1:]):
-                same = (node.op is first.op and node.attrs == first.attrs
-                        and [(t.shape, t.dtype) for t in node.inputs] == [(t.shape, t.dtype) for t in first.inputs])
+                same = (
+                    node.op is first.op
+                    and node.attrs == first.attrs
+                    and [(t.shape, t.dtype) for t in node.inputs] == [(t.shape, t.dtype) for t in first.inputs]
+                )
                 if not same:
                     raise CollectiveMismatchError(
                         f"collective #{k} of group {list(group)} differs between ranks:\n  "
@@ -196,7 +199,9 @@ def _check_acyclic(orders: list[list[Node]], m: RankMatching) -> None:
         seen[v] = len(path)
         path.append(v)
         v = min((p for p in preds[v] if p in stuck), key=str)
-    loop = path[seen[v]:]
-    raise CycleError("the ranks wait on each other in a cycle: "
-                     + " <- ".join(names[x] for x in [*loop, loop[0]])
-                     + "\n  reorder so that each rank sends what the others need before it waits for their data")
+    loop = path[seen[v] :]
+    raise CycleError(
+        "the ranks wait on each other in a cycle: "
+        + " <- ".join(names[x] for x in [*loop, loop[0]])
+        + "\n  reorder so that each rank sends what the others need before it waits for their data"
+    )

@@ -71,8 +71,9 @@ def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
     raise EvaluationError(f"{what}: expected {dt.name} values, got a {arr.dtype} array")
 
 
-def _check_names(given: Mapping[str, Any], wanted: Mapping[str, Tensor], what: str, graph: Graph,
-                 required: bool) -> None:
+def _check_names(
+    given: Mapping[str, Any], wanted: Mapping[str, Tensor], what: str, graph: Graph, required: bool
+) -> None:
     missing = [n for n in wanted if n not in given]
     extra = [n for n in given if n not in wanted]
     where = f"graph {graph.name!r} rank {graph.rank}"
@@ -85,8 +86,14 @@ def _check_names(given: Mapping[str, Any], wanted: Mapping[str, Tensor], what: s
 class _Rank:
     """One rank's evaluation in progress."""
 
-    def __init__(self, graph: Graph, inputs: Mapping[str, Any], params: Mapping[str, Any],
-                 state: dict[str, np.ndarray], keep: bool) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        inputs: Mapping[str, Any],
+        params: Mapping[str, Any],
+        state: dict[str, np.ndarray],
+        keep: bool,
+    ) -> None:
         self.graph = graph
         self.order = graph.topological_order()
         self.inputs = inputs
@@ -126,12 +133,17 @@ class _Rank:
         if lo < 0 or hi >= flat.size:
             raise InternalError(f"{node!r}: view layout reaches elements {lo}..{hi} of a storage of {flat.size}")
         item = flat.itemsize
-        view = np.lib.stride_tricks.as_strided(flat[t.offset:] if t.offset < flat.size else flat, shape=t.shape,
-                                               strides=tuple(s * item for s in t.strides), writeable=False)
-        if not np.array_equal(np.ascontiguousarray(view).view(np.uint8),
-                              np.ascontiguousarray(arr).view(np.uint8)):
-            raise InternalError(f"{node!r}: the declared layout (strides {t.strides}, offset {t.offset}) does not "
-                                "read the values the op defines")
+        view = np.lib.stride_tricks.as_strided(
+            flat[t.offset :] if t.offset < flat.size else flat,
+            shape=t.shape,
+            strides=tuple(s * item for s in t.strides),
+            writeable=False,
+        )
+        if not np.array_equal(np.ascontiguousarray(view).view(np.uint8), np.ascontiguousarray(arr).view(np.uint8)):
+            raise InternalError(
+                f"{node!r}: the declared layout (strides {t.strides}, offset {t.offset}) does not "
+                "read the values the op defines"
+            )
 
     def run_local(self, node: Node) -> None:
         """Run a source, compute or view node."""
@@ -208,16 +220,23 @@ def _run_iteration(ranks: list[_Rank], matching: RankMatching) -> None:
                     rs.run_local(node)
                 progressed = True
             pending[rank] = still
-        if not progressed:
+        if not progressed and any(pending):
             stuck = [f"rank {r}: {n.op.name} {n.name}" for r, p in enumerate(pending) for n in p[:1]]
-            raise InternalError("reference evaluation made no progress (match_ranks should have refused this "
-                                "program): " + "; ".join(stuck))
+            raise InternalError(
+                "reference evaluation made no progress (match_ranks should have refused this "
+                "program): " + "; ".join(stuck)
+            )
 
 
-def evaluate(graphs: Graph | Sequence[Graph], inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-             params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-             state: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None, *, iterations: int = 1,
-             keep_values: bool = False) -> Any:
+def evaluate(
+    graphs: Graph | Sequence[Graph],
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    *,
+    iterations: int = 1,
+    keep_values: bool = False,
+) -> Any:
     """Evaluate one graph, or one graph per rank, on numpy.
 
     ``inputs``/``params``/``state`` map names to arrays (numpy, numbers or torch tensors); for several
@@ -251,10 +270,21 @@ def evaluate(graphs: Graph | Sequence[Graph], inputs: Mapping[str, Any] | Sequen
         for _ in range(iterations):
             ranks = [_Rank(g, i, p, s, keep_values) for g, i, p, s in zip(glist, ins, prs, states)]
             _run_iteration(ranks, matching)
-            states = [{name: rs.state[name] if name not in rs.graph.state_updates
-                       else rs.values[rs.graph.state_updates[name]].copy() for name in rs.graph.states}
-                      for rs in ranks]
-    results = [Evaluation(outputs={name: np.array(rs.values[t], copy=True) for name, t in rs.graph.outputs.items()},
-                          state=st, values=rs.values if keep_values else {})
-               for rs, st in zip(ranks, states)]
+            states = [
+                {
+                    name: rs.state[name]
+                    if name not in rs.graph.state_updates
+                    else rs.values[rs.graph.state_updates[name]].copy()
+                    for name in rs.graph.states
+                }
+                for rs in ranks
+            ]
+    results = [
+        Evaluation(
+            outputs={name: np.array(rs.values[t], copy=True) for name, t in rs.graph.outputs.items()},
+            state=st,
+            values=rs.values if keep_values else {},
+        )
+        for rs, st in zip(ranks, states)
+    ]
     return results[0] if single else results

@@ -1,9 +1,17 @@
 """The op set. Each module defines its ops once (OpDef + builder function); importing this package
 registers all of them in ``megaloop.frontend.opdef.REGISTRY``.
 
-Builders are the public API (``megaloop.matmul``, ``megaloop.softmax``, ...).
+Builders are the public API (``megaloop.matmul``, ``megaloop.softmax``, ...). Each one exported here
+is wrapped by ``_guard`` so that an argument of a kind no rule anticipated still fails with a
+megaloop error naming the builder, never a bare TypeError from deep inside numpy.
 """
 
+import functools as _functools
+from collections.abc import Callable as _Callable
+from typing import Any as _Any
+
+from megaloop.errors import GraphBuildError as _GraphBuildError
+from megaloop.errors import MegaloopError as _MegaloopError
 from megaloop.frontend.ops import sources
 from megaloop.frontend.ops.attention import attention, kv_cache_update
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
@@ -62,11 +70,90 @@ from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 
 __all__ = [
-    "abs", "add", "add_scalar", "all_gather", "all_reduce", "argmax", "attention", "broadcast_to", "cast",
-    "concat", "copy", "div", "embedding", "equal", "erf", "exp", "gelu", "getitem", "greater",
-    "greater_equal", "inv_frequencies", "kv_cache_update", "layernorm", "less", "less_equal", "linear", "log",
-    "log_softmax", "logical_and", "logical_not", "logical_or", "matmul", "max", "maximum", "mean", "min",
-    "minimum", "mul", "neg", "not_equal", "permute", "pow", "reciprocal", "recv", "reduce_scatter", "relu",
-    "reshape", "rmsnorm", "rope", "rsqrt", "scale", "send", "sigmoid", "silu", "slice_", "softmax", "sources",
-    "split", "sqrt", "squeeze", "sub", "sum", "tanh", "transpose", "unsqueeze", "where",
+    "abs",
+    "add",
+    "add_scalar",
+    "all_gather",
+    "all_reduce",
+    "argmax",
+    "attention",
+    "broadcast_to",
+    "cast",
+    "concat",
+    "copy",
+    "div",
+    "embedding",
+    "equal",
+    "erf",
+    "exp",
+    "gelu",
+    "getitem",
+    "greater",
+    "greater_equal",
+    "inv_frequencies",
+    "kv_cache_update",
+    "layernorm",
+    "less",
+    "less_equal",
+    "linear",
+    "log",
+    "log_softmax",
+    "logical_and",
+    "logical_not",
+    "logical_or",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mul",
+    "neg",
+    "not_equal",
+    "permute",
+    "pow",
+    "reciprocal",
+    "recv",
+    "reduce_scatter",
+    "relu",
+    "reshape",
+    "rmsnorm",
+    "rope",
+    "rsqrt",
+    "scale",
+    "send",
+    "sigmoid",
+    "silu",
+    "slice_",
+    "softmax",
+    "sources",
+    "split",
+    "sqrt",
+    "squeeze",
+    "sub",
+    "sum",
+    "tanh",
+    "transpose",
+    "unsqueeze",
+    "where",
 ]
+
+
+def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:
+    @_functools.wraps(fn)
+    def guarded(*args: _Any, **kwargs: _Any) -> _Any:
+        try:
+            return fn(*args, **kwargs)
+        except _MegaloopError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            raise _GraphBuildError(
+                f"{name}: invalid argument ({type(e).__name__}: {e}); see help(megaloop.{name})"
+            ) from e
+
+    return guarded
+
+
+for _name in __all__:
+    if _name != "sources":
+        globals()[_name] = _guard(_name, globals()[_name])

@@ -12,13 +12,13 @@ from megaloop.frontend.opdef import OpDef
 from megaloop.frontend.tensor import Tensor
 
 
-def apply(op: OpDef, operands: list[Tensor], **attrs: Any) -> Tensor:
+def apply(op: OpDef, operands: list[Tensor], /, **attrs: Any) -> Tensor:
     """Add one node of ``op`` to the operands' graph and return its single output."""
     (out,) = apply_multi(op, operands, **attrs)
     return out
 
 
-def apply_multi(op: OpDef, operands: list[Tensor], **attrs: Any) -> tuple[Tensor, ...]:
+def apply_multi(op: OpDef, operands: list[Tensor], /, **attrs: Any) -> tuple[Tensor, ...]:
     for i, t in enumerate(operands):
         require_tensor(op, op.operand_name(i), t)
     if not operands:
@@ -60,5 +60,6 @@ def find_graph_tensor(op: OpDef, *values: Any) -> Tensor:
     for v in values:
         if isinstance(v, Tensor):
             return v
-    raise GraphBuildError(f"{op.name}: at least one operand must be a megaloop Tensor, got "
-                          + ", ".join(type(v).__name__ for v in values))
+    raise GraphBuildError(
+        f"{op.name}: at least one operand must be a megaloop Tensor, got " + ", ".join(type(v).__name__ for v in values)
+    )

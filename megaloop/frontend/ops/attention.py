@@ -42,8 +42,9 @@ def _infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, dtype, "f")
     for i, t in enumerate((q, k, v)):
         if t.ndim != 4:
-            raise call.error(ShapeError, f"{call.name(i)} must be 4-D [batch, heads, tokens, dim], got "
-                                         f"{format_shape(t.shape)}")
+            raise call.error(
+                ShapeError, f"{call.name(i)} must be 4-D [batch, heads, tokens, dim], got {format_shape(t.shape)}"
+            )
     b, hq, tq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise call.error(ShapeError, f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
@@ -51,20 +52,24 @@ def _infer(call: OpCall) -> list[OutSpec]:
         raise call.error(ShapeError, "k and v must have the same kv_heads and kv_len")
     if k.shape[3] != d:
         raise call.error(ShapeError, f"q head_dim {d} differs from k head_dim {k.shape[3]}")
-    hkv, tk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     if hq % hkv:
-        raise call.error(ShapeError, f"heads ({hq}) must be a multiple of kv_heads ({hkv}) for grouped-query "
-                                     "attention")
+        raise call.error(ShapeError, f"heads ({hq}) must be a multiple of kv_heads ({hkv}) for grouped-query attention")
     if 3 in extra:
         p = extra[3]
         if not p.dtype.is_int or p.shape != (b, tq):
-            raise call.error(ShapeError, f"q_positions must be an int tensor [batch, q_len] = [{b}, {tq}], got "
-                                         f"{p.dtype.name}{format_shape(p.shape)}")
+            raise call.error(
+                ShapeError,
+                f"q_positions must be an int tensor [batch, q_len] = [{b}, {tq}], got "
+                f"{p.dtype.name}{format_shape(p.shape)}",
+            )
     if 4 in extra:
         n = extra[4]
         if not n.dtype.is_int or n.shape != (b,):
-            raise call.error(ShapeError, f"kv_lengths must be an int tensor [batch] = [{b}], got "
-                                         f"{n.dtype.name}{format_shape(n.shape)}")
+            raise call.error(
+                ShapeError,
+                f"kv_lengths must be an int tensor [batch] = [{b}], got {n.dtype.name}{format_shape(n.shape)}",
+            )
     if call.attrs["window"] is not None and not call.attrs["causal"]:
         raise call.error(GraphBuildError, "a sliding window needs causal=True")
     if call.attrs["scale"] is None:
@@ -72,8 +77,9 @@ def _infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
 
 
-def visible_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], q_positions: np.ndarray | None,
-                 kv_lengths: np.ndarray | None) -> np.ndarray:
+def visible_keys(
+    b: int, tq: int, tk: int, attrs: dict[str, Any], q_positions: np.ndarray | None, kv_lengths: np.ndarray | None
+) -> np.ndarray:
     """The [batch, q_len, kv_len] bool mask of which key each query sees (module docstring)."""
     lengths = np.full((b,), tk, np.int64) if kv_lengths is None else kv_lengths.astype(np.int64)
     if np.any((lengths < 0) | (lengths > tk)):
@@ -83,7 +89,7 @@ def visible_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], q_positions: n
     else:
         qpos = q_positions.astype(np.int64)
     j = np.arange(tk)[None, None, :]
-    mask = j < lengths[:, None, None]
+    mask = np.broadcast_to(j < lengths[:, None, None], (b, tq, tk)).copy()
     if attrs["causal"]:
         mask &= j <= qpos[:, :, None]
         if attrs["window"] is not None:
@@ -110,15 +116,32 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return out.reshape(b, hq, tq, -1)
 
 
-ATTENTION = register(OpDef(name="attention", kind="compute", category="attention",
-                           doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
-                               "see megaloop.frontend.ops.attention for the exact mask.",
-                           operands=("q", "k", "v", "q_positions", "kv_lengths"), infer=_infer,
-                           reference=_reference, accuracy=Accuracy(ulps=2.0, per_reduction=True)))
+ATTENTION = register(
+    OpDef(
+        name="attention",
+        kind="compute",
+        category="attention",
+        doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
+        "see megaloop.frontend.ops.attention for the exact mask.",
+        operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        infer=_infer,
+        reference=_reference,
+        accuracy=Accuracy(ulps=2.0, per_reduction=True),
+    )
+)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_positions: Tensor | None = None,
-              kv_lengths: Tensor | None = None, window: int | None = None, scale: float | None = None) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    q_positions: Tensor | None = None,
+    kv_lengths: Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
     optional = {3: q_positions, 4: kv_lengths}
     operands = [q, k, v] + [t for t in optional.values() if t is not None]
     absent = tuple(s for s, t in optional.items() if t is None)
@@ -126,8 +149,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_positi
         window = require_int(ATTENTION, "window", window, minimum=1)
     if scale is not None:
         scale = float(require_scalar(ATTENTION, "scale", scale))
-    return apply(ATTENTION, operands, causal=bool(causal), window=window, scale=scale,
-                 **({"absent": absent} if absent else {}))
+    return apply(
+        ATTENTION, operands, causal=bool(causal), window=window, scale=scale, **({"absent": absent} if absent else {})
+    )
 
 
 # ---- KV cache ----------------------------------------------------------------------------------
@@ -136,20 +160,32 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_positi
 def _update_infer(call: OpCall) -> list[OutSpec]:
     cache, new, pos = call.operands
     if cache.node.op is not sources.STATE or cache.is_view:
-        raise call.error(GraphBuildError, f"cache must be a state tensor (graph.state(...)), got {cache!r}",
-                         hint="the cache persists between iterations, so declare it with graph.state")
+        raise call.error(
+            GraphBuildError,
+            f"cache must be a state tensor (graph.state(...)), got {cache!r}",
+            hint="the cache persists between iterations, so declare it with graph.state",
+        )
     if new.dtype != cache.dtype:
-        raise call.error(DtypeError, f"new is {new.dtype.name} but the cache is {cache.dtype.name}",
-                         hint=f"cast new to {cache.dtype.name}")
+        raise call.error(
+            DtypeError,
+            f"new is {new.dtype.name} but the cache is {cache.dtype.name}",
+            hint=f"cast new to {cache.dtype.name}",
+        )
     if cache.ndim != 4 or new.ndim != 4:
         raise call.error(ShapeError, "cache and new must be 4-D [batch, kv_heads, tokens, head_dim]")
     b, h, s, d = cache.shape
     if new.shape[0] != b or new.shape[1] != h or new.shape[3] != d or new.shape[2] > s:
-        raise call.error(ShapeError, f"new {format_shape(new.shape)} does not fit the cache {format_shape(cache.shape)}: "
-                                     "batch, kv_heads and head_dim must match and tokens <= max_len")
+        raise call.error(
+            ShapeError,
+            f"new {format_shape(new.shape)} does not fit the cache {format_shape(cache.shape)}: "
+            "batch, kv_heads and head_dim must match and tokens <= max_len",
+        )
     if not pos.dtype.is_int or pos.shape != (b, new.shape[2]):
-        raise call.error(ShapeError, f"positions must be an int tensor [batch, tokens] = [{b}, {new.shape[2]}], "
-                                     f"got {pos.dtype.name}{format_shape(pos.shape)}")
+        raise call.error(
+            ShapeError,
+            f"positions must be an int tensor [batch, tokens] = [{b}, {new.shape[2]}], "
+            f"got {pos.dtype.name}{format_shape(pos.shape)}",
+        )
     return [OutSpec(cache.shape, cache.dtype)]
 
 
@@ -168,11 +204,21 @@ def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return out
 
 
-KV_CACHE_UPDATE = register(OpDef(name="kv_cache_update", kind="compute", category="attention",
-                                 doc="Write new [batch, kv_heads, tokens, dim] into the cache state at positions "
-                                     "[batch, tokens] along axis 2, in place; the result is the cache's next value.",
-                                 operands=("cache", "new", "positions"), infer=_update_infer, reference=_update_ref,
-                                 accuracy=Accuracy(ulps=0.0), inplace_operand=0, differentiable=False))
+KV_CACHE_UPDATE = register(
+    OpDef(
+        name="kv_cache_update",
+        kind="compute",
+        category="attention",
+        doc="Write new [batch, kv_heads, tokens, dim] into the cache state at positions "
+        "[batch, tokens] along axis 2, in place; the result is the cache's next value.",
+        operands=("cache", "new", "positions"),
+        infer=_update_infer,
+        reference=_update_ref,
+        accuracy=Accuracy(ulps=0.0),
+        inplace_operand=0,
+        differentiable=False,
+    )
+)
 
 
 def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:

@@ -36,11 +36,15 @@ def _group(call: OpCall) -> tuple[int, ...]:
     group = tuple(sorted(set(int(r) for r in group)))
     bad = [r for r in group if not 0 <= r < graph.world_size]
     if bad:
-        raise call.error(RankError, f"group {list(group)} names rank(s) {bad} outside the world of "
-                                    f"{graph.world_size} rank(s)")
+        raise call.error(
+            RankError, f"group {list(group)} names rank(s) {bad} outside the world of {graph.world_size} rank(s)"
+        )
     if graph.rank not in group:
-        raise call.error(RankError, f"this graph is rank {graph.rank}, which is not in group {list(group)}",
-                         hint="only members of a group take part in its collectives")
+        raise call.error(
+            RankError,
+            f"this graph is rank {graph.rank}, which is not in group {list(group)}",
+            hint="only members of a group take part in its collectives",
+        )
     call.attrs["group"] = group
     return group
 
@@ -73,10 +77,18 @@ def _all_reduce_ref(members: list[np.ndarray], attrs: dict[str, Any]) -> list[np
     return [total for _ in members]
 
 
-ALL_REDUCE = register(OpDef(name="all_reduce", kind="collective", category="collective",
-                            doc="Every member gets the elementwise sum (or max) of all members' x, combined in "
-                                "rank order.", operands=("x",), infer=_all_reduce_infer,
-                            reference=_all_reduce_ref, accuracy=Accuracy(ulps=1.0, per_reduction=True)))
+ALL_REDUCE = register(
+    OpDef(
+        name="all_reduce",
+        kind="collective",
+        category="collective",
+        doc="Every member gets the elementwise sum (or max) of all members' x, combined in rank order.",
+        operands=("x",),
+        infer=_all_reduce_infer,
+        reference=_all_reduce_ref,
+        accuracy=Accuracy(ulps=1.0, per_reduction=True),
+    )
+)
 
 
 def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
@@ -93,15 +105,22 @@ def _all_gather_infer(call: OpCall) -> list[OutSpec]:
         axis = call.attrs["axis"] = normalize_axis(call.attrs["axis"], x.ndim)
     except ValueError as e:
         raise call.error(AxisError, str(e)) from None
-    shape = x.shape[:axis] + (x.shape[axis] * len(group),) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (x.shape[axis] * len(group),) + x.shape[axis + 1 :]
     return [OutSpec(shape, x.dtype)]
 
 
-ALL_GATHER = register(OpDef(name="all_gather", kind="collective", category="collective",
-                            doc="Every member gets all members' x concatenated along axis, in rank order.",
-                            operands=("x",), infer=_all_gather_infer,
-                            reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
-                            accuracy=Accuracy(ulps=0.0)))
+ALL_GATHER = register(
+    OpDef(
+        name="all_gather",
+        kind="collective",
+        category="collective",
+        doc="Every member gets all members' x concatenated along axis, in rank order.",
+        operands=("x",),
+        infer=_all_gather_infer,
+        reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
+        accuracy=Accuracy(ulps=0.0),
+    )
+)
 
 
 def all_gather(x: Tensor, axis: int = 0, *, group: Sequence[int] | None = None) -> Tensor:
@@ -120,9 +139,12 @@ def _reduce_scatter_infer(call: OpCall) -> list[OutSpec]:
     except ValueError as e:
         raise call.error(AxisError, str(e)) from None
     if x.shape[axis] % len(group):
-        raise call.error(ShapeError, f"axis {axis} has size {x.shape[axis]}, not divisible by the group size "
-                                     f"{len(group)}", hint="pad or pick another axis")
-    shape = x.shape[:axis] + (x.shape[axis] // len(group),) + x.shape[axis + 1:]
+        raise call.error(
+            ShapeError,
+            f"axis {axis} has size {x.shape[axis]}, not divisible by the group size {len(group)}",
+            hint="pad or pick another axis",
+        )
+    shape = x.shape[:axis] + (x.shape[axis] // len(group),) + x.shape[axis + 1 :]
     return [OutSpec(shape, x.dtype)]
 
 
@@ -131,11 +153,19 @@ def _reduce_scatter_ref(members: list[np.ndarray], attrs: dict[str, Any]) -> lis
     return np.split(total, len(members), axis=attrs["axis"])
 
 
-REDUCE_SCATTER = register(OpDef(name="reduce_scatter", kind="collective", category="collective",
-                                doc="Sum (or max) all members' x in rank order, cut it along axis into group-size "
-                                    "pieces; the i-th member of the group gets piece i.",
-                                operands=("x",), infer=_reduce_scatter_infer, reference=_reduce_scatter_ref,
-                                accuracy=Accuracy(ulps=1.0, per_reduction=True)))
+REDUCE_SCATTER = register(
+    OpDef(
+        name="reduce_scatter",
+        kind="collective",
+        category="collective",
+        doc="Sum (or max) all members' x in rank order, cut it along axis into group-size "
+        "pieces; the i-th member of the group gets piece i.",
+        operands=("x",),
+        infer=_reduce_scatter_infer,
+        reference=_reduce_scatter_ref,
+        accuracy=Accuracy(ulps=1.0, per_reduction=True),
+    )
+)
 
 
 def reduce_scatter(x: Tensor, axis: int = 0, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
@@ -151,7 +181,9 @@ def _peer(call: OpCall, key: str) -> int:
     if not 0 <= peer < graph.world_size:
         raise call.error(RankError, f"{key} rank {peer} is unknown in a world of {graph.world_size} rank(s)")
     if peer == graph.rank:
-        raise call.error(RankError, f"rank {graph.rank} cannot {call.op.name} to itself", hint="use the tensor directly")
+        raise call.error(
+            RankError, f"rank {graph.rank} cannot {call.op.name} to itself", hint="use the tensor directly"
+        )
     return peer
 
 
@@ -165,13 +197,31 @@ def _recv_infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(call.attrs["shape"], call.attrs["dtype"])]
 
 
-SEND = register(OpDef(name="send", kind="p2p", category="collective",
-                      doc="Hand x to rank dst; matches the recv on dst with the same source and tag, in order.",
-                      operands=("x",), infer=_send_infer, reference=None, accuracy=Accuracy(ulps=0.0)))
-RECV = register(OpDef(name="recv", kind="p2p", category="collective",
-                      doc="Receive the tensor that rank src sends with the same tag (shape and dtype declared "
-                          "here must match the send).", operands=(), infer=_recv_infer, reference=None,
-                      accuracy=Accuracy(ulps=0.0)))
+SEND = register(
+    OpDef(
+        name="send",
+        kind="p2p",
+        category="collective",
+        doc="Hand x to rank dst; matches the recv on dst with the same source and tag, in order.",
+        operands=("x",),
+        infer=_send_infer,
+        reference=None,
+        accuracy=Accuracy(ulps=0.0),
+    )
+)
+RECV = register(
+    OpDef(
+        name="recv",
+        kind="p2p",
+        category="collective",
+        doc="Receive the tensor that rank src sends with the same tag (shape and dtype declared "
+        "here must match the send).",
+        operands=(),
+        infer=_recv_infer,
+        reference=None,
+        accuracy=Accuracy(ulps=0.0),
+    )
+)
 
 
 def send(x: Tensor, dst: int, *, tag: int = 0) -> None:
@@ -185,8 +235,12 @@ def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag:
 
     if not isinstance(graph, Graph):
         raise GraphBuildError(f"recv: first argument must be the receiving Graph, got {type(graph).__name__}")
-    attrs = {"src": require_int(RECV, "src", src), "tag": require_int(RECV, "tag", tag),
-             "shape": tuple(int(d) for d in shape), "dtype": as_dtype(dtype)}
+    attrs = {
+        "src": require_int(RECV, "src", src),
+        "tag": require_int(RECV, "tag", tag),
+        "shape": tuple(int(d) for d in shape),
+        "dtype": as_dtype(dtype),
+    }
     if any(d < 1 for d in attrs["shape"]):
         raise ShapeError(f"recv: shape {format_shape(attrs['shape'])} must have every dimension >= 1")
     (out,) = graph.apply(RECV, [], attrs)

@@ -71,8 +71,12 @@ def check_kinds(call: OpCall, dtype: dtypes.DType, kinds: str) -> None:
 def check_scalars(call: OpCall, dtype: dtypes.DType) -> None:
     for slot, value in call.attrs.get("scalars", {}).items():
         if dtype.is_int and not isinstance(value, int):
-            raise call.error(DtypeError, f"scalar {value!r} in place of operand {call.op.operands[slot]} is not an "
-                                         f"integer, but the tensor operand is {dtype.name}", hint="cast the tensor to a float dtype")
+            raise call.error(
+                DtypeError,
+                f"scalar {value!r} in place of operand {call.op.operands[slot]} is not an "
+                f"integer, but the tensor operand is {dtype.name}",
+                hint="cast the tensor to a float dtype",
+            )
         if dtype.is_int:
             info = np.iinfo(dtype.np)
             if not info.min <= value <= info.max:
@@ -94,7 +98,9 @@ def to_compute(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype == dtypes.bfloat16.np else a
 
 
-def _split_operands(op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int, ...] = ()) -> tuple[list[Tensor], dict]:
+def _split_operands(
+    op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int, ...] = ()
+) -> tuple[list[Tensor], dict]:
     """Separate tensors from Python numbers; numbers are recorded by slot in attrs['scalars']."""
     find_graph_tensor(op, *(values[i] for i in (tensor_slots or range(len(values)))))
     tensors: list[Tensor] = []
@@ -114,8 +120,14 @@ def _split_operands(op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int,
 _ARITH = Accuracy(ulps=1.0)
 
 
-def _binary_op(name: str, doc: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], kinds: str,
-               result: str = "same", accuracy: Accuracy = _ARITH) -> OpDef:
+def _binary_op(
+    name: str,
+    doc: str,
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    kinds: str,
+    result: str = "same",
+    accuracy: Accuracy = _ARITH,
+) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
         dtype = tensor_dtype(call)
@@ -127,8 +139,18 @@ def _binary_op(name: str, doc: str, fn: Callable[[np.ndarray, np.ndarray], np.nd
         a, b = with_scalars([to_compute(x) for x in arrays], attrs, 2)
         return fn(a, b)
 
-    return register(OpDef(name=name, kind="compute", category="elementwise", doc=doc, operands=("a", "b"),
-                          infer=infer, reference=reference, accuracy=accuracy))
+    return register(
+        OpDef(
+            name=name,
+            kind="compute",
+            category="elementwise",
+            doc=doc,
+            operands=("a", "b"),
+            infer=infer,
+            reference=reference,
+            accuracy=accuracy,
+        )
+    )
 
 
 ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi")
@@ -137,15 +159,19 @@ MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi")
 DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f")
 MAXIMUM = _binary_op("maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi")
 MINIMUM = _binary_op("minimum", "Elementwise min; NaN wins, as in numpy and torch.", np.minimum, "fi")
-POW = _binary_op("pow", "a ** b (floats only; a negative base with a fractional power gives NaN).", np.power,
-                 "f", accuracy=Accuracy(ulps=2.0))
+POW = _binary_op(
+    "pow",
+    "a ** b (floats only; a negative base with a fractional power gives NaN).",
+    np.power,
+    "f",
+    accuracy=Accuracy(ulps=2.0),
+)
 EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool")
 NOT_EQUAL = _binary_op("not_equal", "a != b elementwise, giving bool.", np.not_equal, "fib", result="bool")
 LESS = _binary_op("less", "a < b elementwise, giving bool.", np.less, "fi", result="bool")
 LESS_EQUAL = _binary_op("less_equal", "a <= b elementwise, giving bool.", np.less_equal, "fi", result="bool")
 GREATER = _binary_op("greater", "a > b elementwise, giving bool.", np.greater, "fi", result="bool")
-GREATER_EQUAL = _binary_op("greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi",
-                           result="bool")
+GREATER_EQUAL = _binary_op("greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi", result="bool")
 LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b")
 LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b")
 
@@ -179,7 +205,7 @@ def minimum(a: Any, b: Any) -> Tensor:
     return _binary(MINIMUM, a, b)
 
 
-def pow(a: Any, b: Any) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
+def pow(a: Any, b: Any) -> Tensor:
     return _binary(POW, a, b)
 
 
@@ -232,17 +258,26 @@ def _where_infer(call: OpCall) -> list[OutSpec]:
     shape = broadcast_or_raise(call)
     cond = call.operands[0]
     if not cond.dtype.is_bool:
-        raise call.error(DtypeError, f"condition must be bool, got {cond.dtype.name}",
-                         hint="build it with a comparison such as x > 0, or cast to bool")
+        raise call.error(
+            DtypeError,
+            f"condition must be bool, got {cond.dtype.name}",
+            hint="build it with a comparison such as x > 0, or cast to bool",
+        )
     values = call.operands[1:]
     if not values:
-        raise call.error(DtypeError, "a and b cannot both be Python numbers (their dtype would be unknown)",
-                         hint="make one of them a tensor, e.g. graph.constant(1.0, 'bf16')")
+        raise call.error(
+            DtypeError,
+            "a and b cannot both be Python numbers (their dtype would be unknown)",
+            hint="make one of them a tensor, e.g. graph.constant(1.0, 'bf16')",
+        )
     dtype = values[0].dtype
     for i, v in enumerate(values[1:], start=2):
         if v.dtype != dtype:
-            raise call.error(DtypeError, f"{call.name(1)} is {dtype.name} but {call.name(i)} is {v.dtype.name}",
-                             hint="cast one of them")
+            raise call.error(
+                DtypeError,
+                f"{call.name(1)} is {dtype.name} but {call.name(i)} is {v.dtype.name}",
+                hint="cast one of them",
+            )
     check_scalars(call, dtype)
     return [OutSpec(shape, dtype)]
 
@@ -253,10 +288,18 @@ def _where_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.where(cond, a, b)
 
 
-WHERE = register(OpDef(name="where", kind="compute", category="elementwise",
-                       doc="cond ? a : b elementwise, broadcasting all three; a or b may be a number.",
-                       operands=("cond", "a", "b"), infer=_where_infer, reference=_where_ref,
-                       accuracy=Accuracy(ulps=0.0)))
+WHERE = register(
+    OpDef(
+        name="where",
+        kind="compute",
+        category="elementwise",
+        doc="cond ? a : b elementwise, broadcasting all three; a or b may be a number.",
+        operands=("cond", "a", "b"),
+        infer=_where_infer,
+        reference=_where_ref,
+        accuracy=Accuracy(ulps=0.0),
+    )
+)
 
 
 def where(cond: Tensor, a: Any, b: Any) -> Tensor:
@@ -267,11 +310,12 @@ def where(cond: Tensor, a: Any, b: Any) -> Tensor:
 # ---- unary ops ---------------------------------------------------------------------------------
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TRANSCENDENTAL = Accuracy(ulps=2.0)
 _erf64 = np.frompyfunc(math.erf, 1, 1)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    return _erf64(x.astype(np.float64)).astype(np.float64)
+    return np.asarray(_erf64(np.asarray(x, dtype=np.float64)), dtype=np.float64)
 
 
 def _gelu(x: np.ndarray, approximate: str) -> np.ndarray:
@@ -287,8 +331,9 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-def _unary_op(name: str, doc: str, fn: Callable[..., np.ndarray], kinds: str = "f",
-              accuracy: Accuracy = Accuracy(ulps=2.0)) -> OpDef:
+def _unary_op(
+    name: str, doc: str, fn: Callable[..., np.ndarray], kinds: str = "f", accuracy: Accuracy = _TRANSCENDENTAL
+) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
         if name == "gelu" and call.attrs.get("approximate", "none") not in ("none", "tanh"):
@@ -298,20 +343,32 @@ def _unary_op(name: str, doc: str, fn: Callable[..., np.ndarray], kinds: str = "
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
         return fn(to_compute(arrays[0]), **attrs)
 
-    return register(OpDef(name=name, kind="compute", category="elementwise", doc=doc, operands=("x",),
-                          infer=infer, reference=reference, accuracy=accuracy))
+    return register(
+        OpDef(
+            name=name,
+            kind="compute",
+            category="elementwise",
+            doc=doc,
+            operands=("x",),
+            infer=infer,
+            reference=reference,
+            accuracy=accuracy,
+        )
+    )
 
 
-NEG = _unary_op("neg", "-x.", np.negative, "fi", Accuracy(ulps=0.0))
-ABS = _unary_op("abs", "|x|.", np.abs, "fi", Accuracy(ulps=0.0))
-EXP = _unary_op("exp", "e**x.", np.exp)
+NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0))
+ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0))
+EXP = _unary_op("exp", "Exponential e**x.", np.exp)
 LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log)
 SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt)
-RSQRT = _unary_op("rsqrt", "1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x))
-RECIPROCAL = _unary_op("reciprocal", "1 / x.", lambda x: 1.0 / x)
+RSQRT = _unary_op("rsqrt", "Reciprocal square root 1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x))
+RECIPROCAL = _unary_op("reciprocal", "Reciprocal 1 / x.", lambda x: 1.0 / x)
 TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh)
 SIGMOID = _unary_op("sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid)
-RELU = _unary_op("relu", "max(x, 0).", lambda x: np.maximum(x, np.zeros((), x.dtype)), "fi", Accuracy(ulps=0.0))
+RELU = _unary_op(
+    "relu", "Rectifier max(x, 0).", lambda x: np.maximum(x, np.zeros((), x.dtype)), "fi", Accuracy(ulps=0.0)
+)
 GELU = _unary_op("gelu", "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.", _gelu)
 SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x))
 ERF = _unary_op("erf", "The error function.", _erf)
@@ -325,7 +382,7 @@ def neg(x: Tensor) -> Tensor:
     return _unary(NEG, x)
 
 
-def abs(x: Tensor) -> Tensor:  # noqa: A001
+def abs(x: Tensor) -> Tensor:
     return _unary(ABS, x)
 
 
@@ -378,9 +435,18 @@ def _logical_not_infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(call.shape(0), dtypes.bool_)]
 
 
-LOGICAL_NOT = register(OpDef(name="logical_not", kind="compute", category="elementwise", doc="not x for bool masks.",
-                             operands=("x",), infer=_logical_not_infer,
-                             reference=lambda arrays, attrs: np.logical_not(arrays[0]), accuracy=Accuracy(0.0)))
+LOGICAL_NOT = register(
+    OpDef(
+        name="logical_not",
+        kind="compute",
+        category="elementwise",
+        doc="not x for bool masks.",
+        operands=("x",),
+        infer=_logical_not_infer,
+        reference=lambda arrays, attrs: np.logical_not(arrays[0]),
+        accuracy=Accuracy(0.0),
+    )
+)
 
 
 def logical_not(x: Tensor) -> Tensor:
@@ -393,9 +459,12 @@ def logical_not(x: Tensor) -> Tensor:
 def _cast_infer(call: OpCall) -> list[OutSpec]:
     src, dst = call.dtype(0), call.attrs["dtype"]
     if src.is_float and dst.is_int:
-        raise call.error(DtypeError, f"casting {src.name} to {dst.name} is not supported (rounding mode and "
-                                     "out-of-range values would be ambiguous)",
-                         hint="compare or use argmax to produce integers")
+        raise call.error(
+            DtypeError,
+            f"casting {src.name} to {dst.name} is not supported (rounding mode and "
+            "out-of-range values would be ambiguous)",
+            hint="compare or use argmax to produce integers",
+        )
     return [OutSpec(call.shape(0), dst)]
 
 
@@ -409,10 +478,19 @@ def _cast_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return x.astype(dst.np)  # int -> int wraps like C; bool -> 0/1
 
 
-CAST = register(OpDef(name="cast", kind="compute", category="elementwise",
-                      doc="Convert to another dtype: between floats (round to nearest even), int->float, int<->int "
-                          "(wrapping), bool<->numbers (nonzero is True). float->int is refused.",
-                      operands=("x",), infer=_cast_infer, reference=_cast_ref, accuracy=Accuracy(ulps=0.5)))
+CAST = register(
+    OpDef(
+        name="cast",
+        kind="compute",
+        category="elementwise",
+        doc="Convert to another dtype: between floats (round to nearest even), int->float, int<->int "
+        "(wrapping), bool<->numbers (nonzero is True). float->int is refused.",
+        operands=("x",),
+        infer=_cast_infer,
+        reference=_cast_ref,
+        accuracy=Accuracy(ulps=0.5),
+    )
+)
 
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
@@ -421,5 +499,3 @@ def cast(x: Tensor, dtype: Any) -> Tensor:
     if isinstance(x, Tensor) and x.dtype == dt:
         return x
     return apply(CAST, [x], dtype=dt)
-
-

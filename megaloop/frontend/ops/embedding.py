@@ -27,16 +27,27 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     bad = (ids < 0) | (ids >= table.shape[0])
     if np.any(bad):
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise DataError(f"id {int(ids[where])} at index {where} is outside the table of {table.shape[0]} rows "
-                        f"({np.count_nonzero(bad)} bad ids in all)")
+        raise DataError(
+            f"id {int(ids[where])} at index {where} is outside the table of {table.shape[0]} rows "
+            f"({np.count_nonzero(bad)} bad ids in all)"
+        )
     return table[ids]
 
 
-EMBEDDING = register(OpDef(name="embedding", kind="compute", category="gather",
-                           doc="table[ids]: rows of a [vocab, dim] table for integer ids of any shape; "
-                               "an id outside [0, vocab) is an error.",
-                           operands=("table", "ids"), infer=_infer, reference=_reference,
-                           accuracy=Accuracy(ulps=0.0), differentiable=False))
+EMBEDDING = register(
+    OpDef(
+        name="embedding",
+        kind="compute",
+        category="gather",
+        doc="table[ids]: rows of a [vocab, dim] table for integer ids of any shape; "
+        "an id outside [0, vocab) is an error.",
+        operands=("table", "ids"),
+        infer=_infer,
+        reference=_reference,
+        accuracy=Accuracy(ulps=0.0),
+        differentiable=False,
+    )
+)
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:

@@ -29,8 +29,18 @@ _EXACT = Accuracy(ulps=0.0)
 
 
 def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[str, ...] = ("x",)) -> OpDef:
-    return register(OpDef(name=name, kind="view", category="layout", doc=doc, operands=operands, infer=infer,
-                          reference=reference, accuracy=_EXACT))
+    return register(
+        OpDef(
+            name=name,
+            kind="view",
+            category="layout",
+            doc=doc,
+            operands=operands,
+            infer=infer,
+            reference=reference,
+            accuracy=_EXACT,
+        )
+    )
 
 
 def _axis(call: OpCall, axis: Any, ndim: int) -> int:
@@ -63,18 +73,26 @@ def _reshape_infer(call: OpCall) -> list[OutSpec]:
     x = call.operands[0]
     shape = call.attrs["shape"]
     if numel(shape) != x.size:
-        raise call.error(ShapeError, f"cannot reshape {x.size} elements into {format_shape(shape)} "
-                                     f"({numel(shape)} elements)")
+        raise call.error(
+            ShapeError, f"cannot reshape {x.size} elements into {format_shape(shape)} ({numel(shape)} elements)"
+        )
     strides = reshape_strides(x.shape, x.strides, shape)
     if strides is None:
-        raise call.error(ShapeError, "this layout cannot be reshaped without a copy",
-                         hint="megaloop.reshape inserts the copy itself; this node was built by hand")
+        raise call.error(
+            ShapeError,
+            "this layout cannot be reshaped without a copy",
+            hint="megaloop.reshape inserts the copy itself; this node was built by hand",
+        )
     return [OutSpec(shape, x.dtype, ViewSpec(strides, x.offset))]
 
 
-RESHAPE = _view_op("reshape", "Same elements in row-major order, new shape (one size may be -1); a view, with a "
-                   "copy inserted first when the input's strides do not allow one.", _reshape_infer,
-                   lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]))
+RESHAPE = _view_op(
+    "reshape",
+    "Same elements in row-major order, new shape (one size may be -1); a view, with a "
+    "copy inserted first when the input's strides do not allow one.",
+    _reshape_infer,
+    lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]),
+)
 
 
 def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
@@ -128,12 +146,15 @@ def _permute_infer(call: OpCall) -> list[OutSpec]:
     if sorted(norm) != list(range(x.ndim)):
         raise call.error(AxisError, f"axes {tuple(axes)} must be a permutation of 0..{x.ndim - 1}")
     call.attrs["axes"] = norm
-    return [OutSpec(tuple(x.shape[a] for a in norm), x.dtype,
-                    ViewSpec(tuple(x.strides[a] for a in norm), x.offset))]
+    return [OutSpec(tuple(x.shape[a] for a in norm), x.dtype, ViewSpec(tuple(x.strides[a] for a in norm), x.offset))]
 
 
-PERMUTE = _view_op("permute", "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].", _permute_infer,
-                   lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]))
+PERMUTE = _view_op(
+    "permute",
+    "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].",
+    _permute_infer,
+    lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]),
+)
 
 
 def permute(x: Tensor, axes: Sequence[int]) -> Tensor:
@@ -167,8 +188,11 @@ def _slice_infer(call: OpCall) -> list[OutSpec]:
         start, stop, step = slice(start, stop, step).indices(size)
         n = len(range(start, stop, step))
         if n == 0:
-            raise call.error(ShapeError, f"axis {axis} (size {size}) sliced [{start}:{stop}:{step}] is empty; "
-                                         "megaloop tensors cannot have empty axes")
+            raise call.error(
+                ShapeError,
+                f"axis {axis} (size {size}) sliced [{start}:{stop}:{step}] is empty; "
+                "megaloop tensors cannot have empty axes",
+            )
         shape.append(n)
         strides.append(stride * step)
         offset += start * stride
@@ -180,16 +204,20 @@ def _slice_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return arrays[0][index]
 
 
-SLICE = _view_op("slice", "Python slicing per axis, start:stop:step (negative steps too); a view.",
-                 _slice_infer, _slice_ref)
+SLICE = _view_op(
+    "slice", "Python slicing per axis, start:stop:step (negative steps too); a view.", _slice_infer, _slice_ref
+)
 
 
-def slice_(x: Tensor, starts: Sequence[int | None], stops: Sequence[int | None],
-           steps: Sequence[int | None] | None = None) -> Tensor:
+def slice_(
+    x: Tensor, starts: Sequence[int | None], stops: Sequence[int | None], steps: Sequence[int | None] | None = None
+) -> Tensor:
     """x[starts[0]:stops[0]:steps[0], ...] with Python's rules for None and negative values."""
     require_tensor(SLICE, "x", x)
     steps = steps if steps is not None else [1] * len(starts)
-    return apply(SLICE, [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(1 if s is None else s for s in steps))
+    return apply(
+        SLICE, [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(1 if s is None else s for s in steps)
+    )
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
@@ -199,8 +227,10 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     items = list(index) if isinstance(index, tuple) else [index]
     for it in items:
         if isinstance(it, bool) or not (it is None or it is Ellipsis or isinstance(it, (int, np.integer, slice))):
-            raise GraphBuildError(f"indexing {x!r} with {type(it).__name__} {it!r:.60} is not supported; "
-                                  "use ints, slices, ... and None (gather rows with megaloop.embedding)")
+            raise GraphBuildError(
+                f"indexing {x!r} with {type(it).__name__} {it!r:.60} is not supported; "
+                "use ints, slices, ... and None (gather rows with megaloop.embedding)"
+            )
     if items.count(Ellipsis) > 1:
         raise GraphBuildError(f"indexing {x!r}: only one ... is allowed")
     used = sum(1 for it in items if it is not None and it is not Ellipsis)
@@ -208,7 +238,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
         raise AxisError(f"indexing {x!r} with {used} indices, but it has only {x.ndim} axes")
     if Ellipsis in items:
         k = items.index(Ellipsis)
-        items[k:k + 1] = [slice(None)] * (x.ndim - used)
+        items[k : k + 1] = [slice(None)] * (x.ndim - used)
     else:
         items += [slice(None)] * (x.ndim - used)
     starts, stops, steps, out_shape = [], [], [], []
@@ -246,16 +276,22 @@ def _broadcast_infer(call: OpCall) -> list[OutSpec]:
     x = call.operands[0]
     shape = call.attrs["shape"]
     if len(shape) < x.ndim or broadcast_shapes(x.shape, shape) != shape:
-        raise call.error(ShapeError, f"cannot broadcast {format_shape(x.shape)} to {format_shape(shape)}",
-                         hint="each axis of x must be 1 or equal the target size, aligned from the right")
+        raise call.error(
+            ShapeError,
+            f"cannot broadcast {format_shape(x.shape)} to {format_shape(shape)}",
+            hint="each axis of x must be 1 or equal the target size, aligned from the right",
+        )
     lead = len(shape) - x.ndim
     strides = [0] * lead + [0 if (d == 1 and s != 1) else st for d, s, st in zip(x.shape, shape[lead:], x.strides)]
     return [OutSpec(tuple(shape), x.dtype, ViewSpec(tuple(strides), x.offset))]
 
 
-BROADCAST_TO = _view_op("broadcast_to", "Repeat size-1 (or missing leading) axes to a larger shape without "
-                        "copying (stride 0).", _broadcast_infer,
-                        lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]))
+BROADCAST_TO = _view_op(
+    "broadcast_to",
+    "Repeat size-1 (or missing leading) axes to a larger shape without copying (stride 0).",
+    _broadcast_infer,
+    lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]),
+)
 
 
 def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
@@ -274,11 +310,12 @@ def _split_infer(call: OpCall) -> list[OutSpec]:
     call.attrs["axis"] = axis
     sizes = call.attrs["sizes"]
     if sum(sizes) != x.shape[axis] or any(s < 1 for s in sizes):
-        raise call.error(ShapeError, f"sizes {list(sizes)} must be >= 1 and add up to axis {axis}'s size "
-                                     f"{x.shape[axis]}")
+        raise call.error(
+            ShapeError, f"sizes {list(sizes)} must be >= 1 and add up to axis {axis}'s size {x.shape[axis]}"
+        )
     outs, start = [], 0
     for s in sizes:
-        shape = x.shape[:axis] + (s,) + x.shape[axis + 1:]
+        shape = x.shape[:axis] + (s,) + x.shape[axis + 1 :]
         outs.append(OutSpec(shape, x.dtype, ViewSpec(x.strides, x.offset + start * x.strides[axis])))
         start += s
     return outs
@@ -288,8 +325,7 @@ def _split_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarr
     return np.split(arrays[0], np.cumsum(attrs["sizes"])[:-1], axis=attrs["axis"])
 
 
-SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given sizes (views).", _split_infer,
-                 _split_ref)
+SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given sizes (views).", _split_infer, _split_ref)
 
 
 def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
@@ -302,8 +338,10 @@ def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tens
     if isinstance(sections, (int, np.integer)):
         n = require_int(SPLIT, "sections", sections, minimum=1)
         if x.shape[a] % n:
-            raise ShapeError(f"split: axis {a} of {x!r} has size {x.shape[a]}, which {n} pieces cannot share "
-                             "equally; pass a list of sizes")
+            raise ShapeError(
+                f"split: axis {a} of {x!r} has size {x.shape[a]}, which {n} pieces cannot share "
+                "equally; pass a list of sizes"
+            )
         sizes = (x.shape[a] // n,) * n
     else:
         sizes = tuple(require_int(SPLIT, "sizes[i]", s) for s in sections)
@@ -322,16 +360,27 @@ def _concat_infer(call: OpCall) -> list[OutSpec]:
         if t.dtype != first.dtype:
             raise call.error(DtypeError, f"{call.name(i)} is {t.dtype.name} but {call.name(0)} is {first.dtype.name}")
         if t.ndim != first.ndim or any(a != b for k, (a, b) in enumerate(zip(t.shape, first.shape)) if k != axis):
-            raise call.error(ShapeError, f"{call.name(i)} {format_shape(t.shape)} must match {call.name(0)} "
-                                         f"{format_shape(first.shape)} on every axis but {axis}")
+            raise call.error(
+                ShapeError,
+                f"{call.name(i)} {format_shape(t.shape)} must match {call.name(0)} "
+                f"{format_shape(first.shape)} on every axis but {axis}",
+            )
         total += t.shape[axis]
-    return [OutSpec(first.shape[:axis] + (total,) + first.shape[axis + 1:], first.dtype)]
+    return [OutSpec(first.shape[:axis] + (total,) + first.shape[axis + 1 :], first.dtype)]
 
 
-CONCAT = register(OpDef(name="concat", kind="compute", category="layout",
-                        doc="Join tensors of one dtype along an axis (all other sizes equal).",
-                        operands=("*tensors",), infer=_concat_infer,
-                        reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]), accuracy=_EXACT))
+CONCAT = register(
+    OpDef(
+        name="concat",
+        kind="compute",
+        category="layout",
+        doc="Join tensors of one dtype along an axis (all other sizes equal).",
+        operands=("*tensors",),
+        infer=_concat_infer,
+        reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
+        accuracy=_EXACT,
+    )
+)
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
@@ -343,10 +392,18 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     return apply(CONCAT, tensors, axis=axis)
 
 
-COPY = register(OpDef(name="copy", kind="compute", category="layout",
-                      doc="Materialise x as a new contiguous tensor (same values).", operands=("x",),
-                      infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
-                      reference=lambda arrays, attrs: np.array(arrays[0], copy=True), accuracy=_EXACT))
+COPY = register(
+    OpDef(
+        name="copy",
+        kind="compute",
+        category="layout",
+        doc="Materialise x as a new contiguous tensor (same values).",
+        operands=("x",),
+        infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
+        reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
+        accuracy=_EXACT,
+    )
+)
 
 
 def copy(x: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OutSpec, OpDef, register
+from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -20,20 +20,28 @@ def _infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, dtype, "f")
     for i, t in enumerate((a, b)):
         if t.ndim < 2:
-            raise call.error(ShapeError, f"{call.name(i)} must have at least 2 dimensions, got {format_shape(t.shape)}",
-                             hint="reshape a vector to [1, K] or [K, 1]")
+            raise call.error(
+                ShapeError,
+                f"{call.name(i)} must have at least 2 dimensions, got {format_shape(t.shape)}",
+                hint="reshape a vector to [1, K] or [K, 1]",
+            )
     ta, tb = call.attrs["transpose_a"], call.attrs["transpose_b"]
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     kb, n = (b.shape[-1], b.shape[-2]) if tb else (b.shape[-2], b.shape[-1])
     if k != kb:
         ka_desc = "a.shape[-2] (a is transposed)" if ta else "a.shape[-1]"
         kb_desc = "b.shape[-1] (b is transposed)" if tb else "b.shape[-2]"
-        raise call.error(ShapeError, f"inner dimensions differ: {ka_desc} = {k} but {kb_desc} = {kb}",
-                         hint="check transpose_a/transpose_b or the operand order")
+        raise call.error(
+            ShapeError,
+            f"inner dimensions differ: {ka_desc} = {k} but {kb_desc} = {kb}",
+            hint="check transpose_a/transpose_b or the operand order",
+        )
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     if batch is None:
-        raise call.error(ShapeError, f"batch dimensions {format_shape(a.shape[:-2])} and {format_shape(b.shape[:-2])} "
-                                     "cannot be broadcast")
+        raise call.error(
+            ShapeError,
+            f"batch dimensions {format_shape(a.shape[:-2])} and {format_shape(b.shape[:-2])} cannot be broadcast",
+        )
     return [OutSpec((*batch, m, n), dtype)]
 
 
@@ -46,11 +54,19 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.matmul(a, b)
 
 
-MATMUL = register(OpDef(name="matmul", kind="compute", category="matmul",
-                        doc="a @ b over the last two axes (transpose_a/transpose_b swap them first); leading "
-                            "batch axes broadcast. Float inputs of one dtype, float32 accumulation.",
-                        operands=("a", "b"), infer=_infer, reference=_reference,
-                        accuracy=Accuracy(ulps=1.0, per_reduction=True)))
+MATMUL = register(
+    OpDef(
+        name="matmul",
+        kind="compute",
+        category="matmul",
+        doc="a @ b over the last two axes (transpose_a/transpose_b swap them first); leading "
+        "batch axes broadcast. Float inputs of one dtype, float32 accumulation.",
+        operands=("a", "b"),
+        infer=_infer,
+        reference=_reference,
+        accuracy=Accuracy(ulps=1.0, per_reduction=True),
+    )
+)
 
 
 def matmul(a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:

@@ -38,13 +38,31 @@ def _log_softmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndar
     return z - np.log(np.sum(np.exp(z), axis=attrs["axis"], keepdims=True))
 
 
-SOFTMAX = register(OpDef(name="softmax", kind="compute", category="normalization",
-                         doc="exp(x - max) / sum(exp(x - max)) along one axis (numerically stable); "
-                             "a row of all -inf gives NaN, as in torch.",
-                         operands=("x",), infer=_axis_infer, reference=_softmax_ref, accuracy=_ROW))
-LOG_SOFTMAX = register(OpDef(name="log_softmax", kind="compute", category="normalization",
-                             doc="x - max - log(sum(exp(x - max))) along one axis.",
-                             operands=("x",), infer=_axis_infer, reference=_log_softmax_ref, accuracy=_ROW))
+SOFTMAX = register(
+    OpDef(
+        name="softmax",
+        kind="compute",
+        category="normalization",
+        doc="exp(x - max) / sum(exp(x - max)) along one axis (numerically stable); "
+        "a row of all -inf gives NaN, as in torch.",
+        operands=("x",),
+        infer=_axis_infer,
+        reference=_softmax_ref,
+        accuracy=_ROW,
+    )
+)
+LOG_SOFTMAX = register(
+    OpDef(
+        name="log_softmax",
+        kind="compute",
+        category="normalization",
+        doc="x - max - log(sum(exp(x - max))) along one axis.",
+        operands=("x",),
+        infer=_axis_infer,
+        reference=_log_softmax_ref,
+        accuracy=_ROW,
+    )
+)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -66,11 +84,17 @@ def _norm_infer(call: OpCall) -> list[OutSpec]:
     for i in range(1, len(call.operands)):
         p = call.operands[i]
         if p.shape != (x.shape[-1],):
-            raise call.error(ShapeError, f"{call.name(i)} has shape {format_shape(p.shape)} but must be "
-                                         f"[{x.shape[-1]}] (the size of x's last axis)")
+            raise call.error(
+                ShapeError,
+                f"{call.name(i)} has shape {format_shape(p.shape)} but must be "
+                f"[{x.shape[-1]}] (the size of x's last axis)",
+            )
         if p.dtype != x.dtype:
-            raise call.error(DtypeError, f"{call.name(i)} is {p.dtype.name} but x is {x.dtype.name}",
-                             hint=f"cast {call.name(i)} to {x.dtype.name}")
+            raise call.error(
+                DtypeError,
+                f"{call.name(i)} is {p.dtype.name} but x is {x.dtype.name}",
+                hint=f"cast {call.name(i)} to {x.dtype.name}",
+            )
     return [OutSpec(x.shape, x.dtype)]
 
 
@@ -100,16 +124,31 @@ def _rmsnorm_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return _affine(y, arrays, attrs, ("weight",))
 
 
-LAYERNORM = register(OpDef(name="layernorm", kind="compute", category="normalization",
-                           doc="(x - mean) / sqrt(var + eps) over the last axis (biased variance), then "
-                               "* weight + bias when given.",
-                           operands=("x", "weight", "bias"), infer=_norm_infer, reference=_layernorm_ref,
-                           accuracy=Accuracy(ulps=4.0, per_reduction=True)))
-RMSNORM = register(OpDef(name="rmsnorm", kind="compute", category="normalization",
-                         doc="x / sqrt(mean(x**2) + eps) over the last axis, then * weight when given "
-                             "(one rounding at the end; Llama's RMSNorm).",
-                         operands=("x", "weight"), infer=_norm_infer, reference=_rmsnorm_ref,
-                         accuracy=Accuracy(ulps=2.0, per_reduction=True)))
+LAYERNORM = register(
+    OpDef(
+        name="layernorm",
+        kind="compute",
+        category="normalization",
+        doc="(x - mean) / sqrt(var + eps) over the last axis (biased variance), then * weight + bias when given.",
+        operands=("x", "weight", "bias"),
+        infer=_norm_infer,
+        reference=_layernorm_ref,
+        accuracy=Accuracy(ulps=4.0, per_reduction=True),
+    )
+)
+RMSNORM = register(
+    OpDef(
+        name="rmsnorm",
+        kind="compute",
+        category="normalization",
+        doc="x / sqrt(mean(x**2) + eps) over the last axis, then * weight when given "
+        "(one rounding at the end; Llama's RMSNorm).",
+        operands=("x", "weight"),
+        infer=_norm_infer,
+        reference=_rmsnorm_ref,
+        accuracy=Accuracy(ulps=2.0, per_reduction=True),
+    )
+)
 
 
 def _eps(op: OpDef, eps: Any) -> float:

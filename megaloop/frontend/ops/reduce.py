@@ -46,14 +46,26 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> 
             return np.sum(x.astype(np.int64), axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype)
         return fn(to_compute(x), axis=axes, keepdims=attrs["keepdims"])
 
-    return register(OpDef(name=name, kind="compute", category="reduction", doc=doc, operands=("x",),
-                          infer=infer, reference=reference, accuracy=accuracy))
+    return register(
+        OpDef(
+            name=name,
+            kind="compute",
+            category="reduction",
+            doc=doc,
+            operands=("x",),
+            infer=infer,
+            reference=reference,
+            accuracy=accuracy,
+        )
+    )
 
 
-SUM = _reduction("sum", "Sum over axes (None: all), float32 accumulation.", np.sum, "fi",
-                 Accuracy(ulps=1.0, per_reduction=True))
-MEAN = _reduction("mean", "Mean over axes (None: all); floats only.", np.mean, "f",
-                  Accuracy(ulps=1.0, per_reduction=True))
+SUM = _reduction(
+    "sum", "Sum over axes (None: all), float32 accumulation.", np.sum, "fi", Accuracy(ulps=1.0, per_reduction=True)
+)
+MEAN = _reduction(
+    "mean", "Mean over axes (None: all); floats only.", np.mean, "f", Accuracy(ulps=1.0, per_reduction=True)
+)
 MAX = _reduction("max", "Maximum over axes (None: all); NaN propagates.", np.max, "fi", Accuracy(ulps=0.0))
 MIN = _reduction("min", "Minimum over axes (None: all); NaN propagates.", np.min, "fi", Accuracy(ulps=0.0))
 
@@ -62,7 +74,7 @@ def _axis_arg(axis: Any) -> Any:
     return tuple(axis) if isinstance(axis, list) else axis
 
 
-def sum(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+def sum(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
     return apply(SUM, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
 
 
@@ -70,11 +82,11 @@ def mean(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool
     return apply(MEAN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
 
 
-def max(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+def max(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
     return apply(MAX, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
 
 
-def min(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:  # noqa: A001
+def min(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
     return apply(MIN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
 
 
@@ -85,8 +97,11 @@ def _argmax_infer(call: OpCall) -> list[OutSpec]:
     if axis is None:
         return [OutSpec(tuple(1 for _ in shape) if keepdims else (), dtypes.int64)]
     if not isinstance(axis, int) or isinstance(axis, bool):
-        raise call.error(AxisError, f"axis must be one int or None, got {axis!r}",
-                         hint="argmax reduces a single axis; reshape to merge axes first")
+        raise call.error(
+            AxisError,
+            f"axis must be one int or None, got {axis!r}",
+            hint="argmax reduces a single axis; reshape to merge axes first",
+        )
     try:
         a = normalize_axis(axis, len(shape))
     except ValueError as e:
@@ -104,11 +119,20 @@ def _argmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.argmax(x, axis=axis, keepdims=keepdims)
 
 
-ARGMAX = register(OpDef(name="argmax", kind="compute", category="reduction",
-                        doc="Index of the largest value along one axis (None: of the flattened tensor), int64; "
-                            "ties and NaNs give the first index.",
-                        operands=("x",), infer=_argmax_infer, reference=_argmax_ref, accuracy=Accuracy(ulps=0.0),
-                        differentiable=False))
+ARGMAX = register(
+    OpDef(
+        name="argmax",
+        kind="compute",
+        category="reduction",
+        doc="Index of the largest value along one axis (None: of the flattened tensor), int64; "
+        "ties and NaNs give the first index.",
+        operands=("x",),
+        infer=_argmax_infer,
+        reference=_argmax_ref,
+        accuracy=Accuracy(ulps=0.0),
+        differentiable=False,
+    )
+)
 
 
 def argmax(x: Tensor, axis: int | None = None, *, keepdims: bool = False) -> Tensor:

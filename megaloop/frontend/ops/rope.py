@@ -49,10 +49,13 @@ def _infer(call: OpCall) -> list[OutSpec]:
     if x.ndim < 2:
         raise call.error(ShapeError, "x must be [..., tokens, head_dim] with at least 2 axes")
     if broadcast_shapes(pos.shape, x.shape[:-1]) != x.shape[:-1]:
-        raise call.error(ShapeError, f"positions {format_shape(pos.shape)} must broadcast to x's shape without its "
-                                     f"last axis, {format_shape(x.shape[:-1])}",
-                         hint="for x [batch, heads, tokens, dim] and positions [batch, tokens], "
-                              "pass positions.reshape(batch, 1, tokens)")
+        raise call.error(
+            ShapeError,
+            f"positions {format_shape(pos.shape)} must broadcast to x's shape without its "
+            f"last axis, {format_shape(x.shape[:-1])}",
+            hint="for x [batch, heads, tokens, dim] and positions [batch, tokens], "
+            "pass positions.reshape(batch, 1, tokens)",
+        )
     rd = call.attrs["rotary_dim"]
     if rd is None:
         rd = call.attrs["rotary_dim"] = x.shape[-1]
@@ -81,11 +84,19 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.concatenate([out, rest], axis=-1).astype(np.float32)
 
 
-ROPE = register(OpDef(name="rope", kind="compute", category="position",
-                      doc="Rotate pairs of the last axis by position * frequency: layout 'neox' pairs i with "
-                          "i + rotary_dim/2, 'interleaved' pairs 2i with 2i+1; dims past rotary_dim pass through.",
-                      operands=("x", "positions"), infer=_infer, reference=_reference,
-                      accuracy=Accuracy(ulps=2.0)))
+ROPE = register(
+    OpDef(
+        name="rope",
+        kind="compute",
+        category="position",
+        doc="Rotate pairs of the last axis by position * frequency: layout 'neox' pairs i with "
+        "i + rotary_dim/2, 'interleaved' pairs 2i with 2i+1; dims past rotary_dim pass through.",
+        operands=("x", "positions"),
+        infer=_infer,
+        reference=_reference,
+        accuracy=Accuracy(ulps=2.0),
+    )
+)
 
 
 def _check_scaling(scaling: Any) -> dict[str, Any] | None:
@@ -95,8 +106,10 @@ def _check_scaling(scaling: Any) -> dict[str, Any] | None:
         raise GraphBuildError(f"rope: scaling must be None or a dict with type in {SCALING_TYPES}, got {scaling!r}")
     s = dict(scaling)
     s["type"] = s.pop("rope_type", s.get("type"))
-    needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    needed = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
     for key in needed[s["type"]]:
         if key not in s:
             raise GraphBuildError(f"rope: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")
@@ -104,12 +117,20 @@ def _check_scaling(scaling: Any) -> dict[str, Any] | None:
     return {k: s[k] for k in ("type", *needed[s["type"]])}
 
 
-def rope(x: Tensor, positions: Tensor, *, theta: float = 10000.0, layout: str = "neox",
-         rotary_dim: int | None = None, scaling: dict[str, Any] | None = None) -> Tensor:
+def rope(
+    x: Tensor,
+    positions: Tensor,
+    *,
+    theta: float = 10000.0,
+    layout: str = "neox",
+    rotary_dim: int | None = None,
+    scaling: dict[str, Any] | None = None,
+) -> Tensor:
     theta = float(require_scalar(ROPE, "theta", theta))
     if theta <= 1.0:
         raise GraphBuildError(f"rope: theta must be > 1, got {theta}")
     if rotary_dim is not None:
         rotary_dim = require_int(ROPE, "rotary_dim", rotary_dim, minimum=2)
-    return apply(ROPE, [x, positions], theta=theta, layout=layout, rotary_dim=rotary_dim,
-                 scaling=_check_scaling(scaling))
+    return apply(
+        ROPE, [x, positions], theta=theta, layout=layout, rotary_dim=rotary_dim, scaling=_check_scaling(scaling)
+    )

@@ -12,8 +12,18 @@ def _declared(call: OpCall) -> list[OutSpec]:
 def _source(name: str, doc: str) -> OpDef:
     # Sources have no reference function: the evaluator reads their values from the caller
     # (inputs, parameters, state) or from the node itself (constants, state init).
-    return register(OpDef(name=name, kind="source", category="source", doc=doc, operands=(),
-                          infer=_declared, reference=None, differentiable=False))
+    return register(
+        OpDef(
+            name=name,
+            kind="source",
+            category="source",
+            doc=doc,
+            operands=(),
+            infer=_declared,
+            reference=None,
+            differentiable=False,
+        )
+    )
 
 
 INPUT = _source("input", "A value handed in for every run (activations, token ids, positions).")

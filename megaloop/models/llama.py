@@ -1,0 +1,156 @@
+"""Llama-family decoder built with the graph API: RMSNorm, grouped-query attention with RoPE and a
+KV cache, SwiGLU MLP, residuals.
+
+Parameter names follow the Hugging Face checkpoint keys (``model.layers.0.self_attn.q_proj.weight``),
+linear weights are stored [out_features, in_features] as there, so a checkpoint loads by name. One
+graph is one step: ``tokens`` new tokens per sequence at the given positions, attending to everything
+already in the cache (prefill when tokens > 1, decode when tokens == 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import megaloop.frontend.ops as ops
+from megaloop.dtypes import DType, as_dtype, bfloat16
+from megaloop.errors import GraphBuildError
+from megaloop.frontend.graph import Graph
+from megaloop.frontend.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 688
+    layers: int = 2
+    max_seq: int = 128
+    vocab: int | None = None  # None: the graph takes and returns hidden states, no embedding/lm head
+    head_dim: int | None = None  # None: hidden // heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    rms_eps: float = 1e-5
+    dtype: DType = bfloat16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise GraphBuildError(
+                    f"LlamaConfig: hidden {self.hidden} is not divisible by heads {self.heads}; set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.heads % self.kv_heads:
+            raise GraphBuildError(f"LlamaConfig: heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's name and shape, in checkpoint naming."""
+        d, hd = self.hidden, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.vocab is not None:
+            shapes["model.embed_tokens.weight"] = (self.vocab, d)
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (d,)
+            shapes[p + "self_attn.q_proj.weight"] = (self.heads * hd, d)
+            shapes[p + "self_attn.k_proj.weight"] = (self.kv_heads * hd, d)
+            shapes[p + "self_attn.v_proj.weight"] = (self.kv_heads * hd, d)
+            shapes[p + "self_attn.o_proj.weight"] = (d, self.heads * hd)
+            shapes[p + "post_attention_layernorm.weight"] = (d,)
+            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate, d)
+            shapes[p + "mlp.up_proj.weight"] = (self.intermediate, d)
+            shapes[p + "mlp.down_proj.weight"] = (d, self.intermediate)
+        shapes["model.norm.weight"] = (d,)
+        if self.vocab is not None:
+            shapes["lm_head.weight"] = (self.vocab, d)
+        return shapes
+
+
+def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights drawn like a trained model's scale (float32; evaluation rounds them to cfg.dtype)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in cfg.parameter_shapes().items():
+        if name.endswith("norm.weight"):
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return out
+
+
+def attention_block(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+    b, t, _ = x.shape
+    hd, p = cfg.head_dim, f"model.layers.{layer}.self_attn."
+    w = {
+        n: g.parameter(p + f"{n}_proj.weight", s, cfg.dtype)
+        for n, s in (
+            ("q", (cfg.heads * hd, cfg.hidden)),
+            ("k", (cfg.kv_heads * hd, cfg.hidden)),
+            ("v", (cfg.kv_heads * hd, cfg.hidden)),
+            ("o", (cfg.hidden, cfg.heads * hd)),
+        )
+    }
+
+    def heads(y: Tensor, n: int) -> Tensor:  # [b, t, n*hd] -> [b, n, t, hd] (a view)
+        return y.reshape(b, t, n, hd).transpose(1, 2)
+
+    rope_pos = positions.reshape(b, 1, t)
+    rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
+    q = ops.rope(heads(ops.linear(x, w["q"]), cfg.heads), rope_pos, **rope_args)
+    k = ops.rope(heads(ops.linear(x, w["k"]), cfg.kv_heads), rope_pos, **rope_args)
+    v = heads(ops.linear(x, w["v"]), cfg.kv_heads)
+    cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
+    k_all = ops.kv_cache_update(g.state(p + "k_cache", cache_shape, cfg.dtype), k, positions)
+    v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
+    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions)
+    o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
+    return ops.linear(o, w["o"])
+
+
+def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
+    p = f"model.layers.{layer}.mlp."
+    gate = g.parameter(p + "gate_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
+    up = g.parameter(p + "up_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
+    down = g.parameter(p + "down_proj.weight", (cfg.hidden, cfg.intermediate), cfg.dtype)
+    return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
+
+
+def decoder_layer(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+    p = f"model.layers.{layer}."
+    with g.scope(f"layers.{layer}"):
+        ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
+        ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
+        with g.scope("attn"):
+            h = x + attention_block(g, cfg, ops.rmsnorm(x, ln1, eps=cfg.rms_eps), positions, layer)
+        with g.scope("mlp"):
+            return h + mlp_block(g, cfg, ops.rmsnorm(h, ln2, eps=cfg.rms_eps), layer)
+
+
+def build_llama(cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama") -> Graph:
+    """One step of the model for ``tokens`` new tokens per sequence.
+
+    Inputs: ``positions`` int64 [batch, tokens] (where the new tokens go in the cache) and either
+    ``tokens`` int64 [batch, tokens] (when cfg.vocab is set) or ``hidden`` [batch, tokens, hidden].
+    Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``.
+    """
+    if tokens > cfg.max_seq:
+        raise GraphBuildError(f"build_llama: {tokens} tokens do not fit a cache of max_seq={cfg.max_seq}")
+    g = Graph(name)
+    positions = g.input("positions", (batch, tokens), "int64")
+    if cfg.vocab is not None:
+        ids = g.input("tokens", (batch, tokens), "int64")
+        x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), ids)
+    else:
+        x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
+    for layer in range(cfg.layers):
+        x = decoder_layer(g, cfg, x, positions, layer)
+    x = ops.rmsnorm(x, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
+    if cfg.vocab is None:
+        g.output("hidden", x)
+    else:
+        g.output("logits", ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype)))
+    return g

@@ -1,0 +1,133 @@
+"""Shared test helpers: random inputs rounded through the device dtype, torch conversion, and the
+tolerance check that every numeric test uses (it prints the worst element on failure)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+import megaloop as ml
+from megaloop.frontend.opdef import Accuracy
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+def random_values(
+    rng: np.random.Generator, shape: tuple[int, ...], dtype: ml.DType, domain: object = "normal"
+) -> np.ndarray:
+    """Values of ``dtype`` (already rounded to it) drawn from ``domain``:
+    "normal", "positive" (0.1..3), "ties" (small integers, to create equal elements), "unit" (-1..1),
+    "bool", ("int", lo, hi), or ("distinct", n): each last-axis row distinct ints below n."""
+    if domain == "bool" or dtype.is_bool:
+        return rng.random(shape) < 0.5
+    if isinstance(domain, tuple) and domain[0] == "distinct":  # rows of distinct ints < domain[1]
+        rows = [rng.permutation(domain[1])[: shape[-1]] for _ in range(int(np.prod(shape[:-1])))]
+        return np.array(rows).reshape(shape).astype(dtype.np)
+    if isinstance(domain, tuple) and domain[0] == "int":
+        return rng.integers(domain[1], domain[2], shape).astype(dtype.np)
+    if dtype.is_int:
+        return rng.integers(-50, 50, shape).astype(dtype.np)
+    if domain == "positive":
+        x = rng.uniform(0.1, 3.0, shape)
+    elif domain == "ties":
+        x = rng.integers(-3, 4, shape).astype(np.float64)
+    elif domain == "unit":
+        x = rng.uniform(-1.0, 1.0, shape)
+    else:
+        x = rng.standard_normal(shape)
+    return ml.dtypes.round_to(x, dtype)
+
+
+def to_torch64(a: np.ndarray) -> torch.Tensor:
+    """An exact float64 (or int64/bool) torch copy of a megaloop-dtype array."""
+    if a.dtype.kind == "b":
+        return torch.from_numpy(np.array(a, order="C", copy=True))
+    if a.dtype.kind in "iu":
+        return torch.from_numpy(np.array(a, dtype=np.int64, order="C"))
+    return torch.from_numpy(np.array(a, dtype=np.float64, order="C"))
+
+
+def to_f64(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64) if a.dtype.kind not in "b" else a
+
+
+def tolerance(
+    ref: np.ndarray, dtype: ml.DType, accuracy: Accuracy, reduce_len: int = 1, scale: float | None = None
+) -> np.ndarray:
+    """Allowed |out - ref| per element: ``ulps`` of the output dtype relative to |ref| (at least 1 ulp
+    for inexact ops, covering a float32 result that rounds to the neighbouring 16-bit value), plus
+    float32 accumulation error over ``reduce_len`` terms relative to ``scale``, the magnitude of the
+    terms being accumulated (default: the output's largest magnitude; pass e.g. sum(|x|) for a sum,
+    whose result can cancel to far below its terms)."""
+    eps = dtype.eps
+    if scale is None:
+        finite = np.abs(ref[np.isfinite(ref)])
+        scale = float(finite.max()) if finite.size else 0.0
+    ulps = max(accuracy.ulps, 1.0)
+    acc_terms = math.sqrt(reduce_len) if accuracy.per_reduction else 1.0
+    return ulps * eps * np.abs(ref) + 2 * ulps * F32_EPS * acc_terms * scale + float(np.finfo(np.float32).tiny)
+
+
+def assert_close(
+    out: np.ndarray,
+    ref: np.ndarray,
+    dtype: ml.DType,
+    accuracy: Accuracy,
+    reduce_len: int = 1,
+    what: str = "",
+    scale: float | None = None,
+) -> None:
+    """Assert ``out`` (a megaloop result) matches the float64 ``ref`` within the op's accuracy contract;
+    exact ops (ulps == 0) and non-float results must match exactly. NaN must sit where ref has NaN."""
+    assert out.shape == tuple(ref.shape), f"{what}: shape {out.shape} != reference {tuple(ref.shape)}"
+    o = to_f64(np.asarray(out))
+    r = to_f64(np.asarray(ref))
+    if not dtype.is_float or accuracy.ulps == 0.0:
+        if o.dtype.kind == "f":
+            same = (o == r) | (np.isnan(o) & np.isnan(r))
+        else:
+            same = o == r
+        if not np.all(same):
+            idx = tuple(int(i) for i in np.argwhere(~same)[0])
+            raise AssertionError(
+                f"{what}: {np.count_nonzero(~same)} of {o.size} elements differ; first at {idx}: "
+                f"got {o[idx]!r}, expected {r[idx]!r}"
+            )
+        return
+    nan_o, nan_r = np.isnan(o), np.isnan(r)
+    if np.any(nan_o != nan_r):
+        idx = tuple(int(i) for i in np.argwhere(nan_o != nan_r)[0])
+        raise AssertionError(f"{what}: NaN mismatch at {idx}: got {o[idx]!r}, expected {r[idx]!r}")
+    inf_mismatch = (np.isinf(o) | np.isinf(r)) & (o != r)
+    if np.any(inf_mismatch):
+        idx = tuple(int(i) for i in np.argwhere(inf_mismatch)[0])
+        raise AssertionError(f"{what}: infinity mismatch at {idx}: got {o[idx]!r}, expected {r[idx]!r}")
+    ok = ~(nan_o | np.isinf(r))
+    err = np.where(ok, np.abs(o - r), 0.0)
+    tol = tolerance(np.where(ok, r, 0.0), dtype, accuracy, reduce_len, scale)
+    ratio = err / tol
+    worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
+    if ratio.size and ratio[worst] > 1.0:
+        raise AssertionError(
+            f"{what}: {np.count_nonzero(ratio > 1)} of {o.size} elements out of tolerance; worst at "
+            f"{tuple(int(i) for i in worst)}: got {o[worst]!r}, expected {r[worst]!r}, error {err[worst]:.3e} > "
+            f"tolerance {tol[worst]:.3e} ({dtype.name}, {accuracy}, reduce_len={reduce_len})"
+        )
+
+
+def worst_error_text(out: np.ndarray, ref: np.ndarray) -> str:
+    o, r = to_f64(out), to_f64(ref)
+    err = np.abs(o - r)
+    i = np.unravel_index(int(np.argmax(err)), err.shape)
+    return f"max |err| {err[i]:.3e} at {tuple(int(k) for k in i)} (got {o[i]:.6g}, ref {r[i]:.6g})"

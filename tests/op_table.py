@@ -1,0 +1,866 @@
+"""The op test table: one or more rows per registered op.
+
+A row says how to draw random operands (shapes with broadcasts, value domains, extra arguments), how
+to build the op with megaloop, and how PyTorch computes the same thing in float64 (the independent
+reference). ``test_op_table.py`` runs every row for every dtype it lists and checks the result with
+the tolerance the op's own ``Accuracy`` declares. ``test_every_op_has_a_row`` keeps this table and the
+registry in step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import megaloop as ml
+
+TD = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+FLOATS = ("float32", "float16", "bfloat16")
+INTS = ("int32", "int64")
+
+
+@dataclass
+class Sample:
+    shapes: list[tuple[int, ...]]
+    kw: dict[str, Any] = field(default_factory=dict)
+    domains: tuple[Any, ...] | None = None  # overrides the row's domains for this draw
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    label: str
+    build: Callable[..., Any]  # (graph, *operand tensors, **kw) -> Tensor or tuple of Tensors
+    ref: Callable[..., Any]  # (*torch float64/int64/bool tensors, dtype=name, **kw) -> tensor(s)
+    sample: Callable[[np.random.Generator], Sample]
+    dtypes: tuple[str, ...] = FLOATS
+    domains: tuple[Any, ...] = ()  # per operand: see helpers.random_values; default "normal"
+    fixed: dict[int, str] = field(default_factory=dict)  # operand index -> dtype regardless of row dtype
+    states: tuple[int, ...] = ()  # operands declared as graph state rather than input
+    reduce_len: Callable[[Sample], int] = lambda s: 1
+    # True for sums of products (sum, mean, matmul) whose result can cancel to far below its terms:
+    # the accumulation error is then judged against the op applied to |operands|
+    cancels: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.label}"
+
+
+# ---- shape generators ---------------------------------------------------------------------------
+
+
+def rand_shape(rng: np.random.Generator, lo: int = 0, hi: int = 4, dmax: int = 6) -> tuple[int, ...]:
+    return tuple(int(d) for d in rng.integers(1, dmax + 1, rng.integers(lo, hi + 1)))
+
+
+def broadcastable(rng: np.random.Generator, n: int, lo: int = 0) -> list[tuple[int, ...]]:
+    """n shapes that broadcast together: a common shape with leading axes dropped and some sizes 1."""
+    base = rand_shape(rng, lo=lo)
+    out = []
+    for _ in range(n):
+        drop = int(rng.integers(0, len(base) + 1)) if rng.random() < 0.5 else 0
+        s = [1 if rng.random() < 0.3 else d for d in base[drop:]]
+        out.append(tuple(s))
+    return out
+
+
+def one(lo: int = 0, hi: int = 4) -> Callable[[np.random.Generator], Sample]:
+    return lambda rng: Sample([rand_shape(rng, lo, hi)])
+
+
+def many(n: int) -> Callable[[np.random.Generator], Sample]:
+    return lambda rng: Sample(broadcastable(rng, n))
+
+
+def rnd(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Round an intermediate to the graph's dtype, as megaloop does between ops."""
+    return t.to(TD[dtype]).double()
+
+
+# ---- elementwise --------------------------------------------------------------------------------
+
+ROWS: list[Row] = []
+
+
+def row(*args: Any, **kw: Any) -> None:
+    ROWS.append(Row(*args, **kw))
+
+
+for name, tfn, kinds in [
+    ("add", torch.add, FLOATS + INTS),
+    ("sub", torch.sub, FLOATS + INTS),
+    ("mul", torch.mul, FLOATS + INTS),
+    ("div", torch.div, FLOATS),
+    ("maximum", torch.maximum, FLOATS + INTS),
+    ("minimum", torch.minimum, FLOATS + INTS),
+]:
+    row(
+        name,
+        "broadcast",
+        lambda g, a, b, _n=name: getattr(ml, _n)(a, b),
+        lambda a, b, _f=tfn, **k: _f(a, b),
+        many(2),
+        kinds,
+        domains=("ties", "ties")
+        if name in ("maximum", "minimum")
+        else ("normal", "positive" if name == "div" else "normal"),
+    )
+
+row("pow", "broadcast", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), domains=("positive", "unit"))
+row("pow", "scalar-exponent", lambda g, a: a**2.0, lambda a, **k: a**2.0, one())
+row("add", "scalar", lambda g, a: a + 0.3, lambda a, **k: a + 0.3, one())
+row("add", "int-scalar", lambda g, a: 7 + a, lambda a, **k: 7 + a, one(), INTS)
+row("sub", "scalar-left", lambda g, a: 2.0 - a, lambda a, **k: 2.0 - a, one())
+row("mul", "scale", lambda g, a: ml.scale(a, 0.125), lambda a, **k: a * 0.125, one())
+row("div", "scalar", lambda g, a: a / 3.0, lambda a, **k: a / 3.0, one())
+row("div", "scalar-left", lambda g, a: 1.0 / a, lambda a, **k: 1.0 / a, one(), domains=("positive",))
+row("maximum", "scalar", lambda g, a: ml.maximum(a, 0.0), lambda a, **k: torch.clamp_min(a, 0.0), one())
+
+for name, tfn in [
+    ("equal", torch.eq),
+    ("not_equal", torch.ne),
+    ("less", torch.lt),
+    ("less_equal", torch.le),
+    ("greater", torch.gt),
+    ("greater_equal", torch.ge),
+]:
+    row(
+        name,
+        "broadcast",
+        lambda g, a, b, _n=name: getattr(ml, _n)(a, b),
+        lambda a, b, _f=tfn, **k: _f(a, b),
+        many(2),
+        FLOATS + INTS,
+        domains=("ties", "ties"),
+    )
+row("less", "scalar", lambda g, a: a < 0.5, lambda a, **k: a < 0.5, one(), domains=("ties",))
+row("equal", "bool", lambda g, a, b: ml.equal(a, b), lambda a, b, **k: a == b, many(2), ("bool",))
+row("logical_and", "broadcast", lambda g, a, b: a & b, lambda a, b, **k: a & b, many(2), ("bool",))
+row("logical_or", "broadcast", lambda g, a, b: a | b, lambda a, b, **k: a | b, many(2), ("bool",))
+row("logical_not", "plain", lambda g, a: ~a, lambda a, **k: ~a, one(), ("bool",))
+row(
+    "where",
+    "broadcast",
+    lambda g, c, a, b: ml.where(c, a, b),
+    lambda c, a, b, **k: torch.where(c, a, b),
+    many(3),
+    FLOATS + INTS,
+    domains=("bool", "normal", "normal"),
+    fixed={0: "bool"},
+)
+row(
+    "where",
+    "scalar",
+    lambda g, c, a: ml.where(c, a, 0.0),
+    lambda c, a, **k: torch.where(c, a, 0.0),
+    many(2),
+    domains=("bool", "normal"),
+    fixed={0: "bool"},
+)
+
+for name, tfn, domain, kinds in [
+    ("neg", torch.neg, "normal", FLOATS + INTS),
+    ("abs", torch.abs, "normal", FLOATS + INTS),
+    ("exp", torch.exp, "normal", FLOATS),
+    ("log", torch.log, "positive", FLOATS),
+    ("sqrt", torch.sqrt, "positive", FLOATS),
+    ("rsqrt", torch.rsqrt, "positive", FLOATS),
+    ("reciprocal", torch.reciprocal, "normal", FLOATS),
+    ("tanh", torch.tanh, "normal", FLOATS),
+    ("sigmoid", torch.sigmoid, "normal", FLOATS),
+    ("relu", torch.relu, "normal", FLOATS + INTS),
+    ("silu", F.silu, "normal", FLOATS),
+    ("erf", torch.erf, "normal", FLOATS),
+]:
+    row(
+        name,
+        "plain",
+        lambda g, a, _n=name: getattr(ml, _n)(a),
+        lambda a, _f=tfn, **k: _f(a),
+        one(),
+        kinds,
+        domains=(domain,),
+    )
+row("gelu", "erf", lambda g, a: ml.gelu(a), lambda a, **k: F.gelu(a), one())
+row("gelu", "tanh", lambda g, a: ml.gelu(a, approximate="tanh"), lambda a, **k: F.gelu(a, approximate="tanh"), one())
+row("sigmoid", "large", lambda g, a: ml.sigmoid(a * 40.0), lambda a, dtype: torch.sigmoid(rnd(a * 40.0, dtype)), one())
+
+
+def _cast_ref(a: torch.Tensor, dtype: str, to: str) -> torch.Tensor:
+    return a.to(TD[dtype]).to(TD[to])
+
+
+for to in ("float32", "float16", "bfloat16", "bool"):
+    row(
+        "cast",
+        f"to-{to}",
+        lambda g, a, _t=to: ml.cast(a, _t),
+        lambda a, dtype, _t=to: _cast_ref(a, dtype, _t),
+        lambda rng: Sample([rand_shape(rng)]),
+        FLOATS + (("int32", "int64") if to != "bool" else ()) + ("bool",),
+    )
+row("cast", "int64-to-int32", lambda g, a: a.astype("int32"), lambda a, **k: a.to(torch.int32), one(), ("int64",))
+
+# ---- reductions ----------------------------------------------------------------------------------
+
+
+def _reduce_sample(rng: np.random.Generator, single_axis: bool = False) -> Sample:
+    shape = rand_shape(rng, 1, 4)
+    choice = rng.integers(0, 3)
+    if single_axis or choice == 0:
+        axis: Any = int(rng.integers(-len(shape), len(shape)))
+    elif choice == 1:
+        axis = None
+    else:
+        k = int(rng.integers(1, len(shape) + 1))
+        axis = tuple(int(a) for a in rng.choice(len(shape), k, replace=False))
+    return Sample([shape], {"axis": axis, "keepdims": bool(rng.random() < 0.5)})
+
+
+def _reduced_len(s: Sample) -> int:
+    shape, axis = s.shapes[0], s.kw["axis"]
+    axes = range(len(shape)) if axis is None else [axis] if isinstance(axis, int) else axis
+    return math.prod(shape[a] for a in axes)
+
+
+def _torch_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    return tuple(range(ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+
+
+row(
+    "sum",
+    "axes",
+    lambda g, a, axis, keepdims: ml.sum(a, axis, keepdims=keepdims),
+    lambda a, axis, keepdims, **k: torch.sum(a, _torch_axes(axis, a.ndim), keepdim=keepdims),
+    _reduce_sample,
+    FLOATS + INTS,
+    reduce_len=_reduced_len,
+    cancels=True,
+)
+row(
+    "mean",
+    "axes",
+    lambda g, a, axis, keepdims: ml.mean(a, axis, keepdims=keepdims),
+    lambda a, axis, keepdims, **k: torch.mean(a, _torch_axes(axis, a.ndim), keepdim=keepdims),
+    _reduce_sample,
+    reduce_len=_reduced_len,
+    cancels=True,
+)
+row(
+    "max",
+    "axes",
+    lambda g, a, axis, keepdims: a.max(axis, keepdims=keepdims),
+    lambda a, axis, keepdims, **k: torch.amax(a, _torch_axes(axis, a.ndim), keepdim=keepdims),
+    _reduce_sample,
+    FLOATS + INTS,
+    domains=("ties",),
+)
+row(
+    "min",
+    "axes",
+    lambda g, a, axis, keepdims: a.min(axis, keepdims=keepdims),
+    lambda a, axis, keepdims, **k: torch.amin(a, _torch_axes(axis, a.ndim), keepdim=keepdims),
+    _reduce_sample,
+    FLOATS + INTS,
+    domains=("ties",),
+)
+
+
+def _argmax_ref(a: torch.Tensor, axis: Any, keepdims: bool, **k: Any) -> torch.Tensor:
+    if axis is None:
+        out = torch.argmax(a.reshape(-1))
+        return out.reshape((1,) * a.ndim) if keepdims else out
+    return torch.argmax(a, axis, keepdim=keepdims)
+
+
+row(
+    "argmax",
+    "axis",
+    lambda g, a, axis, keepdims: ml.argmax(a, axis, keepdims=keepdims),
+    _argmax_ref,
+    lambda rng: _reduce_sample(rng, single_axis=True),
+    FLOATS + INTS,
+    domains=("ties",),
+)
+row(
+    "argmax",
+    "flat",
+    lambda g, a, axis, keepdims: ml.argmax(a, axis, keepdims=keepdims),
+    _argmax_ref,
+    lambda rng: Sample([rand_shape(rng, 1)], {"axis": None, "keepdims": bool(rng.random() < 0.5)}),
+    FLOATS,
+    domains=("ties",),
+)
+
+# ---- normalisations -------------------------------------------------------------------------------
+
+
+def _axis_sample(rng: np.random.Generator) -> Sample:
+    shape = rand_shape(rng, 1, 4, dmax=9)
+    return Sample([shape], {"axis": int(rng.integers(-len(shape), len(shape)))})
+
+
+row(
+    "softmax",
+    "axis",
+    lambda g, a, axis: ml.softmax(a, axis),
+    lambda a, axis, **k: torch.softmax(a, axis),
+    _axis_sample,
+    reduce_len=lambda s: s.shapes[0][s.kw["axis"]],
+)
+row(
+    "log_softmax",
+    "axis",
+    lambda g, a, axis: ml.log_softmax(a, axis),
+    lambda a, axis, **k: torch.log_softmax(a, axis),
+    _axis_sample,
+    reduce_len=lambda s: s.shapes[0][s.kw["axis"]],
+)
+row(
+    "softmax",
+    "wide-rows",
+    lambda g, a: ml.softmax(a * 30.0),
+    lambda a, dtype: torch.softmax(rnd(a * 30.0, dtype), -1),
+    lambda rng: Sample([(3, 257)]),
+    reduce_len=lambda s: 257,
+)
+
+
+def _norm_sample(nparams: int) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        x = rand_shape(rng, 0, 3) + (int(rng.integers(1, 70)),)
+        return Sample([x] + [(x[-1],)] * nparams)
+
+    return sample
+
+
+row(
+    "layernorm",
+    "plain",
+    lambda g, x: ml.layernorm(x),
+    lambda x, **k: F.layer_norm(x, x.shape[-1:], eps=1e-5),
+    _norm_sample(0),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "layernorm",
+    "affine",
+    lambda g, x, w, b: ml.layernorm(x, w, b, eps=1e-3),
+    lambda x, w, b, **k: F.layer_norm(x, x.shape[-1:], w, b, eps=1e-3),
+    _norm_sample(2),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "layernorm",
+    "bias-only",
+    lambda g, x, b: ml.layernorm(x, bias=b),
+    lambda x, b, **k: F.layer_norm(x, x.shape[-1:], None, b, eps=1e-5),
+    _norm_sample(1),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "rmsnorm",
+    "weight",
+    lambda g, x, w: ml.rmsnorm(x, w, eps=1e-6),
+    lambda x, w, **k: F.rms_norm(x, x.shape[-1:], w, eps=1e-6),
+    _norm_sample(1),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "rmsnorm",
+    "plain",
+    lambda g, x: ml.rmsnorm(x, eps=1e-5),
+    lambda x, **k: F.rms_norm(x, x.shape[-1:], eps=1e-5),
+    _norm_sample(0),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+
+# ---- matmul -----------------------------------------------------------------------------------------
+
+
+def _matmul_sample(ta: bool, tb: bool, batch: str) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        m, k, n = (int(d) for d in rng.integers(1, 40, 3))
+        if batch == "none":
+            ba, bb = (), ()
+        elif batch == "same":
+            ba = bb = rand_shape(rng, 1, 2, dmax=3)
+        else:  # broadcast batch dims
+            ba, bb = broadcastable(rng, 2, lo=1)
+        a = ba + ((k, m) if ta else (m, k))
+        b = bb + ((n, k) if tb else (k, n))
+        return Sample([a, b], {"k": k})
+
+    return sample
+
+
+def _matmul_ref(a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool) -> torch.Tensor:
+    return torch.matmul(a.transpose(-1, -2) if ta else a, b.transpose(-1, -2) if tb else b)
+
+
+for ta, tb, batch in [
+    (False, False, "none"),
+    (True, False, "none"),
+    (False, True, "none"),
+    (True, True, "none"),
+    (False, False, "same"),
+    (False, True, "broadcast"),
+    (True, False, "broadcast"),
+]:
+    row(
+        "matmul",
+        f"ta{int(ta)}-tb{int(tb)}-{batch}",
+        lambda g, a, b, k, _ta=ta, _tb=tb: ml.matmul(a, b, transpose_a=_ta, transpose_b=_tb),
+        lambda a, b, k, _ta=ta, _tb=tb, **kw: _matmul_ref(a, b, _ta, _tb),
+        _matmul_sample(ta, tb, batch),
+        reduce_len=lambda s: s.kw["k"],
+        cancels=True,
+    )
+row(
+    "matmul",
+    "linear",
+    lambda g, x, w: ml.linear(x, w),
+    lambda x, w, **k: F.linear(x, w),
+    lambda rng: Sample([(2, 5, 33), (17, 33)]),
+    reduce_len=lambda s: 33,
+    cancels=True,
+)
+
+# ---- embedding / rope --------------------------------------------------------------------------------
+
+
+def _embedding_sample(rng: np.random.Generator) -> Sample:
+    v, d = int(rng.integers(1, 50)), int(rng.integers(1, 20))
+    return Sample([(v, d), rand_shape(rng, 0, 3)], domains=("normal", ("int", 0, v)))
+
+
+row(
+    "embedding",
+    "int64",
+    lambda g, t, i: ml.embedding(t, i),
+    lambda t, i, **k: F.embedding(i, t),
+    _embedding_sample,
+    fixed={1: "int64"},
+)
+row(
+    "embedding",
+    "int32",
+    lambda g, t, i: ml.embedding(t, i),
+    lambda t, i, **k: F.embedding(i, t),
+    _embedding_sample,
+    fixed={1: "int32"},
+)
+
+
+def llama3_inv_freq(dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:
+    """Written from the Llama 3.1 release notes' description, independently of megaloop's version."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    out = []
+    for f in inv.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            s = (old / wavelen - low) / (high - low)
+            out.append((1 - s) * f / factor + s * f)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def rope_ref(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    theta: float = 10000.0,
+    layout: str = "neox",
+    rotary_dim: int | None = None,
+    scaling: dict | None = None,
+    **k: Any,
+) -> torch.Tensor:
+    d = x.shape[-1]
+    rd = rotary_dim or d
+    if scaling is None:
+        inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    elif scaling["type"] == "linear":
+        inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)) / scaling["factor"]
+    else:
+        inv = llama3_inv_freq(
+            rd,
+            theta,
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+            scaling["original_max_position_embeddings"],
+        )
+    ang = pos.to(torch.float64).broadcast_to(x.shape[:-1]).unsqueeze(-1) * inv
+    xr, rest = x[..., :rd], x[..., rd:]
+    if layout == "neox":  # Hugging Face's rotate_half formulation
+        emb = torch.cat([ang, ang], -1)
+        half1, half2 = xr[..., : rd // 2], xr[..., rd // 2 :]
+        rotated = torch.cat([-half2, half1], -1)
+        out = xr * emb.cos() + rotated * emb.sin()
+    else:  # complex multiplication of (even, odd) pairs, as in the original Llama code
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], rd // 2, 2).contiguous())
+        out = torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)).reshape(xr.shape)
+    return torch.cat([out, rest], -1)
+
+
+def _rope_sample(rotary: bool = False, three_d: bool = False) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        b, h, t = (int(v) for v in rng.integers(1, 5, 3))
+        d = 2 * int(rng.integers(1, 17))
+        kw = {}
+        if rotary:
+            kw["rotary_dim"] = 2 * int(rng.integers(1, d // 2 + 1))
+        if three_d:
+            return Sample([(b, t, d), (b, t)], kw)
+        return Sample([(b, h, t, d), (b, 1, t)], kw)
+
+    return sample
+
+
+_LLAMA3 = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+for label, extra, sampler in [
+    ("neox", {"layout": "neox"}, _rope_sample()),
+    ("interleaved", {"layout": "interleaved"}, _rope_sample()),
+    ("partial-neox", {"layout": "neox"}, _rope_sample(rotary=True)),
+    ("partial-interleaved", {"layout": "interleaved"}, _rope_sample(rotary=True)),
+    ("llama3-scaling", {"theta": 500000.0, "scaling": _LLAMA3}, _rope_sample()),
+    ("linear-scaling", {"scaling": {"type": "linear", "factor": 4.0}}, _rope_sample()),
+    ("3d", {"theta": 1e6}, _rope_sample(three_d=True)),
+]:
+    row(
+        "rope",
+        label,
+        lambda g, x, p, _e=extra, **kw: ml.rope(x, p, **_e, **kw),
+        lambda x, p, _e=extra, **kw: rope_ref(x, p, **_e, **{k: v for k, v in kw.items() if k != "dtype"}),
+        sampler,
+        domains=("normal", ("int", 0, 20000)),
+        fixed={1: "int64"},
+    )
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+
+def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, **kw):
+    """Dense float64 attention with an explicit mask, via torch's SDPA; rows that see no key are 0."""
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    lens = torch.full((b,), tk) if lens is None else lens
+    if qpos is None:
+        qpos = lens[:, None] - tq + torch.arange(tq)[None, :]
+    j = torch.arange(tk)
+    mask = j[None, None, :] < lens[:, None, None]
+    if causal:
+        mask = mask & (j[None, None, :] <= qpos[:, :, None])
+        if window is not None:
+            mask = mask & (j[None, None, :] > qpos[:, :, None] - window)
+    mask = mask[:, None]  # [b, 1, tq, tk]
+    rep = hq // hkv
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=scale
+    )
+    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros(()))
+
+
+def _attn_sample(
+    gqa: bool, tq1: bool = False, positions: bool = False, lengths: bool = False, dv: bool = False
+) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        b = int(rng.integers(1, 4))
+        hkv = int(rng.integers(1, 3))
+        hq = hkv * (int(rng.integers(1, 4)) if gqa else 1)
+        tk = int(rng.integers(1, 24))
+        tq = 1 if tq1 else int(rng.integers(1, tk + 1))
+        d = int(rng.integers(1, 33))
+        shapes = [(b, hq, tq, d), (b, hkv, tk, d), (b, hkv, tk, int(rng.integers(1, 20)) if dv else d)]
+        domains: list[Any] = ["normal"] * 3
+        if positions:
+            shapes.append((b, tq))
+            domains.append(("int", 0, tk))
+        if lengths:
+            shapes.append((b,))
+            domains.append(("int", 1, tk + 1))
+        return Sample(shapes, {"tk": tk, "d": d}, tuple(domains))
+
+    return sample
+
+
+def _attn_row(
+    label: str,
+    sampler: Callable[[np.random.Generator], Sample],
+    positions: bool = False,
+    lengths: bool = False,
+    **opts: Any,
+) -> None:
+    def build(g, q, k, v, *extra, tk, d):
+        qp = extra[0] if positions else None
+        ln = extra[-1] if lengths else None
+        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, **opts)
+
+    def ref(q, k, v, *extra, tk, d, dtype):
+        qp = extra[0] if positions else None
+        ln = extra[-1] if lengths else None
+        return attention_ref(q, k, v, qp, ln, **opts)
+
+    fixed = {i: "int64" for i in range(3, 3 + positions + lengths)}
+    row("attention", label, build, ref, sampler, fixed=fixed, reduce_len=lambda s: s.kw["tk"] + s.kw["d"])
+
+
+_attn_row("mha", _attn_sample(gqa=False))
+_attn_row("causal-gqa", _attn_sample(gqa=True), causal=True)
+_attn_row(
+    "causal-positions-lengths",
+    _attn_sample(gqa=True, positions=True, lengths=True),
+    positions=True,
+    lengths=True,
+    causal=True,
+)
+_attn_row("decode-lengths", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True)
+_attn_row("sliding-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5)
+_attn_row("scale-vdim", _attn_sample(gqa=False, dv=True), scale=0.3)
+
+
+def _cache_sample(rng: np.random.Generator) -> Sample:
+    b, h, s, d = (int(v) for v in rng.integers(1, 6, 4))
+    s += 4
+    t = int(rng.integers(1, s + 1))
+    return Sample([(b, h, s, d), (b, h, t, d), (b, t)], domains=("normal", "normal", ("distinct", s)))
+
+
+def _cache_ref(cache, new, pos, **k):
+    out = cache.clone()
+    for bi in range(cache.shape[0]):
+        out[bi].index_copy_(1, pos[bi], new[bi])
+    return out
+
+
+row(
+    "kv_cache_update",
+    "scatter",
+    lambda g, c, n, p: ml.kv_cache_update(c, n, p),
+    _cache_ref,
+    _cache_sample,
+    fixed={2: "int64"},
+    states=(0,),
+)
+
+# ---- layout ---------------------------------------------------------------------------------------------
+
+
+def _factor_shape(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    dims, left = [], n
+    for p in (2, 3, 5, 7):
+        while left % p == 0 and rng.random() < 0.7:
+            dims.append(p)
+            left //= p
+    dims.append(left)
+    rng.shuffle(dims)
+    if rng.random() < 0.3:
+        dims.insert(int(rng.integers(0, len(dims) + 1)), 1)
+    if rng.random() < 0.3 and len(dims) > 1:
+        dims[0] = -1 if dims[0] != 1 else 1
+    return tuple(int(d) for d in dims)
+
+
+def _reshape_sample(rng: np.random.Generator) -> Sample:
+    shape = rand_shape(rng, 1, 4)
+    return Sample(
+        [shape],
+        {"new": _factor_shape(rng, math.prod(shape)), "perm": tuple(int(a) for a in rng.permutation(len(shape)))},
+    )
+
+
+row(
+    "reshape",
+    "contiguous",
+    lambda g, a, new, perm: a.reshape(new),
+    lambda a, new, perm, **k: a.reshape(new),
+    _reshape_sample,
+    FLOATS + INTS + ("bool",),
+)
+row(
+    "reshape",
+    "after-permute",
+    lambda g, a, new, perm: a.permute(perm).reshape(new),
+    lambda a, new, perm, **k: a.permute(perm).reshape(new),
+    _reshape_sample,
+)
+row(
+    "permute",
+    "random",
+    lambda g, a, new, perm: a.permute(perm),
+    lambda a, new, perm, **k: a.permute(perm),
+    _reshape_sample,
+    FLOATS + INTS,
+)
+row(
+    "permute",
+    "transpose-of-slice",
+    lambda g, a: a[1:, ::2].transpose(0, 1),
+    lambda a, **k: a[1:, ::2].transpose(0, 1),
+    lambda rng: Sample([(int(rng.integers(2, 7)), int(rng.integers(1, 9)))]),
+)
+
+
+def _index_sample(rng: np.random.Generator) -> Sample:
+    shape = rand_shape(rng, 1, 4, dmax=7)
+    index: list[Any] = []
+    for d in shape:
+        r = rng.random()
+        if r < 0.25:
+            index.append(int(rng.integers(-d, d)))
+        elif r < 0.9:
+            step = int(rng.choice([1, 1, 2, 3, -1, -2]))
+            lo = int(rng.integers(-d, d))
+            hi = int(rng.integers(-d, d + 1)) if rng.random() < 0.7 else None
+            s = slice(lo, hi, step)
+            if len(range(*s.indices(d))) == 0:
+                s = slice(None, None, step)
+            index.append(s)
+        else:
+            index.append(slice(None))
+    if rng.random() < 0.3:
+        index.insert(int(rng.integers(0, len(index) + 1)), None)
+    if rng.random() < 0.3 and len(index) > 1:
+        k = int(rng.integers(0, len(index)))
+        if index[k] is not None:
+            index[k:] = [Ellipsis] + [it for it in index[k + 1 :]]
+    return Sample([shape], {"index": tuple(index)})
+
+
+def _torch_index(a: torch.Tensor, index: tuple) -> torch.Tensor:
+    """numpy's basic indexing is the behaviour megaloop promises (torch has no negative steps)."""
+    return torch.from_numpy(np.array(a.numpy()[index], order="C", copy=True))
+
+
+row(
+    "slice",
+    "getitem",
+    lambda g, a, index: a[index],
+    lambda a, index, **k: _torch_index(a, index),
+    _index_sample,
+    FLOATS + INTS,
+)
+row(
+    "slice",
+    "of-permuted",
+    lambda g, a: a.T[::-1, 1:],
+    lambda a, **k: torch.flip(a.permute(2, 1, 0), [0])[:, 1:],
+    lambda rng: Sample([(int(rng.integers(2, 6)), int(rng.integers(2, 6)), int(rng.integers(1, 4)))]),
+)
+
+
+def _bcast_sample(rng: np.random.Generator) -> Sample:
+    target = rand_shape(rng, 1, 4)
+    drop = int(rng.integers(0, len(target)))
+    src = tuple(1 if rng.random() < 0.4 else d for d in target[drop:])
+    return Sample([src], {"target": target})
+
+
+row(
+    "broadcast_to",
+    "random",
+    lambda g, a, target: ml.broadcast_to(a, target),
+    lambda a, target, **k: a.broadcast_to(target),
+    _bcast_sample,
+    FLOATS + INTS,
+)
+row(
+    "broadcast_to",
+    "then-reshape",
+    lambda g, a: ml.broadcast_to(a, (4, 3, 2)).reshape(12, 2),
+    lambda a, **k: a.broadcast_to((4, 3, 2)).reshape(12, 2),
+    lambda rng: Sample([(3, 1)]),
+)
+
+
+def _split_sample(rng: np.random.Generator) -> Sample:
+    shape = rand_shape(rng, 1, 4)
+    axis = int(rng.integers(0, len(shape)))
+    cuts = sorted(set(int(c) for c in rng.integers(1, shape[axis], 2))) if shape[axis] > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, shape[axis]])]
+    return Sample([shape], {"axis": axis, "sizes": sizes})
+
+
+row(
+    "split",
+    "sizes",
+    lambda g, a, axis, sizes: ml.split(a, sizes, axis),
+    lambda a, axis, sizes, **k: torch.split(a, sizes, axis),
+    _split_sample,
+    FLOATS + INTS,
+)
+row(
+    "split",
+    "equal-then-view",
+    lambda g, a: tuple(p.T for p in ml.split(a, 3, axis=1)),
+    lambda a, **k: tuple(p.T for p in torch.split(a, 2, 1)),
+    lambda rng: Sample([(4, 6)]),
+)
+
+
+def _concat_sample(rng: np.random.Generator) -> Sample:
+    base = rand_shape(rng, 1, 4)
+    axis = int(rng.integers(0, len(base)))
+    n = int(rng.integers(2, 4))
+    shapes = [base[:axis] + (int(rng.integers(1, 5)),) + base[axis + 1 :] for _ in range(n)]
+    return Sample(shapes, {"axis": axis})
+
+
+row(
+    "concat",
+    "axis",
+    lambda g, *ts, axis: ml.concat(ts, axis),
+    lambda *ts, axis, **k: torch.cat(ts, axis),
+    _concat_sample,
+    FLOATS + INTS,
+)
+row(
+    "copy",
+    "of-transposed",
+    lambda g, a: a.mT.copy(),
+    lambda a, **k: a.mT.contiguous(),
+    lambda rng: Sample([rand_shape(rng, 2, 4)]),
+    FLOATS + INTS,
+)
+row(
+    "reshape",
+    "squeeze-unsqueeze",
+    lambda g, a: a.unsqueeze(1).unsqueeze(-1).squeeze(1),
+    lambda a, **k: a.unsqueeze(1).unsqueeze(-1).squeeze(1),
+    one(1, 3),
+)
+
+# Ops whose behaviour needs several ranks or no operands: tested in the named test files instead.
+TESTED_ELSEWHERE = {
+    "input": "test_graph.py",
+    "parameter": "test_graph.py",
+    "constant": "test_graph.py",
+    "state": "test_graph.py",
+    "all_reduce": "test_collectives.py",
+    "all_gather": "test_collectives.py",
+    "reduce_scatter": "test_collectives.py",
+    "send": "test_collectives.py",
+    "recv": "test_collectives.py",
+}

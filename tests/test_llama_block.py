@@ -1,0 +1,121 @@
+"""A two-layer Llama-style decoder (RMSNorm, GQA attention with RoPE and a KV cache, SwiGLU) built
+with megaloop, against the same model written directly in PyTorch: a prefill step and two decode
+steps that read the cache the earlier steps wrote."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import megaloop as ml
+from megaloop.models import LlamaConfig, build_llama, random_parameters
+from tests.helpers import to_torch64
+
+CFG = LlamaConfig(
+    hidden=128,
+    heads=8,
+    kv_heads=2,
+    intermediate=352,
+    layers=2,
+    max_seq=32,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    dtype=ml.bfloat16,
+)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+class TorchLlama:
+    """The block in plain PyTorch, HF-style, computing in ``dtype`` (float64: the reference)."""
+
+    def __init__(self, cfg: LlamaConfig, params: dict[str, np.ndarray], batch: int, dtype: torch.dtype) -> None:
+        self.cfg, self.dtype = cfg, dtype
+        self.p = {k: to_torch64(ml.dtypes.round_to(v, cfg.dtype)).to(dtype) for k, v in params.items()}
+        shape = (batch, cfg.kv_heads, cfg.max_seq, cfg.head_dim)
+        self.cache = {(i, kv): torch.zeros(shape, dtype=dtype) for i in range(cfg.layers) for kv in "kv"}
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.cfg.rms_eps) * w
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        hd = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = pos.to(torch.float64)[..., None] * inv
+        cos = torch.cat([ang, ang], -1).cos()[:, None].to(self.dtype)
+        sin = torch.cat([ang, ang], -1).sin()[:, None].to(self.dtype)
+        j = torch.arange(cfg.max_seq)
+        mask = (j[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, t, max_seq]
+        for i in range(cfg.layers):
+            p = lambda n, i=i: self.p[f"model.layers.{i}.{n}"]
+            h = self.rmsnorm(x, p("input_layernorm.weight"))
+            q = (h @ p("self_attn.q_proj.weight").T).view(b, t, cfg.heads, hd).transpose(1, 2)
+            k = (h @ p("self_attn.k_proj.weight").T).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+            v = (h @ p("self_attn.v_proj.weight").T).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            for bi in range(b):
+                self.cache[i, "k"][bi, :, pos[bi]] = k[bi]
+                self.cache[i, "v"][bi, :, pos[bi]] = v[bi]
+            rep = cfg.heads // cfg.kv_heads
+            kk = self.cache[i, "k"].repeat_interleave(rep, 1)
+            vv = self.cache[i, "v"].repeat_interleave(rep, 1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+            x = x + o.transpose(1, 2).reshape(b, t, -1) @ p("self_attn.o_proj.weight").T
+            h = self.rmsnorm(x, p("post_attention_layernorm.weight"))
+            mlp = F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)
+            x = x + mlp @ p("mlp.down_proj.weight").T
+        return self.rmsnorm(x, self.p["model.norm.weight"])
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_two_layer_block_matches_pytorch() -> None:
+    batch, prompt = 2, 6
+    params = random_parameters(CFG, seed=1)
+    rng = np.random.default_rng(2)
+    ref64 = TorchLlama(CFG, params, batch, torch.float64)
+    ref16 = TorchLlama(CFG, params, batch, torch.bfloat16)  # PyTorch's own bf16 eager, as a yardstick
+    prefill, decode = build_llama(CFG, batch, prompt, "prefill"), build_llama(CFG, batch, 1, "decode")
+    state = None
+    steps = [(prefill, np.tile(np.arange(prompt), (batch, 1)))] + [
+        (decode, np.full((batch, 1), prompt + s)) for s in range(2)
+    ]
+    eps = CFG.dtype.eps
+    for n, (graph, pos) in enumerate(steps):
+        x = ml.dtypes.round_to(rng.standard_normal((batch, pos.shape[1], CFG.hidden)), CFG.dtype)
+        out = ml.evaluate(graph, {"hidden": x, "positions": pos}, params, state)
+        state = out.state
+        ours = out.outputs["hidden"]
+        with torch.no_grad():
+            want = ref64.step(to_torch64(x), torch.from_numpy(pos)).numpy()
+            torch_bf16 = ref16.step(to_torch64(x).to(torch.bfloat16), torch.from_numpy(pos)).double().numpy()
+        err, torch_err = rel_l2(ours, want), rel_l2(torch_bf16, want)
+        diff = np.abs(ours.astype(np.float64) - want)
+        bound = 4 * eps * (np.abs(want) + np.sqrt(np.mean(want**2)))
+        worst = np.unravel_index(int(np.argmax(diff / bound)), diff.shape)
+        print(
+            f"step {n}: rel L2 error megaloop bf16 {err:.2e}, torch bf16 {torch_err:.2e}; worst element "
+            f"{tuple(int(i) for i in worst)} got {float(ours[worst]):.5f} want {want[worst]:.5f}"
+        )
+        assert err < 2 * eps, f"step {n}: relative L2 error {err:.2e} above 2 bf16 eps"
+        assert err <= 1.5 * torch_err, (
+            f"step {n}: megaloop bf16 ({err:.2e}) much worse than torch bf16 ({torch_err:.2e})"
+        )
+        assert np.all(diff <= bound), f"step {n}: element {worst} off by {diff[worst]:.3e} > {bound[worst]:.3e}"
+    # the caches megaloop carried equal the ones PyTorch wrote
+    for i in range(CFG.layers):
+        for kv in "kv":
+            ours = state[f"model.layers.{i}.self_attn.{kv}_cache"].astype(np.float64)
+            want = ref64.cache[i, kv].numpy()
+            assert rel_l2(ours, want) < eps, f"layer {i} {kv} cache"

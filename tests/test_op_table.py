@@ -1,0 +1,104 @@
+"""Every op of the registry against PyTorch float64, over random shapes (with broadcasts) and every
+dtype its table rows list, with the tolerance the op's Accuracy declares."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import megaloop as ml
+from megaloop.frontend.opdef import REGISTRY, Accuracy
+from tests.helpers import assert_close, random_values, to_torch64
+from tests.op_table import ROWS, TESTED_ELSEWHERE, Row
+
+DRAWS = 6  # random draws per (row, dtype)
+
+
+def run_row(row: Row, dtype_name: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sample = row.sample(rng)
+    domains = sample.domains or row.domains or ("normal",) * len(sample.shapes)
+    g = ml.Graph(f"{row.id}-{dtype_name}")
+    tensors, feeds, state, arrays = [], {}, {}, []
+    for i, shape in enumerate(sample.shapes):
+        dt = ml.as_dtype(row.fixed.get(i, dtype_name))
+        values = random_values(rng, shape, dt, domains[i] if i < len(domains) else "normal")
+        arrays.append(values)
+        if i in row.states:
+            tensors.append(g.state(f"s{i}", shape, dt))
+            state[f"s{i}"] = values
+        else:
+            tensors.append(g.input(f"x{i}", shape, dt))
+            feeds[f"x{i}"] = values
+    built = row.build(g, *tensors, **sample.kw)
+    outs = built if isinstance(built, tuple) else (built,)
+    for k, t in enumerate(outs):
+        g.output(f"y{k}", t)
+    result = ml.evaluate(g, feeds, state=state)
+    with torch.no_grad():
+        ref = row.ref(*[to_torch64(a) for a in arrays], dtype=dtype_name, **sample.kw)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    assert len(refs) == len(outs)
+    accuracy = REGISTRY[row.op].accuracy
+    scale = None
+    if row.cancels:
+        with torch.no_grad():
+            scale = float(row.ref(*[to_torch64(a).abs() for a in arrays], dtype=dtype_name, **sample.kw).max())
+    for k, (t, r) in enumerate(zip(outs, refs)):
+        what = f"{row.id} [{dtype_name}] seed {seed} shapes {sample.shapes} kw {sample.kw} output {k}"
+        assert t.dtype == ml.as_dtype(_torch_name(r.dtype, t.dtype)), f"{what}: dtype {t.dtype} vs torch {r.dtype}"
+        r64 = r.double() if r.dtype.is_floating_point else r
+        assert_close(result.outputs[f"y{k}"], r64.numpy(), t.dtype, accuracy, row.reduce_len(sample), what, scale)
+
+
+def _torch_name(tdt: torch.dtype, ours: ml.DType) -> str:
+    """torch computes in float64/int64; the row's output dtype is ours when the kinds agree."""
+    if tdt == torch.bool:
+        return "bool"
+    if tdt.is_floating_point:
+        return ours.name if ours.is_float else "float32"
+    return ours.name if ours.is_int else "int64"
+
+
+CASES = [(row, dt) for row in ROWS for dt in row.dtypes]
+
+
+@pytest.mark.parametrize("row,dtype", CASES, ids=[f"{r.id}-{d}" for r, d in CASES])
+def test_op_against_torch(row: Row, dtype: str) -> None:
+    base = zlib.crc32(f"{row.id}-{dtype}".encode())
+    for draw in range(DRAWS):
+        run_row(row, dtype, base + draw)
+
+
+def test_every_op_has_a_row() -> None:
+    covered = {row.op for row in ROWS} | set(TESTED_ELSEWHERE)
+    missing = sorted(set(REGISTRY) - covered)
+    unknown = sorted(covered - set(REGISTRY))
+    assert not missing, f"ops without a test row: {missing}"
+    assert not unknown, f"table rows for ops that do not exist: {unknown}"
+
+
+def test_every_float_op_row_covers_all_float_dtypes() -> None:
+    for row in ROWS:
+        if any(d in row.dtypes for d in ("float32", "float16", "bfloat16")) and row.op != "cast":
+            assert {"float32", "float16", "bfloat16"} <= set(row.dtypes), f"{row.id} skips a float dtype"
+
+
+def test_checker_catches_a_one_ulp_error() -> None:
+    """The tolerance check must fail on a real error: shift one element by 4 ulps of bf16."""
+    ref = np.linspace(-3, 3, 64)
+    out = ml.dtypes.round_to(ref, ml.bfloat16)
+    assert_close(out, ref, ml.bfloat16, Accuracy(ulps=1.0))
+    bad = out.astype(np.float32)
+    bad[17] += 4 * ml.bfloat16.eps * abs(bad[17])
+    with pytest.raises(AssertionError, match="worst at \\(17,\\)"):
+        assert_close(ml.dtypes.round_to(bad, ml.bfloat16), ref, ml.bfloat16, Accuracy(ulps=1.0))
+    with pytest.raises(AssertionError, match="NaN"):
+        nan = out.copy()
+        nan[3] = np.nan
+        assert_close(nan, ref, ml.bfloat16, Accuracy(ulps=1.0))
+    with pytest.raises(AssertionError, match="differ"):
+        assert_close(np.array([1, 2, 3]), np.array([1, 2, 4]), ml.int32, Accuracy(ulps=0.0))
