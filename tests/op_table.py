@@ -144,7 +144,7 @@ for name, tfn in [
         lambda g, a, b, _n=name: getattr(ml, _n)(a, b),
         lambda a, b, _f=tfn, **k: _f(a, b),
         many(2),
-        FLOATS + INTS,
+        FLOATS + INTS + (("bool",) if name in ("equal", "not_equal") else ()),
         domains=("ties", "ties"),
     )
 row("less", "scalar", lambda g, a: a < 0.5, lambda a, **k: a < 0.5, one(), domains=("ties",))
@@ -158,7 +158,7 @@ row(
     lambda g, c, a, b: ml.where(c, a, b),
     lambda c, a, b, **k: torch.where(c, a, b),
     many(3),
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
     domains=("bool", "normal", "normal"),
     fixed={0: "bool"},
 )
@@ -712,7 +712,7 @@ row(
     lambda g, a, new, perm: a.permute(perm),
     lambda a, new, perm, **k: a.permute(perm),
     _reshape_sample,
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "permute",
@@ -760,7 +760,7 @@ row(
     lambda g, a, index: a[index],
     lambda a, index, **k: _torch_index(a, index),
     _index_sample,
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "slice",
@@ -784,7 +784,7 @@ row(
     lambda g, a, target: ml.broadcast_to(a, target),
     lambda a, target, **k: a.broadcast_to(target),
     _bcast_sample,
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "broadcast_to",
@@ -809,7 +809,7 @@ row(
     lambda g, a, axis, sizes: ml.split(a, sizes, axis),
     lambda a, axis, sizes, **k: torch.split(a, sizes, axis),
     _split_sample,
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "split",
@@ -834,7 +834,7 @@ row(
     lambda g, *ts, axis: ml.concat(ts, axis),
     lambda *ts, axis, **k: torch.cat(ts, axis),
     _concat_sample,
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "copy",
@@ -842,7 +842,7 @@ row(
     lambda g, a: a.mT.copy(),
     lambda a, **k: a.mT.contiguous(),
     lambda rng: Sample([rand_shape(rng, 2, 4)]),
-    FLOATS + INTS,
+    FLOATS + INTS + ("bool",),
 )
 row(
     "reshape",

@@ -81,6 +81,31 @@ def test_every_op_has_a_row() -> None:
     assert not unknown, f"table rows for ops that do not exist: {unknown}"
 
 
+def test_rows_cover_every_supported_dtype() -> None:
+    """For each op, the dtypes its rows test are all the dtypes it accepts: building any row with any
+    other dtype must fail with a DtypeError."""
+    tested: dict[str, set[str]] = {}
+    for row in ROWS:
+        tested.setdefault(row.op, set()).update(row.dtypes)
+    untested = []
+    for row in ROWS:
+        for dt in ml.ALL_DTYPES:
+            if dt.name in tested[row.op]:
+                continue
+            sample = row.sample(np.random.default_rng(0))
+            g = ml.Graph("dtype-coverage")
+            tensors = []
+            for i, shape in enumerate(sample.shapes):
+                d = ml.as_dtype(row.fixed.get(i, dt.name))
+                tensors.append(g.state(f"s{i}", shape, d) if i in row.states else g.input(f"x{i}", shape, d))
+            try:
+                row.build(g, *tensors, **sample.kw)
+            except ml.errors.DtypeError:
+                continue
+            untested.append(f"{row.id} builds with {dt.name}, which no row of {row.op} tests")
+    assert not untested, "\n".join(untested)
+
+
 def test_every_float_op_row_covers_all_float_dtypes() -> None:
     for row in ROWS:
         if any(d in row.dtypes for d in ("float32", "float16", "bfloat16")) and row.op != "cast":

@@ -165,6 +165,7 @@ def _update_infer(call: OpCall) -> list[OutSpec]:
             f"cache must be a state tensor (graph.state(...)), got {cache!r}",
             hint="the cache persists between iterations, so declare it with graph.state",
         )
+    check_kinds(call, cache.dtype, "f")
     if new.dtype != cache.dtype:
         raise call.error(
             DtypeError,

@@ -19,6 +19,8 @@ def _infer(call: OpCall) -> list[OutSpec]:
         raise call.error(ShapeError, f"table must be 2-D [vocab, dim], got {format_shape(table.shape)}")
     if not ids.dtype.is_int:
         raise call.error(DtypeError, f"ids must be int32 or int64, got {ids.dtype.name}")
+    if not table.dtype.is_float:
+        raise call.error(DtypeError, f"table must hold floats, got {table.dtype.name}")
     return [OutSpec((*ids.shape, table.shape[1]), table.dtype)]
 
 
