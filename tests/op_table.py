@@ -19,15 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
+from tests.helpers import TORCH_DTYPES
 
-TD = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
+TD = TORCH_DTYPES
 FLOATS = ("float32", "float16", "bfloat16")
 INTS = ("int32", "int64")
 

@@ -181,64 +181,32 @@ def _binary(op: OpDef, a: Any, b: Any) -> Tensor:
     return apply(op, tensors, **({"scalars": scalars} if scalars else {}))
 
 
-def add(a: Any, b: Any) -> Tensor:
-    return _binary(ADD, a, b)
+def _binary_builder(op: OpDef) -> Callable[[Any, Any], Tensor]:
+    """The public function for a binary op; its docstring is the op's."""
+
+    def build(a: Any, b: Any) -> Tensor:
+        return _binary(op, a, b)
+
+    build.__name__ = build.__qualname__ = op.name
+    build.__doc__ = op.doc + " Either operand may be a Python number (it takes the other's dtype)."
+    return build
 
 
-def sub(a: Any, b: Any) -> Tensor:
-    return _binary(SUB, a, b)
-
-
-def mul(a: Any, b: Any) -> Tensor:
-    return _binary(MUL, a, b)
-
-
-def div(a: Any, b: Any) -> Tensor:
-    return _binary(DIV, a, b)
-
-
-def maximum(a: Any, b: Any) -> Tensor:
-    return _binary(MAXIMUM, a, b)
-
-
-def minimum(a: Any, b: Any) -> Tensor:
-    return _binary(MINIMUM, a, b)
-
-
-def pow(a: Any, b: Any) -> Tensor:
-    return _binary(POW, a, b)
-
-
-def equal(a: Any, b: Any) -> Tensor:
-    return _binary(EQUAL, a, b)
-
-
-def not_equal(a: Any, b: Any) -> Tensor:
-    return _binary(NOT_EQUAL, a, b)
-
-
-def less(a: Any, b: Any) -> Tensor:
-    return _binary(LESS, a, b)
-
-
-def less_equal(a: Any, b: Any) -> Tensor:
-    return _binary(LESS_EQUAL, a, b)
-
-
-def greater(a: Any, b: Any) -> Tensor:
-    return _binary(GREATER, a, b)
-
-
-def greater_equal(a: Any, b: Any) -> Tensor:
-    return _binary(GREATER_EQUAL, a, b)
-
-
-def logical_and(a: Tensor, b: Tensor) -> Tensor:
-    return _binary(LOGICAL_AND, a, b)
-
-
-def logical_or(a: Tensor, b: Tensor) -> Tensor:
-    return _binary(LOGICAL_OR, a, b)
+add = _binary_builder(ADD)
+sub = _binary_builder(SUB)
+mul = _binary_builder(MUL)
+div = _binary_builder(DIV)
+maximum = _binary_builder(MAXIMUM)
+minimum = _binary_builder(MINIMUM)
+pow = _binary_builder(POW)
+equal = _binary_builder(EQUAL)
+not_equal = _binary_builder(NOT_EQUAL)
+less = _binary_builder(LESS)
+less_equal = _binary_builder(LESS_EQUAL)
+greater = _binary_builder(GREATER)
+greater_equal = _binary_builder(GREATER_EQUAL)
+logical_and = _binary_builder(LOGICAL_AND)
+logical_or = _binary_builder(LOGICAL_OR)
 
 
 def scale(x: Tensor, factor: float) -> Tensor:
@@ -374,60 +342,34 @@ SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoi
 ERF = _unary_op("erf", "The error function.", _erf)
 
 
-def _unary(op: OpDef, x: Tensor, **attrs: Any) -> Tensor:
-    return apply(op, [x], **attrs)
+def _unary_builder(op: OpDef) -> Callable[[Tensor], Tensor]:
+    """The public function for a unary op; its docstring is the op's."""
+
+    def build(x: Tensor) -> Tensor:
+        return apply(op, [x])
+
+    build.__name__ = build.__qualname__ = op.name
+    build.__doc__ = op.doc
+    return build
 
 
-def neg(x: Tensor) -> Tensor:
-    return _unary(NEG, x)
-
-
-def abs(x: Tensor) -> Tensor:
-    return _unary(ABS, x)
-
-
-def exp(x: Tensor) -> Tensor:
-    return _unary(EXP, x)
-
-
-def log(x: Tensor) -> Tensor:
-    return _unary(LOG, x)
-
-
-def sqrt(x: Tensor) -> Tensor:
-    return _unary(SQRT, x)
-
-
-def rsqrt(x: Tensor) -> Tensor:
-    return _unary(RSQRT, x)
-
-
-def reciprocal(x: Tensor) -> Tensor:
-    return _unary(RECIPROCAL, x)
-
-
-def tanh(x: Tensor) -> Tensor:
-    return _unary(TANH, x)
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    return _unary(SIGMOID, x)
-
-
-def relu(x: Tensor) -> Tensor:
-    return _unary(RELU, x)
+neg = _unary_builder(NEG)
+abs = _unary_builder(ABS)
+exp = _unary_builder(EXP)
+log = _unary_builder(LOG)
+sqrt = _unary_builder(SQRT)
+rsqrt = _unary_builder(RSQRT)
+reciprocal = _unary_builder(RECIPROCAL)
+tanh = _unary_builder(TANH)
+sigmoid = _unary_builder(SIGMOID)
+relu = _unary_builder(RELU)
+silu = _unary_builder(SILU)
+erf = _unary_builder(ERF)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    return _unary(GELU, x, approximate=approximate)
-
-
-def silu(x: Tensor) -> Tensor:
-    return _unary(SILU, x)
-
-
-def erf(x: Tensor) -> Tensor:
-    return _unary(ERF, x)
+    """Gaussian error linear unit: approximate='none' (erf form) or 'tanh'."""
+    return apply(GELU, [x], approximate=approximate)
 
 
 def _logical_not_infer(call: OpCall) -> list[OutSpec]:
@@ -449,8 +391,7 @@ LOGICAL_NOT = register(
 )
 
 
-def logical_not(x: Tensor) -> Tensor:
-    return _unary(LOGICAL_NOT, x)
+logical_not = _unary_builder(LOGICAL_NOT)
 
 
 # ---- cast --------------------------------------------------------------------------------------
