@@ -71,7 +71,6 @@ bool_ = DType("bool", "bool", "bool", 1, "bool", np.bool_)
 
 ALL_DTYPES: tuple[DType, ...] = (float32, float16, bfloat16, int32, int64, bool_)
 FLOAT_DTYPES: tuple[DType, ...] = (float32, float16, bfloat16)
-INT_DTYPES: tuple[DType, ...] = (int32, int64)
 
 _BY_NAME: dict[str, DType] = {}
 for _dt in ALL_DTYPES:
@@ -102,9 +101,22 @@ def as_dtype(value: object) -> DType:
     raise DtypeError(f"megaloop has no dtype for {value!r}; use one of {', '.join(d.name for d in ALL_DTYPES)}")
 
 
+def to_numpy(value: object) -> np.ndarray:
+    """Arrays, nested lists, numbers and CPU/GPU torch tensors (bfloat16 too) as numpy arrays.
+    Ragged nested lists raise ValueError."""
+    if type(value).__module__.startswith("torch"):
+        t = value.detach().cpu()  # type: ignore[attr-defined]
+        if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16: move the bits
+            import torch
+
+            return t.view(torch.int16).numpy().view(bfloat16.np)
+        return t.numpy()
+    return np.asarray(value)
+
+
 def round_to(array: np.ndarray, dtype: DType) -> np.ndarray:
-    """Round an array to ``dtype`` the way hardware does (float64 goes through float32 first for
-    16-bit floats, so that double rounding matches a float32 accumulator rounded once)."""
+    """Round an array to ``dtype``. float64 and integers go through float32 first on their way to a
+    16-bit float, as a float32 accumulator (and torch, and ml_dtypes) would."""
     array = np.asarray(array)
     if dtype.is_float and dtype.itemsize == 2 and array.dtype == np.float64:
         array = array.astype(np.float32)

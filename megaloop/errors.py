@@ -59,3 +59,23 @@ class DataError(MegaloopError, ValueError):
 
 class InternalError(MegaloopError, AssertionError):
     """A megaloop invariant failed: this is a bug in megaloop, please report it with the graph."""
+
+
+class PlanError(MegaloopError, ValueError):
+    """A plan cannot run as it is: it is malformed, or it would race or deadlock."""
+
+
+class PlanFormatError(PlanError):
+    """A plan file does not follow the format (the message names the field)."""
+
+
+class RaceError(PlanError):
+    """Two tasks access overlapping bytes, one writing, with no happens-before order between them."""
+
+
+class DeadlockError(PlanError):
+    """The processors' task orders and waits can block each other forever."""
+
+
+class InterpreterError(MegaloopError, RuntimeError):
+    """The plan interpreter saw a task read memory that holds the wrong version (or nothing yet)."""

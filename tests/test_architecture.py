@@ -1,5 +1,5 @@
 """The package's shape: layers import only the layers before them, ops are defined once, files stay
-small. (ARCHITECTURE.md: 'A layer imports only layers above it in this picture.')"""
+small. (the architecture notes: 'A layer imports only layers above it in this picture.')"""
 
 from __future__ import annotations
 

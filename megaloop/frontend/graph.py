@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.dtypes import DType, as_dtype, bfloat16, round_to
+from megaloop.dtypes import DType, as_dtype, bfloat16, round_to, to_numpy
 from megaloop.errors import (
     CycleError,
     DtypeError,
     GraphBuildError,
-    InternalError,
+    MegaloopError,
     NonFiniteError,
     RankError,
     ShapeError,
@@ -91,6 +91,45 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
+def _as_array(value: Any, what: str) -> np.ndarray:
+    try:
+        return to_numpy(value)
+    except ValueError as e:  # ragged nested lists
+        raise ShapeError(f"{what}: value is not a rectangular array ({e})") from None
+
+
+def _constant_array(
+    value: Any, dtype: DType, what: str, allow_nonfinite: bool, shape: Shape | None, hint: str
+) -> np.ndarray:
+    """``value`` checked (shape, finiteness, range) and rounded to ``dtype``, read-only."""
+    arr = _as_array(value, what)
+    if shape is not None and arr.shape != shape:
+        raise ShapeError(f"{what}: value has shape {format_shape(arr.shape)}, expected {format_shape(shape)}")
+    kind = "f" if arr.dtype == bfloat16.np else arr.dtype.kind
+    if kind not in "biuf":
+        raise DtypeError(f"{what}: values of numpy dtype {arr.dtype} cannot become a {dtype.name} tensor")
+    if kind == "f" and not allow_nonfinite and not np.all(np.isfinite(arr.astype(np.float64))):
+        bad = np.argwhere(~np.isfinite(arr.astype(np.float64)))[0]
+        raise NonFiniteError(
+            f"{what}: holds a non-finite value {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)}{hint}"
+        )
+    if dtype.is_int:
+        if kind == "f":
+            raise DtypeError(f"{what}: float values cannot be stored as {dtype.name}; round them first")
+        info = np.iinfo(dtype.np)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise DtypeError(f"{what}: values {arr.min()}..{arr.max()} do not fit in {dtype.name}")
+    if dtype.is_bool and kind != "b":
+        raise DtypeError(f"{what}: {arr.dtype} values cannot become a bool tensor; compare them first")
+    with np.errstate(over="ignore"):
+        out = round_to(arr, dtype) if dtype.is_float else arr.astype(dtype.np)
+    if dtype.is_float and not allow_nonfinite and not np.all(np.isfinite(out.astype(np.float32))):
+        raise NonFiniteError(f"{what}: values overflow {dtype.name} (largest magnitude {np.max(np.abs(arr))})")
+    out = np.array(out, copy=True)
+    out.setflags(write=False)
+    return out
+
+
 class Graph:
     def __init__(self, name: str = "graph", *, rank: int = 0, world_size: int = 1) -> None:
         if not isinstance(world_size, int) or world_size < 1:
@@ -151,64 +190,53 @@ class Graph:
     def state(self, name: str, shape: Sequence[int], dtype: Any, init: Any = None) -> Tensor:
         """A buffer that persists between iterations (zeros at first unless ``init`` is given).
         Give its next value with ``assign`` or an in-place op such as ``kv_cache_update``."""
-        t = self._source(sources.STATE, self.states, name, shape, dtype)
-        if init is not None:
-            t.node.attrs["init"] = self._constant_array(init, t.dtype, f"state {name!r} init", False, t.shape)
-        return t
+        attrs = {}
+        if init is not None:  # checked before the state exists, so a bad init leaves no trace
+            dims = _check_shape(shape, f"state {name!r}")
+            attrs["init"] = _constant_array(init, as_dtype(dtype), f"state {name!r} init", False, dims, "")
+        return self._source(sources.STATE, self.states, name, shape, dtype, attrs)
 
     def constant(
         self, value: Any, dtype: Any = None, *, name: str | None = None, allow_nonfinite: bool = False
     ) -> Tensor:
         """A value baked into the graph. NaN/inf are refused unless ``allow_nonfinite=True``."""
         if dtype is None:
-            arr = np.asarray(value)
+            arr = _as_array(value, "constant")
             if arr.dtype == np.float64:
                 dtype = "float32"  # like torch, Python floats and float64 arrays become float32
             else:
                 dtype = arr.dtype
         dt = as_dtype(dtype)
         label = name or f"const_{len(self.nodes)}"
-        arr = self._constant_array(value, dt, f"constant {label!r}", allow_nonfinite, None)
+        arr = _constant_array(
+            value,
+            dt,
+            f"constant {label!r}",
+            allow_nonfinite,
+            None,
+            "; pass allow_nonfinite=True if that is intended (e.g. a -inf mask)",
+        )
         _check_shape(arr.shape or (1,), f"constant {label!r}")
         (t,) = self.apply(sources.CONSTANT, [], {"name": label, "shape": arr.shape, "dtype": dt, "value": arr})
         self.constants.append(t)
         return t
 
-    @staticmethod
-    def _constant_array(value: Any, dtype: DType, what: str, allow_nonfinite: bool, shape: Shape | None) -> np.ndarray:
-        arr = np.array(value)
-        if shape is not None and arr.shape != shape:
-            raise ShapeError(f"{what}: value has shape {format_shape(arr.shape)}, expected {format_shape(shape)}")
-        if arr.dtype.kind in "fc" and not allow_nonfinite and not np.all(np.isfinite(arr)):
-            bad = np.argwhere(~np.isfinite(arr))[0]
-            raise NonFiniteError(
-                f"{what}: holds a non-finite value {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)}; "
-                "pass allow_nonfinite=True if that is intended (e.g. a -inf mask)"
-            )
-        if arr.dtype.kind not in "biuf" and arr.dtype != bfloat16.np:
-            raise DtypeError(f"{what}: values of numpy dtype {arr.dtype} cannot become a {dtype.name} constant")
-        if dtype.is_int:
-            if arr.dtype.kind == "f":
-                raise DtypeError(f"{what}: float values cannot be stored as {dtype.name}; round them first")
-            info = np.iinfo(dtype.np)
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise DtypeError(f"{what}: values {arr.min()}..{arr.max()} do not fit in {dtype.name}")
-        with np.errstate(over="ignore"):
-            out = round_to(arr, dtype) if dtype.is_float else arr.astype(dtype.np)
-        if dtype.is_float and not allow_nonfinite and not np.all(np.isfinite(out.astype(np.float32))):
-            raise NonFiniteError(f"{what}: values overflow {dtype.name} (largest magnitude {np.max(np.abs(arr))})")
-        out = np.array(out, copy=True)
-        out.setflags(write=False)
-        return out
-
-    def _source(self, op: OpDef, table: dict[str, Tensor], name: str, shape: Sequence[int], dtype: Any) -> Tensor:
+    def _source(
+        self,
+        op: OpDef,
+        table: dict[str, Tensor],
+        name: str,
+        shape: Sequence[int],
+        dtype: Any,
+        extra: dict[str, Any] | None = None,
+    ) -> Tensor:
         what = f"{op.name} {name!r}"
         _check_name(name, op.name)
         shape = _check_shape(shape, what)
         dt = as_dtype(dtype)
         if name in table:
             raise GraphBuildError(f"{what}: the name is already used by another {op.name} of graph {self.name!r}")
-        (t,) = self.apply(op, [], {"name": name, "shape": shape, "dtype": dt})
+        (t,) = self.apply(op, [], {"name": name, "shape": shape, "dtype": dt, **(extra or {})})
         table[name] = t
         return t
 
@@ -223,7 +251,7 @@ class Graph:
         if not isinstance(value, Tensor) or value.graph is not self:
             raise GraphBuildError(f"assign to state {name!r}: value must be a Tensor of graph {self.name!r}")
         if value.shape != state.shape or value.dtype != state.dtype:
-            raise ShapeError(
+            raise (DtypeError if value.shape == state.shape else ShapeError)(
                 f"assign to state {name!r}: value is {value.dtype.short}{format_shape(value.shape)} but the state "
                 f"is {state.dtype.short}{format_shape(state.shape)}; reshape or cast the value first"
             )
@@ -274,44 +302,54 @@ class Graph:
     def replace_uses(self, old: Tensor, new: Tensor) -> None:
         """Make every user of ``old`` (nodes, outputs, state updates) use ``new`` instead.
 
-        ``new`` must have the same shape and dtype. Raises CycleError, leaving the graph unchanged,
-        when ``new`` depends on a user of ``old``."""
+        ``new`` must have the same shape and dtype. Every node is checked again by its op's rules (a
+        view of ``new`` gets new strides); if anything fails (a cycle, a rule), the graph is left exactly
+        as it was and the error is raised."""
         if old.graph is not self or new.graph is not self:
             raise GraphBuildError("replace_uses: both tensors must belong to this graph")
-        if old.shape != new.shape or old.dtype != new.dtype:
-            raise ShapeError(f"replace_uses: {new!r} cannot stand in for {old!r} (shape or dtype differ)")
-        saved = [(n, n.inputs) for n in self.nodes]
-        for n in self.nodes:
-            if any(t is old for t in n.inputs):
-                n.inputs = tuple(new if t is old else t for t in n.inputs)
+        if old.shape != new.shape:
+            raise ShapeError(f"replace_uses: {new!r} cannot stand in for {old!r}: shapes differ")
+        if old.dtype != new.dtype:
+            raise DtypeError(f"replace_uses: {new!r} cannot stand in for {old!r}: dtypes differ")
+        saved_nodes = list(self.nodes)
+        saved = [(n, n.id, n.inputs, dict(n.attrs)) for n in self.nodes]
+        layouts = [(t, t._base, t.strides, t.offset) for n in self.nodes for t in n.outputs]
+        tables = (dict(self.outputs), dict(self.state_updates))
         try:
-            order = self.topological_order()
-        except CycleError:
-            for n, inputs in saved:
-                n.inputs = inputs
+            for n in self.nodes:
+                if any(t is old for t in n.inputs):
+                    n.inputs = tuple(new if t is old else t for t in n.inputs)
+            self.nodes = self.topological_order()
+            for i, n in enumerate(self.nodes):  # ids follow the new order
+                n.id = i
+            for table in (self.outputs, self.state_updates):
+                for k, v in table.items():
+                    if v is old:
+                        table[k] = new
+            for n in self.nodes:
+                self._reinfer(n)
+        except MegaloopError:
+            self.nodes = saved_nodes
+            for n, nid, inputs, attrs in saved:
+                n.id, n.inputs, n.attrs = nid, inputs, attrs
+            for t, base, strides, offset in layouts:
+                t._base, t.strides, t.offset = base, strides, offset
+            self.outputs, self.state_updates = tables
             raise
-        self.nodes = order
-        for i, n in enumerate(self.nodes):  # renumber so that ids follow the new order
-            n.id = i
-        for table in (self.outputs, self.state_updates):
-            for k, v in table.items():
-                if v is old:
-                    table[k] = new
-        self._reinfer_views()
 
-    def _reinfer_views(self) -> None:
-        """Recompute view layouts after a rewiring (their operand's layout may have changed)."""
-        for n in self.nodes:
-            if n.op.kind != "view":
-                continue
-            call = OpCall(n.op, n.inputs, n.attrs, n.scope, self)
-            (spec,) = n.op.infer(call)
-            t = n.outputs[0]
+    def _reinfer(self, n: Node) -> None:
+        """Run a node's shape rule again on its (possibly rewired) operands and update view layouts."""
+        call = OpCall(n.op, n.inputs, n.attrs, n.scope, self)
+        specs = list(n.op.infer(call))
+        for t, spec in zip(n.outputs, specs, strict=True):
             if spec.shape != t.shape or spec.dtype != t.dtype:
-                raise InternalError(f"{n!r}: re-inferred output {spec} differs from {t!r}")
-            t._base = n.inputs[0].base
-            t.strides = spec.view.strides if spec.view else t.strides
-            t.offset = spec.view.offset if spec.view else 0
+                raise ShapeError(
+                    f"{n.op.name} {n.name}: after rewiring its output would be "
+                    f"{spec.dtype.short}{format_shape(spec.shape)} instead of {t.dtype.short}"
+                    f"{format_shape(t.shape)}"
+                )
+            if spec.view is not None:
+                t._base, t.strides, t.offset = call.operands[0].base, spec.view.strides, spec.view.offset
 
     def validate(self) -> Graph:
         """Check the graph's invariants (acyclic, consistent operands, state updates); returns self."""

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megaloop.dtypes import DType
-from megaloop.errors import GraphBuildError
-from megaloop.frontend.shapes import Shape, format_shape
+from megaloop.errors import AxisError, GraphBuildError
+from megaloop.frontend.shapes import Shape, format_shape, normalize_axes, normalize_axis
+from megaloop.frontend.tiling import Tiling
 
 if TYPE_CHECKING:
     from megaloop.frontend.tensor import Tensor
@@ -74,7 +75,7 @@ class OpDef:
     reference: Callable[..., Any] | None
     accuracy: Accuracy = field(default_factory=Accuracy)
     inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
-    differentiable: bool = True
+    tiling: Tiling | None = None  # how it splits into tile tasks; None: no tasks (sources, views, send)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -131,6 +132,20 @@ class OpCall:
         if skipped:
             i = [s for s in range(len(self.op.operands)) if s not in skipped][i]
         return self.op.operand_name(i)
+
+    def axis(self, axis: Any, ndim: int) -> int:
+        """``axis`` normalised into range(ndim), or an AxisError naming this op."""
+        try:
+            return normalize_axis(axis, ndim)
+        except ValueError as e:
+            raise self.error(AxisError, str(e)) from None
+
+    def axes(self, axes: Any, ndim: int) -> tuple[int, ...]:
+        """``axes`` (int, tuple or None for all) as sorted distinct axes, or an AxisError naming this op."""
+        try:
+            return normalize_axes(axes, ndim)
+        except ValueError as e:
+            raise self.error(AxisError, str(e)) from None
 
     def error(self, cls: type[GraphBuildError], message: str, hint: str = "") -> GraphBuildError:
         """``raise call.error(ShapeError, "rule broken ...", hint="what to do")``."""

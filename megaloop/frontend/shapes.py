@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 Shape = tuple[int, ...]
 
 
@@ -32,6 +34,8 @@ def broadcast_shapes(*shapes: Shape) -> Shape | None:
 
 def normalize_axis(axis: int, ndim: int) -> int:
     """Map a possibly negative axis into ``range(ndim)``; ``ValueError`` when out of range."""
+    if isinstance(axis, np.integer):
+        axis = int(axis)
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise ValueError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
     if not -ndim <= axis < ndim:
@@ -43,7 +47,7 @@ def normalize_axes(axes: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
     """Axes as a sorted tuple of distinct non-negative ints; ``None`` means every axis."""
     if axes is None:
         return tuple(range(ndim))
-    if isinstance(axes, int):
+    if isinstance(axes, (int, np.integer)):
         axes = (axes,)
     if not isinstance(axes, (tuple, list)):
         raise ValueError(f"axis must be an int, a tuple of ints or None, got {type(axes).__name__} {axes!r}")

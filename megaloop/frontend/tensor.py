@@ -108,6 +108,17 @@ class Tensor:
         return self.shape[0]
 
     __hash__ = object.__hash__
+    __array_ufunc__ = None  # numpy defers to our reflected operators: np.float32(2) * x works
+
+    def __floordiv__(self, other: Any) -> Tensor:
+        raise GraphBuildError(f"// is not supported on {self!r}; megaloop has true division only (megaloop.div)")
+
+    __rfloordiv__ = __floordiv__
+
+    def __mod__(self, other: Any) -> Tensor:
+        raise GraphBuildError(f"% is not supported on {self!r}")
+
+    __rmod__ = __mod__
 
     # ---- arithmetic (each one is an op from megaloop.frontend.ops) ----------------------------
     def __add__(self, other: Any) -> Tensor:

@@ -38,6 +38,12 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        for name in ("hidden", "heads", "kv_heads", "intermediate", "layers", "max_seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GraphBuildError(f"LlamaConfig: {name} must be an int >= 1, got {value!r}")
+        if self.vocab is not None and (not isinstance(self.vocab, int) or self.vocab < 1):
+            raise GraphBuildError(f"LlamaConfig: vocab must be None or an int >= 1, got {self.vocab!r}")
         if self.head_dim is None:
             if self.hidden % self.heads:
                 raise GraphBuildError(

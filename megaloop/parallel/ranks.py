@@ -9,6 +9,7 @@ what the reference backend (and later the planner) uses to connect ranks.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class RankMatching:
     transfers: list[Transfer] = field(default_factory=list)
     collective_of: dict[Node, Collective] = field(default_factory=dict)
     transfer_of: dict[Node, Transfer] = field(default_factory=dict)
+    order: list[RankNode] = field(default_factory=list)  # sequential order of the whole program
 
 
 def spmd(build: Callable[[Graph], Any], world_size: int, name: str = "graph") -> list[Graph]:
@@ -158,14 +160,53 @@ def _match_transfers(orders: list[list[Node]], m: RankMatching) -> None:
             m.transfer_of[sn] = m.transfer_of[rn] = t
 
 
+def _inplace_readers(order: list[Node]) -> dict[Node, list[Node]]:
+    """For each op that overwrites an operand's storage in place (kv_cache_update), the other nodes that
+    read that storage's old value; they must run first. One that depends on the in-place op's result
+    cannot, and is refused."""
+    out: dict[Node, list[Node]] = {}
+    for node in order:
+        if node.op.inplace_operand is None:
+            continue
+        storage = node.inputs[node.op.inplace_operand].base
+        after = _descendants(node, order)
+        readers = []
+        for other in order:
+            if other is node or not any(t.base is storage for t in other.inputs):
+                continue
+            if other in after:
+                raise CycleError(
+                    f"{other.op.name} {other.name} reads the old value of {storage.name!r} but runs after "
+                    f"{node.op.name} {node.name}, which overwrites it in place; read the op's result instead"
+                )
+            readers.append(other)
+        out[node] = readers
+    return out
+
+
+def _descendants(node: Node, order: list[Node]) -> set[Node]:
+    seen = {node}
+    for other in order:
+        if any(t.node in seen for t in other.inputs):
+            seen.add(other)
+    seen.discard(node)
+    return seen
+
+
 def _check_acyclic(orders: list[list[Node]], m: RankMatching) -> None:
     """Kahn's algorithm over all ranks' nodes, a collective being one vertex shared by its members and
-    a recv depending on its send. Leftover vertices lie on (or behind) a cycle of waits."""
+    a recv depending on its send. Leftover vertices lie on (or behind) a cycle of waits. On success,
+    ``m.order`` is the program's sequential order: every (rank, node), producers before consumers
+    across ranks, a collective's members next to each other, earlier-built nodes first."""
     vertex: dict[RankNode, Any] = {}
+    members: dict[Any, list[RankNode]] = {}
+    index = {id(c): i for i, c in enumerate(m.collectives)}
     for rank, order in enumerate(orders):
         for node in order:
             c = m.collective_of.get(node)
-            vertex[(rank, node)] = ("collective", id(c)) if c is not None else (rank, node.id)
+            v = ("collective", index[id(c)]) if c is not None else (rank, node.id)
+            vertex[(rank, node)] = v
+            members.setdefault(v, []).append((rank, node))
     preds: dict[Any, set[Any]] = {v: set() for v in vertex.values()}
     for rank, order in enumerate(orders):
         for node in order:
@@ -175,21 +216,32 @@ def _check_acyclic(orders: list[list[Node]], m: RankMatching) -> None:
             tr = m.transfer_of.get(node)
             if tr is not None and node is tr.recv:
                 preds[v].add(vertex[(tr.src, tr.send)])
+        for node, readers in _inplace_readers(order).items():  # the old value is read before it is overwritten
+            for reader in readers:
+                preds[vertex[(rank, node)]].add(vertex[(rank, reader)])
     succs: dict[Any, list[Any]] = {v: [] for v in preds}
     for v, ps in preds.items():
         for p in ps:
             succs[p].append(v)
     indeg = {v: len(ps) for v, ps in preds.items()}
-    ready = [v for v, d in indeg.items() if d == 0]
-    done = 0
+
+    def priority(v: Any) -> tuple[int, int]:  # earliest-built node first, then lowest rank
+        return min((node.id, rank) for rank, node in members[v])
+
+    ready = [(priority(v), n, v) for n, v in enumerate(indeg) if indeg[v] == 0]
+    heapq.heapify(ready)
+    counter = len(ready)
+    done: list[Any] = []
     while ready:
-        v = ready.pop()
-        done += 1
+        _, _, v = heapq.heappop(ready)
+        done.append(v)
         for s in succs[v]:
             indeg[s] -= 1
             if indeg[s] == 0:
-                ready.append(s)
-    if done == len(preds):
+                heapq.heappush(ready, (priority(s), counter, s))
+                counter += 1
+    if len(done) == len(preds):
+        m.order = [rn for v in done for rn in members[v]]
         return
     names = {v: f"rank {rn[0]} {rn[1].op.name} {rn[1].name}" for rn, v in vertex.items()}
     stuck = {v for v, d in indeg.items() if d > 0}

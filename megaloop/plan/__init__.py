@@ -1,6 +1,12 @@
 """Plan: ops -> tile tasks -> static per-processor queues with dependency counters, buffer offsets
 from tensor lifetimes, a versioned JSON format and a verifier (races, deadlocks).
 
-Not built yet: this is the second issue of the first tranche. The op definitions it will read
-(``megaloop.frontend.opdef.REGISTRY``) and the rank matching it will extend
-(``megaloop.parallel.match_ranks``) are in place."""
+    plan = megaloop.plan.make_plan(graph, processors=132, arch="sm_90")
+    plan.ranks[0].processors    # each thread block's task list
+"""
+
+from megaloop.plan.build import make_plan
+from megaloop.plan.model import Plan
+from megaloop.plan.verify import verify_plan
+
+__all__ = ["Plan", "make_plan", "verify_plan"]

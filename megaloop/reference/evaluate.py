@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.dtypes import DType, bfloat16, round_to
+from megaloop.dtypes import DType, bfloat16, round_to, to_numpy
 from megaloop.errors import DataError, EvaluationError, InternalError
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.shapes import format_shape
@@ -38,21 +38,12 @@ class Evaluation:
         return self.outputs[name]
 
 
-def to_numpy(value: Any) -> np.ndarray:
-    """Arrays, numbers and CPU/GPU torch tensors (bfloat16 too) as numpy arrays."""
-    if type(value).__module__.startswith("torch"):
-        t = value.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16: move the bits
-            import torch
-
-            return t.view(torch.int16).numpy().view(bfloat16.np)
-        return t.numpy()
-    return np.asarray(value)
-
-
 def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
     """Check an array handed in for tensor ``t`` and convert it to ``t``'s dtype (a copy)."""
-    arr = to_numpy(value)
+    try:
+        arr = to_numpy(value)
+    except ValueError as e:
+        raise EvaluationError(f"{what}: not an array ({e})") from None
     if arr.shape != t.shape:
         raise EvaluationError(f"{what}: expected shape {format_shape(t.shape)}, got {format_shape(arr.shape)}")
     kind = "f" if arr.dtype == bfloat16.np else arr.dtype.kind
@@ -245,6 +236,8 @@ def evaluate(
     ``Evaluation`` (a list of them, rank order, for several ranks) with the last iteration's outputs.
     """
     single = isinstance(graphs, Graph)
+    if not single and not (isinstance(graphs, (list, tuple)) and all(isinstance(g, Graph) for g in graphs)):
+        raise EvaluationError(f"evaluate: expected a Graph or a list of rank Graphs, got {type(graphs).__name__}")
     glist = [graphs] if single else list(graphs)
     n = len(glist)
 
@@ -252,6 +245,8 @@ def evaluate(
         if arg is None:
             return [{} for _ in range(n)]
         if single:
+            if not isinstance(arg, Mapping):
+                raise EvaluationError(f"{what}: expected a mapping from names to arrays, got {type(arg).__name__}")
             return [arg]
         if isinstance(arg, Mapping) or len(arg) != n:
             raise EvaluationError(f"{what}: pass a list with one mapping per rank ({n} ranks)")

@@ -2,8 +2,9 @@
 registers all of them in ``megaloop.frontend.opdef.REGISTRY``.
 
 Builders are the public API (``megaloop.matmul``, ``megaloop.softmax``, ...). Each one exported here
-is wrapped by ``_guard`` so that an argument of a kind no rule anticipated still fails with a
-megaloop error naming the builder, never a bare TypeError from deep inside numpy.
+is wrapped by ``_guard``: the op rules check arguments and raise precise errors, and an argument of a
+kind no rule anticipated still fails as a megaloop error naming the builder (it can also turn a bug
+in a rule into such an error; the original exception stays attached as ``__cause__``).
 """
 
 import functools as _functools

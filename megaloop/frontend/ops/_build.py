@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.errors import DtypeError, GraphBuildError, NonFiniteError
+from megaloop.errors import AxisError, DtypeError, GraphBuildError, NonFiniteError
 from megaloop.frontend.opdef import OpDef
+from megaloop.frontend.shapes import normalize_axes, normalize_axis
 from megaloop.frontend.tensor import Tensor
 
 
@@ -54,6 +55,27 @@ def require_int(op: OpDef, name: str, value: Any, *, minimum: int | None = None)
     if minimum is not None and value < minimum:
         raise GraphBuildError(f"{op.name}: {name} must be >= {minimum}, got {value}")
     return value
+
+
+def require_bool(op: OpDef, name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise GraphBuildError(f"{op.name}: {name} must be True or False, got {type(value).__name__} {value!r:.40}")
+
+
+def axis_arg(who: str, x: Tensor, axis: Any, ndim: int | None = None) -> int:
+    """A builder's axis argument normalised for ``x`` (or ``ndim`` axes); AxisError naming ``who``."""
+    try:
+        return normalize_axis(axis, x.ndim if ndim is None else ndim)
+    except ValueError as e:
+        raise AxisError(f"{who}: {e} (x is {x!r})") from None
+
+
+def axes_arg(who: str, x: Tensor, axes: Any) -> tuple[int, ...]:
+    try:
+        return normalize_axes(axes, x.ndim)
+    except ValueError as e:
+        raise AxisError(f"{who}: {e} (x is {x!r})") from None
 
 
 def find_graph_tensor(op: OpDef, *values: Any) -> Tensor:

@@ -25,13 +25,11 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import sources
-from megaloop.frontend.ops._build import apply, require_int, require_scalar
+from megaloop.frontend.ops import _tilings, sources
+from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
-
-_OPTIONAL = {3: "q_positions", 4: "kv_lengths"}
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
@@ -59,7 +57,7 @@ def _infer(call: OpCall) -> list[OutSpec]:
         p = extra[3]
         if not p.dtype.is_int or p.shape != (b, tq):
             raise call.error(
-                ShapeError,
+                ShapeError if p.dtype.is_int else DtypeError,
                 f"q_positions must be an int tensor [batch, q_len] = [{b}, {tq}], got "
                 f"{p.dtype.name}{format_shape(p.shape)}",
             )
@@ -67,11 +65,17 @@ def _infer(call: OpCall) -> list[OutSpec]:
         n = extra[4]
         if not n.dtype.is_int or n.shape != (b,):
             raise call.error(
-                ShapeError,
+                ShapeError if n.dtype.is_int else DtypeError,
                 f"kv_lengths must be an int tensor [batch] = [{b}], got {n.dtype.name}{format_shape(n.shape)}",
             )
     if call.attrs["window"] is not None and not call.attrs["causal"]:
         raise call.error(GraphBuildError, "a sliding window needs causal=True")
+    if 3 in extra and not call.attrs["causal"]:
+        raise call.error(
+            GraphBuildError,
+            "q_positions only matter for a causal mask; pass causal=True",
+            hint="to limit the keys of a non-causal attention, use kv_lengths",
+        )
     if call.attrs["scale"] is None:
         call.attrs["scale"] = 1.0 / math.sqrt(d)
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
@@ -127,6 +131,7 @@ ATTENTION = register(
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
+        tiling=_tilings.ATTENTION,
     )
 )
 
@@ -149,8 +154,9 @@ def attention(
         window = require_int(ATTENTION, "window", window, minimum=1)
     if scale is not None:
         scale = float(require_scalar(ATTENTION, "scale", scale))
+    causal = require_bool(ATTENTION, "causal", causal)
     return apply(
-        ATTENTION, operands, causal=bool(causal), window=window, scale=scale, **({"absent": absent} if absent else {})
+        ATTENTION, operands, causal=causal, window=window, scale=scale, **({"absent": absent} if absent else {})
     )
 
 
@@ -183,7 +189,7 @@ def _update_infer(call: OpCall) -> list[OutSpec]:
         )
     if not pos.dtype.is_int or pos.shape != (b, new.shape[2]):
         raise call.error(
-            ShapeError,
+            ShapeError if pos.dtype.is_int else DtypeError,
             f"positions must be an int tensor [batch, tokens] = [{b}, {new.shape[2]}], "
             f"got {pos.dtype.name}{format_shape(pos.shape)}",
         )
@@ -217,13 +223,21 @@ KV_CACHE_UPDATE = register(
         reference=_update_ref,
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
-        differentiable=False,
+        tiling=_tilings.KV_UPDATE,
     )
 )
 
 
 def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
     """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value."""
+    if isinstance(cache, Tensor) and cache.node.op is sources.STATE:
+        name = cache.node.attrs["name"]
+        if name in cache.graph.state_updates:  # checked first, so a refused call adds no node
+            raise GraphBuildError(
+                f"kv_cache_update: state {name!r} already receives "
+                f"{cache.graph.state_updates[name]!r} this iteration; a state takes one new value "
+                "per iteration"
+            )
     out = apply(KV_CACHE_UPDATE, [cache, new, positions])
     cache.graph.assign(cache, out)
     return out

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from megaloop.dtypes import DType, as_dtype
-from megaloop.errors import AxisError, GraphBuildError, RankError, ShapeError
+from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
-from megaloop.frontend.shapes import format_shape, normalize_axis
+from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
 REDUCE_OPS = ("sum", "max")
@@ -33,6 +34,8 @@ def _group(call: OpCall) -> tuple[int, ...]:
     group = call.attrs["group"]
     if group is None:
         group = tuple(range(graph.world_size))
+    if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in group):
+        raise call.error(RankError, f"group {group!r} must list integer ranks")
     group = tuple(sorted(set(int(r) for r in group)))
     bad = [r for r in group if not 0 <= r < graph.world_size]
     if bad:
@@ -87,6 +90,7 @@ ALL_REDUCE = register(
         infer=_all_reduce_infer,
         reference=_all_reduce_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
+        tiling=_tilings.ALL_REDUCE,
     )
 )
 
@@ -101,10 +105,7 @@ def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None
 def _all_gather_infer(call: OpCall) -> list[OutSpec]:
     group = _group(call)
     x = call.operands[0]
-    try:
-        axis = call.attrs["axis"] = normalize_axis(call.attrs["axis"], x.ndim)
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
+    axis = call.attrs["axis"] = call.axis(call.attrs["axis"], x.ndim)
     shape = x.shape[:axis] + (x.shape[axis] * len(group),) + x.shape[axis + 1 :]
     return [OutSpec(shape, x.dtype)]
 
@@ -119,6 +120,7 @@ ALL_GATHER = register(
         infer=_all_gather_infer,
         reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
         accuracy=Accuracy(ulps=0.0),
+        tiling=_tilings.ALL_GATHER,
     )
 )
 
@@ -134,10 +136,7 @@ def _reduce_scatter_infer(call: OpCall) -> list[OutSpec]:
     group = _group(call)
     _check_reduce_op(call)
     x = call.operands[0]
-    try:
-        axis = call.attrs["axis"] = normalize_axis(call.attrs["axis"], x.ndim)
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
+    axis = call.attrs["axis"] = call.axis(call.attrs["axis"], x.ndim)
     if x.shape[axis] % len(group):
         raise call.error(
             ShapeError,
@@ -164,6 +163,7 @@ REDUCE_SCATTER = register(
         infer=_reduce_scatter_infer,
         reference=_reduce_scatter_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
+        tiling=_tilings.REDUCE_SCATTER,
     )
 )
 
@@ -220,6 +220,7 @@ RECV = register(
         infer=_recv_infer,
         reference=None,
         accuracy=Accuracy(ulps=0.0),
+        tiling=_tilings.RECV,
     )
 )
 
@@ -238,7 +239,7 @@ def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag:
     attrs = {
         "src": require_int(RECV, "src", src),
         "tag": require_int(RECV, "tag", tag),
-        "shape": tuple(int(d) for d in shape),
+        "shape": tuple(require_int(RECV, "shape[i]", d, minimum=1) for d in shape),
         "dtype": as_dtype(dtype),
     }
     if any(d < 1 for d in attrs["shape"]):

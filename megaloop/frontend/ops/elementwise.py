@@ -2,9 +2,11 @@
 and casts.
 
 Dtype rule: operands must have the same dtype; megaloop never promotes implicitly (cast first).
-A Python number may stand in for one operand: it takes the other operand's dtype ("weak" typing, as
-in JAX and PyTorch) and is kept exact in the node (not rounded to bf16 first); arithmetic on
-float16/bfloat16 runs in float32 and rounds once to the output dtype.
+A Python number may stand in for one operand ("weak" typing): the result has the tensor's dtype.
+In arithmetic the number enters the float32 computation as a float32 (``x * 0.1`` on bf16 uses
+0.1f, not 0.1 rounded to bf16 — as PyTorch's mul and div do); in comparisons it is first rounded to
+the tensor's dtype (``x == 0.1`` compares with the bf16 nearest 0.1, as PyTorch and JAX do).
+Arithmetic on float16/bfloat16 runs in float32 and rounds once to the output dtype.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from megaloop import dtypes
-from megaloop.errors import BroadcastError, DtypeError
+from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -83,14 +86,37 @@ def check_scalars(call: OpCall, dtype: dtypes.DType) -> None:
                 raise call.error(DtypeError, f"scalar {value} does not fit in {dtype.name}")
         if dtype.is_bool:
             raise call.error(DtypeError, f"a number cannot stand in for a bool operand ({value!r})")
+        if dtype.is_float and not _fits_float32(value):
+            raise call.error(NonFiniteError, f"scalar {value!r:.30} does not fit in float32, the compute type")
 
 
-def with_scalars(arrays: list[np.ndarray], attrs: dict[str, Any], n_slots: int) -> list[np.ndarray]:
-    """Put the scalar operands back in their slots, in the tensors' compute dtype."""
+def _fits_float32(value: float | int) -> bool:
+    try:
+        return math.fabs(float(value)) <= float(np.finfo(np.float32).max)
+    except OverflowError:  # an int beyond float64
+        return False
+
+
+def with_scalars(
+    arrays: list[np.ndarray], attrs: dict[str, Any], n_slots: int, round_to: np.dtype | None = None
+) -> list[np.ndarray]:
+    """Put the scalar operands back in their slots, in the tensors' compute dtype (first rounded to
+    ``round_to``, the tensors' storage dtype, when given)."""
     scalars = attrs.get("scalars", {})
     compute = next(a.dtype for a in arrays) if arrays else np.dtype(np.float32)
     it = iter(arrays)
-    return [np.asarray(scalars[i], dtype=compute) if i in scalars else next(it) for i in range(n_slots)]
+    out = []
+    for i in range(n_slots):
+        if i in scalars:
+            value = np.asarray(scalars[i])
+            if round_to is not None:
+                value = dtypes.round_to(
+                    value.astype(np.float64) if round_to.kind != "i" else value, dtypes.as_dtype(round_to)
+                )
+            out.append(np.asarray(value, dtype=compute))
+        else:
+            out.append(next(it))
+    return out
 
 
 def to_compute(a: np.ndarray) -> np.ndarray:
@@ -136,7 +162,8 @@ def _binary_op(
         return [OutSpec(shape, dtypes.bool_ if result == "bool" else dtype)]
 
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
-        a, b = with_scalars([to_compute(x) for x in arrays], attrs, 2)
+        storage = arrays[0].dtype if result == "bool" else None
+        a, b = with_scalars([to_compute(x) for x in arrays], attrs, 2, storage)
         return fn(a, b)
 
     return register(
@@ -149,6 +176,7 @@ def _binary_op(
             infer=infer,
             reference=reference,
             accuracy=accuracy,
+            tiling=_tilings.ELEMENTWISE,
         )
     )
 
@@ -266,6 +294,7 @@ WHERE = register(
         infer=_where_infer,
         reference=_where_ref,
         accuracy=Accuracy(ulps=0.0),
+        tiling=_tilings.ELEMENTWISE,
     )
 )
 
@@ -305,7 +334,9 @@ def _unary_op(
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
         if name == "gelu" and call.attrs.get("approximate", "none") not in ("none", "tanh"):
-            raise call.error(DtypeError, f"approximate must be 'none' or 'tanh', got {call.attrs['approximate']!r}")
+            raise call.error(
+                GraphBuildError, f"approximate must be 'none' or 'tanh', got {call.attrs['approximate']!r}"
+            )
         return [OutSpec(call.shape(0), call.dtype(0))]
 
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -321,6 +352,7 @@ def _unary_op(
             infer=infer,
             reference=reference,
             accuracy=accuracy,
+            tiling=_tilings.ELEMENTWISE,
         )
     )
 
@@ -387,6 +419,7 @@ LOGICAL_NOT = register(
         infer=_logical_not_infer,
         reference=lambda arrays, attrs: np.logical_not(arrays[0]),
         accuracy=Accuracy(0.0),
+        tiling=_tilings.ELEMENTWISE,
     )
 )
 
@@ -415,7 +448,7 @@ def _cast_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     if dst.is_bool:
         return to_compute(x) != 0
     if dst.is_float:
-        return x.astype(np.float32)  # exact for every float source; the evaluator rounds to dst
+        return x.astype(np.float32)  # exact from floats; ints round to float32 first, as torch and ml_dtypes do
     return x.astype(dst.np)  # int -> int wraps like C; bool -> 0/1
 
 
@@ -430,6 +463,7 @@ CAST = register(
         infer=_cast_infer,
         reference=_cast_ref,
         accuracy=Accuracy(ulps=0.5),
+        tiling=_tilings.ELEMENTWISE,
     )
 )
 

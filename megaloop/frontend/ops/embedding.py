@@ -8,6 +8,7 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -47,7 +48,7 @@ EMBEDDING = register(
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=0.0),
-        differentiable=False,
+        tiling=_tilings.EMBEDDING,
     )
 )
 

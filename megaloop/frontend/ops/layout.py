@@ -15,11 +15,11 @@ import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, ViewSpec, register
-from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
+from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops._build import apply, apply_multi, axes_arg, axis_arg, require_int, require_tensor
 from megaloop.frontend.shapes import (
     broadcast_shapes,
     format_shape,
-    normalize_axis,
     numel,
     reshape_strides,
 )
@@ -41,13 +41,6 @@ def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[st
             accuracy=_EXACT,
         )
     )
-
-
-def _axis(call: OpCall, axis: Any, ndim: int) -> int:
-    try:
-        return normalize_axis(axis, ndim)
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
 
 
 # ---- reshape ----------------------------------------------------------------------------------
@@ -110,10 +103,7 @@ def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
 def unsqueeze(x: Tensor, axis: int) -> Tensor:
     """Insert a size-1 axis at ``axis`` (counted in the result, as in torch)."""
     require_tensor(RESHAPE, "x", x)
-    try:
-        a = normalize_axis(axis, x.ndim + 1)
-    except ValueError as e:
-        raise AxisError(f"unsqueeze: {e} (x is {x!r})") from None
+    a = axis_arg("unsqueeze", x, axis, x.ndim + 1)
     return reshape(x, (*x.shape[:a], 1, *x.shape[a:]))
 
 
@@ -123,10 +113,7 @@ def squeeze(x: Tensor, axis: int | tuple[int, ...] | None = None) -> Tensor:
     if axis is None:
         axes = tuple(i for i, d in enumerate(x.shape) if d == 1)
     else:
-        try:
-            axes = tuple(normalize_axis(a, x.ndim) for a in ((axis,) if isinstance(axis, int) else axis))
-        except ValueError as e:
-            raise AxisError(f"squeeze: {e} (x is {x!r})") from None
+        axes = axes_arg("squeeze", x, axis)
         for a in axes:
             if x.shape[a] != 1:
                 raise ShapeError(f"squeeze: axis {a} of {x!r} has size {x.shape[a]}, not 1")
@@ -139,10 +126,7 @@ def squeeze(x: Tensor, axis: int | tuple[int, ...] | None = None) -> Tensor:
 def _permute_infer(call: OpCall) -> list[OutSpec]:
     x = call.operands[0]
     axes = call.attrs["axes"]
-    try:
-        norm = tuple(normalize_axis(a, x.ndim) for a in axes)
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
+    norm = tuple(call.axis(a, x.ndim) for a in axes)
     if sorted(norm) != list(range(x.ndim)):
         raise call.error(AxisError, f"axes {tuple(axes)} must be a permutation of 0..{x.ndim - 1}")
     call.attrs["axes"] = norm
@@ -165,10 +149,7 @@ def transpose(x: Tensor, axis0: int = -2, axis1: int = -1) -> Tensor:
     """Swap two axes (a view)."""
     require_tensor(PERMUTE, "x", x)
     perm = list(range(x.ndim))
-    try:
-        a, b = normalize_axis(axis0, x.ndim), normalize_axis(axis1, x.ndim)
-    except ValueError as e:
-        raise AxisError(f"transpose: {e} (x is {x!r})") from None
+    a, b = axis_arg("transpose", x, axis0), axis_arg("transpose", x, axis1)
     perm[a], perm[b] = perm[b], perm[a]
     return permute(x, perm)
 
@@ -295,7 +276,7 @@ BROADCAST_TO = _view_op(
 
 
 def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(require_int(BROADCAST_TO, "shape[i]", d, minimum=1) for d in shape)
     if isinstance(x, Tensor) and shape == x.shape:
         return x
     return apply(BROADCAST_TO, [x], shape=shape)
@@ -306,7 +287,7 @@ def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
 
 def _split_infer(call: OpCall) -> list[OutSpec]:
     x = call.operands[0]
-    axis = _axis(call, call.attrs["axis"], x.ndim)
+    axis = call.axis(call.attrs["axis"], x.ndim)
     call.attrs["axis"] = axis
     sizes = call.attrs["sizes"]
     if sum(sizes) != x.shape[axis] or any(s < 1 for s in sizes):
@@ -331,10 +312,7 @@ SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given siz
 def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
     """``sections`` is a number of equal pieces, or the list of piece sizes."""
     require_tensor(SPLIT, "x", x)
-    try:
-        a = normalize_axis(axis, x.ndim)
-    except ValueError as e:
-        raise AxisError(f"split: {e} (x is {x!r})") from None
+    a = axis_arg("split", x, axis)
     if isinstance(sections, (int, np.integer)):
         n = require_int(SPLIT, "sections", sections, minimum=1)
         if x.shape[a] % n:
@@ -353,7 +331,7 @@ def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tens
 
 def _concat_infer(call: OpCall) -> list[OutSpec]:
     first = call.operands[0]
-    axis = _axis(call, call.attrs["axis"], first.ndim)
+    axis = call.axis(call.attrs["axis"], first.ndim)
     call.attrs["axis"] = axis
     total = 0
     for i, t in enumerate(call.operands):
@@ -379,6 +357,7 @@ CONCAT = register(
         infer=_concat_infer,
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
         accuracy=_EXACT,
+        tiling=_tilings.CONCAT,
     )
 )
 
@@ -388,7 +367,9 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     if not tensors:
         raise GraphBuildError("concat: needs at least one tensor")
     if len(tensors) == 1:
-        return require_tensor(CONCAT, "tensors[0]", tensors[0])
+        x = require_tensor(CONCAT, "tensors[0]", tensors[0])
+        axis_arg("concat", x, axis)
+        return x
     return apply(CONCAT, tensors, axis=axis)
 
 
@@ -402,6 +383,7 @@ COPY = register(
         infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
         accuracy=_EXACT,
+        tiling=_tilings.ELEMENTWISE,
     )
 )
 

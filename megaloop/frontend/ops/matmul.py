@@ -8,7 +8,8 @@ import numpy as np
 
 from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -65,15 +66,28 @@ MATMUL = register(
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
+        tiling=_tilings.MATMUL,
     )
 )
 
 
 def matmul(a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
-    return apply(MATMUL, [a, b], transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+    return apply(
+        MATMUL,
+        [a, b],
+        transpose_a=require_bool(MATMUL, "transpose_a", transpose_a),
+        transpose_b=require_bool(MATMUL, "transpose_b", transpose_b),
+    )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T (+ bias), with weight stored [out_features, in_features] as in PyTorch checkpoints."""
     y = matmul(x, weight, transpose_b=True)
-    return y if bias is None else y + bias
+    if bias is None:
+        return y
+    if not isinstance(bias, Tensor) or bias.shape != (y.shape[-1],):
+        raise ShapeError(
+            f"linear: bias must have shape [{y.shape[-1]}] (out_features), got "
+            f"{format_shape(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}"
+        )
+    return y + bias

@@ -6,11 +6,12 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
+from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
-from megaloop.frontend.shapes import format_shape, normalize_axis
+from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
 _ROW = Accuracy(ulps=2.0, per_reduction=True)
@@ -18,10 +19,7 @@ _ROW = Accuracy(ulps=2.0, per_reduction=True)
 
 def _axis_infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, call.dtype(0), "f")
-    try:
-        call.attrs["axis"] = normalize_axis(call.attrs["axis"], len(call.shape(0)))
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
+    call.attrs["axis"] = call.axis(call.attrs["axis"], len(call.shape(0)))
     return [OutSpec(call.shape(0), call.dtype(0))]
 
 
@@ -49,6 +47,7 @@ SOFTMAX = register(
         infer=_axis_infer,
         reference=_softmax_ref,
         accuracy=_ROW,
+        tiling=_tilings.ROWS,
     )
 )
 LOG_SOFTMAX = register(
@@ -61,6 +60,7 @@ LOG_SOFTMAX = register(
         infer=_axis_infer,
         reference=_log_softmax_ref,
         accuracy=_ROW,
+        tiling=_tilings.ROWS,
     )
 )
 
@@ -134,6 +134,7 @@ LAYERNORM = register(
         infer=_norm_infer,
         reference=_layernorm_ref,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
+        tiling=_tilings.ROWS,
     )
 )
 RMSNORM = register(
@@ -147,6 +148,7 @@ RMSNORM = register(
         infer=_norm_infer,
         reference=_rmsnorm_ref,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
+        tiling=_tilings.ROWS,
     )
 )
 

@@ -13,9 +13,10 @@ import numpy as np
 from megaloop import dtypes
 from megaloop.errors import AxisError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
-from megaloop.frontend.shapes import normalize_axes, normalize_axis
+from megaloop.frontend.shapes import normalize_axes
 from megaloop.frontend.tensor import Tensor
 
 
@@ -25,17 +26,10 @@ def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool)
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def axes_or_raise(call: OpCall, axes: Any) -> tuple[int, ...]:
-    try:
-        return normalize_axes(axes, len(call.shape(0)))
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
-
-
 def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
-        axes = axes_or_raise(call, call.attrs["axis"])
+        axes = call.axes(call.attrs["axis"], len(call.shape(0)))
         call.attrs["axis"] = axes  # canonical form for later layers
         return [OutSpec(reduced_shape(call.shape(0), axes, call.attrs["keepdims"]), call.dtype(0))]
 
@@ -56,6 +50,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> 
             infer=infer,
             reference=reference,
             accuracy=accuracy,
+            tiling=_tilings.REDUCTION,
         )
     )
 
@@ -75,19 +70,19 @@ def _axis_arg(axis: Any) -> Any:
 
 
 def sum(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
-    return apply(SUM, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+    return apply(SUM, [x], axis=_axis_arg(axis), keepdims=require_bool(SUM, "keepdims", keepdims))
 
 
 def mean(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
-    return apply(MEAN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+    return apply(MEAN, [x], axis=_axis_arg(axis), keepdims=require_bool(MEAN, "keepdims", keepdims))
 
 
 def max(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
-    return apply(MAX, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+    return apply(MAX, [x], axis=_axis_arg(axis), keepdims=require_bool(MAX, "keepdims", keepdims))
 
 
 def min(x: Tensor, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Tensor:
-    return apply(MIN, [x], axis=_axis_arg(axis), keepdims=bool(keepdims))
+    return apply(MIN, [x], axis=_axis_arg(axis), keepdims=require_bool(MIN, "keepdims", keepdims))
 
 
 def _argmax_infer(call: OpCall) -> list[OutSpec]:
@@ -96,17 +91,13 @@ def _argmax_infer(call: OpCall) -> list[OutSpec]:
     shape = call.shape(0)
     if axis is None:
         return [OutSpec(tuple(1 for _ in shape) if keepdims else (), dtypes.int64)]
-    if not isinstance(axis, int) or isinstance(axis, bool):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise call.error(
             AxisError,
             f"axis must be one int or None, got {axis!r}",
             hint="argmax reduces a single axis; reshape to merge axes first",
         )
-    try:
-        a = normalize_axis(axis, len(shape))
-    except ValueError as e:
-        raise call.error(AxisError, str(e)) from None
-    call.attrs["axis"] = a
+    a = call.attrs["axis"] = call.axis(axis, len(shape))
     return [OutSpec(reduced_shape(shape, (a,), keepdims), dtypes.int64)]
 
 
@@ -130,10 +121,10 @@ ARGMAX = register(
         infer=_argmax_infer,
         reference=_argmax_ref,
         accuracy=Accuracy(ulps=0.0),
-        differentiable=False,
+        tiling=_tilings.REDUCTION,
     )
 )
 
 
 def argmax(x: Tensor, axis: int | None = None, *, keepdims: bool = False) -> Tensor:
-    return apply(ARGMAX, [x], axis=axis, keepdims=bool(keepdims))
+    return apply(ARGMAX, [x], axis=axis, keepdims=require_bool(ARGMAX, "keepdims", keepdims))

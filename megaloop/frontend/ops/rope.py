@@ -14,6 +14,7 @@ import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -95,6 +96,7 @@ ROPE = register(
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0),
+        tiling=_tilings.ROPE,
     )
 )
 
@@ -113,7 +115,13 @@ def _check_scaling(scaling: Any) -> dict[str, Any] | None:
     for key in needed[s["type"]]:
         if key not in s:
             raise GraphBuildError(f"rope: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")
-        require_scalar(ROPE, f"scaling[{key!r}]", s[key])
+        if require_scalar(ROPE, f"scaling[{key!r}]", s[key]) <= 0:
+            raise GraphBuildError(f"rope: scaling[{key!r}] must be > 0, got {s[key]}")
+    if s["type"] == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
+        raise GraphBuildError(
+            f"rope: llama3 scaling needs high_freq_factor > low_freq_factor, got "
+            f"{s['high_freq_factor']} and {s['low_freq_factor']}"
+        )
     return {k: s[k] for k in ("type", *needed[s["type"]])}
 
 

@@ -21,7 +21,6 @@ def _source(name: str, doc: str) -> OpDef:
             operands=(),
             infer=_declared,
             reference=None,
-            differentiable=False,
         )
     )
 

@@ -1,0 +1,278 @@
+"""The tilings op definitions choose from (``OpDef.tiling``). Each is a function
+``(node, params, ctx) -> [Tile]`` plus its parameters' per-architecture defaults; see
+``megaloop.frontend.tiling`` for what a tile declares."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from megaloop.frontend.tiling import (
+    PEER_SEND,
+    Box,
+    Read,
+    Tile,
+    TileContext,
+    Tiling,
+    Write,
+    chunks,
+    project,
+    same,
+)
+
+# Elements per task for memory-bound ops: 8K elements is 16-32 KB, enough to hide a task's
+# dependency check on the big parts, small enough to spread a decode-sized tensor.
+ELEMENTS = {"sm_80": 8192, "sm_86": 4096, "sm_89": 4096, "sm_90": 8192}
+
+
+def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, params["elements"])):
+        reads = tuple(Read(k, project(box, out.shape, t.shape)) for k, t in enumerate(node.inputs))
+        tiles.append(Tile((i,), reads, (Write(0, box),), flops=box.size))
+    return tiles
+
+
+ELEMENTWISE = Tiling(
+    {"elements": ELEMENTS}, _elementwise, "row-major chunks of the output; broadcast operands read their projection"
+)
+
+
+def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    x, out = node.inputs[0], node.outputs[0]
+    axis = node.attrs["axis"]
+    axes = tuple(range(x.ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+    keepdims = node.attrs["keepdims"]
+    reduced = math.prod(x.shape[a] for a in axes)
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, max(1, params["elements"] // reduced))):
+        lo, hi, j = [], [], 0
+        for d in range(x.ndim):
+            if d in axes:
+                lo.append(0)
+                hi.append(x.shape[d])
+                j += keepdims
+            else:
+                lo.append(box.lo[j])
+                hi.append(box.hi[j])
+                j += 1
+        xbox = Box(tuple(lo), tuple(hi))
+        tiles.append(Tile((i,), (Read(0, xbox),), (Write(0, box),), flops=xbox.size))
+    return tiles
+
+
+REDUCTION = Tiling({"elements": ELEMENTS}, _reduction, "chunks of the output, each reading whole reduced axes")
+
+
+def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    x = node.inputs[0]
+    axis = node.attrs.get("axis", x.ndim - 1)
+    outer = x.shape[:axis] + x.shape[axis + 1 :]
+    tiles = []
+    for i, box in enumerate(chunks(outer, max(1, params["elements"] // x.shape[axis]))):
+        xbox = Box(box.lo[:axis] + (0,) + box.lo[axis:], box.hi[:axis] + (x.shape[axis],) + box.hi[axis:])
+        reads = (Read(0, xbox),) + tuple(Read(k, Box.full(t.shape)) for k, t in enumerate(node.inputs) if k)
+        tiles.append(Tile((i,), reads, (Write(0, xbox),), flops=5 * xbox.size))
+    return tiles
+
+
+ROWS = Tiling({"elements": ELEMENTS}, _rows, "blocks of whole rows along the normalised axis")
+
+
+def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    a, b = node.inputs
+    out = node.outputs[0]
+    ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
+    *batch, m, n = out.shape
+    k = a.shape[-2] if ta else a.shape[-1]
+    bm, bn = min(params["block_m"], m), min(params["block_n"], n)
+    n_batch = math.prod(batch)
+    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles first.
+    while n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors and bn > 16:
+        bn = max(16, bn // 2)
+    tiles = []
+    batch_shape = tuple(batch)
+    for bi, bidx in enumerate(chunks(batch_shape, 1)):
+        abatch = project(bidx, batch_shape, a.shape[:-2])
+        bbatch = project(bidx, batch_shape, b.shape[:-2])
+        for i in range(0, m, bm):
+            for j in range(0, n, bn):
+                rows, cols = (i, min(m, i + bm)), (j, min(n, j + bn))
+                arows = ((0, k), rows) if ta else (rows, (0, k))
+                bcols = (cols, (0, k)) if tb else ((0, k), cols)
+                abox = Box(abatch.lo + (arows[0][0], arows[1][0]), abatch.hi + (arows[0][1], arows[1][1]))
+                bbox = Box(bbatch.lo + (bcols[0][0], bcols[1][0]), bbatch.hi + (bcols[0][1], bcols[1][1]))
+                obox = Box(bidx.lo + (rows[0], cols[0]), bidx.hi + (rows[1], cols[1]))
+                flops = 2 * (rows[1] - rows[0]) * (cols[1] - cols[0]) * k
+                tiles.append(Tile((bi, i // bm, j // bn), (Read(0, abox), Read(1, bbox)), (Write(0, obox),), flops))
+    return tiles
+
+
+MATMUL = Tiling(
+    {
+        "block_m": {"sm_80": 128, "sm_86": 64, "sm_89": 64, "sm_90": 128},
+        "block_n": {"sm_80": 128, "sm_86": 128, "sm_89": 128, "sm_90": 128},
+    },
+    _matmul,
+    "output tiles of block_m x block_n per batch index, full K; narrower when few",
+)
+
+
+def _embedding(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    table, ids = node.inputs
+    d = table.shape[1]
+    tiles = []
+    for i, box in enumerate(chunks(ids.shape, max(1, params["elements"] // d))):
+        obox = Box(box.lo + (0,), box.hi + (d,))
+        # rows are picked by data: the whole (read-only) table is declared
+        tiles.append(Tile((i,), (Read(0, Box.full(table.shape)), Read(1, box)), (Write(0, obox),), 0))
+    return tiles
+
+
+EMBEDDING = Tiling({"elements": ELEMENTS}, _embedding, "blocks of ids, whole rows of the table")
+
+
+def _rope(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    x, pos = node.inputs
+    tiles = []
+    for i, box in enumerate(chunks(x.shape[:-1], max(1, params["elements"] // x.shape[-1]))):
+        xbox = Box(box.lo + (0,), box.hi + (x.shape[-1],))
+        reads = (Read(0, xbox), Read(1, project(box, x.shape[:-1], pos.shape)))
+        tiles.append(Tile((i,), reads, (Write(0, xbox),), 6 * xbox.size))
+    return tiles
+
+
+ROPE = Tiling({"elements": ELEMENTS}, _rope, "blocks of whole head vectors with their positions")
+
+
+def _attention(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    q, k, v = node.inputs[:3]
+    absent = node.attrs.get("absent", ())
+    slot = {s: 3 + n for n, s in enumerate(s for s in (3, 4) if s not in absent)}  # optional operands
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qb = min(params["q_block"], tq)
+    tiles = []
+    for bi in range(b):
+        for h in range(hkv):
+            for s in range(0, tq, qb):
+                e = min(tq, s + qb)
+                qbox = Box((bi, h * group, s, 0), (bi + 1, (h + 1) * group, e, d))
+                kv = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, d))
+                reads = [Read(0, qbox), Read(1, kv), Read(2, Box((bi, h, 0, 0), (bi + 1, h + 1, tk, v.shape[3])))]
+                if 3 in slot:
+                    reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
+                if 4 in slot:
+                    reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
+                obox = Box((bi, h * group, s, 0), (bi + 1, (h + 1) * group, e, v.shape[3]))
+                flops = 2 * group * (e - s) * tk * (d + v.shape[3])
+                tiles.append(Tile((bi, h, s // qb), tuple(reads), (Write(0, obox),), flops))
+    return tiles
+
+
+ATTENTION = Tiling(
+    {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
+    _attention,
+    "one (batch, kv head) pair and a block of queries: all query heads sharing that kv head",
+)
+
+
+def _kv_update(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    cache, new, pos = node.inputs
+    b, h, s, d = cache.shape
+    tiles = []
+    for bi in range(b):
+        for hi in range(h):
+            slab = Box((bi, hi, 0, 0), (bi + 1, hi + 1, s, d))
+            reads = (
+                Read(0, slab),
+                Read(1, Box((bi, hi, 0, 0), (bi + 1, hi + 1, new.shape[2], d))),
+                Read(2, Box((bi, 0), (bi + 1, pos.shape[1]))),
+            )
+            # the rows written depend on the positions' values: the whole slab is declared
+            tiles.append(Tile((bi, hi), reads, (Write(0, slab),), 0))
+    return tiles
+
+
+KV_UPDATE = Tiling({}, _kv_update, "one (batch, kv head) slab of the cache")
+
+
+def _concat(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    axis = node.attrs["axis"]
+    starts, at = [], 0
+    for t in node.inputs:
+        starts.append(at)
+        at += t.shape[axis]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, params["elements"])):
+        reads = []
+        for k, t in enumerate(node.inputs):
+            lo = max(box.lo[axis], starts[k])
+            hi = min(box.hi[axis], starts[k] + t.shape[axis])
+            if lo < hi:
+                reads.append(Read(k, box.replace(axis, lo - starts[k], hi - starts[k])))
+        tiles.append(Tile((i,), tuple(reads), (Write(0, box),), 0))
+    return tiles
+
+
+CONCAT = Tiling({"elements": ELEMENTS}, _concat, "row-major chunks of the output, reading the pieces they cover")
+
+
+# ---- collectives: a tile reads its box of every member's operand (pulled over NVLink) ----------
+
+
+def _members(node: Any, ctx: TileContext) -> tuple[int, ...]:
+    return node.attrs["group"]
+
+
+def _all_reduce(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    members = _members(node, ctx)
+    return [
+        Tile((i,), tuple(Read(0, box, m) for m in members), (Write(0, box),), box.size * len(members))
+        for i, box in enumerate(chunks(out.shape, params["elements"]))
+    ]
+
+
+def _all_gather(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    axis = node.attrs["axis"]
+    piece = node.inputs[0].shape[axis]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, params["elements"])):
+        reads = []
+        for j, m in enumerate(_members(node, ctx)):
+            lo, hi = max(box.lo[axis], j * piece), min(box.hi[axis], (j + 1) * piece)
+            if lo < hi:
+                reads.append(Read(0, box.replace(axis, lo - j * piece, hi - j * piece), m))
+        tiles.append(Tile((i,), tuple(reads), (Write(0, box),), 0))
+    return tiles
+
+
+def _reduce_scatter(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    axis = node.attrs["axis"]
+    members = _members(node, ctx)
+    shift = members.index(ctx.rank) * out.shape[axis]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, params["elements"])):
+        src = box.replace(axis, box.lo[axis] + shift, box.hi[axis] + shift)
+        tiles.append(Tile((i,), tuple(Read(0, src, m) for m in members), (Write(0, box),), box.size * len(members)))
+    return tiles
+
+
+def _recv(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    out = node.outputs[0]
+    return [
+        Tile((i,), (Read(PEER_SEND, box, node.attrs["src"]),), (Write(0, box),), 0)
+        for i, box in enumerate(chunks(out.shape, params["elements"]))
+    ]
+
+
+ALL_REDUCE = Tiling({"elements": same(4096)}, _all_reduce, "chunks; each sums its chunk of every member in rank order")
+ALL_GATHER = Tiling({"elements": same(8192)}, _all_gather, "chunks of the output, read from the members they cover")
+REDUCE_SCATTER = Tiling({"elements": same(4096)}, _reduce_scatter, "chunks of this rank's piece of the sum")
+RECV = Tiling({"elements": same(8192)}, _recv, "chunks of the received tensor, read from the sender")

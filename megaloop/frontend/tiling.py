@@ -1,0 +1,163 @@
+"""How an op splits into tile tasks: part of each op's single definition (``OpDef.tiling``).
+
+A ``Tiling`` has named integer parameters with a default per GPU architecture, and a function that
+turns one node plus chosen parameters into ``Tile``\\ s. A tile names the boxes (per-axis index ranges,
+in each tensor's own index space) it reads from the op's operands and writes to its outputs, and how
+many floating-point operations it performs. The planner turns boxes into byte ranges, derives the
+dependencies between tiles from them, and schedules the tiles; the plan interpreter executes each
+tile with the op's numpy reference, reading *only* the declared boxes (everything else is poisoned),
+so a tiling that under-declares its reads produces NaNs there instead of a silently right answer.
+
+A read may name another rank (``rank=``) for collectives; operand index ``PEER_SEND`` in a recv's
+read means "the tensor the matching send on the source rank hands over".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megaloop.errors import GraphBuildError
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+PEER_SEND = -1  # operand index of a recv's read: the matched send's input on the source rank
+
+
+@dataclass(frozen=True)
+class Box:
+    """Index ranges [lo[d], hi[d]) per axis of a tensor."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    @staticmethod
+    def full(shape: Sequence[int]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(h - lo for lo, h in zip(self.lo, self.hi))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(lo, h) for lo, h in zip(self.lo, self.hi))
+
+    def replace(self, axis: int, lo: int, hi: int) -> Box:
+        return Box(self.lo[:axis] + (lo,) + self.lo[axis + 1 :], self.hi[:axis] + (hi,) + self.hi[axis + 1 :])
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{lo}:{h}" for lo, h in zip(self.lo, self.hi)) + "]"
+
+
+@dataclass(frozen=True)
+class Read:
+    operand: int  # index into the node's operands (PEER_SEND for a recv)
+    box: Box
+    rank: int | None = None  # another rank's copy of the operand (collectives); None: this rank
+
+
+@dataclass(frozen=True)
+class Write:
+    output: int  # index into the node's outputs
+    box: Box
+
+
+@dataclass(frozen=True)
+class Tile:
+    coords: tuple[int, ...]  # position in the op's grid of tiles, for names ("matmul_12[0,3]")
+    reads: tuple[Read, ...]
+    writes: tuple[Write, ...]
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class TileContext:
+    """What a tiling function may look at besides the node."""
+
+    rank: int
+    world_size: int
+    processors: int  # thread blocks the plan has: small ops may pick smaller tiles to use them all
+
+
+@dataclass(frozen=True)
+class Tiling:
+    params: dict[str, dict[str, int]]  # parameter -> architecture -> default
+    make: Callable[[Any, dict[str, int], TileContext], list[Tile]]  # (node, params, ctx) -> tiles
+    doc: str = ""
+
+    def defaults(self, arch: str) -> dict[str, int]:
+        if arch not in ARCHS:
+            raise GraphBuildError(f"unknown architecture {arch!r}; megaloop plans for {', '.join(ARCHS)}")
+        return {name: by_arch[arch] for name, by_arch in self.params.items()}
+
+    def resolve(self, op_name: str, arch: str, overrides: dict[str, Any] | None) -> dict[str, int]:
+        """Defaults for ``arch`` with ``overrides`` applied; unknown names or non-positive values fail."""
+        params = self.defaults(arch)
+        for key, value in (overrides or {}).items():
+            if key not in params:
+                raise GraphBuildError(f"{op_name}: unknown tile parameter {key!r}; it takes {sorted(params)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GraphBuildError(f"{op_name}: tile parameter {key} must be an int >= 1, got {value!r}")
+            params[key] = value
+        return params
+
+
+def same(value: int) -> dict[str, int]:
+    """The same default on every architecture."""
+    return {arch: value for arch in ARCHS}
+
+
+# ---- helpers the op tilings share -----------------------------------------------------------------
+
+
+def chunks(shape: Sequence[int], elements: int) -> Iterator[Box]:
+    """Cover ``shape`` with boxes of at most ``elements`` elements that are contiguous runs in row-major
+    order: whole trailing axes, a block of one axis, and single indices before it."""
+    shape = tuple(shape)
+    if not shape:
+        yield Box((), ())
+        return
+    k = len(shape) - 1  # the axis that is split into blocks
+    inner = 1
+    while k > 0 and inner * shape[k] <= elements:
+        inner *= shape[k]
+        k -= 1
+    if inner * shape[k] <= elements:
+        yield Box.full(shape)
+        return
+    block = max(1, elements // inner)
+    for outer in _indices(shape[:k]):
+        for start in range(0, shape[k], block):
+            stop = min(shape[k], start + block)
+            yield Box(
+                outer + (start,) + (0,) * (len(shape) - k - 1), tuple(i + 1 for i in outer) + (stop,) + shape[k + 1 :]
+            )
+
+
+def _indices(shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+def project(box: Box, out_shape: Sequence[int], operand_shape: Sequence[int]) -> Box:
+    """The box of a broadcast operand that an output box reads (numpy broadcasting, aligned right)."""
+    lead = len(out_shape) - len(operand_shape)
+    lo, hi = [], []
+    for d, size in enumerate(operand_shape):
+        if size == 1:
+            lo.append(0)
+            hi.append(1)
+        else:
+            lo.append(box.lo[lead + d])
+            hi.append(box.hi[lead + d])
+    return Box(tuple(lo), tuple(hi))

@@ -1,0 +1,148 @@
+"""From "task a must come before task c" requirements to the fewest counter waits that guarantee them.
+
+Each task signals its own counter once per iteration. Happens-before (HB) among task instances comes
+from two sources only: program order on a processor, and waits. Because each processor runs its list
+in order, what HB-precedes a task on processor p is a prefix of p's list, so the whole ancestry of a
+task is a vector clock: for every processor, the last position known to have finished. A requirement
+(a before c) holds when a's position is within c's clock.
+
+For each task, in an order consistent with HB, the clock starts from its program predecessor; for
+every requirement not yet covered a wait on the producer is added (latest producers first, since
+their clocks cover the most), and afterwards every wait whose removal leaves all requirements covered
+is dropped again. The result is irredundant: removing any single wait leaves some conflicting pair
+unordered, which is what the verifier's mutation tests rely on.
+
+Iteration 1 is the steady state: lag-0 waits are fixed from iteration 0 (paths between same-
+iteration instances never leave the iteration), then lag-1 requirements (previous iteration's
+instance first) are covered the same way with clocks of iteration 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from megaloop.errors import InternalError
+
+
+@dataclass
+class Layout:
+    """Processor placement of global tasks: ``proc[g]`` (global processor), ``index[g]`` (position
+    in its list) and the lists themselves."""
+
+    proc: np.ndarray
+    index: np.ndarray
+    lists: list[list[int]]
+
+    @property
+    def processors(self) -> int:
+        return len(self.lists)
+
+
+def program_predecessors(layout: Layout) -> np.ndarray:
+    pred = np.full(len(layout.proc), -1, np.int64)
+    for lst in layout.lists:
+        for a, b in zip(lst, lst[1:]):
+            pred[b] = a
+    return pred
+
+
+def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
+    """A topological order of program order plus same-iteration requirements (None on a cycle)."""
+    n = len(layout.proc)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = np.zeros(n, np.int64)
+    pred = program_predecessors(layout)
+    for c in range(n):
+        if pred[c] >= 0:
+            succ[pred[c]].append(c)
+            indeg[c] += 1
+        for a in req0[c]:
+            succ[a].append(c)
+            indeg[c] += 1
+    heap = [c for c in range(n) if indeg[c] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        a = heapq.heappop(heap)
+        order.append(a)
+        for c in succ[a]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                heapq.heappush(heap, c)
+    return order if len(order) == n else None
+
+
+def derive_waits(
+    layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int]
+) -> list[list[tuple[int, int]]]:
+    """Waits per task as (producer task, lag); ``order`` must be consistent with program order and req0."""
+    n, g = len(layout.proc), layout.processors
+    proc, index = layout.proc, layout.index
+    lengths = np.array([len(lst) for lst in layout.lists], np.int64)
+    pred = program_predecessors(layout)
+    last = {p: lst[-1] for p, lst in enumerate(layout.lists) if lst}
+    rank_in_order = np.empty(n, np.int64)
+    rank_in_order[np.asarray(order, np.int64)] = np.arange(n)
+    vc0 = np.full((n, g), -1, np.int64)
+    vc1 = np.full((n, g), -1, np.int64)
+    waits: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def cover(base: np.ndarray, need: list[int], clocks: np.ndarray, lag: int) -> list[int]:
+        """Greedy waits for ``need`` (then pruned), given the clock ``base`` before any of them."""
+        need = sorted(need, key=lambda a: -rank_in_order[a])
+        chosen: list[int] = []
+        cur = base.copy()
+        for a in need:
+            if index[a] > cur[proc[a]]:
+                chosen.append(a)
+                np.maximum(cur, clocks[a], out=cur)
+        for w in list(chosen):
+            rest = [x for x in chosen if x != w]
+            trial = base.copy()
+            for x in rest:
+                np.maximum(trial, clocks[x], out=trial)
+            if all(index[a] <= trial[proc[a]] for a in need):
+                chosen = rest
+        return chosen
+
+    for c in order:  # iteration 0: same-iteration requirements
+        base = vc0[pred[c]].copy() if pred[c] >= 0 else np.full(g, -1, np.int64)
+        base[proc[c]] = index[c]
+        need = [a for a in req0[c] if index[a] > base[proc[a]]]
+        chosen = cover(base, need, vc0, 0) if need else []
+        for a in chosen:
+            np.maximum(base, vc0[a], out=base)
+        vc0[c] = base
+        waits[c] = [(a, 0) for a in chosen]
+    for c in order:  # iteration 1: clocks count positions of iteration 1 as length + index
+        if pred[c] >= 0:
+            base = vc1[pred[c]].copy()
+        else:
+            base = vc0[last[proc[c]]].copy()
+        base[proc[c]] = lengths[proc[c]] + index[c]
+        for a, _ in waits[c]:
+            np.maximum(base, vc1[a], out=base)
+        need = [a for a in req1[c] if index[a] > base[proc[a]]]
+        chosen = cover(base, need, vc0, 1) if need else []
+        for a in chosen:
+            np.maximum(base, vc0[a], out=base)
+        vc1[c] = base
+        waits[c] += [(a, 1) for a in chosen]
+    _self_check(layout, req0, req1, vc0, vc1, order)
+    return waits
+
+
+def _self_check(
+    layout: Layout, req0: list[list[int]], req1: list[list[int]], vc0: np.ndarray, vc1: np.ndarray, order: list[int]
+) -> None:
+    lengths = np.array([len(lst) for lst in layout.lists], np.int64)
+    for c in order:
+        for a in req0[c]:
+            if layout.index[a] > vc1[c][layout.proc[a]] - lengths[layout.proc[a]]:
+                raise InternalError(f"task {c}: same-iteration requirement on {a} not covered")
+        for a in req1[c]:
+            if layout.index[a] > vc1[c][layout.proc[a]]:
+                raise InternalError(f"task {c}: previous-iteration requirement on {a} not covered")

@@ -1,0 +1,146 @@
+"""What a plan is: per rank, the tensors and buffers of one arena, the ops with their tile
+parameters, the tile tasks with what they read and write, the counters, and each processor's
+ordered task list. ``docs/plan-format.md`` describes the JSON form of the same objects.
+
+Counting conventions: strides and tensor offsets in elements; buffer offsets and sizes in bytes
+from the start of the rank's arena. A task increments its ``signal`` counter once per iteration
+after it ran; a ``Wait(rank, counter, lag)`` in iteration k blocks until that counter (on ``rank``)
+reaches ``signalers(counter) * (k + 1 - lag)``: lag 0 waits for this iteration's work, lag 1 for the
+previous iteration's (write-after-read across iterations). Targets grow with k, so counters are
+never reset. All signalers of a counter run on one processor, which makes the count exact: it can
+only reach n·m once every signaler has finished iterations 0..m-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megaloop.dtypes import DType
+from megaloop.frontend.graph import Graph
+from megaloop.frontend.tiling import Box
+
+FORMAT = "megaloop-plan"
+VERSION = 1
+
+# buffer kinds: read-only while a run is in flight (written by the host between runs) ...
+READ_ONLY_KINDS = ("parameter", "constant", "input")
+# ... or written by tasks
+WRITABLE_KINDS = ("state", "output", "scratch")
+BUFFER_KINDS = READ_ONLY_KINDS + WRITABLE_KINDS
+
+
+@dataclass
+class PlanTensor:
+    id: int
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    buffer: int  # the buffer holding its storage
+    strides: tuple[int, ...]  # elements
+    offset: int  # elements from the buffer's start
+
+
+@dataclass
+class Buffer:
+    id: int
+    name: str
+    kind: str  # one of BUFFER_KINDS
+    offset: int  # bytes from the arena's start (aligned)
+    nbytes: int
+    peer: bool = False  # read by tasks of other ranks: must live in peer-visible memory
+
+
+@dataclass
+class PlanOp:
+    id: int
+    name: str  # the graph node's name, or "assign:<state>" for a state update copy
+    op: str  # registry name
+    node: int | None  # graph node id (None for plan-made copies)
+    inputs: list[int]  # tensor ids
+    outputs: list[int]
+    attrs: dict[str, Any]
+    tile: dict[str, int]  # tiling parameters
+    seq: int  # position in the program's sequential order (across ranks)
+
+
+@dataclass
+class Access:
+    tensor: int  # tensor id in the plan of ``rank``
+    box: Box
+    rank: int  # whose tensor: this rank's, or a peer's for collectives
+
+
+@dataclass(frozen=True)
+class Wait:
+    rank: int
+    counter: int
+    lag: int
+
+
+@dataclass
+class Task:
+    id: int
+    op: int  # PlanOp id
+    coords: tuple[int, ...]
+    reads: list[Access]
+    writes: list[Access]
+    flops: int
+    bytes: int
+    cost_ns: float
+    signal: int = -1  # counter id on this rank
+    waits: list[Wait] = field(default_factory=list)
+
+
+@dataclass
+class Counter:
+    id: int
+    name: str
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    graph: Graph
+    tensors: list[PlanTensor]
+    buffers: list[Buffer]
+    ops: list[PlanOp]
+    tasks: list[Task]
+    counters: list[Counter]
+    processors: list[list[int]]  # task ids in execution order, one list per processor
+    arena_bytes: int
+    # derived while planning or loading, not saved:
+    tensor_of: dict[Any, int] = field(default_factory=dict)  # graph Tensor -> tensor id
+    owner: dict[int, int] = field(default_factory=dict)  # tensor id -> tensor id owning its storage
+    memory: Any = None  # megaloop.plan.memory.Layout of the arena
+
+    def task_name(self, task: Task) -> str:
+        coords = ",".join(str(c) for c in task.coords)
+        return f"{self.ops[task.op].name}[{coords}]"
+
+    def signalers(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for t in self.tasks:
+            out.setdefault(t.signal, []).append(t.id)
+        return out
+
+
+@dataclass
+class Plan:
+    arch: str
+    processors: int
+    warps: int  # per processor (thread block)
+    shared_memory: int  # bytes per processor
+    ranks: list[RankPlan]
+    overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # tile overrides it was made with
+    estimated_ns: float = 0.0  # the scheduler's estimate of one iteration
+    matching: Any = None  # megaloop.parallel.RankMatching of the graphs (derived, not saved)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def task_label(self, rank: int, task_id: int) -> str:
+        rp = self.ranks[rank]
+        prefix = f"rank {rank} " if self.world_size > 1 else ""
+        return prefix + rp.task_name(rp.tasks[task_id])

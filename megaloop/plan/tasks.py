@@ -1,0 +1,76 @@
+"""Tile tasks: each plan op's tiling, turned into tasks whose reads and writes name plan tensors
+(on this rank or, for collectives and recv, on the peer that holds the data), with cost estimates."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from megaloop.errors import InternalError
+from megaloop.frontend.graph import Node
+from megaloop.frontend.opdef import REGISTRY
+from megaloop.frontend.tiling import PEER_SEND, TileContext
+from megaloop.plan.model import Access, Plan, PlanOp, RankPlan, Task
+from megaloop.plan.schedule import task_cost_ns
+
+
+def peer_operand(plan: Plan, rank: int, node: Node, operand: int, member: int) -> int:
+    """Tensor id, in rank ``member``'s plan, of what ``node`` (on ``rank``) reads there: operand
+    ``operand`` of the member's copy of a collective, or the matched send's input for a recv."""
+    m = plan.matching
+    if operand == PEER_SEND:
+        transfer = m.transfer_of[node]
+        return plan.ranks[transfer.src].tensor_of[transfer.send.inputs[0]]
+    c = m.collective_of[node]
+    peer_node = c.nodes[c.group.index(member)]
+    return plan.ranks[member].tensor_of[peer_node.inputs[operand]]
+
+
+def op_node(rp: RankPlan, op: PlanOp) -> Any:
+    """The graph node an op came from; for a plan-made state copy, a stand-in with the value as input
+    and the state as output (all a tiling function looks at)."""
+    if op.node is not None:
+        return rp.graph.nodes[op.node]
+    name = op.name.removeprefix("assign:")
+    return SimpleNamespace(inputs=[rp.graph.state_updates[name]], outputs=[rp.graph.states[name]], attrs={})
+
+
+def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
+    rp = plan.ranks[rank]
+    ctx = TileContext(rank, plan.world_size, plan.processors)
+    return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
+
+
+def make_tasks(plan: Plan) -> None:
+    for rank, rp in enumerate(plan.ranks):
+        rp.tasks = []
+        for op in rp.ops:
+            rp.tasks.extend(tasks_of_op(plan, rank, op, first_id=len(rp.tasks)))
+
+
+def tasks_of_op(plan: Plan, rank: int, op: PlanOp, first_id: int) -> list[Task]:
+    rp = plan.ranks[rank]
+    node = op_node(rp, op)
+    out = []
+    for k, tile in enumerate(tiles_of(plan, rank, op)):
+        reads = []
+        local = remote = 0
+        for rd in tile.reads:
+            owner = rank if rd.rank is None else rd.rank
+            if owner == rank and rd.operand != PEER_SEND:
+                tid = op.inputs[rd.operand]
+            elif op.node is not None:
+                tid = peer_operand(plan, rank, node, rd.operand, owner)
+            else:
+                raise InternalError(f"{op.name}: a plan-made op cannot read another rank")
+            reads.append(Access(tid, rd.box, owner))
+            nbytes = rd.box.size * plan.ranks[owner].tensors[tid].dtype.itemsize
+            if owner == rank:
+                local += nbytes
+            else:
+                remote += nbytes
+        writes = [Access(op.outputs[w.output], w.box, rank) for w in tile.writes]
+        local += sum(w.box.size * rp.tensors[op.outputs[w.output]].dtype.itemsize for w in tile.writes)
+        cost = task_cost_ns(plan.arch, plan.processors, local, remote, tile.flops)
+        out.append(Task(first_id + k, op.id, tile.coords, reads, writes, tile.flops, local + remote, cost))
+    return out
