@@ -1,6 +1,7 @@
 """The ``megaloop`` command.
 
 megaloop demo     build a small Llama-style transformer, run prefill + decode steps, check them
+megaloop plan     plan a Llama-family model for the loop kernel and print the plan's statistics
 megaloop ops      list the op set with each op's documentation
 megaloop info     versions, GPUs, and which backend ``demo`` would use
 """
@@ -88,6 +89,62 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+PRESETS = {
+    "tiny": LlamaConfig(hidden=256, heads=8, kv_heads=2, intermediate=688, layers=2, vocab=1000, max_seq=512),
+    "llama3.2-1b": LlamaConfig(
+        hidden=2048, heads=32, kv_heads=8, intermediate=8192, layers=16, vocab=128256, rope_theta=500000.0, max_seq=4096
+    ),
+    "llama3-8b": LlamaConfig(
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        layers=32,
+        vocab=128256,
+        rope_theta=500000.0,
+        max_seq=4096,
+    ),
+}
+
+
+def _tile_overrides(items: list[str]) -> dict[str, dict[str, int]]:
+    """``matmul:block_m=64`` (op or node name, then parameter=value) into the planner's overrides."""
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        try:
+            name, setting = item.rsplit(":", 1)
+            key, value = setting.split("=")
+            out.setdefault(name, {})[key] = int(value)
+        except ValueError:
+            raise SystemExit(
+                f"megaloop plan: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
+            ) from None
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megaloop.plan import make_plan
+    from megaloop.plan.stats import format_stats
+
+    cfg = PRESETS[args.preset]
+    t0 = time.perf_counter()
+    graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
+    t1 = time.perf_counter()
+    plan = make_plan(
+        graph, processors=args.processors, arch=args.arch, tiles=_tile_overrides(args.tile), reuse=not args.no_reuse
+    )
+    t2 = time.perf_counter()
+    print(
+        f"{args.preset}: {cfg.layers} layers, hidden {cfg.hidden}, batch {args.batch} x {args.tokens} tokens; "
+        f"graph {len(graph.nodes)} nodes built in {t1 - t0:.2f} s, planned and verified in {t2 - t1:.2f} s"
+    )
+    print(format_stats(plan, plan.stats()))
+    if args.save:
+        plan.save(args.save)
+        print(f"saved {args.save}")
+    return 0
+
+
 def cmd_ops(args: argparse.Namespace) -> int:
     by_cat: dict[str, list[str]] = {}
     for op in REGISTRY.values():
@@ -130,6 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--summary", action="store_true", help="print the whole graph")
     demo.set_defaults(fn=cmd_demo)
+    plan = sub.add_parser("plan", help="plan a Llama-family model and print statistics")
+    plan.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--tokens", type=int, default=1, help="tokens per sequence in one step (1: decode)")
+    plan.add_argument("--processors", type=int, default=132, help="thread blocks (132 SMs on an H200)")
+    plan.add_argument("--arch", default="sm_90", choices=["sm_80", "sm_86", "sm_89", "sm_90"])
+    plan.add_argument(
+        "--tile",
+        action="append",
+        default=[],
+        metavar="NAME:PARAM=INT",
+        help="override a tile parameter, e.g. matmul:block_m=64 (repeatable)",
+    )
+    plan.add_argument("--no-reuse", action="store_true", help="give every intermediate its own memory")
+    plan.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON")
+    plan.set_defaults(fn=cmd_plan)
     sub.add_parser("ops", help="list the op set").set_defaults(fn=cmd_ops)
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
     args = parser.parse_args(argv)

@@ -19,7 +19,9 @@ Kinds of op, which decide how the reference backend and later the planner treat 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,24 @@ class OpDef:
 
 
 REGISTRY: dict[str, OpDef] = {}
+
+_DATA_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("megaloop_data_checks", default=True)
+
+
+def data_checks() -> bool:
+    """Whether references raise DataError on invalid values (ids, positions, lengths out of range)."""
+    return _DATA_CHECKS.get()
+
+
+@contextlib.contextmanager
+def without_data_checks() -> Iterator[None]:
+    """References clamp invalid indices instead of raising. The plan interpreter uses this: a tile's
+    operands are poisoned outside the boxes it declares, and indices there never reach its output."""
+    token = _DATA_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _DATA_CHECKS.reset(token)
 
 
 def register(op: OpDef) -> OpDef:

@@ -14,10 +14,9 @@ read means "the tensor the matching send on the source rank hands over".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from megaloop.errors import GraphBuildError
 
@@ -25,9 +24,9 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 PEER_SEND = -1  # operand index of a recv's read: the matched send's input on the source rank
 
 
-@dataclass(frozen=True)
-class Box:
-    """Index ranges [lo[d], hi[d]) per axis of a tensor."""
+class Box(NamedTuple):
+    """Index ranges [lo[d], hi[d]) per axis of a tensor. (Tuples: planning makes hundreds of
+    thousands of these, and tuples are the cheapest immutable records Python has.)"""
 
     lo: tuple[int, ...]
     hi: tuple[int, ...]
@@ -42,38 +41,39 @@ class Box:
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        n = 1
+        for lo, h in zip(self.lo, self.hi):
+            n *= h - lo
+        return n
 
     @property
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(lo, h) for lo, h in zip(self.lo, self.hi))
 
-    def replace(self, axis: int, lo: int, hi: int) -> Box:
+    def replace(self, axis: int, lo: int, hi: int) -> Box:  # type: ignore[override]
         return Box(self.lo[:axis] + (lo,) + self.lo[axis + 1 :], self.hi[:axis] + (hi,) + self.hi[axis + 1 :])
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{lo}:{h}" for lo, h in zip(self.lo, self.hi)) + "]"
 
 
-@dataclass(frozen=True)
-class Read:
+class Read(NamedTuple):
     operand: int  # index into the node's operands (PEER_SEND for a recv)
     box: Box
     rank: int | None = None  # another rank's copy of the operand (collectives); None: this rank
 
 
-@dataclass(frozen=True)
-class Write:
+class Write(NamedTuple):
     output: int  # index into the node's outputs
     box: Box
 
 
-@dataclass(frozen=True)
-class Tile:
+class Tile(NamedTuple):
     coords: tuple[int, ...]  # position in the op's grid of tiles, for names ("matmul_12[0,3]")
     reads: tuple[Read, ...]
     writes: tuple[Write, ...]
     flops: int = 0
+    moved: int | None = None  # bytes really moved, when the declared boxes over-approximate (gathers)
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,22 @@ def chunks(shape: Sequence[int], elements: int) -> Iterator[Box]:
             yield Box(
                 outer + (start,) + (0,) * (len(shape) - k - 1), tuple(i + 1 for i in outer) + (stop,) + shape[k + 1 :]
             )
+
+
+def blocks(shape: Sequence[int], elements: int, cols: int = 128) -> Iterator[Box]:
+    """Like ``chunks``, but when a tensor has many wide rows, (rows x ``cols``) blocks of its last two
+    axes: they line up with matmul output tiles, so an elementwise tile after a matmul depends on one
+    tile instead of a whole row of them."""
+    shape = tuple(shape)
+    if len(shape) < 2 or shape[-1] < 2 * cols or shape[-2] < max(2, elements // cols):
+        yield from chunks(shape, elements)
+        return
+    rows = max(1, elements // cols)
+    for outer in _indices(shape[:-2]):
+        after = tuple(i + 1 for i in outer)
+        for r in range(0, shape[-2], rows):
+            for c in range(0, shape[-1], cols):
+                yield Box(outer + (r, c), after + (min(shape[-2], r + rows), min(shape[-1], c + cols)))
 
 
 def _indices(shape: Sequence[int]) -> Iterator[tuple[int, ...]]:

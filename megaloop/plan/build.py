@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megaloop.errors import GraphBuildError
+from megaloop.errors import DeadlockError, GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.tensor import Tensor
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, derive_waits, hb_order
-from megaloop.plan.hazards import build_access_table, find_conflicts, task_bases
+from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.schedule import list_schedule
 from megaloop.plan.tasks import make_tasks, peer_operand
@@ -36,12 +36,15 @@ def make_plan(
     warps: int = 8,
     shared_memory: int = 227 * 1024,
     reuse: bool = True,
+    scratch_budget: int = memory.SCRATCH_BUDGET,
     verify: bool = True,
 ) -> Plan:
     """Plan one graph, or one graph per rank (rank order), for ``processors`` thread blocks per GPU.
 
     ``tiles`` overrides tile parameters by node name (``"layers.0.attn.matmul_10"``) or op name
-    (``"matmul"``), the node name winning: ``tiles={"matmul": {"block_m": 64}}``."""
+    (``"matmul"``), the node name winning: ``tiles={"matmul": {"block_m": 64}}``. Intermediates share
+    memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
+    never); see ``megaloop.plan.memory``."""
     glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
     if not isinstance(processors, int) or processors < 1:
         raise GraphBuildError(f"plan: processors must be an int >= 1, got {processors!r}")
@@ -58,7 +61,7 @@ def make_plan(
         matching=matching,
     )
     _check_overrides(plan, tiles)
-    _place_buffers(plan, reuse)
+    _place_buffers(plan, reuse, scratch_budget)
     make_tasks(plan)
     schedule_and_link(plan)
     if verify:
@@ -155,7 +158,7 @@ def _lower_state_updates(rp: RankPlan, end_seq: int, arch: str, tiles: dict[str,
         rp.ops.append(PlanOp(len(rp.ops), op_name, "copy", None, [vid], [nxt.id], {}, params, end_seq + len(rp.ops)))
 
 
-def _place_buffers(plan: Plan, reuse: bool) -> None:
+def _place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
     # sequential positions of every op that reads a storage, on any rank (collectives read peers)
     readers: list[dict[int, list[int]]] = [{} for _ in plan.ranks]
     writers: list[dict[int, list[int]]] = [{} for _ in plan.ranks]
@@ -186,9 +189,9 @@ def _place_buffers(plan: Plan, reuse: bool) -> None:
             first = min(seqs_w + seqs_r, default=0)
             last = max(seqs_w + seqs_r, default=first)
             requests.append(memory.Request(b, kind, nbytes, first, last))
-            buffers[own] = Buffer(b, t.name, kind, -1, nbytes, own in remote[r])
-        layout = memory.place(requests, reuse)
-        for own, buf in buffers.items():
+            buffers[own] = Buffer(b, t.name, kind, -1, nbytes, t.shape, own in remote[r])
+        layout = memory.place(requests, reuse, budget)
+        for buf in buffers.values():
             buf.offset = layout.offsets[buf.id]
         rp.buffers = [buffers[own] for own in roots]
         rp.arena_bytes = layout.arena_bytes
@@ -242,22 +245,24 @@ def schedule_and_link(plan: Plan) -> None:
 
 
 def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-    """From conflicting pairs: the earlier op's task first in an iteration, the later op's task of the
-    previous iteration before the earlier op's task of the next."""
-    conflicts = find_conflicts(build_access_table(plan))
-    n = len(seq)
-    req0: list[list[int]] = [[] for _ in range(n)]
-    req1: list[list[int]] = [[] for _ in range(n)]
-    for a, b in zip(conflicts.a.tolist(), conflicts.b.tolist()):
-        if seq[a] == seq[b]:
-            raise GraphBuildError(
-                f"plan: two tasks of one op access the same bytes with a write: "
-                f"{_label(plan, base, a)} and {_label(plan, base, b)}; its tiling is wrong"
-            )
-        first, second = (a, b) if seq[a] < seq[b] else (b, a)
-        req0[second].append(first)
-        req1[first].append(second)
-    return req0, req1
+    """req0[c]: tasks that must finish before c in the same iteration; req1[c]: tasks whose previous
+    iteration must finish before c (see ``hazards``)."""
+    orderings = find_orderings(plan, build_access_table(plan), np.asarray(seq, np.int64))
+    if orderings.overlapping_writers:
+        a, b, owner, buf = orderings.overlapping_writers[0]
+        raise GraphBuildError(
+            f"plan: {_label(plan, base, a)} and {_label(plan, base, b)} of one op both write "
+            f"{plan.ranks[owner].buffers[buf].name!r}; the op's tiling is wrong"
+        )
+    out = []
+    for lag in (0, 1):
+        sel = orderings.lag == lag
+        before, after = orderings.before[sel], orderings.after[sel]
+        order = np.argsort(after, kind="stable")
+        bounds = np.searchsorted(after[order], np.arange(len(seq) + 1))
+        grouped = before[order].tolist()
+        out.append([grouped[bounds[i] : bounds[i + 1]] for i in range(len(seq))])
+    return out[0], out[1]
 
 
 def _label(plan: Plan, base: list[int], gid: int) -> str:
@@ -282,7 +287,7 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
     layout = Layout(proc, index, lists)
     order = hb_order(layout, req0)
     if order is None:
-        raise GraphBuildError(
+        raise DeadlockError(
             "plan: the processors' task orders deadlock: some task is placed before a task it "
             "depends on, on the same processor or across a cycle of processors"
         )
@@ -292,8 +297,5 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
         for t in rp.tasks:
             t.signal = t.id
             gw = waits[base[r] + t.id]
-            t.waits = [
-                Wait(owner, a - base[owner], lag)
-                for a, lag in gw
-                for owner in [max(i for i, b in enumerate(base) if b <= a)]
-            ]
+            owners = np.searchsorted(base, [a for a, _ in gw], side="right") - 1 if gw else []
+            t.waits = [Wait(int(o), a - base[o], lag) for (a, lag), o in zip(gw, owners)]

@@ -8,12 +8,21 @@ import numpy as np
 
 from megaloop.frontend.tiling import Box
 
-RUN_LIMIT = 8192  # above this many runs an access is widened to its bounding range (conservative)
+# Hazard analysis widens an access of more runs than this to its bounding byte range: a 128x128
+# matmul tile of a wide row-major output is 128 runs, and tracking every one of them costs more
+# than the occasional extra dependency (a consumer of a few columns then waits for the whole rows).
+HAZARD_RUN_LIMIT = 16
 
 
-def box_runs(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int) -> np.ndarray:
+def box_runs(
+    box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int, limit: int | None = None
+) -> np.ndarray:
     """Byte runs [start, end) of the elements of ``box`` in a tensor with element ``strides`` and
-    element ``offset``, whose buffer starts at byte ``base``. Shape (n, 2), sorted, merged."""
+    element ``offset``, whose buffer starts at byte ``base``. Shape (n, 2), sorted, merged. With a
+    ``limit``, more runs than that come back as one bounding run (see ``is_widened``)."""
+    single = single_run(box, strides, offset, itemsize, base)
+    if single is not None:
+        return np.array([single], dtype=np.int64)
     start = base + itemsize * (offset + sum(lo * s for lo, s in zip(box.lo, strides)))
     dims = [(n, s) for n, s in zip(box.shape, strides) if n > 1 and s != 0]  # broadcast axes repeat bytes
     for i, (n, s) in enumerate(dims):  # walk negative strides forwards
@@ -32,7 +41,7 @@ def box_runs(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, bas
         run = merged[-1][0] * itemsize
         merged.pop()
     count = int(np.prod([n for n, _ in merged])) if merged else 1
-    if count > RUN_LIMIT:
+    if limit is not None and count > limit:
         end = start + sum((n - 1) * s * itemsize for n, s in merged) + run
         return np.array([[start, end]], dtype=np.int64)
     starts = np.array([start], dtype=np.int64)
@@ -40,6 +49,38 @@ def box_runs(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, bas
         starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * (s * itemsize)).reshape(-1)
     starts.sort()
     return merge_runs(np.stack([starts, starts + run], axis=1))
+
+
+def run_count(box: Box, strides: tuple[int, ...]) -> int:
+    """How many separate byte runs ``box`` covers (before merging touching ones)."""
+    dims = sorted(((n, abs(s)) for n, s in zip(box.shape, strides) if n > 1 and s != 0), key=lambda d: -d[1])
+    merged: list[tuple[int, int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == s * n:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if merged and merged[-1][1] == 1:
+        merged.pop()
+    count = 1
+    for n, _ in merged:
+        count *= n
+    return count
+
+
+def single_run(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int) -> tuple[int, int] | None:
+    """The common case without numpy: from the innermost axis outwards, each axis the box spans
+    more than one index of steps exactly over the axes inside it, so the box is one run of bytes."""
+    expected = 1
+    for lo, hi, s in zip(reversed(box.lo), reversed(box.hi), reversed(strides)):
+        n = hi - lo
+        if n == 1:
+            continue
+        if s != expected:
+            return None
+        expected = s * n
+    start = base + itemsize * (offset + sum(lo * s for lo, s in zip(box.lo, strides)))
+    return start, start + expected * itemsize
 
 
 def merge_runs(runs: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ instance first) are covered the same way with clocks of iteration 0.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ class Layout:
 def program_predecessors(layout: Layout) -> np.ndarray:
     pred = np.full(len(layout.proc), -1, np.int64)
     for lst in layout.lists:
-        for a, b in zip(lst, lst[1:]):
+        for a, b in itertools.pairwise(lst):
             pred[b] = a
     return pred
 
@@ -90,47 +91,53 @@ def derive_waits(
     vc1 = np.full((n, g), -1, np.int64)
     waits: list[list[tuple[int, int]]] = [[] for _ in range(n)]
 
-    def cover(base: np.ndarray, need: list[int], clocks: np.ndarray, lag: int) -> list[int]:
-        """Greedy waits for ``need`` (then pruned), given the clock ``base`` before any of them."""
-        need = sorted(need, key=lambda a: -rank_in_order[a])
+    def cover(base: np.ndarray, need: np.ndarray, clocks: np.ndarray) -> list[int]:
+        """Waits for the producers in ``need`` not yet covered by ``base``: greedily, latest first,
+        then only those no other chosen wait already happens after (an antichain: irredundant)."""
         chosen: list[int] = []
         cur = base.copy()
-        for a in need:
+        for a in need[np.argsort(-rank_in_order[need], kind="stable")].tolist():
             if index[a] > cur[proc[a]]:
                 chosen.append(a)
                 np.maximum(cur, clocks[a], out=cur)
-        for w in list(chosen):
-            rest = [x for x in chosen if x != w]
-            trial = base.copy()
-            for x in rest:
-                np.maximum(trial, clocks[x], out=trial)
-            if all(index[a] <= trial[proc[a]] for a in need):
-                chosen = rest
+        if len(chosen) > 1:
+            ch = np.asarray(chosen)
+            seen = clocks[ch][:, proc[ch]]  # seen[x, j]: how far chosen x's clock reaches on chosen j's processor
+            np.fill_diagonal(seen, -1)
+            chosen = ch[~(seen.max(axis=0) >= index[ch])].tolist()
         return chosen
 
+    req0_arr = [np.asarray(r, np.int64) for r in req0]
+    req1_arr = [np.asarray(r, np.int64) for r in req1]
+    no_clock = np.full(g, -1, np.int64)
+    proc_l, index_l, pred_l = proc.tolist(), index.tolist(), pred.tolist()
+
     for c in order:  # iteration 0: same-iteration requirements
-        base = vc0[pred[c]].copy() if pred[c] >= 0 else np.full(g, -1, np.int64)
-        base[proc[c]] = index[c]
-        need = [a for a in req0[c] if index[a] > base[proc[a]]]
-        chosen = cover(base, need, vc0, 0) if need else []
-        for a in chosen:
-            np.maximum(base, vc0[a], out=base)
-        vc0[c] = base
-        waits[c] = [(a, 0) for a in chosen]
+        row = vc0[c]  # filled in place
+        row[:] = vc0[pred_l[c]] if pred_l[c] >= 0 else no_clock
+        row[proc_l[c]] = index_l[c]
+        need = req0_arr[c]
+        if len(need):
+            need = need[index[need] > row[proc[need]]]
+            if len(need):
+                chosen = cover(row, need, vc0)
+                for a in chosen:
+                    np.maximum(row, vc0[a], out=row)
+                waits[c] = [(a, 0) for a in chosen]
     for c in order:  # iteration 1: clocks count positions of iteration 1 as length + index
-        if pred[c] >= 0:
-            base = vc1[pred[c]].copy()
-        else:
-            base = vc0[last[proc[c]]].copy()
-        base[proc[c]] = lengths[proc[c]] + index[c]
+        row = vc1[c]
+        row[:] = vc1[pred_l[c]] if pred_l[c] >= 0 else vc0[last[proc_l[c]]]
+        row[proc_l[c]] = lengths[proc_l[c]] + index_l[c]
         for a, _ in waits[c]:
-            np.maximum(base, vc1[a], out=base)
-        need = [a for a in req1[c] if index[a] > base[proc[a]]]
-        chosen = cover(base, need, vc0, 1) if need else []
-        for a in chosen:
-            np.maximum(base, vc0[a], out=base)
-        vc1[c] = base
-        waits[c] += [(a, 1) for a in chosen]
+            np.maximum(row, vc1[a], out=row)
+        need = req1_arr[c]
+        if len(need):
+            need = need[index[need] > row[proc[need]]]
+            if len(need):
+                chosen = cover(row, need, vc0)
+                for a in chosen:
+                    np.maximum(row, vc0[a], out=row)
+                waits[c] = waits[c] + [(a, 1) for a in chosen]
     _self_check(layout, req0, req1, vc0, vc1, order)
     return waits
 
@@ -138,11 +145,14 @@ def derive_waits(
 def _self_check(
     layout: Layout, req0: list[list[int]], req1: list[list[int]], vc0: np.ndarray, vc1: np.ndarray, order: list[int]
 ) -> None:
+    """Every requirement is covered in the steady state (iteration 1); the verifier checks the plan
+    independently, this only guards the derivation itself."""
     lengths = np.array([len(lst) for lst in layout.lists], np.int64)
-    for c in order:
-        for a in req0[c]:
-            if layout.index[a] > vc1[c][layout.proc[a]] - lengths[layout.proc[a]]:
-                raise InternalError(f"task {c}: same-iteration requirement on {a} not covered")
-        for a in req1[c]:
-            if layout.index[a] > vc1[c][layout.proc[a]]:
-                raise InternalError(f"task {c}: previous-iteration requirement on {a} not covered")
+    for reqs, shift in ((req0, True), (req1, False)):
+        after = np.repeat(np.arange(len(reqs)), [len(r) for r in reqs])
+        before = np.fromiter((a for r in reqs for a in r), np.int64, len(after))
+        p = layout.proc[before]
+        pos = layout.index[before] + (lengths[p] if shift else 0)
+        bad = np.flatnonzero(pos > vc1[after, p])
+        if len(bad):
+            raise InternalError(f"task {after[bad[0]]}: requirement on task {before[bad[0]]} not covered")

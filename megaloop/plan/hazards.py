@@ -1,11 +1,24 @@
-"""Conflicting accesses: pairs of tasks that touch overlapping bytes of a writable buffer where at
-least one of them writes. In the program's sequential order (ops by ``seq``, iteration after
-iteration) every such pair has a first and a second access, and a correct plan orders them:
+"""Which task instances must be ordered, from what each task reads and writes.
 
-- the earlier op's task before the later op's task in the same iteration (lag 0), and
-- the later op's task of iteration k before the earlier op's task of iteration k+1 (lag 1).
+Every access is first expressed as a box in the index space of the *storage* it touches (the
+buffer's own row-major shape): views map back exactly when they can (permutes, reshapes that split
+or merge whole axes, plain slices) and to a covering box otherwise. Per storage, the boundaries of all
+boxes cut the index space into cells; the program's sequential order (ops by ``seq``, iteration after
+iteration) gives every cell a history of accesses. In that history, consecutive accesses by one op
+form a group; consecutive read groups merge into one epoch (reads commute) and every write group is
+an epoch of its own. A correct plan orders
 
-Tasks are named globally as ``gid = base[rank] + task.id``.
+- every task of an epoch before every task of the next epoch of that cell (lag 0), and
+- every task of a cell's last epoch before every task of its first epoch one iteration later
+  (lag 1: the next iteration overwrites what this one still reads).
+
+That is enough: any two conflicting accesses of an element are then ordered through the chain of
+epochs between them. Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
+of the earlier one before the first writers of the later one, and back across iterations.
+
+Both the planner (to derive waits) and the verifier (to check them) use these orderings; all of it is
+numpy over all accesses at once. Tasks are named globally as ``gid = base[rank] + task.id``.
+Read-only buffers (parameters, constants, inputs) are left out; writes to them are reported.
 """
 
 from __future__ import annotations
@@ -14,22 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megaloop.plan.bytes import box_runs, overlapping_pairs
-from megaloop.plan.model import READ_ONLY_KINDS, Access, Plan
-
-
-@dataclass
-class AccessTable:
-    """Every access of every task as byte runs in the arena of the rank that owns the tensor."""
-
-    base: list[int]  # gid of each rank's task 0
-    owner: list[np.ndarray]  # per rank arena: arrays of the runs' fields
-    start: list[np.ndarray]
-    end: list[np.ndarray]
-    task: list[np.ndarray]  # gid
-    write: list[np.ndarray]  # bool
-    buffer: list[np.ndarray]  # buffer id in the owner's plan
-    read_only_writes: list[tuple[int, int, int]]  # (gid, owner rank, buffer) of writes to read-only buffers
+from megaloop.frontend.shapes import contiguous_strides
+from megaloop.frontend.tiling import Box
+from megaloop.plan.bytes import overlapping_pairs
+from megaloop.plan.model import READ_ONLY_KINDS, Plan
 
 
 def task_bases(plan: Plan) -> list[int]:
@@ -40,96 +41,306 @@ def task_bases(plan: Plan) -> list[int]:
     return base
 
 
-def access_runs(plan: Plan, access: Access) -> tuple[np.ndarray, int]:
-    rp = plan.ranks[access.rank]
-    t = rp.tensors[access.tensor]
-    buf = rp.buffers[t.buffer]
-    return box_runs(access.box, t.strides, t.offset, t.dtype.itemsize, buf.offset), buf.id
+def storage_box(box: Box, strides: tuple[int, ...], offset: int, shape: tuple[int, ...]) -> tuple[Box, bool]:
+    """The box of the storage (row-major ``shape``) holding the elements of ``box`` of a view with
+    element ``strides`` and ``offset``; ``exact`` is False when it had to be widened."""
+    base = offset + sum(lo * s for lo, s in zip(box.lo, strides))
+    dims = []
+    for n, s in zip(box.shape, strides):
+        if n > 1 and s != 0:
+            if s < 0:  # walk negative strides forwards from the lowest element
+                base += s * (n - 1)
+                s = -s
+            dims.append((n, s))
+    root = contiguous_strides(shape)
+    first = _unravel(base, shape, root)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    exact = True
+    for n, s in dims:
+        k = next((k for k, r in enumerate(root) if s >= r and shape[k] > 1), len(root) - 1)
+        if s % root[k]:
+            exact = False
+            break
+        groups.setdefault(k, []).append((n, s // root[k]))
+    lo, hi = list(first), [f + 1 for f in first]
+    if exact:
+        for k, members in groups.items():
+            members.sort(key=lambda d: d[1])
+            expected = 1
+            for n, m in members:
+                if m != expected:
+                    exact = False
+                expected = m * n
+            span = expected if exact else sum((n - 1) * m for n, m in members) + 1
+            if first[k] + span > shape[k]:  # runs over into the next row: not a box of this dim
+                exact = False
+                break
+            hi[k] = first[k] + span
+    if exact:
+        return Box(tuple(lo), tuple(hi)), True
+    last = _unravel(base + sum((n - 1) * s for n, s in dims), shape, root)
+    return _cover(first, last, shape), False
 
 
-def build_access_table(plan: Plan, include_read_only: bool = False) -> AccessTable:
+def _unravel(index: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
+    out = []
+    for d, s in zip(shape, strides):
+        out.append((index // s) % d if d > 1 else 0)
+    return out
+
+
+def _cover(first: list[int], last: list[int], shape: tuple[int, ...]) -> Box:
+    """Smallest box holding every element of the row-major range from ``first`` to ``last``."""
+    lo, hi = [], []
+    for k, (a, b) in enumerate(zip(first, last)):
+        lo.append(a)
+        hi.append(b + 1)
+        if a != b:  # from here on, whole axes
+            lo += [0] * (len(shape) - k - 1)
+            hi += list(shape[k + 1 :])
+            break
+    return Box(tuple(lo), tuple(hi))
+
+
+@dataclass
+class AccessTable:
+    """Every access to a writable storage, as a box of that storage, per owning rank."""
+
+    base: list[int]  # gid of each rank's task 0
+    buffer: list[np.ndarray]  # per rank: buffer id of each access
+    task: list[np.ndarray]  # gid
+    write: list[np.ndarray]  # bool
+    exact: list[np.ndarray]  # bool: the box is not widened
+    lo: list[list[tuple[int, ...]]]
+    hi: list[list[tuple[int, ...]]]
+    read_only_writes: list[tuple[int, int, int]]  # (gid, owner rank, buffer) of writes to read-only buffers
+
+
+def build_access_table(plan: Plan) -> AccessTable:
     base = task_bases(plan)
-    cols: list[dict[str, list[np.ndarray]]] = [
-        {k: [] for k in ("start", "end", "task", "write", "buffer")} for _ in plan.ranks
-    ]
+    cols = [([], [], [], [], [], []) for _ in plan.ranks]  # buffer, task, write, exact, lo, hi
     bad: list[tuple[int, int, int]] = []
+    info = [
+        [
+            (
+                t.strides,
+                t.offset,
+                t.buffer,
+                rp.buffers[t.buffer].shape,
+                rp.buffers[t.buffer].kind in READ_ONLY_KINDS,
+                t.offset == 0 and t.shape == rp.buffers[t.buffer].shape and t.strides == contiguous_strides(t.shape),
+            )
+            for t in rp.tensors
+        ]
+        for rp in plan.ranks
+    ]
     for r, rp in enumerate(plan.ranks):
         for task in rp.tasks:
             gid = base[r] + task.id
             for accesses, is_write in ((task.reads, False), (task.writes, True)):
-                for acc in accesses:
-                    runs, buf = access_runs(plan, acc)
-                    kind = plan.ranks[acc.rank].buffers[buf].kind
-                    if kind in READ_ONLY_KINDS:
+                for tensor, box, owner in accesses:
+                    strides, offset, buf, shape, read_only, is_root = info[owner][tensor]
+                    if read_only:
                         if is_write:
-                            bad.append((gid, acc.rank, buf))
-                        if not include_read_only:
-                            continue
-                    c = cols[acc.rank]
-                    c["start"].append(runs[:, 0])
-                    c["end"].append(runs[:, 1])
-                    c["task"].append(np.full(len(runs), gid, np.int64))
-                    c["write"].append(np.full(len(runs), is_write))
-                    c["buffer"].append(np.full(len(runs), buf, np.int64))
-
-    def cat(c: dict[str, list[np.ndarray]], key: str, dtype: type) -> np.ndarray:
-        return np.concatenate(c[key]) if c[key] else np.empty(0, dtype)
-
+                            bad.append((gid, owner, buf))
+                        continue
+                    if is_root:
+                        sbox, exact = box, True
+                    else:
+                        sbox, exact = storage_box(box, strides, offset, shape)
+                    c = cols[owner]
+                    c[0].append(buf)
+                    c[1].append(gid)
+                    c[2].append(is_write)
+                    c[3].append(exact)
+                    c[4].append(sbox.lo)
+                    c[5].append(sbox.hi)
     return AccessTable(
-        base=base,
-        owner=[np.full(len(cat(c, "start", np.int64)), r) for r, c in enumerate(cols)],
-        start=[cat(c, "start", np.int64) for c in cols],
-        end=[cat(c, "end", np.int64) for c in cols],
-        task=[cat(c, "task", np.int64) for c in cols],
-        write=[cat(c, "write", bool) for c in cols],
-        buffer=[cat(c, "buffer", np.int64) for c in cols],
-        read_only_writes=bad,
+        base,
+        [np.array(c[0], np.int64) for c in cols],
+        [np.array(c[1], np.int64) for c in cols],
+        [np.array(c[2], bool) for c in cols],
+        [np.array(c[3], bool) for c in cols],
+        [c[4] for c in cols],
+        [c[5] for c in cols],
+        bad,
     )
 
 
 @dataclass
-class Conflicts:
-    """Unordered conflicting task pairs (a < b by gid), with one overlapping byte range each."""
+class Orderings:
+    """Required orderings ``before -> after`` (lag 0: same iteration; lag 1: ``before`` of one
+    iteration ahead of ``after`` of the next), one row per distinct triple, each with a witness: the
+    buffer (of ``owner``'s plan) and whether each side writes there."""
 
-    a: np.ndarray
-    b: np.ndarray
-    a_writes: np.ndarray
-    b_writes: np.ndarray
-    owner: np.ndarray  # rank whose arena holds the bytes
+    before: np.ndarray
+    after: np.ndarray
+    lag: np.ndarray
+    owner: np.ndarray
     buffer: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
+    before_writes: np.ndarray
+    after_writes: np.ndarray
+    witness: list[str]  # per row: where in the buffer (a box, or "the whole buffer")
+    overlapping_writers: list[tuple[int, int, int, int]]  # (gid, gid, owner, buffer): one op's tiles overlap
 
 
-def find_conflicts(table: AccessTable) -> Conflicts:
-    parts: list[tuple[np.ndarray, ...]] = []
-    for r in range(len(table.start)):
-        s, e, t, w, b = table.start[r], table.end[r], table.task[r], table.write[r], table.buffer[r]
-        i, j = overlapping_pairs(s, e)
-        keep = (w[i] | w[j]) & (t[i] != t[j])
-        i, j = i[keep], j[keep]
-        swap = t[i] > t[j]
-        i, j = np.where(swap, j, i), np.where(swap, i, j)
-        lo, hi = np.maximum(s[i], s[j]), np.minimum(e[i], e[j])
-        parts.append((t[i], t[j], w[i], w[j], np.full(len(i), r), b[i], lo, hi))
-    if not parts:
+def _pairs(
+    left_start: np.ndarray, left_n: np.ndarray, right_start: np.ndarray, right_n: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All (left index, right index) of the products of index ranges, and which product each is from."""
+    sizes = left_n * right_n
+    which = np.repeat(np.arange(len(sizes)), sizes)
+    k = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    rn = right_n[which]
+    return left_start[which] + k // rn, right_start[which] + k % rn, which
+
+
+def _cells(table: AccessTable, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """(access index, global cell id) incidences: every cell of its storage each access covers."""
+    acc_parts, cell_parts = [], []
+    buffers = table.buffer[r]
+    cell_base = 0
+    for buf in np.unique(buffers).tolist():
+        idx = np.flatnonzero(buffers == buf)
+        lo = np.array([table.lo[r][i] for i in idx], np.int64).reshape(len(idx), -1)
+        hi = np.array([table.hi[r][i] for i in idx], np.int64).reshape(len(idx), -1)
+        ndim = lo.shape[1]
+        first = np.zeros_like(lo)
+        count = np.ones_like(lo)
+        radix = []
+        for d in range(ndim):
+            cuts = np.unique(np.concatenate([lo[:, d], hi[:, d]]))
+            first[:, d] = np.searchsorted(cuts, lo[:, d])
+            count[:, d] = np.searchsorted(cuts, hi[:, d]) - first[:, d]
+            radix.append(len(cuts) - 1)
+        cells = np.ones(len(idx), np.int64)
+        for d in range(ndim):
+            cells *= count[:, d]
+        acc = np.repeat(idx, cells)
+        k = np.arange(int(cells.sum())) - np.repeat(np.cumsum(cells) - cells, cells)  # position within its block
+        flat = np.zeros(len(acc), np.int64)
+        owner_row = np.repeat(np.arange(len(idx)), cells)
+        for d in range(ndim - 1, -1, -1):  # mixed radix: position -> per-axis cell -> flat cell id
+            c = count[owner_row, d]
+            flat += (first[owner_row, d] + k % c) * int(np.prod(radix[d + 1 :], dtype=np.int64))
+            k //= c
+        acc_parts.append(acc)
+        cell_parts.append(flat + cell_base)
+        cell_base += int(np.prod(radix, dtype=np.int64)) if radix else 1
+    if not acc_parts:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(acc_parts), np.concatenate(cell_parts)
+
+
+def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderings:
+    """``seq_of[gid]`` is the sequential position of each task's op."""
+    cols: list[list[np.ndarray]] = [[] for _ in range(7)]
+    witness: list[str] = []
+    overlapping: list[tuple[int, int, int, int]] = []
+    for r in range(len(table.task)):
+        if not len(table.task[r]):
+            continue
+        t, w, b, ex = table.task[r], table.write[r], table.buffer[r], table.exact[r]
+        acc, cell = _cells(table, r)
+        order = np.lexsort((t[acc], seq_of[t[acc]], cell))
+        acc, cell = acc[order], cell[order]
+        gid, seq, wr = t[acc], seq_of[t[acc]], w[acc]
+        n = len(acc)
+        new_group = np.ones(n, bool)  # groups: one op's accesses to one cell
+        new_group[1:] = (cell[1:] != cell[:-1]) | (seq[1:] != seq[:-1])
+        group = np.cumsum(new_group) - 1
+        g_first = np.flatnonzero(new_group)
+        g_write = np.zeros(len(g_first), bool)
+        np.logical_or.at(g_write, group, wr)
+        g_cell = cell[g_first]
+        if not overlapping:
+            clash = ex[acc] & ex[acc[g_first]][group] & g_write[group] & (gid != gid[g_first][group])
+            if np.any(clash):
+                i = int(np.argmax(clash))
+                overlapping.append((int(gid[g_first][group][i]), int(gid[i]), r, int(b[acc[i]])))
+        new_epoch = np.ones(len(g_first), bool)  # epochs: a run of read groups, or one write group
+        new_epoch[1:] = (g_cell[1:] != g_cell[:-1]) | g_write[1:] | g_write[:-1]
+        epoch_of_group = np.cumsum(new_epoch) - 1
+        e_first = g_first[new_epoch]
+        e_size = np.diff(np.append(e_first, n))
+        e_cell = g_cell[new_epoch]
+        e_write = np.zeros(len(e_first), bool)
+        np.logical_or.at(e_write, epoch_of_group, g_write)
+        nxt = np.flatnonzero(e_cell[1:] == e_cell[:-1])
+        cell_first = np.flatnonzero(np.append(True, e_cell[1:] != e_cell[:-1]))
+        cell_last = np.append(cell_first[1:] - 1, len(e_first) - 1)
+        wrap = cell_last != cell_first
+        for ea, eb, lag in ((nxt, nxt + 1, 0), (cell_last[wrap], cell_first[wrap], 1)):
+            left, right, which = _pairs(e_first[ea], e_size[ea], e_first[eb], e_size[eb])
+            keep = gid[left] != gid[right]
+            left, right, which = left[keep], right[keep], which[keep]
+            for i, v in enumerate(
+                (
+                    gid[left],
+                    gid[right],
+                    np.full(len(left), lag),
+                    np.full(len(left), r),
+                    b[acc[left]],
+                    e_write[ea][which],
+                    e_write[eb][which],
+                )
+            ):
+                cols[i].append(v)
+            witness += [""] * len(left)
+        _reuse_orderings(plan, table, r, seq_of, cols, witness)
+    if not cols[0] or not sum(len(c) for c in cols[0]):
         empty = np.empty(0, np.int64)
-        return Conflicts(empty, empty, empty.astype(bool), empty.astype(bool), empty, empty, empty, empty)
-    cols = [np.concatenate([p[k] for p in parts]) for k in range(8)]
-    # one row per task pair; a pair's flags are merged over all its overlapping runs
-    key = cols[0] * (int(cols[1].max(initial=0)) + 1) + cols[1]
-    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    a_writes = np.zeros(len(uniq), bool)
-    b_writes = np.zeros(len(uniq), bool)
-    np.logical_or.at(a_writes, inverse, cols[2])
-    np.logical_or.at(b_writes, inverse, cols[3])
-    return Conflicts(
-        cols[0][first],
-        cols[1][first],
-        a_writes,
-        b_writes,
-        cols[4][first],
-        cols[5][first],
-        cols[6][first],
-        cols[7][first],
-    )
+        return Orderings(*(empty,) * 5, empty.astype(bool), empty.astype(bool), [], overlapping)
+    data = [np.concatenate(c) for c in cols]
+    n_tasks = int(max(data[0].max(), data[1].max())) + 1
+    key = (data[0] * n_tasks + data[1]) * 2 + data[2]
+    _, keep = np.unique(key, return_index=True)
+    keep.sort()
+    return Orderings(*(d[keep] for d in data), [witness[i] for i in keep.tolist()], overlapping)
+
+
+def _reuse_orderings(
+    plan: Plan, table: AccessTable, r: int, seq_of: np.ndarray, cols: list[list[np.ndarray]], witness: list[str]
+) -> None:
+    """Buffers sharing bytes (scratch reuse), ordered as wholes by their lifetimes."""
+    rp = plan.ranks[r]
+    scratch = [b for b in rp.buffers if b.kind == "scratch"]
+    if len(scratch) < 2:
+        return
+    starts = np.array([b.offset for b in scratch], np.int64)
+    ends = np.array([b.offset + b.nbytes for b in scratch], np.int64)
+    i_idx, j_idx = overlapping_pairs(starts, ends)
+    if not len(i_idx):
+        return
+    t, w, bufs = table.task[r], table.write[r], table.buffer[r]
+    for i, j in zip(i_idx.tolist(), j_idx.tolist()):
+        a, b = scratch[i].id, scratch[j].id
+        sa, sb = bufs == a, bufs == b
+        if not sa.any() or not sb.any():
+            continue
+        if seq_of[t[sa]].max() > seq_of[t[sb]].max():
+            a, b, sa, sb = b, a, sb, sa
+        # a's last epoch before b's first writers; b's last epoch before a's first writers next time
+        for src, dst, lag in ((sa, sb, 0), (sb, sa, 1)):
+            if not (dst & w).any():
+                continue
+            last_write = seq_of[t[src & w]].max() if (src & w).any() else -1
+            readers_after = src & ~w & (seq_of[t] > last_write)
+            users = np.unique(t[readers_after] if readers_after.any() else t[src & w & (seq_of[t] == last_write)])
+            first = seq_of[t[dst & w]].min()
+            writers = np.unique(t[dst & w & (seq_of[t] == first)])
+            left = np.repeat(users, len(writers))
+            right = np.tile(writers, len(users))
+            for k, v in enumerate(
+                (
+                    left,
+                    right,
+                    np.full(len(left), lag),
+                    np.full(len(left), r),
+                    np.full(len(left), b if lag == 0 else a),
+                    np.ones(len(left), bool),
+                    np.ones(len(left), bool),
+                )
+            ):
+                cols[k].append(v)
+            witness += [f"bytes shared with buffer {rp.buffers[a].name!r}"] * len(left)

@@ -4,7 +4,11 @@ outputs, then a scratch pool where intermediates whose lifetimes do not overlap 
 Lifetimes are closed intervals of sequential positions (``PlanOp.seq``): from the first op that
 writes a buffer to the last op (on any rank) that reads it. Placement is greedy, largest first, at
 the lowest aligned offset that does not collide with an already placed buffer alive at the same
-time; with ``reuse=False`` every buffer gets bytes of its own.
+time. Sharing bytes is not free in a loop kernel: the writers of the later tensor must wait for every
+reader of the earlier one, which can serialise branches that would otherwise overlap. So sharing is
+used only when the scratch pool would otherwise exceed ``budget`` bytes, and then only for buffers of
+at least ``reuse_min_bytes``; everything else (all of a decode step's activations, typically) gets
+bytes of its own, as does everything with ``reuse=False``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ class Layout:
     region_bytes: dict[str, int]
 
 
-def place(requests: list[Request], reuse: bool = True) -> Layout:
+REUSE_MIN_BYTES = 1 << 20
+SCRATCH_BUDGET = 4 << 30
+
+
+def place(
+    requests: list[Request], reuse: bool = True, budget: int = SCRATCH_BUDGET, reuse_min_bytes: int = REUSE_MIN_BYTES
+) -> Layout:
     offsets: dict[int, int] = {}
     at = 0
     regions: dict[str, int] = {}
@@ -53,21 +63,24 @@ def place(requests: list[Request], reuse: bool = True) -> Layout:
         regions[kind] = at - start
     pool_start = at
     scratch = sorted((r for r in requests if r.kind == "scratch"), key=lambda r: (-r.nbytes, r.first, r.key))
+    share = reuse and sum(align(r.nbytes) for r in scratch) > budget
+    shared = [r for r in scratch if share and r.nbytes >= reuse_min_bytes]
+    private = [r for r in scratch if not (share and r.nbytes >= reuse_min_bytes)]
     placed: list[tuple[int, int, Request]] = []  # (offset, end, request) inside the pool
     pool_end = 0
-    for r in scratch:
+    for r in shared:
         size = align(r.nbytes)
-        if not reuse:
-            offset = pool_end
-        else:
-            busy = sorted((o, e) for o, e, q in placed if q.first <= r.last and r.first <= q.last)
-            offset = 0
-            for o, e in busy:  # first gap large enough
-                if offset + size <= o:
-                    break
-                offset = max(offset, e)
+        busy = sorted((o, e) for o, e, q in placed if q.first <= r.last and r.first <= q.last)
+        offset = 0
+        for o, e in busy:  # first gap large enough
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
         placed.append((offset, offset + size, r))
         pool_end = max(pool_end, offset + size)
         offsets[r.key] = pool_start + offset
+    for r in private:  # after everything shared: these bytes belong to one buffer only
+        offsets[r.key] = pool_start + pool_end
+        pool_end += align(r.nbytes)
     regions["scratch"] = pool_end
     return Layout(offsets, pool_start + pool_end, pool_end, sum(align(r.nbytes) for r in scratch), regions)

@@ -14,7 +14,7 @@ only reach n·m once every signaler has finished iterations 0..m-1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from megaloop.dtypes import DType
 from megaloop.frontend.graph import Graph
@@ -48,6 +48,7 @@ class Buffer:
     kind: str  # one of BUFFER_KINDS
     offset: int  # bytes from the arena's start (aligned)
     nbytes: int
+    shape: tuple[int, ...] = ()  # the storage's own (row-major) shape: what views' strides refer to
     peer: bool = False  # read by tasks of other ranks: must live in peer-visible memory
 
 
@@ -64,15 +65,13 @@ class PlanOp:
     seq: int  # position in the program's sequential order (across ranks)
 
 
-@dataclass
-class Access:
+class Access(NamedTuple):
     tensor: int  # tensor id in the plan of ``rank``
     box: Box
     rank: int  # whose tensor: this rank's, or a peer's for collectives
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     rank: int
     counter: int
     lag: int
@@ -144,3 +143,28 @@ class Plan:
         rp = self.ranks[rank]
         prefix = f"rank {rank} " if self.world_size > 1 else ""
         return prefix + rp.task_name(rp.tasks[task_id])
+
+    # conveniences over the plan modules (imported late: they all import this one)
+    def save(self, path: Any) -> None:
+        """Write the plan as JSON (docs/plan-format.md)."""
+        from megaloop.plan.format import save
+
+        save(self, path)
+
+    @staticmethod
+    def load(path: Any, *, rederive: bool = False, verify: bool = True) -> Plan:
+        """Read a plan file; ``rederive=True`` after editing tile parameters or task orders."""
+        from megaloop.plan.format import load
+
+        return load(path, rederive=rederive, verify=verify)
+
+    def verify(self) -> Any:
+        """Check races, deadlocks and structure; raises a PlanError naming the problem."""
+        from megaloop.plan.verify import verify_plan
+
+        return verify_plan(self)
+
+    def stats(self) -> Any:
+        from megaloop.plan.stats import plan_stats
+
+        return plan_stats(self)

@@ -19,13 +19,14 @@ the byte range, or the cycle.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
-from megaloop.plan.hazards import build_access_table, find_conflicts, task_bases
+from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases
 from megaloop.plan.model import Plan
 
 
@@ -33,7 +34,7 @@ from megaloop.plan.model import Plan
 class Report:
     tasks: int
     waits: int
-    conflicts: int  # conflicting task pairs checked
+    orderings: int  # required orderings checked
 
 
 def verify_plan(plan: Plan) -> Report:
@@ -53,35 +54,23 @@ def verify_plan(plan: Plan) -> Report:
     _check_memory(plan, seq, base)
     edges = _wait_edges(plan, base, last_signaler)
     order = _acyclic(plan, base, lists, edges, n)
-    vc0, vc1 = _clocks(order, proc, index, lists, edges, n)
-    conflicts = find_conflicts(table)
+    _, vc1 = _clocks(order, proc, index, lists, edges, n)
+    orderings = find_orderings(plan, table, seq)
+    if orderings.overlapping_writers:
+        a, b, owner, buf = orderings.overlapping_writers[0]
+        raise RaceError(
+            f"{_label(plan, base, a)} and {_label(plan, base, b)} belong to one op and both write "
+            f"{plan.ranks[owner].buffers[buf].name!r}: the op's tiles overlap"
+        )
     lengths = np.array([len(lst) for lst in lists], np.int64)
-    for k in range(len(conflicts.a)):
-        a, b = int(conflicts.a[k]), int(conflicts.b[k])
-        if seq[a] == seq[b]:
-            _race(plan, base, conflicts, k, "belong to the same op (its tiles overlap)")
-        first, second = (a, b) if seq[a] < seq[b] else (b, a)
-        # same iteration: first(1) before second(1); across: second(0) before first(1)
-        if lengths[proc[first]] + index[first] > vc1[second][proc[first]]:
-            _race(
-                plan,
-                base,
-                conflicts,
-                k,
-                f"are not ordered within an iteration ({_label(plan, base, first)} should finish first)",
-            )
-        if index[second] > vc1[first][proc[second]]:
-            _race(
-                plan,
-                base,
-                conflicts,
-                k,
-                f"are not ordered across iterations ({_label(plan, base, second)} "
-                f"of one iteration must finish before {_label(plan, base, first)} of the "
-                "next)",
-            )
+    before, after, lag = orderings.before, orderings.after, orderings.lag
+    # x(i) happens before y(1) iff x's position in iteration i is within y's clock: i = 1 - lag
+    pos = np.where(lag == 0, lengths[proc[before]], 0) + index[before]
+    unordered = np.flatnonzero(pos > vc1[after, proc[before]])
+    if len(unordered):
+        _race(plan, base, orderings, int(unordered[0]))
     waits = sum(len(t.waits) for rp in plan.ranks for t in rp.tasks)
-    return Report(n, waits, len(conflicts.a))
+    return Report(n, waits, len(orderings.before))
 
 
 def _label(plan: Plan, base: list[int], gid: int) -> str:
@@ -254,7 +243,7 @@ def _acyclic(
 ) -> list[int]:
     preds: list[list[int]] = [[] for _ in range(n)]
     for lst in lists:
-        for a, b in zip(lst, lst[1:]):
+        for a, b in itertools.pairwise(lst):
             preds[b].append(a)
     for c in range(n):
         preds[c].extend(src for src, lag in edges[c] if lag == 0)
@@ -301,7 +290,7 @@ def _clocks(
     lengths = np.array([len(lst) for lst in lists], np.int64)
     pred = np.full(n, -1, np.int64)
     for lst in lists:
-        for a, b in zip(lst, lst[1:]):
+        for a, b in itertools.pairwise(lst):
             pred[b] = a
     vc0 = np.full((n, g), -1, np.int64)
     vc1 = np.full((n, g), -1, np.int64)
@@ -327,18 +316,19 @@ def _clocks(
     return vc0, vc1
 
 
-def _race(plan: Plan, base: list[int], conflicts, k: int, why: str) -> None:
-    a, b = int(conflicts.a[k]), int(conflicts.b[k])
-    owner = int(conflicts.owner[k])
-    buf = plan.ranks[owner].buffers[int(conflicts.buffer[k])]
-    lo, hi = int(conflicts.lo[k]) - buf.offset, int(conflicts.hi[k]) - buf.offset
-    verbs = {
-        (True, True): "both write",
-        (True, False): "the first writes, the second reads",
-        (False, True): "the first reads, the second writes",
-    }[(bool(conflicts.a_writes[k]), bool(conflicts.b_writes[k]))]
+def _race(plan: Plan, base: list[int], o: Orderings, k: int) -> None:
+    x, y = int(o.before[k]), int(o.after[k])
+    owner = int(o.owner[k])
+    buf = plan.ranks[owner].buffers[int(o.buffer[k])]
+    what = {
+        (True, True): "both write it",
+        (True, False): "the first writes, the second reads it",
+        (False, True): "the first reads, the second writes it",
+    }[(bool(o.before_writes[k]), bool(o.after_writes[k]))]
+    when = "in the same iteration" if o.lag[k] == 0 else "across iterations (the first of one, the second of the next)"
     where = f" of rank {owner}" if plan.world_size > 1 else ""
+    extra = f" ({o.witness[k]})" if o.witness[k] else ""
     raise RaceError(
-        f"race on buffer {buf.name!r}{where} bytes [{lo}, {hi}): {_label(plan, base, a)} and "
-        f"{_label(plan, base, b)} ({verbs}) {why}"
+        f"race on buffer {buf.name!r}{where}{extra}: {_label(plan, base, x)} must finish before "
+        f"{_label(plan, base, y)} {when}; {what}, but nothing orders them"
     )

@@ -15,6 +15,7 @@ from megaloop.frontend.tiling import (
     TileContext,
     Tiling,
     Write,
+    blocks,
     chunks,
     project,
     same,
@@ -28,14 +29,16 @@ ELEMENTS = {"sm_80": 8192, "sm_86": 4096, "sm_89": 4096, "sm_90": 8192}
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     tiles = []
-    for i, box in enumerate(chunks(out.shape, params["elements"])):
+    for i, box in enumerate(blocks(out.shape, params["elements"])):
         reads = tuple(Read(k, project(box, out.shape, t.shape)) for k, t in enumerate(node.inputs))
         tiles.append(Tile((i,), reads, (Write(0, box),), flops=box.size))
     return tiles
 
 
 ELEMENTWISE = Tiling(
-    {"elements": ELEMENTS}, _elementwise, "row-major chunks of the output; broadcast operands read their projection"
+    {"elements": ELEMENTS},
+    _elementwise,
+    "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their projection",
 )
 
 
@@ -88,9 +91,10 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     k = a.shape[-2] if ta else a.shape[-1]
     bm, bn = min(params["block_m"], m), min(params["block_n"], n)
     n_batch = math.prod(batch)
-    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles first.
-    while n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors and bn > 16:
-        bn = max(16, bn // 2)
+    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles, down to 32
+    # columns (a 32-column slice of a weight is still a sizeable task: 32 x k elements).
+    while n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors and bn > 32:
+        bn = max(32, bn // 2)
     tiles = []
     batch_shape = tuple(batch)
     for bi, bidx in enumerate(chunks(batch_shape, 1)):
@@ -125,8 +129,9 @@ def _embedding(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     tiles = []
     for i, box in enumerate(chunks(ids.shape, max(1, params["elements"] // d))):
         obox = Box(box.lo + (0,), box.hi + (d,))
-        # rows are picked by data: the whole (read-only) table is declared
-        tiles.append(Tile((i,), (Read(0, Box.full(table.shape)), Read(1, box)), (Write(0, obox),), 0))
+        # rows are picked by data: the whole (read-only) table is declared, one row per id is moved
+        moved = box.size * (ids.dtype.itemsize + 2 * d * table.dtype.itemsize)
+        tiles.append(Tile((i,), (Read(0, Box.full(table.shape)), Read(1, box)), (Write(0, obox),), 0, moved))
     return tiles
 
 
@@ -192,7 +197,8 @@ def _kv_update(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
                 Read(2, Box((bi, 0), (bi + 1, pos.shape[1]))),
             )
             # the rows written depend on the positions' values: the whole slab is declared
-            tiles.append(Tile((bi, hi), reads, (Write(0, slab),), 0))
+            moved = 2 * new.shape[2] * d * cache.dtype.itemsize + pos.shape[1] * pos.dtype.itemsize
+            tiles.append(Tile((bi, hi), reads, (Write(0, slab),), 0, moved))
     return tiles
 
 

@@ -1,0 +1,140 @@
+"""Numbers that describe a plan: task and dependency counts, the critical path, how evenly the
+processors are loaded, and how much memory each rank's arena needs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
+from megaloop.plan.model import Plan
+
+
+@dataclass
+class RankStats:
+    rank: int
+    ops: int
+    tasks: int
+    waits: int
+    cross_rank_waits: int
+    critical_path_ns: float  # longest chain of same-iteration data dependencies, at estimated task costs
+    makespan_ns: float  # one iteration as scheduled (program order and waits), at estimated task costs
+    busy_ns: list[float]  # per processor: sum of its tasks' estimated costs
+    arena_bytes: int
+    region_bytes: dict[str, int]
+    scratch_without_reuse: int
+
+    @property
+    def load_balance(self) -> float:
+        """Mean over max processor load (1.0: perfectly even)."""
+        busy = [b for b in self.busy_ns if b > 0] or [0.0]
+        return float(np.mean(busy) / max(busy)) if max(busy) > 0 else 1.0
+
+
+def plan_stats(plan: Plan) -> list[RankStats]:
+    base = task_bases(plan)
+    n = base[-1] + len(plan.ranks[-1].tasks)
+    cost = np.zeros(n)
+    seq = np.zeros(n, np.int64)
+    for r, rp in enumerate(plan.ranks):
+        for t in rp.tasks:
+            cost[base[r] + t.id] = t.cost_ns
+            seq[base[r] + t.id] = rp.ops[t.op].seq
+    orderings = find_orderings(plan, build_access_table(plan), seq)
+    same = orderings.lag == 0
+    critical = _longest_path(n, cost, orderings.before[same], orderings.after[same])
+    # the schedule as it will run: program order and same-iteration waits (from a counter's last signaler)
+    position: dict[int, int] = {}
+    for r, rp in enumerate(plan.ranks):
+        for lst in rp.processors:
+            for i, t in enumerate(lst):
+                position[base[r] + t] = i
+    last: dict[tuple[int, int], int] = {}
+    for r, rp in enumerate(plan.ranks):
+        for t in rp.tasks:
+            key, gid = (r, t.signal), base[r] + t.id
+            if key not in last or position[gid] > position[last[key]]:
+                last[key] = gid
+    before, after = [], []
+    for r, rp in enumerate(plan.ranks):
+        for lst in rp.processors:
+            for a, b in itertools.pairwise(lst):
+                before.append(base[r] + a)
+                after.append(base[r] + b)
+        for t in rp.tasks:
+            for w in t.waits:
+                if w.lag == 0:
+                    before.append(last[(w.rank, w.counter)])
+                    after.append(base[r] + t.id)
+    makespan = _longest_path(n, cost, np.array(before, np.int64), np.array(after, np.int64))
+    out = []
+    for r, rp in enumerate(plan.ranks):
+        ids = np.arange(base[r], base[r] + len(rp.tasks))
+        layout = rp.memory
+        busy = [float(sum(rp.tasks[t].cost_ns for t in lst)) for lst in rp.processors]
+        out.append(
+            RankStats(
+                rank=r,
+                ops=len(rp.ops),
+                tasks=len(rp.tasks),
+                waits=sum(len(t.waits) for t in rp.tasks),
+                cross_rank_waits=sum(1 for t in rp.tasks for w in t.waits if w.rank != r),
+                critical_path_ns=float(critical[ids].max(initial=0.0)),
+                makespan_ns=float(makespan[ids].max(initial=0.0)),
+                busy_ns=busy,
+                arena_bytes=rp.arena_bytes,
+                region_bytes=dict(layout.region_bytes) if layout else _regions(rp),
+                scratch_without_reuse=layout.scratch_unshared if layout else _regions(rp).get("scratch", 0),
+            )
+        )
+    return out
+
+
+def _regions(rp) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for b in rp.buffers:
+        out[b.kind] = out.get(b.kind, 0) + b.nbytes
+    return out
+
+
+def _longest_path(n: int, cost: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Finish time of every task when each starts as soon as all its predecessors finished."""
+    preds: list[list[int]] = [[] for _ in range(n)]
+    indeg = np.zeros(n, np.int64)
+    for a, b in zip(before.tolist(), after.tolist()):
+        preds[b].append(a)
+        indeg[b] += 1
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for b in range(n):
+        for a in preds[b]:
+            succs[a].append(b)
+    finish = np.zeros(n)
+    stack = [c for c in range(n) if indeg[c] == 0]
+    while stack:
+        c = stack.pop()
+        start = max((finish[a] for a in preds[c]), default=0.0)
+        finish[c] = start + cost[c]
+        for d in succs[c]:
+            indeg[d] -= 1
+            if indeg[d] == 0:
+                stack.append(d)
+    return finish
+
+
+def format_stats(plan: Plan, stats: list[RankStats]) -> str:
+    lines = [f"plan for {plan.arch}, {plan.processors} processors x {plan.warps} warps, {plan.world_size} rank(s)"]
+    for s in stats:
+        regions = ", ".join(f"{k} {_mib(v)}" for k, v in s.region_bytes.items() if v)
+        lines += [
+            f"rank {s.rank}: {s.ops} ops -> {s.tasks} tasks, {s.waits} waits ({s.cross_rank_waits} on other ranks)",
+            f"  estimated iteration {s.makespan_ns / 1e3:.1f} us; critical path {s.critical_path_ns / 1e3:.1f} us; "
+            f"load balance {s.load_balance:.2f} (mean/max busy time)",
+            f"  arena {_mib(s.arena_bytes)}: {regions}; scratch without reuse {_mib(s.scratch_without_reuse)}",
+        ]
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"

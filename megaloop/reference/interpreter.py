@@ -1,0 +1,290 @@
+"""The plan interpreter: runs a plan's tile tasks on numpy, the way the loop kernel runs them on a GPU.
+
+Every rank has one arena of bytes, laid out by the plan and poisoned (0xFF: NaN in every float dtype)
+before the host writes parameters, constants, inputs and the initial state into it. Each processor
+walks its task list, iteration after iteration; a task may start once its waits are satisfied. At
+each step a seeded random choice among the processors that can proceed picks the next one to run,
+weighted by a random speed per processor, so that a run explores an arbitrary legal interleaving.
+
+A task reads only the boxes it declares: its op's numpy reference sees operands that hold the
+arena's bytes inside those boxes and NaN elsewhere, and only the boxes it declares as written are
+stored back. Every byte remembers which op wrote it last and in which iteration; a read of bytes that
+hold the wrong version (not yet written this iteration, already overwritten by a later op or a later
+iteration, or never written) stops the run with an error naming the task, the tensor and the
+version found. Multi-rank plans run all ranks together; collectives read the peers' arenas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from megaloop.dtypes import round_to
+from megaloop.errors import DataError, DeadlockError, EvaluationError, InterpreterError
+from megaloop.frontend.opdef import REGISTRY, without_data_checks
+from megaloop.frontend.tiling import Box
+from megaloop.plan.bytes import box_runs
+from megaloop.plan.model import Access, Plan, PlanTensor, Task
+from megaloop.plan.tasks import op_node
+from megaloop.reference.evaluate import Evaluation, coerce
+
+NEVER = -2  # version of a byte nobody wrote
+HOST = -1  # version of a byte the host wrote before the run
+
+
+class _Rank:
+    def __init__(self, plan: Plan, r: int) -> None:
+        rp = plan.ranks[r]
+        self.rp = rp
+        self.arena = np.full(rp.arena_bytes, 0xFF, np.uint8)
+        self.iteration = np.full(rp.arena_bytes, NEVER, np.int32)
+        self.writer = np.full(rp.arena_bytes, -1, np.int32)  # op id; -1 for the host
+        self.counters = np.zeros(len(rp.counters), np.int64)
+        # which op produces each tensor's storage this iteration (None: host-written source)
+        made_by: dict[int, int] = {}
+        for op in rp.ops:
+            for t in op.outputs:
+                made_by[t] = op.id
+        root_of = {t: rp.tensor_of[g.base] for g, t in rp.tensor_of.items()}
+        self.producer = {t: made_by.get(root_of.get(t, t)) for t in range(len(rp.tensors))}
+        for op in rp.ops:  # plan-made copies: their output tensors have no graph tensor
+            for t in op.outputs:
+                self.producer[t] = op.id
+
+    def view(self, t: PlanTensor) -> np.ndarray:
+        buf = self.rp.buffers[t.buffer]
+        item = t.dtype.itemsize
+        return np.ndarray(
+            t.shape,
+            dtype=t.dtype.np,
+            buffer=self.arena,
+            offset=buf.offset + t.offset * item,
+            strides=tuple(s * item for s in t.strides),
+        )
+
+    def byte_index(self, t: PlanTensor, box: Any) -> np.ndarray:
+        runs = box_runs(box, t.strides, t.offset, t.dtype.itemsize, self.rp.buffers[t.buffer].offset)
+        return np.concatenate([np.arange(a, b) for a, b in runs]) if len(runs) else np.empty(0, np.int64)
+
+
+def _host_write(rank: _Rank, tensor_id: int, values: np.ndarray) -> None:
+    t = rank.rp.tensors[tensor_id]
+    rank.view(t)[...] = values
+    idx = rank.byte_index(t, Box.full(t.shape))
+    rank.iteration[idx] = HOST
+    rank.writer[idx] = -1
+
+
+def run_plan(
+    plan: Plan,
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    *,
+    iterations: int = 1,
+    seed: int = 0,
+) -> Any:
+    """Run ``plan`` for ``iterations`` iterations under a random legal interleaving chosen by ``seed``.
+
+    Arguments and result are those of ``megaloop.evaluate``: one mapping (and one Evaluation) per rank
+    for multi-rank plans."""
+    single = plan.world_size == 1
+    n = plan.world_size
+
+    def per_rank(arg: Any, what: str) -> list[Mapping[str, Any]]:
+        if arg is None:
+            return [{} for _ in range(n)]
+        if single and isinstance(arg, Mapping):
+            return [arg]
+        if isinstance(arg, Mapping) or len(arg) != n:
+            raise EvaluationError(f"{what}: pass one mapping per rank ({n} ranks)")
+        return list(arg)
+
+    if not isinstance(iterations, int) or iterations < 1:
+        raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
+    ins, prs, sts = per_rank(inputs, "inputs"), per_rank(params, "params"), per_rank(state, "state")
+    ranks = [_Rank(plan, r) for r in range(n)]
+    for r, rank in enumerate(ranks):
+        _load_host_values(rank, ins[r], prs[r], sts[r])
+    with without_data_checks():
+        _Machine(plan, ranks, np.random.default_rng(seed)).run(iterations)
+    results = []
+    for rank in ranks:
+        g = rank.rp.graph
+        outputs = {
+            name: np.array(rank.view(rank.rp.tensors[rank.rp.tensor_of[t]]), copy=True) for name, t in g.outputs.items()
+        }
+        states = {
+            name: np.array(rank.view(rank.rp.tensors[rank.rp.tensor_of[t]]), copy=True) for name, t in g.states.items()
+        }
+        results.append(Evaluation(outputs, states))
+    return results[0] if single else results
+
+
+def _load_host_values(
+    rank: _Rank, inputs: Mapping[str, Any], params: Mapping[str, Any], state: Mapping[str, Any]
+) -> None:
+    g = rank.rp.graph
+    for kind, given, table in (("input", inputs, g.inputs), ("parameter", params, g.parameters)):
+        missing = [k for k in table if k not in given]
+        extra = [k for k in given if k not in table]
+        if missing or extra:
+            raise EvaluationError(f"rank {g.rank}: {kind}s missing {missing}, unknown {extra}")
+        for name, t in table.items():
+            _host_write(rank, rank.rp.tensor_of[t], coerce(given[name], t, f"{kind} {name!r}"))
+    for t in g.constants:
+        _host_write(rank, rank.rp.tensor_of[t], t.node.attrs["value"])
+    for name, t in g.states.items():
+        if name in state:
+            values = coerce(state[name], t, f"state {name!r}")
+        elif "init" in t.node.attrs:
+            values = t.node.attrs["init"]
+        else:
+            values = np.zeros(t.shape, t.dtype.np)
+        _host_write(rank, rank.rp.tensor_of[t], values)
+    unknown = [k for k in state if k not in g.states]
+    if unknown:
+        raise EvaluationError(f"rank {g.rank}: unknown state {unknown}")
+
+
+class _Machine:
+    def __init__(self, plan: Plan, ranks: list[_Rank], rng: np.random.Generator) -> None:
+        self.plan, self.ranks, self.rng = plan, ranks, rng
+        self.procs = [(r, p) for r, rank in enumerate(ranks) for p, lst in enumerate(rank.rp.processors) if lst]
+        self.speed = rng.lognormal(0.0, 1.5, len(self.procs))  # some processors far faster than others
+        self.signalers = [{c: len(ts) for c, ts in rank.rp.signalers().items()} for rank in ranks]
+
+    def run(self, iterations: int) -> None:
+        pos = [[0, 0] for _ in self.procs]  # (iteration, index) per processor
+        active = set(range(len(self.procs)))
+        while active:
+            ready = [i for i in active if self._ready(i, pos[i])]
+            if not ready:
+                self._deadlock(active, pos)
+            weights = self.speed[ready] / self.speed[ready].sum()
+            i = ready[int(self.rng.choice(len(ready), p=weights))]
+            r, p = self.procs[i]
+            k, idx = pos[i]
+            rank = self.ranks[r]
+            task = rank.rp.tasks[rank.rp.processors[p][idx]]
+            self._execute(r, task, k)
+            rank.counters[task.signal] += 1
+            idx += 1
+            if idx == len(rank.rp.processors[p]):
+                k, idx = k + 1, 0
+            pos[i] = [k, idx]
+            if k == iterations:
+                active.discard(i)
+
+    def _ready(self, i: int, at: list[int]) -> bool:
+        r, p = self.procs[i]
+        rank = self.ranks[r]
+        task = rank.rp.tasks[rank.rp.processors[p][at[1]]]
+        return all(self.ranks[w.rank].counters[w.counter] >= self._target(w, at[0]) for w in task.waits)
+
+    def _target(self, w: Any, k: int) -> int:
+        return self.signalers[w.rank].get(w.counter, 0) * max(0, k + 1 - w.lag)
+
+    def _deadlock(self, active: set[int], pos: list[list[int]]) -> None:
+        lines = []
+        for i in sorted(active)[:8]:
+            r, p = self.procs[i]
+            rank = self.ranks[r]
+            task = rank.rp.tasks[rank.rp.processors[p][pos[i][1]]]
+            waits = [
+                f"counter {w.counter} of rank {w.rank} at {self.ranks[w.rank].counters[w.counter]} < "
+                f"{self._target(w, pos[i][0])}"
+                for w in task.waits
+                if self.ranks[w.rank].counters[w.counter] < self._target(w, pos[i][0])
+            ]
+            lines.append(f"{self.plan.task_label(r, task.id)} (iteration {pos[i][0]}) waits for {', '.join(waits)}")
+        raise DeadlockError("the plan interpreter cannot make progress:\n  " + "\n  ".join(lines))
+
+    def _execute(self, r: int, task: Task, k: int) -> None:
+        rank = self.ranks[r]
+        rp = rank.rp
+        op = rp.ops[task.op]
+        opdef = REGISTRY[op.op]
+        for acc in task.reads:
+            self._check_read(r, task, acc, k)
+        node = op_node(rp, op)
+        try:
+            if opdef.kind == "collective":
+                group = node.attrs["group"]
+                members = [self._operand(r, task, acc_rank=m, tensor=self._peer_tensor(r, task, m)) for m in group]
+                results = [opdef.reference(members, op.attrs)[group.index(r)]]
+            elif op.op == "recv":
+                src = node.attrs["src"]
+                results = [self._operand(r, task, acc_rank=src, tensor=task.reads[0].tensor)]
+            else:
+                operands = [self._operand(r, task, acc_rank=r, tensor=t) for t in op.inputs]
+                out = opdef.reference(operands, op.attrs)
+                results = out if isinstance(out, list) else [out]
+        except DataError as e:
+            raise DataError(f"{self.plan.task_label(r, task.id)} (iteration {k}): {e}") from None
+        for acc in task.writes:
+            t = rp.tensors[acc.tensor]
+            value = round_to(np.asarray(results[op.outputs.index(acc.tensor)]), t.dtype)
+            rank.view(t)[acc.box.slices] = value[acc.box.slices]
+            idx = rank.byte_index(t, acc.box)
+            rank.iteration[idx] = k
+            rank.writer[idx] = op.id
+
+    def _peer_tensor(self, r: int, task: Task, member: int) -> int:
+        for acc in task.reads:
+            if acc.rank == member:
+                return acc.tensor
+        # a member whose part this tile does not touch: any tensor of the right shape will do
+        node = op_node(self.ranks[r].rp, self.ranks[r].rp.ops[task.op])
+        c = self.plan.matching.collective_of[node]
+        peer = c.nodes[c.group.index(member)]
+        return self.ranks[member].rp.tensor_of[peer.inputs[0]]
+
+    def _operand(self, r: int, task: Task, acc_rank: int, tensor: int) -> np.ndarray:
+        """The operand as the task may see it: declared boxes from the arena, NaN (or garbage) elsewhere."""
+        owner = self.ranks[acc_rank]
+        t = owner.rp.tensors[tensor]
+        if t.dtype.is_float:
+            out = np.full(t.shape, np.nan, dtype=t.dtype.np)
+        elif t.dtype.is_bool:
+            out = np.ones(t.shape, dtype=bool)
+        else:
+            out = np.full(t.shape, np.iinfo(t.dtype.np).min, dtype=t.dtype.np)
+        view = owner.view(t)
+        for acc in task.reads:
+            if acc.rank == acc_rank and acc.tensor == tensor:
+                out[acc.box.slices] = view[acc.box.slices]
+        return out
+
+    def _check_read(self, r: int, task: Task, acc: Access, k: int) -> None:
+        owner = self.ranks[acc.rank]
+        t = owner.rp.tensors[acc.tensor]
+        idx = owner.byte_index(t, acc.box)
+        it, who = owner.iteration[idx], owner.writer[idx]
+        producer = owner.producer.get(acc.tensor)
+        kind = owner.rp.buffers[t.buffer].kind
+        if producer is not None:
+            bad = (it != k) | (who != producer)
+            expect = f"written by {owner.rp.ops[producer].name} in iteration {k}"
+        elif kind == "state":
+            bad = (it >= k) | (it == NEVER)
+            expect = "the state's value from before this iteration"
+        else:
+            bad = it != HOST
+            expect = "written by the host before the run"
+        if np.any(bad):
+            j = int(np.argmax(bad))
+            found = (
+                "never written"
+                if it[j] == NEVER
+                else "written by the host"
+                if it[j] == HOST
+                else f"written by {owner.rp.ops[who[j]].name} in iteration {it[j]}"
+            )
+            buf = owner.rp.buffers[t.buffer]
+            raise InterpreterError(
+                f"{self.plan.task_label(r, task.id)} (iteration {k}) reads {t.name!r} of rank {acc.rank}, "
+                f"box {acc.box}: byte {int(idx[j]) - buf.offset} of buffer {buf.name!r} was {found}; expected {expect}"
+            )
