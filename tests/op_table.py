@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
-from tests.helpers import TORCH_DTYPES
+from tests.helpers import TORCH_DTYPES, random_values
 
 TD = TORCH_DTYPES
 FLOATS = ("float32", "float16", "bfloat16")
@@ -52,6 +52,30 @@ class Row:
     @property
     def id(self) -> str:
         return f"{self.op}-{self.label}"
+
+
+def build_row(row: Row, dtype_name: str, seed: int) -> tuple:
+    """A graph for one draw of a row: (graph, inputs, state, operand arrays, output tensors, sample)."""
+    rng = np.random.default_rng(seed)
+    sample = row.sample(rng)
+    domains = sample.domains or row.domains or ("normal",) * len(sample.shapes)
+    g = ml.Graph(f"{row.id}-{dtype_name}")
+    tensors, feeds, state, arrays = [], {}, {}, []
+    for i, shape in enumerate(sample.shapes):
+        dt = ml.as_dtype(row.fixed.get(i, dtype_name))
+        values = random_values(rng, shape, dt, domains[i] if i < len(domains) else "normal")
+        arrays.append(values)
+        if i in row.states:
+            tensors.append(g.state(f"s{i}", shape, dt))
+            state[f"s{i}"] = values
+        else:
+            tensors.append(g.input(f"x{i}", shape, dt))
+            feeds[f"x{i}"] = values
+    built = row.build(g, *tensors, **sample.kw)
+    outs = built if isinstance(built, tuple) else (built,)
+    for k, t in enumerate(outs):
+        g.output(f"y{k}", t)
+    return g, feeds, state, arrays, outs, sample
 
 
 # ---- shape generators ---------------------------------------------------------------------------

@@ -11,32 +11,15 @@ import torch
 
 import megaloop as ml
 from megaloop.frontend.opdef import REGISTRY, Accuracy
-from tests.helpers import assert_close, random_values, to_torch64
-from tests.op_table import ROWS, TESTED_ELSEWHERE, Row
+from tests.helpers import assert_close, to_torch64
+from tests.op_table import ROWS, TESTED_ELSEWHERE, Row, build_row
 
 DRAWS = 6  # random draws per (row, dtype)
 
 
 def run_row(row: Row, dtype_name: str, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    sample = row.sample(rng)
-    domains = sample.domains or row.domains or ("normal",) * len(sample.shapes)
-    g = ml.Graph(f"{row.id}-{dtype_name}")
-    tensors, feeds, state, arrays = [], {}, {}, []
-    for i, shape in enumerate(sample.shapes):
-        dt = ml.as_dtype(row.fixed.get(i, dtype_name))
-        values = random_values(rng, shape, dt, domains[i] if i < len(domains) else "normal")
-        arrays.append(values)
-        if i in row.states:
-            tensors.append(g.state(f"s{i}", shape, dt))
-            state[f"s{i}"] = values
-        else:
-            tensors.append(g.input(f"x{i}", shape, dt))
-            feeds[f"x{i}"] = values
-    built = row.build(g, *tensors, **sample.kw)
-    outs = built if isinstance(built, tuple) else (built,)
-    for k, t in enumerate(outs):
-        g.output(f"y{k}", t)
+    built = build_row(row, dtype_name, seed)
+    g, feeds, state, arrays, outs, sample = built
     result = ml.evaluate(g, feeds, state=state)
     with torch.no_grad():
         ref = row.ref(*[to_torch64(a) for a in arrays], dtype=dtype_name, **sample.kw)

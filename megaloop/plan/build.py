@@ -72,10 +72,12 @@ def make_plan(
 
 
 def _check_overrides(plan: Plan, tiles: dict[str, dict[str, int]]) -> None:
-    known = {op.name for rp in plan.ranks for op in rp.ops} | {op.op for rp in plan.ranks for op in rp.ops}
+    known = {op.name for rp in plan.ranks for op in rp.ops} | {n for n, o in REGISTRY.items() if o.tiling}
     unknown = sorted(set(tiles) - known)
     if unknown:
-        raise GraphBuildError(f"plan: tile overrides for {unknown} match no op name or node name of the graph")
+        raise GraphBuildError(
+            f"plan: tile overrides for {unknown} name neither an op with tiles nor a node of the graph"
+        )
 
 
 def tile_params(node_name: str, op_name: str, arch: str, tiles: dict[str, dict[str, int]]) -> dict[str, int]:

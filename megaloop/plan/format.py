@@ -169,7 +169,7 @@ class _Reader:
 
     def ints(self, key: str | int, *, minimum: int | None = None) -> list[int]:
         lst = self.get(key, list)
-        where = f"{self.path}.{key}"
+        where = f"{self.path}.{key}" if isinstance(key, str) else f"{self.path}[{key}]"
         for i, v in enumerate(lst):
             if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
                 raise PlanFormatError(

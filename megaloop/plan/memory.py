@@ -47,8 +47,10 @@ SCRATCH_BUDGET = 4 << 30
 
 
 def place(
-    requests: list[Request], reuse: bool = True, budget: int = SCRATCH_BUDGET, reuse_min_bytes: int = REUSE_MIN_BYTES
+    requests: list[Request], reuse: bool = True, budget: int = SCRATCH_BUDGET, reuse_min_bytes: int | None = None
 ) -> Layout:
+    if reuse_min_bytes is None:  # read at call time, so that tests can lower it
+        reuse_min_bytes = REUSE_MIN_BYTES
     offsets: dict[int, int] = {}
     at = 0
     regions: dict[str, int] = {}

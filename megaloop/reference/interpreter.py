@@ -157,14 +157,28 @@ class _Machine:
         self.signalers = [{c: len(ts) for c, ts in rank.rp.signalers().items()} for rank in ranks]
 
     def run(self, iterations: int) -> None:
+        """Event-driven: a processor is either ready or parked on the first counter it still waits
+        for, and is looked at again only when that counter moves."""
         pos = [[0, 0] for _ in self.procs]  # (iteration, index) per processor
-        active = set(range(len(self.procs)))
-        while active:
-            ready = [i for i in active if self._ready(i, pos[i])]
+        ready: list[int] = []
+        parked: dict[tuple[int, int], list[int]] = {}
+        left = len(self.procs)
+
+        def place(i: int) -> None:
+            blocker = self._blocker(i, pos[i])
+            if blocker is None:
+                ready.append(i)
+            else:
+                parked.setdefault(blocker, []).append(i)
+
+        for i in range(len(self.procs)):
+            place(i)
+        while left:
             if not ready:
-                self._deadlock(active, pos)
-            weights = self.speed[ready] / self.speed[ready].sum()
-            i = ready[int(self.rng.choice(len(ready), p=weights))]
+                self._deadlock([i for i in range(len(self.procs)) if pos[i][0] < iterations], pos)
+            speeds = self.speed[ready]
+            j = int(self.rng.choice(len(ready), p=speeds / speeds.sum()))
+            i = ready.pop(j)
             r, p = self.procs[i]
             k, idx = pos[i]
             rank = self.ranks[r]
@@ -176,20 +190,28 @@ class _Machine:
                 k, idx = k + 1, 0
             pos[i] = [k, idx]
             if k == iterations:
-                active.discard(i)
+                left -= 1
+            else:
+                place(i)
+            for waiting in parked.pop((r, task.signal), ()):
+                place(waiting)
 
-    def _ready(self, i: int, at: list[int]) -> bool:
+    def _blocker(self, i: int, at: list[int]) -> tuple[int, int] | None:
+        """The first (rank, counter) the processor's next task still waits for, or None if it can run."""
         r, p = self.procs[i]
         rank = self.ranks[r]
         task = rank.rp.tasks[rank.rp.processors[p][at[1]]]
-        return all(self.ranks[w.rank].counters[w.counter] >= self._target(w, at[0]) for w in task.waits)
+        for w in task.waits:
+            if self.ranks[w.rank].counters[w.counter] < self._target(w, at[0]):
+                return (w.rank, w.counter)
+        return None
 
     def _target(self, w: Any, k: int) -> int:
         return self.signalers[w.rank].get(w.counter, 0) * max(0, k + 1 - w.lag)
 
-    def _deadlock(self, active: set[int], pos: list[list[int]]) -> None:
+    def _deadlock(self, active: list[int], pos: list[list[int]]) -> None:
         lines = []
-        for i in sorted(active)[:8]:
+        for i in active[:8]:
             r, p = self.procs[i]
             rank = self.ranks[r]
             task = rank.rp.tasks[rank.rp.processors[p][pos[i][1]]]

@@ -1,0 +1,147 @@
+"""Plan files: save and load round trip, hand edits (tile sizes, task orders) that still verify and
+run, and malformed files that fail with an error naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop import errors
+from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.plan import Plan, make_plan
+from megaloop.plan.format import plan_from_dict, plan_to_dict
+from megaloop.reference.interpreter import run_plan
+
+CFG = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1, max_seq=8, vocab=40)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    g = build_llama(CFG, 2, 3)
+    params = random_parameters(CFG, seed=1)
+    feeds = {"tokens": np.array([[1, 2, 3], [4, 5, 6]]), "positions": np.tile(np.arange(3), (2, 1))}
+    plan = make_plan(g, processors=5, tiles={"matmul": {"block_m": 2, "block_n": 8}, "add": {"elements": 32}})
+    ref = ml.evaluate(g, feeds, params, iterations=2)
+    return g, plan, params, feeds, ref
+
+
+def matches(plan: Plan, params, feeds, ref) -> None:
+    for seed in range(3):
+        out = run_plan(plan, feeds, params, iterations=2, seed=seed)
+        assert out.outputs["logits"].tobytes() == ref.outputs["logits"].tobytes()
+
+
+def test_round_trip(setup, tmp_path) -> None:
+    _, plan, params, feeds, ref = setup
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert json.dumps(plan_to_dict(loaded), sort_keys=True) == json.dumps(plan_to_dict(plan), sort_keys=True)
+    matches(loaded, params, feeds, ref)
+    text = path.read_text()
+    assert '"format": "megaloop-plan"' in text and "layers.0.attn.matmul" in text
+
+
+def test_edited_tile_size(setup, tmp_path) -> None:
+    _, plan, params, feeds, ref = setup
+    data = plan_to_dict(plan)
+    op = next(o for o in data["ranks"][0]["ops"] if o["op"] == "matmul")
+    op["tile"] = {"block_m": 1, "block_n": 4}
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(errors.PlanFormatError, match=rf"ops\[{op['id']}\] \({op['name']}\).*rederive=True"):
+        Plan.load(path)
+    edited = Plan.load(path, rederive=True)
+    new_op = edited.ranks[0].ops[op["id"]]
+    assert new_op.tile == {"block_m": 1, "block_n": 4}
+    assert sum(1 for t in edited.ranks[0].tasks if t.op == op["id"]) > sum(
+        1 for t in plan.ranks[0].tasks if t.op == op["id"]
+    )
+    matches(edited, params, feeds, ref)
+    edited.save(tmp_path / "again.json")
+    matches(Plan.load(tmp_path / "again.json"), params, feeds, ref)  # consistent now: no rederive needed
+
+
+def test_reordered_tasks(setup, tmp_path) -> None:
+    _, plan, params, feeds, ref = setup
+    data = plan_to_dict(plan)
+    lists = data["ranks"][0]["processors"]
+    # move the last task of the busiest processor to the front of the idlest one, and reverse the
+    # order of a run of independent tasks (same op) on another
+    busiest = max(range(len(lists)), key=lambda p: len(lists[p]))
+    idlest = min(range(len(lists)), key=lambda p: len(lists[p]))
+    moved = lists[busiest].pop()
+    lists[idlest].append(moved)
+    ops = {t["id"]: t["op"] for t in data["ranks"][0]["tasks"]}
+    lst = lists[busiest]
+    i = next(i for i in range(len(lst) - 1) if ops[lst[i]] == ops[lst[i + 1]])
+    lst[i], lst[i + 1] = lst[i + 1], lst[i]
+    path = tmp_path / "reordered.json"
+    path.write_text(json.dumps(data))
+    edited = Plan.load(path, rederive=True)
+    assert edited.ranks[0].processors[idlest][-1] == moved
+    matches(edited, params, feeds, ref)
+
+
+def test_impossible_order_is_refused(setup) -> None:
+    _, plan, _, _, _ = setup
+    data = plan_to_dict(plan)
+    lists = data["ranks"][0]["processors"]
+    everything = [t for lst in lists for t in lst]
+    data["ranks"][0]["processors"] = [list(reversed(everything))] + [[] for _ in lists[1:]]  # consumers first
+    with pytest.raises(errors.DeadlockError, match="deadlock"):
+        plan_from_dict(data, rederive=True)
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.pop("version"), r"plan\.version: missing"),
+        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 1"),
+        (lambda d: d.update(format="other"), r"plan\.format"),
+        (lambda d: d.update(processors="many"), r"plan\.processors: expected an int, got str"),
+        (lambda d: d["ranks"][0]["buffers"][0].update(kind="heap"), r"plan\.ranks\[0\]\.buffers\[0\]\.kind"),
+        (lambda d: d["ranks"][0]["tensors"][2].update(buffer=10**6), r"plan\.ranks\[0\]\.tensors\[2\]\.buffer"),
+        (lambda d: d["ranks"][0]["tasks"][1].update(id=7), r"plan\.ranks\[0\]\.tasks\[1\]\.id: expected 1"),
+        (
+            lambda d: d["ranks"][0]["tasks"][3]["waits"].append([0, 0, -1]),
+            r"plan\.ranks\[0\]\.tasks\[3\]\.waits\[\d+\]\[2\]: must be >= 0",
+        ),
+        (lambda d: d["ranks"][0]["tasks"][0]["reads"].append([0, 0, [0], [1, 2]]), r"box bounds"),
+        (
+            lambda d: d["ranks"][0]["ops"][0].update(tile={"elements": 0}),
+            r"ops\[0\]\.tile\.elements: expected an int >= 1",
+        ),
+        (lambda d: d["ranks"][0]["processors"].append(["x"]), r"plan\.ranks\[0\]\.processors\[\d+\]\[0\]"),
+        (lambda d: d["ranks"][0].pop("graph"), r"plan\.ranks\[0\]\.graph: missing"),
+    ],
+)
+def test_malformed_plans_name_the_field(setup, edit, field) -> None:
+    _, plan, _, _, _ = setup
+    data = copy.deepcopy(plan_to_dict(plan))
+    edit(data)
+    with pytest.raises(errors.PlanFormatError, match=field):
+        plan_from_dict(data)
+
+
+def test_not_json(tmp_path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{ not json")
+    with pytest.raises(errors.PlanFormatError, match="not JSON"):
+        Plan.load(path)
+
+
+def test_stats(setup) -> None:
+    _, plan, _, _, _ = setup
+    (s,) = plan.stats()
+    assert s.tasks == len(plan.ranks[0].tasks) and s.waits == sum(len(t.waits) for t in plan.ranks[0].tasks)
+    assert 0 < s.critical_path_ns <= s.makespan_ns + 1e-6
+    assert 0 < s.load_balance <= 1
+    assert s.arena_bytes >= sum(s.region_bytes.values())
+    assert s.region_bytes["parameter"] == sum(
+        int(np.prod(v)) * 2 for v in CFG.parameter_shapes().values()
+    ) or s.region_bytes["parameter"] >= sum(int(np.prod(v)) * 2 for v in CFG.parameter_shapes().values())
