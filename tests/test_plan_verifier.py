@@ -53,7 +53,7 @@ def test_removing_any_cross_rank_wait_is_a_race() -> None:
     plan = make_plan(graphs, processors=5, tiles=small_tiles(graphs))
     cross = [(r, task, i) for r, task, i in all_waits(plan) if task.waits[i].rank != r]
     assert len(cross) >= 6
-    for r, task, i in all_waits(plan):
+    for _, task, i in cross:
         saved = task.waits
         task.waits = saved[:i] + saved[i + 1 :]
         try:
@@ -137,7 +137,7 @@ def test_writing_a_parameter_or_overlapping_live_buffers_is_refused() -> None:
 
 def test_interpreter_catches_a_missing_wait() -> None:
     """With verification skipped, a plan missing a wait runs into the interpreter's version checks."""
-    g, plan = tiny_llama_plan()
+    _, plan = tiny_llama_plan()
     rng = np.random.default_rng(0)
     params = {
         k: rng.standard_normal(v) * 0.2
