@@ -15,7 +15,7 @@ from megaloop.frontend.opdef import REGISTRY
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import Plan, make_plan
 from megaloop.reference.interpreter import run_plan
-from tests.op_table import ROWS, build_row
+from tests.op_table import ROWS, Row, build_row
 
 SEEDS = 20
 PROCESSORS = (1, 7, 132)
@@ -64,7 +64,7 @@ for _row in ROWS:  # one row per op variant, the dtype rotating through the row'
 MAX_TASKS = 48  # enough tasks to race, few enough that 60 interpreted runs stay quick
 
 
-def small_case(row, dtype):  # noqa: ANN001, ANN201
+def small_case(row: Row, dtype: str) -> tuple:
     """The first draw of a row whose ops make between 2 and MAX_TASKS tasks with small tiles."""
     from megaloop.frontend.tiling import TileContext
 
