@@ -54,27 +54,29 @@ class Row:
         return f"{self.op}-{self.label}"
 
 
-def build_row(row: Row, dtype_name: str, seed: int) -> tuple:
-    """A graph for one draw of a row: (graph, inputs, state, operand arrays, output tensors, sample)."""
+def build_row(row: Row, dtype_name: str, seed: int, graph: ml.Graph | None = None, prefix: str = "") -> tuple:
+    """A graph for one draw of a row: (graph, inputs, state, operand arrays, output tensors, sample).
+    With ``graph``, the row is added to that graph, its names prefixed by ``prefix``."""
     rng = np.random.default_rng(seed)
     sample = row.sample(rng)
     domains = sample.domains or row.domains or ("normal",) * len(sample.shapes)
-    g = ml.Graph(f"{row.id}-{dtype_name}")
+    g = graph if graph is not None else ml.Graph(f"{row.id}-{dtype_name}")
     tensors, feeds, state, arrays = [], {}, {}, []
     for i, shape in enumerate(sample.shapes):
         dt = ml.as_dtype(row.fixed.get(i, dtype_name))
         values = random_values(rng, shape, dt, domains[i] if i < len(domains) else "normal")
         arrays.append(values)
         if i in row.states:
-            tensors.append(g.state(f"s{i}", shape, dt))
-            state[f"s{i}"] = values
+            tensors.append(g.state(f"{prefix}s{i}", shape, dt))
+            state[f"{prefix}s{i}"] = values
         else:
-            tensors.append(g.input(f"x{i}", shape, dt))
-            feeds[f"x{i}"] = values
-    built = row.build(g, *tensors, **sample.kw)
+            tensors.append(g.input(f"{prefix}x{i}", shape, dt))
+            feeds[f"{prefix}x{i}"] = values
+    with g.scope(prefix.rstrip(".") or "row"):
+        built = row.build(g, *tensors, **sample.kw)
     outs = built if isinstance(built, tuple) else (built,)
     for k, t in enumerate(outs):
-        g.output(f"y{k}", t)
+        g.output(f"{prefix}y{k}", t)
     return g, feeds, state, arrays, outs, sample
 
 

@@ -1,3 +1,7 @@
-"""Codegen: a verified plan -> one readable CUDA C++ loop kernel per GPU plus the header library of
-tile implementations (*.cuh). Not built yet (third issue of the first tranche); element types come
-from ``megaloop.dtypes.DType.c_type``."""
+"""Codegen: a verified plan -> one readable CUDA C++ loop kernel per GPU, built on the header library
+in ``include/megaloop`` (types, math, the loop machinery); ``generate(plan)`` returns the source and the
+tables the kernel walks."""
+
+from megaloop.codegen.kernel import LoopProgram, generate
+
+__all__ = ["LoopProgram", "generate"]

@@ -67,6 +67,20 @@ class Accuracy:
 
 
 @dataclass(frozen=True)
+class CudaTile:
+    """How the loop kernel runs one tile of the op: a template of megaloop/codegen (``elementwise``,
+    ``reduction``, ``rows``, ``matmul``, ``attention``, ``rope``, ``embedding``, ``kv_update``,
+    ``concat``) and, for elementwise ops, the C++ expression over the operands ``a``, ``b``, ``c`` in
+    their compute type (float, long long or bool); a callable gets the node's attributes."""
+
+    template: str
+    expr: str | Callable[[dict[str, Any]], str] = ""
+
+    def expression(self, attrs: dict[str, Any]) -> str:
+        return self.expr(attrs) if callable(self.expr) else self.expr
+
+
+@dataclass(frozen=True)
 class OpDef:
     name: str
     kind: str
@@ -78,6 +92,7 @@ class OpDef:
     accuracy: Accuracy = field(default_factory=Accuracy)
     inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
     tiling: Tiling | None = None  # how it splits into tile tasks; None: no tasks (sources, views, send)
+    cuda: CudaTile | None = None  # how the loop kernel runs a tile (None: not on the GPU yet)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

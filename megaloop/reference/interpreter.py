@@ -25,10 +25,11 @@ from megaloop.dtypes import round_to
 from megaloop.errors import DataError, DeadlockError, EvaluationError, InterpreterError
 from megaloop.frontend.opdef import REGISTRY, without_data_checks
 from megaloop.frontend.tiling import Box
+from megaloop.frontend.values import coerce
 from megaloop.plan.bytes import box_runs
 from megaloop.plan.model import Access, Plan, PlanTensor, Task
 from megaloop.plan.tasks import op_node
-from megaloop.reference.evaluate import Evaluation, coerce
+from megaloop.reference.evaluate import Evaluation
 
 NEVER = -2  # version of a byte nobody wrote
 HOST = -1  # version of a byte the host wrote before the run

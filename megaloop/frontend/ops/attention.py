@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, data_checks, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
 from megaloop.frontend.ops import _tilings, sources
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
@@ -134,6 +134,7 @@ ATTENTION = register(
         reference=_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
+        cuda=CudaTile("attention"),
     )
 )
 
@@ -228,6 +229,7 @@ KV_CACHE_UPDATE = register(
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,
+        cuda=CudaTile("kv_update"),
     )
 )
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -153,6 +153,7 @@ def _binary_op(
     kinds: str,
     result: str = "same",
     accuracy: Accuracy = _ARITH,
+    cuda: str = "",
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
@@ -177,31 +178,43 @@ def _binary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
+            cuda=CudaTile("elementwise", cuda),
         )
     )
 
 
-ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi")
-SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi")
-MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi")
-DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f")
-MAXIMUM = _binary_op("maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi")
-MINIMUM = _binary_op("minimum", "Elementwise min; NaN wins, as in numpy and torch.", np.minimum, "fi")
+ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b")
+SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b")
+MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b")
+DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f", cuda="a / b")
+MAXIMUM = _binary_op(
+    "maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi", cuda="ml::maximum(a, b)"
+)
+MINIMUM = _binary_op(
+    "minimum", "Elementwise min; NaN wins, as in numpy and torch.", np.minimum, "fi", cuda="ml::minimum(a, b)"
+)
 POW = _binary_op(
     "pow",
     "a ** b (floats only; a negative base with a fractional power gives NaN).",
     np.power,
     "f",
     accuracy=Accuracy(ulps=2.0),
+    cuda="powf(a, b)",
 )
-EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool")
-NOT_EQUAL = _binary_op("not_equal", "a != b elementwise, giving bool.", np.not_equal, "fib", result="bool")
-LESS = _binary_op("less", "a < b elementwise, giving bool.", np.less, "fi", result="bool")
-LESS_EQUAL = _binary_op("less_equal", "a <= b elementwise, giving bool.", np.less_equal, "fi", result="bool")
-GREATER = _binary_op("greater", "a > b elementwise, giving bool.", np.greater, "fi", result="bool")
-GREATER_EQUAL = _binary_op("greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi", result="bool")
-LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b")
-LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b")
+EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool", cuda="a == b")
+NOT_EQUAL = _binary_op(
+    "not_equal", "a != b elementwise, giving bool.", np.not_equal, "fib", result="bool", cuda="a != b"
+)
+LESS = _binary_op("less", "a < b elementwise, giving bool.", np.less, "fi", result="bool", cuda="a < b")
+LESS_EQUAL = _binary_op(
+    "less_equal", "a <= b elementwise, giving bool.", np.less_equal, "fi", result="bool", cuda="a <= b"
+)
+GREATER = _binary_op("greater", "a > b elementwise, giving bool.", np.greater, "fi", result="bool", cuda="a > b")
+GREATER_EQUAL = _binary_op(
+    "greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi", result="bool", cuda="a >= b"
+)
+LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b", cuda="a && b")
+LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b", cuda="a || b")
 
 
 def _binary(op: OpDef, a: Any, b: Any) -> Tensor:
@@ -295,6 +308,7 @@ WHERE = register(
         reference=_where_ref,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
+        cuda=CudaTile("elementwise", "a ? b : c"),
     )
 )
 
@@ -307,6 +321,7 @@ def where(cond: Tensor, a: Any, b: Any) -> Tensor:
 # ---- unary ops ---------------------------------------------------------------------------------
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUDA = lambda attrs: "ml::gelu_tanh(a)" if attrs.get("approximate") == "tanh" else "ml::gelu_erf(a)"
 _TRANSCENDENTAL = Accuracy(ulps=2.0)
 _erf64 = np.frompyfunc(math.erf, 1, 1)
 
@@ -329,7 +344,12 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _unary_op(
-    name: str, doc: str, fn: Callable[..., np.ndarray], kinds: str = "f", accuracy: Accuracy = _TRANSCENDENTAL
+    name: str,
+    doc: str,
+    fn: Callable[..., np.ndarray],
+    kinds: str = "f",
+    accuracy: Accuracy = _TRANSCENDENTAL,
+    cuda: str | Callable[[dict[str, Any]], str] = "",
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
@@ -353,25 +373,31 @@ def _unary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
+            cuda=CudaTile("elementwise", cuda),
         )
     )
 
 
-NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0))
-ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0))
-EXP = _unary_op("exp", "Exponential e**x.", np.exp)
-LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log)
-SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt)
-RSQRT = _unary_op("rsqrt", "Reciprocal square root 1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x))
-RECIPROCAL = _unary_op("reciprocal", "Reciprocal 1 / x.", lambda x: 1.0 / x)
-TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh)
-SIGMOID = _unary_op("sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid)
+NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0), cuda="-a")
+ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0), cuda="ml::abs_(a)")
+EXP = _unary_op("exp", "Exponential e**x.", np.exp, cuda="expf(a)")
+LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log, cuda="logf(a)")
+SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt, cuda="sqrtf(a)")
+RSQRT = _unary_op("rsqrt", "Reciprocal square root 1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x), cuda="ml::rsqrt_(a)")
+RECIPROCAL = _unary_op("reciprocal", "Reciprocal 1 / x.", lambda x: 1.0 / x, cuda="1.0f / a")
+TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh, cuda="tanhf(a)")
+SIGMOID = _unary_op("sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid, cuda="ml::sigmoid(a)")
 RELU = _unary_op(
-    "relu", "Rectifier max(x, 0).", lambda x: np.maximum(x, np.zeros((), x.dtype)), "fi", Accuracy(ulps=0.0)
+    "relu",
+    "Rectifier max(x, 0).",
+    lambda x: np.maximum(x, np.zeros((), x.dtype)),
+    "fi",
+    Accuracy(ulps=0.0),
+    cuda="ml::relu(a)",
 )
-GELU = _unary_op("gelu", "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.", _gelu)
-SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x))
-ERF = _unary_op("erf", "The error function.", _erf)
+GELU = _unary_op("gelu", "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.", _gelu, cuda=_GELU_CUDA)
+SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x), cuda="ml::silu(a)")
+ERF = _unary_op("erf", "The error function.", _erf, cuda="ml::erf_(a)")
 
 
 def _unary_builder(op: OpDef) -> Callable[[Tensor], Tensor]:
@@ -420,6 +446,7 @@ LOGICAL_NOT = register(
         reference=lambda arrays, attrs: np.logical_not(arrays[0]),
         accuracy=Accuracy(0.0),
         tiling=_tilings.ELEMENTWISE,
+        cuda=CudaTile("elementwise", "!a"),
     )
 )
 
@@ -464,6 +491,7 @@ CAST = register(
         reference=_cast_ref,
         accuracy=Accuracy(ulps=0.5),
         tiling=_tilings.ELEMENTWISE,
+        cuda=CudaTile("elementwise", "a"),
     )
 )
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, data_checks, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.shapes import format_shape
@@ -51,6 +51,7 @@ EMBEDDING = register(
         reference=_reference,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.EMBEDDING,
+        cuda=CudaTile("embedding"),
     )
 )
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, ViewSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, ViewSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, axes_arg, axis_arg, require_int, require_tensor
 from megaloop.frontend.shapes import (
@@ -358,6 +358,7 @@ CONCAT = register(
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
         accuracy=_EXACT,
         tiling=_tilings.CONCAT,
+        cuda=CudaTile("concat"),
     )
 )
 
@@ -384,6 +385,7 @@ COPY = register(
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
+        cuda=CudaTile("elementwise", "a"),
     )
 )
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
@@ -67,6 +67,7 @@ MATMUL = register(
         reference=_reference,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
+        cuda=CudaTile("matmul"),
     )
 )
 

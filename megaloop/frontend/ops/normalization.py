@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -48,6 +48,7 @@ SOFTMAX = register(
         reference=_softmax_ref,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
+        cuda=CudaTile("rows"),
     )
 )
 LOG_SOFTMAX = register(
@@ -61,6 +62,7 @@ LOG_SOFTMAX = register(
         reference=_log_softmax_ref,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
+        cuda=CudaTile("rows"),
     )
 )
 
@@ -135,6 +137,7 @@ LAYERNORM = register(
         reference=_layernorm_ref,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_tilings.ROWS,
+        cuda=CudaTile("rows"),
     )
 )
 RMSNORM = register(
@@ -149,6 +152,7 @@ RMSNORM = register(
         reference=_rmsnorm_ref,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ROWS,
+        cuda=CudaTile("rows"),
     )
 )
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import AxisError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -51,6 +51,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> 
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.REDUCTION,
+            cuda=CudaTile("reduction"),
         )
     )
 
@@ -122,6 +123,7 @@ ARGMAX = register(
         reference=_argmax_ref,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.REDUCTION,
+        cuda=CudaTile("reduction"),
     )
 )
 

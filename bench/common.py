@@ -1,0 +1,66 @@
+"""Shared benchmark plumbing: device events timing with warm-up and medians, fresh random inputs, and
+results written as JSON with the device, the commit and the date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
+    except Exception:
+        return os.environ.get("MEGALOOP_COMMIT", "unknown")
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def time_torch(fn, warmup: int = 5, repeat: int = 30) -> float:
+    """Median seconds of ``fn()`` measured with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def write(name: str, results: dict[str, Any]) -> Path:
+    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    payload = {
+        "benchmark": name,
+        "device": device_name(),
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **results,
+    }
+    path.write_text(json.dumps(payload, indent=1))
+    print(json.dumps(payload, indent=1))
+    return path

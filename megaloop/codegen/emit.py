@@ -1,0 +1,472 @@
+"""C++ for one tile of each op: one function per distinct op signature.
+
+Every function has the same shape, ``void sig_N(const ml::Args& a, const ml::Task& t, int tid,
+const ml::i64* off)``: ``off[k]`` is the byte offset in the arena of operand k (inputs, then outputs)
+and ``t.lo/t.hi`` the box of the output the task writes. Shapes, strides, dtypes and op constants
+are compile-time constants written into the body, so two ops with the same signature (the same layer
+of every transformer block) share one function. Each template follows the numpy reference of its op
+(megaloop/frontend/ops): float32 arithmetic for every float dtype, one rounding at the store.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megaloop.dtypes import DType, round_to
+from megaloop.errors import GraphBuildError
+from megaloop.frontend.ops.rope import inv_frequencies
+
+CTYPE = {
+    "float32": "float",
+    "float16": "ml::f16",
+    "bfloat16": "ml::bf16",
+    "int32": "int",
+    "int64": "ml::i64",
+    "bool": "bool",
+}
+
+
+def compute_type(dtype: DType) -> str:
+    return "float" if dtype.is_float else "ml::i64" if dtype.is_int else "bool"
+
+
+def converter(dtype: DType) -> str:
+    return "ml::to_compute_float" if dtype.is_float else "ml::to_compute_int" if dtype.is_int else "ml::to_compute_bool"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What the emitters know about one operand tensor."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def ctype(self) -> str:
+        return CTYPE[self.dtype.name]
+
+
+def float_literal(value: float) -> str:
+    """An exact C++ literal for a float32 value (hex float, cast to float)."""
+    f = struct.unpack("f", struct.pack("f", float(value)))[0]
+    return f"((float){float(f).hex()})"
+
+
+def double_literal(value: float) -> str:
+    return float(value).hex()
+
+
+def index_expr(strides: Sequence[int], dims: Sequence[str | None]) -> str:
+    """sum(index * stride) as C++, skipping axes that do not move (broadcast or size 1)."""
+    terms = [f"(ml::i64){d} * {s}" for d, s in zip(dims, strides) if d is not None and s != 0]
+    return " + ".join(terms) if terms else "0"
+
+
+def broadcast_dims(out_ndim: int, operand: Operand, var: str = "i") -> list[str | None]:
+    """The output's index variables that address each axis of a broadcast operand (right-aligned)."""
+    lead = out_ndim - len(operand.shape)
+    return [None if size == 1 else f"{var}[{lead + d}]" for d, size in enumerate(operand.shape)]
+
+
+def pointers(operands: Sequence[Operand], n_inputs: int) -> list[str]:
+    lines = []
+    for k, o in enumerate(operands):
+        const = "const " if k < n_inputs else ""
+        name = f"in{k}" if k < n_inputs else f"out{k - n_inputs}"
+        lines.append(f"[[maybe_unused]] {const}{o.ctype}* {name} = ({const}{o.ctype}*)(a.arena + off[{k}]);")
+    return lines
+
+
+def box_var(n: int) -> str:
+    return str(max(n, 0))
+
+
+# ---- templates ------------------------------------------------------------------------------------
+
+
+def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], out: Operand) -> list[str]:
+    """Any op of one expression over broadcast operands (and Python numbers)."""
+    scalars = attrs.get("scalars", {})
+    slots = len(ins) + len(scalars)
+    tensor_slots = [s for s in range(slots) if s not in scalars]
+    compare = out.dtype.is_bool and not all(o.dtype.is_bool for o in ins)
+    value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
+    body = pointers(ins + [out], len(ins))
+    body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
+    names = "abc"
+    for s in range(slots):
+        if s in scalars:
+            body.append(
+                f"    const {compute_type(value_dtype)} {names[s]} = {_scalar(scalars[s], value_dtype, compare)};"
+            )
+        else:
+            k = tensor_slots.index(s)
+            o = ins[k]
+            body.append(
+                f"    const {compute_type(o.dtype)} {names[s]} = ml::load(in{k} + "
+                f"{index_expr(o.strides, broadcast_dims(len(out.shape), o))});"
+            )
+    dims = [f"i[{d}]" for d in range(len(out.shape))]
+    body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, {converter(out.dtype)}({expr}));")
+    body.append("});")
+    return body
+
+
+def _scalar(value: float | int, dtype: DType, compare: bool) -> str:
+    if dtype.is_int:
+        return f"(ml::i64){int(value)}LL"
+    if compare:  # comparisons see the number rounded to the tensor's dtype
+        value = float(round_to(np.asarray(float(value)), dtype).astype(np.float32))
+    return float_literal(value)
+
+
+def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[str]:
+    axis = attrs["axis"]
+    axes = tuple(range(len(x.shape))) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+    keep = attrs["keepdims"]
+    kept = [d for d in range(len(x.shape)) if d not in axes]
+    # output index of each kept input axis
+    out_axis, j = {}, 0
+    for d in range(len(x.shape)):
+        if d in axes:
+            j += keep
+        else:
+            out_axis[d] = j
+            j += 1
+    total = math.prod(x.shape[d] for d in axes)
+    ct = compute_type(x.dtype)
+    body = pointers([x, out], 1)
+    body.append(f"ml::for_box_warps<{box_var(len(out.shape))}>(t, [&](const int* o, int lane) {{")
+    body.append(
+        f"    const ml::i64 base = {index_expr([x.strides[d] for d in kept], [f'o[{out_axis[d]}]' for d in kept])};"
+    )
+    if op == "argmax":
+        init = "ml::neg_inf()" if x.dtype.is_float else "(ml::i64)(-9223372036854775807LL - 1)"
+        body.append(f"    {ct} best = {init};")
+        body.append("    ml::i64 best_i = 9223372036854775807LL;")
+    else:
+        init = {"sum": "0", "mean": "0", "max": "ml::neg_inf()", "min": "ml::pos_inf()"}[op]
+        if x.dtype.is_int:
+            init = {"sum": "0", "max": "(ml::i64)(-9223372036854775807LL - 1)", "min": "9223372036854775807LL"}[op]
+        body.append(f"    {ct} acc = {init};")
+    body.append(f"    for (ml::i64 r = lane; r < {total}LL; r += 32) {{")
+    body.append("        ml::i64 rest = r, at = base;")
+    for d in reversed(axes):
+        body.append(f"        at += (rest % {x.shape[d]}) * {x.strides[d]}; rest /= {x.shape[d]};")
+    body.append(f"        const {ct} v = ml::load(in0 + at);")
+    if op == "argmax":
+        better = "(v != v) ? (best == best) : (v > best)" if x.dtype.is_float else "v > best"
+        body.append(f"        if (best_i == 9223372036854775807LL || {better}) {{ best = v; best_i = r; }}")
+    elif op in ("sum", "mean"):
+        body.append("        acc += v;")
+    elif op == "max":
+        body.append("        acc = (v > acc || v != v) ? v : acc;")
+    else:
+        body.append("        acc = (v < acc || v != v) ? v : acc;")
+    body.append("    }")
+    odims = [f"o[{d}]" for d in range(len(out.shape))]
+    where = index_expr(out.strides, odims)
+    if op == "argmax":
+        body.append("    ml::warp_argmax(best, best_i);")
+        body.append(f"    if (lane == 0) ml::store(out0 + {where}, best_i);")
+    else:
+        reduce = {"sum": "ml::warp_sum", "mean": "ml::warp_sum", "max": "ml::warp_max", "min": "ml::warp_min"}[op]
+        body.append(f"    acc = {reduce}(acc);")
+        final = f"acc / (float){total}" if op == "mean" else "acc"
+        body.append(f"    if (lane == 0) ml::store(out0 + {where}, {final});")
+    body.append("});")
+    return body
+
+
+def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row."""
+    x = ins[0]
+    nd = len(x.shape)
+    axis = attrs.get("axis", nd - 1)
+    n = x.shape[axis]
+    body = pointers(ins + [out], len(ins))
+    body.append("ml::Task rowt = t;")
+    body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // one warp per row: iterate the box without the axis")
+    body.append(f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{")
+    others = [f"o[{d}]" if d != axis else None for d in range(nd)]
+    body.append(f"    const ml::i64 xb = {index_expr(x.strides, others)};")
+    body.append(f"    const ml::i64 ob = {index_expr(out.strides, others)};")
+    xs, os_ = x.strides[axis], out.strides[axis]
+    loop = f"for (int j = lane; j < {n}; j += 32)"
+    if op in ("softmax", "log_softmax"):
+        body += [
+            "    float m = ml::neg_inf();",
+            f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); m = (v > m || v != v) ? v : m; }}",
+            "    m = ml::warp_max(m);",
+            "    float s = 0.0f;",
+            f"    {loop} s += expf(ml::load(in0 + xb + (ml::i64)j * {xs}) - m);",
+            "    s = ml::warp_sum(s);",
+        ]
+        value = "expf(v - m) / s" if op == "softmax" else "(v - m) - logf(s)"
+        body.append(
+            f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); "
+            f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value}); }}"
+        )
+    else:
+        absent = attrs.get("absent", ())
+        names = ("weight", "bias") if op == "layernorm" else ("weight",)
+        present = [nm for k, nm in enumerate(names, start=1) if k not in absent]
+        wk = {nm: present.index(nm) + 1 for nm in present}
+        eps = float_literal(attrs["eps"])
+        if op == "layernorm":
+            body += [
+                "    float s = 0.0f;",
+                f"    {loop} s += ml::load(in0 + xb + (ml::i64)j * {xs});",
+                f"    const float mean = ml::warp_sum(s) / (float){n};",
+                "    float q = 0.0f;",
+                f"    {loop} {{ const float d = ml::load(in0 + xb + (ml::i64)j * {xs}) - mean; q += d * d; }}",
+                f"    const float den = sqrtf(ml::warp_sum(q) / (float){n} + {eps});",
+            ]
+            y = f"(ml::load(in0 + xb + (ml::i64)j * {xs}) - mean) / den"
+        else:
+            body += [
+                "    float q = 0.0f;",
+                f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); q += v * v; }}",
+                f"    const float den = sqrtf(ml::warp_sum(q) / (float){n} + {eps});",
+            ]
+            y = f"ml::load(in0 + xb + (ml::i64)j * {xs}) / den"
+        if "weight" in wk:
+            y = f"({y}) * ml::load(in{wk['weight']} + (ml::i64)j * {ins[wk['weight']].strides[0]})"
+        if "bias" in wk:
+            y = f"({y}) + ml::load(in{wk['bias']} + (ml::i64)j * {ins[wk['bias']].strides[0]})"
+        body.append(f"    {loop} ml::store(out0 + ob + (ml::i64)j * {os_}, {y});")
+    body.append("});")
+    return body
+
+
+def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
+    """A warp per output element, lanes splitting K (coalesced for row-major A and for weights stored
+    [out, in] as in checkpoints); float32 accumulation. The tensor-core path replaces it for speed."""
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    nd = len(out.shape)
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    a_row, a_k = (a_.strides[-1], a_.strides[-2]) if ta else (a_.strides[-2], a_.strides[-1])
+    b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
+    batch = nd - 2
+    body = pointers([a_, b_, out], 2)
+    body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
+    abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
+    bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
+    body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
+    body.append("    float acc = 0.0f;")
+    body.append(
+        f"    for (int k = lane; k < {k}; k += 32) "
+        f"acc += ml::load(in0 + ab + (ml::i64)k * {a_k}) * ml::load(in1 + bb + (ml::i64)k * {b_k});"
+    )
+    body.append("    acc = ml::warp_sum(acc);")
+    body.append(f"    if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);")
+    body.append("});")
+    return body
+
+
+def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:
+    nd = len(out.shape)
+    vocab = table.shape[0]
+    body = pointers([table, ids, out], 2)
+    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
+    body.append(
+        f"    const ml::i64 id = ml::load(in1 + {index_expr(ids.strides, [f'i[{d}]' for d in range(nd - 1)])});"
+    )
+    body.append(
+        f"    if (id < 0 || id >= {vocab}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id, {vocab}, 0, 0); "
+        "return; }"
+    )
+    body.append(
+        f"    ml::store(out0 + {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])}, "
+        f"ml::load(in0 + id * {table.strides[0]} + (ml::i64)i[{nd - 1}] * {table.strides[1]}));"
+    )
+    body.append("});")
+    return body
+
+
+def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand) -> list[str]:
+    nd = len(x.shape)
+    rd = attrs["rotary_dim"]
+    inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
+    table = ", ".join(double_literal(v) for v in inv)
+    body = [f"constexpr double inv_freq[{len(inv)}] = {{{table}}};"]
+    body += pointers([x, pos, out], 2)
+    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
+    d = f"i[{nd - 1}]"
+    xb = index_expr(x.strides[:-1], [f"i[{k}]" for k in range(nd - 1)])
+    ob = index_expr(out.strides[:-1], [f"i[{k}]" for k in range(nd - 1)])
+    body.append(f"    const ml::i64 xb = {xb}, ob = {ob};")
+    body.append(f"    const int d = {d};")
+    body.append(
+        f"    if (d >= {rd}) {{ ml::store(out0 + ob + (ml::i64)d * {out.strides[-1]}, "
+        f"ml::load(in0 + xb + (ml::i64)d * {x.strides[-1]})); return; }}"
+    )
+    if attrs["layout"] == "neox":
+        half = rd // 2
+        body.append(f"    const int f = d % {half}; const int p = d < {half} ? d + {half} : d - {half};")
+        body.append(f"    const double sign = d < {half} ? -1.0 : 1.0;")
+    else:
+        body.append("    const int f = d / 2; const int p = d ^ 1; const double sign = (d & 1) ? 1.0 : -1.0;")
+    pdims = broadcast_dims(nd - 1, pos)
+    body.append(f"    const double angle = (double)ml::load(in1 + {index_expr(pos.strides, pdims)}) * inv_freq[f];")
+    body.append("    double s, c; sincos(angle, &s, &c);")
+    body.append(
+        f"    const double v = (double)ml::load(in0 + xb + (ml::i64)d * {x.strides[-1]}) * c + "
+        f"sign * (double)ml::load(in0 + xb + (ml::i64)p * {x.strides[-1]}) * s;"
+    )
+    body.append(f"    ml::store(out0 + ob + (ml::i64)d * {out.strides[-1]}, (float)v);")
+    body.append("});")
+    return body
+
+
+def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos: Operand, out: Operand) -> list[str]:
+    """Rows of new into the cache slab of the task's (batch, head), at their positions (in place)."""
+    _, _, s, dim = cache.shape
+    tokens = new.shape[2]
+    body = pointers([cache, new, pos, out], 3)
+    body.append("const int b = t.lo[0], h = t.lo[1];")
+    body.append(f"for (int e = threadIdx.x; e < {tokens * dim}; e += blockDim.x) {{")
+    body.append(f"    const int tok = e / {dim}, d = e % {dim};")
+    body.append(
+        f"    const ml::i64 p = ml::load(in2 + (ml::i64)b * {pos.strides[0]} + (ml::i64)tok * {pos.strides[1]});"
+    )
+    body.append(f"    if (p < 0 || p >= {s}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p, {s}, 1, 0); break; }}")
+    body.append(
+        f"    ml::store(out0 + (ml::i64)b * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + p * {out.strides[2]}"
+        f" + (ml::i64)d * {out.strides[3]}, ml::load(in1 + (ml::i64)b * {new.strides[0]} + (ml::i64)h * "
+        f"{new.strides[1]} + (ml::i64)tok * {new.strides[2]} + (ml::i64)d * {new.strides[3]}));"
+    )
+    body.append("}")
+    return body
+
+
+def concat(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    axis = attrs["axis"]
+    nd = len(out.shape)
+    body = pointers(ins + [out], len(ins))
+    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
+    body.append(f"    const ml::i64 o = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};")
+    body.append(f"    const int c = i[{axis}];")
+    start = 0
+    for k, t in enumerate(ins):
+        dims = [f"i[{d}]" if d != axis else f"(c - {start})" for d in range(nd)]
+        cond = f"c < {start + t.shape[axis]}"
+        body.append(
+            f"    {'if' if k == 0 else 'else if'} ({cond}) ml::store(out0 + o, ml::load(in{k} + {index_expr(t.strides, dims)}));"
+        )
+        start += t.shape[axis]
+    body.append("});")
+    return body
+
+
+def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """A warp per (query head, query): online softmax over the visible keys in float32, the head and
+    value vectors spread over the lanes (see megaloop/frontend/ops/attention.py for the mask)."""
+    q, k, v = ins[:3]
+    absent = attrs.get("absent", ())
+    optional = [s for s in (3, 4) if s not in absent]
+    qpos = ins[3 + optional.index(3)] if 3 in optional else None
+    lens = ins[3 + optional.index(4)] if 4 in optional else None
+    _, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    dl, vl = (d + 31) // 32, (dv + 31) // 32
+    scale = float_literal(attrs["scale"])
+    body = pointers(ins + [out], len(ins))
+    body.append("ml::Task rowt = t;")
+    body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
+    body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
+    body.append("    const int bi = o[0], h = o[1], i = o[2];")
+    body.append(f"    const int kh = h / {group};")
+    if lens is not None:
+        body.append(f"    const ml::i64 len = ml::load(in{3 + optional.index(4)} + (ml::i64)bi * {lens.strides[0]});")
+        body.append(
+            f"    if (len < 0 || len > {tk}) {{ if (lane == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, len, {tk}, 2, 0); return; }}"
+        )
+    else:
+        body.append(f"    const ml::i64 len = {tk};")
+    if qpos is not None:
+        body.append(
+            f"    const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
+            f"(ml::i64)i * {qpos.strides[1]});"
+        )
+    else:
+        body.append(f"    const ml::i64 qp = len - {tq} + i;")
+    if attrs["causal"]:
+        body.append("    ml::i64 end = qp + 1 < len ? qp + 1 : len;")
+        window = attrs["window"]
+        body.append(f"    ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};")
+        body.append("    if (begin < 0) begin = 0;")
+    else:
+        body.append("    const ml::i64 end = len, begin = 0;")
+    body.append(f"    float qv[{dl}], acc[{vl}];")
+    body.append(
+        f"    const ml::i64 qb = (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {dl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"qv[c] = dd < {d} ? ml::load(in0 + qb + (ml::i64)dd * {q.strides[3]}) : 0.0f; }}"
+    )
+    body.append(f"    for (int c = 0; c < {vl}; ++c) acc[c] = 0.0f;")
+    body.append("    float m = ml::neg_inf(), l = 0.0f;")
+    body.append(f"    const ml::i64 kb = (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]};")
+    body.append(f"    const ml::i64 vb = (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]};")
+    body.append("    for (ml::i64 j = begin; j < end; ++j) {")
+    body.append("        float s = 0.0f;")
+    body.append(
+        f"        for (int c = 0; c < {dl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {d}) s += qv[c] * ml::load(in1 + kb + j * {k.strides[2]} + (ml::i64)dd * {k.strides[3]}); }}"
+    )
+    body.append(f"        s = ml::warp_sum(s) * {scale};")
+    body.append("        const float mn = s > m ? s : m;")
+    body.append("        const float corr = expf(m - mn), p = expf(s - mn);")
+    body.append("        l = l * corr + p;")
+    body.append(
+        f"        for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"acc[c] = acc[c] * corr + (dd < {dv} ? p * ml::load(in2 + vb + j * {v.strides[2]} + (ml::i64)dd * "
+        f"{v.strides[3]}) : 0.0f); }}"
+    )
+    body.append("        m = mn;")
+    body.append("    }")
+    body.append(
+        f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {dv}) ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, l > 0.0f ? acc[c] / l : 0.0f); }}"
+    )
+    body.append("});")
+    return body
+
+
+def emit(
+    op_name: str, template: str, expr: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]
+) -> list[str]:
+    out = outs[0]
+    if template == "elementwise":
+        return elementwise(op_name, attrs, expr, ins, out)
+    if template == "reduction":
+        return reduction(op_name, attrs, ins[0], out)
+    if template == "rows":
+        return rows(op_name, attrs, ins, out)
+    if template == "matmul":
+        return matmul(op_name, attrs, ins[0], ins[1], out)
+    if template == "embedding":
+        return embedding(op_name, attrs, ins[0], ins[1], out)
+    if template == "rope":
+        return rope(op_name, attrs, ins[0], ins[1], out)
+    if template == "kv_update":
+        return kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
+    if template == "concat":
+        return concat(op_name, attrs, ins, out)
+    if template == "attention":
+        return attention(op_name, attrs, ins, out)
+    raise GraphBuildError(f"{op_name}: no CUDA template {template!r}")

@@ -1,0 +1,233 @@
+// megaloop/loop.cuh: the machinery of the persistent loop kernel.
+//
+// One thread block per processor walks its task list every iteration. Before a task, thread 0
+// waits until each counter it depends on reaches its target (acquire loads); after the task, once
+// all threads are past a barrier, thread 0 adds 1 to the task's counter (release). Every spin reads
+// %globaltimer and gives up after the watchdog timeout, recording who waited on what, and raising
+// the abort flag that makes every other block leave too. The host asks for iterations through a
+// doorbell in mapped pinned memory and learns of progress and errors through the same block.
+#pragma once
+#include "megaloop/types.cuh"
+
+namespace ml {
+
+constexpr int MAX_DIMS = 6;
+constexpr int MAX_OPERANDS = 8;
+
+struct Task {
+    int sig;  // which generated tile function runs it
+    int op;  // plan op id (operand offsets, profiler names)
+    int wait_begin, wait_count;  // its waits: waits[wait_begin .. wait_begin + wait_count)
+    int counter;  // incremented when it finishes
+    int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
+};
+
+struct Wait {
+    int counter;
+    int per_iteration;  // how many tasks signal the counter each iteration
+    int lag;  // 0: this iteration's work; 1: the previous iteration's
+};
+
+// Host <-> kernel: lives in mapped pinned host memory.
+struct Control {
+    volatile u64 requested;  // host: iterations asked for so far (only ever grows)
+    volatile u64 stop;  // host: 1 = leave the loop
+    volatile u64 completed;  // kernel: iterations every block has finished
+    volatile u64 error;  // kernel: 0, or an error code below
+    volatile i64 info[8];  // kernel: what went wrong (see ERROR_INFO in megaloop/runtime/loop.py)
+};
+
+enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
+
+struct Args {
+    char* arena;
+    const Task* tasks;
+    const Wait* waits;
+    const int* list_begin;  // processor p runs lists[list_begin[p] .. list_begin[p + 1])
+    const int* lists;
+    const i64* operand_offsets;  // per op: MAX_OPERANDS byte offsets into the arena
+    u64* counters;
+    u64* abort;  // device flag: nonzero once any block gave up
+    u64* finished_blocks;  // device counter: blocks done, summed over iterations
+    Control* control;
+    u64* profile;  // null, or (start, end) globaltimer pairs per task for the first profile_iterations
+    u64 timeout_ns;
+    int profile_iterations;
+    int n_tasks;
+};
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ u64 load_acquire(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 load_acquire_sys(const volatile u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void add_release(u64* p, u64 v) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_release_sys(volatile u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Record the first error (later ones are dropped) and make every block leave.
+__device__ inline void fail(const Args& a, u64 code, i64 i0, i64 i1, i64 i2, i64 i3, i64 i4, i64 i5, i64 i6) {
+    if (atomicCAS((unsigned long long*)a.abort, 0ull, code) == 0ull) {
+        const i64 info[7] = {i0, i1, i2, i3, i4, i5, i6};
+        for (int k = 0; k < 7; ++k) a.control->info[k] = info[k];
+        __threadfence_system();
+        store_release_sys(&a.control->error, code);
+    }
+}
+
+__device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)a.abort != 0; }
+
+// Thread 0 only: wait until every wait of task `tid` is satisfied for iteration k.
+__device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, int proc) {
+    for (int w = 0; w < t.wait_count; ++w) {
+        const Wait& wt = a.waits[t.wait_begin + w];
+        if ((u64)wt.lag > k) continue;  // the previous iteration does not exist yet
+        const u64 target = (u64)wt.per_iteration * (k + 1 - wt.lag);
+        u64 seen = load_acquire(&a.counters[wt.counter]);
+        if (seen >= target) continue;
+        const u64 start = now_ns();
+        unsigned backoff = 32;
+        while ((seen = load_acquire(&a.counters[wt.counter])) < target) {
+            if (aborted(a)) return false;
+            if (now_ns() - start > a.timeout_ns) {
+                fail(a, WATCHDOG, proc, tid, t.op, wt.counter, (i64)target, (i64)seen, (i64)k);
+                return false;
+            }
+            __nanosleep(backoff);
+            backoff = backoff < 1024 ? backoff * 2 : 1024;
+        }
+    }
+    return true;
+}
+
+// Thread 0 only: wait until the host asked for iteration k (false: stop or abort).
+__device__ inline bool wait_requested(const Args& a, u64 k) {
+    unsigned backoff = 64;
+    for (;;) {
+        if (aborted(a)) return false;
+        if (load_acquire_sys(&a.control->requested) > k) return true;
+        if (load_acquire_sys(&a.control->stop)) return false;
+        __nanosleep(backoff);
+        backoff = backoff < 8192 ? backoff * 2 : 8192;
+    }
+}
+
+// Thread 0 only: this block finished iteration k; the last block to do so tells the host.
+__device__ inline void iteration_done(const Args& a, u64 k) {
+    __threadfence();
+    const u64 before = atomicAdd((unsigned long long*)a.finished_blocks, 1ull);
+    if (before + 1 == (k + 1) * gridDim.x) {
+        __threadfence_system();
+        store_release_sys(&a.control->completed, k + 1);
+    }
+}
+
+// ---- iterating over a tile's elements -------------------------------------------------------------
+
+// Call f(index) for every element of the task's box; the block's threads share the work, consecutive
+// threads taking consecutive elements of the last axis (coalesced).
+template <int N, class F>
+__device__ __forceinline__ void for_box(const Task& t, F f) {
+    int ext[N + 1];
+    i64 total = 1;
+    for (int d = 0; d < N; ++d) {
+        ext[d] = t.hi[d] - t.lo[d];
+        total *= ext[d];
+    }
+    for (i64 e = threadIdx.x; e < total; e += blockDim.x) {
+        int i[N + 1];
+        i64 r = e;
+        for (int d = N - 1; d >= 0; --d) {
+            i[d] = t.lo[d] + (int)(r % ext[d]);
+            r /= ext[d];
+        }
+        f(i);
+    }
+}
+
+// Call f(index, lane) once per element of the box with a whole warp per element (reductions).
+template <int N, class F>
+__device__ __forceinline__ void for_box_warps(const Task& t, F f) {
+    int ext[N + 1];
+    i64 total = 1;
+    for (int d = 0; d < N; ++d) {
+        ext[d] = t.hi[d] - t.lo[d];
+        total *= ext[d];
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (i64 e = warp; e < total; e += warps) {
+        int i[N + 1];
+        i64 r = e;
+        for (int d = N - 1; d >= 0; --d) {
+            i[d] = t.lo[d] + (int)(r % ext[d]);
+            r /= ext[d];
+        }
+        f(i, lane);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ i64 warp_sum(i64 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (w > v || w != w) ? w : v;  // NaN wins, as numpy's max
+    }
+    return v;
+}
+__device__ __forceinline__ float warp_min(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (w < v || w != w) ? w : v;
+    }
+    return v;
+}
+__device__ __forceinline__ i64 warp_max(i64 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const i64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+__device__ __forceinline__ i64 warp_min(i64 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const i64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
+}
+
+// argmax across a warp: larger value wins, NaN beats everything, ties go to the smaller index.
+template <class T>
+__device__ __forceinline__ void warp_argmax(T& v, i64& idx) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const T w = __shfl_xor_sync(0xffffffffu, v, o);
+        const i64 j = __shfl_xor_sync(0xffffffffu, idx, o);
+        const bool w_nan = w != w, v_nan = v != v;
+        bool take;
+        if (w_nan || v_nan) take = w_nan && (!v_nan || j < idx);
+        else take = w > v || (w == v && j < idx);
+        if (take) { v = w; idx = j; }
+    }
+}
+
+}  // namespace ml

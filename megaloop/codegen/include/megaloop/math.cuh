@@ -1,0 +1,35 @@
+// megaloop/math.cuh: the scalar functions op expressions are written with (see OpDef.cuda).
+//
+// Each matches the numpy reference's rule where IEEE leaves a choice: maximum/minimum propagate
+// NaN, relu keeps NaN, sigmoid never overflows.
+#pragma once
+#include "megaloop/types.cuh"
+
+namespace ml {
+
+__device__ __forceinline__ bool isnan_(float x) { return x != x; }
+
+__device__ __forceinline__ float maximum(float a, float b) { return (a > b || isnan_(a)) ? a : b; }
+__device__ __forceinline__ i64 maximum(i64 a, i64 b) { return a > b ? a : b; }
+__device__ __forceinline__ float minimum(float a, float b) { return (a < b || isnan_(a)) ? a : b; }
+__device__ __forceinline__ i64 minimum(i64 a, i64 b) { return a < b ? a : b; }
+__device__ __forceinline__ float abs_(float a) { return fabsf(a); }
+__device__ __forceinline__ i64 abs_(i64 a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ float relu(float a) { return (a > 0.0f || isnan_(a)) ? a : 0.0f; }
+__device__ __forceinline__ i64 relu(i64 a) { return a > 0 ? a : 0; }
+__device__ __forceinline__ float rsqrt_(float a) { return 1.0f / sqrtf(a); }  // two roundings, as the spec
+__device__ __forceinline__ float sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+__device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
+__device__ __forceinline__ float gelu_erf(float x) {
+    return (float)(0.5 * (double)x * (1.0 + erf((double)x * 0.70710678118654752440)));
+}
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const double d = x;
+    return (float)(0.5 * d * (1.0 + tanh(0.79788456080286535588 * (d + 0.044715 * d * d * d))));
+}
+__device__ __forceinline__ float erf_(float x) { return (float)erf((double)x); }
+
+}  // namespace ml

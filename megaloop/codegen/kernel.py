@@ -1,0 +1,205 @@
+"""One rank's plan -> the loop kernel's CUDA C++ source and the tables it walks.
+
+The source has one function per distinct op signature (megaloop/codegen/emit.py), a dispatch switch,
+and the loop itself; everything that differs between ops of one signature (where their operands
+live) and everything per task (its box, its waits, its counter) is data, uploaded with the plan:
+
+- ``tasks``: per task, its signature, op, waits, counter and output box (``ml::Task``);
+- ``waits``: (counter, signalers per iteration, lag) triples (``ml::Wait``);
+- ``list_begin``/``lists``: each processor's task ids in order;
+- ``operand_offsets``: per op, the arena byte offset of each operand (inputs, then outputs).
+
+``generate(plan)`` is pure and deterministic: the same plan gives byte-identical source, which keys
+the compile cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megaloop.codegen.emit import Operand, emit
+from megaloop.errors import GraphBuildError
+from megaloop.frontend.opdef import REGISTRY
+from megaloop.frontend.shapes import format_shape
+from megaloop.plan.model import Plan, RankPlan
+
+MAX_DIMS = 6
+MAX_OPERANDS = 8
+TASK_DTYPE = np.dtype(
+    [
+        ("sig", np.int32),
+        ("op", np.int32),
+        ("wait_begin", np.int32),
+        ("wait_count", np.int32),
+        ("counter", np.int32),
+        ("lo", np.int32, MAX_DIMS),
+        ("hi", np.int32, MAX_DIMS),
+    ]
+)
+WAIT_DTYPE = np.dtype([("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32)])
+
+
+@dataclass
+class LoopProgram:
+    """Everything the runtime needs for one rank: the source and the tables."""
+
+    source: str
+    tasks: np.ndarray  # TASK_DTYPE
+    waits: np.ndarray  # WAIT_DTYPE
+    list_begin: np.ndarray  # int32, processors + 1
+    lists: np.ndarray  # int32
+    operand_offsets: np.ndarray  # int64, (ops, MAX_OPERANDS)
+    counters: int
+    threads: int
+    processors: int
+    op_names: list[str]
+    signatures: list[str]  # one comment line per signature
+
+
+def _operand(rp: RankPlan, tid: int) -> Operand:
+    t = rp.tensors[tid]
+    return Operand(t.dtype, t.shape, t.strides)
+
+
+def _describe(rp: RankPlan, op_id: int) -> str:
+    op = rp.ops[op_id]
+    outs = ", ".join(f"{rp.tensors[t].dtype.short}{format_shape(rp.tensors[t].shape)}" for t in op.outputs)
+    ins = ", ".join(f"{rp.tensors[t].dtype.short}{format_shape(rp.tensors[t].shape)}" for t in op.inputs)
+    return f"{op.op} {op.name}: {outs} <- {ins}"
+
+
+def generate(plan: Plan, rank: int = 0) -> LoopProgram:
+    rp = plan.ranks[rank]
+    if plan.world_size > 1:
+        raise GraphBuildError(
+            "codegen: this loop kernel runs one GPU; multi-rank plans need the communication "
+            "layer (collectives inside the loop kernel), which is not built yet"
+        )
+    bodies: dict[str, int] = {}
+    functions: list[str] = []
+    signature_of_op: list[int] = []
+    comments: list[str] = []
+    for op in rp.ops:
+        opdef = REGISTRY[op.op]
+        if opdef.cuda is None:
+            raise GraphBuildError(
+                f"codegen: {op.op} {op.name} cannot run in the loop kernel yet (it has no CUDA tile "
+                "template); collectives come with the communication layer"
+            )
+        if len(op.inputs) + len(op.outputs) > MAX_OPERANDS:
+            raise GraphBuildError(f"codegen: {op.op} {op.name} has more than {MAX_OPERANDS} operands")
+        ins = [_operand(rp, t) for t in op.inputs]
+        outs = [_operand(rp, t) for t in op.outputs]
+        body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), op.attrs, ins, outs)
+        text = "\n".join("    " + line for line in body)
+        if text not in bodies:
+            bodies[text] = len(functions)
+            sig = len(functions)
+            comments.append(f"sig_{sig}: {_describe(rp, op.id)}")
+            functions.append(
+                f"// {comments[-1]}\n__device__ __noinline__ void sig_{sig}(const ml::Args& a, "
+                f"const ml::Task& t, int tid, const ml::i64* off) {{\n{text}\n}}\n"
+            )
+        signature_of_op.append(bodies[text])
+    tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
+    waits: list[tuple[int, int, int]] = []
+    signalers = {c: len(ts) for c, ts in rp.signalers().items()}
+    for t in rp.tasks:
+        if len(t.writes) != 1:
+            raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
+        box = t.writes[0].box
+        if len(box.lo) > MAX_DIMS:
+            raise GraphBuildError(f"codegen: {rp.task_name(t)} has a {len(box.lo)}-D tile; at most {MAX_DIMS} axes")
+        row = tasks[t.id]
+        row["sig"], row["op"], row["counter"] = signature_of_op[t.op], t.op, t.signal
+        row["wait_begin"], row["wait_count"] = len(waits), len(t.waits)
+        for w in t.waits:
+            if w.rank != rank:
+                raise GraphBuildError(f"codegen: {rp.task_name(t)} waits on rank {w.rank}")
+            waits.append((w.counter, signalers[w.counter], w.lag))
+        row["lo"][: len(box.lo)] = box.lo
+        row["hi"][: len(box.hi)] = box.hi
+        row["hi"][len(box.hi) :] = 1
+    offsets = np.zeros((max(len(rp.ops), 1), MAX_OPERANDS), np.int64)
+    for op in rp.ops:
+        for k, tid in enumerate(op.inputs + op.outputs):
+            t = rp.tensors[tid]
+            offsets[op.id, k] = rp.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
+    list_begin = np.zeros(plan.processors + 1, np.int32)
+    lists: list[int] = []
+    for p in range(plan.processors):
+        lst = rp.processors[p] if p < len(rp.processors) else []
+        lists.extend(lst)
+        list_begin[p + 1] = len(lists)
+    threads = plan.warps * 32
+    source = _source(functions, threads, rp.graph.name, len(rp.tasks))
+    return LoopProgram(
+        source,
+        tasks,
+        np.array(waits, WAIT_DTYPE),
+        list_begin,
+        np.array(lists, np.int32),
+        offsets,
+        len(rp.counters),
+        threads,
+        plan.processors,
+        [op.name for op in rp.ops],
+        comments,
+    )
+
+
+def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
+    cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off); break;" for i in range(len(functions)))
+    return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.
+// Generated by megaloop.codegen.kernel; the header library is megaloop/codegen/include/megaloop.
+#include "megaloop/loop.cuh"
+#include "megaloop/math.cuh"
+
+{chr(10).join(functions)}
+__device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, int tid) {{
+    const ml::i64* off = a.operand_offsets + (ml::i64)t.op * ml::MAX_OPERANDS;
+    switch (t.sig) {{
+{cases}
+        default: break;
+    }}
+}}
+
+extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const ml::Args* args) {{
+    __shared__ ml::Args a;
+    __shared__ int go;
+    if (threadIdx.x == 0) a = *args;
+    __syncthreads();
+    const int proc = blockIdx.x;
+    for (ml::u64 k = 0;; ++k) {{
+        if (threadIdx.x == 0) go = ml::wait_requested(a, k);
+        __syncthreads();
+        if (!go) return;
+        for (int i = a.list_begin[proc]; i < a.list_begin[proc + 1]; ++i) {{
+            const int tid = a.lists[i];
+            const ml::Task& t = a.tasks[tid];
+            ml::u64 start = 0;
+            if (threadIdx.x == 0) {{
+                go = !ml::aborted(a) && ml::wait_task(a, t, tid, k, proc);
+                start = ml::now_ns();
+            }}
+            __syncthreads();
+            if (!go) return;
+            run_task(a, t, tid);
+            __syncthreads();
+            if (threadIdx.x == 0) {{
+                __threadfence();
+                ml::add_release(&a.counters[t.counter], 1ull);
+                if (a.profile != nullptr && k < (ml::u64)a.profile_iterations) {{
+                    ml::u64* slot = a.profile + 2 * (k * (ml::u64)a.n_tasks + (ml::u64)tid);
+                    slot[0] = start;
+                    slot[1] = ml::now_ns();
+                }}
+            }}
+        }}
+        __syncthreads();
+        if (threadIdx.x == 0) ml::iteration_done(a, k);
+    }}
+}}
+"""

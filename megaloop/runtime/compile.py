@@ -1,0 +1,111 @@
+"""NVRTC compilation (through cuda.core) of generated loop kernels, with an on-disk cache.
+
+Compiling to cubin needs no GPU, so CI checks every generated kernel for every supported
+architecture. Cache entries are keyed by a hash of the source, the header library, the options, the
+architecture and the NVRTC version; they are written atomically (temporary file + rename), and an
+entry that turns out unreadable or unloadable is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from megaloop.errors import MegaloopError
+
+INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+
+
+class CompileError(MegaloopError, RuntimeError):
+    """NVRTC refused a generated kernel (a megaloop bug: please report it with the dumped source)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MEGALOOP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megaloop"
+    )
+    return Path(root) / "cubin"
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(INCLUDE.rglob("*.cuh")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _nvrtc_version() -> str:
+    try:
+        from cuda.bindings import nvrtc
+
+        _, major, minor = nvrtc.nvrtcVersion()
+        return f"{major}.{minor}"
+    except Exception:
+        return "unknown"
+
+
+def _options(arch: str, extra: tuple[str, ...]) -> dict:
+    return {
+        "arch": arch,
+        "std": "c++17",
+        "include_path": [str(INCLUDE)],
+        "name": "megaloop_loop.cu",
+        "lineinfo": True,
+        "extra": extra,
+    }
+
+
+def cache_key(source: str, arch: str, extra: tuple[str, ...] = ()) -> str:
+    h = hashlib.sha256()
+    for part in (source, arch, repr(sorted(_options(arch, extra).items())), _headers_digest(), _nvrtc_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def compile_cubin(
+    source: str, arch: str = "sm_90a", *, use_cache: bool = True, max_registers: int | None = None
+) -> bytes:
+    """The cubin of ``source`` for ``arch`` (e.g. "sm_90a", "sm_80"); CompileError with NVRTC's log."""
+    if arch not in ARCHS:
+        raise CompileError(f"unsupported architecture {arch!r}; megaloop builds for {', '.join(ARCHS)}")
+    extra = () if max_registers is None else (f"maxrregcount={max_registers}",)
+    path = cache_dir() / f"{cache_key(source, arch, extra)}.cubin"
+    if use_cache and path.is_file():
+        data = path.read_bytes()
+        if data[:4] == b"\x7fELF":
+            return data
+        path.unlink(missing_ok=True)  # corrupt: rebuild
+    from cuda.core import Program, ProgramOptions
+
+    opts = ProgramOptions(
+        arch=arch,
+        std="c++17",
+        include_path=[str(INCLUDE)],
+        name="megaloop_loop.cu",
+        lineinfo=True,
+        max_register_count=max_registers,
+    )
+    try:
+        code = Program(source, "c++", opts).compile("cubin").code
+    except Exception as e:
+        raise CompileError(f"NVRTC could not compile the loop kernel for {arch}:\n{e}") from None
+    data = bytes(code)
+    if use_cache:
+        _store(path, data)
+    return data
+
+
+def _store(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only or full cache only costs a recompile

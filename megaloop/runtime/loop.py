@@ -1,0 +1,335 @@
+"""Running a plan as one persistent loop kernel on one GPU (CUDA driver API through cuda-bindings).
+
+    with LoopKernel(plan, params=weights) as k:     # compile (cached), allocate, upload, launch once
+        out = k.run({"tokens": ids, "positions": pos}, iterations=1)
+        k.state()                                    # state buffers after the run
+
+The kernel stays resident between runs: ``run`` writes the inputs into the arena (on a second stream,
+while the kernel idles), rings the doorbell (the number of iterations asked for, in mapped pinned
+memory) and waits for the kernel to report them done. Errors the kernel records (watchdog timeouts,
+bad ids or positions) come back as Python exceptions that say what waited on what; the kernel has
+then left, and a new LoopKernel can be made in the same process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from megaloop.codegen import LoopProgram, generate
+from megaloop.codegen.kernel import MAX_OPERANDS
+from megaloop.dtypes import to_numpy
+from megaloop.errors import DataError, EvaluationError, MegaloopError
+from megaloop.frontend.values import coerce
+from megaloop.plan.model import Plan
+from megaloop.runtime.compile import compile_cubin
+from megaloop.runtime.device import gpus
+
+ARGS_DTYPE = np.dtype(
+    [
+        (name, np.uint64)
+        for name in (
+            "arena",
+            "tasks",
+            "waits",
+            "list_begin",
+            "lists",
+            "operand_offsets",
+            "counters",
+            "abort",
+            "finished_blocks",
+            "control",
+            "profile",
+            "timeout_ns",
+        )
+    ]
+    + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
+)
+CONTROL_WORDS = 4 + 8  # requested, stop, completed, error, info[8]
+REQUESTED, STOP, COMPLETED, ERROR, INFO = 0, 1, 2, 3, 4
+
+
+class LoopKernelError(MegaloopError, RuntimeError):
+    """The loop kernel gave up (watchdog) or could not be run."""
+
+
+def _check(result: Any) -> Any:
+    """cuda-bindings calls return (err, *values): raise on error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    from cuda.bindings import driver
+
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise LoopKernelError(f"CUDA driver error {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class LoopKernel:
+    def __init__(
+        self,
+        plan: Plan,
+        params: Mapping[str, Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+        *,
+        device: int = 0,
+        timeout_s: float = 10.0,
+        profile_iterations: int = 0,
+        program: LoopProgram | None = None,
+    ) -> None:
+        from cuda.bindings import driver
+
+        found, reason = gpus()
+        if not found:
+            raise LoopKernelError(f"no GPU to run the loop kernel on: {reason}")
+        if not 0 <= device < len(found):
+            raise LoopKernelError(f"GPU {device} does not exist ({len(found)} visible)")
+        self.plan, self.rp = plan, plan.ranks[0]
+        self.program = program or generate(plan)
+        self.timeout_s = timeout_s
+        self.profile_iterations = profile_iterations
+        self._d = driver
+        self._allocations: list[int] = []
+        self._launched = False
+        self._requested = 0
+        self.cubin = compile_cubin(self.program.source, found[device].arch)
+        _check(driver.cuInit(0))
+        dev = _check(driver.cuDeviceGet(device))
+        self._ctx = _check(driver.cuDevicePrimaryCtxRetain(dev))
+        _check(driver.cuCtxSetCurrent(self._ctx))
+        self._module = _check(driver.cuModuleLoadData(self.cubin))
+        self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
+        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+        self._stream = _check(driver.cuStreamCreate(flags))
+        self._copies = _check(driver.cuStreamCreate(flags))
+        self._setup_memory()
+        self._load_host_values(params or {}, state or {})
+        self._launch()
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> int:
+        ptr = int(_check(self._d.cuMemAlloc(max(int(nbytes), 8))))
+        self._allocations.append(ptr)
+        return ptr
+
+    def _upload(self, array: np.ndarray) -> int:
+        array = np.ascontiguousarray(array)
+        ptr = self._alloc(array.nbytes)
+        if array.nbytes:
+            _check(self._d.cuMemcpyHtoD(ptr, array, array.nbytes))
+        return ptr
+
+    def _setup_memory(self) -> None:
+        d, prog = self._d, self.program
+        self.arena = self._alloc(self.rp.arena_bytes)
+        _check(d.cuMemsetD8(self.arena, 0xFF, max(self.rp.arena_bytes, 8)))  # poison: NaN in every float
+        self.counters = self._alloc(8 * max(prog.counters, 1))
+        _check(d.cuMemsetD8(self.counters, 0, 8 * max(prog.counters, 1)))
+        self.flags = self._alloc(16)  # abort, finished_blocks
+        _check(d.cuMemsetD8(self.flags, 0, 16))
+        host = _check(d.cuMemHostAlloc(8 * CONTROL_WORDS, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
+        self._control_host = int(host)
+        self.control = np.ctypeslib.as_array((ctypes.c_uint64 * CONTROL_WORDS).from_address(self._control_host))
+        self.control[:] = 0
+        control_dev = int(_check(d.cuMemHostGetDevicePointer(self._control_host, 0)))
+        self.profile = 0
+        if self.profile_iterations:
+            self.profile = self._alloc(16 * len(self.rp.tasks) * self.profile_iterations)
+            _check(d.cuMemsetD8(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations))
+        args = np.zeros(1, ARGS_DTYPE)
+        args["arena"], args["counters"], args["control"] = self.arena, self.counters, control_dev
+        args["abort"], args["finished_blocks"] = self.flags, self.flags + 8
+        args["tasks"] = self._upload(prog.tasks)
+        args["waits"] = self._upload(prog.waits)
+        args["list_begin"] = self._upload(prog.list_begin)
+        args["lists"] = self._upload(prog.lists)
+        args["operand_offsets"] = self._upload(prog.operand_offsets.reshape(-1, MAX_OPERANDS))
+        args["profile"] = self.profile
+        args["timeout_ns"] = int(self.timeout_s * 1e9)
+        args["profile_iterations"] = self.profile_iterations
+        args["n_tasks"] = len(self.rp.tasks)
+        self._args = self._upload(args)
+
+    def _write(self, tensor_id: int, values: np.ndarray) -> None:
+        t = self.rp.tensors[tensor_id]
+        buf = self.rp.buffers[t.buffer]
+        if t.offset or t.strides != _contiguous(t.shape):
+            raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
+        data = np.ascontiguousarray(values)
+        _check(self._d.cuMemcpyHtoDAsync(self.arena + buf.offset, data, data.nbytes, self._copies))
+        _check(self._d.cuStreamSynchronize(self._copies))
+
+    def _read(self, tensor_id: int) -> np.ndarray:
+        t = self.rp.tensors[tensor_id]
+        buf = self.rp.buffers[t.buffer]
+        raw = np.empty(buf.nbytes, np.uint8)
+        _check(self._d.cuMemcpyDtoHAsync(raw, self.arena + buf.offset, buf.nbytes, self._copies))
+        _check(self._d.cuStreamSynchronize(self._copies))
+        item = t.dtype.itemsize
+        return np.array(
+            np.ndarray(
+                t.shape, t.dtype.np, buffer=raw, offset=t.offset * item, strides=tuple(s * item for s in t.strides)
+            ),
+            copy=True,
+        )
+
+    def _load_host_values(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        g = self.rp.graph
+        missing = [k for k in g.parameters if k not in params]
+        unknown = [k for k in params if k not in g.parameters]
+        if missing or unknown:
+            raise EvaluationError(f"parameters missing {missing}, unknown {unknown}")
+        for name, t in g.parameters.items():
+            self._write(self.rp.tensor_of[t], coerce(params[name], t, f"parameter {name!r}"))
+        for t in g.constants:
+            self._write(self.rp.tensor_of[t], t.node.attrs["value"])
+        self.set_state(state, all_states=True)
+
+    def set_state(self, state: Mapping[str, Any], *, all_states: bool = False) -> None:
+        """Overwrite state buffers (between runs); with ``all_states``, the others get their init."""
+        g = self.rp.graph
+        unknown = [k for k in state if k not in g.states]
+        if unknown:
+            raise EvaluationError(f"unknown state {unknown}")
+        for name, t in g.states.items():
+            if name in state:
+                values = coerce(to_numpy(state[name]), t, f"state {name!r}")
+            elif all_states:
+                values = t.node.attrs["init"] if "init" in t.node.attrs else np.zeros(t.shape, t.dtype.np)
+            else:
+                continue
+            self._write(self.rp.tensor_of[t], values)
+
+    # ---- running ----------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        d = self._d
+        params = ((self._args,), (ctypes.c_void_p,))
+        _check(
+            d.cuLaunchKernel(
+                self._function, self.program.processors, 1, 1, self.program.threads, 1, 1, 0, self._stream, params, 0
+            )
+        )
+        self._launched = True
+
+    def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
+        """Write ``inputs``, run ``iterations`` iterations, return the outputs of the last one."""
+        if not self._launched:
+            raise LoopKernelError("the loop kernel is not running (stopped, or it failed earlier)")
+        if not isinstance(iterations, int) or iterations < 1:
+            raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
+        g = self.rp.graph
+        inputs = dict(inputs or {})
+        missing = [k for k in g.inputs if k not in inputs]
+        unknown = [k for k in inputs if k not in g.inputs]
+        if missing or unknown:
+            raise EvaluationError(f"inputs missing {missing}, unknown {unknown}")
+        for name, t in g.inputs.items():
+            self._write(self.rp.tensor_of[t], coerce(inputs[name], t, f"input {name!r}"))
+        self.start(iterations)
+        self.wait()
+        return {name: self._read(self.rp.tensor_of[t]) for name, t in g.outputs.items()}
+
+    def start(self, iterations: int) -> None:
+        """Ring the doorbell for ``iterations`` more iterations (returns at once)."""
+        self._requested += iterations
+        self.control[REQUESTED] = self._requested
+
+    def wait(self) -> None:
+        """Until the kernel finished what was asked, or raise what it reported."""
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        last = int(self.control[COMPLETED])
+        spins = 0
+        while int(self.control[COMPLETED]) < self._requested:
+            if int(self.control[ERROR]):
+                self._raise_kernel_error()
+            now = int(self.control[COMPLETED])
+            if now != last:
+                last, deadline = now, time.monotonic() + self.timeout_s + 5.0
+            if time.monotonic() > deadline:
+                self._launched = False
+                raise LoopKernelError(
+                    f"the loop kernel made no progress for {self.timeout_s + 5:.0f} s and reported "
+                    "nothing: it may be stuck outside a wait (a megaloop bug)"
+                )
+            spins += 1
+            if spins > 1000:
+                time.sleep(0.0002)
+        if int(self.control[ERROR]):
+            self._raise_kernel_error()
+
+    def _raise_kernel_error(self) -> None:
+        code = int(self.control[ERROR])
+        info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 7]]
+        self._launched = False
+        _check(self._d.cuStreamSynchronize(self._stream))  # every block has left
+        if code == 1:
+            proc, task, op, counter, expected, seen, k = info
+            rp = self.rp
+            waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
+            signaler = rp.counters[counter].name if 0 <= counter < len(rp.counters) else f"counter {counter}"
+            raise LoopKernelError(
+                f"watchdog: processor {proc} waited more than {self.timeout_s:g} s in iteration {k} before "
+                f"{waiting}: counter {counter} ({signaler}) stayed at {seen}, expected {expected}. The kernel has "
+                "stopped; make a new LoopKernel to run again"
+            )
+        if code == 2:
+            proc, task, op, value, limit, kind, _ = info
+            what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
+            name = self.rp.ops[op].name if 0 <= op < len(self.rp.ops) else f"op {op}"
+            raise DataError(
+                f"{self.rp.ops[op].op if 0 <= op < len(self.rp.ops) else 'op'} {name}: {what} {value} is "
+                f"outside [0, {limit}) (found by task {task} on processor {proc}); the kernel has stopped"
+            )
+        raise LoopKernelError(f"the loop kernel reported error code {code}")
+
+    def state(self) -> dict[str, np.ndarray]:
+        g = self.rp.graph
+        return {name: self._read(self.rp.tensor_of[t]) for name, t in g.states.items()}
+
+    def profile_ns(self) -> np.ndarray:
+        """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations."""
+        n = len(self.rp.tasks) * self.profile_iterations
+        out = np.zeros(2 * n, np.uint64)
+        if n:
+            _check(self._d.cuMemcpyDtoH(out, self.profile, out.nbytes))
+        return out.reshape(self.profile_iterations, len(self.rp.tasks), 2)
+
+    def stop(self) -> None:
+        """Tell the kernel to leave, wait for it, free everything."""
+        d = self._d
+        try:
+            if self._launched:
+                self.control[STOP] = 1
+                _check(d.cuStreamSynchronize(self._stream))
+            self._launched = False
+        finally:
+            for ptr in self._allocations:
+                d.cuMemFree(ptr)
+            self._allocations.clear()
+            if getattr(self, "_control_host", 0):
+                d.cuMemFreeHost(self._control_host)
+                self._control_host = 0
+            for s in ("_stream", "_copies"):
+                if getattr(self, s, None) is not None:
+                    d.cuStreamDestroy(getattr(self, s))
+                    setattr(self, s, None)
+            if getattr(self, "_module", None) is not None:
+                d.cuModuleUnload(self._module)
+                self._module = None
+
+    def __enter__(self) -> LoopKernel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    from megaloop.frontend.shapes import contiguous_strides
+
+    return contiguous_strides(shape)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything a GPU run checks, in one call (the lent GPU machine's time is scarce):
+#   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog), then the benchmarks.
+# Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MEGALOOP_CACHE="${MEGALOOP_CACHE:-/tmp/megaloop-cache}"
+OUT="${OUT:-bench/results}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_check.log"
+what="${1:-all}"
+status=0
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  python3 -m pytest -q -x -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  for b in loop_overhead memory_bound llama_layer; do
+    timeout 420 python3 -m bench.$b 2>&1 | tail -n 60 | tee -a "$OUT/gpu_check.log" || status=1
+  done
+fi
+exit $status

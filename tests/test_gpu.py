@@ -1,0 +1,169 @@
+"""The loop kernel on a real GPU (skipped without one): every op of the table against PyTorch float64,
+the Llama-style block against the CPU reference, 200 random graphs, bitwise reproducibility, the
+watchdog and data errors. scripts/gpu_check.sh runs these on the GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import megaloop as ml
+from megaloop.codegen import generate
+from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.plan import make_plan
+from megaloop.runtime.device import gpus
+from tests.helpers import assert_close, to_torch64
+from tests.op_table import ROWS, build_row
+from tests.random_graphs import random_graph
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
+
+GPU_ROWS = [row for row in ROWS if ml.REGISTRY[row.op].cuda is not None]
+
+
+def loop_kernel(plan, params=None, state=None, **kw):
+    from megaloop.runtime.loop import LoopKernel
+
+    return LoopKernel(plan, params, state, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_op_against_torch(dtype: str) -> None:
+    g = ml.Graph(f"all-ops-{dtype}")
+    cases, feeds, state = [], {}, {}
+    for i, row in enumerate(GPU_ROWS):
+        dt = dtype if dtype in row.dtypes else row.dtypes[0]
+        for draw in range(2):
+            prefix = f"r{i}d{draw}."
+            _, f, s, arrays, outs, sample = build_row(row, dt, seed=100 + draw, graph=g, prefix=prefix)
+            feeds.update(f)
+            state.update(s)
+            cases.append((row, dt, prefix, arrays, outs, sample))
+    plan = make_plan(g, processors=132)
+    with loop_kernel(plan, state=state) as k:
+        got = k.run(feeds)
+    failures = []
+    for row, dt, prefix, arrays, outs, sample in cases:
+        with torch.no_grad():
+            ref = row.ref(*[to_torch64(a) for a in arrays], dtype=dt, **sample.kw)
+            scale = (
+                float(row.ref(*[to_torch64(a).abs() for a in arrays], dtype=dt, **sample.kw).max())
+                if row.cancels
+                else None
+            )
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        for j, (t, r) in enumerate(zip(outs, refs)):
+            r64 = (r.double() if r.dtype.is_floating_point else r).numpy()
+            try:
+                assert_close(
+                    got[f"{prefix}y{j}"],
+                    r64,
+                    t.dtype,
+                    ml.REGISTRY[row.op].accuracy,
+                    row.reduce_len(sample),
+                    f"{row.id} [{dt}] {prefix}",
+                    scale,
+                )
+            except AssertionError as e:
+                failures.append(str(e))
+    assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:20])
+
+
+def test_llama_block_against_the_reference() -> None:
+    cfg = LlamaConfig(hidden=256, heads=8, kv_heads=2, intermediate=688, layers=2, max_seq=64, vocab=1000)
+    params = random_parameters(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    prefill, decode = build_llama(cfg, 2, 12, "prefill"), build_llama(cfg, 2, 1, "decode")
+    feeds = {"tokens": rng.integers(0, 1000, (2, 12)), "positions": np.tile(np.arange(12), (2, 1))}
+    ref = ml.evaluate(prefill, feeds, params)
+    with loop_kernel(make_plan(prefill, processors=132), params) as k:
+        out = k.run(feeds)
+        state = k.state()
+    _close(out["logits"], ref.outputs["logits"], "prefill logits")
+    for name in ref.state:
+        _close(state[name], ref.state[name], f"prefill {name}")
+    # decode three steps, the GPU's own cache carried from step to step
+    ref_state = ref.state
+    with loop_kernel(make_plan(decode, processors=132), params, state) as k:
+        for step in range(3):
+            f = {"tokens": rng.integers(0, 1000, (2, 1)), "positions": np.full((2, 1), 12 + step)}
+            out = k.run(f)
+            r = ml.evaluate(decode, f, params, ref_state)
+            ref_state = r.state
+            _close(out["logits"], r.outputs["logits"], f"decode step {step}")
+
+
+def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    g64, w64 = got.astype(np.float64), want.astype(np.float64)
+    rel = np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-30)
+    assert rel < 1e-2, f"{what}: relative L2 difference {rel:.2e} between GPU and CPU reference"
+
+
+def test_random_graphs_against_the_reference() -> None:
+    rng = np.random.default_rng(7)
+    total = 0
+    for batch in range(10):  # 10 kernels of 20 random programs each
+        g = ml.Graph(f"fuzz-{batch}")
+        feeds = {}
+        for i in range(20):
+            feeds.update(random_graph(rng, g, f"p{i}."))
+        ref = ml.evaluate(g, feeds)
+        with loop_kernel(make_plan(g, processors=int(rng.choice([7, 64, 132])))) as k:
+            got = k.run(feeds)
+        for name, want in ref.outputs.items():
+            w = want.astype(np.float64)
+            d = np.abs(got[name].astype(np.float64) - w)
+            tol = 0.05 * (np.abs(w) + np.sqrt(np.mean(w**2)) + 1e-3)
+            assert np.all(d <= tol), f"fuzz {batch} {name}: max difference {d.max():.3e}"
+            total += 1
+    assert total == 200
+
+
+def test_hundred_runs_are_bitwise_identical() -> None:
+    cfg = LlamaConfig(hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2, max_seq=32, vocab=500)
+    g = build_llama(cfg, 1, 8)
+    feeds = {"tokens": np.arange(8)[None], "positions": np.arange(8)[None]}
+    with loop_kernel(make_plan(g, processors=132), random_parameters(cfg, seed=1)) as k:
+        first = k.run(feeds)["logits"].tobytes()
+        for _ in range(99):
+            assert k.run(feeds)["logits"].tobytes() == first
+
+
+def test_watchdog_names_the_stuck_wait_and_the_gpu_stays_usable() -> None:
+    from megaloop.runtime.loop import LoopKernelError
+
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
+    plan = make_plan(build_llama(cfg, 1, 1), processors=16)
+    params = random_parameters(cfg)
+    program = generate(plan)
+    first = int(np.flatnonzero(program.waits["lag"] == 0)[0])
+    program.waits["per_iteration"][first] = 1_000_000  # a target no counter will reach
+    feeds = {"tokens": [[3]], "positions": [[0]]}
+    with pytest.raises(LoopKernelError, match=r"watchdog: processor \d+ waited more than 0.5 s .* counter \d+ \(done"):
+        with loop_kernel(plan, params, timeout_s=0.5, program=program) as k:
+            k.run(feeds)
+    with loop_kernel(plan, params) as k:  # and the next kernel runs normally
+        out = k.run(feeds)
+    assert np.isfinite(out["logits"].astype(np.float32)).all()
+
+
+def test_bad_token_id_is_a_data_error() -> None:
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
+    plan = make_plan(build_llama(cfg, 1, 1), processors=16)
+    with loop_kernel(plan, random_parameters(cfg)) as k:
+        with pytest.raises(ml.errors.DataError, match=r"embedding .* id 77 is outside \[0, 50\)"):
+            k.run({"tokens": [[77]], "positions": [[0]]})
+
+
+def test_state_feedback_loop_runs_many_iterations_on_the_gpu() -> None:
+    g = ml.Graph("loop")
+    tok = g.state("token", (2,), ml.int64, init=[1, 3])
+    table = g.parameter("table", (6, 8), ml.float32)
+    g.assign(tok, ml.argmax(ml.embedding(table, tok) @ table.T, axis=-1))
+    g.output("tok", tok + 0)
+    params = {"table": np.random.default_rng(0).standard_normal((6, 8))}
+    ref = ml.evaluate(g, {}, params, iterations=50)
+    with loop_kernel(make_plan(g, processors=4), params) as k:
+        k.run({}, iterations=50)
+        assert np.array_equal(k.state()["token"], ref.state["token"])
