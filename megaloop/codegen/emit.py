@@ -92,15 +92,19 @@ def box_var(n: int) -> str:
 
 
 def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], out: Operand) -> list[str]:
-    """Any op of one expression over broadcast operands (and Python numbers)."""
+    """Any op of one expression over broadcast operands (and Python numbers). A vectorised path (16-byte
+    packs along the last axis, 4 packs in flight per thread) runs when strides and the tile allow it;
+    the per-element path is the fallback and the definition."""
     scalars = attrs.get("scalars", {})
     slots = len(ins) + len(scalars)
     tensor_slots = [s for s in range(slots) if s not in scalars]
     compare = out.dtype.is_bool and not all(o.dtype.is_bool for o in ins)
     value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
-    body = pointers(ins + [out], len(ins))
-    body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
     names = "abc"
+    body = pointers(ins + [out], len(ins))
+    fast = _elementwise_fast(expr, ins, out, scalars, tensor_slots, slots, compare, value_dtype)
+    body += fast
+    body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
     for s in range(slots):
         if s in scalars:
             body.append(
@@ -117,6 +121,99 @@ def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], o
     body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, {converter(out.dtype)}({expr}));")
     body.append("});")
     return body
+
+
+def _elementwise_fast(
+    expr: str,
+    ins: list[Operand],
+    out: Operand,
+    scalars: dict,
+    tensor_slots: list[int],
+    slots: int,
+    compare: bool,
+    value_dtype: DType,
+) -> list[str]:
+    """The packed path, or nothing when the layout rules it out at compile time."""
+    nd = len(out.shape)
+    if nd == 0 or out.strides[-1] != 1:
+        return []
+    width = 16 // max([o.dtype.itemsize for o in ins] + [out.dtype.itemsize])
+    if width < 2:
+        return []
+    kinds = []
+    for o in ins:
+        if not o.shape or o.shape[-1] == 1:
+            kinds.append("row")  # one value per row of the tile
+        elif o.strides[-1] == 1 and all(s % width == 0 for s in o.strides[:-1]):
+            kinds.append("vec")
+        else:
+            return []
+    if not all(s % width == 0 for s in out.strides[:-1]):
+        return []
+    last = nd - 1
+    checks = [
+        f"t.lo[{last}] % {width} == 0",
+        f"(t.hi[{last}] - t.lo[{last}]) % {width} == 0",
+        f"ml::aligned(out0, {width * out.dtype.itemsize})",
+    ]
+    checks += [
+        f"ml::aligned(in{k}, {width * o.dtype.itemsize})" for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"
+    ]
+    lines = [f"if ({' && '.join(checks)}) {{  // packed path: {width} elements per load"]
+    lines.append(f"    const int c0 = t.lo[{last}];")
+    lines.append(f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};")
+    lines.append("    ml::i64 rows = 1;")
+    lines.append(f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];")
+    lines.append("    const ml::i64 total = rows * vpr;")
+    lines.append("    for (ml::i64 e0 = threadIdx.x; e0 < total; e0 += 4 * (ml::i64)blockDim.x) {")
+    for k, (o, kd) in enumerate(zip(ins, kinds)):
+        if kd == "vec":
+            lines.append(f"        ml::Pack<{o.ctype}, {width}> p{k}[4];")
+        else:
+            lines.append(f"        {compute_type(o.dtype)} r{k}[4];")
+    lines.append("        ml::i64 at[4];")
+    lines.append("#pragma unroll")
+    lines.append("        for (int u = 0; u < 4; ++u) {")
+    lines.append("            const ml::i64 e = e0 + u * (ml::i64)blockDim.x;")
+    lines.append("            if (e >= total) break;")
+    lines.append(f"            int i[{nd}];")
+    lines.append(f"            i[{last}] = c0 + (int)(e % vpr) * {width};")
+    lines.append("            ml::i64 r = e / vpr;")
+    lines.append(
+        f"            for (int d = {last - 1}; d >= 0; --d) {{ const int ext = t.hi[d] - t.lo[d]; i[d] = t.lo[d] + (int)(r % ext); r /= ext; }}"
+    )
+    for k, (o, kd) in enumerate(zip(ins, kinds)):
+        offset = index_expr(o.strides, broadcast_dims(nd, o))
+        if kd == "vec":
+            lines.append(f"            p{k}[u] = ml::load_pack<{o.ctype}, {width}>(in{k} + {offset});")
+        else:
+            lines.append(f"            r{k}[u] = ml::load(in{k} + {offset});")
+    lines.append(f"            at[u] = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};")
+    lines.append("        }")
+    lines.append("#pragma unroll")
+    lines.append("        for (int u = 0; u < 4; ++u) {")
+    lines.append("            if (e0 + u * (ml::i64)blockDim.x >= total) break;")
+    lines.append(f"            ml::Pack<{out.ctype}, {width}> po;")
+    lines.append("#pragma unroll")
+    lines.append(f"            for (int j = 0; j < {width}; ++j) {{")
+    names = "abc"
+    for s in range(slots):
+        if s in scalars:
+            lines.append(
+                f"                const {compute_type(value_dtype)} {names[s]} = {_scalar(scalars[s], value_dtype, compare)};"
+            )
+        else:
+            k = tensor_slots.index(s)
+            src = f"ml::get(p{k}[u], j)" if kinds[k] == "vec" else f"r{k}[u]"
+            lines.append(f"                const {compute_type(ins[k].dtype)} {names[s]} = {src};")
+    lines.append(f"                ml::set(po, j, {converter(out.dtype)}({expr}));")
+    lines.append("            }")
+    lines.append(f"            ml::store_pack<{out.ctype}, {width}>(out0 + at[u], po);")
+    lines.append("        }")
+    lines.append("    }")
+    lines.append("    return;")
+    lines.append("}")
+    return lines
 
 
 def _scalar(value: float | int, dtype: DType, compare: bool) -> str:
@@ -186,7 +283,8 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
-    """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row."""
+    """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row, with
+    packed loads when the row is contiguous and aligned."""
     x = ins[0]
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
@@ -194,26 +292,83 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
     body = pointers(ins + [out], len(ins))
     body.append("ml::Task rowt = t;")
     body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // one warp per row: iterate the box without the axis")
-    body.append(f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{")
-    others = [f"o[{d}]" if d != axis else None for d in range(nd)]
-    body.append(f"    const ml::i64 xb = {index_expr(x.strides, others)};")
-    body.append(f"    const ml::i64 ob = {index_expr(out.strides, others)};")
-    xs, os_ = x.strides[axis], out.strides[axis]
-    loop = f"for (int j = lane; j < {n}; j += 32)"
-    if op in ("softmax", "log_softmax"):
-        body += [
-            "    float m = ml::neg_inf();",
-            f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); m = (v > m || v != v) ? v : m; }}",
-            "    m = ml::warp_max(m);",
-            "    float s = 0.0f;",
-            f"    {loop} s += expf(ml::load(in0 + xb + (ml::i64)j * {xs}) - m);",
-            "    s = ml::warp_sum(s);",
-        ]
-        value = "expf(v - m) / s" if op == "softmax" else "(v - m) - logf(s)"
-        body.append(
-            f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); "
-            f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value}); }}"
+    width = 16 // max(o.dtype.itemsize for o in ins + [out])
+    packed = (
+        axis == nd - 1
+        and n % width == 0
+        and x.strides[-1] == 1
+        and out.strides[-1] == 1
+        and all(st % width == 0 for st in x.strides[:-1] + out.strides[:-1])
+        and all(o.strides[0] == 1 for o in ins[1:])
+    )
+    if packed:
+        checks = " && ".join(
+            f"ml::aligned({p}, {width * o.dtype.itemsize})"
+            for p, o in [(f"in{k}", o) for k, o in enumerate(ins)] + [("out0", out)]
         )
+        body.append(f"if ({checks}) {{  // packed path: {width} elements per load")
+        body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width)]
+        body.append("    return;")
+        body.append("}")
+    body += _row_program(op, attrs, ins, out, axis, n, 1)
+    return body
+
+
+def _row_program(
+    op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand, axis: int, n: int, width: int
+) -> list[str]:
+    """The warp-per-row loop; ``width`` > 1 walks the row in packs of that many elements."""
+    x = ins[0]
+    nd = len(x.shape)
+    others = [f"o[{d}]" if d != axis else None for d in range(nd)]
+    xs, os_ = x.strides[axis], out.strides[axis]
+    lines = [
+        f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
+        f"    const ml::i64 xb = {index_expr(x.strides, others)};",
+        f"    const ml::i64 ob = {index_expr(out.strides, others)};",
+    ]
+
+    def each(statement: str, need_v: bool = True) -> list[str]:
+        """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
+        if width == 1:
+            load = f"const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); " if need_v else ""
+            return [f"    for (int j = lane; j < {n}; j += 32) {{ {load}{statement} }}"]
+        out_lines = [f"    for (int j0 = lane * {width}; j0 < {n}; j0 += 32 * {width}) {{"]
+        if need_v:
+            out_lines.append(
+                f"        const ml::Pack<{x.ctype}, {width}> px = ml::load_pack<{x.ctype}, {width}>(in0 + xb + j0);"
+            )
+        out_lines.append("#pragma unroll")
+        out_lines.append(
+            f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; (void)j; "
+            f"{'const float v = ml::get(px, q); ' if need_v else ''}{statement} }}"
+        )
+        out_lines.append("    }")
+        return out_lines
+
+    def store_each(value: str) -> list[str]:
+        """out[j] = value for every j; packed stores on the packed path."""
+        if width == 1:
+            return each(f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value});")
+        return [
+            f"    for (int j0 = lane * {width}; j0 < {n}; j0 += 32 * {width}) {{",
+            f"        const ml::Pack<{x.ctype}, {width}> px = ml::load_pack<{x.ctype}, {width}>(in0 + xb + j0);",
+            f"        ml::Pack<{out.ctype}, {width}> po;",
+            "#pragma unroll",
+            f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; const float v = ml::get(px, q); "
+            f"ml::set(po, q, {value}); }}",
+            f"        ml::store_pack<{out.ctype}, {width}>(out0 + ob + j0, po);",
+            "    }",
+        ]
+
+    if op in ("softmax", "log_softmax"):
+        lines.append("    float m = ml::neg_inf();")
+        lines += each("m = (v > m || v != v) ? v : m;")
+        lines += ["    m = ml::warp_max(m);", "    float s = 0.0f;"]
+        lines += each("s += expf(v - m);")
+        lines.append("    s = ml::warp_sum(s);")
+        value = "expf(v - m) / s" if op == "softmax" else "(v - m) - logf(s)"
+        lines += store_each(value)
     else:
         absent = attrs.get("absent", ())
         names = ("weight", "bias") if op == "layernorm" else ("weight",)
@@ -221,29 +376,24 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
         wk = {nm: present.index(nm) + 1 for nm in present}
         eps = float_literal(attrs["eps"])
         if op == "layernorm":
-            body += [
-                "    float s = 0.0f;",
-                f"    {loop} s += ml::load(in0 + xb + (ml::i64)j * {xs});",
-                f"    const float mean = ml::warp_sum(s) / (float){n};",
-                "    float q = 0.0f;",
-                f"    {loop} {{ const float d = ml::load(in0 + xb + (ml::i64)j * {xs}) - mean; q += d * d; }}",
-                f"    const float den = sqrtf(ml::warp_sum(q) / (float){n} + {eps});",
-            ]
-            y = f"(ml::load(in0 + xb + (ml::i64)j * {xs}) - mean) / den"
+            lines.append("    float s = 0.0f;")
+            lines += each("s += v;")
+            lines += [f"    const float mean = ml::warp_sum(s) / (float){n};", "    float q2 = 0.0f;"]
+            lines += each("const float d = v - mean; q2 += d * d;")
+            lines.append(f"    const float den = sqrtf(ml::warp_sum(q2) / (float){n} + {eps});")
+            y = "(v - mean) / den"
         else:
-            body += [
-                "    float q = 0.0f;",
-                f"    {loop} {{ const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); q += v * v; }}",
-                f"    const float den = sqrtf(ml::warp_sum(q) / (float){n} + {eps});",
-            ]
-            y = f"ml::load(in0 + xb + (ml::i64)j * {xs}) / den"
+            lines.append("    float q2 = 0.0f;")
+            lines += each("q2 += v * v;")
+            lines.append(f"    const float den = sqrtf(ml::warp_sum(q2) / (float){n} + {eps});")
+            y = "v / den"
         if "weight" in wk:
             y = f"({y}) * ml::load(in{wk['weight']} + (ml::i64)j * {ins[wk['weight']].strides[0]})"
         if "bias" in wk:
             y = f"({y}) + ml::load(in{wk['bias']} + (ml::i64)j * {ins[wk['bias']].strides[0]})"
-        body.append(f"    {loop} ml::store(out0 + ob + (ml::i64)j * {os_}, {y});")
-    body.append("});")
-    return body
+        lines += store_each(y)
+    lines.append("});")
+    return lines
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -256,9 +406,39 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
     b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
     batch = nd - 2
     body = pointers([a_, b_, out], 2)
-    body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
     abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
     bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    width = 16 // a_.dtype.itemsize
+    if (
+        a_k == 1
+        and b_k == 1
+        and k % width == 0
+        and a_.dtype == b_.dtype
+        and all(st % width == 0 for st in a_.strides[:-2] + b_.strides[:-2] + (a_row, b_col))
+    ):
+        # packed dot products: each lane 4 packs of A and of B in flight per step
+        step = 32 * width
+        body += [
+            f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16)) {{  // packed path: {width} elements per load",
+            f"    ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{",
+            f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
+            f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
+            "        float acc = 0.0f;",
+            f"        for (int k0 = lane * {width}; k0 < {k}; k0 += 4 * {step}) {{",
+            f"            ml::Pack<{a_.ctype}, {width}> pa[4], pb[4];",
+            "#pragma unroll",
+            f"            for (int u = 0; u < 4; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
+            f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }} }}",
+            "#pragma unroll",
+            f"            for (int u = 0; u < 4; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
+            "        }",
+            "        acc = ml::warp_sum(acc);",
+            f"        if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);",
+            "    });",
+            "    return;",
+            "}",
+        ]
+    body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
     body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
     body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
     body.append("    float acc = 0.0f;")
@@ -381,6 +561,7 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     dl, vl = (d + 31) // 32, (dv + 31) // 32
     scale = float_literal(attrs["scale"])
     body = pointers(ins + [out], len(ins))
+    body += _attention_split(attrs, ins, out, qpos, lens, optional, group, scale)
     body.append("ml::Task rowt = t;")
     body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
     body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
@@ -445,6 +626,150 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     )
     body.append("});")
     return body
+
+
+def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
+    """Dynamic shared memory the split-key attention path needs (0 when it does not apply)."""
+    return warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
+
+
+def _split_applies(ins: list[Operand]) -> bool:
+    q, k, v = ins[:3]
+    d = q.shape[3]
+    width = 16 // q.dtype.itemsize
+    lanes = d // width if d % width == 0 else 0
+    return (
+        lanes > 0
+        and 32 % lanes == 0
+        and v.shape[3] == d
+        and q.dtype == k.dtype == v.dtype
+        and q.strides[3] == k.strides[3] == v.strides[3] == 1
+        and all(st % width == 0 for st in q.strides[:3] + k.strides[:3] + v.strides[:3])
+    )
+
+
+def _attention_split(
+    attrs: dict[str, Any],
+    ins: list[Operand],
+    out: Operand,
+    qpos: Operand | None,
+    lens: Operand | None,
+    optional: list[int],
+    group: int,
+    scale: str,
+) -> list[str]:
+    """Keys split over the block's warps (flash-decoding inside one tile), each warp taking several keys
+    at once (lanes split the head dimension in packs), partial softmax states merged in shared memory."""
+    if not _split_applies(ins):
+        return []
+    q, k, v = ins[:3]
+    d = q.shape[3]
+    width = 16 // q.dtype.itemsize
+    lpk = d // width  # lanes per key
+    kpw = 32 // lpk  # keys per warp step
+    tk, tq = k.shape[2], q.shape[2]
+    ct = q.ctype
+    lines = [
+        "if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && ml::aligned(in2, 16)) {  // split-key path",
+        "    extern __shared__ float4 ml_smem4[];",
+        "    float* part = reinterpret_cast<float*>(ml_smem4);",
+        f"    constexpr int W = {width}, LPK = {lpk}, KPW = {kpw}, D = {d};",
+        "    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
+        "    const int g = lane / LPK, r = lane % LPK;",
+        "    const int bi = t.lo[0], nh = t.hi[1] - t.lo[1], nq = t.hi[2] - t.lo[2], pairs = nh * nq;",
+        "    const int split = warps >= pairs ? warps / pairs : 1;",
+        "    const int per_round = warps / split;",
+        "    for (int base = 0; base < pairs; base += per_round) {",
+        "        const int pair = base + warp / split, piece = warp % split;",
+        "        const bool active = warp < per_round * split && pair < pairs;",
+        "        float m = ml::neg_inf(), l = 0.0f, acc[W];",
+        "#pragma unroll",
+        "        for (int w = 0; w < W; ++w) acc[w] = 0.0f;",
+        "        int h = 0, i = 0;",
+        "        if (active) {",
+        "            h = t.lo[1] + pair / nq; i = t.lo[2] + pair % nq;",
+        f"            const int kh = h / {group};",
+    ]
+    if lens is not None:
+        lines += [
+            f"            const ml::i64 len = ml::load(in{3 + optional.index(4)} + (ml::i64)bi * {lens.strides[0]});",
+            f"            if (len < 0 || len > {tk}) {{ if (lane == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, len, {tk}, 2, 0); }}",
+        ]
+    else:
+        lines.append(f"            const ml::i64 len = {tk};")
+    if qpos is not None:
+        lines.append(
+            f"            const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + (ml::i64)i * {qpos.strides[1]});"
+        )
+    else:
+        lines.append(f"            const ml::i64 qp = len - {tq} + i;")
+    if attrs["causal"]:
+        window = attrs["window"]
+        lines += [
+            "            ml::i64 end = qp + 1 < len ? qp + 1 : len;",
+            f"            ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
+            "            if (begin < 0) begin = 0;",
+        ]
+    else:
+        lines += ["            ml::i64 begin = 0, end = len;"]
+    lines += [
+        f"            if (end > {tk}) end = {tk};",
+        "            const ml::i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;",
+        "            const ml::i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;",
+        f"            const ml::Pack<{ct}, W> qpk = ml::load_pack<{ct}, W>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W);",
+        f"            const {ct}* kp = in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]} + r * W;",
+        f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
+        "            for (ml::i64 j = j_lo + g; j < j_hi; j += KPW) {",
+        f"                const ml::Pack<{ct}, W> kv = ml::load_pack<{ct}, W>(kp + j * {k.strides[2]});",
+        f"                const ml::Pack<{ct}, W> vv = ml::load_pack<{ct}, W>(vp + j * {v.strides[2]});",
+        "                float s = ml::dot(qpk, kv);",
+        "#pragma unroll",
+        "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
+        f"                s *= {scale};",
+        "                const float mn = s > m ? s : m;",
+        "                const float corr = expf(m - mn), p = expf(s - mn);",
+        "                l = l * corr + p;",
+        "#pragma unroll",
+        "                for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
+        "                m = mn;",
+        "            }",
+        "        }",
+        "        // merge the KPW key groups of the warp (lanes with the same r)",
+        "#pragma unroll",
+        "        for (int o = LPK; o < 32; o <<= 1) {",
+        "            const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);",
+        "            const float mx = m2 > m ? m2 : m;",
+        "            const float c1 = mx == ml::neg_inf() ? 0.0f : expf(m - mx), c2 = mx == ml::neg_inf() ? 0.0f : expf(m2 - mx);",
+        "            l = l * c1 + l2 * c2;",
+        "#pragma unroll",
+        "            for (int w = 0; w < W; ++w) acc[w] = acc[w] * c1 + __shfl_xor_sync(0xffffffffu, acc[w], o) * c2;",
+        "            m = mx;",
+        "        }",
+        "        if (active && g == 0) {",
+        "            float* slot = part + warp * (D + 2);",
+        "#pragma unroll",
+        "            for (int w = 0; w < W; ++w) slot[r * W + w] = acc[w];",
+        "            if (r == 0) { slot[D] = m; slot[D + 1] = l; }",
+        "        }",
+        "        __syncthreads();",
+        "        if (active && piece == 0) {  // combine the pieces of this (head, query)",
+        "            float mx = ml::neg_inf();",
+        "            for (int p2 = 0; p2 < split; ++p2) { const float mp = part[(warp + p2) * (D + 2) + D]; mx = mp > mx ? mp : mx; }",
+        "            float lsum = 0.0f;",
+        "            for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); lsum += mx == ml::neg_inf() ? 0.0f : sl[D + 1] * expf(sl[D] - mx); }",
+        f"            const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};",
+        "            for (int dd = lane; dd < D; dd += 32) {",
+        "                float o = 0.0f;",
+        "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
+        f"                ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, lsum > 0.0f ? o / lsum : 0.0f);",
+        "            }",
+        "        }",
+        "        __syncthreads();",
+        "    }",
+        "    return;",
+        "}",
+    ]
+    return lines
 
 
 def emit(

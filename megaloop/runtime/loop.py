@@ -41,7 +41,7 @@ ARGS_DTYPE = np.dtype(
             "operand_offsets",
             "counters",
             "abort",
-            "finished_blocks",
+            "progress",
             "control",
             "profile",
             "timeout_ns",
@@ -49,8 +49,8 @@ ARGS_DTYPE = np.dtype(
     ]
     + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
 )
-CONTROL_WORDS = 4 + 8  # requested, stop, completed, error, info[8]
-REQUESTED, STOP, COMPLETED, ERROR, INFO = 0, 1, 2, 3, 4
+CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
+REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
 
 
 class LoopKernelError(MegaloopError, RuntimeError):
@@ -104,6 +104,26 @@ class LoopKernel:
         _check(driver.cuCtxSetCurrent(self._ctx))
         self._module = _check(driver.cuModuleLoadData(self.cubin))
         self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
+        if self.program.shared_bytes > 48 * 1024:
+            # Above 48 KiB a kernel must opt in to dynamic shared memory (CUDA programming guide).
+            limit = _check(
+                driver.cuDeviceGetAttribute(
+                    driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev
+                )
+            )
+            if self.program.shared_bytes > limit:
+                raise LoopKernelError(
+                    f"the loop kernel needs {self.program.shared_bytes} bytes of shared memory per block "
+                    f"(attention scratch for {self.program.threads // 32} warps); this GPU allows {limit}: "
+                    "plan with fewer warps"
+                )
+            _check(
+                driver.cuFuncSetAttribute(
+                    self._function,
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    self.program.shared_bytes,
+                )
+            )
         flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = _check(driver.cuStreamCreate(flags))
         self._copies = _check(driver.cuStreamCreate(flags))
@@ -130,12 +150,15 @@ class LoopKernel:
         _check(d.cuMemsetD8(self.arena, 0xFF, max(self.rp.arena_bytes, 8)))  # poison: NaN in every float
         self.counters = self._alloc(8 * max(prog.counters, 1))
         _check(d.cuMemsetD8(self.counters, 0, 8 * max(prog.counters, 1)))
-        self.flags = self._alloc(16)  # abort, finished_blocks
-        _check(d.cuMemsetD8(self.flags, 0, 16))
-        host = _check(d.cuMemHostAlloc(8 * CONTROL_WORDS, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
+        self.flags = self._alloc(8)  # abort
+        _check(d.cuMemsetD8(self.flags, 0, 8))
+        # mapped pinned memory: the doorbell and error report, then each block's finished iterations
+        words = CONTROL_WORDS + prog.processors
+        host = _check(d.cuMemHostAlloc(8 * words, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
         self._control_host = int(host)
-        self.control = np.ctypeslib.as_array((ctypes.c_uint64 * CONTROL_WORDS).from_address(self._control_host))
-        self.control[:] = 0
+        mapped = np.ctypeslib.as_array((ctypes.c_uint64 * words).from_address(self._control_host))
+        mapped[:] = 0
+        self.control, self.progress = mapped[:CONTROL_WORDS], mapped[CONTROL_WORDS:]
         control_dev = int(_check(d.cuMemHostGetDevicePointer(self._control_host, 0)))
         self.profile = 0
         if self.profile_iterations:
@@ -143,7 +166,7 @@ class LoopKernel:
             _check(d.cuMemsetD8(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations))
         args = np.zeros(1, ARGS_DTYPE)
         args["arena"], args["counters"], args["control"] = self.arena, self.counters, control_dev
-        args["abort"], args["finished_blocks"] = self.flags, self.flags + 8
+        args["abort"], args["progress"] = self.flags, control_dev + 8 * CONTROL_WORDS
         args["tasks"] = self._upload(prog.tasks)
         args["waits"] = self._upload(prog.waits)
         args["list_begin"] = self._upload(prog.list_begin)
@@ -211,7 +234,17 @@ class LoopKernel:
         params = ((self._args,), (ctypes.c_void_p,))
         _check(
             d.cuLaunchKernel(
-                self._function, self.program.processors, 1, 1, self.program.threads, 1, 1, 0, self._stream, params, 0
+                self._function,
+                self.program.processors,
+                1,
+                1,
+                self.program.threads,
+                1,
+                1,
+                self.program.shared_bytes,
+                self._stream,
+                params,
+                0,
             )
         )
         self._launched = True
@@ -242,12 +275,12 @@ class LoopKernel:
     def wait(self) -> None:
         """Until the kernel finished what was asked, or raise what it reported."""
         deadline = time.monotonic() + self.timeout_s + 5.0
-        last = int(self.control[COMPLETED])
+        last = self.completed()
         spins = 0
-        while int(self.control[COMPLETED]) < self._requested:
+        while self.completed() < self._requested:
             if int(self.control[ERROR]):
                 self._raise_kernel_error()
-            now = int(self.control[COMPLETED])
+            now = self.completed()
             if now != last:
                 last, deadline = now, time.monotonic() + self.timeout_s + 5.0
             if time.monotonic() > deadline:
@@ -261,6 +294,10 @@ class LoopKernel:
                 time.sleep(0.0002)
         if int(self.control[ERROR]):
             self._raise_kernel_error()
+
+    def completed(self) -> int:
+        """Iterations every block has finished."""
+        return int(self.progress.min())
 
     def _raise_kernel_error(self) -> None:
         code = int(self.control[ERROR])

@@ -32,9 +32,8 @@ struct Wait {
 struct Control {
     volatile u64 requested;  // host: iterations asked for so far (only ever grows)
     volatile u64 stop;  // host: 1 = leave the loop
-    volatile u64 completed;  // kernel: iterations every block has finished
     volatile u64 error;  // kernel: 0, or an error code below
-    volatile i64 info[8];  // kernel: what went wrong (see ERROR_INFO in megaloop/runtime/loop.py)
+    volatile i64 info[8];  // kernel: what went wrong (read by megaloop/runtime/loop.py)
 };
 
 enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
@@ -48,7 +47,7 @@ struct Args {
     const i64* operand_offsets;  // per op: MAX_OPERANDS byte offsets into the arena
     u64* counters;
     u64* abort;  // device flag: nonzero once any block gave up
-    u64* finished_blocks;  // device counter: blocks done, summed over iterations
+    volatile u64* progress;  // mapped host memory: iterations each block has finished
     Control* control;
     u64* profile;  // null, or (start, end) globaltimer pairs per task for the first profile_iterations
     u64 timeout_ns;
@@ -125,14 +124,11 @@ __device__ inline bool wait_requested(const Args& a, u64 k) {
     }
 }
 
-// Thread 0 only: this block finished iteration k; the last block to do so tells the host.
+// Thread 0 only: this block finished iteration k. Blocks may run ahead of each other (their waits
+// keep them correct), so the host takes the minimum over all blocks as the iterations completed.
 __device__ inline void iteration_done(const Args& a, u64 k) {
-    __threadfence();
-    const u64 before = atomicAdd((unsigned long long*)a.finished_blocks, 1ull);
-    if (before + 1 == (k + 1) * gridDim.x) {
-        __threadfence_system();
-        store_release_sys(&a.control->completed, k + 1);
-    }
+    __threadfence_system();
+    store_release_sys(&a.progress[blockIdx.x], k + 1);
 }
 
 // ---- iterating over a tile's elements -------------------------------------------------------------
