@@ -11,13 +11,16 @@ OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_check.log"
 what="${1:-all}"
+benches="${BENCHES:-loop_overhead memory_bound llama_layer}"
+# a hung kernel must not eat the whole device call: bound every step
+test_timeout="${TEST_TIMEOUT:-420}" bench_timeout="${BENCH_TIMEOUT:-420}"
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -x -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  for b in loop_overhead memory_bound llama_layer; do
-    timeout 420 python3 -m bench.$b 2>&1 | tail -n 60 | tee -a "$OUT/gpu_check.log" || status=1
+  for b in $benches; do
+    timeout "$bench_timeout" python3 -m bench.$b 2>&1 | tail -n 60 | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi
 exit $status

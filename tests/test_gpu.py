@@ -148,6 +148,28 @@ def test_watchdog_names_the_stuck_wait_and_the_gpu_stays_usable() -> None:
     assert np.isfinite(out["logits"].astype(np.float32)).all()
 
 
+def test_task_stuck_outside_a_wait_is_reported_and_stopped() -> None:
+    """A task that never finishes (a codegen bug) must not hang the host: wait() gives up after
+    timeout_s + 5 s without progress, and the abort flag makes the kernel leave."""
+    from megaloop.runtime.loop import LoopKernelError
+
+    g = ml.Graph("stuck")
+    s = g.state("s", (4,), ml.float32)
+    g.assign(s, s + 1.0)
+    g.output("s", s + 0.0)
+    plan = make_plan(g, processors=1)
+    program = generate(plan)
+    head = "void run_task(const ml::Args& a, const ml::Task& t, int tid) {\n"
+    assert head in program.source
+    program.source = program.source.replace(head, head + "    while (!ml::aborted(a)) __nanosleep(1000);\n")
+    with pytest.raises(LoopKernelError, match=r"made no progress .* It has been stopped"):
+        with loop_kernel(plan, timeout_s=0.5, program=program) as k:
+            k.run({})
+    with loop_kernel(plan) as k:  # the GPU is usable again
+        k.run({}, iterations=3)
+        assert np.array_equal(k.state()["s"], np.full(4, 3.0, np.float32))
+
+
 def test_bad_token_id_is_a_data_error() -> None:
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
     plan = make_plan(build_llama(cfg, 1, 1), processors=16)

@@ -96,6 +96,7 @@ class LoopKernel:
         self._d = driver
         self._allocations: list[int] = []
         self._launched = False
+        self._stuck = False
         self._requested = 0
         self.cubin = compile_cubin(self.program.source, found[device].arch)
         _check(driver.cuInit(0))
@@ -284,10 +285,16 @@ class LoopKernel:
             if now != last:
                 last, deadline = now, time.monotonic() + self.timeout_s + 5.0
             if time.monotonic() > deadline:
-                self._launched = False
+                left = self._halt()
                 raise LoopKernelError(
-                    f"the loop kernel made no progress for {self.timeout_s + 5:.0f} s and reported "
-                    "nothing: it may be stuck outside a wait (a megaloop bug)"
+                    f"the loop kernel made no progress for {self.timeout_s + 5:.0f} s and reported nothing: "
+                    "a task is stuck outside a wait (a megaloop bug; please report it with the plan). "
+                    + (
+                        "It has been stopped; make a new LoopKernel to run again"
+                        if left
+                        else "It did not stop either: its memory stays allocated and this process must be restarted "
+                        "to use the GPU again"
+                    )
                 )
             spins += 1
             if spins > 1000:
@@ -302,8 +309,7 @@ class LoopKernel:
     def _raise_kernel_error(self) -> None:
         code = int(self.control[ERROR])
         info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 7]]
-        self._launched = False
-        _check(self._d.cuStreamSynchronize(self._stream))  # every block has left
+        self._halt()  # every block leaves (a block stuck in a task is reported by stop())
         if code == 1:
             proc, task, op, counter, expected, seen, k = info
             rp = self.rp
@@ -336,28 +342,61 @@ class LoopKernel:
             _check(self._d.cuMemcpyDtoH(out, self.profile, out.nbytes))
         return out.reshape(self.profile_iterations, len(self.rp.tasks), 2)
 
+    def _halt(self) -> bool:
+        """Make every block leave: the stop word first (idle blocks), then the abort flag (blocks in a
+        wait). False when the kernel is still running after that: a task itself is stuck."""
+        d = self._d
+        self._launched = False
+        self.control[STOP] = 1
+        if self._left(self.timeout_s + 5.0):
+            return True
+        one = np.ones(1, np.uint64)
+        _check(d.cuMemcpyHtoDAsync(self.flags, one, 8, self._copies))
+        _check(d.cuStreamSynchronize(self._copies))
+        if self._left(5.0):
+            return True
+        self._stuck = True
+        return False
+
+    def _left(self, seconds: float) -> bool:
+        """Whether the kernel finished within ``seconds`` (polling, never blocking without bound)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            (err,) = self._d.cuStreamQuery(self._stream)
+            if err == self._d.CUresult.CUDA_SUCCESS:
+                return True
+            if err != self._d.CUresult.CUDA_ERROR_NOT_READY:
+                _check((err,))
+            time.sleep(0.001)
+        return False
+
     def stop(self) -> None:
         """Tell the kernel to leave, wait for it, free everything."""
-        d = self._d
         try:
-            if self._launched:
-                self.control[STOP] = 1
-                _check(d.cuStreamSynchronize(self._stream))
-            self._launched = False
+            if self._launched and not self._halt():
+                raise LoopKernelError(
+                    "the loop kernel did not stop when asked (a task is stuck: a megaloop bug); its memory stays "
+                    "allocated and this process must be restarted to use the GPU again"
+                )
         finally:
-            for ptr in self._allocations:
-                d.cuMemFree(ptr)
-            self._allocations.clear()
-            if getattr(self, "_control_host", 0):
-                d.cuMemFreeHost(self._control_host)
-                self._control_host = 0
-            for s in ("_stream", "_copies"):
-                if getattr(self, s, None) is not None:
-                    d.cuStreamDestroy(getattr(self, s))
-                    setattr(self, s, None)
-            if getattr(self, "_module", None) is not None:
-                d.cuModuleUnload(self._module)
-                self._module = None
+            if not self._stuck:  # freeing memory a running kernel still uses could corrupt it: leave it all
+                self._free()
+
+    def _free(self) -> None:
+        d = self._d
+        for ptr in self._allocations:
+            d.cuMemFree(ptr)
+        self._allocations.clear()
+        if getattr(self, "_control_host", 0):
+            d.cuMemFreeHost(self._control_host)
+            self._control_host = 0
+        for s in ("_stream", "_copies"):
+            if getattr(self, s, None) is not None:
+                d.cuStreamDestroy(getattr(self, s))
+                setattr(self, s, None)
+        if getattr(self, "_module", None) is not None:
+            d.cuModuleUnload(self._module)
+            self._module = None
 
     def __enter__(self) -> LoopKernel:
         return self
