@@ -2,6 +2,8 @@
 # Everything a GPU run checks, in one call (the lent GPU machine's time is scarce):
 #   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog), then the benchmarks.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
+# The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
+# command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

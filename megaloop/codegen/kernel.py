@@ -175,11 +175,18 @@ __device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, i
 extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const ml::Args* args) {{
     __shared__ ml::Args a;
     __shared__ int go;
-    if (threadIdx.x == 0) a = *args;
+    __shared__ ml::u64 granted;  // iterations the host has asked for, as last read
+    if (threadIdx.x == 0) {{
+        a = *args;
+        granted = 0;
+    }}
     __syncthreads();
     const int proc = blockIdx.x;
     for (ml::u64 k = 0;; ++k) {{
-        if (threadIdx.x == 0) go = ml::wait_requested(a, k);
+        if (threadIdx.x == 0) {{
+            if (k >= granted) granted = ml::wait_requested(a, k);
+            go = k < granted;
+        }}
         __syncthreads();
         if (!go) return;
         for (int i = a.list_begin[proc]; i < a.list_begin[proc + 1]; ++i) {{
@@ -205,7 +212,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             }}
         }}
         __syncthreads();
-        if (threadIdx.x == 0) ml::iteration_done(a, k);
+        if (threadIdx.x == 0) ml::iteration_done(a, k, granted);
     }}
 }}
 """

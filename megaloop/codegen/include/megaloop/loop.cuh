@@ -112,13 +112,16 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
     return true;
 }
 
-// Thread 0 only: wait until the host asked for iteration k (false: stop or abort).
-__device__ inline bool wait_requested(const Args& a, u64 k) {
+// Thread 0 only: wait until the host asked for iteration k; returns how many iterations the host has
+// asked for so far (0: stop or abort). The caller keeps the answer and asks again only after running
+// that many: polling mapped host memory crosses PCIe, far too slow to do per block per iteration.
+__device__ inline u64 wait_requested(const Args& a, u64 k) {
     unsigned backoff = 64;
     for (;;) {
-        if (aborted(a)) return false;
-        if (load_acquire_sys(&a.control->requested) > k) return true;
-        if (load_acquire_sys(&a.control->stop)) return false;
+        if (aborted(a)) return 0;
+        const u64 requested = load_acquire_sys(&a.control->requested);
+        if (requested > k) return requested;
+        if (load_acquire_sys(&a.control->stop)) return 0;
         __nanosleep(backoff);
         backoff = backoff < 8192 ? backoff * 2 : 8192;
     }
@@ -126,7 +129,10 @@ __device__ inline bool wait_requested(const Args& a, u64 k) {
 
 // Thread 0 only: this block finished iteration k. Blocks may run ahead of each other (their waits
 // keep them correct), so the host takes the minimum over all blocks as the iterations completed.
-__device__ inline void iteration_done(const Args& a, u64 k) {
+// Reported at the end of what was asked (completion) and every 64 iterations in between (so the
+// host sees a long run make progress), not every iteration: each report is a PCIe write.
+__device__ inline void iteration_done(const Args& a, u64 k, u64 granted) {
+    if (k + 1 != granted && (k & 63) != 63) return;
     __threadfence_system();
     store_release_sys(&a.progress[blockIdx.x], k + 1);
 }
