@@ -118,6 +118,16 @@ def test_impossible_order_is_refused(setup) -> None:
         ),
         (lambda d: d["ranks"][0]["processors"].append(["x"]), r"plan\.ranks\[0\]\.processors\[\d+\]\[0\]"),
         (lambda d: d["ranks"][0].pop("graph"), r"plan\.ranks\[0\]\.graph: missing"),
+        # what the graph determines is not editable: a changed op order, node, view or buffer shape
+        (lambda d: d["ranks"][0]["ops"][1].update(seq=0), r"plan\.ranks\[0\]\.ops\[1\]: .* not editable"),
+        (lambda d: d["ranks"][0]["ops"][0].update(node=None), r"plan\.ranks\[0\]\.ops\[0\]: .* not editable"),
+        (lambda d: d["ranks"][0]["tensors"][0].update(offset=3), r"plan\.ranks\[0\]\.tensors\[0\]: .* not editable"),
+        (
+            lambda d: d["ranks"][0]["buffers"][-1].update(shape=[1]),
+            r"plan\.ranks\[0\]\.buffers\[\d+\]: .* not editable",
+        ),
+        (lambda d: d.update(warps=0), r"plan\.warps: must be >= 1"),
+        (lambda d: d.update(warps=64), r"warps must be an int in \[1, 32\]"),
     ],
 )
 def test_malformed_plans_name_the_field(setup, edit, field) -> None:
@@ -126,6 +136,17 @@ def test_malformed_plans_name_the_field(setup, edit, field) -> None:
     edit(data)
     with pytest.raises(errors.PlanFormatError, match=field):
         plan_from_dict(data)
+
+
+def test_top_level_must_be_an_object() -> None:
+    with pytest.raises(errors.PlanFormatError, match="expected a JSON object, got list"):
+        plan_from_dict([1, 2])
+
+
+def test_stats_survive_save_and_load(setup, tmp_path) -> None:
+    _, plan, _, _, _ = setup
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").stats() == plan.stats()
 
 
 def test_not_json(tmp_path) -> None:

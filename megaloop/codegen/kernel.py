@@ -1,6 +1,6 @@
 """One rank's plan -> the loop kernel's CUDA C++ source and the tables it walks.
 
-The source has one function per distinct op signature (megaloop/codegen/emit.py), a dispatch switch,
+The source has one function per distinct op signature (megaloop/codegen/emit*.py), a dispatch switch,
 and the loop itself; everything that differs between ops of one signature (where their operands
 live) and everything per task (its box, its waits, its counter) is data, uploaded with the plan:
 
@@ -16,10 +16,22 @@ the compile cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from megaloop.codegen.emit import Operand, attention_shared_bytes, emit
+from megaloop.codegen.emit import (
+    Operand,
+    concat,
+    elementwise,
+    embedding,
+    kv_update,
+    matmul,
+    reduction,
+    rope,
+    rows,
+)
+from megaloop.codegen.emit_attention import attention, attention_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape
@@ -57,6 +69,31 @@ class LoopProgram:
     processors: int
     op_names: list[str]
     signatures: list[str]  # one comment line per signature
+
+
+def emit(
+    op_name: str, template: str, expr: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]
+) -> list[str]:
+    out = outs[0]
+    if template == "elementwise":
+        return elementwise(op_name, attrs, expr, ins, out)
+    if template == "reduction":
+        return reduction(op_name, attrs, ins[0], out)
+    if template == "rows":
+        return rows(op_name, attrs, ins, out)
+    if template == "matmul":
+        return matmul(op_name, attrs, ins[0], ins[1], out)
+    if template == "embedding":
+        return embedding(op_name, attrs, ins[0], ins[1], out)
+    if template == "rope":
+        return rope(op_name, attrs, ins[0], ins[1], out)
+    if template == "kv_update":
+        return kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
+    if template == "concat":
+        return concat(op_name, attrs, ins, out)
+    if template == "attention":
+        return attention(op_name, attrs, ins, out)
+    raise GraphBuildError(f"{op_name}: no CUDA template {template!r}")
 
 
 def _operand(rp: RankPlan, tid: int) -> Operand:

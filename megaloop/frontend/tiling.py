@@ -21,6 +21,9 @@ from typing import Any, NamedTuple
 from megaloop.errors import GraphBuildError
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# the most dynamic shared memory one thread block may use (CUDA programming guide, compute capabilities)
+SHARED_MEMORY_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+MAX_WARPS = 32  # 1024 threads per block
 PEER_SEND = -1  # operand index of a recv's read: the matched send's input on the source rank
 
 

@@ -219,6 +219,9 @@ def _check_acyclic(orders: list[list[Node]], m: RankMatching) -> None:
         for node, readers in _inplace_readers(order).items():  # the old value is read before it is overwritten
             for reader in readers:
                 preds[vertex[(rank, node)]].add(vertex[(rank, reader)])
+                tr = m.transfer_of.get(reader)
+                if tr is not None and reader is tr.send:  # the recv on the other rank reads it too
+                    preds[vertex[(rank, node)]].add(vertex[(tr.dst, tr.recv)])
     succs: dict[Any, list[Any]] = {v: [] for v in preds}
     for v, ps in preds.items():
         for p in ps:

@@ -9,17 +9,20 @@ tile tasks (``tasks``), find conflicting accesses (``hazards``), schedule tasks 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from megaloop.errors import DeadlockError, GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import REGISTRY
+from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.tiling import ARCHS, MAX_WARPS, SHARED_MEMORY_PER_BLOCK
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, derive_waits, hb_order
-from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
+from megaloop.plan.hazards import build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.schedule import list_schedule
 from megaloop.plan.tasks import make_tasks, peer_operand
@@ -34,7 +37,7 @@ def make_plan(
     arch: str = "sm_90",
     tiles: dict[str, dict[str, int]] | None = None,
     warps: int = 8,
-    shared_memory: int = 227 * 1024,
+    shared_memory: int | None = None,
     reuse: bool = True,
     scratch_budget: int = memory.SCRATCH_BUDGET,
     verify: bool = True,
@@ -44,13 +47,18 @@ def make_plan(
     ``tiles`` overrides tile parameters by node name (``"layers.0.attn.matmul_10"``) or op name
     (``"matmul"``), the node name winning: ``tiles={"matmul": {"block_m": 64}}``. Intermediates share
     memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
-    never); see ``megaloop.plan.memory``."""
+    never); see ``megaloop.plan.memory``. ``shared_memory`` (bytes per processor) defaults to the
+    architecture's limit."""
     glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
-    if not isinstance(processors, int) or processors < 1:
-        raise GraphBuildError(f"plan: processors must be an int >= 1, got {processors!r}")
+    if shared_memory is None and arch in SHARED_MEMORY_PER_BLOCK:
+        shared_memory = SHARED_MEMORY_PER_BLOCK[arch]
+    check_settings(arch, processors, warps, shared_memory, GraphBuildError, "plan")
+    if isinstance(scratch_budget, bool) or not isinstance(scratch_budget, int) or scratch_budget < 0:
+        raise GraphBuildError(f"plan: scratch_budget must be an int >= 0 (bytes), got {scratch_budget!r}")
+    tiles = _check_tiles(tiles)
     matching = match_ranks(glist)
-    tiles = {k: dict(v) for k, v in (tiles or {}).items()}
-    ranks = [_lower(g, r, matching, arch, tiles) for r, g in enumerate(glist)]
+    ranks = [lower_rank(g, r, matching, arch, tiles) for r, g in enumerate(glist)]
+    number_ops(ranks)
     plan = Plan(
         arch=arch,
         processors=processors,
@@ -61,7 +69,7 @@ def make_plan(
         matching=matching,
     )
     _check_overrides(plan, tiles)
-    _place_buffers(plan, reuse, scratch_budget)
+    place_buffers(plan, reuse, scratch_budget)
     make_tasks(plan)
     schedule_and_link(plan)
     if verify:
@@ -69,6 +77,31 @@ def make_plan(
 
         verify_plan(plan)
     return plan
+
+
+def check_settings(arch: str, processors: Any, warps: Any, shared_memory: Any, error: type, where: str) -> None:
+    """The plan-wide settings make_plan takes and a loaded plan carries."""
+    if arch not in ARCHS:
+        raise error(f"{where}: unknown architecture {arch!r}; megaloop plans for {', '.join(ARCHS)}")
+    for name, value, low, high in (
+        ("processors", processors, 1, None),
+        ("warps", warps, 1, MAX_WARPS),
+        ("shared_memory", shared_memory, 0, SHARED_MEMORY_PER_BLOCK[arch]),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise error(f"{where}: {name} must be an int {bound} on {arch}, got {value!r}")
+
+
+def _check_tiles(tiles: Any) -> dict[str, dict[str, int]]:
+    if tiles is None:
+        return {}
+    if not isinstance(tiles, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in tiles.items()):
+        raise GraphBuildError(
+            f"plan: tiles must map op or node names to parameter dicts, e.g. {{'matmul': {{'block_m': 64}}}}; "
+            f"got {tiles!r:.120}"
+        )
+    return {k: dict(v) for k, v in tiles.items()}
 
 
 def _check_overrides(plan: Plan, tiles: dict[str, dict[str, int]]) -> None:
@@ -86,10 +119,13 @@ def tile_params(node_name: str, op_name: str, arch: str, tiles: dict[str, dict[s
     return tiling.resolve(f"{op_name} {node_name}", arch, merged)
 
 
-def _lower(graph: Graph, rank: int, matching: RankMatching, arch: str, tiles: dict[str, dict[str, int]]) -> RankPlan:
-    """Plan ops (in sequential order) and tensors of one rank; every tensor still points at the
-    tensor that owns its storage through ``buffer`` (resolved to real buffers by _place_buffers)."""
-    seq_of = {(r, n): i for i, (r, n) in enumerate(matching.order)}
+def lower_rank(
+    graph: Graph, rank: int, matching: RankMatching, arch: str, tiles: dict[str, dict[str, int]]
+) -> RankPlan:
+    """Plan ops and tensors of one rank; every tensor still points at the tensor that owns its storage
+    through ``owner`` (resolved to real buffers by place_buffers). Op ``seq`` values are sort keys
+    here (``number_ops`` makes them positions once every rank is lowered)."""
+    index_of = {(r, n): i for i, (r, n) in enumerate(matching.order)}
     tensors: list[PlanTensor] = []
     tensor_of: dict[Tensor, int] = {}
     for node in graph.topological_order():
@@ -116,51 +152,153 @@ def _lower(graph: Graph, rank: int, matching: RankMatching, arch: str, tiles: di
                 [tensor_of[t] for t in node.outputs],
                 dict(node.attrs),
                 tile_params(node.name, node.op.name, arch, tiles),
-                seq_of[(rank, node)],
+                (index_of[(rank, node)], 0, 0),  # type: ignore[arg-type]  # a sort key until number_ops
             )
         )
     rp = RankPlan(rank, graph, tensors, [], ops, [], [], [], 0, tensor_of, owner)
-    _lower_state_updates(rp, len(matching.order), arch, tiles)
+    copies = _Copies(rp, arch, tiles)
+    _lower_state_updates(rp, matching, index_of, copies)
+    _snapshot_outputs(rp, index_of, copies)
     return rp
 
 
-def _storage(rp: RankPlan, tid: int) -> int:
-    return rp.owner[tid]
+class _Copies:
+    """Plan-made copy ops (state updates, staged values, output snapshots) and their fresh tensors."""
+
+    def __init__(self, rp: RankPlan, arch: str, tiles: dict[str, dict[str, int]]) -> None:
+        self.rp, self.arch, self.tiles = rp, arch, tiles
+
+    def add(self, name: str, src: int, key: tuple[int, ...], into: int | None = None) -> int:
+        """Copy tensor ``src`` at sort key ``key`` into a fresh contiguous tensor, or into the storage of
+        tensor ``into`` (same shape, its layout); returns the written tensor's id."""
+        rp = self.rp
+        like = rp.tensors[src if into is None else into]
+        strides = contiguous_strides(like.shape) if into is None else like.strides
+        dst = PlanTensor(len(rp.tensors), name, like.dtype, like.shape, -1, strides, 0 if into is None else like.offset)
+        rp.tensors.append(dst)
+        rp.owner[dst.id] = dst.id if into is None else rp.owner[into]
+        params = REGISTRY["copy"].tiling.resolve(
+            name, self.arch, {**self.tiles.get("copy", {}), **self.tiles.get(name, {})}
+        )
+        op = PlanOp(len(rp.ops), name, "copy", None, [src], [dst.id], {}, params, key)  # type: ignore[arg-type]
+        rp.ops.append(op)
+        return dst.id
 
 
-def _lower_state_updates(rp: RankPlan, end_seq: int, arch: str, tiles: dict[str, dict[str, int]]) -> None:
-    """A state's next value is written straight into the state's buffer when that is safe (its producer
-    comes after every reader of the old value); otherwise a copy op at the end of the iteration does it."""
+def _lower_state_updates(rp: RankPlan, matching: RankMatching, index_of: dict, copies: _Copies) -> None:
+    """Give every assigned state its next value, all states changing together at the end of the iteration.
+
+    - The result of an in-place op on the state (kv_cache_update) is there already.
+    - A fresh value computed after every read of the old state (on any rank) is written straight into the
+      state's storage ("aliased"): no copy.
+    - Otherwise a copy at the end of the iteration writes it. A value that lives in a state's storage (the
+      old value of a state, or a view of one: swaps, delay lines, ``s[::-1]``) is first copied aside right
+      after it is made, so that every end copy reads what the graph meant, whatever the others write.
+    """
     graph = rp.graph
-    producer_seq = {op.outputs[k]: op.seq for op in rp.ops for k in range(len(op.outputs))}
+    end = len(matching.order)
+    updated = {rp.owner[rp.tensor_of[graph.states[name]]] for name in graph.state_updates}
+    pending = []
     for name, value in graph.state_updates.items():
         state_tid = rp.tensor_of[graph.states[name]]
         vid = rp.tensor_of[value]
-        if _storage(rp, vid) == _storage(rp, state_tid):
-            continue  # an in-place op (kv_cache_update) already wrote it there
-        readers = [op.seq for op in rp.ops if any(_storage(rp, t) == state_tid for t in op.inputs)]
+        if not value.is_view and value.node.op.inplace_operand is not None and rp.owner[vid] == state_tid:
+            continue  # the in-place op wrote it there
+        pending.append((name, state_tid, vid, value))
+    # every read of each updated storage's old value, as sort keys
+    reads: dict[int, list[tuple[int, ...]]] = {s: [] for s in updated}
+    for op in rp.ops:
+        for t in op.inputs:
+            if rp.owner[t] in reads:
+                reads[rp.owner[t]].append(op.seq)  # type: ignore[arg-type]
+    for key, storage in _remote_reads_of(rp, matching, index_of):
+        if storage in reads:
+            reads[storage].append(key)
+    staged = {vid for _, _, vid, _ in pending if rp.owner[vid] in updated}
+    for _, _, vid, value in pending:
+        if vid in staged:
+            reads[rp.owner[vid]].append((index_of[(rp.rank, value.node)], 1, 0))
+    for t in rp.graph.outputs.values():  # snapshots of old values (see _snapshot_outputs)
+        tid = rp.tensor_of[t]
+        if rp.owner[tid] in reads:
+            reads[rp.owner[tid]].append((index_of[(rp.rank, t.node)], 2, 0))
+    uses = {}
+    for _, _, vid, _ in pending:
+        uses[vid] = uses.get(vid, 0) + 1
+    for k, (name, state_tid, vid, value) in enumerate(pending):
+        made = (index_of[(rp.rank, value.node)], 0, 0)
         aliasable = (
             not value.is_view
-            and value.node.op.kind in ("compute", "collective", "p2p")
+            and value.node.op.tiling is not None
             and value.node.op.inplace_operand is None
-            and sum(1 for v in graph.state_updates.values() if v is value) == 1
-            and all(s < producer_seq[vid] for s in readers)
+            and uses[vid] == 1
+            and rp.owner[vid] == vid
+            and vid not in staged
+            and all(key < made for key in reads[state_tid])
         )
         if aliasable:
             for tid, own in list(rp.owner.items()):
                 if own == vid:
                     rp.owner[tid] = state_tid
             continue
-        state_t = graph.states[name]
-        nxt = PlanTensor(len(rp.tensors), f"{name}:next", state_t.dtype, state_t.shape, -1, state_t.strides, 0)
-        rp.tensors.append(nxt)
-        rp.owner[nxt.id] = state_tid
-        op_name = f"assign:{name}"
-        params = REGISTRY["copy"].tiling.resolve(op_name, arch, {**tiles.get("copy", {}), **tiles.get(op_name, {})})
-        rp.ops.append(PlanOp(len(rp.ops), op_name, "copy", None, [vid], [nxt.id], {}, params, end_seq + len(rp.ops)))
+        src = vid
+        if vid in staged:
+            src = copies.add(f"stage:{name}", vid, (index_of[(rp.rank, value.node)], 1, k))
+        copies.add(f"assign:{name}", src, (end, rp.rank, k), into=state_tid)
 
 
-def _place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
+def _remote_reads_of(rp: RankPlan, matching: RankMatching, index_of: dict) -> list[tuple[tuple[int, ...], int]]:
+    """(sort key, storage) of every read of this rank's tensors by other ranks: the recv of a send, the
+    other members of a collective (they read operand 0 of this rank's member)."""
+    out = []
+    for tr in matching.transfers:
+        if tr.src == rp.rank:
+            out.append(((index_of[(tr.dst, tr.recv)], 0, 0), rp.owner[rp.tensor_of[tr.send.inputs[0]]]))
+    for c in matching.collectives:
+        if rp.rank in c.group:
+            mine = c.nodes[c.group.index(rp.rank)]
+            storage = rp.owner[rp.tensor_of[mine.inputs[0]]]
+            for m, node in zip(c.group, c.nodes):
+                if m != rp.rank:
+                    out.append(((index_of[(m, node)], 0, 0), storage))
+    return out
+
+
+def _snapshot_outputs(rp: RankPlan, index_of: dict, copies: _Copies) -> None:
+    """The host reads outputs after the iteration; an output whose storage is written again later in the
+    iteration (the old value of an updated state, a value overwritten in place) is copied aside right
+    after it is made. ``rp.outputs`` maps output names to the tensors the host reads."""
+    writes: dict[int, list[tuple[int, ...]]] = {}
+    made_at: dict[int, tuple[int, ...]] = {}
+    for op in rp.ops:
+        for t in op.outputs:
+            writes.setdefault(rp.owner[t], []).append(op.seq)  # type: ignore[arg-type]
+            made_at[t] = op.seq  # type: ignore[assignment]
+    snapshot: dict[int, int] = {}
+    for name, t in rp.graph.outputs.items():
+        tid = rp.tensor_of[t]
+        root = rp.tensor_of[t.base]
+        version = made_at.get(root, (index_of[(rp.rank, t.base.node)], 0, 0))
+        if any(key > version for key in writes.get(rp.owner[tid], [])):
+            if tid not in snapshot:
+                snapshot[tid] = copies.add(f"output:{name}", tid, (index_of[(rp.rank, t.node)], 2, len(snapshot)))
+            rp.outputs[name] = snapshot[tid]
+        else:
+            rp.outputs[name] = tid
+
+
+def number_ops(ranks: list[RankPlan]) -> None:
+    """Sort keys -> positions 0, 1, ... of the whole program (all ranks); each rank's ops in that order."""
+    keys = sorted({op.seq for rp in ranks for op in rp.ops})  # type: ignore[type-var]
+    position = {k: i for i, k in enumerate(keys)}
+    for rp in ranks:
+        rp.ops.sort(key=lambda op: op.seq)  # type: ignore[arg-type, return-value]
+        for i, op in enumerate(rp.ops):
+            op.id = i
+            op.seq = position[op.seq]
+
+
+def place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
     # sequential positions of every op that reads a storage, on any rank (collectives read peers)
     readers: list[dict[int, list[int]]] = [{} for _ in plan.ranks]
     writers: list[dict[int, list[int]]] = [{} for _ in plan.ranks]
@@ -168,14 +306,14 @@ def _place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
     for r, rp in enumerate(plan.ranks):
         for op in rp.ops:
             for t in op.inputs:
-                readers[r].setdefault(_storage(rp, t), []).append(op.seq)
+                readers[r].setdefault(rp.owner[t], []).append(op.seq)
             for t in op.outputs:
-                writers[r].setdefault(_storage(rp, t), []).append(op.seq)
+                writers[r].setdefault(rp.owner[t], []).append(op.seq)
             for peer, tid in _remote_reads(plan, r, op):
-                readers[peer].setdefault(_storage(plan.ranks[peer], tid), []).append(op.seq)
-                remote[peer].add(_storage(plan.ranks[peer], tid))
+                readers[peer].setdefault(plan.ranks[peer].owner[tid], []).append(op.seq)
+                remote[peer].add(plan.ranks[peer].owner[tid])
     for r, rp in enumerate(plan.ranks):
-        outputs = {_storage(rp, rp.tensor_of[t]) for t in rp.graph.outputs.values()}
+        outputs = {rp.owner[t] for t in rp.outputs.values()}
         roots = sorted(set(rp.owner.values()))
         node_of = {i: t.node for t, i in rp.tensor_of.items()}
         requests, buffers = [], {}
@@ -199,7 +337,7 @@ def _place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
         rp.arena_bytes = layout.arena_bytes
         rp.memory = layout
         for t in rp.tensors:
-            t.buffer = buffers[_storage(rp, t.id)].id
+            t.buffer = buffers[rp.owner[t.id]].id
 
 
 def _span(shape: tuple[int, ...]) -> int:
@@ -253,7 +391,7 @@ def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list
     if orderings.overlapping_writers:
         a, b, owner, buf = orderings.overlapping_writers[0]
         raise GraphBuildError(
-            f"plan: {_label(plan, base, a)} and {_label(plan, base, b)} of one op both write "
+            f"plan: {task_name(plan, base, a)} and {task_name(plan, base, b)} of one op both write "
             f"{plan.ranks[owner].buffers[buf].name!r}; the op's tiling is wrong"
         )
     out = []
@@ -265,11 +403,6 @@ def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list
         grouped = before[order].tolist()
         out.append([grouped[bounds[i] : bounds[i + 1]] for i in range(len(seq))])
     return out[0], out[1]
-
-
-def _label(plan: Plan, base: list[int], gid: int) -> str:
-    r = max(i for i, b in enumerate(base) if b <= gid)
-    return plan.task_label(r, gid - base[r])
 
 
 def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:

@@ -1,6 +1,5 @@
-"""Which arena bytes a box of a (possibly strided) tensor covers, as sorted disjoint [start, end) runs,
-and which pairs of accesses overlap. Both the planner (to derive dependencies) and the verifier (to
-check them) use these, each from the plan's own tensors and buffers."""
+"""Which arena bytes a box of a (possibly strided) tensor covers, as sorted disjoint [start, end) runs
+(the plan interpreter's byte versions), and which byte ranges overlap (buffers sharing memory)."""
 
 from __future__ import annotations
 
@@ -8,18 +7,10 @@ import numpy as np
 
 from megaloop.frontend.tiling import Box
 
-# Hazard analysis widens an access of more runs than this to its bounding byte range: a 128x128
-# matmul tile of a wide row-major output is 128 runs, and tracking every one of them costs more
-# than the occasional extra dependency (a consumer of a few columns then waits for the whole rows).
-HAZARD_RUN_LIMIT = 16
 
-
-def box_runs(
-    box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int, limit: int | None = None
-) -> np.ndarray:
+def box_runs(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int) -> np.ndarray:
     """Byte runs [start, end) of the elements of ``box`` in a tensor with element ``strides`` and
-    element ``offset``, whose buffer starts at byte ``base``. Shape (n, 2), sorted, merged. With a
-    ``limit``, more runs than that come back as one bounding run (see ``is_widened``)."""
+    element ``offset``, whose buffer starts at byte ``base``. Shape (n, 2), sorted, merged."""
     single = single_run(box, strides, offset, itemsize, base)
     if single is not None:
         return np.array([single], dtype=np.int64)
@@ -40,32 +31,11 @@ def box_runs(
     if merged and merged[-1][1] == 1:
         run = merged[-1][0] * itemsize
         merged.pop()
-    count = int(np.prod([n for n, _ in merged])) if merged else 1
-    if limit is not None and count > limit:
-        end = start + sum((n - 1) * s * itemsize for n, s in merged) + run
-        return np.array([[start, end]], dtype=np.int64)
     starts = np.array([start], dtype=np.int64)
     for n, s in merged:
         starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * (s * itemsize)).reshape(-1)
     starts.sort()
     return merge_runs(np.stack([starts, starts + run], axis=1))
-
-
-def run_count(box: Box, strides: tuple[int, ...]) -> int:
-    """How many separate byte runs ``box`` covers (before merging touching ones)."""
-    dims = sorted(((n, abs(s)) for n, s in zip(box.shape, strides) if n > 1 and s != 0), key=lambda d: -d[1])
-    merged: list[tuple[int, int]] = []
-    for n, s in dims:
-        if merged and merged[-1][1] == s * n:
-            merged[-1] = (merged[-1][0] * n, s)
-        else:
-            merged.append((n, s))
-    if merged and merged[-1][1] == 1:
-        merged.pop()
-    count = 1
-    for n, _ in merged:
-        count *= n
-    return count
 
 
 def single_run(box: Box, strides: tuple[int, ...], offset: int, itemsize: int, base: int) -> tuple[int, int] | None:

@@ -5,15 +5,63 @@ from __future__ import annotations
 
 import itertools
 
-from megaloop.errors import PlanFormatError
-from megaloop.plan.build import link, requirements
+from megaloop.errors import MegaloopError, PlanFormatError
+from megaloop.frontend.opdef import REGISTRY
+from megaloop.plan import memory
+from megaloop.plan.build import link, lower_rank, number_ops, place_buffers, requirements
 from megaloop.plan.hazards import task_bases
 from megaloop.plan.model import Plan, Task
 from megaloop.plan.tasks import tasks_of_op
 
 
 def _signature(t: Task) -> tuple:
-    return (t.coords, [(a.tensor, a.rank, a.box) for a in t.reads], [(a.tensor, a.rank, a.box) for a in t.writes])
+    reads = [(a.tensor, a.rank, a.box) for a in t.reads]
+    return (t.coords, reads, [(a.tensor, a.rank, a.box) for a in t.writes], t.flops, t.bytes)
+
+
+def check_structure(plan: Plan) -> None:
+    """What a loaded plan may not change: its ops, tensors and buffers must be what planning its graphs
+    makes (only tile parameters, tasks, processor orders, waits and buffer offsets are the plan's own).
+    Also gives the loaded ranks what is derived rather than saved (storage owners, output tensors)."""
+    try:
+        lowered = [lower_rank(rp.graph, r, plan.matching, plan.arch, {}) for r, rp in enumerate(plan.ranks)]
+        number_ops(lowered)
+        shadow = Plan(plan.arch, plan.processors, plan.warps, plan.shared_memory, lowered, matching=plan.matching)
+        place_buffers(shadow, False, memory.SCRATCH_BUDGET)
+    except MegaloopError as e:
+        raise PlanFormatError(f"plan.ranks[*].graph: the graphs cannot be planned: {e}") from None
+    for r, (rp, want) in enumerate(zip(plan.ranks, lowered)):
+        where = f"plan.ranks[{r}]"
+        _same(f"{where}.ops", len(rp.ops), len(want.ops), "ops")
+        for op, w in zip(rp.ops, want.ops):
+            got = (op.name, op.op, op.node, op.inputs, op.outputs, op.seq)
+            exp = (w.name, w.op, w.node, w.inputs, w.outputs, w.seq)
+            _same(f"{where}.ops[{op.id}]", got, exp, "(name, op, node, inputs, outputs, seq)")
+            try:
+                resolved = REGISTRY[op.op].tiling.resolve(op.name, plan.arch, op.tile)
+            except MegaloopError as e:
+                raise PlanFormatError(f"{where}.ops[{op.id}].tile: {e}") from None
+            if resolved != op.tile:
+                missing = sorted(set(resolved) - set(op.tile))
+                raise PlanFormatError(f"{where}.ops[{op.id}].tile: missing parameters {missing}")
+        _same(f"{where}.tensors", len(rp.tensors), len(want.tensors), "tensors")
+        for t, w in zip(rp.tensors, want.tensors):
+            got = (t.name, t.dtype, t.shape, t.strides, t.offset, t.buffer)
+            exp = (w.name, w.dtype, w.shape, w.strides, w.offset, w.buffer)
+            _same(f"{where}.tensors[{t.id}]", got, exp, "(name, dtype, shape, strides, offset, buffer)")
+        _same(f"{where}.buffers", len(rp.buffers), len(want.buffers), "buffers")
+        for b, w in zip(rp.buffers, want.buffers):
+            got = (b.kind, b.nbytes, b.shape, b.peer)
+            _same(f"{where}.buffers[{b.id}]", got, (w.kind, w.nbytes, w.shape, w.peer), "(kind, nbytes, shape, peer)")
+        rp.owner, rp.outputs = want.owner, want.outputs
+
+
+def _same(where: str, got: object, expected: object, what: str) -> None:
+    if got != expected:
+        raise PlanFormatError(
+            f"{where}: {what} is {got!r:.200}, but planning the plan's graphs gives {expected!r:.200}; these are "
+            "not editable (edit tile parameters, processor orders or buffer offsets, then load with rederive=True)"
+        )
 
 
 def check_tasks_match_tiles(plan: Plan) -> None:
@@ -25,7 +73,7 @@ def check_tasks_match_tiles(plan: Plan) -> None:
         for op in rp.ops:
             try:
                 expected = tasks_of_op(plan, r, op, 0)
-            except Exception as e:
+            except MegaloopError as e:
                 raise PlanFormatError(
                     f"plan.ranks[{r}].ops[{op.id}] ({op.name}): tile {op.tile} is unusable: {e}"
                 ) from e

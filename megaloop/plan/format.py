@@ -14,6 +14,7 @@ from megaloop.errors import MegaloopError, PlanFormatError
 from megaloop.frontend.serialize import graph_from_dict, graph_to_dict
 from megaloop.frontend.tiling import Box
 from megaloop.parallel.ranks import match_ranks
+from megaloop.plan.build import check_settings
 from megaloop.plan.model import (
     BUFFER_KINDS,
     FORMAT,
@@ -100,7 +101,7 @@ def _rank_to_dict(rp: RankPlan) -> dict[str, Any]:
                 "writes": [_access(a) for a in t.writes],
                 "flops": t.flops,
                 "bytes": t.bytes,
-                "cost_ns": round(t.cost_ns, 1),
+                "cost_ns": t.cost_ns,
                 "signal": t.signal,
                 "waits": [[w.rank, w.counter, w.lag] for w in t.waits],
             }
@@ -193,6 +194,8 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def plan_from_dict(data: dict[str, Any], *, rederive: bool = False, verify: bool = True) -> Plan:
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"plan: expected a JSON object, got {type(data).__name__}")
     root = _Reader(data, "plan")
     if root.get("format", str) != FORMAT:
         raise PlanFormatError(f"plan.format: expected {FORMAT!r}, got {data.get('format')!r}")
@@ -208,6 +211,7 @@ def plan_from_dict(data: dict[str, Any], *, rederive: bool = False, verify: bool
         overrides=root.get("overrides", dict),
         estimated_ns=float(root.get("estimated_ns", (int, float))),
     )
+    check_settings(plan.arch, plan.processors, plan.warps, plan.shared_memory, PlanFormatError, "plan")
     ranks = root.items("ranks")
     if not ranks:
         raise PlanFormatError("plan.ranks: a plan needs at least one rank")
@@ -218,8 +222,9 @@ def plan_from_dict(data: dict[str, Any], *, rederive: bool = False, verify: bool
     except MegaloopError as e:
         raise PlanFormatError(f"plan.ranks[*].graph: the graphs do not fit together: {e}") from None
     _link_graph_tensors(plan)
-    from megaloop.plan.edit import check_tasks_match_tiles, rederive_plan
+    from megaloop.plan.edit import check_structure, check_tasks_match_tiles, rederive_plan
 
+    check_structure(plan)
     if rederive:
         plan = rederive_plan(plan)
     else:
@@ -321,7 +326,7 @@ def _rank_from(rr: _Reader, r: int) -> RankPlan:
                 _accesses(t, "writes"),
                 t.get("flops", int, minimum=0),
                 t.get("bytes", int, minimum=0),
-                float(t.get("cost_ns", (int, float))),
+                float(t.get("cost_ns", (int, float), minimum=0)),
                 t.get("signal", int, minimum=0),
                 waits,
             )

@@ -41,6 +41,12 @@ def task_bases(plan: Plan) -> list[int]:
     return base
 
 
+def task_name(plan: Plan, base: list[int], gid: int) -> str:
+    """The readable name of the task numbered ``gid`` across all ranks (``base`` from ``task_bases``)."""
+    r = max(i for i, b in enumerate(base) if b <= gid)
+    return plan.task_label(r, gid - base[r])
+
+
 def storage_box(box: Box, strides: tuple[int, ...], offset: int, shape: tuple[int, ...]) -> tuple[Box, bool]:
     """The box of the storage (row-major ``shape``) holding the elements of ``box`` of a view with
     element ``strides`` and ``offset``; ``exact`` is False when it had to be widened."""

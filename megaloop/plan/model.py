@@ -55,7 +55,7 @@ class Buffer:
 @dataclass
 class PlanOp:
     id: int
-    name: str  # the graph node's name, or "assign:<state>" for a state update copy
+    name: str  # the graph node's name, or for a plan-made copy "assign:<state>", "stage:<state>", "output:<name>"
     op: str  # registry name
     node: int | None  # graph node id (None for plan-made copies)
     inputs: list[int]  # tensor ids
@@ -111,6 +111,7 @@ class RankPlan:
     # derived while planning or loading, not saved:
     tensor_of: dict[Any, int] = field(default_factory=dict)  # graph Tensor -> tensor id
     owner: dict[int, int] = field(default_factory=dict)  # tensor id -> tensor id owning its storage
+    outputs: dict[str, int] = field(default_factory=dict)  # output name -> the tensor the host reads
     memory: Any = None  # megaloop.plan.memory.Layout of the arena
 
     def task_name(self, task: Task) -> str:

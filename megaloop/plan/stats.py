@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
-from megaloop.plan.model import Plan
+from megaloop.plan.memory import align
+from megaloop.plan.model import BUFFER_KINDS, Plan
 
 
 @dataclass
@@ -86,17 +87,24 @@ def plan_stats(plan: Plan) -> list[RankStats]:
                 busy_ns=busy,
                 arena_bytes=rp.arena_bytes,
                 region_bytes=dict(layout.region_bytes) if layout else _regions(rp),
-                scratch_without_reuse=layout.scratch_unshared if layout else _regions(rp).get("scratch", 0),
+                scratch_without_reuse=layout.scratch_unshared if layout else _scratch_unshared(rp),
             )
         )
     return out
 
 
 def _regions(rp) -> dict[str, int]:
+    """Bytes of each arena region of a loaded plan (which carries offsets but not the planner's
+    layout): the span its buffers cover, as the planner counts it."""
     out: dict[str, int] = {}
-    for b in rp.buffers:
-        out[b.kind] = out.get(b.kind, 0) + b.nbytes
+    for kind in BUFFER_KINDS:
+        own = [b for b in rp.buffers if b.kind == kind and not b.peer]
+        out[kind] = max((b.offset + align(b.nbytes) for b in own), default=0) - min((b.offset for b in own), default=0)
     return out
+
+
+def _scratch_unshared(rp) -> int:
+    return sum(align(b.nbytes) for b in rp.buffers if b.kind == "scratch" and not b.peer)
 
 
 def _longest_path(n: int, cost: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:

@@ -27,12 +27,13 @@ def peer_operand(plan: Plan, rank: int, node: Node, operand: int, member: int) -
 
 
 def op_node(rp: RankPlan, op: PlanOp) -> Any:
-    """The graph node an op came from; for a plan-made state copy, a stand-in with the value as input
-    and the state as output (all a tiling function looks at)."""
+    """The graph node an op came from; for a plan-made copy, a stand-in with its plan tensors as input
+    and output (shapes and dtypes: all a tiling function looks at)."""
     if op.node is not None:
         return rp.graph.nodes[op.node]
-    name = op.name.removeprefix("assign:")
-    return SimpleNamespace(inputs=[rp.graph.state_updates[name]], outputs=[rp.graph.states[name]], attrs={})
+    return SimpleNamespace(
+        inputs=[rp.tensors[t] for t in op.inputs], outputs=[rp.tensors[t] for t in op.outputs], attrs={}
+    )
 
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:

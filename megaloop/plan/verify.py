@@ -5,8 +5,8 @@ waits, processor lists) it checks:
 
 1. structure: each task on exactly one processor, counters signalled from a single processor, waits
    naming real counters, accesses inside their tensors, no task writing a read-only buffer, buffers
-   inside the arena and sharing bytes only when their lifetimes are disjoint, ops in an order that
-   respects the data flow;
+   inside the arena and sharing bytes only when their lifetimes are disjoint, no op reading a
+   scratch or output buffer before an op that writes it in the sequential (``seq``) order;
 2. deadlock freedom: program order plus same-iteration waits form no cycle (every counter target is
    then reached, since each counter's signalers all run every iteration);
 3. race freedom: every pair of tasks that touch overlapping bytes of a writable buffer, one of them
@@ -26,7 +26,7 @@ import numpy as np
 
 from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
-from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases
+from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Plan
 
 
@@ -48,7 +48,7 @@ def verify_plan(plan: Plan) -> Report:
         gid, owner, buf = table.read_only_writes[0]
         b = plan.ranks[owner].buffers[buf]
         raise PlanError(
-            f"{_label(plan, base, gid)} writes {b.kind} buffer {b.name!r} (rank {owner}), which tasks must only read"
+            f"{task_name(plan, base, gid)} writes {b.kind} buffer {b.name!r} (rank {owner}), which tasks must only read"
         )
     seq = _sequence(plan, base, n)
     _check_memory(plan, seq, base)
@@ -59,7 +59,7 @@ def verify_plan(plan: Plan) -> Report:
     if orderings.overlapping_writers:
         a, b, owner, buf = orderings.overlapping_writers[0]
         raise RaceError(
-            f"{_label(plan, base, a)} and {_label(plan, base, b)} belong to one op and both write "
+            f"{task_name(plan, base, a)} and {task_name(plan, base, b)} belong to one op and both write "
             f"{plan.ranks[owner].buffers[buf].name!r}: the op's tiles overlap"
         )
     lengths = np.array([len(lst) for lst in lists], np.int64)
@@ -71,11 +71,6 @@ def verify_plan(plan: Plan) -> Report:
         _race(plan, base, orderings, int(unordered[0]))
     waits = sum(len(t.waits) for rp in plan.ranks for t in rp.tasks)
     return Report(n, waits, len(orderings.before))
-
-
-def _label(plan: Plan, base: list[int], gid: int) -> str:
-    r = max(i for i, b in enumerate(base) if b <= gid)
-    return plan.task_label(r, gid - base[r])
 
 
 def _placement(plan: Plan, base: list[int], n: int) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
@@ -120,8 +115,8 @@ def _counters(
                 if proc[prev] != proc[gid]:
                     raise PlanError(
                         f"counter {t.signal} of rank {r} ({rp.counters[t.signal].name}) is signalled by "
-                        f"{_label(plan, base, prev)} and {_label(plan, base, gid)} on different processors: its count "
-                        "would not say which of them finished"
+                        f"{task_name(plan, base, prev)} and {task_name(plan, base, gid)} on different processors: "
+                        "its count would not say which of them finished"
                     )
                 out[key] = (gid if index[gid] > index[prev] else prev, count + 1)
             else:
@@ -274,7 +269,8 @@ def _acyclic(
     loop = path[seen[c] :]
     raise DeadlockError(
         "tasks wait on each other in a cycle (each waits for the next, through a counter or "
-        "because it comes later on the same processor): " + " <- ".join(_label(plan, base, x) for x in [*loop, loop[0]])
+        "because it comes later on the same processor): "
+        + " <- ".join(task_name(plan, base, x) for x in [*loop, loop[0]])
     )
 
 
@@ -329,6 +325,6 @@ def _race(plan: Plan, base: list[int], o: Orderings, k: int) -> None:
     where = f" of rank {owner}" if plan.world_size > 1 else ""
     extra = f" ({o.witness[k]})" if o.witness[k] else ""
     raise RaceError(
-        f"race on buffer {buf.name!r}{where}{extra}: {_label(plan, base, x)} must finish before "
-        f"{_label(plan, base, y)} {when}; {what}, but nothing orders them"
+        f"race on buffer {buf.name!r}{where}{extra}: {task_name(plan, base, x)} must finish before "
+        f"{task_name(plan, base, y)} {when}; {what}, but nothing orders them"
     )

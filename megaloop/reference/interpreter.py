@@ -114,9 +114,7 @@ def run_plan(
     results = []
     for rank in ranks:
         g = rank.rp.graph
-        outputs = {
-            name: np.array(rank.view(rank.rp.tensors[rank.rp.tensor_of[t]]), copy=True) for name, t in g.outputs.items()
-        }
+        outputs = {name: np.array(rank.view(rank.rp.tensors[tid]), copy=True) for name, tid in rank.rp.outputs.items()}
         states = {
             name: np.array(rank.view(rank.rp.tensors[rank.rp.tensor_of[t]]), copy=True) for name, t in g.states.items()
         }
@@ -156,6 +154,17 @@ class _Machine:
         self.procs = [(r, p) for r, rank in enumerate(ranks) for p, lst in enumerate(rank.rp.processors) if lst]
         self.speed = rng.lognormal(0.0, 1.5, len(self.procs))  # some processors far faster than others
         self.signalers = [{c: len(ts) for c, ts in rank.rp.signalers().items()} for rank in ranks]
+        self.done = [np.zeros(len(rank.rp.tasks), np.int64) for rank in ranks]  # iterations each task finished
+        # per rank and state buffer: the tasks that write it, with the bytes they may write
+        self.state_writers: list[dict[int, list[tuple[int, np.ndarray]]]] = []
+        for rank in ranks:
+            table: dict[int, list[tuple[int, np.ndarray]]] = {}
+            for t in rank.rp.tasks:
+                for acc in t.writes:
+                    tensor = rank.rp.tensors[acc.tensor]
+                    if rank.rp.buffers[tensor.buffer].kind == "state":
+                        table.setdefault(tensor.buffer, []).append((t.id, rank.byte_index(tensor, acc.box)))
+            self.state_writers.append(table)
 
     def run(self, iterations: int) -> None:
         """Event-driven: a processor is either ready or parked on the first counter it still waits
@@ -185,6 +194,7 @@ class _Machine:
             rank = self.ranks[r]
             task = rank.rp.tasks[rank.rp.processors[p][idx]]
             self._execute(r, task, k)
+            self.done[r][task.id] += 1
             rank.counters[task.signal] += 1
             idx += 1
             if idx == len(rank.rp.processors[p]):
@@ -294,6 +304,13 @@ class _Machine:
         elif kind == "state":
             bad = (it >= k) | (it == NEVER)
             expect = "the state's value from before this iteration"
+            for writer, written in self.state_writers[acc.rank].get(t.buffer, ()):
+                if self.done[acc.rank][writer] < k and np.intersect1d(idx, written).size:
+                    raise InterpreterError(
+                        f"{self.plan.task_label(r, task.id)} (iteration {k}) reads state {t.name!r} of rank "
+                        f"{acc.rank}, box {acc.box}, before {self.plan.task_label(acc.rank, writer)} finished "
+                        f"iteration {k - 1}, which writes those bytes: it would see a stale value"
+                    )
         else:
             bad = it != HOST
             expect = "written by the host before the run"

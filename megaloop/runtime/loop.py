@@ -266,7 +266,7 @@ class LoopKernel:
             self._write(self.rp.tensor_of[t], coerce(inputs[name], t, f"input {name!r}"))
         self.start(iterations)
         self.wait()
-        return {name: self._read(self.rp.tensor_of[t]) for name, t in g.outputs.items()}
+        return {name: self._read(tid) for name, tid in self.rp.outputs.items()}
 
     def start(self, iterations: int) -> None:
         """Ring the doorbell for ``iterations`` more iterations (returns at once)."""

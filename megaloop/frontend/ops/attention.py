@@ -175,6 +175,12 @@ def _update_infer(call: OpCall) -> list[OutSpec]:
             hint="the cache persists between iterations, so declare it with graph.state",
         )
     check_kinds(call, cache.dtype, "f")
+    if new.base is cache:
+        raise call.error(
+            GraphBuildError,
+            f"new ({new!r}) is a view of the cache it is written into; tiles would read slots that others overwrite",
+            hint="copy it first (e.g. new * 1.0)",
+        )
     if new.dtype != cache.dtype:
         raise call.error(
             DtypeError,

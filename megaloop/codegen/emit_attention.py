@@ -1,0 +1,242 @@
+"""CUDA tile code for attention: a warp per (head, query) with an online softmax, and the split-key
+path (flash-decoding inside one tile) for packed, aligned heads. Part of megaloop/codegen/emit.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaloop.codegen.emit import Operand, float_literal, pointers
+
+
+def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """A warp per (query head, query): online softmax over the visible keys in float32, the head and
+    value vectors spread over the lanes (see megaloop/frontend/ops/attention.py for the mask)."""
+    q, k, v = ins[:3]
+    absent = attrs.get("absent", ())
+    optional = [s for s in (3, 4) if s not in absent]
+    qpos = ins[3 + optional.index(3)] if 3 in optional else None
+    lens = ins[3 + optional.index(4)] if 4 in optional else None
+    _, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    dl, vl = (d + 31) // 32, (dv + 31) // 32
+    scale = float_literal(attrs["scale"])
+    body = pointers(ins + [out], len(ins))
+    body += _attention_split(attrs, ins, out, qpos, lens, optional, group, scale)
+    body.append("ml::Task rowt = t;")
+    body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
+    body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
+    body.append("    const int bi = o[0], h = o[1], i = o[2];")
+    body.append(f"    const int kh = h / {group};")
+    if lens is not None:
+        body.append(f"    const ml::i64 len = ml::load(in{3 + optional.index(4)} + (ml::i64)bi * {lens.strides[0]});")
+        body.append(
+            f"    if (len < 0 || len > {tk}) {{ if (lane == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, len, {tk}, 2, 0); return; }}"
+        )
+    else:
+        body.append(f"    const ml::i64 len = {tk};")
+    if qpos is not None:
+        body.append(
+            f"    const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
+            f"(ml::i64)i * {qpos.strides[1]});"
+        )
+    else:
+        body.append(f"    const ml::i64 qp = len - {tq} + i;")
+    if attrs["causal"]:
+        body.append("    ml::i64 end = qp + 1 < len ? qp + 1 : len;")
+        window = attrs["window"]
+        body.append(f"    ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};")
+        body.append("    if (begin < 0) begin = 0;")
+    else:
+        body.append("    const ml::i64 end = len, begin = 0;")
+    body.append(f"    float qv[{dl}], acc[{vl}];")
+    body.append(
+        f"    const ml::i64 qb = (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {dl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"qv[c] = dd < {d} ? ml::load(in0 + qb + (ml::i64)dd * {q.strides[3]}) : 0.0f; }}"
+    )
+    body.append(f"    for (int c = 0; c < {vl}; ++c) acc[c] = 0.0f;")
+    body.append("    float m = ml::neg_inf(), l = 0.0f;")
+    body.append(f"    const ml::i64 kb = (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]};")
+    body.append(f"    const ml::i64 vb = (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]};")
+    body.append("    for (ml::i64 j = begin; j < end; ++j) {")
+    body.append("        float s = 0.0f;")
+    body.append(
+        f"        for (int c = 0; c < {dl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {d}) s += qv[c] * ml::load(in1 + kb + j * {k.strides[2]} + (ml::i64)dd * {k.strides[3]}); }}"
+    )
+    body.append(f"        s = ml::warp_sum(s) * {scale};")
+    body.append("        const float mn = s > m ? s : m;")
+    body.append("        const float corr = expf(m - mn), p = expf(s - mn);")
+    body.append("        l = l * corr + p;")
+    body.append(
+        f"        for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"acc[c] = acc[c] * corr + (dd < {dv} ? p * ml::load(in2 + vb + j * {v.strides[2]} + (ml::i64)dd * "
+        f"{v.strides[3]}) : 0.0f); }}"
+    )
+    body.append("        m = mn;")
+    body.append("    }")
+    body.append(
+        f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {dv}) ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, l > 0.0f ? acc[c] / l : 0.0f); }}"
+    )
+    body.append("});")
+    return body
+
+
+def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
+    """Dynamic shared memory the split-key attention path needs (0 when it does not apply)."""
+    return warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
+
+
+def _split_applies(ins: list[Operand]) -> bool:
+    q, k, v = ins[:3]
+    d = q.shape[3]
+    width = 16 // q.dtype.itemsize
+    lanes = d // width if d % width == 0 else 0
+    return (
+        lanes > 0
+        and 32 % lanes == 0
+        and v.shape[3] == d
+        and q.dtype == k.dtype == v.dtype
+        and q.strides[3] == k.strides[3] == v.strides[3] == 1
+        and all(st % width == 0 for st in q.strides[:3] + k.strides[:3] + v.strides[:3])
+    )
+
+
+def _attention_split(
+    attrs: dict[str, Any],
+    ins: list[Operand],
+    out: Operand,
+    qpos: Operand | None,
+    lens: Operand | None,
+    optional: list[int],
+    group: int,
+    scale: str,
+) -> list[str]:
+    """Keys split over the block's warps (flash-decoding inside one tile), each warp taking several keys
+    at once (lanes split the head dimension in packs), partial softmax states merged in shared memory."""
+    if not _split_applies(ins):
+        return []
+    q, k, v = ins[:3]
+    d = q.shape[3]
+    width = 16 // q.dtype.itemsize
+    lpk = d // width  # lanes per key
+    kpw = 32 // lpk  # keys per warp step
+    tk, tq = k.shape[2], q.shape[2]
+    ct = q.ctype
+    lines = [
+        "if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && ml::aligned(in2, 16)) {  // split-key path",
+        "    extern __shared__ float4 ml_smem4[];",
+        "    float* part = reinterpret_cast<float*>(ml_smem4);",
+        f"    constexpr int W = {width}, LPK = {lpk}, KPW = {kpw}, D = {d};",
+        "    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
+        "    const int g = lane / LPK, r = lane % LPK;",
+        "    const int bi = t.lo[0], nh = t.hi[1] - t.lo[1], nq = t.hi[2] - t.lo[2], pairs = nh * nq;",
+        "    const int split = warps >= pairs ? warps / pairs : 1;",
+        "    const int per_round = warps / split;",
+        "    for (int base = 0; base < pairs; base += per_round) {",
+        "        const int pair = base + warp / split, piece = warp % split;",
+        "        const bool active = warp < per_round * split && pair < pairs;",
+        "        float m = ml::neg_inf(), l = 0.0f, acc[W];",
+        "#pragma unroll",
+        "        for (int w = 0; w < W; ++w) acc[w] = 0.0f;",
+        "        int h = 0, i = 0;",
+        "        if (active) {",
+        "            h = t.lo[1] + pair / nq; i = t.lo[2] + pair % nq;",
+        f"            const int kh = h / {group};",
+    ]
+    if lens is not None:
+        lines += [
+            f"            const ml::i64 len = ml::load(in{3 + optional.index(4)} + (ml::i64)bi * {lens.strides[0]});",
+            f"            if (len < 0 || len > {tk}) {{ if (lane == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, len, {tk}, 2, 0); }}",
+        ]
+    else:
+        lines.append(f"            const ml::i64 len = {tk};")
+    if qpos is not None:
+        lines.append(
+            f"            const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + (ml::i64)i * {qpos.strides[1]});"
+        )
+    else:
+        lines.append(f"            const ml::i64 qp = len - {tq} + i;")
+    if attrs["causal"]:
+        window = attrs["window"]
+        lines += [
+            "            ml::i64 end = qp + 1 < len ? qp + 1 : len;",
+            f"            ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
+            "            if (begin < 0) begin = 0;",
+        ]
+    else:
+        lines += ["            ml::i64 begin = 0, end = len;"]
+    lines += [
+        f"            if (end > {tk}) end = {tk};",
+        "            const ml::i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;",
+        "            const ml::i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;",
+        f"            const ml::Pack<{ct}, W> qpk = ml::load_pack<{ct}, W>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W);",
+        f"            const {ct}* kp = in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]} + r * W;",
+        f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
+        "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
+        "            // lanes past the end of their piece contribute nothing",
+        "            for (ml::i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {",
+        "                const ml::i64 j = j0 + g;",
+        "                const bool live = j < j_hi;",
+        "                float s = 0.0f;",
+        f"                ml::Pack<{ct}, W> vv;",
+        "                if (live) {",
+        f"                    s = ml::dot(qpk, ml::load_pack<{ct}, W>(kp + j * {k.strides[2]}));",
+        f"                    vv = ml::load_pack<{ct}, W>(vp + j * {v.strides[2]});",
+        "                }",
+        "#pragma unroll",
+        "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
+        "                if (live) {",
+        f"                    s *= {scale};",
+        "                    const float mn = s > m ? s : m;",
+        "                    const float corr = expf(m - mn), p = expf(s - mn);",
+        "                    l = l * corr + p;",
+        "#pragma unroll",
+        "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
+        "                    m = mn;",
+        "                }",
+        "            }",
+        "        }",
+        "        // merge the KPW key groups of the warp (lanes with the same r)",
+        "#pragma unroll",
+        "        for (int o = LPK; o < 32; o <<= 1) {",
+        "            const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);",
+        "            const float mx = m2 > m ? m2 : m;",
+        "            const float c1 = mx == ml::neg_inf() ? 0.0f : expf(m - mx), c2 = mx == ml::neg_inf() ? 0.0f : expf(m2 - mx);",
+        "            l = l * c1 + l2 * c2;",
+        "#pragma unroll",
+        "            for (int w = 0; w < W; ++w) acc[w] = acc[w] * c1 + __shfl_xor_sync(0xffffffffu, acc[w], o) * c2;",
+        "            m = mx;",
+        "        }",
+        "        if (active && g == 0) {",
+        "            float* slot = part + warp * (D + 2);",
+        "#pragma unroll",
+        "            for (int w = 0; w < W; ++w) slot[r * W + w] = acc[w];",
+        "            if (r == 0) { slot[D] = m; slot[D + 1] = l; }",
+        "        }",
+        "        __syncthreads();",
+        "        if (active && piece == 0) {  // combine the pieces of this (head, query)",
+        "            float mx = ml::neg_inf();",
+        "            for (int p2 = 0; p2 < split; ++p2) { const float mp = part[(warp + p2) * (D + 2) + D]; mx = mp > mx ? mp : mx; }",
+        "            float lsum = 0.0f;",
+        "            for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); lsum += mx == ml::neg_inf() ? 0.0f : sl[D + 1] * expf(sl[D] - mx); }",
+        f"            const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};",
+        "            for (int dd = lane; dd < D; dd += 32) {",
+        "                float o = 0.0f;",
+        "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
+        f"                ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, lsum > 0.0f ? o / lsum : 0.0f);",
+        "            }",
+        "        }",
+        "        __syncthreads();",
+        "    }",
+        "    return;",
+        "}",
+    ]
+    return lines
