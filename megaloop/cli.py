@@ -2,6 +2,7 @@
 
 megaloop demo     build a small Llama-style transformer, run prefill + decode steps, check them
 megaloop plan     plan a Llama-family model for the loop kernel and print the plan's statistics
+megaloop profile  per-task timeline of a model's loop kernel: Chrome trace JSON, PNG, summary by op
 megaloop ops      list the op set with each op's documentation
 megaloop info     versions, GPUs, and which backend ``demo`` would use
 """
@@ -12,6 +13,7 @@ import argparse
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -21,12 +23,47 @@ from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.runtime import gpus
 
 
-def _backend_line() -> str:
-    found, reason = gpus()
-    if found:
-        names = ", ".join(f"{g.name} ({g.arch}, {g.sm_count} SMs)" for g in found)
-        return f"GPUs: {names}. The loop-kernel backend is not built yet, so this run uses the CPU reference backend."
-    return f"No GPU ({reason}): running on the CPU reference backend."
+class _CpuSteps:
+    """Prefill, then decode steps, on the CPU reference (the KV cache carried between graphs)."""
+
+    def __init__(self, prefill: ml.Graph, decode: ml.Graph, params: dict) -> None:
+        self.graphs, self.params, self.state = (prefill, decode), params, None
+
+    def step(self, which: int, feeds: dict) -> np.ndarray:
+        out = ml.evaluate(self.graphs[which], feeds, self.params, self.state)
+        self.state = out.state
+        return out.outputs["logits"]
+
+    def close(self) -> None:
+        pass
+
+
+class _GpuSteps:
+    """The same on the GPU: one resident loop kernel per graph; the prefill kernel's KV cache is
+    handed to the decode kernel, which then runs one iteration per generated token."""
+
+    def __init__(self, prefill: ml.Graph, decode: ml.Graph, params: dict, gpu) -> None:
+        from megaloop.plan import make_plan
+
+        t0 = time.perf_counter()
+        self.plans = [make_plan(g, processors=gpu.sm_count, arch=gpu.plan_arch) for g in (prefill, decode)]
+        print(f"planned both graphs for {gpu.sm_count} processors in {time.perf_counter() - t0:.1f} s")
+        self.params, self.kernel, self.which = params, None, -1
+
+    def step(self, which: int, feeds: dict) -> np.ndarray:
+        from megaloop.runtime.loop import LoopKernel
+
+        if which != self.which:  # switch kernels: the cache moves over
+            state = None
+            if self.kernel is not None:
+                state = self.kernel.state()
+                self.kernel.stop()
+            self.kernel, self.which = LoopKernel(self.plans[which], self.params, state), which
+        return self.kernel.run(feeds)["logits"]
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.stop()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -44,7 +81,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"megaloop {ml.__version__} demo: Llama-style decoder, {cfg.layers} layers, hidden {cfg.hidden}, "
         f"{cfg.heads} heads / {cfg.kv_heads} kv heads, SwiGLU {cfg.intermediate}, vocab {cfg.vocab}, {cfg.dtype.name}"
     )
-    print(_backend_line())
+    found, reason = gpus()
+    if args.backend == "gpu" and not found:
+        print(f"megaloop demo: --backend gpu, but there is no GPU ({reason})", file=sys.stderr)
+        return 2
+    on_gpu = bool(found) and args.backend != "cpu"
+    if on_gpu:
+        print(f"GPU: {found[0].name} ({found[0].arch}, {found[0].sm_count} SMs): running on the loop kernel")
+    else:
+        print(f"running on the CPU reference backend ({reason or 'asked for'})")
     prefill = build_llama(cfg, args.batch, args.prompt, "prefill")
     decode = build_llama(cfg, args.batch, 1, "decode")
     if args.summary:
@@ -56,37 +101,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = rng.integers(0, cfg.vocab, (args.batch, args.prompt))
     positions = np.broadcast_to(np.arange(args.prompt), (args.batch, args.prompt))
 
-    # The same program once more in float32, as a yardstick for the chosen dtype's rounding.
+    # The same program in float32 on the CPU reference, as a yardstick for the chosen dtype's rounding
+    # (and, on a GPU, for the loop kernel).
     cfg32 = LlamaConfig(**{**cfg.__dict__, "dtype": ml.float32})
-    graphs32 = (build_llama(cfg32, args.batch, args.prompt), build_llama(cfg32, args.batch, 1))
-
-    t0 = time.perf_counter()
-    out = ml.evaluate(prefill, {"tokens": prompt, "positions": positions}, params)
-    ref = ml.evaluate(graphs32[0], {"tokens": prompt, "positions": positions}, params)
-    print(f"prefill {args.batch}x{args.prompt} tokens: {1e3 * (time.perf_counter() - t0):.1f} ms (both dtypes)")
-    generated = []
-    state, state32 = out.state, ref.state
-    token = out.outputs["logits"][:, -1].astype(np.float32).argmax(-1)
-    worst = 0.0
-    for step in range(args.decode):
-        generated.append(token)
-        pos = np.full((args.batch, 1), args.prompt + step)
-        feeds = {"tokens": token[:, None], "positions": pos}
-        out = ml.evaluate(decode, feeds, params, state)
-        ref = ml.evaluate(graphs32[1], feeds, params, state32)
-        state, state32 = out.state, ref.state
-        a = out.outputs["logits"].astype(np.float64)
-        b = ref.outputs["logits"].astype(np.float64)
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-        token = out.outputs["logits"][:, -1].astype(np.float32).argmax(-1)
-    print(f"decoded {args.decode} tokens per sequence: {np.stack(generated, 1).tolist()}")
-    print(f"{cfg.dtype.name} logits vs the float32 run of the same program: worst relative L2 error {worst:.2e}")
+    yardstick = _CpuSteps(build_llama(cfg32, args.batch, args.prompt), build_llama(cfg32, args.batch, 1), params)
+    steps = _GpuSteps(prefill, decode, params, found[0]) if on_gpu else _CpuSteps(prefill, decode, params)
+    try:
+        t0 = time.perf_counter()
+        feeds = {"tokens": prompt, "positions": positions}
+        logits = steps.step(0, feeds)
+        t1 = time.perf_counter()
+        worst = _relative_error(logits, yardstick.step(0, feeds))
+        print(f"prefill {args.batch}x{args.prompt} tokens: {1e3 * (t1 - t0):.1f} ms (first run includes compiling)")
+        generated = []
+        token = logits[:, -1].astype(np.float32).argmax(-1)
+        t0 = time.perf_counter()
+        for step in range(args.decode):
+            generated.append(token)
+            feeds = {"tokens": token[:, None], "positions": np.full((args.batch, 1), args.prompt + step)}
+            logits = steps.step(1, feeds)
+            worst = max(worst, _relative_error(logits, yardstick.step(1, feeds)))
+            token = logits[:, -1].astype(np.float32).argmax(-1)
+        print(f"decoded {args.decode} tokens per sequence in {time.perf_counter() - t0:.2f} s (with the yardstick)")
+        print(f"  {np.stack(generated, 1).tolist()}")
+    finally:
+        steps.close()
+    print(f"{cfg.dtype.name} logits vs the float32 CPU run of the same program: worst relative L2 error {worst:.2e}")
     limit = 50 * cfg.dtype.eps
     if not worst < limit:
         print(f"FAIL: error above {limit:.1e}")
         return 1
     print("OK")
     return 0
+
+
+def _relative_error(got: np.ndarray, ref: np.ndarray) -> float:
+    a, b = got.astype(np.float64), ref.astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 PRESETS = {
@@ -157,6 +208,52 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from megaloop.plan import make_plan
+    from megaloop.runtime import trace
+
+    cfg = PRESETS[args.preset]
+    found, reason = gpus()
+    on_gpu = bool(found) and not args.estimate
+    processors = args.processors or (found[0].sm_count if found else 132)
+    arch = found[0].plan_arch if found else "sm_90"
+    graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
+    t0 = time.perf_counter()
+    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile))
+    print(
+        f"{args.preset}: planned {len(plan.ranks[0].tasks)} tasks on {processors} processors in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    if on_gpu:
+        from megaloop.runtime.loop import LoopKernel
+
+        rng = np.random.default_rng(0)
+        feeds = {
+            "tokens": rng.integers(0, cfg.vocab, (args.batch, args.tokens)),
+            "positions": np.broadcast_to(np.arange(args.tokens), (args.batch, args.tokens)),
+        }
+        with LoopKernel(plan, random_parameters(cfg, seed=0), profile_iterations=args.iterations) as k:
+            k.run(feeds, iterations=args.iterations)
+            stamps = k.profile_ns()
+        tl = trace.measured_timeline(plan, stamps, f"measured on {found[0].name}")
+    else:
+        if not found:
+            print(f"no GPU ({reason}): showing the cost model's estimate, not a measurement")
+        tl = trace.estimated_timeline(plan, iterations=args.iterations)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"megaloop profile: cannot make the folder {out} for the results: {e}") from None
+    print(trace.format_summary(tl))
+    print(f"wrote {trace.save_chrome_trace(tl, out / 'trace.json')} (open in https://ui.perfetto.dev)")
+    try:
+        print(f"wrote {trace.save_png(tl, out / 'timeline.png')}")
+    except trace.TraceError as e:
+        print(f"no PNG: {e}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import cuda.core
     import ml_dtypes
@@ -166,7 +263,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"ml_dtypes {ml_dtypes.__version__}, cuda.core {cuda.core.__version__}"
     )
     print(f"{len(REGISTRY)} ops registered")
-    print(_backend_line())
+    found, reason = gpus()
+    if found:
+        names = ", ".join(f"{g.name} ({g.arch}, {g.sm_count} SMs)" for g in found)
+        print(f"GPUs: {names}; demo and profile run on the loop kernel")
+    else:
+        print(f"No GPU ({reason}): demo runs on the CPU reference backend, profile shows estimates")
     return 0
 
 
@@ -186,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dtype", default="bfloat16", choices=[d.name for d in ml.FLOAT_DTYPES])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--summary", action="store_true", help="print the whole graph")
+    demo.add_argument(
+        "--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: the loop kernel when there is a GPU"
+    )
     demo.set_defaults(fn=cmd_demo)
     plan = sub.add_parser("plan", help="plan a Llama-family model and print statistics")
     plan.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -203,6 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--no-reuse", action="store_true", help="give every intermediate its own memory")
     plan.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON")
     plan.set_defaults(fn=cmd_plan)
+    profile = sub.add_parser("profile", help="per-task timeline of a model's loop kernel (trace JSON + PNG)")
+    profile.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    profile.add_argument("--batch", type=int, default=1)
+    profile.add_argument("--tokens", type=int, default=1, help="tokens per sequence in one step (1: decode)")
+    profile.add_argument("--processors", type=int, default=0, help="thread blocks (default: the GPU's SMs, or 132)")
+    profile.add_argument("--iterations", type=int, default=3, help="iterations to record")
+    profile.add_argument("--tile", action="append", default=[], metavar="NAME:PARAM=INT", help="as for plan")
+    profile.add_argument("--estimate", action="store_true", help="the cost model's timeline even with a GPU")
+    profile.add_argument("--out", default="megaloop-profile", help="folder for trace.json and timeline.png")
+    profile.set_defaults(fn=cmd_profile)
     sub.add_parser("ops", help="list the op set").set_defaults(fn=cmd_ops)
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
     args = parser.parse_args(argv)

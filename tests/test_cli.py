@@ -27,6 +27,8 @@ def test_demo_runs_and_checks_itself(capsys) -> None:
                 "3",
                 "--vocab",
                 "97",
+                "--backend",
+                "cpu",
             ]
         )
         == 0

@@ -4,6 +4,8 @@ watchdog and data errors. scripts/gpu_check.sh runs these on the GPU machine."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,35 @@ def test_state_feedback_loop_runs_many_iterations_on_the_gpu() -> None:
     with loop_kernel(make_plan(g, processors=4), params) as k:
         k.run({}, iterations=50)
         assert np.array_equal(k.state()["token"], ref.state["token"])
+
+
+def test_profiled_run_gives_a_timeline_that_obeys_the_plan() -> None:
+    """Kernel timestamps: every task stamped in every profiled iteration, tasks of one processor in
+    list order without overlap, and a task starting only after the tasks it waits for ended."""
+    from megaloop.runtime import trace
+
+    cfg = LlamaConfig(hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2, max_seq=32, vocab=500)
+    plan = make_plan(build_llama(cfg, 1, 1), processors=132)
+    feeds = {"tokens": np.array([[3]]), "positions": np.array([[0]])}
+    with loop_kernel(plan, random_parameters(cfg, seed=1), profile_iterations=3) as k:
+        k.run(feeds, iterations=4)  # one more than profiled: the rest are not stamped
+        tl = trace.measured_timeline(plan, k.profile_ns(), "measured")
+    rp, times = tl.rp, tl.times_ns
+    for lst in rp.processors:
+        for a, b in itertools.pairwise(lst):
+            assert (times[:, b, 0] >= times[:, a, 1]).all(), rp.task_name(rp.tasks[b])
+    for t in rp.tasks:
+        for w in t.waits:
+            if w.lag == 0:
+                ends = [times[:, s.id, 1] for s in rp.tasks if s.signal == w.counter]
+                assert (times[:, t.id, 0] >= np.max(ends, axis=0)).all(), rp.task_name(t)
+    assert "matmul" in trace.format_summary(tl)
+
+
+def test_demo_runs_on_the_loop_kernel(capsys) -> None:
+    from megaloop.cli import main
+
+    args = ["demo", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128"]
+    assert main([*args, "--prompt", "5", "--decode", "3", "--vocab", "97", "--backend", "gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "running on the loop kernel" in out and out.rstrip().endswith("OK")

@@ -239,13 +239,14 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             run_task(a, t, tid);
             __syncthreads();
             if (threadIdx.x == 0) {{
-                __threadfence();
-                ml::add_release(&a.counters[t.counter], 1ull);
                 if (a.profile != nullptr && k < (ml::u64)a.profile_iterations) {{
+                    // stamped before the signal, so that a task waiting on this one starts after this end
                     ml::u64* slot = a.profile + 2 * (k * (ml::u64)a.n_tasks + (ml::u64)tid);
                     slot[0] = start;
                     slot[1] = ml::now_ns();
                 }}
+                __threadfence();
+                ml::add_release(&a.counters[t.counter], 1ull);
             }}
         }}
         __syncthreads();

@@ -46,6 +46,52 @@ def plan_stats(plan: Plan) -> list[RankStats]:
     orderings = find_orderings(plan, build_access_table(plan), seq)
     same = orderings.lag == 0
     critical = _longest_path(n, cost, orderings.before[same], orderings.after[same])
+    makespan = _scheduled_finish(plan, base, cost)
+    out = []
+    for r, rp in enumerate(plan.ranks):
+        ids = np.arange(base[r], base[r] + len(rp.tasks))
+        layout = rp.memory
+        busy = [float(sum(rp.tasks[t].cost_ns for t in lst)) for lst in rp.processors]
+        out.append(
+            RankStats(
+                rank=r,
+                ops=len(rp.ops),
+                tasks=len(rp.tasks),
+                waits=sum(len(t.waits) for t in rp.tasks),
+                cross_rank_waits=sum(1 for t in rp.tasks for w in t.waits if w.rank != r),
+                critical_path_ns=float(critical[ids].max(initial=0.0)),
+                makespan_ns=float(makespan[ids].max(initial=0.0)),
+                busy_ns=busy,
+                arena_bytes=rp.arena_bytes,
+                region_bytes=dict(layout.region_bytes) if layout else _regions(rp),
+                scratch_without_reuse=layout.scratch_unshared if layout else _scratch_unshared(rp),
+            )
+        )
+    return out
+
+
+def estimated_times(plan: Plan) -> list[np.ndarray]:
+    """Per rank, (tasks, 2) start and end of every task in one iteration, in ns, when each starts as
+    soon as the task before it on its processor and every task it waits for have finished, at the
+    cost model's estimates: what ``megaloop profile`` shows when there is no GPU to measure."""
+    base = task_bases(plan)
+    n = base[-1] + len(plan.ranks[-1].tasks)
+    cost = np.zeros(n)
+    for r, rp in enumerate(plan.ranks):
+        for t in rp.tasks:
+            cost[base[r] + t.id] = t.cost_ns
+    finish = _scheduled_finish(plan, base, cost)
+    out = []
+    for r, rp in enumerate(plan.ranks):
+        end = finish[base[r] : base[r] + len(rp.tasks)]
+        out.append(np.stack([end - cost[base[r] : base[r] + len(rp.tasks)], end], axis=1))
+    return out
+
+
+def _scheduled_finish(plan: Plan, base: list[int], cost: np.ndarray) -> np.ndarray:
+    """Finish time of every task as scheduled: program order and same-iteration waits (each on the
+    counter's last signaler on its processor)."""
+    n = len(cost)
     # the schedule as it will run: program order and same-iteration waits (from a counter's last signaler)
     position: dict[int, int] = {}
     for r, rp in enumerate(plan.ranks):
@@ -69,28 +115,7 @@ def plan_stats(plan: Plan) -> list[RankStats]:
                 if w.lag == 0:
                     before.append(last[(w.rank, w.counter)])
                     after.append(base[r] + t.id)
-    makespan = _longest_path(n, cost, np.array(before, np.int64), np.array(after, np.int64))
-    out = []
-    for r, rp in enumerate(plan.ranks):
-        ids = np.arange(base[r], base[r] + len(rp.tasks))
-        layout = rp.memory
-        busy = [float(sum(rp.tasks[t].cost_ns for t in lst)) for lst in rp.processors]
-        out.append(
-            RankStats(
-                rank=r,
-                ops=len(rp.ops),
-                tasks=len(rp.tasks),
-                waits=sum(len(t.waits) for t in rp.tasks),
-                cross_rank_waits=sum(1 for t in rp.tasks for w in t.waits if w.rank != r),
-                critical_path_ns=float(critical[ids].max(initial=0.0)),
-                makespan_ns=float(makespan[ids].max(initial=0.0)),
-                busy_ns=busy,
-                arena_bytes=rp.arena_bytes,
-                region_bytes=dict(layout.region_bytes) if layout else _regions(rp),
-                scratch_without_reuse=layout.scratch_unshared if layout else _scratch_unshared(rp),
-            )
-        )
-    return out
+    return _longest_path(n, cost, np.array(before, np.int64), np.array(after, np.int64))
 
 
 def _regions(rp) -> dict[str, int]:

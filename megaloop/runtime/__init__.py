@@ -1,5 +1,5 @@
-"""Runtime: finding GPUs today; next, NVRTC compilation with a disk cache, the device arena, the
-launch-once loop kernel with its doorbell, the watchdog and peer memory."""
+"""Runtime: finding GPUs, NVRTC compilation with a disk cache (``compile``), the launch-once loop
+kernel with its doorbell and watchdog (``loop.LoopKernel``), and per-task timelines (``trace``)."""
 
 from megaloop.runtime.device import GpuInfo, gpus
 

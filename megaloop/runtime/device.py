@@ -23,6 +23,16 @@ class GpuInfo:
         major, minor = self.compute_capability
         return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
+    @property
+    def plan_arch(self) -> str:
+        """The planner's architecture for this GPU: the newest one megaloop has tile defaults for
+        that this GPU can run (a newer GPU runs code for an older architecture)."""
+        from megaloop.frontend.tiling import ARCHS
+
+        cc = 10 * self.compute_capability[0] + self.compute_capability[1]
+        usable = [a for a in ARCHS if int(a[3:]) <= cc]
+        return usable[-1] if usable else ARCHS[0]
+
 
 def gpus() -> tuple[list[GpuInfo], str]:
     """The visible GPUs, and a reason when there are none."""
