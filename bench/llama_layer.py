@@ -79,7 +79,10 @@ def bench_case(hidden: int, tokens: int, compile_too: bool) -> dict:
     x = rng.standard_normal((1, tokens, hidden)).astype(np.float32)
     pos = np.arange(start, start + tokens)[None]
     out = {}
-    with LoopKernel(make_plan(g, processors=132), params) as k:
+    # the tensor-core switch only changes tiles of 16 rows or more (prefill); decode stays on GEMV
+    out["matmul_tensor_cores"] = int(os.environ.get("MEGALOOP_BENCH_TENSOR_CORES", "1"))
+    tiles = {"matmul": {"tensor_cores": out["matmul_tensor_cores"]}}
+    with LoopKernel(make_plan(g, processors=132, tiles=tiles), params) as k:
         k.run({"hidden": x, "positions": pos}, iterations=3)
         iters = 200 if tokens == 1 else 10
         t0 = time.perf_counter()

@@ -13,12 +13,12 @@ OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_check.log"
 what="${1:-all}"
-benches="${BENCHES:-loop_overhead memory_bound llama_layer}"
+benches="${BENCHES:-loop_overhead memory_bound gemm llama_layer}"
 # a hung kernel must not eat the whole device call: bound every step
 test_timeout="${TEST_TIMEOUT:-420}" bench_timeout="${BENCH_TIMEOUT:-420}"
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout "$test_timeout" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q tests/test_gpu.py tests/test_readme.py -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in $benches; do

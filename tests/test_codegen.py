@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import megaloop as ml
+from megaloop import errors
 from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama
 from megaloop.plan import make_plan
@@ -98,3 +99,44 @@ def test_compile_cache_round_trip(tmp_path, monkeypatch) -> None:
     assert compile_cubin(src, "sm_80") == first
     with pytest.raises(ml.errors.MegaloopError, match="unsupported architecture"):
         compile_cubin(src, "sm_70")
+
+
+def tensor_core_graph(dtype: str) -> ml.Graph:
+    """Matmuls the tensor-core path takes (K contiguous on both sides, odd edges, a broadcast batch,
+    a K that is not a multiple of the 32-wide slice) and ones it must leave to the SIMT path."""
+    g = ml.Graph(f"mma-{dtype}")
+    x = g.input("x", (3, 40, 72), dtype)
+    w = g.parameter("w", (24, 72), dtype)
+    g.output("xw", ml.matmul(x, w, transpose_b=True))  # batched, B broadcast: tensor cores
+    a = g.input("a", (200, 136), dtype)
+    b = g.input("b", (144, 136), dtype)
+    g.output("ab", ml.matmul(a, b, transpose_b=True))  # tiles larger than 128 x 128: several sub-tiles
+    g.output("kn", ml.matmul(a, g.input("kn_b", (136, 48), dtype)))  # B is K-major rows: SIMT
+    g.output("row", ml.matmul(g.input("v", (1, 136), dtype), b, transpose_b=True))  # one row: SIMT
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_matmul_is_chosen_where_it_applies_and_compiles(dtype: str) -> None:
+    tiles = {"matmul": {"tensor_cores": 1, "block_m": 256, "block_n": 256}}
+    plan = make_plan(tensor_core_graph(dtype), processors=1, tiles=tiles)  # one processor: tiles stay wide
+    program = generate(plan)
+    mma = [c for c in program.signatures if "matmul" in c]
+    src = program.source
+    assert src.count("ml::mma_tile<") == 2, f"{src.count('ml::mma_tile<')} tensor-core matmuls in\n" + "\n".join(mma)
+    assert program.shared_bytes >= 2 * (128 + 128) * 40 * 2  # two stages of 128-row A and B slices
+    for arch in ("sm_90a", "sm_80"):
+        assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
+    off = generate(make_plan(tensor_core_graph(dtype), processors=4)).source
+    assert "ml::mma_tile<" not in off, "tensor cores are off unless the tile switch is on"
+
+
+def test_float32_matmul_never_takes_tensor_cores() -> None:
+    plan = make_plan(tensor_core_graph("float32"), processors=4, tiles={"matmul": {"tensor_cores": 1}})
+    assert "ml::mma_tile<" not in generate(plan).source
+
+
+def test_tile_switch_takes_only_0_or_1() -> None:
+    g = tensor_core_graph("bfloat16")
+    with pytest.raises(errors.GraphBuildError, match="tensor_cores is a switch: 0 or 1, got 2"):
+        make_plan(g, processors=4, tiles={"matmul": {"tensor_cores": 2}})

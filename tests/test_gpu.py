@@ -223,3 +223,43 @@ def test_demo_runs_on_the_loop_kernel(capsys) -> None:
     assert main([*args, "--prompt", "5", "--decode", "3", "--vocab", "97", "--backend", "gpu"]) == 0
     out = capsys.readouterr().out
     assert "running on the loop kernel" in out and out.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("processors", [1, 7, 132])
+def test_tensor_core_matmul_against_torch(dtype: str, processors: int) -> None:
+    """The mma.sync path (tile switch on): odd edges, a broadcast batch, sub-tiles beyond 128 x 128,
+    K not a multiple of the 32-wide slice, plus the layouts that stay on the SIMT path."""
+    from tests.test_codegen import tensor_core_graph
+
+    g = tensor_core_graph(dtype)
+    rng = np.random.default_rng(processors)
+    dt = ml.as_dtype(dtype)
+    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
+    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    tiles = {"matmul": {"tensor_cores": 1, "block_m": 256, "block_n": 256}}
+    plan = make_plan(g, processors=processors, tiles=tiles)
+    assert "ml::mma_tile<" in generate(plan).source
+    with loop_kernel(plan, params) as k:
+        got = k.run(feeds)
+    t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}
+    want = {
+        "xw": t64["x"] @ t64["w"].T,
+        "ab": t64["a"] @ t64["b"].T,
+        "kn": t64["a"] @ t64["kn_b"],
+        "row": t64["v"] @ t64["b"].T,
+    }
+    for name, ref in want.items():
+        k_len = 72 if name == "xw" else 136
+        assert_close(got[name], ref.numpy(), dt, ml.REGISTRY["matmul"].accuracy, k_len, f"{name} [{dtype}]")
+
+
+def test_more_processors_than_can_be_resident_is_refused() -> None:
+    from megaloop.runtime.loop import LoopKernelError
+
+    g = ml.Graph("wide")
+    x = g.input("x", (5000, 64), ml.float32)
+    g.output("y", x + 1.0)
+    plan = make_plan(g, processors=5000, tiles={"add": {"elements": 64}})
+    with pytest.raises(LoopKernelError, match=r"resident at once .* processors <= \d+"):
+        loop_kernel(plan)

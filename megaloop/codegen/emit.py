@@ -395,62 +395,6 @@ def _row_program(
     return lines
 
 
-def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
-    """A warp per output element, lanes splitting K (coalesced for row-major A and for weights stored
-    [out, in] as in checkpoints); float32 accumulation. The tensor-core path replaces it for speed."""
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    nd = len(out.shape)
-    k = a_.shape[-2] if ta else a_.shape[-1]
-    a_row, a_k = (a_.strides[-1], a_.strides[-2]) if ta else (a_.strides[-2], a_.strides[-1])
-    b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
-    batch = nd - 2
-    body = pointers([a_, b_, out], 2)
-    abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
-    bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
-    width = 16 // a_.dtype.itemsize
-    if (
-        a_k == 1
-        and b_k == 1
-        and k % width == 0
-        and a_.dtype == b_.dtype
-        and all(st % width == 0 for st in a_.strides[:-2] + b_.strides[:-2] + (a_row, b_col))
-    ):
-        # packed dot products: each lane 4 packs of A and of B in flight per step
-        step = 32 * width
-        body += [
-            f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16)) {{  // packed path: {width} elements per load",
-            f"    ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{",
-            f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
-            f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
-            "        float acc = 0.0f;",
-            f"        for (int k0 = lane * {width}; k0 < {k}; k0 += 4 * {step}) {{",
-            f"            ml::Pack<{a_.ctype}, {width}> pa[4], pb[4];",
-            "#pragma unroll",
-            f"            for (int u = 0; u < 4; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
-            f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }} }}",
-            "#pragma unroll",
-            f"            for (int u = 0; u < 4; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
-            "        }",
-            "        acc = ml::warp_sum(acc);",
-            f"        if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);",
-            "    });",
-            "    return;",
-            "}",
-        ]
-    body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
-    body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
-    body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
-    body.append("    float acc = 0.0f;")
-    body.append(
-        f"    for (int k = lane; k < {k}; k += 32) "
-        f"acc += ml::load(in0 + ab + (ml::i64)k * {a_k}) * ml::load(in1 + bb + (ml::i64)k * {b_k});"
-    )
-    body.append("    acc = ml::warp_sum(acc);")
-    body.append(f"    if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);")
-    body.append("});")
-    return body
-
-
 def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:
     nd = len(out.shape)
     vocab = table.shape[0]

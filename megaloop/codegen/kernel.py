@@ -26,12 +26,12 @@ from megaloop.codegen.emit import (
     elementwise,
     embedding,
     kv_update,
-    matmul,
     reduction,
     rope,
     rows,
 )
 from megaloop.codegen.emit_attention import attention, attention_shared_bytes
+from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape
@@ -65,7 +65,7 @@ class LoopProgram:
     operand_offsets: np.ndarray  # int64, (ops, MAX_OPERANDS)
     counters: int
     threads: int
-    shared_bytes: int  # dynamic shared memory per block (split-key attention scratch)
+    shared_bytes: int  # dynamic shared memory per block (split-key attention, tensor-core operand stages)
     processors: int
     op_names: list[str]
     signatures: list[str]  # one comment line per signature
@@ -120,6 +120,12 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
     signature_of_op: list[int] = []
     comments: list[str] = []
     shared = 0
+    extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows, cols)
+    for t in rp.tasks:
+        if rp.ops[t.op].op == "matmul" and t.writes:
+            box = t.writes[0].box
+            rows, cols = extent.get(t.op, (0, 0))
+            extent[t.op] = (max(rows, box.hi[-2] - box.lo[-2]), max(cols, box.hi[-1] - box.lo[-1]))
     for op in rp.ops:
         opdef = REGISTRY[op.op]
         if opdef.cuda is None:
@@ -131,9 +137,14 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             raise GraphBuildError(f"codegen: {op.op} {op.name} has more than {MAX_OPERANDS} operands")
         ins = [_operand(rp, t) for t in op.inputs]
         outs = [_operand(rp, t) for t in op.outputs]
+        attrs = op.attrs
         if op.op == "attention":
-            shared = max(shared, attention_shared_bytes(op.attrs, ins, plan.warps))
-        body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), op.attrs, ins, outs)
+            shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
+        if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
+            hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
+            attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
+            shared = max(shared, matmul_shared_bytes(attrs, ins))
+        body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
         text = "\n".join("    " + line for line in body)
         if text not in bodies:
             bodies[text] = len(functions)
@@ -199,6 +210,7 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
 #include "megaloop/loop.cuh"
 #include "megaloop/math.cuh"
 #include "megaloop/vec.cuh"
+#include "megaloop/mma.cuh"
 
 {chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, int tid) {{

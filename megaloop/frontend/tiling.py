@@ -93,6 +93,10 @@ class Tiling:
     params: dict[str, dict[str, int]]  # parameter -> architecture -> default
     make: Callable[[Any, dict[str, int], TileContext], list[Tile]]  # (node, params, ctx) -> tiles
     doc: str = ""
+    flags: tuple[str, ...] = ()  # parameters that are switches (0 or 1), not sizes
+
+    def minimum(self, name: str) -> int:
+        return 0 if name in self.flags else 1
 
     def defaults(self, arch: str) -> dict[str, int]:
         if arch not in ARCHS:
@@ -105,7 +109,9 @@ class Tiling:
         for key, value in (overrides or {}).items():
             if key not in params:
                 raise GraphBuildError(f"{op_name}: unknown tile parameter {key!r}; it takes {sorted(params)}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if (key in self.flags and value not in (0, 1)) or isinstance(value, bool):
+                raise GraphBuildError(f"{op_name}: tile parameter {key} is a switch: 0 or 1, got {value!r}")
+            if not isinstance(value, int) or (value < 1 and key not in self.flags):
                 raise GraphBuildError(f"{op_name}: tile parameter {key} must be an int >= 1, got {value!r}")
             params[key] = value
         return params

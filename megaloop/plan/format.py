@@ -11,6 +11,7 @@ from typing import Any
 
 from megaloop.dtypes import as_dtype
 from megaloop.errors import MegaloopError, PlanFormatError
+from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.serialize import graph_from_dict, graph_to_dict
 from megaloop.frontend.tiling import Box
 from megaloop.parallel.ranks import match_ranks
@@ -284,9 +285,11 @@ def _rank_from(rr: _Reader, r: int) -> RankPlan:
                 if tid >= len(tensors):
                     raise PlanFormatError(f"{o.path}.{key}: tensor {tid} does not exist")
         tile = o.get("tile", dict)
+        opdef = REGISTRY.get(o.get("op", str))
         for k, v in tile.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanFormatError(f"{o.path}.tile.{k}: expected an int >= 1, got {v!r}")
+            lo = opdef.tiling.minimum(k) if opdef is not None and opdef.tiling is not None else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise PlanFormatError(f"{o.path}.tile.{k}: expected an int >= {lo}, got {v!r}")
         if node is not None and not 0 <= node < len(graph.nodes):
             raise PlanFormatError(f"{o.path}.node: graph node {node} does not exist")
         attrs = dict(graph.nodes[node].attrs) if node is not None else {}

@@ -125,12 +125,31 @@ class LoopKernel:
                     self.program.shared_bytes,
                 )
             )
+        self._check_resident(found[device])
         flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._stream = _check(driver.cuStreamCreate(flags))
         self._copies = _check(driver.cuStreamCreate(flags))
         self._setup_memory()
         self._load_host_values(params or {}, state or {})
         self._launch()
+
+    def _check_resident(self, gpu) -> None:
+        """Every block must be resident at once: a block that never starts leaves the others waiting
+        on counters it would have signalled (until the watchdog fires, with a confusing report)."""
+        per_sm = _check(
+            self._d.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self._function, self.program.threads, self.program.shared_bytes
+            )
+        )
+        resident = int(per_sm) * gpu.sm_count
+        if self.program.processors > resident:
+            self._free()
+            raise LoopKernelError(
+                f"the plan has {self.program.processors} processors (thread blocks of {self.program.threads} "
+                f"threads, {self.program.shared_bytes} bytes of dynamic shared memory), but {gpu.name} keeps at most "
+                f"{resident} of them resident at once ({gpu.sm_count} SMs x {per_sm}); make the plan with "
+                f"processors <= {resident}"
+            )
 
     # ---- memory ------------------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:

@@ -117,9 +117,13 @@ MATMUL = Tiling(
     {
         "block_m": {"sm_80": 128, "sm_86": 64, "sm_89": 64, "sm_90": 128},
         "block_n": {"sm_80": 128, "sm_86": 128, "sm_89": 128, "sm_90": 128},
+        # 1: 16-bit operands with K contiguous run on tensor cores (mma.sync, fp32 accumulation).
+        # Off by default until the GPU checks have run it (megaloop/codegen/include/megaloop/mma.cuh).
+        "tensor_cores": same(0),
     },
     _matmul,
-    "output tiles of block_m x block_n per batch index, full K; narrower when few",
+    "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores: 0 or 1",
+    flags=("tensor_cores",),
 )
 
 

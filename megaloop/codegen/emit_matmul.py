@@ -1,0 +1,186 @@
+"""Matmul tiles: tensor cores (mma.sync through megaloop/mma.cuh) for 16-bit operands with K
+contiguous on both sides when the op's ``tensor_cores`` tile switch is on, otherwise (and for thin
+tiles, where a matrix-vector product is memory-bound anyway) a warp per output element."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaloop.codegen.emit import Operand, broadcast_dims, index_expr, pointers
+
+MMA_DTYPES = ("bfloat16", "float16")
+MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
+MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
+MMA_BK, MMA_LD = 32, 40  # as in mma.cuh
+
+
+def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
+    config = mma_config(attrs, a_, b_)
+    body = pointers([a_, b_, out], 2)
+    if config:
+        body += _tensor_cores(attrs, a_, b_, out, config)
+    return body + _simt(attrs, a_, b_, out)
+
+
+def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
+    config = mma_config(attrs, ins[0], ins[1])
+    if config is None:
+        return 0
+    bm, bn, _, _ = config
+    return 2 * (bm + bn) * MMA_LD * 2
+
+
+def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int, int, int] | None:
+    """(BM, BN, WM, WN) for the tensor-core path, or None when it does not apply. ``attrs["codegen"]``
+    carries what the generator knows beyond the op: the tile switch, the largest tile and the warps."""
+    hints = attrs.get("codegen", {})
+    if not hints.get("tensor_cores"):
+        return None
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    a_row, a_k = (a_.strides[-1], a_.strides[-2]) if ta else (a_.strides[-2], a_.strides[-1])
+    b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    rows, cols = hints["tile"]
+    if (
+        a_.dtype != b_.dtype
+        or a_.dtype.name not in MMA_DTYPES
+        or a_k != 1
+        or b_k != 1
+        or k % 8
+        or any(
+            s % 8
+            for s in (*_walked(a_row, b_col, _product_shape(a_, b_, attrs)), *_batch_strides(a_), *_batch_strides(b_))
+        )
+        or rows < MMA_MIN_ROWS
+    ):
+        return None
+    warps = hints["warps"]
+    bm = min(MMA_MAX_BLOCK, 1 << (rows - 1).bit_length())
+    bn = min(MMA_MAX_BLOCK, max(8, 1 << (cols - 1).bit_length()))
+    while True:
+        grids = [
+            (wm, warps // wm)
+            for wm in range(1, warps + 1)
+            if warps % wm == 0 and (bm // 16) % wm == 0 and (bn // 8) % (warps // wm) == 0
+        ]
+        if grids:  # the most nearly square warp tiles
+            wm, wn = min(grids, key=lambda g: abs(bm // g[0] - bn // g[1]))
+            return bm, bn, wm, wn
+        if bn < MMA_MAX_BLOCK:
+            bn *= 2
+        elif bm < MMA_MAX_BLOCK:
+            bm *= 2
+        else:
+            return None
+
+
+def _walked(a_row: int, b_col: int, out: Operand | tuple[int, ...]) -> tuple[int, int]:
+    """A's row stride and B's column stride, as 0 where there is only one row or column to walk."""
+    shape = out.shape if isinstance(out, Operand) else out
+    return (a_row if shape[-2] > 1 else 0), (b_col if shape[-1] > 1 else 0)
+
+
+def _product_shape(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:
+    """(rows, cols) of the product."""
+    m = a_.shape[-1] if attrs["transpose_a"] else a_.shape[-2]
+    n = b_.shape[-2] if attrs["transpose_b"] else b_.shape[-1]
+    return m, n
+
+
+def _batch_strides(x: Operand) -> list[int]:
+    """Strides of the batch axes that are walked (a size-1 axis's stride is never used)."""
+    return [s for s, n in zip(x.strides[:-2], x.shape[:-2]) if n > 1]
+
+
+def _tensor_cores(
+    attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, config: tuple[int, int, int, int]
+) -> list[str]:
+    bm, bn, wm, wn = config
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    nd = len(out.shape)
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    a_row = a_.strides[-1] if ta else a_.strides[-2]
+    b_col = b_.strides[-2] if tb else b_.strides[-1]
+    batch = nd - 2
+    abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
+    bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    ct = a_.ctype
+    return [
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && blockDim.x == {32 * wm * wn}) {{"
+        f"  // tensor cores: {bm}x{bn} blocks, {wm}x{wn} warps",
+        "    extern __shared__ float4 ml_smem4[];",
+        f"    const int rows = t.hi[{nd - 2}] - t.lo[{nd - 2}], cols = t.hi[{nd - 1}] - t.lo[{nd - 1}];",
+        f"    int o[{nd}];",
+        f"    for (int d = 0; d < {nd}; ++d) o[d] = t.lo[d];",
+        "    for (;;) {  // every batch index of the box (one, as the matmul tiling makes them)",
+        f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)t.lo[{nd - 2}] * {a_row};",
+        f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)t.lo[{nd - 1}] * {b_col};",
+        f"        ml::mma_tile<{ct}, {bm}, {bn}, {wm}, {wn}>(in0 + ab, {a_row}, in1 + bb, {b_col}, rows, cols, {k}, "
+        "ml_smem4, [&](int i, int j, float v) {",
+        "            o[{0}] = t.lo[{0}] + i; o[{1}] = t.lo[{1}] + j;".format(nd - 2, nd - 1),
+        f"            ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, v);",
+        "        });",
+        f"        int d = {batch - 1};",
+        "        for (; d >= 0; --d) { if (++o[d] < t.hi[d]) break; o[d] = t.lo[d]; }",
+        "        if (d < 0) break;",
+        "    }",
+        "    return;",
+        "}",
+    ]
+
+
+def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
+    """A warp per output element, lanes splitting K (coalesced for row-major A and for weights stored
+    [out, in] as in checkpoints); float32 accumulation: decode's matrix-vector products, and any
+    layout or dtype the tensor-core path does not take."""
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    nd = len(out.shape)
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    a_row, a_k = (a_.strides[-1], a_.strides[-2]) if ta else (a_.strides[-2], a_.strides[-1])
+    b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
+    batch = nd - 2
+    body: list[str] = []
+    abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
+    bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    width = 16 // a_.dtype.itemsize
+    if (
+        a_k == 1
+        and b_k == 1
+        and k % width == 0
+        and a_.dtype == b_.dtype
+        and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_row, b_col, out)))
+    ):
+        # packed dot products: each lane 4 packs of A and of B in flight per step
+        step = 32 * width
+        body += [
+            f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16)) {{  // packed path: {width} elements per load",
+            f"    ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{",
+            f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
+            f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
+            "        float acc = 0.0f;",
+            f"        for (int k0 = lane * {width}; k0 < {k}; k0 += 4 * {step}) {{",
+            f"            ml::Pack<{a_.ctype}, {width}> pa[4], pb[4];",
+            "#pragma unroll",
+            f"            for (int u = 0; u < 4; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
+            f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }} }}",
+            "#pragma unroll",
+            f"            for (int u = 0; u < 4; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
+            "        }",
+            "        acc = ml::warp_sum(acc);",
+            f"        if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);",
+            "    });",
+            "    return;",
+            "}",
+        ]
+    body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
+    body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
+    body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
+    body.append("    float acc = 0.0f;")
+    body.append(
+        f"    for (int k = lane; k < {k}; k += 32) "
+        f"acc += ml::load(in0 + ab + (ml::i64)k * {a_k}) * ml::load(in1 + bb + (ml::i64)k * {b_k});"
+    )
+    body.append("    acc = ml::warp_sum(acc);")
+    body.append(f"    if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);")
+    body.append("});")
+    return body
