@@ -24,19 +24,29 @@ from megaloop.frontend.tiling import (
 # Elements per task for memory-bound ops: 8K elements is 16-32 KB, enough to hide a task's
 # dependency check on the big parts, small enough to spread a decode-sized tensor.
 ELEMENTS = {"sm_80": 8192, "sm_86": 4096, "sm_89": 4096, "sm_90": 8192}
+# ... but at most about this many tasks per processor for one op: a tensor of a gigabyte would
+# otherwise be 10^5 tasks, each paying its wait, barrier and signal (measured on an H200: an add at
+# 0.12 of copy bandwidth with 8K-element tiles). Larger ops get proportionally larger tiles.
+WAVES = same(8)
+
+
+def _elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
+    """Elements per task: the ``elements`` parameter, raised so that the op makes no more than
+    ``waves`` tasks per processor."""
+    return max(params["elements"], -(-total // (ctx.processors * params["waves"])))
 
 
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     tiles = []
-    for i, box in enumerate(blocks(out.shape, params["elements"])):
+    for i, box in enumerate(blocks(out.shape, _elements(params, math.prod(out.shape), ctx))):
         reads = tuple(Read(k, project(box, out.shape, t.shape)) for k, t in enumerate(node.inputs))
         tiles.append(Tile((i,), reads, (Write(0, box),), flops=box.size))
     return tiles
 
 
 ELEMENTWISE = Tiling(
-    {"elements": ELEMENTS},
+    {"elements": ELEMENTS, "waves": WAVES},
     _elementwise,
     "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their projection",
 )
@@ -49,7 +59,7 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     keepdims = node.attrs["keepdims"]
     reduced = math.prod(x.shape[a] for a in axes)
     tiles = []
-    for i, box in enumerate(chunks(out.shape, max(1, params["elements"] // reduced))):
+    for i, box in enumerate(chunks(out.shape, max(1, _elements(params, math.prod(x.shape), ctx) // reduced))):
         lo, hi, j = [], [], 0
         for d in range(x.ndim):
             if d in axes:
@@ -65,7 +75,9 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     return tiles
 
 
-REDUCTION = Tiling({"elements": ELEMENTS}, _reduction, "chunks of the output, each reading whole reduced axes")
+REDUCTION = Tiling(
+    {"elements": ELEMENTS, "waves": WAVES}, _reduction, "chunks of the output, each reading whole reduced axes"
+)
 
 
 def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -73,14 +85,14 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     axis = node.attrs.get("axis", x.ndim - 1)
     outer = x.shape[:axis] + x.shape[axis + 1 :]
     tiles = []
-    for i, box in enumerate(chunks(outer, max(1, params["elements"] // x.shape[axis]))):
+    for i, box in enumerate(chunks(outer, max(1, _elements(params, math.prod(x.shape), ctx) // x.shape[axis]))):
         xbox = Box(box.lo[:axis] + (0,) + box.lo[axis:], box.hi[:axis] + (x.shape[axis],) + box.hi[axis:])
         reads = (Read(0, xbox),) + tuple(Read(k, Box.full(t.shape)) for k, t in enumerate(node.inputs) if k)
         tiles.append(Tile((i,), reads, (Write(0, xbox),), flops=5 * xbox.size))
     return tiles
 
 
-ROWS = Tiling({"elements": ELEMENTS}, _rows, "blocks of whole rows along the normalised axis")
+ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole rows along the normalised axis")
 
 
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:

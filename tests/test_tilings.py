@@ -1,0 +1,47 @@
+"""What the tilings make: large memory-bound ops get larger tiles (a bounded number of tasks per
+processor), small ones keep the ``elements`` parameter, and every output element is written by
+exactly one task."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop.plan import make_plan
+
+
+def graph(op: str, shape: tuple[int, ...]) -> ml.Graph:
+    g = ml.Graph(op)
+    x = g.input("x", shape, ml.bfloat16)
+    y = {
+        "add": lambda: x + x,
+        "rmsnorm": lambda: ml.rmsnorm(x, g.parameter("w", shape[-1:], ml.bfloat16)),
+        "sum": lambda: ml.sum(x, axis=-1),
+    }[op]()
+    g.output("y", y)
+    return g
+
+
+def tasks_of(plan, op: str) -> list:
+    rp = plan.ranks[0]
+    return [t for t in rp.tasks if rp.ops[t.op].op == op]
+
+
+@pytest.mark.parametrize("op", ["add", "rmsnorm", "sum"])
+def test_large_ops_make_a_bounded_number_of_tasks_that_cover_the_output(op: str) -> None:
+    shape = (4096, 1024)  # 4 M elements: 512 tiles of 8K elements without the bound
+    for processors, waves in ((4, 8), (16, 2)):
+        plan = make_plan(graph(op, shape), processors=processors, tiles={op: {"waves": waves}})
+        tasks = tasks_of(plan, op)
+        assert len(tasks) <= processors * waves + 1, f"{len(tasks)} tasks on {processors} processors"
+        out = plan.ranks[0].tensors[plan.ranks[0].ops[tasks[0].op].outputs[0]]
+        written = np.zeros(out.shape, np.int64)
+        for t in tasks:
+            written[tuple(slice(lo, hi) for lo, hi in zip(t.writes[0].box.lo, t.writes[0].box.hi))] += 1
+        assert (written == 1).all(), f"{op}: elements written {written.min()}..{written.max()} times"
+
+
+def test_small_ops_keep_the_elements_parameter() -> None:
+    plan = make_plan(graph("add", (64, 512)), processors=132, tiles={"add": {"elements": 4096}})
+    assert len(tasks_of(plan, "add")) == 64 * 512 // 4096
