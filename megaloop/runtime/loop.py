@@ -3,6 +3,12 @@
     with LoopKernel(plan, params=weights) as k:     # compile (cached), allocate, upload, launch once
         out = k.run({"tokens": ids, "positions": pos}, iterations=1)
         k.state()                                    # state buffers after the run
+        logits = k.tensor("logits")                  # a torch CUDA tensor that IS the kernel's memory
+
+Inputs may be numpy arrays or torch tensors; CUDA tensors (of the input's dtype, contiguous) are
+copied device to device. ``tensor(name)`` hands out outputs, inputs and states as torch tensors
+without copies (see megaloop/runtime/interop.py, and never torch.cuda.synchronize() while a loop
+kernel is resident: it waits for the whole device).
 
 The kernel stays resident between runs: ``run`` writes the inputs into the arena (on a second stream,
 while the kernel idles), rings the doorbell (the number of iterations asked for, in mapped pinned
@@ -22,12 +28,12 @@ import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
 from megaloop.codegen.kernel import MAX_OPERANDS
-from megaloop.dtypes import to_numpy
 from megaloop.errors import DataError, EvaluationError, MegaloopError
 from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
 from megaloop.runtime.compile import compile_cubin
 from megaloop.runtime.device import gpus
+from megaloop.runtime.interop import DeviceView, as_torch, device_source
 
 ARGS_DTYPE = np.dtype(
     [
@@ -90,6 +96,8 @@ class LoopKernel:
         if not 0 <= device < len(found):
             raise LoopKernelError(f"GPU {device} does not exist ({len(found)} visible)")
         self.plan, self.rp = plan, plan.ranks[0]
+        self.device = device
+        self._in_place: set[str] = set()  # inputs handed out by tensor(): the caller writes them there
         self.program = program or generate(plan)
         self.timeout_s = timeout_s
         self.profile_iterations = profile_iterations
@@ -207,6 +215,22 @@ class LoopKernel:
         _check(self._d.cuMemcpyHtoDAsync(self.arena + buf.offset, data, data.nbytes, self._copies))
         _check(self._d.cuStreamSynchronize(self._copies))
 
+    def _put(self, gt: Any, value: Any, what: str) -> None:
+        """The value of graph tensor ``gt``: host data (converted, then copied up) or a GPU array
+        (copied device to device, no conversion)."""
+        tensor_id = self.rp.tensor_of[gt]
+        t = self.rp.tensors[tensor_id]
+        src = device_source(value, t.dtype, t.shape, what, self.device)
+        if src is None:
+            self._write(tensor_id, coerce(value, gt, what))
+            return
+        buf = self.rp.buffers[t.buffer]
+        if t.offset or t.strides != _contiguous(t.shape):
+            raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
+        if src.nbytes:
+            _check(self._d.cuMemcpyDtoDAsync(self.arena + buf.offset, src.ptr, src.nbytes, self._copies))
+            _check(self._d.cuStreamSynchronize(self._copies))
+
     def _read(self, tensor_id: int) -> np.ndarray:
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
@@ -228,7 +252,7 @@ class LoopKernel:
         if missing or unknown:
             raise EvaluationError(f"parameters missing {missing}, unknown {unknown}")
         for name, t in g.parameters.items():
-            self._write(self.rp.tensor_of[t], coerce(params[name], t, f"parameter {name!r}"))
+            self._put(t, params[name], f"parameter {name!r}")
         for t in g.constants:
             self._write(self.rp.tensor_of[t], t.node.attrs["value"])
         self.set_state(state, all_states=True)
@@ -241,8 +265,9 @@ class LoopKernel:
             raise EvaluationError(f"unknown state {unknown}")
         for name, t in g.states.items():
             if name in state:
-                values = coerce(to_numpy(state[name]), t, f"state {name!r}")
-            elif all_states:
+                self._put(t, state[name], f"state {name!r}")
+                continue
+            if all_states:
                 values = t.node.attrs["init"] if "init" in t.node.attrs else np.zeros(t.shape, t.dtype.np)
             else:
                 continue
@@ -277,12 +302,19 @@ class LoopKernel:
             raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
         g = self.rp.graph
         inputs = dict(inputs or {})
-        missing = [k for k in g.inputs if k not in inputs]
+        missing = [k for k in g.inputs if k not in inputs and k not in self._in_place]
         unknown = [k for k in inputs if k not in g.inputs]
         if missing or unknown:
-            raise EvaluationError(f"inputs missing {missing}, unknown {unknown}")
-        for name, t in g.inputs.items():
-            self._write(self.rp.tensor_of[t], coerce(inputs[name], t, f"input {name!r}"))
+            raise EvaluationError(
+                f"inputs missing {missing}, unknown {unknown} (an input written in place through "
+                "tensor(name) may be left out)"
+            )
+        for name, value in inputs.items():
+            self._put(g.inputs[name], value, f"input {name!r}")
+        if self._in_place:  # torch work writing those inputs must be done before the doorbell rings
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
         self.start(iterations)
         self.wait()
         return {name: self._read(tid) for name, tid in self.rp.outputs.items()}
@@ -352,6 +384,30 @@ class LoopKernel:
     def state(self) -> dict[str, np.ndarray]:
         g = self.rp.graph
         return {name: self._read(self.rp.tensor_of[t]) for name, t in g.states.items()}
+
+    def tensor(self, name: str):
+        """A torch tensor that IS the kernel's memory for output, input or state ``name`` (looked up in
+        that order): no copy. An output's values are those of the last ``run``; an input handed out
+        here may be filled in place (by torch work on the current stream) and then left out of
+        ``run``'s inputs. Valid until the kernel stops."""
+        rp, g = self.rp, self.rp.graph
+        if name in rp.outputs:
+            tid = rp.outputs[name]
+        elif name in g.inputs:
+            tid = rp.tensor_of[g.inputs[name]]
+            self._in_place.add(name)
+        elif name in g.states:
+            tid = rp.tensor_of[g.states[name]]
+        else:
+            raise EvaluationError(
+                f"no output, input or state named {name!r}; outputs {sorted(rp.outputs)}, inputs "
+                f"{sorted(g.inputs)}, states {sorted(g.states)}"
+            )
+        t = rp.tensors[tid]
+        item = t.dtype.itemsize
+        ptr = self.arena + rp.buffers[t.buffer].offset + t.offset * item
+        view = DeviceView(ptr, t.shape, tuple(s * item for s in t.strides), t.dtype, self.device, owner=self)
+        return as_torch(view)
 
     def profile_ns(self) -> np.ndarray:
         """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations."""
