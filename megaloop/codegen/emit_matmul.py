@@ -12,6 +12,7 @@ MMA_DTYPES = ("bfloat16", "float16")
 MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
 MMA_BK, MMA_LD = 32, 40  # as in mma.cuh
+GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-per-element path
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -150,7 +151,8 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         and a_.dtype == b_.dtype
         and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_row, b_col, out)))
     ):
-        # packed dot products: each lane 4 packs of A and of B in flight per step
+        # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
+        # a streaming SM needs ~30 KB in flight on an H200; 8 warps x 32 lanes x 8 x 16 B = 32 KB)
         step = 32 * width
         body += [
             f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16)) {{  // packed path: {width} elements per load",
@@ -158,13 +160,13 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
             f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
             f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
             "        float acc = 0.0f;",
-            f"        for (int k0 = lane * {width}; k0 < {k}; k0 += 4 * {step}) {{",
-            f"            ml::Pack<{a_.ctype}, {width}> pa[4], pb[4];",
+            f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {GEMV_PACKS} * {step}) {{",
+            f"            ml::Pack<{a_.ctype}, {width}> pa[{GEMV_PACKS}], pb[{GEMV_PACKS}];",
             "#pragma unroll",
-            f"            for (int u = 0; u < 4; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
+            f"            for (int u = 0; u < {GEMV_PACKS}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
             f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }} }}",
             "#pragma unroll",
-            f"            for (int u = 0; u < 4; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
+            f"            for (int u = 0; u < {GEMV_PACKS}; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
             "        }",
             "        acc = ml::warp_sum(acc);",
             f"        if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);",

@@ -95,6 +95,9 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole rows along the normalised axis")
 
 
+MIN_BLOCK_N = 8
+
+
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     a, b = node.inputs
     out = node.outputs[0]
@@ -103,10 +106,14 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     k = a.shape[-2] if ta else a.shape[-1]
     bm, bn = min(params["block_m"], m), min(params["block_n"], n)
     n_batch = math.prod(batch)
-    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles, down to 32
-    # columns (a 32-column slice of a weight is still a sizeable task: 32 x k elements).
-    while n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors and bn > 32:
-        bn = max(32, bn // 2)
+    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles (down to 8
+    # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest, counting
+    # rounds of tasks over the processors times the width of one task; ties keep the wider tile.
+    if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
+        widths = [bn >> s for s in range(8) if bn >> s >= MIN_BLOCK_N] or [bn]
+        bn = min(
+            widths, key=lambda w: (math.ceil(n_batch * math.ceil(m / bm) * math.ceil(n / w) / ctx.processors) * w, -w)
+        )
     tiles = []
     batch_shape = tuple(batch)
     for bi, bidx in enumerate(chunks(batch_shape, 1)):
