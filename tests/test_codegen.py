@@ -140,3 +140,13 @@ def test_tile_switch_takes_only_0_or_1() -> None:
     g = tensor_core_graph("bfloat16")
     with pytest.raises(errors.GraphBuildError, match="tensor_cores is a switch: 0 or 1, got 2"):
         make_plan(g, processors=4, tiles={"matmul": {"tensor_cores": 2}})
+
+
+def test_compile_many_fills_the_cache_in_parallel(tmp_path, monkeypatch) -> None:
+    from megaloop.runtime.compile import cache_dir, cache_key, compile_many
+
+    monkeypatch.setenv("MEGALOOP_CACHE", str(tmp_path))
+    sources = [generate(make_plan(tensor_core_graph(d), processors=2)).source for d in ("float16", "bfloat16")]
+    cubins = compile_many(sources + sources[:1], "sm_80", workers=2)
+    assert len(cubins) == 3 and all(c[:4] == b"\x7fELF" for c in cubins) and cubins[0] == cubins[2]
+    assert all((cache_dir() / f"{cache_key(s, 'sm_80')}.cubin").is_file() for s in sources)

@@ -100,6 +100,23 @@ def compile_cubin(
     return data
 
 
+def compile_many(sources: list[str], arch: str = "sm_90a", workers: int | None = None) -> list[bytes]:
+    """``compile_cubin`` for several kernels at once, in worker processes (NVRTC compiles one kernel
+    on one core; a plan's prefill and decode kernels, or a test's batch, need not wait in line).
+    The results land in the on-disk cache too, so a LoopKernel made afterwards finds them there."""
+    import concurrent.futures
+    import multiprocessing
+
+    todo = [s for s in dict.fromkeys(sources) if not (cache_dir() / f"{cache_key(s, arch)}.cubin").is_file()]
+    workers = min(len(todo), workers or os.cpu_count() or 1)
+    if workers > 1:
+        # spawn, not fork: the parent may hold a CUDA context, which a forked child must not touch
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            list(pool.map(compile_cubin, todo, [arch] * len(todo)))
+    return [compile_cubin(s, arch) for s in sources]
+
+
 def _store(path: Path, data: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
