@@ -47,6 +47,7 @@ ARGS_DTYPE = np.dtype(
             "operand_offsets",
             "counters",
             "abort",
+            "doorbell",
             "progress",
             "control",
             "profile",
@@ -178,8 +179,8 @@ class LoopKernel:
         _check(d.cuMemsetD8(self.arena, 0xFF, max(self.rp.arena_bytes, 8)))  # poison: NaN in every float
         self.counters = self._alloc(8 * max(prog.counters, 1))
         _check(d.cuMemsetD8(self.counters, 0, 8 * max(prog.counters, 1)))
-        self.flags = self._alloc(8)  # abort
-        _check(d.cuMemsetD8(self.flags, 0, 8))
+        self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
+        _check(d.cuMemsetD8(self.flags, 0, 24))
         # mapped pinned memory: the doorbell and error report, then each block's finished iterations
         words = CONTROL_WORDS + prog.processors
         host = _check(d.cuMemHostAlloc(8 * words, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
@@ -194,7 +195,8 @@ class LoopKernel:
             _check(d.cuMemsetD8(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations))
         args = np.zeros(1, ARGS_DTYPE)
         args["arena"], args["counters"], args["control"] = self.arena, self.counters, control_dev
-        args["abort"], args["progress"] = self.flags, control_dev + 8 * CONTROL_WORDS
+        args["abort"], args["doorbell"] = self.flags, self.flags + 8
+        args["progress"] = control_dev + 8 * CONTROL_WORDS
         args["tasks"] = self._upload(prog.tasks)
         args["waits"] = self._upload(prog.waits)
         args["list_begin"] = self._upload(prog.list_begin)

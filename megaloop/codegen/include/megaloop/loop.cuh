@@ -47,6 +47,7 @@ struct Args {
     const i64* operand_offsets;  // per op: MAX_OPERANDS byte offsets into the arena
     u64* counters;
     u64* abort;  // device flag: nonzero once any block gave up
+    u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)
     volatile u64* progress;  // mapped host memory: iterations each block has finished
     Control* control;
     u64* profile;  // null, or (start, end) globaltimer pairs per task for the first profile_iterations
@@ -106,7 +107,9 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
                 return false;
             }
             __nanosleep(backoff);
-            backoff = backoff < 1024 ? backoff * 2 : 1024;
+            // short: a dependency's latency is on the critical path of every decode step, and the
+            // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
+            backoff = backoff < 256 ? backoff * 2 : 256;
         }
     }
     return true;
@@ -114,16 +117,38 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
 
 // Thread 0 only: wait until the host asked for iteration k; returns how many iterations the host has
 // asked for so far (0: stop or abort). The caller keeps the answer and asks again only after running
-// that many: polling mapped host memory crosses PCIe, far too slow to do per block per iteration.
+// that many. Only block 0 polls the host's doorbell (mapped memory, across PCIe) and republishes it
+// in device memory, where the other blocks poll the L2 instead: 132 blocks polling PCIe with long
+// back-offs made every run() slow to start. A stop is honoured only once the iterations asked for
+// before it are done, by every block.
+__device__ __forceinline__ void store_release_gpu(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ inline u64 wait_requested(const Args& a, u64 k) {
-    unsigned backoff = 64;
+    unsigned backoff = 32;
+    const unsigned most = blockIdx.x == 0 ? 1024 : 256;
     for (;;) {
         if (aborted(a)) return 0;
-        const u64 requested = load_acquire_sys(&a.control->requested);
-        if (requested > k) return requested;
-        if (load_acquire_sys(&a.control->stop)) return 0;
+        if (blockIdx.x == 0) {
+            const u64 requested = load_acquire_sys(&a.control->requested);
+            const bool stop = load_acquire_sys(&a.control->stop) != 0;
+            if (requested > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], requested);
+            if (requested > k) return requested;
+            if (stop) {
+                store_release_gpu(&a.doorbell[1], 1);
+                return 0;
+            }
+        } else {
+            const u64 granted = load_acquire(&a.doorbell[0]);
+            if (granted > k) return granted;
+            if (load_acquire(&a.doorbell[1])) {  // stop, published after the last grant
+                const u64 last = load_acquire(&a.doorbell[0]);
+                if (last > k) return last;
+                return 0;
+            }
+        }
         __nanosleep(backoff);
-        backoff = backoff < 8192 ? backoff * 2 : 8192;
+        backoff = backoff < most ? backoff * 2 : most;
     }
 }
 
