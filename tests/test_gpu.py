@@ -112,7 +112,8 @@ def test_random_graphs_against_the_reference() -> None:
         feeds = {}
         for i in range(20):
             feeds.update(random_graph(rng, g, f"p{i}."))
-        cases.append((g, feeds, make_plan(g, processors=int(rng.choice([7, 64, 132])))))
+        tiles = {"matmul": {"tensor_cores": int(rng.random() < 0.5)}}  # both matmul paths
+        cases.append((g, feeds, make_plan(g, processors=int(rng.choice([7, 64, 132])), tiles=tiles)))
     compile_many([generate(plan).source for _, _, plan in cases], gpus()[0][0].arch)  # in parallel
     for batch, (g, feeds, plan) in enumerate(cases):
         ref = ml.evaluate(g, feeds)
