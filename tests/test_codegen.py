@@ -75,10 +75,54 @@ def test_generated_source_is_readable_and_shared() -> None:
     assert program.list_begin[-1] == len(rp.tasks)
 
 
-def test_collectives_are_refused_with_a_clear_error() -> None:
-    graphs = ml.spmd(lambda g: g.output("y", ml.all_reduce(g.input("x", (4,), ml.float32))), 2)
-    with pytest.raises(ml.errors.GraphBuildError, match="multi-rank plans need the communication layer"):
-        generate(make_plan(graphs, processors=2))
+def exchange_graphs(world: int) -> list[ml.Graph]:
+    """Every exchange between ranks, with views, on ``world`` ranks."""
+
+    def build(g: ml.Graph) -> None:
+        x = g.input("x", (world * 2, 6), ml.bfloat16)
+        a = ml.all_reduce(x * 2.0)
+        m = ml.all_reduce(g.input("i", (3, 5), ml.int32), op="max")
+        b = ml.all_gather(a[:2].T, axis=0)
+        c = ml.reduce_scatter(x, axis=0)
+        ml.send(c, (g.rank + 1) % world)
+        r = ml.recv(g, (g.rank - 1) % world, (2, 6), ml.bfloat16)
+        g.output("y", ml.matmul(b, r))
+        g.output("m", m)
+
+    return ml.spmd(build, world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_exchanges_between_ranks_compile_and_name_their_peers(world: int) -> None:
+    plan = make_plan(exchange_graphs(world), processors=4)
+    for rank in (0, world - 1):
+        program = generate(plan, rank)
+        src = program.source
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "recv"):
+            assert f": {kind} " in src, f"rank {rank}: no {kind} tile function"
+        peers = {int(m) for m in re.findall(r"a\.arenas\[(\d+)\]", src)}
+        assert peers == set(range(world)), f"rank {rank} reads ranks {sorted(peers)}"
+        # every wait on another rank names a real counter of that rank
+        for w in program.waits:
+            assert 0 <= w["rank"] < world and w["counter"] < len(plan.ranks[w["rank"]].counters)
+        assert any(w["rank"] != rank for w in program.waits)
+        assert program.tasks["remote"].any(), "some counter of this rank is waited on by a peer"
+        if rank == 0:
+            assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+
+
+def test_tp_mlp_kernels_compile_for_every_rank() -> None:
+    world, hidden, ffn = 2, 64, 128
+
+    def build(g: ml.Graph) -> None:
+        x = g.input("x", (4, hidden), ml.bfloat16)
+        w1 = g.parameter("w1", (ffn // world, hidden), ml.bfloat16)
+        w2 = g.parameter("w2", (hidden, ffn // world), ml.bfloat16)
+        g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
+
+    plan = make_plan(ml.spmd(build, world), processors=16)
+    for rank in range(world):
+        assert compile_cubin(generate(plan, rank).source, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
 
 
 def test_compile_cache_round_trip(tmp_path, monkeypatch) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from megaloop.codegen import emit_collective
 from megaloop.codegen.emit import (
     Operand,
     concat,
@@ -38,7 +39,7 @@ from megaloop.frontend.shapes import format_shape
 from megaloop.plan.model import Plan, RankPlan
 
 MAX_DIMS = 6
-MAX_OPERANDS = 8
+MAX_OPERANDS = 16  # a collective reads one operand per member: up to 15 ranks in a group
 TASK_DTYPE = np.dtype(
     [
         ("sig", np.int32),
@@ -46,11 +47,13 @@ TASK_DTYPE = np.dtype(
         ("wait_begin", np.int32),
         ("wait_count", np.int32),
         ("counter", np.int32),
+        ("remote", np.int32),
         ("lo", np.int32, MAX_DIMS),
         ("hi", np.int32, MAX_DIMS),
     ]
 )
-WAIT_DTYPE = np.dtype([("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32)])
+WAIT_DTYPE = np.dtype([("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32), ("rank", np.int32)])
+EXCHANGES = ("all_reduce", "all_gather", "reduce_scatter", "recv")  # tiles that read other ranks' memory
 
 
 @dataclass
@@ -110,16 +113,12 @@ def _describe(rp: RankPlan, op_id: int) -> str:
 
 def generate(plan: Plan, rank: int = 0) -> LoopProgram:
     rp = plan.ranks[rank]
-    if plan.world_size > 1:
-        raise GraphBuildError(
-            "codegen: this loop kernel runs one GPU; multi-rank plans need the communication "
-            "layer (collectives inside the loop kernel), which is not built yet"
-        )
     bodies: dict[str, int] = {}
     functions: list[str] = []
     signature_of_op: list[int] = []
     comments: list[str] = []
     shared = 0
+    exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
     extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows, cols)
     for t in rp.tasks:
         if rp.ops[t.op].op == "matmul" and t.writes:
@@ -128,6 +127,19 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             extent[t.op] = (max(rows, box.hi[-2] - box.lo[-2]), max(cols, box.hi[-1] - box.lo[-1]))
     for op in rp.ops:
         opdef = REGISTRY[op.op]
+        if op.op in EXCHANGES:
+            members = _members(plan, rank, op)
+            if len(members) + 1 > MAX_OPERANDS:
+                raise GraphBuildError(
+                    f"codegen: {op.op} {op.name} reads {len(members)} ranks; the loop kernel takes at most "
+                    f"{MAX_OPERANDS - 1} members per collective"
+                )
+            out = _operand(rp, op.outputs[0])
+            operands = [(m, _operand(plan.ranks[m], tid)) for m, tid in members]
+            body = _exchange(op.op, op.attrs, operands, out, rank)
+            _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
+            exchange_operands[op.id] = members
+            continue
         if opdef.cuda is None:
             raise GraphBuildError(
                 f"codegen: {op.op} {op.name} cannot run in the loop kernel yet (it has no CUDA tile "
@@ -145,19 +157,18 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
             shared = max(shared, matmul_shared_bytes(attrs, ins))
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
-        text = "\n".join("    " + line for line in body)
-        if text not in bodies:
-            bodies[text] = len(functions)
-            sig = len(functions)
-            comments.append(f"sig_{sig}: {_describe(rp, op.id)}")
-            functions.append(
-                f"// {comments[-1]}\n__device__ __noinline__ void sig_{sig}(const ml::Args& a, "
-                f"const ml::Task& t, int tid, const ml::i64* off) {{\n{text}\n}}\n"
-            )
-        signature_of_op.append(bodies[text])
+        _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
     tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
-    waits: list[tuple[int, int, int]] = []
-    signalers = {c: len(ts) for c, ts in rp.signalers().items()}
+    waits: list[tuple[int, int, int, int]] = []
+    signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
+    remote = {
+        w.counter
+        for r, other in enumerate(plan.ranks)
+        if r != rank
+        for t in other.tasks
+        for w in t.waits
+        if w.rank == rank
+    }
     for t in rp.tasks:
         if len(t.writes) != 1:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
@@ -166,19 +177,20 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} has a {len(box.lo)}-D tile; at most {MAX_DIMS} axes")
         row = tasks[t.id]
         row["sig"], row["op"], row["counter"] = signature_of_op[t.op], t.op, t.signal
+        row["remote"] = int(t.signal in remote)  # other ranks wait on it: release at system scope
         row["wait_begin"], row["wait_count"] = len(waits), len(t.waits)
         for w in t.waits:
-            if w.rank != rank:
-                raise GraphBuildError(f"codegen: {rp.task_name(t)} waits on rank {w.rank}")
-            waits.append((w.counter, signalers[w.counter], w.lag))
+            waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank))
         row["lo"][: len(box.lo)] = box.lo
         row["hi"][: len(box.hi)] = box.hi
         row["hi"][len(box.hi) :] = 1
     offsets = np.zeros((max(len(rp.ops), 1), MAX_OPERANDS), np.int64)
     for op in rp.ops:
-        for k, tid in enumerate(op.inputs + op.outputs):
-            t = rp.tensors[tid]
-            offsets[op.id, k] = rp.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
+        slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands[op.id]] if op.id in exchange_operands else []
+        slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
+        for k, (_, owner, tid) in enumerate(slots):
+            t = owner.tensors[tid]
+            offsets[op.id, k] = owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
     list_begin = np.zeros(plan.processors + 1, np.int32)
     lists: list[int] = []
     for p in range(plan.processors):
@@ -201,6 +213,58 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         [op.name for op in rp.ops],
         comments,
     )
+
+
+def _add_function(
+    body: list[str],
+    rp: RankPlan,
+    op_id: int,
+    bodies: dict[str, int],
+    functions: list[str],
+    comments: list[str],
+    signature_of_op: list[int],
+) -> None:
+    """One tile function per distinct body: ops of one signature share it."""
+    text = "\n".join("    " + line for line in body)
+    if text not in bodies:
+        bodies[text] = len(functions)
+        sig = len(functions)
+        comments.append(f"sig_{sig}: {_describe(rp, op_id)}")
+        functions.append(
+            f"// {comments[-1]}\n__device__ __noinline__ void sig_{sig}(const ml::Args& a, "
+            f"const ml::Task& t, int tid, const ml::i64* off) {{\n{text}\n}}\n"
+        )
+    signature_of_op.append(bodies[text])
+
+
+def _members(plan: Plan, rank: int, op) -> list[tuple[int, int]]:
+    """(rank, tensor id on that rank) of every operand an exchange reads, in group order: the tensors
+    its tasks declare (a member whose part no tile touches: its matched input, never read)."""
+    rp = plan.ranks[rank]
+    read: dict[int, int] = {}
+    for t in rp.tasks:
+        if t.op == op.id:
+            for acc in t.reads:
+                read.setdefault(acc.rank, acc.tensor)
+    group = (op.attrs["src"],) if op.op == "recv" else op.attrs["group"]
+    out = []
+    for m in group:
+        if m not in read:
+            node = rp.graph.nodes[op.node]
+            c = plan.matching.collective_of[node]
+            read[m] = plan.ranks[m].tensor_of[c.nodes[c.group.index(m)].inputs[0]]
+        out.append((m, read[m]))
+    return out
+
+
+def _exchange(kind: str, attrs: dict[str, Any], members: list, out: Operand, rank: int) -> list[str]:
+    if kind == "all_reduce":
+        return emit_collective.all_reduce(attrs, members, out)
+    if kind == "reduce_scatter":
+        return emit_collective.reduce_scatter(attrs, members, out, rank)
+    if kind == "all_gather":
+        return emit_collective.all_gather(attrs, members, out)
+    return emit_collective.recv(attrs, members, out)
 
 
 def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
@@ -257,8 +321,13 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
                     slot[0] = start;
                     slot[1] = ml::now_ns();
                 }}
-                __threadfence();
-                ml::add_release(&a.counters[t.counter], 1ull);
+                if (t.remote) {{  // read by other GPUs: their tiles pull this task's output over NVLink
+                    __threadfence_system();
+                    ml::add_release_sys(&a.counters[t.counter], 1ull);
+                }} else {{
+                    __threadfence();
+                    ml::add_release(&a.counters[t.counter], 1ull);
+                }}
             }}
         }}
         __syncthreads();

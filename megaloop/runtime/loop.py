@@ -55,6 +55,7 @@ ARGS_DTYPE = np.dtype(
         )
     ]
     + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
+    + [("arenas", np.uint64), ("rank_counters", np.uint64), ("rank", np.int32), ("world", np.int32)]
 )
 CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
 REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
@@ -91,6 +92,12 @@ class LoopKernel:
     ) -> None:
         from cuda.bindings import driver
 
+        if plan.world_size > 1:
+            raise LoopKernelError(
+                f"the plan has {plan.world_size} ranks; LoopKernel runs one GPU. The loop kernels of a "
+                "multi-rank plan compile (megaloop.codegen.generate(plan, rank)); the multi-GPU runtime "
+                "that launches them together is not built yet"
+            )
         found, reason = gpus()
         if not found:
             raise LoopKernelError(f"no GPU to run the loop kernel on: {reason}")
@@ -206,6 +213,10 @@ class LoopKernel:
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations
         args["n_tasks"] = len(self.rp.tasks)
+        # one rank: the tables of every rank's arena and counters have this rank's only
+        args["arenas"] = self._upload(np.array([self.arena], np.uint64))
+        args["rank_counters"] = self._upload(np.array([self.counters], np.uint64))
+        args["rank"], args["world"] = 0, 1
         self._args = self._upload(args)
 
     def _write(self, tensor_id: int, values: np.ndarray) -> None:
@@ -361,10 +372,10 @@ class LoopKernel:
 
     def _raise_kernel_error(self) -> None:
         code = int(self.control[ERROR])
-        info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 7]]
+        info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 8]]
         self._halt()  # every block leaves (a block stuck in a task is reported by stop())
         if code == 1:
-            proc, task, op, counter, expected, seen, k = info
+            proc, task, op, counter, expected, seen, k, _ = info
             rp = self.rp
             waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
             signaler = rp.counters[counter].name if 0 <= counter < len(rp.counters) else f"counter {counter}"
@@ -374,7 +385,7 @@ class LoopKernel:
                 "stopped; make a new LoopKernel to run again"
             )
         if code == 2:
-            proc, task, op, value, limit, kind, _ = info
+            proc, task, op, value, limit, kind, _, _ = info
             what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
             name = self.rp.ops[op].name if 0 <= op < len(self.rp.ops) else f"op {op}"
             raise DataError(

@@ -12,13 +12,14 @@
 namespace ml {
 
 constexpr int MAX_DIMS = 6;
-constexpr int MAX_OPERANDS = 8;
+constexpr int MAX_OPERANDS = 16;
 
 struct Task {
     int sig;  // which generated tile function runs it
     int op;  // plan op id (operand offsets, profiler names)
     int wait_begin, wait_count;  // its waits: waits[wait_begin .. wait_begin + wait_count)
     int counter;  // incremented when it finishes
+    int remote;  // 1: other ranks wait on that counter, so it is released at system scope
     int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
 };
 
@@ -26,6 +27,7 @@ struct Wait {
     int counter;
     int per_iteration;  // how many tasks signal the counter each iteration
     int lag;  // 0: this iteration's work; 1: the previous iteration's
+    int rank;  // whose counter (another rank's: read through peer memory at system scope)
 };
 
 // Host <-> kernel: lives in mapped pinned host memory.
@@ -54,6 +56,9 @@ struct Args {
     u64 timeout_ns;
     int profile_iterations;
     int n_tasks;
+    char* const* arenas;  // every rank's arena (peer memory), indexed by rank; arenas[rank] == arena
+    u64* const* rank_counters;  // every rank's counters, indexed by rank
+    int rank, world;
 };
 
 __device__ __forceinline__ u64 now_ns() {
@@ -74,15 +79,24 @@ __device__ __forceinline__ u64 load_acquire_sys(const volatile u64* p) {
 __device__ __forceinline__ void add_release(u64* p, u64 v) {
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 load_acquire_peer(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void store_release_sys(volatile u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // Record the first error (later ones are dropped) and make every block leave.
-__device__ inline void fail(const Args& a, u64 code, i64 i0, i64 i1, i64 i2, i64 i3, i64 i4, i64 i5, i64 i6) {
+__device__ inline void fail(const Args& a, u64 code, i64 i0, i64 i1, i64 i2, i64 i3, i64 i4, i64 i5, i64 i6,
+                            i64 i7 = 0) {
     if (atomicCAS((unsigned long long*)a.abort, 0ull, code) == 0ull) {
-        const i64 info[7] = {i0, i1, i2, i3, i4, i5, i6};
-        for (int k = 0; k < 7; ++k) a.control->info[k] = info[k];
+        const i64 info[8] = {i0, i1, i2, i3, i4, i5, i6, i7};
+        for (int k = 0; k < 8; ++k) a.control->info[k] = info[k];
         __threadfence_system();
         store_release_sys(&a.control->error, code);
     }
@@ -96,14 +110,16 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
         const Wait& wt = a.waits[t.wait_begin + w];
         if ((u64)wt.lag > k) continue;  // the previous iteration does not exist yet
         const u64 target = (u64)wt.per_iteration * (k + 1 - wt.lag);
-        u64 seen = load_acquire(&a.counters[wt.counter]);
+        const bool peer = wt.rank != a.rank;
+        const u64* c = peer ? &a.rank_counters[wt.rank][wt.counter] : &a.counters[wt.counter];
+        u64 seen = peer ? load_acquire_peer(c) : load_acquire(c);
         if (seen >= target) continue;
         const u64 start = now_ns();
         unsigned backoff = 32;
-        while ((seen = load_acquire(&a.counters[wt.counter])) < target) {
+        while ((seen = peer ? load_acquire_peer(c) : load_acquire(c)) < target) {
             if (aborted(a)) return false;
             if (now_ns() - start > a.timeout_ns) {
-                fail(a, WATCHDOG, proc, tid, t.op, wt.counter, (i64)target, (i64)seen, (i64)k);
+                fail(a, WATCHDOG, proc, tid, t.op, wt.counter, (i64)target, (i64)seen, (i64)k, wt.rank);
                 return false;
             }
             __nanosleep(backoff);
