@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU run checks, in one call (the lent GPU machine's time is scarce):
-#   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog), then the benchmarks.
+#   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog; the multi-GPU ones
+#   when there are two GPUs), then the benchmarks (allreduce too with two GPUs).
+# TESTS=... and BENCHES=... pick a subset.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -13,12 +15,15 @@ OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_check.log"
 what="${1:-all}"
-benches="${BENCHES:-loop_overhead memory_bound gemm llama_layer}"
+gpu_count=$(nvidia-smi -L | wc -l)
+default_benches="loop_overhead memory_bound gemm llama_layer"
+[ "$gpu_count" -ge 2 ] && default_benches="$default_benches allreduce"
+benches="${BENCHES:-$default_benches}"
 # a hung kernel must not eat the whole device call: bound every step
 test_timeout="${TEST_TIMEOUT:-420}" bench_timeout="${BENCH_TIMEOUT:-420}"
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout "$test_timeout" python3 -m pytest -q tests/test_gpu.py tests/test_readme.py -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q ${TESTS:-tests/test_gpu.py tests/test_gpu_multi.py tests/test_readme.py} -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in $benches; do

@@ -87,7 +87,8 @@ def exchange_graphs(world: int) -> list[ml.Graph]:
         ml.send(c, (g.rank + 1) % world)
         r = ml.recv(g, (g.rank - 1) % world, (2, 6), ml.bfloat16)
         g.output("y", ml.matmul(b, r))
-        g.output("m", m)
+        for name, value in (("m", m), ("a", a), ("b", b), ("c", c), ("r", r)):
+            g.output(name, value)
 
     return ml.spmd(build, world)
 

@@ -148,7 +148,8 @@ def test_watchdog_names_the_stuck_wait_and_the_gpu_stays_usable() -> None:
     first = int(np.flatnonzero(program.waits["lag"] == 0)[0])
     program.waits["per_iteration"][first] = 1_000_000  # a target no counter will reach
     feeds = {"tokens": [[3]], "positions": [[0]]}
-    with pytest.raises(LoopKernelError, match=r"watchdog: processor \d+ waited more than 0.5 s .* counter \d+ \(done"):
+    stuck = r"watchdog: rank 0 processor \d+ waited more than 0.5 s .* counter \d+ \(done"
+    with pytest.raises(LoopKernelError, match=stuck):
         with loop_kernel(plan, params, timeout_s=0.5, program=program) as k:
             k.run(feeds)
     with loop_kernel(plan, params) as k:  # and the next kernel runs normally

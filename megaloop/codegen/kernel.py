@@ -289,9 +289,11 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
     __shared__ ml::Args a;
     __shared__ int go;
     __shared__ ml::u64 granted;  // iterations the host has asked for, as last read
+    __shared__ ml::u64 reported;  // when this block last reported progress (%globaltimer)
     if (threadIdx.x == 0) {{
         a = *args;
         granted = 0;
+        reported = ml::now_ns();
     }}
     __syncthreads();
     const int proc = blockIdx.x;
@@ -331,7 +333,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             }}
         }}
         __syncthreads();
-        if (threadIdx.x == 0) ml::iteration_done(a, k, granted);
+        if (threadIdx.x == 0) ml::iteration_done(a, k, granted, reported);
     }}
 }}
 """

@@ -6,13 +6,19 @@ tensor (bfloat16 travels as uint16, which the interface can name, and is viewed 
 ``device_source`` recognises GPU arrays handed in (torch CUDA tensors, anything with the interface)
 so that the runtime copies them device to device.
 
-A view does not own its memory: it is valid until the LoopKernel stops. Never call
-``torch.cuda.synchronize()`` (a whole-device wait) while a loop kernel is resident: it would wait for
-the kernel, which only ends when stopped. Stream-level waits are fine, and are what megaloop uses.
+A view does not own its memory: it is valid until the LoopKernel stops.
+
+While a loop kernel is resident it holds every SM (one block per SM, all registers), so a torch
+*kernel* queued meanwhile (an argmax, a cast, arange on the GPU) cannot start until the loop kernel
+stops. Copies still run (copy engines): host-to-device tensors, ``view.copy_(same-dtype tensor)``.
+megaloop therefore waits for torch work on a deadline (``wait_for_torch``) and says this in the
+error instead of hanging; compute GPU inputs before launching, or hand them over by copies. Never
+call ``torch.cuda.synchronize()`` (a whole-device wait) while a loop kernel is resident.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +71,45 @@ class DeviceSource:
     nbytes: int
 
 
-def device_source(value: Any, dtype: DType, shape: tuple[int, ...], what: str, device: int) -> DeviceSource | None:
+def wait_for_torch(device: int, what: str, timeout_s: float) -> None:
+    """Until the work queued on torch's current stream of ``device`` is done, or raise after
+    ``timeout_s`` (never a blocking synchronize: see the module's note)."""
+    import torch
+
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise EvaluationError(
+                f"{what}: the torch work producing it has not finished after {timeout_s:g} s. While a loop "
+                "kernel is resident it holds every SM, so torch kernels queued meanwhile cannot run: compute "
+                "GPU inputs before launching, or hand them over by copies (host tensors, same-dtype copy_)"
+            )
+        time.sleep(0.0001)
+
+
+def _device_of(ptr: int) -> int | None:
+    """The GPU a device pointer belongs to (None when the driver cannot tell, e.g. no driver)."""
+    try:
+        from cuda.bindings import driver
+
+        attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        err, ordinal = driver.cuPointerGetAttribute(attr, ptr)
+    except Exception:
+        return None
+    return int(ordinal) if err == driver.CUresult.CUDA_SUCCESS else None
+
+
+def device_source(
+    value: Any, dtype: DType, shape: tuple[int, ...], what: str, device: int, timeout_s: float = 10.0
+) -> DeviceSource | None:
     """Where ``value`` lives if it is a GPU array (None for host data). It must already have the
     tensor's dtype and shape and be contiguous: a device copy converts nothing. Work queued on the
     producer's stream is waited for first."""
     if type(value).__module__.startswith("torch"):
         if not value.is_cuda:
             return None
-        import torch
 
         got = str(value.dtype).removeprefix("torch.")
         if got != TORCH_NAMES[dtype.name] or tuple(value.shape) != shape or not value.is_contiguous():
@@ -84,7 +121,7 @@ def device_source(value: Any, dtype: DType, shape: tuple[int, ...], what: str, d
             raise EvaluationError(
                 f"{what}: the tensor is on cuda:{value.device.index}; the loop kernel on cuda:{device}"
             )
-        torch.cuda.current_stream(value.device).synchronize()
+        wait_for_torch(device, what, timeout_s)
         return DeviceSource(value.data_ptr(), value.numel() * value.element_size())
     cai = getattr(value, "__cuda_array_interface__", None)
     if cai is None:
@@ -98,6 +135,10 @@ def device_source(value: Any, dtype: DType, shape: tuple[int, ...], what: str, d
             f"{what}: a GPU array must already be a contiguous {dtype.name} array of shape {shape} "
             f"(got typestr {cai['typestr']}, shape {tuple(cai['shape'])}, strides {cai.get('strides')})"
         )
+    ptr = int(cai["data"][0])
+    ordinal = _device_of(ptr)
+    if ordinal is not None and ordinal != device:
+        raise EvaluationError(f"{what}: the array is on GPU {ordinal}; the loop kernel on GPU {device}")
     stream = cai.get("stream")
     if stream:
         from cuda.bindings import driver
@@ -108,4 +149,4 @@ def device_source(value: Any, dtype: DType, shape: tuple[int, ...], what: str, d
     n = 1
     for d in shape:
         n *= d
-    return DeviceSource(int(cai["data"][0]), n * dtype.itemsize)
+    return DeviceSource(ptr, n * dtype.itemsize)

@@ -33,7 +33,7 @@ from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
 from megaloop.runtime.compile import compile_cubin
 from megaloop.runtime.device import gpus
-from megaloop.runtime.interop import DeviceView, as_torch, device_source
+from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
 
 ARGS_DTYPE = np.dtype(
     [
@@ -89,24 +89,25 @@ class LoopKernel:
         timeout_s: float = 10.0,
         profile_iterations: int = 0,
         program: LoopProgram | None = None,
+        rank: int = 0,
+        _in_group: bool = False,
     ) -> None:
         from cuda.bindings import driver
 
-        if plan.world_size > 1:
+        if plan.world_size > 1 and not _in_group:
             raise LoopKernelError(
-                f"the plan has {plan.world_size} ranks; LoopKernel runs one GPU. The loop kernels of a "
-                "multi-rank plan compile (megaloop.codegen.generate(plan, rank)); the multi-GPU runtime "
-                "that launches them together is not built yet"
+                f"the plan has {plan.world_size} ranks; LoopKernel runs one of them. Run all of them "
+                "together with megaloop.runtime.group.LoopKernelGroup(plan, ...)"
             )
         found, reason = gpus()
         if not found:
             raise LoopKernelError(f"no GPU to run the loop kernel on: {reason}")
         if not 0 <= device < len(found):
             raise LoopKernelError(f"GPU {device} does not exist ({len(found)} visible)")
-        self.plan, self.rp = plan, plan.ranks[0]
+        self.plan, self.rank, self.rp = plan, rank, plan.ranks[rank]
         self.device = device
         self._in_place: set[str] = set()  # inputs handed out by tensor(): the caller writes them there
-        self.program = program or generate(plan)
+        self.program = program or generate(plan, rank)
         self.timeout_s = timeout_s
         self.profile_iterations = profile_iterations
         self._d = driver
@@ -114,6 +115,7 @@ class LoopKernel:
         self._launched = False
         self._stuck = False
         self._requested = 0
+        self.control = self.progress = None  # views of the mapped control page, once allocated
         self.cubin = compile_cubin(self.program.source, found[device].arch)
         _check(driver.cuInit(0))
         dev = _check(driver.cuDeviceGet(device))
@@ -131,8 +133,8 @@ class LoopKernel:
             if self.program.shared_bytes > limit:
                 raise LoopKernelError(
                     f"the loop kernel needs {self.program.shared_bytes} bytes of shared memory per block "
-                    f"(attention scratch for {self.program.threads // 32} warps); this GPU allows {limit}: "
-                    "plan with fewer warps"
+                    f"(split-key attention for {self.program.threads // 32} warps, tensor-core matmul stages); "
+                    f"this GPU allows {limit}: plan with fewer warps or smaller matmul tiles"
                 )
             _check(
                 driver.cuFuncSetAttribute(
@@ -147,7 +149,13 @@ class LoopKernel:
         self._copies = _check(driver.cuStreamCreate(flags))
         self._setup_memory()
         self._load_host_values(params or {}, state or {})
-        self._launch()
+        if not _in_group:  # alone: its own arena and counters are the whole world
+            self._connect([self.arena], [self.counters])
+            self._launch()
+
+    def _use(self) -> None:
+        """Make this kernel's GPU current (one process may drive several)."""
+        _check(self._d.cuCtxSetCurrent(self._ctx))
 
     def _check_resident(self, gpu) -> None:
         """Every block must be resident at once: a block that never starts leaves the others waiting
@@ -213,13 +221,20 @@ class LoopKernel:
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations
         args["n_tasks"] = len(self.rp.tasks)
-        # one rank: the tables of every rank's arena and counters have this rank's only
-        args["arenas"] = self._upload(np.array([self.arena], np.uint64))
-        args["rank_counters"] = self._upload(np.array([self.counters], np.uint64))
-        args["rank"], args["world"] = 0, 1
+        self._args_host = args
+
+    def _connect(self, arenas: list[int], counters: list[int]) -> None:
+        """Every rank's arena and counters (device addresses valid here: peer access is on), then the
+        argument block the kernel reads."""
+        self._use()
+        args = self._args_host
+        args["arenas"] = self._upload(np.array(arenas, np.uint64))
+        args["rank_counters"] = self._upload(np.array(counters, np.uint64))
+        args["rank"], args["world"] = self.rank, len(arenas)
         self._args = self._upload(args)
 
     def _write(self, tensor_id: int, values: np.ndarray) -> None:
+        self._use()
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
         if t.offset or t.strides != _contiguous(t.shape):
@@ -233,7 +248,7 @@ class LoopKernel:
         (copied device to device, no conversion)."""
         tensor_id = self.rp.tensor_of[gt]
         t = self.rp.tensors[tensor_id]
-        src = device_source(value, t.dtype, t.shape, what, self.device)
+        src = device_source(value, t.dtype, t.shape, what, self.device, self.timeout_s)
         if src is None:
             self._write(tensor_id, coerce(value, gt, what))
             return
@@ -241,10 +256,12 @@ class LoopKernel:
         if t.offset or t.strides != _contiguous(t.shape):
             raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
         if src.nbytes:
+            self._use()
             _check(self._d.cuMemcpyDtoDAsync(self.arena + buf.offset, src.ptr, src.nbytes, self._copies))
             _check(self._d.cuStreamSynchronize(self._copies))
 
     def _read(self, tensor_id: int) -> np.ndarray:
+        self._use()
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
         raw = np.empty(buf.nbytes, np.uint8)
@@ -288,6 +305,7 @@ class LoopKernel:
 
     # ---- running ----------------------------------------------------------------------------------
     def _launch(self) -> None:
+        self._use()
         d = self._d
         params = ((self._args,), (ctypes.c_void_p,))
         _check(
@@ -309,6 +327,13 @@ class LoopKernel:
 
     def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
         """Write ``inputs``, run ``iterations`` iterations, return the outputs of the last one."""
+        self._stage_inputs(inputs, iterations)
+        self.start(iterations)
+        self.wait()
+        return self._outputs()
+
+    def _stage_inputs(self, inputs: Mapping[str, Any] | None, iterations: int) -> None:
+        """Check the request and write the inputs (the kernel idles meanwhile)."""
         if not self._launched:
             raise LoopKernelError("the loop kernel is not running (stopped, or it failed earlier)")
         if not isinstance(iterations, int) or iterations < 1:
@@ -319,26 +344,33 @@ class LoopKernel:
         unknown = [k for k in inputs if k not in g.inputs]
         if missing or unknown:
             raise EvaluationError(
-                f"inputs missing {missing}, unknown {unknown} (an input written in place through "
+                f"{self._who()}inputs missing {missing}, unknown {unknown} (an input written in place through "
                 "tensor(name) may be left out)"
             )
         for name, value in inputs.items():
-            self._put(g.inputs[name], value, f"input {name!r}")
+            self._put(g.inputs[name], value, f"{self._who()}input {name!r}")
         if self._in_place:  # torch work writing those inputs must be done before the doorbell rings
-            import torch
+            wait_for_torch(
+                self.device, f"{self._who()}inputs {sorted(self._in_place)} written in place", self.timeout_s
+            )
 
-            torch.cuda.current_stream(self.device).synchronize()
-        self.start(iterations)
-        self.wait()
+    def _outputs(self) -> dict[str, np.ndarray]:
         return {name: self._read(tid) for name, tid in self.rp.outputs.items()}
+
+    def _who(self) -> str:
+        return f"rank {self.rank}: " if self.plan.world_size > 1 else ""
 
     def start(self, iterations: int) -> None:
         """Ring the doorbell for ``iterations`` more iterations (returns at once)."""
+        if not self._launched:
+            raise LoopKernelError("the loop kernel is not running (stopped, or it failed earlier)")
         self._requested += iterations
         self.control[REQUESTED] = self._requested
 
     def wait(self) -> None:
         """Until the kernel finished what was asked, or raise what it reported."""
+        if self.control is None:
+            raise LoopKernelError("the loop kernel has been stopped and its memory freed")
         deadline = time.monotonic() + self.timeout_s + 5.0
         last = self.completed()
         spins = 0
@@ -375,14 +407,16 @@ class LoopKernel:
         info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 8]]
         self._halt()  # every block leaves (a block stuck in a task is reported by stop())
         if code == 1:
-            proc, task, op, counter, expected, seen, k, _ = info
+            proc, task, op, counter, expected, seen, k, peer = info
             rp = self.rp
             waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
-            signaler = rp.counters[counter].name if 0 <= counter < len(rp.counters) else f"counter {counter}"
+            owner = self.plan.ranks[peer] if 0 <= peer < len(self.plan.ranks) else rp
+            signaler = owner.counters[counter].name if 0 <= counter < len(owner.counters) else f"counter {counter}"
+            where = f" of rank {peer} (a peer GPU: is it running?)" if peer != self.rank else ""
             raise LoopKernelError(
-                f"watchdog: processor {proc} waited more than {self.timeout_s:g} s in iteration {k} before "
-                f"{waiting}: counter {counter} ({signaler}) stayed at {seen}, expected {expected}. The kernel has "
-                "stopped; make a new LoopKernel to run again"
+                f"watchdog: rank {self.rank} processor {proc} waited more than {self.timeout_s:g} s in iteration {k} "
+                f"before {waiting}: counter {counter}{where} ({signaler}) stayed at {seen}, expected {expected}. "
+                "The kernel has stopped; make a new LoopKernel to run again"
             )
         if code == 2:
             proc, task, op, value, limit, kind, _, _ = info
@@ -426,6 +460,7 @@ class LoopKernel:
         """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations."""
         n = len(self.rp.tasks) * self.profile_iterations
         out = np.zeros(2 * n, np.uint64)
+        self._use()
         if n:
             _check(self._d.cuMemcpyDtoH(out, self.profile, out.nbytes))
         return out.reshape(self.profile_iterations, len(self.rp.tasks), 2)
@@ -433,6 +468,7 @@ class LoopKernel:
     def _halt(self) -> bool:
         """Make every block leave: the stop word first (idle blocks), then the abort flag (blocks in a
         wait). False when the kernel is still running after that: a task itself is stuck."""
+        self._use()
         d = self._d
         self._launched = False
         self.control[STOP] = 1
@@ -471,11 +507,13 @@ class LoopKernel:
                 self._free()
 
     def _free(self) -> None:
+        self._use()
         d = self._d
         for ptr in self._allocations:
             d.cuMemFree(ptr)
         self._allocations.clear()
         if getattr(self, "_control_host", 0):
+            self.control = self.progress = None  # views of the pinned page: gone with it
             d.cuMemFreeHost(self._control_host)
             self._control_host = 0
         for s in ("_stream", "_copies"):

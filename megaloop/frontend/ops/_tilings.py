@@ -95,7 +95,8 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole rows along the normalised axis")
 
 
-MIN_BLOCK_N = 8
+MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
+MIN_BLOCK_N_TILED = 32  # tiles of 16 rows or more (prefill, tensor cores) read bm x k of A per tile
 
 
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -110,7 +111,8 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest, counting
     # rounds of tasks over the processors times the width of one task; ties keep the wider tile.
     if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
-        widths = [bn >> s for s in range(8) if bn >> s >= MIN_BLOCK_N] or [bn]
+        narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
+        widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
         bn = min(
             widths, key=lambda w: (math.ceil(n_batch * math.ceil(m / bm) * math.ceil(n / w) / ctx.processors) * w, -w)
         )

@@ -146,8 +146,10 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
     for (;;) {
         if (aborted(a)) return 0;
         if (blockIdx.x == 0) {
-            const u64 requested = load_acquire_sys(&a.control->requested);
+            // stop first: the host writes requested, then stop, so a stop seen here comes with the
+            // last request (read the other way round, a stale request could lose iterations)
             const bool stop = load_acquire_sys(&a.control->stop) != 0;
+            const u64 requested = load_acquire_sys(&a.control->requested);
             if (requested > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], requested);
             if (requested > k) return requested;
             if (stop) {
@@ -170,10 +172,13 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
 
 // Thread 0 only: this block finished iteration k. Blocks may run ahead of each other (their waits
 // keep them correct), so the host takes the minimum over all blocks as the iterations completed.
-// Reported at the end of what was asked (completion) and every 64 iterations in between (so the
-// host sees a long run make progress), not every iteration: each report is a PCIe write.
-__device__ inline void iteration_done(const Args& a, u64 k, u64 granted) {
-    if (k + 1 != granted && (k & 63) != 63) return;
+// Reported at the end of what was asked (completion), and in between every 64 iterations or 100 ms,
+// whichever comes first (so the host sees a long run make progress, however slow an iteration is),
+// not every iteration: each report is a PCIe write. `last` is the block's time of its last report.
+__device__ inline void iteration_done(const Args& a, u64 k, u64 granted, u64& last) {
+    const u64 now = now_ns();
+    if (k + 1 != granted && (k & 63) != 63 && now - last < 100000000ull) return;
+    last = now;
     __threadfence_system();
     store_release_sys(&a.progress[blockIdx.x], k + 1);
 }
