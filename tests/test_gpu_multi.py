@@ -103,3 +103,23 @@ def test_a_stopped_peer_is_named_by_the_watchdog() -> None:
         r0.start(1)
         with pytest.raises(LoopKernelError, match=r"watchdog: rank 0 .* of rank 1 \(a peer GPU"):
             gr.wait()
+
+
+def test_torchrun_one_process_per_gpu() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(root / "tests/torchrun_tp_mlp.py"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
