@@ -180,3 +180,49 @@ def test_single_rank_collectives_are_identities() -> None:
     out = ml.evaluate(g, {"x": arr}).outputs
     for k in "abc":
         np.testing.assert_array_equal(out[k], arr)
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_step_all_reduce_is_bitwise_the_one_shot(world: int, dtype: str) -> None:
+    """reduce_scatter + all_gather combines each element in rank order and rounds once, as the
+    one-shot form does: the results are the same bits, through the reference and through a plan."""
+    from megaloop.plan import make_plan
+    from megaloop.reference.interpreter import run_plan
+
+    rng = np.random.default_rng(world)
+    shape = (world * 3, 5)
+    xs = [random_values(rng, shape, ml.as_dtype(dtype)) for _ in range(world)]
+
+    def build(algorithm: str):
+        def body(g: ml.Graph) -> None:
+            y = ml.all_reduce(g.input("x", shape, dtype)[::-1] * 1.0, algorithm=algorithm)  # a view first
+            g.output("y", y)
+
+        return ml.spmd(body, world)
+
+    one = ml.evaluate(build("one_shot"), [{"x": x} for x in xs])
+    two_graphs = build("two_step")
+    assert any(n.op.name == "reduce_scatter" for n in two_graphs[0].nodes)
+    two = ml.evaluate(two_graphs, [{"x": x} for x in xs])
+    planned = run_plan(make_plan(two_graphs, processors=3), [{"x": x} for x in xs], seed=1)
+    for r in range(world):
+        want = one[r].outputs["y"].tobytes()
+        assert two[r].outputs["y"].tobytes() == want and planned[r].outputs["y"].tobytes() == want, f"rank {r}"
+
+
+def test_all_reduce_algorithm_choice_and_errors() -> None:
+    big = (1 << 20) // 4  # float32 elements in 1 MiB
+
+    def kinds(world: int, n: int, **kw) -> set[str]:
+        graphs = ml.spmd(lambda g: g.output("y", ml.all_reduce(g.input("x", (n,), ml.float32), **kw)), world)
+        return {node.op.name for node in graphs[0].nodes}
+
+    assert "all_reduce" in kinds(4, 1024)  # small: one shot
+    assert "reduce_scatter" in kinds(4, big)  # large, more than two members: two steps
+    assert "all_reduce" in kinds(2, big)  # two members: one shot moves no more
+    assert "all_reduce" in kinds(4, big + 1)  # does not divide: one shot
+    with pytest.raises(ml.errors.ShapeError, match="does not divide by 4"):
+        kinds(4, 10, algorithm="two_step")
+    with pytest.raises(ml.errors.GraphBuildError, match="algorithm must be one of"):
+        kinds(2, 10, algorithm="ring")

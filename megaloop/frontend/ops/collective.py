@@ -95,8 +95,35 @@ ALL_REDUCE = register(
 )
 
 
-def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
-    return apply(ALL_REDUCE, [x], op=op, group=None if group is None else tuple(group))
+# Above this size, with more than two members, an all-reduce runs as reduce-scatter then all-gather:
+# each rank then moves 2 (n - 1) / n of the tensor instead of (n - 1) times it. With two members both
+# move the same bytes and the one-shot form has one step fewer.
+TWO_STEP_MIN_BYTES = 1 << 20
+ALGORITHMS = ("auto", "one_shot", "two_step")
+
+
+def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None, algorithm: str = "auto") -> Tensor:
+    """``algorithm``: "one_shot" (every rank reads every member's x), "two_step" (reduce_scatter of the
+    flattened x, then all_gather; its size must divide by the group size), or "auto" (two_step for
+    more than two members and at least TWO_STEP_MIN_BYTES). All give bitwise the same result: each
+    element is combined in rank order and rounded once."""
+    require_tensor(ALL_REDUCE, "x", x)
+    if algorithm not in ALGORITHMS:
+        raise GraphBuildError(f"all_reduce: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    members = len(group) if group is not None else x.graph.world_size
+    fits = x.size % members == 0
+    if algorithm == "two_step" and not fits:
+        raise ShapeError(
+            f"all_reduce: algorithm='two_step' cuts x (shape {format_shape(x.shape)}, {x.size} elements) into "
+            f"{members} equal parts; {x.size} does not divide by {members}. Use algorithm='one_shot'"
+        )
+    two_step = algorithm == "two_step" or (
+        algorithm == "auto" and members > 2 and fits and x.size * x.dtype.itemsize >= TWO_STEP_MIN_BYTES
+    )
+    if not two_step:
+        return apply(ALL_REDUCE, [x], op=op, group=None if group is None else tuple(group))
+    part = reduce_scatter(x.reshape(-1), axis=0, op=op, group=group)
+    return all_gather(part, axis=0, group=group).reshape(x.shape)
 
 
 # ---- all_gather ----------------------------------------------------------------------------------
