@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 what="${1:-all}"
 gpu_count=$(nvidia-smi -L | wc -l)
 default_benches="loop_overhead memory_bound gemm llama_layer"
-[ "$gpu_count" -ge 2 ] && default_benches="$default_benches allreduce"
+[ "$gpu_count" -ge 2 ] && default_benches="$default_benches allreduce tp_mlp"
 benches="${BENCHES:-$default_benches}"
 # a hung kernel must not eat the whole device call: bound every step
 test_timeout="${TEST_TIMEOUT:-420}" bench_timeout="${BENCH_TIMEOUT:-420}"

@@ -1,0 +1,98 @@
+"""Megatron-style tensor-parallel MLP (column-parallel W1, row-parallel W2, all-reduce) at hidden
+4096 on 2 GPUs, per step: the loop kernel (matmul tiles and all-reduce tiles overlapped: a tile of
+the all-reduce starts when the W2 tiles it needs are done, on each rank), the same work as two loop
+kernels run one after the other (compute, then the all-reduce: no overlap), and PyTorch + NCCL eager
+and CUDA-graphed (bench/tp_mlp_torch.py under torchrun), all in one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import megaloop as ml
+from bench.common import write
+from megaloop.plan import make_plan
+from megaloop.runtime.group import LoopKernelGroup
+
+HIDDEN, FFN, WORLD = 4096, 16384, 2
+TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
+TILES = {"matmul": {"tensor_cores": 1}}
+
+
+def graphs(tokens: int, part: str):
+    def build(g: ml.Graph) -> None:
+        if part == "comm":
+            g.output("y", ml.all_reduce(g.input("h", (tokens, HIDDEN), ml.bfloat16)))
+            return
+        x = g.input("x", (tokens, HIDDEN), ml.bfloat16)
+        w1 = g.parameter("w1", (FFN // WORLD, HIDDEN), ml.bfloat16)
+        w2 = g.parameter("w2", (HIDDEN, FFN // WORLD), ml.bfloat16)
+        h = ml.linear(ml.silu(ml.linear(x, w1)), w2)
+        g.output("y", ml.all_reduce(h) if part == "fused" else h)
+
+    return ml.spmd(build, WORLD)
+
+
+def per_step(gr: LoopKernelGroup, feeds: list, iterations: int) -> float:
+    gr.run(feeds)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for k in gr.kernels:
+            k.start(iterations)
+        gr.wait()
+        times.append((time.perf_counter() - t0) / iterations)
+    return float(np.median(times))
+
+
+def torch_side() -> dict:
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    script = Path(__file__).with_name("tp_mlp_torch.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"tp_mlp_torch.py gave no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    params = [
+        {
+            "w1": rng.standard_normal((FFN // WORLD, HIDDEN), dtype=np.float32) * 0.02,
+            "w2": rng.standard_normal((HIDDEN, FFN // WORLD), dtype=np.float32) * 0.02,
+        }
+        for _ in range(WORLD)
+    ]
+    results: dict = {"hidden": HIDDEN, "ffn": FFN, "world": WORLD, "tokens": {}}
+    for tokens in TOKENS:
+        x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
+        iterations = 100 if tokens <= 64 else 20
+        row: dict = {}
+        with LoopKernelGroup(make_plan(graphs(tokens, "fused"), processors=132, tiles=TILES), params) as gr:
+            row["loop_overlapped_us"] = per_step(gr, [{"x": x}] * WORLD, iterations) * 1e6
+        with LoopKernelGroup(make_plan(graphs(tokens, "compute"), processors=132, tiles=TILES), params) as gr:
+            compute = per_step(gr, [{"x": x}] * WORLD, iterations)
+            h = [out["y"] for out in gr.run([{"x": x}] * WORLD)]
+        with LoopKernelGroup(make_plan(graphs(tokens, "comm"), processors=132)) as gr:
+            comm = per_step(gr, [{"h": v} for v in h], iterations)
+        row["loop_no_overlap_us"] = (compute + comm) * 1e6
+        results["tokens"][str(tokens)] = row
+        print(tokens, row, flush=True)
+    for tokens, row in torch_side().items():
+        results["tokens"][tokens].update(row)
+        r = results["tokens"][tokens]
+        r["speedup_vs_torch_eager"] = r["torch_eager_us"] / r["loop_overlapped_us"]
+        r["speedup_vs_torch_cuda_graph"] = r["torch_cuda_graph_us"] / r["loop_overlapped_us"]
+    write("tp_mlp", results)
+
+
+if __name__ == "__main__":
+    main()
