@@ -152,9 +152,10 @@ def test_collectives_through_the_plan(world: int, processors: int) -> None:
     check_plan(plan, graphs, feeds, what=f"world {world} P={processors}")
 
 
-def test_tp_mlp_through_the_plan() -> None:
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_tp_mlp_through_the_plan(world: int) -> None:
     """Megatron-style tensor-parallel MLP: column-parallel then row-parallel matmul, all-reduce."""
-    world, hidden, ffn = 4, 16, 32
+    hidden, ffn = 16, 8 * world
 
     def build(g: ml.Graph) -> None:
         x = g.input("x", (5, hidden), ml.bfloat16)
