@@ -184,28 +184,35 @@ def _attention(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     hkv, tk = k.shape[1], k.shape[2]
     group = hq // hkv
     qb = min(params["q_block"], tq)
+    # All query heads of a kv head share its keys; but when that makes fewer tiles than processors
+    # (decode: one tile per kv head), tiles take fewer query heads each, re-reading the keys (from L2).
+    blocks = b * hkv * -(-tq // qb)
+    hb = next((n for n in range(group, 0, -1) if group % n == 0 and blocks * (group // n) >= ctx.processors), 1)
     tiles = []
     for bi in range(b):
         for h in range(hkv):
-            for s in range(0, tq, qb):
-                e = min(tq, s + qb)
-                qbox = Box((bi, h * group, s, 0), (bi + 1, (h + 1) * group, e, d))
-                kv = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, d))
-                reads = [Read(0, qbox), Read(1, kv), Read(2, Box((bi, h, 0, 0), (bi + 1, h + 1, tk, v.shape[3])))]
-                if 3 in slot:
-                    reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
-                if 4 in slot:
-                    reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
-                obox = Box((bi, h * group, s, 0), (bi + 1, (h + 1) * group, e, v.shape[3]))
-                flops = 2 * group * (e - s) * tk * (d + v.shape[3])
-                tiles.append(Tile((bi, h, s // qb), tuple(reads), (Write(0, obox),), flops))
+            for j in range(0, group, hb):
+                h0, h1 = h * group + j, h * group + j + hb
+                for s in range(0, tq, qb):
+                    e = min(tq, s + qb)
+                    qbox = Box((bi, h0, s, 0), (bi + 1, h1, e, d))
+                    kv = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, d))
+                    vbox = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, v.shape[3]))
+                    reads = [Read(0, qbox), Read(1, kv), Read(2, vbox)]
+                    if 3 in slot:
+                        reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
+                    if 4 in slot:
+                        reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
+                    obox = Box((bi, h0, s, 0), (bi + 1, h1, e, v.shape[3]))
+                    flops = 2 * hb * (e - s) * tk * (d + v.shape[3])
+                    tiles.append(Tile((bi, h0, s // qb), tuple(reads), (Write(0, obox),), flops))
     return tiles
 
 
 ATTENTION = Tiling(
     {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
     _attention,
-    "one (batch, kv head) pair and a block of queries: all query heads sharing that kv head",
+    "a block of queries of the query heads sharing one kv head (fewer heads per tile when tiles would be few)",
 )
 
 
