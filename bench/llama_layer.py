@@ -59,7 +59,7 @@ class TorchLayer(torch.nn.Module):
         )
 
 
-def bench_case(hidden: int, tokens: int, compile_too: bool) -> dict:
+def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | None = None) -> dict:
     cfg = LlamaConfig(
         hidden=hidden,
         heads=hidden // 128,
@@ -72,13 +72,13 @@ def bench_case(hidden: int, tokens: int, compile_too: bool) -> dict:
     params = random_parameters(cfg, seed=0)
     layer_params = {k: v for k, v in params.items() if k.startswith("model.layers.")}
     start = CONTEXT if tokens == 1 else 0
-    g = build_llama(cfg, 1, tokens)
+    g = build_llama(cfg, 1, tokens, kv_splits=kv_splits)
     # the reference graph has a final norm; the layer alone is what torch times, so time the full
     # graph (one extra rmsnorm, negligible) on both sides by adding it to torch too
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, tokens, hidden)).astype(np.float32)
     pos = np.arange(start, start + tokens)[None]
-    out = {}
+    out: dict = {"kv_splits": kv_splits}
     # the tensor-core switch only changes tiles of 16 rows or more (prefill); decode stays on GEMV
     out["matmul_tensor_cores"] = int(os.environ.get("MEGALOOP_BENCH_TENSOR_CORES", "1"))
     tiles = {"matmul": {"tensor_cores": out["matmul_tensor_cores"]}}
@@ -114,6 +114,9 @@ def main() -> None:
         for tokens, label in ((1, "decode"), (512, "prefill512")):
             results[f"hidden{hidden}_{label}"] = bench_case(hidden, tokens, compile_too and tokens == 1)
             print(label, hidden, results[f"hidden{hidden}_{label}"], flush=True)
+        # decode with the cache split into 8 key ranges (attention_partial + attention_combine)
+        results[f"hidden{hidden}_decode_kv_splits8"] = bench_case(hidden, 1, False, kv_splits=8)
+        print("decode kv_splits=8", hidden, results[f"hidden{hidden}_decode_kv_splits8"], flush=True)
     write("llama_layer", results)
 
 

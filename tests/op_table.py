@@ -631,12 +631,16 @@ def _attn_row(
     sampler: Callable[[np.random.Generator], Sample],
     positions: bool = False,
     lengths: bool = False,
+    kv_splits: int | None = None,
     **opts: Any,
 ) -> None:
+    """A row of attention, or with ``kv_splits`` of its split form (attention_partial, then the
+    attention_combine this row is filed under), against the same dense reference."""
+
     def build(g, q, k, v, *extra, tk, d):
         qp = extra[0] if positions else None
         ln = extra[-1] if lengths else None
-        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, **opts)
+        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, kv_splits=kv_splits, **opts)
 
     def ref(q, k, v, *extra, tk, d, dtype):
         qp = extra[0] if positions else None
@@ -644,7 +648,8 @@ def _attn_row(
         return attention_ref(q, k, v, qp, ln, **opts)
 
     fixed = {i: "int64" for i in range(3, 3 + positions + lengths)}
-    row("attention", label, build, ref, sampler, fixed=fixed, reduce_len=lambda s: s.kw["tk"] + s.kw["d"])
+    op = "attention" if kv_splits is None else "attention_combine"
+    row(op, label, build, ref, sampler, fixed=fixed, reduce_len=lambda s: s.kw["tk"] + s.kw["d"])
 
 
 _attn_row("mha", _attn_sample(gqa=False))
@@ -659,6 +664,40 @@ _attn_row(
 _attn_row("decode-lengths", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True)
 _attn_row("sliding-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5)
 _attn_row("scale-vdim", _attn_sample(gqa=False, dv=True), scale=0.3)
+_attn_row("split-decode", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3)
+_attn_row("split-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5, kv_splits=4)
+
+
+def _partial_sample(rng: np.random.Generator) -> Sample:
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    hq, splits = hkv * int(rng.integers(1, 4)), int(rng.integers(2, 5))
+    tk, tq, d = splits * int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 33))
+    return Sample([(b, hq, tq, d), (b, hkv, tk, d), (b, hkv, tk, d)], {"tk": tk, "d": d, "splits": splits})
+
+
+def _partial_ref(q, k, v, *, tk, d, splits, dtype):
+    """Per key range: unnormalised output, max score, exp-sum (every key visible: no -inf)."""
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(d)
+    values = v.repeat_interleave(rep, 1)
+    chunk = -(-tk // splits)
+    parts = []
+    for s in range(splits):
+        sc = scores[..., s * chunk : (s + 1) * chunk]
+        m = sc.max(-1).values
+        p = torch.exp(sc - m[..., None])
+        parts.append(torch.cat([p @ values[:, :, s * chunk : (s + 1) * chunk], m[..., None], p.sum(-1)[..., None]], -1))
+    return torch.stack(parts, 3)
+
+
+row(
+    "attention_partial",
+    "all-visible",
+    lambda g, q, k, v, tk, d, splits: ml.attention_partial(q, k, v, splits=splits),
+    _partial_ref,
+    _partial_sample,
+    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
+)
 
 
 def _cache_sample(rng: np.random.Generator) -> Sample:

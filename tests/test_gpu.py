@@ -292,3 +292,19 @@ def test_torch_tensors_in_and_zero_copy_views_out() -> None:
         k.tensor("tokens").copy_(torch.tensor(tokens, device="cuda"))  # written in place, no copy
         got = k.run({"positions": positions})["logits"]
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_split_key_decode_against_the_reference() -> None:
+    """attention_partial + attention_combine on the GPU: decode over a cache split into key ranges."""
+    cfg = LlamaConfig(hidden=256, heads=8, kv_heads=2, intermediate=688, layers=2, max_seq=256, vocab=1000)
+    params = random_parameters(cfg, seed=6)
+    rng = np.random.default_rng(6)
+    prefill = build_llama(cfg, 1, 100)
+    feeds = {"tokens": rng.integers(0, 1000, (1, 100)), "positions": np.arange(100)[None]}
+    state = ml.evaluate(prefill, feeds, params).state
+    decode = build_llama(cfg, 1, 1, kv_splits=8)
+    step = {"tokens": np.array([[7]]), "positions": np.array([[100]])}
+    ref = ml.evaluate(decode, step, params, state)
+    with loop_kernel(make_plan(decode, processors=132), params, state) as k:
+        out = k.run(step)
+    _close(out["logits"], ref.outputs["logits"], "split-key decode logits")

@@ -16,16 +16,104 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     optional = [s for s in (3, 4) if s not in absent]
     qpos = ins[3 + optional.index(3)] if 3 in optional else None
     lens = ins[3 + optional.index(4)] if 4 in optional else None
+    group = q.shape[1] // k.shape[1]
+    scale = float_literal(attrs["scale"])
+    body = pointers(ins + [out], len(ins))
+    body += _attention_split(attrs, ins, out, qpos, lens, optional, group, scale)
+    body += _online_rows(attrs, ins, None)
+    dv, vl = v.shape[3], (v.shape[3] + 31) // 32
+    body.append(
+        f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {dv}) ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, l > 0.0f ? acc[c] / l : 0.0f); }}"
+    )
+    body.append("});")
+    return body
+
+
+def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """The same rows over one key range (the tile's split): the unnormalised output, then m and l,
+    as float32 (megaloop/frontend/ops/attention_split.py)."""
+    k, v = ins[1], ins[2]
+    tk, dv = k.shape[2], v.shape[3]
+    chunk = -(-tk // attrs["splits"])
+    vl = (dv + 31) // 32
+    body = pointers(ins + [out], len(ins))
+    body += _online_rows(attrs, ins, chunk)
+    body.append(
+        f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * "
+        f"{out.strides[2]} + (ml::i64)o[3] * {out.strides[3]};"
+    )
+    body.append(
+        f"    for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
+        f"if (dd < {dv}) out0[ob + (ml::i64)dd * {out.strides[4]}] = acc[c]; }}"
+    )
+    body.append(
+        f"    if (lane == 0) {{ out0[ob + (ml::i64){dv} * {out.strides[4]}] = m; "
+        f"out0[ob + (ml::i64){dv + 1} * {out.strides[4]}] = l; }}"
+    )
+    body.append("});")
+    return body
+
+
+def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """A warp per (batch, head, query): the largest m over the key ranges, then the weighted sums of
+    the outputs (lanes over the value vector) and of l; zeros when no range saw a key."""
+    x = ins[0]
+    splits, dv = x.shape[3], x.shape[4] - 2
+    xs = x.strides
+    body = pointers(ins + [out], len(ins))
+    body.append("ml::Task rowt = t;")
+    body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
+    body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
+    body.append(f"    const ml::i64 xb = (ml::i64)o[0] * {xs[0]} + (ml::i64)o[1] * {xs[1]} + (ml::i64)o[2] * {xs[2]};")
+    body.append("    float top = ml::neg_inf();")
+    body.append(
+        f"    for (int s = 0; s < {splits}; ++s) {{ const float m = in0[xb + (ml::i64)s * {xs[3]} + {dv * xs[4]}]; top = m > top ? m : top; }}"
+    )
+    body.append("    const float base = top == ml::neg_inf() ? 0.0f : top;")
+    body.append("    float total = 0.0f;")
+    body.append(
+        f"    for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
+        f"total += in0[sb + {(dv + 1) * xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
+    )
+    body.append(
+        f"    const ml::i64 ob = (ml::i64)o[0] * {out.strides[0]} + (ml::i64)o[1] * {out.strides[1]} + (ml::i64)o[2] * {out.strides[2]};"
+    )
+    body.append(f"    for (int dd = lane; dd < {dv}; dd += 32) {{")
+    body.append("        float acc = 0.0f;")
+    body.append(
+        f"        for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
+        f"acc += in0[sb + (ml::i64)dd * {xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
+    )
+    body.append(f"        ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, total > 0.0f ? acc / total : 0.0f);")
+    body.append("    }")
+    body.append("});")
+    return body
+
+
+def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -> list[str]:
+    """The warp-per-row loop up to the end of the key loop: in scope after it are bi, h, i, lane,
+    the row's m and l and acc[] (the lanes' share of the unnormalised output). With ``chunk``, the
+    tile is one key range of attention_partial (its split index in o[3])."""
+    q, k, v = ins[:3]
+    absent = attrs.get("absent", ())
+    optional = [s for s in (3, 4) if s not in absent]
+    qpos = ins[3 + optional.index(3)] if 3 in optional else None
+    lens = ins[3 + optional.index(4)] if 4 in optional else None
     _, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     dl, vl = (d + 31) // 32, (dv + 31) // 32
     scale = float_literal(attrs["scale"])
-    body = pointers(ins + [out], len(ins))
-    body += _attention_split(attrs, ins, out, qpos, lens, optional, group, scale)
-    body.append("ml::Task rowt = t;")
+    nd = 4 if chunk is None else 5
+    body = ["ml::Task rowt = t;"]
     body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
-    body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
+    if chunk is not None:
+        body.append("rowt.hi[4] = rowt.lo[4] + 1;  // (and this tile's key range)")
+    body.append(f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{")
     body.append("    const int bi = o[0], h = o[1], i = o[2];")
     body.append(f"    const int kh = h / {group};")
     if lens is not None:
@@ -48,7 +136,11 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
         body.append(f"    ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};")
         body.append("    if (begin < 0) begin = 0;")
     else:
-        body.append("    const ml::i64 end = len, begin = 0;")
+        body.append("    ml::i64 end = len, begin = 0;")
+    if chunk is not None:
+        body.append(f"    const ml::i64 lo = (ml::i64)o[3] * {chunk}, hi = lo + {chunk};  // this tile's keys")
+        body.append("    if (begin < lo) begin = lo;")
+        body.append("    if (end > hi) end = hi;")
     body.append(f"    float qv[{dl}], acc[{vl}];")
     body.append(
         f"    const ml::i64 qb = (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]};"
@@ -78,14 +170,6 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     )
     body.append("        m = mn;")
     body.append("    }")
-    body.append(
-        f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};"
-    )
-    body.append(
-        f"    for (int c = 0; c < {vl}; ++c) {{ const int dd = lane + 32 * c; "
-        f"if (dd < {dv}) ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, l > 0.0f ? acc[c] / l : 0.0f); }}"
-    )
-    body.append("});")
     return body
 
 

@@ -31,7 +31,7 @@ from megaloop.codegen.emit import (
     rope,
     rows,
 )
-from megaloop.codegen.emit_attention import attention, attention_shared_bytes
+from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
@@ -96,6 +96,10 @@ def emit(
         return concat(op_name, attrs, ins, out)
     if template == "attention":
         return attention(op_name, attrs, ins, out)
+    if template == "attention_partial":
+        return attention_partial(op_name, attrs, ins, out)
+    if template == "attention_combine":
+        return attention_combine(op_name, attrs, ins, out)
     raise GraphBuildError(f"{op_name}: no CUDA template {template!r}")
 
 

@@ -88,7 +88,9 @@ def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def attention_block(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+def attention_block(
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int, kv_splits: int | None = None
+) -> Tensor:
     b, t, _ = x.shape
     hd, p = cfg.head_dim, f"model.layers.{layer}.self_attn."
     w = {
@@ -112,7 +114,7 @@ def attention_block(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, la
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
     k_all = ops.kv_cache_update(g.state(p + "k_cache", cache_shape, cfg.dtype), k, positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
-    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions)
+    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, kv_splits=kv_splits)
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
     return ops.linear(o, w["o"])
 
@@ -125,19 +127,24 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
     return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
 
 
-def decoder_layer(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+def decoder_layer(
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int, kv_splits: int | None = None
+) -> Tensor:
     p = f"model.layers.{layer}."
     with g.scope(f"layers.{layer}"):
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            h = x + attention_block(g, cfg, ops.rmsnorm(x, ln1, eps=cfg.rms_eps), positions, layer)
+            h = x + attention_block(g, cfg, ops.rmsnorm(x, ln1, eps=cfg.rms_eps), positions, layer, kv_splits)
         with g.scope("mlp"):
             return h + mlp_block(g, cfg, ops.rmsnorm(h, ln2, eps=cfg.rms_eps), layer)
 
 
-def build_llama(cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama") -> Graph:
-    """One step of the model for ``tokens`` new tokens per sequence.
+def build_llama(
+    cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama", *, kv_splits: int | None = None
+) -> Graph:
+    """One step of the model for ``tokens`` new tokens per sequence. ``kv_splits`` splits each
+    attention's cache into that many key ranges computed by separate tiles (decode over a long cache).
 
     Inputs: ``positions`` int64 [batch, tokens] (where the new tokens go in the cache) and either
     ``tokens`` int64 [batch, tokens] (when cfg.vocab is set) or ``hidden`` [batch, tokens, hidden].
@@ -153,7 +160,7 @@ def build_llama(cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama") 
     else:
         x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
     for layer in range(cfg.layers):
-        x = decoder_layer(g, cfg, x, positions, layer)
+        x = decoder_layer(g, cfg, x, positions, layer, kv_splits)
     x = ops.rmsnorm(x, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
     if cfg.vocab is None:
         g.output("hidden", x)

@@ -15,6 +15,7 @@ from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
 from megaloop.frontend.ops import sources
 from megaloop.frontend.ops.attention import attention, kv_cache_update
+from megaloop.frontend.ops.attention_split import attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import (
     abs,
@@ -78,6 +79,8 @@ __all__ = [
     "all_reduce",
     "argmax",
     "attention",
+    "attention_combine",
+    "attention_partial",
     "broadcast_to",
     "cast",
     "concat",

@@ -216,6 +216,64 @@ ATTENTION = Tiling(
 )
 
 
+def _attention_partial(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    q, k, v = node.inputs[:3]
+    absent = node.attrs.get("absent", ())
+    slot = {s: 3 + n for n, s in enumerate(s for s in (3, 4) if s not in absent)}
+    b, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group, splits = hq // hkv, node.attrs["splits"]
+    chunk = -(-tk // splits)
+    qb = min(params["q_block"], tq)
+    blocks = b * hkv * -(-tq // qb) * splits
+    hb = next((n for n in range(group, 0, -1) if group % n == 0 and blocks * (group // n) >= ctx.processors), 1)
+    tiles = []
+    for bi in range(b):
+        for h in range(hkv):
+            for j in range(0, group, hb):
+                h0, h1 = h * group + j, h * group + j + hb
+                for s in range(0, tq, qb):
+                    e = min(tq, s + qb)
+                    for sp in range(splits):
+                        lo, hi = sp * chunk, min(tk, (sp + 1) * chunk)
+                        reads = [
+                            Read(0, Box((bi, h0, s, 0), (bi + 1, h1, e, d))),
+                            Read(1, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, d))),
+                            Read(2, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, dv))),
+                        ]
+                        if 3 in slot:
+                            reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
+                        if 4 in slot:
+                            reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
+                        obox = Box((bi, h0, s, sp, 0), (bi + 1, h1, e, sp + 1, dv + 2))
+                        flops = 2 * hb * (e - s) * (hi - lo) * (d + dv)
+                        tiles.append(Tile((bi, h0, s // qb, sp), tuple(reads), (Write(0, obox),), flops))
+    return tiles
+
+
+ATTENTION_PARTIAL = Tiling(
+    {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
+    _attention_partial,
+    "one key range of a block of queries of the query heads sharing one kv head",
+)
+
+
+def _attention_combine(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    x, out = node.inputs[0], node.outputs[0]
+    per_row = x.shape[3] * x.shape[4]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape[:3], max(1, params["elements"] // per_row))):
+        xbox = Box(box.lo + (0, 0), box.hi + x.shape[3:])
+        obox = Box(box.lo + (0,), box.hi + (out.shape[3],))
+        tiles.append(Tile((i,), (Read(0, xbox),), (Write(0, obox),), 3 * xbox.size))
+    return tiles
+
+
+ATTENTION_COMBINE = Tiling(
+    {"elements": ELEMENTS}, _attention_combine, "blocks of rows, each reading all its key ranges"
+)
+
+
 def _kv_update(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     cache, new, pos = node.inputs
     b, h, s, d = cache.shape

@@ -149,7 +149,10 @@ def attention(
     kv_lengths: Tensor | None = None,
     window: int | None = None,
     scale: float | None = None,
+    kv_splits: int | None = None,
 ) -> Tensor:
+    """``kv_splits``: split the keys into that many ranges computed by separate tiles and merged
+    after (megaloop/frontend/ops/attention_split.py): for few queries over many keys (decode)."""
     optional = {3: q_positions, 4: kv_lengths}
     operands = [q, k, v] + [t for t in optional.values() if t is not None]
     absent = tuple(s for s, t in optional.items() if t is None)
@@ -158,9 +161,17 @@ def attention(
     if scale is not None:
         scale = float(require_scalar(ATTENTION, "scale", scale))
     causal = require_bool(ATTENTION, "causal", causal)
-    return apply(
-        ATTENTION, operands, causal=causal, window=window, scale=scale, **({"absent": absent} if absent else {})
-    )
+    attrs = {"causal": causal, "window": window, "scale": scale, **({"absent": absent} if absent else {})}
+    if kv_splits is not None:
+        kv_splits = require_int(ATTENTION, "kv_splits", kv_splits, minimum=1)
+        tk = k.shape[2] if isinstance(k, Tensor) and k.ndim == 4 else 1
+        chunk = -(-tk // kv_splits)
+        splits = -(-tk // chunk)  # no empty range: tk = 9 in 4 splits is 3 ranges of 3
+        if splits > 1:
+            from megaloop.frontend.ops.attention_split import split_attention
+
+            return split_attention(operands, splits, **attrs)
+    return apply(ATTENTION, operands, **attrs)
 
 
 # ---- KV cache ----------------------------------------------------------------------------------

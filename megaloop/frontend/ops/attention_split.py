@@ -1,0 +1,141 @@
+"""Attention with its keys split over tiles (flash-decoding), for when the queries are few and the
+keys many (decode over a long cache): one tile per key range would otherwise be the only worker.
+
+``attention_partial`` gives, for each of ``splits`` consecutive key ranges, the unnormalised output
+sum_j exp(s_j - m) v_j over the visible keys of that range, its running maximum m (-inf when the
+range has no visible key) and its sum l = sum_j exp(s_j - m), all float32, in one tensor
+[batch, heads, q_len, splits, v_dim + 2] (output, then m, then l). ``attention_combine`` merges the
+ranges: with M = max m, out = sum exp(m - M) output / sum exp(m - M) l (zeros when no key is
+visible), rounded once to the output dtype. ``ml.attention(..., kv_splits=S)`` builds the pair; the
+result is attention's up to float32 rounding. The mask rules are attention's
+(megaloop/frontend/ops/attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megaloop.dtypes import float32
+from megaloop.errors import ShapeError
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops.attention import _infer as _attention_infer
+from megaloop.frontend.ops.attention import visible_keys
+from megaloop.frontend.ops.elementwise import to_compute
+from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import Tensor
+
+
+def split_bounds(tk: int, splits: int, s: int) -> tuple[int, int]:
+    """Keys [lo, hi) of split ``s``: ceil(tk / splits) keys each, the last ones possibly fewer."""
+    chunk = -(-tk // splits)
+    return min(tk, s * chunk), min(tk, (s + 1) * chunk)
+
+
+def _partial_infer(call: OpCall) -> list[OutSpec]:
+    b, hq, tq, dv = _attention_infer(call)[0].shape
+    return [OutSpec((b, hq, tq, call.attrs["splits"], dv + 2), float32)]
+
+
+def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    absent = attrs.get("absent", ())
+    q, k, v = (to_compute(a) for a in arrays[:3])
+    extra = dict(zip([s for s in (3, 4) if s not in absent], arrays[3:]))
+    b, hq, tq, _ = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    splits = attrs["splits"]
+    mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))
+    qg = q.reshape(b, hkv, hq // hkv, tq, -1)
+    scores = np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"])
+    scores = np.where(mask[:, None, None], scores, -np.inf).astype(np.float32)
+    out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
+    out[..., dv] = -np.inf
+    for s in range(splits):
+        lo, hi = split_bounds(tk, splits, s)
+        if lo >= hi:
+            continue
+        part = scores[..., lo:hi]
+        m = np.max(part, axis=-1)
+        p = np.exp(part - np.where(np.isfinite(m), m, 0.0)[..., None]).astype(np.float32)
+        out[..., s, :dv] = np.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, lo:hi])
+        out[..., s, dv] = m
+        out[..., s, dv + 1] = np.sum(p, axis=-1)
+    return out.reshape(b, hq, tq, splits, dv + 2)
+
+
+ATTENTION_PARTIAL = register(
+    OpDef(
+        name="attention_partial",
+        kind="compute",
+        category="attention",
+        doc="attention over each of `splits` key ranges: unnormalised output, max score and exp-sum per "
+        "range (float32); see megaloop.frontend.ops.attention_split.",
+        operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        infer=_partial_infer,
+        reference=_partial_reference,
+        accuracy=Accuracy(ulps=2.0, per_reduction=True),
+        tiling=_tilings.ATTENTION_PARTIAL,
+        cuda=CudaTile("attention_partial"),
+    )
+)
+
+
+def _combine_infer(call: OpCall) -> list[OutSpec]:
+    x = call.operands[0]
+    if x.dtype != float32 or x.ndim != 5 or x.shape[4] < 3:
+        raise call.error(
+            ShapeError,
+            "partial must be attention_partial's float32 [batch, heads, q_len, splits, v_dim + 2], got "
+            f"{x.dtype.name}{format_shape(x.shape)}",
+        )
+    b, hq, tq, _, width = x.shape
+    return [OutSpec((b, hq, tq, width - 2), call.attrs["dtype"])]
+
+
+def _combine_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    x = arrays[0].astype(np.float32)
+    dv = x.shape[-1] - 2
+    m, sums, acc = x[..., dv], x[..., dv + 1], x[..., :dv]
+    top = np.max(m, axis=-1, keepdims=True)
+    w = np.exp(m - np.where(np.isfinite(top), top, 0.0)).astype(np.float32)  # -inf ranges weigh 0
+    total = np.sum(sums * w, axis=-1)
+    out = np.sum(acc * w[..., None], axis=-2)
+    return out / np.where(total > 0, total, 1.0)[..., None]
+
+
+ATTENTION_COMBINE = register(
+    OpDef(
+        name="attention_combine",
+        kind="compute",
+        category="attention",
+        doc="merge attention_partial's key ranges into attention's output, rounded once to `dtype`.",
+        operands=("partial",),
+        infer=_combine_infer,
+        reference=_combine_reference,
+        accuracy=Accuracy(ulps=2.0, per_reduction=True),
+        tiling=_tilings.ATTENTION_COMBINE,
+        cuda=CudaTile("attention_combine"),
+    )
+)
+
+
+def attention_partial(
+    q: Tensor, k: Tensor, v: Tensor, *, splits: int, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """The first half on its own (tests, and graphs that merge ranges themselves)."""
+    return apply(ATTENTION_PARTIAL, [q, k, v], splits=splits, causal=causal, window=None, scale=scale, absent=(3, 4))
+
+
+def attention_combine(partial: Tensor, dtype: Any) -> Tensor:
+    from megaloop.dtypes import as_dtype
+
+    return apply(ATTENTION_COMBINE, [partial], dtype=as_dtype(dtype))
+
+
+def split_attention(operands: list[Tensor], splits: int, **attrs: Any) -> Tensor:
+    """attention_partial then attention_combine (called by ``ml.attention(..., kv_splits=)``)."""
+    partial = apply(ATTENTION_PARTIAL, operands, splits=splits, **attrs)
+    return apply(ATTENTION_COMBINE, [partial], dtype=operands[0].dtype)
