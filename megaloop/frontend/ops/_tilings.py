@@ -97,6 +97,7 @@ ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole ro
 
 MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
 MIN_BLOCK_N_TILED = 32  # tiles of 16 rows or more (prefill, tensor cores) read bm x k of A per tile
+TASK_COST_WEIGHTS = 16384  # a task's fixed cost, in weights one SM streams meanwhile
 
 
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -108,14 +109,16 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     bm, bn = min(params["block_m"], m), min(params["block_n"], n)
     n_batch = math.prod(batch)
     # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles (down to 8
-    # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest, counting
-    # rounds of tasks over the processors times the width of one task; ties keep the wider tile.
+    # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest: rounds of
+    # tasks over the processors times the time of one task, its columns plus a fixed cost per task
+    # (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
+    # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
     if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
         widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
-        bn = min(
-            widths, key=lambda w: (math.ceil(n_batch * math.ceil(m / bm) * math.ceil(n / w) / ctx.processors) * w, -w)
-        )
+        fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
+        rows = n_batch * math.ceil(m / bm)
+        bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
     tiles = []
     batch_shape = tuple(batch)
     for bi, bidx in enumerate(chunks(batch_shape, 1)):
