@@ -45,3 +45,18 @@ def test_large_ops_make_a_bounded_number_of_tasks_that_cover_the_output(op: str)
 def test_small_ops_keep_the_elements_parameter() -> None:
     plan = make_plan(graph("add", (64, 512)), processors=132, tiles={"add": {"elements": 4096}})
     assert len(tasks_of(plan, "add")) == 64 * 512 // 4096
+
+
+def test_attention_partial_with_an_empty_key_range() -> None:
+    """5 keys in 4 ranges of 2: the last range is empty; its tile reads no key and writes m = -inf."""
+    from megaloop.reference.interpreter import run_plan
+
+    g = ml.Graph("p")
+    q = g.input("q", (1, 2, 1, 4), ml.float32)
+    k = g.input("k", (1, 1, 5, 4), ml.float32)
+    v = g.input("v", (1, 1, 5, 4), ml.float32)
+    g.output("y", ml.attention_partial(q, k, v, splits=4))
+    feeds = {n: np.random.default_rng(0).standard_normal(t.shape) for n, t in g.inputs.items()}
+    got = run_plan(make_plan(g, processors=3), feeds, seed=0).outputs["y"]
+    assert np.array_equal(got, ml.evaluate(g, feeds).outputs["y"], equal_nan=True)
+    assert np.isneginf(got[..., 3, 4]).all() and (got[..., 3, 5] == 0).all()

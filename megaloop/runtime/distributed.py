@@ -31,6 +31,7 @@ from megaloop.plan.model import Plan
 from megaloop.runtime.loop import LoopKernel, LoopKernelError, _check
 
 IPC_HANDLE_BYTES = 64
+MAX_PEERS = 8  # peer mappings a GPU can hold (CUDA_ERROR_TOO_MANY_PEERS beyond)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -68,17 +69,15 @@ class DistributedLoopKernel:
         if not dist.is_initialized():
             raise LoopKernelError("torch.distributed is not initialised: call init_process_group first (torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-        def all_gather(obj: Any) -> list:
-            out: list = [None] * self.world
-            dist.all_gather_object(out, obj)
-            return out
-
-        self._all_gather, self._dist = all_gather, dist
-        check_same_program(plan, self.rank, self.world, all_gather)
+        if self.world > MAX_PEERS + 1:
+            raise LoopKernelError(f"{self.world} ranks: a GPU maps at most {MAX_PEERS} peers' memory")
+        # megaloop's own messages go through a gloo group: with an NCCL default group, a barrier is a GPU
+        # kernel, which cannot start while a loop kernel holds every SM
+        self._group = dist.new_group(backend="gloo")
+        self._dist, self.timeout_s = dist, timeout_s
+        check_same_program(plan, self.rank, self.world, self._all_gather)
         device = int(os.environ.get("LOCAL_RANK", self.rank)) if device is None else device
-        self.timeout_s = timeout_s
-        hosts = all_gather(socket.gethostname())
+        hosts = self._all_gather(socket.gethostname())
         if len(set(hosts)) > 1:
             raise LoopKernelError(
                 f"rank {self.rank}: the ranks run on {len(set(hosts))} machines ({sorted(set(hosts))}); megaloop's "
@@ -87,34 +86,51 @@ class DistributedLoopKernel:
         self.kernel = LoopKernel(
             plan, params, state, device=device, timeout_s=timeout_s, rank=self.rank, _in_group=True
         )
+        rp = self.kernel.rp
+        host_written = [*rp.graph.inputs.values(), *rp.graph.states.values()]
+        # a peer may still read inputs or state of ours the host is about to overwrite: runs line up first
+        self._line_up = any(rp.buffers[rp.tensors[rp.tensor_of[t]].buffer].peer for t in host_written)
         self._opened: list[int] = []
         try:
-            self._connect(all_gather(device))
+            self._connect(self._all_gather(_bus_id(self.kernel.device)))
+            self._barrier()  # every rank mapped its peers before any kernel runs
+            self.kernel._launch()
         except BaseException:
             self._close()
             raise
-        self._barrier()  # every rank mapped its peers before any kernel runs
 
-    def _connect(self, devices: list[int]) -> None:
+    def _all_gather(self, obj: Any) -> list:
+        out: list = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _connect(self, bus_ids: list[str]) -> None:
+        """Check the GPUs (by PCI bus id: ordinals differ between processes), then map every peer's
+        arena and counters into this process and give the kernel their addresses."""
         from cuda.bindings import driver as d
 
         k = self.kernel
-        shared = [r for r, dev in enumerate(devices) if dev == k.device]
+        mine = bus_ids[self.rank]
+        shared = [r for r, b in enumerate(bus_ids) if b == mine]
         if len(shared) > 1:
             raise LoopKernelError(
-                f"ranks {shared} would share GPU {k.device}: each loop kernel holds its whole GPU, so two on one "
-                "GPU wait for each other forever; give each rank its own GPU (LOCAL_RANK or device=)"
+                f"ranks {shared} would share GPU {mine}: each loop kernel holds its whole GPU, so two on one GPU "
+                "wait for each other forever; give each rank its own GPU (LOCAL_RANK or device=)"
             )
         k._use()
         me = _check(d.cuDeviceGet(k.device))
-        for r, dev in enumerate(devices):
-            if (
-                r != self.rank
-                and dev != k.device
-                and not _check(d.cuDeviceCanAccessPeer(me, _check(d.cuDeviceGet(dev))))
-            ):
+        for r, bus in enumerate(bus_ids):
+            if r == self.rank:
+                continue
+            err, peer = d.cuDeviceGetByPCIBusId(bus.encode())
+            if err != d.CUresult.CUDA_SUCCESS:
                 raise LoopKernelError(
-                    f"rank {self.rank}: GPU {k.device} cannot access GPU {dev} (rank {r}) directly (no peer path); "
+                    f"rank {self.rank}: rank {r}'s GPU {bus} is not visible to this process (CUDA_VISIBLE_DEVICES?); "
+                    "every rank must see every GPU of the job to map its memory"
+                )
+            if not _check(d.cuDeviceCanAccessPeer(me, peer)):
+                raise LoopKernelError(
+                    f"rank {self.rank}: GPU {mine} cannot access GPU {bus} (rank {r}) directly (no peer path); "
                     "the loop kernels need every pair of GPUs to reach each other"
                 )
         handles = self._all_gather((_ipc_handle(d, k.arena), _ipc_handle(d, k.counters)))
@@ -130,10 +146,11 @@ class DistributedLoopKernel:
                 self._opened.append(ptr)
                 into.append(ptr)
         k._connect(arenas, counters)
-        k._launch()
 
     def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
-        """This rank's inputs and outputs; every rank must ask for the same iterations."""
+        """This rank's inputs and outputs; every rank must call it alike (the same iterations)."""
+        if self._line_up:
+            self._barrier()  # every rank finished its last run: nobody still reads what we overwrite
         return self.kernel.run(inputs, iterations)
 
     def state(self) -> dict[str, np.ndarray]:
@@ -143,33 +160,33 @@ class DistributedLoopKernel:
         return self.kernel.tensor(name)
 
     def stop(self) -> None:
-        """Stop this rank's kernel; free memory only once every rank stopped reading it."""
+        """Stop this rank's kernel, unmap the peers' memory, and free ours once every rank has done the
+        same (a peer's kernel or mapping may still refer to it until then)."""
         k = self.kernel
-        left = k._halt() if k._launched else True
-        if not left:
+        if k._launched:
+            k._halt()
+        if k._stuck:
             raise LoopKernelError(
                 f"rank {self.rank}: the loop kernel did not stop (a task is stuck: a megaloop bug); its memory stays "
                 "allocated and this process must be restarted"
             )
+        self._unmap()
         try:
-            self._barrier()  # peers' kernels have left too: nobody reads our arena any more
+            self._barrier()
         except Exception as e:
             raise LoopKernelError(
                 f"rank {self.rank}: stopped, but the other ranks did not confirm they stopped ({e}); this rank's "
                 "memory stays allocated (a peer may still read it)"
             ) from None
-        self._close()
+        k._free()
 
     def _barrier(self) -> None:
-        """A barrier that gives up (gloo's monitored barrier names the missing ranks)."""
+        """A barrier that gives up and names the missing ranks (gloo's monitored barrier)."""
         import datetime
 
-        if self._dist.get_backend() == "gloo":
-            self._dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.timeout_s + 30))
-        else:
-            self._dist.barrier()
+        self._dist.monitored_barrier(group=self._group, timeout=datetime.timedelta(seconds=self.timeout_s + 30))
 
-    def _close(self) -> None:
+    def _unmap(self) -> None:
         from cuda.bindings import driver as d
 
         if self._opened:
@@ -177,6 +194,10 @@ class DistributedLoopKernel:
             for ptr in self._opened:
                 d.cuIpcCloseMemHandle(ptr)
             self._opened.clear()
+
+    def _close(self) -> None:
+        """Setup failed: nothing was launched; unmap and free."""
+        self._unmap()
         self.kernel._free()
 
     def __enter__(self) -> DistributedLoopKernel:
@@ -184,6 +205,14 @@ class DistributedLoopKernel:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _bus_id(device: int) -> str:
+    from cuda.bindings import driver as d
+
+    _check(d.cuInit(0))
+    raw = _check(d.cuDeviceGetPCIBusId(32, _check(d.cuDeviceGet(device))))
+    return (raw.decode() if isinstance(raw, bytes) else str(raw)).split("\0", 1)[0]
 
 
 def _ipc_handle(d, ptr: int) -> bytes:

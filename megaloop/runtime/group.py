@@ -25,6 +25,8 @@ from megaloop.runtime.compile import compile_many
 from megaloop.runtime.device import gpus
 from megaloop.runtime.loop import ERROR, LoopKernel, LoopKernelError, _check
 
+MAX_PEERS = 8  # cuCtxEnablePeerAccess: CUDA_ERROR_TOO_MANY_PEERS beyond 8
+
 
 class LoopKernelGroup:
     def __init__(
@@ -39,6 +41,11 @@ class LoopKernelGroup:
         from cuda.bindings import driver
 
         world = plan.world_size
+        if world > MAX_PEERS + 1:
+            raise LoopKernelError(
+                f"the plan has {world} ranks; a GPU can map at most {MAX_PEERS} peers' memory (CUDA's limit), so "
+                f"one machine runs at most {MAX_PEERS + 1} ranks of a plan"
+            )
         found, reason = gpus()
         devices = list(range(world)) if devices is None else [int(d) for d in devices]
         if len(devices) != world or len(set(devices)) != world:
@@ -113,33 +120,40 @@ class LoopKernelGroup:
 
     def wait(self) -> None:
         """Until every rank finished what was asked; the first error any rank reports halts them all."""
+        if any(k.control is None for k in self.kernels):
+            raise LoopKernelError("the loop kernels have been stopped and their memory freed")
         grace = self.timeout_s + 5.0
         deadline = time.monotonic() + grace
         last = [k.completed() for k in self.kernels]
         spins = 0
         while True:
-            for k in self.kernels:
-                if int(k.control[ERROR]):
-                    for other in self.kernels:
-                        if other is not k and other._launched:
-                            other._halt()
-                    k._raise_kernel_error()
+            self._raise_first_error()
             now = [k.completed() for k in self.kernels]
             if all(c >= k._requested for c, k in zip(now, self.kernels)):
+                # an error recorded by a task of the last iteration arrives with its progress
+                self._raise_first_error()
                 return
             if now != last:
                 last, deadline = now, time.monotonic() + grace
             if time.monotonic() > deadline:
                 behind = [k.rank for c, k in zip(now, self.kernels) if c < k._requested]
-                left = all(k._halt() for k in self.kernels if k._launched)
+                left = [k._halt() for k in self.kernels if k._launched]  # every one, no short circuit
                 raise LoopKernelError(
                     f"ranks {behind} made no progress for {grace:.0f} s and reported nothing (a megaloop bug: "
                     "please report it with the plan). "
-                    + ("Every rank has been stopped" if left else "Some did not stop: restart the process")
+                    + ("Every rank has been stopped" if all(left) else "Some did not stop: restart the process")
                 )
             spins += 1
             if spins > 1000:
                 time.sleep(0.0002)
+
+    def _raise_first_error(self) -> None:
+        for k in self.kernels:
+            if int(k.control[ERROR]):
+                for other in self.kernels:
+                    if other is not k and other._launched:
+                        other._halt()
+                k._raise_kernel_error()
 
     def state(self) -> list[dict[str, np.ndarray]]:
         return [k.state() for k in self.kernels]
@@ -152,12 +166,12 @@ class LoopKernelGroup:
         self._stop_all()
 
     def _stop_all(self) -> None:
-        """Every kernel leaves before any memory is freed: peers read each other's arenas."""
-        stuck = False
+        """Every kernel leaves before any memory is freed: peers read each other's arenas. If one is
+        stuck (it did not leave when asked, now or earlier), nothing is freed."""
         for k in self.kernels:
-            if k._launched and not k._halt():
-                stuck = True
-        if stuck:
+            if k._launched:
+                k._halt()
+        if any(k._stuck for k in self.kernels):
             raise LoopKernelError(
                 "a rank's loop kernel did not stop when asked (a task is stuck: a megaloop bug); its memory and "
                 "its peers' stay allocated and this process must be restarted to use the GPUs again"

@@ -121,37 +121,41 @@ class LoopKernel:
         dev = _check(driver.cuDeviceGet(device))
         self._ctx = _check(driver.cuDevicePrimaryCtxRetain(dev))
         _check(driver.cuCtxSetCurrent(self._ctx))
-        self._module = _check(driver.cuModuleLoadData(self.cubin))
-        self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
-        if self.program.shared_bytes > 48 * 1024:
-            # Above 48 KiB a kernel must opt in to dynamic shared memory (CUDA programming guide).
-            limit = _check(
-                driver.cuDeviceGetAttribute(
-                    driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev
+        try:
+            self._module = _check(driver.cuModuleLoadData(self.cubin))
+            self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
+            if self.program.shared_bytes > 48 * 1024:
+                # Above 48 KiB a kernel must opt in to dynamic shared memory (CUDA programming guide).
+                limit = _check(
+                    driver.cuDeviceGetAttribute(
+                        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev
+                    )
                 )
-            )
-            if self.program.shared_bytes > limit:
-                raise LoopKernelError(
-                    f"the loop kernel needs {self.program.shared_bytes} bytes of shared memory per block "
-                    f"(split-key attention for {self.program.threads // 32} warps, tensor-core matmul stages); "
-                    f"this GPU allows {limit}: plan with fewer warps or smaller matmul tiles"
+                if self.program.shared_bytes > limit:
+                    raise LoopKernelError(
+                        f"the loop kernel needs {self.program.shared_bytes} bytes of shared memory per block "
+                        f"(split-key attention for {self.program.threads // 32} warps, tensor-core matmul stages); "
+                        f"this GPU allows {limit}: plan with fewer warps or smaller matmul tiles"
+                    )
+                _check(
+                    driver.cuFuncSetAttribute(
+                        self._function,
+                        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        self.program.shared_bytes,
+                    )
                 )
-            _check(
-                driver.cuFuncSetAttribute(
-                    self._function,
-                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    self.program.shared_bytes,
-                )
-            )
-        self._check_resident(found[device])
-        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self._stream = _check(driver.cuStreamCreate(flags))
-        self._copies = _check(driver.cuStreamCreate(flags))
-        self._setup_memory()
-        self._load_host_values(params or {}, state or {})
-        if not _in_group:  # alone: its own arena and counters are the whole world
-            self._connect([self.arena], [self.counters])
-            self._launch()
+            self._check_resident(found[device])
+            flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self._stream = _check(driver.cuStreamCreate(flags))
+            self._copies = _check(driver.cuStreamCreate(flags))
+            self._setup_memory()
+            self._load_host_values(params or {}, state or {})
+            if not _in_group:  # alone: its own arena and counters are the whole world
+                self._connect([self.arena], [self.counters])
+                self._launch()
+        except BaseException:
+            self._free()  # whatever was allocated before the failure
+            raise
 
     def _use(self) -> None:
         """Make this kernel's GPU current (one process may drive several)."""

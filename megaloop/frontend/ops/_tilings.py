@@ -238,12 +238,11 @@ def _attention_partial(node: Any, params: dict[str, int], ctx: TileContext) -> l
                 for s in range(0, tq, qb):
                     e = min(tq, s + qb)
                     for sp in range(splits):
-                        lo, hi = sp * chunk, min(tk, (sp + 1) * chunk)
-                        reads = [
-                            Read(0, Box((bi, h0, s, 0), (bi + 1, h1, e, d))),
-                            Read(1, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, d))),
-                            Read(2, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, dv))),
-                        ]
+                        lo, hi = min(tk, sp * chunk), min(tk, (sp + 1) * chunk)  # a range may be empty
+                        reads = [Read(0, Box((bi, h0, s, 0), (bi + 1, h1, e, d)))]
+                        if lo < hi:  # an empty range reads no key (and writes m = -inf, l = 0)
+                            reads.append(Read(1, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, d))))
+                            reads.append(Read(2, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, dv))))
                         if 3 in slot:
                             reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
                         if 4 in slot:
