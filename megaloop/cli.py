@@ -19,7 +19,7 @@ import numpy as np
 
 import megaloop as ml
 from megaloop.frontend.opdef import REGISTRY
-from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
 
 
@@ -33,6 +33,12 @@ class _CpuSteps:
         out = ml.evaluate(self.graphs[which], feeds, self.params, self.state)
         self.state = out.state
         return out.outputs["logits"]
+
+    def snapshot(self) -> dict:
+        return dict(self.state)
+
+    def generate(self, graph: ml.Graph, start: dict, n: int) -> dict:
+        return ml.evaluate(graph, {}, self.params, start, iterations=n).state
 
     def close(self) -> None:
         pass
@@ -55,7 +61,7 @@ class _GpuSteps:
             f"planned both graphs for {gpu.sm_count} processors in {t1 - t0:.1f} s, compiled their loop kernels "
             f"in {time.perf_counter() - t1:.1f} s"
         )
-        self.params, self.kernel, self.which = params, None, -1
+        self.params, self.kernel, self.which, self.gpu = params, None, -1, gpu
 
     def step(self, which: int, feeds: dict) -> np.ndarray:
         from megaloop.runtime.loop import LoopKernel
@@ -67,6 +73,26 @@ class _GpuSteps:
                 self.kernel.stop()
             self.kernel, self.which = LoopKernel(self.plans[which], self.params, state), which
         return self.kernel.run(feeds)["logits"]
+
+    def snapshot(self) -> dict:
+        return self.kernel.state()
+
+    def generate(self, graph: ml.Graph, start: dict, n: int) -> dict:
+        """All n tokens in one run: the loop kernel feeds itself (no host work between tokens)."""
+        from megaloop.plan import make_plan
+        from megaloop.runtime.loop import LoopKernel
+
+        if self.kernel is not None:
+            self.kernel.stop()
+            self.kernel, self.which = None, -1
+        plan = make_plan(graph, processors=self.gpu.sm_count, arch=self.gpu.plan_arch)
+        with LoopKernel(plan, self.params, start) as k:
+            k.run(iterations=1)  # compile and warm up; then again from the start, timed
+            k.set_state(start)
+            t0 = time.perf_counter()
+            k.run(iterations=n)
+            self.generate_seconds = time.perf_counter() - t0
+            return k.state()
 
     def close(self) -> None:
         if self.kernel is not None:
@@ -117,6 +143,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         feeds = {"tokens": prompt, "positions": positions}
         logits = steps.step(0, feeds)
+        after_prefill = steps.snapshot()
         t1 = time.perf_counter()
         worst = _relative_error(logits, yardstick.step(0, feeds))
         print(f"prefill {args.batch}x{args.prompt} tokens: {1e3 * (t1 - t0):.1f} ms (first run includes compiling)")
@@ -131,8 +158,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
             token = logits[:, -1].astype(np.float32).argmax(-1)
         print(f"decoded {args.decode} tokens per sequence in {time.perf_counter() - t0:.2f} s (with the yardstick)")
         print(f"  {np.stack(generated, 1).tolist()}")
+        # the same tokens again, the model feeding itself: one run of `decode` loop iterations
+        first = generated[0][:, None]
+        start = {**after_prefill, "token": first, "position": np.full((args.batch, 1), args.prompt)}
+        looped = steps.generate(build_llama_generator(cfg, args.batch), start, args.decode)
+        again = looped["generated"][:, 0, args.prompt : args.prompt + args.decode, 0].astype(np.int64)
+        same = np.array_equal(again, np.stack(generated, 1))
+        took = getattr(steps, "generate_seconds", None)
+        print(
+            f"self-feeding loop ({args.decode} iterations in one run"
+            + (f", {1e6 * took / args.decode:.0f} us per token" if took else "")
+            + f"): {'the same tokens' if same else 'DIFFERENT tokens: ' + str(again.tolist())}"
+        )
     finally:
         steps.close()
+    if not same:
+        print("FAIL: the self-feeding loop chose other tokens than the host-driven steps")
+        return 1
     print(f"{cfg.dtype.name} logits vs the float32 CPU run of the same program: worst relative L2 error {worst:.2e}")
     limit = 50 * cfg.dtype.eps
     if not worst < limit:

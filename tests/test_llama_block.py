@@ -144,3 +144,34 @@ def test_split_key_attention_gives_the_same_logits() -> None:
     rel = np.linalg.norm(split - plain) / np.linalg.norm(plain)
     assert rel < 50 * cfg.dtype.eps, f"split-key logits differ from the plain graph's by {rel:.2e} (relative L2)"
     assert planned.tobytes() == ml.evaluate(split_graph, feeds, params, state).outputs["logits"].tobytes()
+
+
+def test_generator_feeds_itself_the_same_tokens_as_host_steps() -> None:
+    """build_llama_generator: n loop iterations (no host work between them) pick the same greedy tokens
+    as n host-driven decode steps, through the reference and through a plan."""
+    from megaloop.models import build_llama_generator
+    from megaloop.plan import make_plan
+    from megaloop.reference.interpreter import run_plan
+
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=2, max_seq=16, vocab=50)
+    params = random_parameters(cfg, seed=8)
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, 50, (2, 5))
+    pre = ml.evaluate(build_llama(cfg, 2, 5), {"tokens": prompt, "positions": np.tile(np.arange(5), (2, 1))}, params)
+    first = pre.outputs["logits"][:, -1].astype(np.float32).argmax(-1)
+    # host-driven: one decode step per token
+    decode, state, token, want = build_llama(cfg, 2, 1), pre.state, first, []
+    for i in range(4):
+        want.append(token)
+        out = ml.evaluate(decode, {"tokens": token[:, None], "positions": np.full((2, 1), 5 + i)}, params, state)
+        state, token = out.state, out.outputs["logits"][:, -1].astype(np.float32).argmax(-1)
+    want = np.stack(want, 1)
+    # self-feeding: four iterations of one graph
+    gen = build_llama_generator(cfg, 2)
+    start = {**pre.state, "token": first[:, None], "position": np.full((2, 1), 5)}
+    ref = ml.evaluate(gen, {}, params, start, iterations=4)
+    got = ref.state["generated"][:, 0, 5:9, 0].astype(np.int64)
+    assert np.array_equal(got, want), f"generator {got.tolist()} vs host steps {want.tolist()}"
+    assert np.array_equal(ref.state["token"][:, 0], token) and (ref.state["position"] == 9).all()
+    planned = run_plan(make_plan(gen, processors=5), {}, params, start, iterations=4, seed=2)
+    assert planned.state["generated"].tobytes() == ref.state["generated"].tobytes()

@@ -155,15 +155,49 @@ def build_llama(
     g = Graph(name)
     positions = g.input("positions", (batch, tokens), "int64")
     if cfg.vocab is not None:
-        ids = g.input("tokens", (batch, tokens), "int64")
-        x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), ids)
+        x = g.input("tokens", (batch, tokens), "int64")
     else:
         x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
+    out = _model(g, cfg, x, positions, kv_splits)
+    g.output("hidden" if cfg.vocab is None else "logits", out)
+    return g
+
+
+def build_llama_generator(
+    cfg: LlamaConfig, batch: int, name: str = "llama-generate", *, kv_splits: int | None = None
+) -> Graph:
+    """Greedy decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
+    ``position`` (both states), records that token in ``generated`` at its position, and makes the
+    argmax of the logits and position + 1 the next iteration's token and position. One
+    ``run(iterations=n)`` then generates n tokens with no host work between them.
+
+    States (besides the KV caches, named as in ``build_llama``): ``token`` int64 [batch, 1] (set it to
+    the first token to feed, e.g. the argmax of the prefill's last logits), ``position`` int64
+    [batch, 1] (where that token goes: the prompt length), ``generated`` float32
+    [batch, 1, max_seq, 1] (token ids by position; float32 holds ids below 2^24 exactly).
+    Output: ``logits`` [batch, 1, vocab] of the last step.
+    """
+    if cfg.vocab is None:
+        raise GraphBuildError("build_llama_generator: the model needs a vocabulary (cfg.vocab) to pick tokens")
+    g = Graph(name)
+    token = g.state("token", (batch, 1), "int64")
+    position = g.state("position", (batch, 1), "int64")
+    history = g.state("generated", (batch, 1, cfg.max_seq, 1), "float32")
+    ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), position)
+    logits = _model(g, cfg, token, position, kv_splits)
+    g.assign(token, ops.argmax(logits, axis=-1))
+    g.assign(position, position + 1)
+    g.output("logits", logits)
+    return g
+
+
+def _model(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | None) -> Tensor:
+    """Embedding (when ``x`` holds token ids), the decoder layers, the final norm and the LM head."""
+    if cfg.vocab is not None:
+        x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), x)
     for layer in range(cfg.layers):
         x = decoder_layer(g, cfg, x, positions, layer, kv_splits)
     x = ops.rmsnorm(x, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
     if cfg.vocab is None:
-        g.output("hidden", x)
-    else:
-        g.output("logits", ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype)))
-    return g
+        return x
+    return ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
