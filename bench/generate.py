@@ -1,0 +1,120 @@
+"""End-to-end greedy generation with a Llama-3.2-1B-shaped model (random weights, bf16, batch 1):
+a 128-token prompt, then 128 new tokens. megaloop: the prefill kernel, then the self-feeding
+generator (megaloop.models.build_llama_generator), all 128 tokens in ONE run of the resident loop
+kernel. PyTorch: the same model, one decode step per token, eager and CUDA-graphed
+(torch.compile mode="reduce-overhead") at the same context length. Per-token latency, same run."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.common import time_torch, write
+from megaloop.cli import PRESETS
+from megaloop.models import build_llama, build_llama_generator, random_parameters
+from megaloop.plan import make_plan
+from megaloop.runtime.loop import LoopKernel
+
+PROMPT, NEW = 128, 128
+KV_SPLITS = int(os.environ.get("GENERATE_KV_SPLITS", "4"))
+
+
+class TorchModel(torch.nn.Module):
+    """The same weights and math as megaloop's graph, a static KV cache, one decode step."""
+
+    def __init__(self, cfg, params: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.p = {k: torch.tensor(v, dtype=torch.bfloat16, device="cuda") for k, v in params.items()}
+        shape = (cfg.layers, 1, cfg.kv_heads, cfg.max_seq, cfg.head_dim)
+        self.k = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.1
+        self.v = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.1
+        hd = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cuda") / hd))
+        ang = torch.arange(cfg.max_seq, device="cuda", dtype=torch.float64)[:, None] * inv
+        self.cos = torch.cat([ang, ang], -1).cos().to(torch.bfloat16)
+        self.sin = torch.cat([ang, ang], -1).sin().to(torch.bfloat16)
+
+    def forward(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        cfg, p, hd = self.cfg, self.p, self.cfg.head_dim
+        x = p["model.embed_tokens.weight"][token][None]  # [1, 1, hidden]
+        cos, sin = self.cos[pos : pos + 1], self.sin[pos : pos + 1]
+
+        def rot(z):
+            return z * cos + torch.cat([-z[..., hd // 2 :], z[..., : hd // 2]], -1) * sin
+
+        for i in range(cfg.layers):
+            w = lambda n, i=i: p[f"model.layers.{i}.{n}"]
+            h = F.rms_norm(x, (cfg.hidden,), w("input_layernorm.weight"), cfg.rms_eps)
+            q = rot((h @ w("self_attn.q_proj.weight").T).view(1, 1, cfg.heads, hd).transpose(1, 2))
+            k = rot((h @ w("self_attn.k_proj.weight").T).view(1, 1, cfg.kv_heads, hd).transpose(1, 2))
+            v = (h @ w("self_attn.v_proj.weight").T).view(1, 1, cfg.kv_heads, hd).transpose(1, 2)
+            self.k[i, :, :, pos : pos + 1] = k
+            self.v[i, :, :, pos : pos + 1] = v
+            o = F.scaled_dot_product_attention(
+                q, self.k[i, :, :, : pos + 1], self.v[i, :, :, : pos + 1], enable_gqa=True
+            )
+            x = x + o.transpose(1, 2).reshape(1, 1, -1) @ w("self_attn.o_proj.weight").T
+            h = F.rms_norm(x, (cfg.hidden,), w("post_attention_layernorm.weight"), cfg.rms_eps)
+            gate, up = h @ w("mlp.gate_proj.weight").T, h @ w("mlp.up_proj.weight").T
+            x = x + (F.silu(gate) * up) @ w("mlp.down_proj.weight").T
+        x = F.rms_norm(x, (cfg.hidden,), p["model.norm.weight"], cfg.rms_eps)
+        return (x @ p["lm_head.weight"].T).argmax(-1)
+
+
+def torch_side(cfg, params: dict) -> dict:
+    model = TorchModel(cfg, params)
+    token = torch.tensor([5], device="cuda")
+    with torch.no_grad():
+        eager = time_torch(lambda: model(token, PROMPT)) * 1e6
+        compiled = torch.compile(lambda: model(token, PROMPT), mode="reduce-overhead")
+        graphed = time_torch(compiled, warmup=5, repeat=30) * 1e6
+    return {"torch_eager_us_per_token": eager, "torch_compile_us_per_token": graphed}
+
+
+def main() -> None:
+    base = PRESETS["llama3.2-1b"]
+    cfg = type(base)(**{**base.__dict__, "max_seq": PROMPT + NEW})
+    params = random_parameters(cfg, seed=0)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, cfg.vocab, (1, PROMPT))
+    results: dict = {"model": "llama3.2-1b shape, random weights, bf16", "prompt": PROMPT, "new_tokens": NEW}
+
+    results.update(torch_side(cfg, params))
+    torch.cuda.empty_cache()  # before the loop kernels take the GPU
+
+    t0 = time.perf_counter()
+    prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
+    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=KV_SPLITS), processors=132)
+    results["plan_s"] = time.perf_counter() - t0
+    with LoopKernel(prefill_plan, params) as k:
+        feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
+        logits = k.run(feeds)["logits"]
+        t0 = time.perf_counter()
+        k.run(feeds)
+        results["loop_prefill_ms"] = (time.perf_counter() - t0) * 1e3
+        state = k.state()
+    start = {**state, "token": logits[:, -1].astype(np.float32).argmax(-1)[:, None], "position": np.array([[PROMPT]])}
+    with LoopKernel(gen_plan, params, start) as k:
+        k.run(iterations=1)
+        k.set_state(start)
+        t0 = time.perf_counter()
+        k.run(iterations=NEW)
+        seconds = time.perf_counter() - t0
+        tokens = k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
+    results["loop_us_per_token"] = seconds / NEW * 1e6
+    results["loop_tokens_per_s"] = NEW / seconds
+    results["speedup_vs_torch_eager"] = results["torch_eager_us_per_token"] / results["loop_us_per_token"]
+    results["speedup_vs_torch_compile"] = results["torch_compile_us_per_token"] / results["loop_us_per_token"]
+    results["first_tokens"] = tokens[:16].tolist()
+    results["kv_splits"] = KV_SPLITS
+    print(results, flush=True)
+    write("generate", results)
+
+
+if __name__ == "__main__":
+    main()
