@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_check.log"
 what="${1:-all}"
 gpu_count=$(nvidia-smi -L | wc -l)
-default_benches="loop_overhead memory_bound gemm llama_layer"
+default_benches="loop_overhead memory_bound gemm llama_layer generate"
 [ "$gpu_count" -ge 2 ] && default_benches="$default_benches allreduce tp_mlp"
 benches="${BENCHES:-$default_benches}"
 # a hung kernel must not eat the whole device call: bound every step
