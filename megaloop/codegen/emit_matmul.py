@@ -11,7 +11,7 @@ from megaloop.codegen.emit import Operand, broadcast_dims, index_expr, pointers
 MMA_DTYPES = ("bfloat16", "float16")
 MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
-MMA_BK, MMA_LD = 32, 40  # as in mma.cuh
+MMA_BK, MMA_LD, MMA_STAGES = 32, 40, 3  # as in mma.cuh
 GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-per-element path
 
 
@@ -28,7 +28,7 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
     if config is None:
         return 0
     bm, bn, _, _ = config
-    return 2 * (bm + bn) * MMA_LD * 2
+    return MMA_STAGES * (bm + bn) * MMA_LD * 2
 
 
 def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int, int, int] | None:

@@ -1,6 +1,6 @@
 // megaloop/mma.cuh: matmul tiles on tensor cores (sm_80 and later): mma.sync.m16n8k16 with 16-bit
-// inputs and float32 accumulation, operands staged through shared memory by cp.async, two stages so
-// that the next K slice loads while this one multiplies.
+// inputs and float32 accumulation, operands staged through shared memory by cp.async in three stages
+// (two K slices loading while one multiplies), fragments read with ldmatrix.
 //
 // It computes C[i, j] = sum_k A[i, k] * B[j, k] for a rows x cols tile where both A's rows and B's
 // columns are contiguous in K: row-major activations times weights stored [out, in], the layout
@@ -10,8 +10,8 @@
 // Fragment layouts are those of the PTX ISA for mma.m16n8k16 (.row.col), with g = lane / 4 and
 // q = lane % 4: A registers hold rows g and g + 8, columns 2q, 2q + 1 (and + 8); B registers hold
 // column g, rows 2q, 2q + 1 (and + 8); C holds rows g and g + 8, columns 2q and 2q + 1. A shared
-// memory row is BK + 8 elements (80 bytes), which keeps the 32-bit fragment loads free of bank
-// conflicts and every 16-byte cp.async destination aligned.
+// memory row is BK + 8 elements (80 bytes): the 8 rows an ldmatrix phase reads fall in distinct banks,
+// and every 16-byte cp.async destination and ldmatrix row address is aligned.
 #pragma once
 #include "megaloop/types.cuh"
 
@@ -51,8 +51,8 @@ __device__ __forceinline__ void cp_async_wait() {
 
 constexpr int MMA_BK = 32;  // K slice per stage
 constexpr int MMA_LD = MMA_BK + 8;  // shared memory row, in elements
-// mma_tile<T, BM, BN, ...> needs 2 * (BM + BN) * MMA_LD * 2 bytes of shared memory (two stages of A
-// and B slices); megaloop/codegen/emit_matmul.py sizes the kernel's dynamic shared memory with it.
+// mma_tile<T, BM, BN, ...> needs MMA_STAGES * (BM + BN) * MMA_LD * 2 bytes of shared memory (A and B
+// slices per stage); megaloop/codegen/emit_matmul.py sizes the kernel's dynamic shared memory with it.
 
 // Stage one BK slice of rows [0, rows) of X (row stride ld, K contiguous) into s[0..R).
 template <typename T, int R>
@@ -65,15 +65,52 @@ __device__ __forceinline__ void mma_stage(T* s, const T* x, i64 ld, int rows, in
     }
 }
 
+// Fragments from shared memory with ldmatrix (one instruction loads what four 32-bit loads would):
+// each lane gives the address of one 8-element row of one of the 8 x 8 matrices, lane l of matrix
+// l / 8 (PTX ISA, ldmatrix), and receives two elements (row lane / 4, columns 2 (lane % 4) + {0, 1})
+// of every matrix, which is exactly the mma.m16n8k16 fragment layout:
+//   A 16 x 16 at `a` (rows MMA_LD apart): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+//   (8-15, 8-15) = a0..a3: lane l points at row l % 16, column 8 (l / 16);
+//   B for two n8 tiles at `b` (n rows MMA_LD apart, k contiguous): (n 0-7, k 0-7), (0-7, 8-15),
+//   (8-15, 0-7), (8-15, 8-15) = b0, b1 of the first tile, b0, b1 of the second: lane l points at
+//   n row (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2). The x2 form (one n8 tile) reads lanes 0-15.
+template <typename T>
+__device__ __forceinline__ void ldmatrix_a(u32* r, const T* a, int lane) {
+    const u32 at = shared_address(a + (lane & 15) * MMA_LD + (lane >> 4) * 8);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b2(u32* r, const T* b, int lane) {  // two n8 tiles: r[0..3]
+    const u32 at = shared_address(b + ((lane & 7) + ((lane >> 4) << 3)) * MMA_LD + ((lane >> 3) & 1) * 8);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b1(u32* r, const T* b, int lane) {  // one n8 tile: r[0..1]
+    const u32 at = shared_address(b + (lane & 7) * MMA_LD + ((lane >> 3) & 1) * 8);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(at));
+}
+
+constexpr int MMA_STAGES = 3;  // K slices in flight: two loading while one multiplies
+
 // One rows x cols output tile (any size: BM x BN sub-tiles in turn, edges masked) with the block's
 // WM x WN warps, each computing FM x FN fragments of 16 x 8. store(i, j, value) writes C[i, j].
+// Pipeline: slice s lives in stage s % MMA_STAGES. Each step waits until its own copies of slice s
+// landed (wait_group: all but the newest MMA_STAGES - 2 groups), then one barrier makes everyone's
+// copies visible AND says every warp is done with the previous step's stage, which is the one the
+// next load (slice s + MMA_STAGES - 1) overwrites. Every step commits a group, empty or not, so the
+// count stays uniform.
 template <typename T, int BM, int BN, int WM, int WN, typename Store>
 __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ldb, int rows, int cols, int K,
                                          void* smem, Store store) {
     constexpr int FM = BM / 16 / WM, FN = BN / 8 / WN;
     static_assert(FM * WM * 16 == BM && FN * WN * 8 == BN, "the warp grid must cover the tile exactly");
-    T* sA = reinterpret_cast<T*>(smem);  // [2][BM][MMA_LD]
-    T* sB = sA + 2 * BM * MMA_LD;  // [2][BN][MMA_LD]
+    constexpr int S = MMA_STAGES;
+    T* sA = reinterpret_cast<T*>(smem);  // [S][BM][MMA_LD]
+    T* sB = sA + S * BM * MMA_LD;  // [S][BN][MMA_LD]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / WN, wn = warp % WN, g = lane >> 2, q = lane & 3;
     const int slices = (K + MMA_BK - 1) / MMA_BK;
@@ -89,46 +126,48 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
                 for (int j = 0; j < FN; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-            mma_stage<T, BM>(sA, a, lda, nr, 0, K);
-            mma_stage<T, BN>(sB, b, ldb, nc, 0, K);
-            cp_async_commit();
-            for (int s = 0; s < slices; ++s) {
-                if (s + 1 < slices) {  // next slice into the other stage, then wait for this one only
-                    const int o = (s + 1) & 1;
-                    mma_stage<T, BM>(sA + o * BM * MMA_LD, a, lda, nr, (s + 1) * MMA_BK, K);
-                    mma_stage<T, BN>(sB + o * BN * MMA_LD, b, ldb, nc, (s + 1) * MMA_BK, K);
-                    cp_async_commit();
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
+#pragma unroll
+            for (int st = 0; st < S - 1; ++st) {
+                if (st < slices) {
+                    mma_stage<T, BM>(sA + st * BM * MMA_LD, a, lda, nr, st * MMA_BK, K);
+                    mma_stage<T, BN>(sB + st * BN * MMA_LD, b, ldb, nc, st * MMA_BK, K);
                 }
+                cp_async_commit();
+            }
+            for (int s = 0; s < slices; ++s) {
+                cp_async_wait<S - 2>();
                 __syncthreads();
-                const T* as = sA + (s & 1) * BM * MMA_LD + (wm * FM * 16 + g) * MMA_LD + 2 * q;
-                const T* bs = sB + (s & 1) * BN * MMA_LD + (wn * FN * 8 + g) * MMA_LD + 2 * q;
+                const int next = s + S - 1;
+                if (next < slices) {
+                    mma_stage<T, BM>(sA + (next % S) * BM * MMA_LD, a, lda, nr, next * MMA_BK, K);
+                    mma_stage<T, BN>(sB + (next % S) * BN * MMA_LD, b, ldb, nc, next * MMA_BK, K);
+                }
+                cp_async_commit();
+                const T* as = sA + (s % S) * BM * MMA_LD + (wm * FM * 16) * MMA_LD;
+                const T* bs = sB + (s % S) * BN * MMA_LD + (wn * FN * 8) * MMA_LD;
 #pragma unroll
                 for (int ks = 0; ks < MMA_BK; ks += 16) {
                     u32 af[FM][4], bf[FN][2];
 #pragma unroll
-                    for (int i = 0; i < FM; ++i) {
-                        const T* p = as + i * 16 * MMA_LD + ks;
-                        af[i][0] = *reinterpret_cast<const u32*>(p);
-                        af[i][1] = *reinterpret_cast<const u32*>(p + 8 * MMA_LD);
-                        af[i][2] = *reinterpret_cast<const u32*>(p + 8);
-                        af[i][3] = *reinterpret_cast<const u32*>(p + 8 * MMA_LD + 8);
-                    }
+                    for (int i = 0; i < FM; ++i) ldmatrix_a(af[i], as + i * 16 * MMA_LD + ks, lane);
 #pragma unroll
-                    for (int j = 0; j < FN; ++j) {
-                        const T* p = bs + j * 8 * MMA_LD + ks;
-                        bf[j][0] = *reinterpret_cast<const u32*>(p);
-                        bf[j][1] = *reinterpret_cast<const u32*>(p + 8);
+                    for (int j = 0; j + 1 < FN; j += 2) {
+                        u32 r[4];
+                        ldmatrix_b2(r, bs + j * 8 * MMA_LD + ks, lane);
+                        bf[j][0] = r[0];
+                        bf[j][1] = r[1];
+                        bf[j + 1][0] = r[2];
+                        bf[j + 1][1] = r[3];
                     }
+                    if (FN % 2) ldmatrix_b1(bf[FN - 1], bs + (FN - 1) * 8 * MMA_LD + ks, lane);
 #pragma unroll
                     for (int i = 0; i < FM; ++i)
 #pragma unroll
                         for (int j = 0; j < FN; ++j) mma_16816(acc[i][j], af[i], bf[j], T{});
                 }
-                __syncthreads();  // this stage is overwritten by the load two slices on
             }
+            cp_async_wait<0>();  // no copy may still land in shared memory the next sub-tile or task uses
+            __syncthreads();
 #pragma unroll
             for (int i = 0; i < FM; ++i) {
 #pragma unroll
