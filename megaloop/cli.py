@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import megaloop as ml
+from megaloop.errors import MegaloopError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
@@ -138,7 +139,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # (and, on a GPU, for the loop kernel).
     cfg32 = LlamaConfig(**{**cfg.__dict__, "dtype": ml.float32})
     yardstick = _CpuSteps(build_llama(cfg32, args.batch, args.prompt), build_llama(cfg32, args.batch, 1), params)
-    steps = _GpuSteps(prefill, decode, params, found[0]) if on_gpu else _CpuSteps(prefill, decode, params)
+    if not on_gpu:
+        return _demo_run(args, cfg, _CpuSteps(prefill, decode, params), yardstick, prompt, positions)
+    try:
+        return _demo_run(args, cfg, _GpuSteps(prefill, decode, params, found[0]), yardstick, prompt, positions)
+    except MegaloopError as e:
+        if args.backend == "gpu":
+            raise
+        # the newcomer's first command must work: say what failed, then show the CPU reference run
+        print(f"the loop kernel failed ({type(e).__name__}: {e}); running on the CPU reference instead")
+        yardstick = _CpuSteps(build_llama(cfg32, args.batch, args.prompt), build_llama(cfg32, args.batch, 1), params)
+        return _demo_run(args, cfg, _CpuSteps(prefill, decode, params), yardstick, prompt, positions)
+
+
+def _demo_run(args, cfg: LlamaConfig, steps, yardstick, prompt: np.ndarray, positions: np.ndarray) -> int:
+    """Prefill, host-driven decode steps checked against the float32 yardstick, then the same tokens
+    from the self-feeding generator in one run."""
     try:
         t0 = time.perf_counter()
         feeds = {"tokens": prompt, "positions": positions}
