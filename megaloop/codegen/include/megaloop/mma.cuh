@@ -79,19 +79,22 @@ __device__ __forceinline__ void ldmatrix_a(u32* r, const T* a, int lane) {
     const u32 at = shared_address(a + (lane & 15) * MMA_LD + (lane >> 4) * 8);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(at));
+                 : "r"(at)
+                 : "memory");  // reads what cp.async wrote: not to be moved across the barrier
 }
 template <typename T>
 __device__ __forceinline__ void ldmatrix_b2(u32* r, const T* b, int lane) {  // two n8 tiles: r[0..3]
     const u32 at = shared_address(b + ((lane & 7) + ((lane >> 4) << 3)) * MMA_LD + ((lane >> 3) & 1) * 8);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(at));
+                 : "r"(at)
+                 : "memory");  // reads what cp.async wrote: not to be moved across the barrier
 }
 template <typename T>
 __device__ __forceinline__ void ldmatrix_b1(u32* r, const T* b, int lane) {  // one n8 tile: r[0..1]
     const u32 at = shared_address(b + (lane & 7) * MMA_LD + ((lane >> 3) & 1) * 8);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(at));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(at)
+                 : "memory");  // reads what cp.async wrote: not to be moved across the barrier
 }
 
 constexpr int MMA_STAGES = 3;  // K slices in flight: two loading while one multiplies
