@@ -195,3 +195,27 @@ def test_compile_many_fills_the_cache_in_parallel(tmp_path, monkeypatch) -> None
     cubins = compile_many(sources + sources[:1], "sm_80", workers=2)
     assert len(cubins) == 3 and all(c[:4] == b"\x7fELF" for c in cubins) and cubins[0] == cubins[2]
     assert all((cache_dir() / f"{cache_key(s, 'sm_80')}.cubin").is_file() for s in sources)
+
+
+def test_tensor_core_constants_match_the_header() -> None:
+    """emit_matmul sizes shared memory and picks tiles with mma.cuh's constants: they must agree."""
+    from megaloop.codegen import emit_matmul
+    from megaloop.runtime.compile import INCLUDE
+
+    header = (INCLUDE / "megaloop" / "mma.cuh").read_text()
+    for name in ("MMA_BK", "MMA_LD", "MMA_STAGES", "MMA_MAX_FRAGMENTS"):
+        found = re.search(rf"constexpr int {name} = ([^;]+);", header)
+        assert found, f"{name} not in mma.cuh"
+        value = eval(found.group(1), {"MMA_BK": emit_matmul.MMA_BK})  # e.g. "MMA_BK + 8"
+        assert value == getattr(emit_matmul, name), f"{name}: mma.cuh {value}, emit_matmul {getattr(emit_matmul, name)}"
+
+
+@pytest.mark.parametrize("warps", [1, 2, 4, 8, 16, 32])
+def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
+    from megaloop.codegen.emit import Operand
+    from megaloop.codegen.emit_matmul import MMA_MAX_FRAGMENTS, mma_config
+
+    a, b = Operand(ml.bfloat16, (512, 1024), (1024, 1)), Operand(ml.bfloat16, (1024, 1024), (1024, 1))
+    hints = {"tensor_cores": 1, "tile": (128, 128), "warps": warps}
+    bm, bn, wm, wn = mma_config({"transpose_a": False, "transpose_b": True, "codegen": hints}, a, b)
+    assert wm * wn == warps and (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS

@@ -11,7 +11,7 @@ from megaloop.codegen.emit import Operand, broadcast_dims, index_expr, pointers
 MMA_DTYPES = ("bfloat16", "float16")
 MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
-MMA_BK, MMA_LD, MMA_STAGES = 32, 40, 3  # as in mma.cuh
+MMA_BK, MMA_LD, MMA_STAGES, MMA_MAX_FRAGMENTS = 32, 40, 3, 32  # as in mma.cuh (tests/test_codegen.py checks)
 GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-per-element path
 
 
@@ -58,7 +58,7 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
     warps = hints["warps"]
     bm = min(MMA_MAX_BLOCK, 1 << (rows - 1).bit_length())
     bn = min(MMA_MAX_BLOCK, max(8, 1 << (cols - 1).bit_length()))
-    while True:
+    for _ in range(32):  # bounded: each step halves or doubles a side within [8, 128]
         grids = [
             (wm, warps // wm)
             for wm in range(1, warps + 1)
@@ -66,13 +66,22 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
         ]
         if grids:  # the most nearly square warp tiles
             wm, wn = min(grids, key=lambda g: abs(bm // g[0] - bn // g[1]))
-            return bm, bn, wm, wn
+            if (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS:
+                return bm, bn, wm, wn
+            if bm >= bn and bm > 16:  # few warps: a smaller block keeps the accumulators in registers
+                bm //= 2
+            elif bn > 8:
+                bn //= 2
+            else:
+                return None
+            continue
         if bn < MMA_MAX_BLOCK:
             bn *= 2
         elif bm < MMA_MAX_BLOCK:
             bm *= 2
         else:
             return None
+    return None
 
 
 def _walked(a_row: int, b_col: int, out: Operand | tuple[int, ...]) -> tuple[int, int]:

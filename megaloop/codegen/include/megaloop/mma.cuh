@@ -57,9 +57,12 @@ constexpr int MMA_LD = MMA_BK + 8;  // shared memory row, in elements
 // Stage one BK slice of rows [0, rows) of X (row stride ld, K contiguous) into s[0..R).
 template <typename T, int R>
 __device__ __forceinline__ void mma_stage(T* s, const T* x, i64 ld, int rows, int k0, int K) {
-    constexpr int CHUNKS = MMA_BK / 8;  // 16-byte chunks per row
-    for (int c = threadIdx.x; c < R * CHUNKS; c += blockDim.x) {
-        const int r = c / CHUNKS, kc = (c % CHUNKS) * 8;
+    // Precondition (emit_matmul.py checks it): K % 8 == 0, rows 16-byte aligned, so a chunk is either
+    // whole or past K. Chunk c goes to row (c / 32) * 8 + c % 8, column 8 ((c / 8) % 4): the 8 threads
+    // of a shared-memory phase write 8 different rows of one column, distinct banks at 80-byte rows.
+    static_assert(MMA_BK / 8 == 4 && R % 8 == 0, "the chunk order assumes 4 chunks per row, rows in eights");
+    for (int c = threadIdx.x; c < R * 4; c += blockDim.x) {
+        const int r = (c >> 5) * 8 + (c & 7), kc = ((c >> 3) & 3) * 8;
         const bool ok = r < rows && k0 + kc < K;
         cp_async16(s + r * MMA_LD + kc, ok ? x + (i64)r * ld + k0 + kc : x, ok);
     }
@@ -98,6 +101,7 @@ __device__ __forceinline__ void ldmatrix_b1(u32* r, const T* b, int lane) {  // 
 }
 
 constexpr int MMA_STAGES = 3;  // K slices in flight: two loading while one multiplies
+constexpr int MMA_MAX_FRAGMENTS = 32;  // 16 x 8 accumulator fragments per warp: 128 registers
 
 // One rows x cols output tile (any size: BM x BN sub-tiles in turn, edges masked) with the block's
 // WM x WN warps, each computing FM x FN fragments of 16 x 8. store(i, j, value) writes C[i, j].
@@ -111,6 +115,7 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
                                          void* smem, Store store) {
     constexpr int FM = BM / 16 / WM, FN = BN / 8 / WN;
     static_assert(FM * WM * 16 == BM && FN * WN * 8 == BN, "the warp grid must cover the tile exactly");
+    static_assert(FM * FN <= MMA_MAX_FRAGMENTS, "too many accumulators per warp: they would spill");
     constexpr int S = MMA_STAGES;
     T* sA = reinterpret_cast<T*>(smem);  // [S][BM][MMA_LD]
     T* sB = sA + S * BM * MMA_LD;  // [S][BN][MMA_LD]
