@@ -77,5 +77,9 @@ class DeadlockError(PlanError):
     """The processors' task orders and waits can block each other forever."""
 
 
+class CheckpointError(MegaloopError, ValueError):
+    """A model checkpoint that cannot be read or does not fit the model (names the file and tensor)."""
+
+
 class InterpreterError(MegaloopError, RuntimeError):
     """The plan interpreter saw a task read memory that holds the wrong version (or nothing yet)."""
