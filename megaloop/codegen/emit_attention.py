@@ -40,7 +40,13 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     tk, dv = k.shape[2], v.shape[3]
     chunk = -(-tk // attrs["splits"])
     vl = (dv + 31) // 32
+    absent = attrs.get("absent", ())
+    optional = [s for s in (3, 4) if s not in absent]
+    qpos = ins[3 + optional.index(3)] if 3 in optional else None
+    lens = ins[3 + optional.index(4)] if 4 in optional else None
+    group = ins[0].shape[1] // k.shape[1]
     body = pointers(ins + [out], len(ins))
+    body += _attention_split(attrs, ins, out, qpos, lens, optional, group, float_literal(attrs["scale"]), chunk)
     body += _online_rows(attrs, ins, chunk)
     body.append(
         f"    const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * "
@@ -193,6 +199,30 @@ def _split_applies(ins: list[Operand]) -> bool:
     )
 
 
+def _split_store(out: Operand, chunk: int | None) -> list[str]:
+    """The merged (head, query) of the split-key path: normalised (attention), or the unnormalised
+    sum with its max and exp-sum (attention_partial, float32 [..., split, D + 2])."""
+    o = out.strides
+    if chunk is None:
+        return [
+            f"            const ml::i64 ob = (ml::i64)bi * {o[0]} + (ml::i64)h * {o[1]} + (ml::i64)i * {o[2]};",
+            "            for (int dd = lane; dd < D; dd += 32) {",
+            "                float o = 0.0f;",
+            "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
+            f"                ml::store(out0 + ob + (ml::i64)dd * {o[3]}, lsum > 0.0f ? o / lsum : 0.0f);",
+            "            }",
+        ]
+    return [
+        f"            const ml::i64 ob = (ml::i64)bi * {o[0]} + (ml::i64)h * {o[1]} + (ml::i64)i * {o[2]} + (ml::i64)t.lo[3] * {o[3]};",
+        "            for (int dd = lane; dd < D; dd += 32) {",
+        "                float o = 0.0f;",
+        "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
+        f"                out0[ob + (ml::i64)dd * {o[4]}] = o;",
+        "            }",
+        f"            if (lane == 0) {{ out0[ob + (ml::i64)D * {o[4]}] = mx; out0[ob + (ml::i64)(D + 1) * {o[4]}] = lsum; }}",
+    ]
+
+
 def _attention_split(
     attrs: dict[str, Any],
     ins: list[Operand],
@@ -202,6 +232,7 @@ def _attention_split(
     optional: list[int],
     group: int,
     scale: str,
+    chunk: int | None = None,
 ) -> list[str]:
     """Keys split over the block's warps (flash-decoding inside one tile), each warp taking several keys
     at once (lanes split the head dimension in packs), partial softmax states merged in shared memory."""
@@ -257,6 +288,12 @@ def _attention_split(
         ]
     else:
         lines += ["            ml::i64 begin = 0, end = len;"]
+    if chunk is not None:  # attention_partial: only this tile's key range (its split index in t.lo[3])
+        lines += [
+            f"            const ml::i64 range_lo = (ml::i64)t.lo[3] * {chunk}, range_hi = range_lo + {chunk};",
+            "            if (begin < range_lo) begin = range_lo;",
+            "            if (end > range_hi) end = range_hi;",
+        ]
     lines += [
         f"            if (end > {tk}) end = {tk};",
         "            const ml::i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;",
@@ -311,12 +348,7 @@ def _attention_split(
         "            for (int p2 = 0; p2 < split; ++p2) { const float mp = part[(warp + p2) * (D + 2) + D]; mx = mp > mx ? mp : mx; }",
         "            float lsum = 0.0f;",
         "            for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); lsum += mx == ml::neg_inf() ? 0.0f : sl[D + 1] * expf(sl[D] - mx); }",
-        f"            const ml::i64 ob = (ml::i64)bi * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + (ml::i64)i * {out.strides[2]};",
-        "            for (int dd = lane; dd < D; dd += 32) {",
-        "                float o = 0.0f;",
-        "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
-        f"                ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, lsum > 0.0f ? o / lsum : 0.0f);",
-        "            }",
+        *_split_store(out, chunk),
         "        }",
         "        __syncthreads();",
         "    }",

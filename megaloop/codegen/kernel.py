@@ -154,7 +154,7 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         ins = [_operand(rp, t) for t in op.inputs]
         outs = [_operand(rp, t) for t in op.outputs]
         attrs = op.attrs
-        if op.op == "attention":
+        if op.op in ("attention", "attention_partial"):
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
