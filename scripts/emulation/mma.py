@@ -1,7 +1,7 @@
 """Lane-by-lane model of megaloop/codegen/include/megaloop/mma.cuh (ldmatrix addressing, the
 3-stage slice -> stage mapping, mma.m16n8k16 fragment layouts from the PTX ISA, edge masking),
 checked against A @ B.T. It mirrors the header's index arithmetic, not the compiled code: keep the
-two in step when either changes, and run it (python scripts/mma_emulation.py) before a GPU run."""
+two in step when either changes, and run it (python scripts/emulation/mma.py) before a GPU run."""
 import numpy as np, itertools
 LD, BK, S = 40, 32, 3
 def ptx_A(i, g, q):
