@@ -38,8 +38,12 @@ def _elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
 
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
+    elements = _elements(params, math.prod(out.shape), ctx)
+    # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
+    # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
+    boxes = blocks(out.shape, elements) if elements == params["elements"] else chunks(out.shape, elements)
     tiles = []
-    for i, box in enumerate(blocks(out.shape, _elements(params, math.prod(out.shape), ctx))):
+    for i, box in enumerate(boxes):
         reads = tuple(Read(k, project(box, out.shape, t.shape)) for k, t in enumerate(node.inputs))
         tiles.append(Tile((i,), reads, (Write(0, box),), flops=box.size))
     return tiles
