@@ -36,7 +36,9 @@ from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tiling import PEER_SEND
 from megaloop.plan.model import Plan, RankPlan
+from megaloop.plan.tasks import peer_operand
 
 MAX_DIMS = 6
 MAX_OPERANDS = 16  # a collective reads one operand per member: up to 15 ranks in a group
@@ -242,23 +244,11 @@ def _add_function(
 
 
 def _members(plan: Plan, rank: int, op) -> list[tuple[int, int]]:
-    """(rank, tensor id on that rank) of every operand an exchange reads, in group order: the tensors
-    its tasks declare (a member whose part no tile touches: its matched input, never read)."""
-    rp = plan.ranks[rank]
-    read: dict[int, int] = {}
-    for t in rp.tasks:
-        if t.op == op.id:
-            for acc in t.reads:
-                read.setdefault(acc.rank, acc.tensor)
-    group = (op.attrs["src"],) if op.op == "recv" else op.attrs["group"]
-    out = []
-    for m in group:
-        if m not in read:
-            node = rp.graph.nodes[op.node]
-            c = plan.matching.collective_of[node]
-            read[m] = plan.ranks[m].tensor_of[c.nodes[c.group.index(m)].inputs[0]]
-        out.append((m, read[m]))
-    return out
+    """(rank, tensor id on that rank) of every operand an exchange reads, in group order."""
+    node = plan.ranks[rank].graph.nodes[op.node]
+    if op.op == "recv":
+        return [(op.attrs["src"], peer_operand(plan, rank, node, PEER_SEND, op.attrs["src"]))]
+    return [(m, peer_operand(plan, rank, node, 0, m)) for m in op.attrs["group"]]
 
 
 def _exchange(kind: str, attrs: dict[str, Any], members: list, out: Operand, rank: int) -> list[str]:

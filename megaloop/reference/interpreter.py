@@ -28,7 +28,7 @@ from megaloop.frontend.tiling import Box
 from megaloop.frontend.values import coerce
 from megaloop.plan.bytes import box_runs
 from megaloop.plan.model import Access, Plan, PlanTensor, Task
-from megaloop.plan.tasks import op_node
+from megaloop.plan.tasks import op_node, peer_operand
 from megaloop.reference.evaluate import Evaluation
 
 NEVER = -2  # version of a byte nobody wrote
@@ -246,7 +246,9 @@ class _Machine:
         try:
             if opdef.kind == "collective":
                 group = node.attrs["group"]
-                members = [self._operand(r, task, acc_rank=m, tensor=self._peer_tensor(r, task, m)) for m in group]
+                members = [
+                    self._operand(r, task, acc_rank=m, tensor=peer_operand(self.plan, r, node, 0, m)) for m in group
+                ]
                 results = [opdef.reference(members, op.attrs)[group.index(r)]]
             elif op.op == "recv":
                 src = node.attrs["src"]
@@ -264,16 +266,6 @@ class _Machine:
             idx = rank.byte_index(t, acc.box)
             rank.iteration[idx] = k
             rank.writer[idx] = op.id
-
-    def _peer_tensor(self, r: int, task: Task, member: int) -> int:
-        for acc in task.reads:
-            if acc.rank == member:
-                return acc.tensor
-        # a member whose part this tile does not touch: any tensor of the right shape will do
-        node = op_node(self.ranks[r].rp, self.ranks[r].rp.ops[task.op])
-        c = self.plan.matching.collective_of[node]
-        peer = c.nodes[c.group.index(member)]
-        return self.ranks[member].rp.tensor_of[peer.inputs[0]]
 
     def _operand(self, r: int, task: Task, acc_rank: int, tensor: int) -> np.ndarray:
         """The operand as the task may see it: declared boxes from the arena, NaN (or garbage) elsewhere."""
