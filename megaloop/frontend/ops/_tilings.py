@@ -183,17 +183,21 @@ def _rope(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 ROPE = Tiling({"elements": ELEMENTS}, _rope, "blocks of whole head vectors with their positions")
 
 
-def _attention(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits: int | None) -> list[Tile]:
+    """Tiles of attention (``splits`` None: all keys, output [b, h, q, dv]) or of attention_partial
+    (one key range each, output [b, h, q, split, dv + 2])."""
     q, k, v = node.inputs[:3]
     absent = node.attrs.get("absent", ())
     slot = {s: 3 + n for n, s in enumerate(s for s in (3, 4) if s not in absent)}  # optional operands
     b, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
+    chunk = tk if splits is None else -(-tk // splits)
+    ranges = [(min(tk, sp * chunk), min(tk, (sp + 1) * chunk)) for sp in range(splits or 1)]
     qb = min(params["q_block"], tq)
     # All query heads of a kv head share its keys; but when that makes fewer tiles than processors
     # (decode: one tile per kv head), tiles take fewer query heads each, re-reading the keys (from L2).
-    blocks = b * hkv * -(-tq // qb)
+    blocks = b * hkv * -(-tq // qb) * len(ranges)
     hb = next((n for n in range(group, 0, -1) if group % n == 0 and blocks * (group // n) >= ctx.processors), 1)
     tiles = []
     for bi in range(b):
@@ -202,47 +206,7 @@ def _attention(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
                 h0, h1 = h * group + j, h * group + j + hb
                 for s in range(0, tq, qb):
                     e = min(tq, s + qb)
-                    qbox = Box((bi, h0, s, 0), (bi + 1, h1, e, d))
-                    kv = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, d))
-                    vbox = Box((bi, h, 0, 0), (bi + 1, h + 1, tk, v.shape[3]))
-                    reads = [Read(0, qbox), Read(1, kv), Read(2, vbox)]
-                    if 3 in slot:
-                        reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
-                    if 4 in slot:
-                        reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
-                    obox = Box((bi, h0, s, 0), (bi + 1, h1, e, v.shape[3]))
-                    flops = 2 * hb * (e - s) * tk * (d + v.shape[3])
-                    tiles.append(Tile((bi, h0, s // qb), tuple(reads), (Write(0, obox),), flops))
-    return tiles
-
-
-ATTENTION = Tiling(
-    {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
-    _attention,
-    "a block of queries of the query heads sharing one kv head (fewer heads per tile when tiles would be few)",
-)
-
-
-def _attention_partial(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
-    q, k, v = node.inputs[:3]
-    absent = node.attrs.get("absent", ())
-    slot = {s: 3 + n for n, s in enumerate(s for s in (3, 4) if s not in absent)}
-    b, hq, tq, d = q.shape
-    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
-    group, splits = hq // hkv, node.attrs["splits"]
-    chunk = -(-tk // splits)
-    qb = min(params["q_block"], tq)
-    blocks = b * hkv * -(-tq // qb) * splits
-    hb = next((n for n in range(group, 0, -1) if group % n == 0 and blocks * (group // n) >= ctx.processors), 1)
-    tiles = []
-    for bi in range(b):
-        for h in range(hkv):
-            for j in range(0, group, hb):
-                h0, h1 = h * group + j, h * group + j + hb
-                for s in range(0, tq, qb):
-                    e = min(tq, s + qb)
-                    for sp in range(splits):
-                        lo, hi = min(tk, sp * chunk), min(tk, (sp + 1) * chunk)  # a range may be empty
+                    for sp, (lo, hi) in enumerate(ranges):
                         reads = [Read(0, Box((bi, h0, s, 0), (bi + 1, h1, e, d)))]
                         if lo < hi:  # an empty range reads no key (and writes m = -inf, l = 0)
                             reads.append(Read(1, Box((bi, h, lo, 0), (bi + 1, h + 1, hi, d))))
@@ -251,15 +215,26 @@ def _attention_partial(node: Any, params: dict[str, int], ctx: TileContext) -> l
                             reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
                         if 4 in slot:
                             reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
-                        obox = Box((bi, h0, s, sp, 0), (bi + 1, h1, e, sp + 1, dv + 2))
                         flops = 2 * hb * (e - s) * (hi - lo) * (d + dv)
-                        tiles.append(Tile((bi, h0, s // qb, sp), tuple(reads), (Write(0, obox),), flops))
+                        if splits is None:
+                            obox, coords = Box((bi, h0, s, 0), (bi + 1, h1, e, dv)), (bi, h0, s // qb)
+                        else:
+                            obox = Box((bi, h0, s, sp, 0), (bi + 1, h1, e, sp + 1, dv + 2))
+                            coords = (bi, h0, s // qb, sp)
+                        tiles.append(Tile(coords, tuple(reads), (Write(0, obox),), flops))
     return tiles
+
+
+ATTENTION = Tiling(
+    {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
+    lambda node, params, ctx: _attention_tiles(node, params, ctx, None),
+    "a block of queries of the query heads sharing one kv head (fewer heads per tile when tiles would be few)",
+)
 
 
 ATTENTION_PARTIAL = Tiling(
     {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
-    _attention_partial,
+    lambda node, params, ctx: _attention_tiles(node, params, ctx, node.attrs["splits"]),
     "one key range of a block of queries of the query heads sharing one kv head",
 )
 
