@@ -203,24 +203,25 @@ def _split_store(out: Operand, chunk: int | None) -> list[str]:
     """The merged (head, query) of the split-key path: normalised (attention), or the unnormalised
     sum with its max and exp-sum (attention_partial, float32 [..., split, D + 2])."""
     o = out.strides
+    ob = f"(ml::i64)bi * {o[0]} + (ml::i64)h * {o[1]} + (ml::i64)i * {o[2]}"
     if chunk is None:
-        return [
-            f"            const ml::i64 ob = (ml::i64)bi * {o[0]} + (ml::i64)h * {o[1]} + (ml::i64)i * {o[2]};",
-            "            for (int dd = lane; dd < D; dd += 32) {",
-            "                float o = 0.0f;",
-            "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
-            f"                ml::store(out0 + ob + (ml::i64)dd * {o[3]}, lsum > 0.0f ? o / lsum : 0.0f);",
-            "            }",
-        ]
-    return [
-        f"            const ml::i64 ob = (ml::i64)bi * {o[0]} + (ml::i64)h * {o[1]} + (ml::i64)i * {o[2]} + (ml::i64)t.lo[3] * {o[3]};",
+        store = f"ml::store(out0 + ob + (ml::i64)dd * {o[3]}, lsum > 0.0f ? o / lsum : 0.0f);"
+    else:
+        ob += f" + (ml::i64)t.lo[3] * {o[3]}"
+        store = f"out0[ob + (ml::i64)dd * {o[4]}] = o;"
+    lines = [
+        f"            const ml::i64 ob = {ob};",
         "            for (int dd = lane; dd < D; dd += 32) {",
         "                float o = 0.0f;",
         "                for (int p2 = 0; p2 < split; ++p2) { const float* sl = part + (warp + p2) * (D + 2); o += mx == ml::neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx); }",
-        f"                out0[ob + (ml::i64)dd * {o[4]}] = o;",
+        f"                {store}",
         "            }",
-        f"            if (lane == 0) {{ out0[ob + (ml::i64)D * {o[4]}] = mx; out0[ob + (ml::i64)(D + 1) * {o[4]}] = lsum; }}",
     ]
+    if chunk is not None:
+        lines.append(
+            f"            if (lane == 0) {{ out0[ob + (ml::i64)D * {o[4]}] = mx; out0[ob + (ml::i64)(D + 1) * {o[4]}] = lsum; }}"
+        )
+    return lines
 
 
 def _attention_split(

@@ -28,20 +28,7 @@ def _combine(op: str, dtype_is_float: bool) -> str:
 
 
 def all_reduce(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand) -> list[str]:
-    nd = len(out.shape)
-    dims = [f"i[{d}]" for d in range(nd)]
-    ct = compute_type(out.dtype)
-    body = member_pointers(members, out)
-    body.append(f"ml::for_box<{box_var(nd)}>(t, [&](const int* i) {{")
-    body.append(f"    {ct} acc = ml::load(in0 + {index_expr(members[0][1].strides, dims)});")
-    for k, (_, o) in enumerate(members[1:], start=1):
-        body.append(
-            f"    {{ const {ct} v = ml::load(in{k} + {index_expr(o.strides, dims)}); "
-            f"{_combine(attrs['op'], out.dtype.is_float)} }}"
-        )
-    body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, acc);")
-    body.append("});")
-    return body
+    return _reduce(attrs, members, out, [f"i[{d}]" for d in range(len(out.shape))])
 
 
 def reduce_scatter(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand, rank: int) -> list[str]:
@@ -49,7 +36,12 @@ def reduce_scatter(attrs: dict[str, Any], members: list[tuple[int, Operand]], ou
     nd = len(out.shape)
     axis = attrs["axis"] % nd
     shift = [m for m, _ in members].index(rank) * out.shape[axis]
-    src = [f"i[{d}]" if d != axis else f"(i[{d}] + {shift})" for d in range(nd)]
+    return _reduce(attrs, members, out, [f"i[{d}]" if d != axis else f"(i[{d}] + {shift})" for d in range(nd)])
+
+
+def _reduce(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand, src: list[str]) -> list[str]:
+    """out[i] = the members' x[src(i)] combined in group order (one rounding at the store)."""
+    nd = len(out.shape)
     ct = compute_type(out.dtype)
     body = member_pointers(members, out)
     body.append(f"ml::for_box<{box_var(nd)}>(t, [&](const int* i) {{")
@@ -59,8 +51,7 @@ def reduce_scatter(attrs: dict[str, Any], members: list[tuple[int, Operand]], ou
             f"    {{ const {ct} v = ml::load(in{k} + {index_expr(o.strides, src)}); "
             f"{_combine(attrs['op'], out.dtype.is_float)} }}"
         )
-    dims = [f"i[{d}]" for d in range(nd)]
-    body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, acc);")
+    body.append(f"    ml::store(out0 + {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])}, acc);")
     body.append("});")
     return body
 
