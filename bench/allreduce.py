@@ -6,13 +6,12 @@ resident iterations) and bus bandwidth 2 (n - 1) / n x bytes / time."""
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
 
 import megaloop as ml
-from bench.common import write
+from bench.common import resident_seconds, write
 from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
 
@@ -58,14 +57,8 @@ def loop_seconds(nbytes: int) -> tuple[float, int]:
             feeds[1]["x"], ml.bfloat16
         ).astype(np.float32)
         assert np.array_equal(out[0]["y"], ml.dtypes.round_to(want, ml.bfloat16)), "loop-kernel all-reduce is wrong"
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for k in gr.kernels:
-                k.start(iterations)
-            gr.wait()
-            times.append((time.perf_counter() - t0) / iterations)
-    return float(np.median(times)), len(plan.ranks[0].tasks)
+        seconds = resident_seconds(gr, iterations)
+    return seconds, len(plan.ranks[0].tasks)
 
 
 def main() -> None:

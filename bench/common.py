@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,18 @@ def time_torch(fn, warmup: int = 5, repeat: int = 30) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def resident_seconds(kernel, iterations: int, repeats: int = 5) -> float:
+    """Median seconds per iteration of a resident loop kernel (a LoopKernel or LoopKernelGroup):
+    ``iterations`` iterations per doorbell, wall time from the ring to the last block's report."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kernel.start(iterations)
+        kernel.wait()
+        times.append((time.perf_counter() - t0) / iterations)
     return float(np.median(times))
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import megaloop as ml
-from bench.common import time_torch, write
+from bench.common import resident_seconds, time_torch, write
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -37,13 +37,7 @@ def main() -> None:
         iterations = 20 if n <= 4096 else 5
         with LoopKernel(plan) as k:
             got = k.run(feeds)["y"].astype(np.float32)
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                k.start(iterations)
-                k.wait()
-                times.append((time.perf_counter() - t0) / iterations)
-        loop_s = float(np.median(times))
+            loop_s = resident_seconds(k, iterations)
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         flops = 2.0 * n**3
         results["sizes"][str(n)] = {

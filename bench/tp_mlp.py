@@ -10,13 +10,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 import megaloop as ml
-from bench.common import write
+from bench.common import resident_seconds, write
 from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
 
@@ -41,19 +40,14 @@ def graphs(tokens: int, part: str):
 
 def per_step(gr: LoopKernelGroup, feeds: list, iterations: int) -> float:
     gr.run(feeds)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for k in gr.kernels:
-            k.start(iterations)
-        gr.wait()
-        times.append((time.perf_counter() - t0) / iterations)
-    return float(np.median(times))
+    return resident_seconds(gr, iterations)
 
 
 def torch_side() -> dict:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     script = Path(__file__).with_name("tp_mlp_torch.py")
+    root = str(script.parent.parent)  # the script imports bench.common
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     for line in done.stdout.splitlines():

@@ -7,28 +7,14 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.common import time_torch
+
 HIDDEN, FFN = 4096, 16384
 TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
-
-
-def timed(fn, repeat: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -47,7 +33,7 @@ def main() -> None:
             dist.all_reduce(y)
             return y
 
-        eager = timed(step)
+        eager = time_torch(step, repeat=50) * 1e6
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -57,7 +43,7 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        graphed = timed(graph.replay)
+        graphed = time_torch(graph.replay, repeat=50) * 1e6
         out[str(tokens)] = {"torch_eager_us": eager, "torch_cuda_graph_us": graphed}
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)

@@ -113,10 +113,14 @@ class LoopKernelGroup:
             raise LoopKernelError(f"inputs: one mapping per rank ({len(self.kernels)}), got {len(inputs)}")
         for k, inp in zip(self.kernels, inputs):
             k._stage_inputs(inp, iterations)
-        for k in self.kernels:
-            k.start(iterations)
+        self.start(iterations)
         self.wait()
         return [k._outputs() for k in self.kernels]
+
+    def start(self, iterations: int) -> None:
+        """Ring every rank's doorbell for ``iterations`` more iterations (returns at once)."""
+        for k in self.kernels:
+            k.start(iterations)
 
     def wait(self) -> None:
         """Until every rank finished what was asked; the first error any rank reports halts them all."""
