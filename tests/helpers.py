@@ -131,3 +131,25 @@ def worst_error_text(out: np.ndarray, ref: np.ndarray) -> str:
     err = np.abs(o - r)
     i = np.unravel_index(int(np.argmax(err)), err.shape)
     return f"max |err| {err[i]:.3e} at {tuple(int(k) for k in i)} (got {o[i]:.6g}, ref {r[i]:.6g})"
+
+
+def tp_mlp(world: int, tokens: int, hidden: int, ffn: int, scale: float, seed: int) -> tuple[list, np.ndarray, list]:
+    """A Megatron-style tensor-parallel MLP on ``world`` ranks (column-parallel W1, row-parallel W2,
+    all-reduce) with its input and each rank's weights: (graphs, x, params per rank)."""
+
+    def build(g: ml.Graph) -> None:
+        x = g.input("x", (tokens, hidden), ml.bfloat16)
+        w1 = g.parameter("w1", (ffn // world, hidden), ml.bfloat16)
+        w2 = g.parameter("w2", (hidden, ffn // world), ml.bfloat16)
+        g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden))
+    params = [
+        {
+            "w1": rng.standard_normal((ffn // world, hidden)) * scale,
+            "w2": rng.standard_normal((hidden, ffn // world)) * scale,
+        }
+        for _ in range(world)
+    ]
+    return ml.spmd(build, world), x, params

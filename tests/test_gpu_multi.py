@@ -10,6 +10,7 @@ import pytest
 import megaloop as ml
 from megaloop.plan import make_plan
 from megaloop.runtime.device import gpus
+from tests.helpers import tp_mlp
 from tests.test_codegen import exchange_graphs
 
 pytestmark = [
@@ -60,24 +61,8 @@ def test_every_exchange_matches_the_reference(processors: int) -> None:
 
 
 def test_tensor_parallel_mlp_and_hundred_runs_bitwise() -> None:
-    world, hidden, ffn = 2, 256, 1024
-
-    def build(g: ml.Graph) -> None:
-        x = g.input("x", (8, hidden), ml.bfloat16)
-        w1 = g.parameter("w1", (ffn // world, hidden), ml.bfloat16)
-        w2 = g.parameter("w2", (hidden, ffn // world), ml.bfloat16)
-        g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
-
-    graphs = ml.spmd(build, world)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, hidden))
-    params = [
-        {
-            "w1": rng.standard_normal((ffn // world, hidden)) * 0.05,
-            "w2": rng.standard_normal((hidden, ffn // world)) * 0.05,
-        }
-        for _ in range(world)
-    ]
+    world = 2
+    graphs, x, params = tp_mlp(world, tokens=8, hidden=256, ffn=1024, scale=0.05, seed=0)
     ref = ml.evaluate(graphs, [{"x": x}] * world, params)
     with group(make_plan(graphs, processors=132), params) as gr:
         first = gr.run([{"x": x}] * world)

@@ -15,6 +15,7 @@ from megaloop.frontend.opdef import REGISTRY
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import Plan, make_plan
 from megaloop.reference.interpreter import run_plan
+from tests.helpers import tp_mlp
 from tests.op_table import ROWS, Row, build_row
 
 SEEDS = 20
@@ -155,24 +156,7 @@ def test_collectives_through_the_plan(world: int, processors: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_tp_mlp_through_the_plan(world: int) -> None:
     """Megatron-style tensor-parallel MLP: column-parallel then row-parallel matmul, all-reduce."""
-    hidden, ffn = 16, 8 * world
-
-    def build(g: ml.Graph) -> None:
-        x = g.input("x", (5, hidden), ml.bfloat16)
-        w1 = g.parameter("w1", (ffn // world, hidden), ml.bfloat16)
-        w2 = g.parameter("w2", (hidden, ffn // world), ml.bfloat16)
-        g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
-
-    graphs = ml.spmd(build, world)
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((5, hidden))
-    params = [
-        {
-            "w1": rng.standard_normal((ffn // world, hidden)) * 0.2,
-            "w2": rng.standard_normal((hidden, ffn // world)) * 0.2,
-        }
-        for _ in range(world)
-    ]
+    graphs, x, params = tp_mlp(world, tokens=5, hidden=16, ffn=8 * world, scale=0.2, seed=1)
     for processors in PROCESSORS:
         plan = make_plan(graphs, processors=processors, tiles=small_tiles(graphs))
         check_plan(plan, graphs, [{"x": x}] * world, params, what=f"tp mlp P={processors}")

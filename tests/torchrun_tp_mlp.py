@@ -11,30 +11,15 @@ import torch.distributed as dist
 import megaloop as ml
 from megaloop.plan import make_plan
 from megaloop.runtime.distributed import DistributedLoopKernel
+from tests.helpers import tp_mlp
 
-WORLD, HIDDEN, FFN = 2, 256, 1024
-
-
-def build(g: ml.Graph) -> None:
-    x = g.input("x", (8, HIDDEN), ml.bfloat16)
-    w1 = g.parameter("w1", (FFN // WORLD, HIDDEN), ml.bfloat16)
-    w2 = g.parameter("w2", (HIDDEN, FFN // WORLD), ml.bfloat16)
-    g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
+WORLD = 2
 
 
 def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    graphs = ml.spmd(build, WORLD)
-    rng = np.random.default_rng(0)  # the same draws on every rank
-    x = rng.standard_normal((8, HIDDEN))
-    params = [
-        {
-            "w1": rng.standard_normal((FFN // WORLD, HIDDEN)) * 0.05,
-            "w2": rng.standard_normal((HIDDEN, FFN // WORLD)) * 0.05,
-        }
-        for _ in range(WORLD)
-    ]
+    graphs, x, params = tp_mlp(WORLD, tokens=8, hidden=256, ffn=1024, scale=0.05, seed=0)  # same on every rank
     ref = ml.evaluate(graphs, [{"x": x}] * WORLD, params)[rank].outputs["y"].astype(np.float64)
     with DistributedLoopKernel(make_plan(graphs, processors=132), params[rank]) as k:
         outs = [k.run({"x": x})["y"] for _ in range(20)]
