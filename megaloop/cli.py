@@ -57,7 +57,8 @@ class _GpuSteps:
         t0 = time.perf_counter()
         self.plans = [make_plan(g, processors=gpu.sm_count, arch=gpu.plan_arch) for g in (prefill, decode)]
         t1 = time.perf_counter()
-        compile_many([generate(p).source for p in self.plans], gpu.arch)  # both at once (cached on disk)
+        self.programs = [generate(p) for p in self.plans]
+        compile_many([p.source for p in self.programs], gpu.arch)  # both at once (cached on disk)
         print(
             f"planned both graphs for {gpu.sm_count} processors in {t1 - t0:.1f} s, compiled their loop kernels "
             f"in {time.perf_counter() - t1:.1f} s"
@@ -72,7 +73,10 @@ class _GpuSteps:
             if self.kernel is not None:
                 state = self.kernel.state()
                 self.kernel.stop()
-            self.kernel, self.which = LoopKernel(self.plans[which], self.params, state), which
+            self.kernel, self.which = (
+                LoopKernel(self.plans[which], self.params, state, program=self.programs[which]),
+                which,
+            )
         return self.kernel.run(feeds)["logits"]
 
     def snapshot(self) -> dict:

@@ -114,10 +114,11 @@ def test_random_graphs_against_the_reference() -> None:
             feeds.update(random_graph(rng, g, f"p{i}."))
         tiles = {"matmul": {"tensor_cores": int(rng.random() < 0.5)}}  # both matmul paths
         cases.append((g, feeds, make_plan(g, processors=int(rng.choice([7, 64, 132])), tiles=tiles)))
-    compile_many([generate(plan).source for _, _, plan in cases], gpus()[0][0].arch)  # in parallel
-    for batch, (g, feeds, plan) in enumerate(cases):
+    programs = [generate(plan) for _, _, plan in cases]
+    compile_many([p.source for p in programs], gpus()[0][0].arch)  # in parallel
+    for batch, ((g, feeds, plan), program) in enumerate(zip(cases, programs)):
         ref = ml.evaluate(g, feeds)
-        with loop_kernel(plan) as k:
+        with loop_kernel(plan, program=program) as k:
             got = k.run(feeds)
         for name, want in ref.outputs.items():
             w = want.astype(np.float64)
