@@ -38,8 +38,8 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
     if not hints.get("tensor_cores"):
         return None
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    a_row, a_k = (a_.strides[-1], a_.strides[-2]) if ta else (a_.strides[-2], a_.strides[-1])
-    b_k, b_col = (b_.strides[-1], b_.strides[-2]) if tb else (b_.strides[-2], b_.strides[-1])
+    a_k = a_.strides[-2] if ta else a_.strides[-1]
+    b_k = b_.strides[-1] if tb else b_.strides[-2]
     k = a_.shape[-2] if ta else a_.shape[-1]
     rows, cols = hints["tile"]
     if (
@@ -48,10 +48,7 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
         or a_k != 1
         or b_k != 1
         or k % 8
-        or any(
-            s % 8
-            for s in (*_walked(a_row, b_col, _product_shape(a_, b_, attrs)), *_batch_strides(a_), *_batch_strides(b_))
-        )
+        or any(s % 8 for s in (*_walked(a_, b_, attrs), *_batch_strides(a_), *_batch_strides(b_)))
         or rows < MMA_MIN_ROWS
     ):
         return None
@@ -84,17 +81,13 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
     return None
 
 
-def _walked(a_row: int, b_col: int, out: Operand | tuple[int, ...]) -> tuple[int, int]:
-    """A's row stride and B's column stride, as 0 where there is only one row or column to walk."""
-    shape = out.shape if isinstance(out, Operand) else out
-    return (a_row if shape[-2] > 1 else 0), (b_col if shape[-1] > 1 else 0)
-
-
-def _product_shape(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:
-    """(rows, cols) of the product."""
-    m = a_.shape[-1] if attrs["transpose_a"] else a_.shape[-2]
-    n = b_.shape[-2] if attrs["transpose_b"] else b_.shape[-1]
-    return m, n
+def _walked(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:
+    """A's row stride and B's column stride, as 0 where the product has only one row or column to
+    walk (a size-1 axis's stride is never used, and may be anything)."""
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    m, a_row = (a_.shape[-1], a_.strides[-1]) if ta else (a_.shape[-2], a_.strides[-2])
+    n, b_col = (b_.shape[-2], b_.strides[-2]) if tb else (b_.shape[-1], b_.strides[-1])
+    return (a_row if m > 1 else 0), (b_col if n > 1 else 0)
 
 
 def _batch_strides(x: Operand) -> list[int]:
@@ -158,7 +151,7 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         and b_k == 1
         and k % width == 0
         and a_.dtype == b_.dtype
-        and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_row, b_col, out)))
+        and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_, b_, attrs)))
     ):
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
         # a streaming SM needs ~30 KB in flight on an H200; 8 warps x 32 lanes x 8 x 16 B = 32 KB)

@@ -26,14 +26,6 @@ from megaloop.dtypes import DType
 from megaloop.errors import EvaluationError
 
 TYPESTR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int32": "<i4", "int64": "<i8", "bool": "|b1"}
-TORCH_NAMES = {
-    "float32": "float32",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "int32": "int32",
-    "int64": "int64",
-    "bool": "bool",
-}
 
 
 @dataclass
@@ -112,7 +104,7 @@ def device_source(
             return None
 
         got = str(value.dtype).removeprefix("torch.")
-        if got != TORCH_NAMES[dtype.name] or tuple(value.shape) != shape or not value.is_contiguous():
+        if got != dtype.name or tuple(value.shape) != shape or not value.is_contiguous():
             raise EvaluationError(
                 f"{what}: a GPU tensor must already be a contiguous {dtype.name} tensor of shape {shape} "
                 f"(got {got}, {tuple(value.shape)}, contiguous={value.is_contiguous()}); convert it first"
