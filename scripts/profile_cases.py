@@ -1,0 +1,112 @@
+"""Where the time goes in the benchmark cases: runs each case with the kernel's per-task stamps on and
+prints, per op, the number of tasks, the mean and longest task, and the op's window (first start to last
+end) in one steady iteration, plus the gap each processor spent waiting before its tasks. Without a GPU
+it prints the cost model's estimate instead (marked as such). Traces and PNGs go to $OUT (or /tmp).
+
+    python scripts/profile_cases.py decode2048 prefill2048 gemm4096
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import megaloop as ml
+from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.plan import make_plan
+from megaloop.runtime import gpus, trace
+
+CONTEXT = 512
+
+
+def llama_case(hidden: int, tokens: int, kv_splits: int | None = None):
+    cfg = LlamaConfig(
+        hidden=hidden,
+        heads=hidden // 128,
+        kv_heads=max(1, hidden // 512),
+        intermediate=int(hidden * 2.6875),
+        layers=1,
+        max_seq=CONTEXT + tokens,
+        vocab=None,
+    )
+    start = CONTEXT if tokens == 1 else 0
+    rng = np.random.default_rng(1)
+    feeds = {
+        "hidden": rng.standard_normal((1, tokens, hidden)).astype(np.float32),
+        "positions": np.arange(start, start + tokens)[None],
+    }
+    return build_llama(cfg, 1, tokens, kv_splits=kv_splits), random_parameters(cfg, seed=0), feeds
+
+
+def gemm_case(n: int):
+    g = ml.Graph(f"gemm{n}")
+    a = g.input("a", (n, n), ml.bfloat16)
+    w = g.input("w", (n, n), ml.bfloat16)
+    g.output("y", ml.matmul(a, w, transpose_b=True))
+    rng = np.random.default_rng(0)
+    return g, {}, {k: rng.standard_normal((n, n), dtype=np.float32) for k in ("a", "w")}
+
+
+CASES = {
+    "decode2048": lambda: llama_case(2048, 1),
+    "decode2048_split8": lambda: llama_case(2048, 1, 8),
+    "decode4096": lambda: llama_case(4096, 1),
+    "prefill2048": lambda: llama_case(2048, 512),
+    "gemm4096": lambda: gemm_case(4096),
+}
+
+
+def report(name: str, tl: trace.Timeline, out: Path) -> None:
+    rp = tl.rp
+    k = tl.times_ns.shape[0] - 1  # the last iteration: steady state
+    t = tl.times_ns[k]
+    base = t[:, 0].min()
+    print(f"== {name}: {tl.source}; iteration {k}: {(t[:, 1].max() - base) / 1e3:.1f} us")
+    print(trace.format_summary(tl))
+    wait = np.zeros(len(rp.tasks))
+    for lst in rp.processors:
+        prev = base
+        for tid in lst:
+            wait[tid] = t[tid, 0] - prev
+            prev = t[tid, 1]
+    rows: dict[str, list[int]] = {}
+    for task in rp.tasks:
+        rows.setdefault(rp.ops[task.op].name, []).append(task.id)
+    print(f"  {'op':<34}{'tasks':>6}{'from us':>9}{'to us':>9}{'mean us':>9}{'max us':>9}{'wait us':>9}")
+    for op, ids in sorted(rows.items(), key=lambda r: t[r[1], 0].min()):
+        d = t[ids, 1] - t[ids, 0]
+        print(
+            f"  {op:<34}{len(ids):>6}{(t[ids, 0].min() - base) / 1e3:>9.1f}{(t[ids, 1].max() - base) / 1e3:>9.1f}"
+            f"{d.mean() / 1e3:>9.2f}{d.max() / 1e3:>9.2f}{wait[ids].mean() / 1e3:>9.2f}"
+        )
+    trace.save_chrome_trace(tl, out / f"{name}.trace.json")
+    try:
+        trace.save_png(tl, out / f"{name}.png")
+    except trace.TraceError as e:
+        print(f"no PNG: {e}")
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/profile_cases"))
+    out.mkdir(parents=True, exist_ok=True)
+    found, _ = gpus()
+    tiles = {"matmul": {"tensor_cores": int(os.environ.get("TENSOR_CORES", "1"))}}
+    for name in sys.argv[1:] or list(CASES):
+        g, params, feeds = CASES[name]()
+        plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)
+        if found:
+            from megaloop.runtime.loop import LoopKernel
+
+            with LoopKernel(plan, params, profile_iterations=4) as kern:
+                kern.run(feeds, iterations=4)
+                tl = trace.measured_timeline(plan, kern.profile_ns(), f"measured on {found[0].name}")
+        else:
+            tl = trace.estimated_timeline(plan, iterations=2)
+        report(name, tl, out)
+
+
+if __name__ == "__main__":
+    main()
