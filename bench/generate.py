@@ -16,11 +16,16 @@ import torch.nn.functional as F
 from bench.common import time_torch, write
 from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
+from megaloop.models.llama import auto_kv_splits
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 PROMPT, NEW = 128, 128
-KV_SPLITS = int(os.environ.get("GENERATE_KV_SPLITS", "4"))
+KV_SPLITS = os.environ.get("GENERATE_KV_SPLITS", "auto")  # a number, "auto" or "none"
+
+
+def _splits() -> int | str | None:
+    return None if KV_SPLITS == "none" else KV_SPLITS if KV_SPLITS == "auto" else int(KV_SPLITS)
 
 
 class TorchModel(torch.nn.Module):
@@ -89,7 +94,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=KV_SPLITS), processors=132)
+    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits()), processors=132)
     results["plan_s"] = time.perf_counter() - t0
     with LoopKernel(prefill_plan, params) as k:
         feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
@@ -111,7 +116,7 @@ def main() -> None:
     results["speedup_vs_torch_eager"] = results["torch_eager_us_per_token"] / results["loop_us_per_token"]
     results["speedup_vs_torch_compile"] = results["torch_compile_us_per_token"] / results["loop_us_per_token"]
     results["first_tokens"] = tokens[:16].tolist()
-    results["kv_splits"] = KV_SPLITS
+    results["kv_splits"] = auto_kv_splits(cfg, 1, 1) if _splits() == "auto" else _splits()
     print(results, flush=True)
     write("generate", results)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from bench.common import time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.models.llama import auto_kv_splits
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -59,7 +60,7 @@ class TorchLayer(torch.nn.Module):
         )
 
 
-def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | None = None) -> dict:
+def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto") -> dict:
     cfg = LlamaConfig(
         hidden=hidden,
         heads=hidden // 128,
@@ -78,7 +79,7 @@ def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | Non
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, tokens, hidden)).astype(np.float32)
     pos = np.arange(start, start + tokens)[None]
-    out: dict = {"kv_splits": kv_splits}
+    out: dict = {"kv_splits": auto_kv_splits(cfg, 1, tokens) if kv_splits == "auto" else kv_splits}
     # the tensor-core switch only changes tiles of 16 rows or more (prefill); decode stays on GEMV
     out["matmul_tensor_cores"] = int(os.environ.get("MEGALOOP_BENCH_TENSOR_CORES", "1"))
     tiles = {"matmul": {"tensor_cores": out["matmul_tensor_cores"]}}
@@ -114,9 +115,9 @@ def main() -> None:
         for tokens, label in ((1, "decode"), (512, "prefill512")):
             results[f"hidden{hidden}_{label}"] = bench_case(hidden, tokens, compile_too and tokens == 1)
             print(label, hidden, results[f"hidden{hidden}_{label}"], flush=True)
-        # decode with the cache split into 8 key ranges (attention_partial + attention_combine)
-        results[f"hidden{hidden}_decode_kv_splits8"] = bench_case(hidden, 1, False, kv_splits=8)
-        print("decode kv_splits=8", hidden, results[f"hidden{hidden}_decode_kv_splits8"], flush=True)
+        # decode without splitting the cache into key ranges (one attention tile per query head)
+        results[f"hidden{hidden}_decode_unsplit"] = bench_case(hidden, 1, False, kv_splits=None)
+        print("decode unsplit", hidden, results[f"hidden{hidden}_decode_unsplit"], flush=True)
     write("llama_layer", results)
 
 

@@ -409,6 +409,41 @@ row(
     reduce_len=lambda s: s.shapes[0][-1],
 )
 
+# Rows of 128 packs (16 bytes) or more take the block-per-row path (codegen/emit.py BLOCK_ROW_PACKS);
+# lengths not a multiple of the block's threads leave some threads with fewer packs.
+row(
+    "softmax",
+    "long-rows",
+    lambda g, a: ml.softmax(a * 5.0),
+    lambda a, dtype: torch.softmax(rnd(a * 5.0, dtype), -1),
+    lambda rng: Sample([(2, 4104)]),
+    reduce_len=lambda s: 4104,
+)
+row(
+    "log_softmax",
+    "long-rows",
+    lambda g, a: ml.log_softmax(a, -1),
+    lambda a, **k: torch.log_softmax(a, -1),
+    lambda rng: Sample([(3, 2048)]),
+    reduce_len=lambda s: 2048,
+)
+row(
+    "layernorm",
+    "long-rows",
+    lambda g, x, w, b: ml.layernorm(x, w, b, eps=1e-3),
+    lambda x, w, b, **k: F.layer_norm(x, x.shape[-1:], w, b, eps=1e-3),
+    lambda rng: Sample([(2, 3080), (3080,), (3080,)]),
+    reduce_len=lambda s: 3080,
+)
+row(
+    "rmsnorm",
+    "long-rows",
+    lambda g, x, w: ml.rmsnorm(x, w, eps=1e-6),
+    lambda x, w, **k: F.rms_norm(x, x.shape[-1:], w, eps=1e-6),
+    lambda rng: Sample([(1, 3, 2048), (2048,)]),
+    reduce_len=lambda s: 2048,
+)
+
 # ---- matmul -----------------------------------------------------------------------------------------
 
 

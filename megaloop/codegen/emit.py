@@ -164,7 +164,10 @@ def _elementwise_fast(
     lines.append("    ml::i64 rows = 1;")
     lines.append(f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];")
     lines.append("    const ml::i64 total = rows * vpr;")
-    lines.append("    for (ml::i64 e0 = threadIdx.x; e0 < total; e0 += 4 * (ml::i64)blockDim.x) {")
+    lines.append("    // 32-bit index arithmetic (a 64-bit division costs ~4x); larger tiles take the general path")
+    lines.append("    if (total <= 0x7fffffff) {")
+    lines.append("    const unsigned vpr32 = (unsigned)vpr, total32 = (unsigned)total;")
+    lines.append("    for (unsigned e0 = threadIdx.x; e0 < total32; e0 += 4 * blockDim.x) {")
     for k, (o, kd) in enumerate(zip(ins, kinds)):
         if kd == "vec":
             lines.append(f"        ml::Pack<{o.ctype}, {width}> p{k}[4];")
@@ -173,13 +176,13 @@ def _elementwise_fast(
     lines.append("        ml::i64 at[4];")
     lines.append("#pragma unroll")
     lines.append("        for (int u = 0; u < 4; ++u) {")
-    lines.append("            const ml::i64 e = e0 + u * (ml::i64)blockDim.x;")
-    lines.append("            if (e >= total) break;")
+    lines.append("            const unsigned e = e0 + u * blockDim.x;")
+    lines.append("            if (e >= total32) break;")
     lines.append(f"            int i[{nd}];")
-    lines.append(f"            i[{last}] = c0 + (int)(e % vpr) * {width};")
-    lines.append("            ml::i64 r = e / vpr;")
+    lines.append(f"            i[{last}] = c0 + (int)(e % vpr32) * {width};")
+    lines.append("            unsigned r = e / vpr32;")
     lines.append(
-        f"            for (int d = {last - 1}; d >= 0; --d) {{ const int ext = t.hi[d] - t.lo[d]; i[d] = t.lo[d] + (int)(r % ext); r /= ext; }}"
+        f"            for (int d = {last - 1}; d >= 0; --d) {{ const unsigned ext = t.hi[d] - t.lo[d]; i[d] = t.lo[d] + (int)(r % ext); r /= ext; }}"
     )
     for k, (o, kd) in enumerate(zip(ins, kinds)):
         offset = index_expr(o.strides, broadcast_dims(nd, o))
@@ -191,7 +194,7 @@ def _elementwise_fast(
     lines.append("        }")
     lines.append("#pragma unroll")
     lines.append("        for (int u = 0; u < 4; ++u) {")
-    lines.append("            if (e0 + u * (ml::i64)blockDim.x >= total) break;")
+    lines.append("            if (e0 + u * blockDim.x >= total32) break;")
     lines.append(f"            ml::Pack<{out.ctype}, {width}> po;")
     lines.append("#pragma unroll")
     lines.append(f"            for (int j = 0; j < {width}; ++j) {{")
@@ -211,6 +214,7 @@ def _elementwise_fast(
     lines.append("        }")
     lines.append("    }")
     lines.append("    return;")
+    lines.append("    }")
     lines.append("}")
     return lines
 
@@ -281,16 +285,24 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
     return body
 
 
+# A row of at least this many 16-byte packs is spread over the whole block (held in registers, one
+# DRAM read, block-wide reductions); shorter rows get a warp each. Decode's rmsnorm over 2048 bf16 on
+# one warp took 7.7 us of a 550 us step; 8192-wide rows on a warp each reached 0.3 of copy bandwidth.
+BLOCK_ROW_PACKS = 128
+BLOCK_ROW_MAX_PACKS_PER_THREAD = 16  # register budget: 16 packs of 16 bytes = 64 registers
+BLOCK_ROW_MIN_THREADS = 256  # the block path's registers are sized for at least this many threads
+
+
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
-    """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row, with
-    packed loads when the row is contiguous and aligned."""
+    """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row, or
+    the whole block per row for long rows, with packed loads when the row is contiguous and aligned."""
     x = ins[0]
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
     n = x.shape[axis]
     body = pointers(ins + [out], len(ins))
     body.append("ml::Task rowt = t;")
-    body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // one warp per row: iterate the box without the axis")
+    body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // iterate the box without the row axis")
     width = 16 // max(o.dtype.itemsize for o in ins + [out])
     packed = (
         axis == nd - 1
@@ -305,7 +317,18 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
             f"ml::aligned({p}, {width * o.dtype.itemsize})"
             for p, o in [(f"in{k}", o) for k, o in enumerate(ins)] + [("out0", out)]
         )
-        body.append(f"if ({checks}) {{  // packed path: {width} elements per load")
+        packs = n // width
+        per_thread = -(-packs // BLOCK_ROW_MIN_THREADS)
+        if packs >= BLOCK_ROW_PACKS and per_thread <= BLOCK_ROW_MAX_PACKS_PER_THREAD:
+            body.append(
+                f"if ({checks} && blockDim.x >= {BLOCK_ROW_MIN_THREADS}) {{  // a block per row, {per_thread} "
+                f"pack(s) of {width} per thread in registers"
+            )
+            body.append("    __shared__ float red[32];  // the warps' partial results")
+            body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width, per_thread)]
+            body.append("    return;")
+            body.append("}")
+        body.append(f"if ({checks}) {{  // packed path: a warp per row, {width} elements per load")
         body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width)]
         body.append("    return;")
         body.append("}")
@@ -314,21 +337,50 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
 
 
 def _row_program(
-    op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand, axis: int, n: int, width: int
+    op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand, axis: int, n: int, width: int, held: int = 0
 ) -> list[str]:
-    """The warp-per-row loop; ``width`` > 1 walks the row in packs of that many elements."""
+    """The row loop. ``width`` > 1 walks the row in packs of that many elements; ``held`` > 0 spreads
+    each row over the block, every thread holding up to ``held`` packs in registers (one read of the
+    row), with block-wide reductions instead of warp-wide ones."""
     x = ins[0]
     nd = len(x.shape)
     others = [f"o[{d}]" if d != axis else None for d in range(nd)]
     xs, os_ = x.strides[axis], out.strides[axis]
-    lines = [
-        f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
-        f"    const ml::i64 xb = {index_expr(x.strides, others)};",
-        f"    const ml::i64 ob = {index_expr(out.strides, others)};",
-    ]
+    if held:
+        lines = [
+            f"ml::for_box_block<{nd}>(rowt, [&](const int* o) {{",
+            f"    const ml::i64 xb = {index_expr(x.strides, others)};",
+            f"    const ml::i64 ob = {index_expr(out.strides, others)};",
+            f"    ml::Pack<{x.ctype}, {width}> px[{held}];",
+            "#pragma unroll",
+            f"    for (int u = 0; u < {held}; ++u) {{  // the whole row in flight at once",
+            "        const int pk = threadIdx.x + u * blockDim.x;",
+            f"        if (pk < {n // width}) px[u] = ml::load_pack<{x.ctype}, {width}>(in0 + xb + pk * {width});",
+            "    }",
+        ]
+    else:
+        lines = [
+            f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
+            f"    const ml::i64 xb = {index_expr(x.strides, others)};",
+            f"    const ml::i64 ob = {index_expr(out.strides, others)};",
+        ]
+
+    def reduce(kind: str, value: str) -> str:
+        return f"ml::block_{kind}({value}, red)" if held else f"ml::warp_{kind}({value})"
 
     def each(statement: str, need_v: bool = True) -> list[str]:
         """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
+        if held:
+            return [
+                "#pragma unroll",
+                f"    for (int u = 0; u < {held}; ++u) {{",
+                "        const int pk = threadIdx.x + u * blockDim.x;",
+                f"        if (pk >= {n // width}) break;",
+                "#pragma unroll",
+                f"        for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; (void)j; "
+                f"{'const float v = ml::get(px[u], q); ' if need_v else ''}{statement} }}",
+                "    }",
+            ]
         if width == 1:
             load = f"const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); " if need_v else ""
             return [f"    for (int j = lane; j < {n}; j += 32) {{ {load}{statement} }}"]
@@ -346,7 +398,20 @@ def _row_program(
         return out_lines
 
     def store_each(value: str) -> list[str]:
-        """out[j] = value for every j; packed stores on the packed path."""
+        """out[j] = value for every j; packed stores on the packed paths."""
+        if held:
+            return [
+                "#pragma unroll",
+                f"    for (int u = 0; u < {held}; ++u) {{",
+                "        const int pk = threadIdx.x + u * blockDim.x;",
+                f"        if (pk >= {n // width}) break;",
+                f"        ml::Pack<{out.ctype}, {width}> po;",
+                "#pragma unroll",
+                f"        for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; "
+                f"const float v = ml::get(px[u], q); ml::set(po, q, {value}); }}",
+                f"        ml::store_pack<{out.ctype}, {width}>(out0 + ob + pk * {width}, po);",
+                "    }",
+            ]
         if width == 1:
             return each(f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value});")
         return [
@@ -363,9 +428,9 @@ def _row_program(
     if op in ("softmax", "log_softmax"):
         lines.append("    float m = ml::neg_inf();")
         lines += each("m = (v > m || v != v) ? v : m;")
-        lines += ["    m = ml::warp_max(m);", "    float s = 0.0f;"]
+        lines += [f"    m = {reduce('max', 'm')};", "    float s = 0.0f;"]
         lines += each("s += expf(v - m);")
-        lines.append("    s = ml::warp_sum(s);")
+        lines.append(f"    s = {reduce('sum', 's')};")
         value = "expf(v - m) / s" if op == "softmax" else "(v - m) - logf(s)"
         lines += store_each(value)
     else:
@@ -377,14 +442,14 @@ def _row_program(
         if op == "layernorm":
             lines.append("    float s = 0.0f;")
             lines += each("s += v;")
-            lines += [f"    const float mean = ml::warp_sum(s) / (float){n};", "    float q2 = 0.0f;"]
+            lines += [f"    const float mean = {reduce('sum', 's')} / (float){n};", "    float q2 = 0.0f;"]
             lines += each("const float d = v - mean; q2 += d * d;")
-            lines.append(f"    const float den = sqrtf(ml::warp_sum(q2) / (float){n} + {eps});")
+            lines.append(f"    const float den = sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
             y = "(v - mean) / den"
         else:
             lines.append("    float q2 = 0.0f;")
             lines += each("q2 += v * v;")
-            lines.append(f"    const float den = sqrtf(ml::warp_sum(q2) / (float){n} + {eps});")
+            lines.append(f"    const float den = sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
             y = "v / den"
         if "weight" in wk:
             y = f"({y}) * ml::load(in{wk['weight']} + (ml::i64)j * {ins[wk['weight']].strides[0]})"

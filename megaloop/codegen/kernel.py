@@ -302,9 +302,12 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             const int tid = a.lists[i];
             const ml::Task& t = a.tasks[tid];
             ml::u64 start = 0;
-            if (threadIdx.x == 0) {{
-                go = !ml::aborted(a) && ml::wait_task(a, t, tid, k, proc);
-                start = ml::now_ns();
+            if (threadIdx.x < 32) {{
+                const bool ready = ml::wait_task(a, t, tid, k, proc);
+                if (threadIdx.x == 0) {{
+                    go = ready;
+                    start = ml::now_ns();
+                }}
             }}
             __syncthreads();
             if (!go) return;

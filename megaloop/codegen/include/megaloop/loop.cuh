@@ -1,7 +1,8 @@
 // megaloop/loop.cuh: the machinery of the persistent loop kernel.
 //
-// One thread block per processor walks its task list every iteration. Before a task, thread 0
-// waits until each counter it depends on reaches its target (acquire loads); after the task, once
+// One thread block per processor walks its task list every iteration. Before a task, the lanes of
+// warp 0 wait until each counter it depends on reaches its target (acquire loads, the task's waits
+// shared among the 32 lanes so that their loads overlap); after the task, once
 // all threads are past a barrier, thread 0 adds 1 to the task's counter (release). Every spin reads
 // %globaltimer and gives up after the watchdog timeout, recording who waited on what, and raising
 // the abort flag that makes every other block leave too. The host asks for iterations through a
@@ -104,10 +105,15 @@ __device__ inline void fail(const Args& a, u64 code, i64 i0, i64 i1, i64 i2, i64
 
 __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)a.abort != 0; }
 
-// Thread 0 only: wait until every wait of task `tid` is satisfied for iteration k.
+// Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
+// true for every lane, or false for every lane once any block gave up (all 32 lanes must call it:
+// it ends in a warp vote). The lanes share the waits, so
+// the acquire loads are in flight together: a consumer of a 128-tile matmul waits on 128 counters, and
+// one thread polling them in turn paid an L2 round trip (~0.7 us) each, 90 us per decode-step op.
 __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, int proc) {
-    for (int w = 0; w < t.wait_count; ++w) {
-        const Wait& wt = a.waits[t.wait_begin + w];
+    bool ok = !aborted(a);
+    for (int w = threadIdx.x & 31; ok && w < t.wait_count; w += 32) {
+        const Wait wt = a.waits[t.wait_begin + w];
         if ((u64)wt.lag > k) continue;  // the previous iteration does not exist yet
         const u64 target = (u64)wt.per_iteration * (k + 1 - wt.lag);
         const bool peer = wt.rank != a.rank;
@@ -117,10 +123,14 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
         const u64 start = now_ns();
         unsigned backoff = 32;
         while ((seen = peer ? load_acquire_peer(c) : load_acquire(c)) < target) {
-            if (aborted(a)) return false;
+            if (aborted(a)) {
+                ok = false;
+                break;
+            }
             if (now_ns() - start > a.timeout_ns) {
                 fail(a, WATCHDOG, proc, tid, t.op, wt.counter, (i64)target, (i64)seen, (i64)k, wt.rank);
-                return false;
+                ok = false;
+                break;
             }
             __nanosleep(backoff);
             // short: a dependency's latency is on the critical path of every decode step, and the
@@ -128,7 +138,7 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
             backoff = backoff < 256 ? backoff * 2 : 256;
         }
     }
-    return true;
+    return __all_sync(0xffffffffu, ok);
 }
 
 // Thread 0 only: wait until the host asked for iteration k; returns how many iterations the host has
@@ -195,11 +205,44 @@ __device__ __forceinline__ void for_box(const Task& t, F f) {
         ext[d] = t.hi[d] - t.lo[d];
         total *= ext[d];
     }
+    if (total <= 0x7fffffff) {  // 32-bit index arithmetic: a 64-bit division is ~4x the instructions
+        for (unsigned e = threadIdx.x; e < (unsigned)total; e += blockDim.x) {
+            int i[N + 1];
+            unsigned r = e;
+            for (int d = N - 1; d >= 0; --d) {
+                i[d] = t.lo[d] + (int)(r % (unsigned)ext[d]);
+                r /= (unsigned)ext[d];
+            }
+            f(i);
+        }
+        return;
+    }
     for (i64 e = threadIdx.x; e < total; e += blockDim.x) {
         int i[N + 1];
         i64 r = e;
         for (int d = N - 1; d >= 0; --d) {
             i[d] = t.lo[d] + (int)(r % ext[d]);
+            r /= ext[d];
+        }
+        f(i);
+    }
+}
+
+// Call f(index) once per element of the box, the whole block on the same element (block-wide row
+// reductions: every thread takes every step, so f may synchronise the block).
+template <int N, class F>
+__device__ __forceinline__ void for_box_block(const Task& t, F f) {
+    int ext[N + 1];
+    int total = 1;
+    for (int d = 0; d < N; ++d) {
+        ext[d] = t.hi[d] - t.lo[d];
+        total *= ext[d];
+    }
+    for (int e = 0; e < total; ++e) {
+        int i[N + 1];
+        int r = e;
+        for (int d = N - 1; d >= 0; --d) {
+            i[d] = t.lo[d] + r % ext[d];
             r /= ext[d];
         }
         f(i);
@@ -241,6 +284,27 @@ __device__ __forceinline__ float warp_max(float v) {
         v = (w > v || w != w) ? w : v;  // NaN wins, as numpy's max
     }
     return v;
+}
+// Across the whole block (every thread must call it, with the same `red`: 32 floats of shared memory).
+// The warps' results are added in warp order on every thread, so all threads get the same bits; the
+// block is synchronised before `red` is written, so back-to-back calls may share it.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
+    return s;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+    v = warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
+    return m;
 }
 __device__ __forceinline__ float warp_min(float v) {
     for (int o = 16; o > 0; o >>= 1) {
