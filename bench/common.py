@@ -15,6 +15,10 @@ import numpy as np
 
 
 def commit() -> str:
+    """MEGALOOP_COMMIT when set (the GPU machine's copy of the tree carries no trustworthy git
+    metadata: a run there once recorded an older commit than the code it ran), else git's HEAD."""
+    if os.environ.get("MEGALOOP_COMMIT"):
+        return os.environ["MEGALOOP_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -24,7 +28,7 @@ def commit() -> str:
             check=True,
         ).stdout.strip()
     except Exception:
-        return os.environ.get("MEGALOOP_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_name() -> str:

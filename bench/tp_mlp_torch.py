@@ -18,9 +18,11 @@ TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
 
 
 def main() -> None:
-    dist.init_process_group("nccl")
+    # the device first: a communicator made before set_device can land every rank on GPU 0
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
     gen = torch.Generator(device="cuda").manual_seed(rank)
     w1 = torch.randn(FFN // world, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     w2 = torch.randn(HIDDEN, FFN // world, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
