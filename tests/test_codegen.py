@@ -176,6 +176,68 @@ def test_tensor_core_matmul_is_chosen_where_it_applies_and_compiles(dtype: str) 
     assert "ml::mma_tile<" not in off, "tensor cores are off unless the tile switch is on"
 
 
+FEW_ROW_SHAPES = {2: 4096, 5: 1000, 8: 4104, 16: 520}  # rows: K (not always a multiple of the pack stride)
+
+
+def few_row_matmul_graph(dtype: str) -> ml.Graph:
+    """Matmuls of 2..16-row tiles (the warp-per-column path; 16 rows of 16-bit types go to the tensor
+    cores when switched on) and a batched one with 7 rows."""
+    g = ml.Graph(f"few-rows-{dtype}")
+    for m, k in FEW_ROW_SHAPES.items():
+        x = g.input(f"x{m}", (m, k), dtype)
+        g.output(f"y{m}", ml.matmul(x, g.parameter(f"w{m}", (700, k), dtype), transpose_b=True))
+    xb = g.input("xb", (3, 7, 264), dtype)
+    g.output("yb", ml.matmul(xb, g.parameter("wb", (3, 96, 264), dtype), transpose_b=True))
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_few_row_matmuls_take_the_warp_per_column_path_and_compile(dtype: str) -> None:
+    src = generate(make_plan(few_row_matmul_graph(dtype), processors=132)).source
+    assert src.count("a warp per column") >= 4, "every matmul of 2..16-row tiles has the few-row path"
+    for arch in ("sm_90a", "sm_80"):
+        assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
+# name: (op, dtype, shape); the weights are [shape[-1]]
+LONG_ROW_CASES = {
+    "rms": ("rmsnorm", "bfloat16", (301, 2056)),
+    "soft": ("softmax", "float16", (77, 4104)),
+    "logsoft": ("log_softmax", "bfloat16", (45, 3000)),
+    "ln": ("layernorm", "float32", (33, 8188)),  # 8 packs a thread: the most with prefetch
+    "ln_big": ("layernorm", "bfloat16", (9, 32768)),  # 16 packs a thread: no prefetch
+}
+
+
+def long_row_op(op: str, x, w):
+    if op == "rmsnorm":
+        return ml.rmsnorm(x, w, eps=1e-6)
+    if op == "softmax":
+        return ml.softmax(x * 3.0, -1)
+    if op == "log_softmax":
+        return ml.log_softmax(x, -1)
+    return ml.layernorm(x, w, w, eps=1e-5)
+
+
+def long_rows_graph() -> ml.Graph:
+    """Normalisations over rows of >= 128 packs (a block per row), several rows to a task."""
+    g = ml.Graph("long-rows")
+    for name, (op, dtype, shape) in LONG_ROW_CASES.items():
+        x = g.input(f"{name}_x", shape, dtype)
+        w = g.input(f"{name}_w", shape[-1:], dtype)
+        y = long_row_op(op, x, w)
+        g.output(name, y)
+    return g
+
+
+def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
+    src = generate(make_plan(long_rows_graph(), processors=2)).source
+    assert src.count("a block per row") == len(LONG_ROW_CASES)
+    assert src.count("the next row's loads go out before") == len(LONG_ROW_CASES) - 1  # not at 16 packs
+    for arch in ("sm_90a", "sm_80"):
+        assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
 def test_float32_matmul_never_takes_tensor_cores() -> None:
     plan = make_plan(tensor_core_graph("float32"), processors=4, tiles={"matmul": {"tensor_cores": 1}})
     assert "ml::mma_tile<" not in generate(plan).source

@@ -309,3 +309,58 @@ def test_split_key_decode_against_the_reference() -> None:
     with loop_kernel(make_plan(decode, processors=132), params, state) as k:
         out = k.run(step)
     _close(out["logits"], ref.outputs["logits"], "split-key decode logits")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> None:
+    """Tiles of 2..16 rows take the warp-per-column path (emit_matmul._skinny): batched decode, a TP
+    MLP over a few tokens (tests.test_codegen.few_row_matmul_graph says which cases)."""
+    from tests.test_codegen import FEW_ROW_SHAPES, few_row_matmul_graph
+
+    dt = ml.as_dtype(dtype)
+    g = few_row_matmul_graph(dtype)
+    rng = np.random.default_rng(7)
+    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
+    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1}})
+    assert "a warp per column" in generate(plan).source
+    with loop_kernel(plan, params) as k:
+        got = k.run(feeds)
+    t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}
+    for m, k_len in FEW_ROW_SHAPES.items():
+        want = (t64[f"x{m}"] @ t64[f"w{m}"].T).numpy()
+        assert_close(got[f"y{m}"], want, dt, ml.REGISTRY["matmul"].accuracy, k_len, f"y{m} [{dtype}]")
+    want = (t64["xb"] @ t64["wb"].transpose(1, 2)).numpy()
+    assert_close(got["yb"], want, dt, ml.REGISTRY["matmul"].accuracy, 264, f"yb [{dtype}]")
+
+
+@pytest.mark.parametrize("processors", [2, 132])
+def test_long_rows_many_to_a_task_match_torch(processors: int) -> None:
+    """Block-per-row normalisations with several rows per task: the next row's loads go out before
+    this row's reductions, and rows of more packs than that reload in turn
+    (tests.test_codegen.long_rows_graph says which cases)."""
+    from tests.test_codegen import LONG_ROW_CASES, long_rows_graph
+
+    g = long_rows_graph()
+    rng = np.random.default_rng(processors)
+    feeds = {
+        n: ml.dtypes.round_to(rng.standard_normal(t.shape) + (1.0 if n.endswith("_w") else 0.0), t.dtype)
+        for n, t in g.inputs.items()
+    }
+    plan = make_plan(g, processors=processors)
+    assert "a block per row" in generate(plan).source
+    with loop_kernel(plan) as k:
+        got = k.run(feeds)
+    tf = torch.nn.functional
+    for name, (op, dtype, shape) in LONG_ROW_CASES.items():
+        dt = ml.as_dtype(dtype)
+        x, w = to_torch64(feeds[f"{name}_x"]), to_torch64(feeds[f"{name}_w"])
+        if op == "rmsnorm":
+            want = tf.rms_norm(x, shape[-1:], w, eps=1e-6)
+        elif op == "softmax":  # the graph scales in the input dtype, then takes the softmax
+            want = torch.softmax(to_torch64(ml.dtypes.round_to(feeds[f"{name}_x"] * 3.0, dt)), -1)
+        elif op == "log_softmax":
+            want = torch.log_softmax(x, -1)
+        else:
+            want = tf.layer_norm(x, shape[-1:], w, w, eps=1e-5)
+        assert_close(got[name], want.numpy(), dt, ml.REGISTRY[op].accuracy, shape[-1], f"{name} [{dtype}]")

@@ -13,6 +13,11 @@ MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
 MMA_BK, MMA_LD, MMA_STAGES, MMA_MAX_FRAGMENTS = 32, 40, 3, 32  # as in mma.cuh (tests/test_codegen.py checks)
 GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-per-element path
+# Tiles of 2..SKINNY_MAX_ROWS rows (batched decode, a few tokens) take a warp per output column for all
+# the tile's rows, so each weight is read once: a warp per element re-read a 64-column weight slab
+# (512 KB at K = 4096, more than L1) from L2 for every row; 8 tokens through a 4096 x 8192 MLP took
+# 300 us on an H200 where its weights stream in 40.
+SKINNY_MAX_ROWS = 16
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -153,9 +158,12 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         and a_.dtype == b_.dtype
         and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_, b_, attrs)))
     ):
+        step = 32 * width
+        rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
+        if 2 <= rows <= SKINNY_MAX_ROWS:
+            body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
         # a streaming SM needs ~30 KB in flight on an H200; 8 warps x 32 lanes x 8 x 16 B = 32 KB)
-        step = 32 * width
         body += [
             f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16)) {{  // packed path: {width} elements per load",
             f"    ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{",
@@ -188,3 +196,59 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
     body.append(f"    if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);")
     body.append("});")
     return body
+
+
+def _skinny(
+    a_: Operand,
+    b_: Operand,
+    out: Operand,
+    k: int,
+    width: int,
+    rows: int,
+    abatch: list[str | None],
+    bbatch: list[str | None],
+    a_row: int,
+    b_col: int,
+) -> list[str]:
+    """A warp per output column (and batch index) computing all of the tile's rows (at most ``rows``):
+    the column's weights are loaded once, in packs, and dotted with every row of A (small: L1/L2).
+    Per element, the lanes add in the same order as the warp-per-element path (same bits)."""
+    nd = len(out.shape)
+    step = 32 * width
+    packs = GEMV_PACKS if rows <= 8 else GEMV_PACKS // 2  # registers: rows accumulators + packs of B
+    out_at = index_expr(out.strides, [f"o[{d}]" for d in range(nd)])
+    return [
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[{nd - 2}] - t.lo[{nd - 2}] <= {rows}) {{  "
+        f"// at most {rows} rows: a warp per column, each weight read once",
+        "    ml::Task colt = t;",
+        f"    colt.hi[{nd - 2}] = colt.lo[{nd - 2}] + 1;  // walk the columns (and batch); the rows inside",
+        f"    const int nr = t.hi[{nd - 2}] - t.lo[{nd - 2}];",
+        f"    ml::for_box_warps<{nd}>(colt, [&](const int* o, int lane) {{",
+        f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
+        f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
+        f"        float acc[{rows}];",
+        "#pragma unroll",
+        f"        for (int r = 0; r < {rows}; ++r) acc[r] = 0.0f;",
+        f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {packs} * {step}) {{",
+        f"            ml::Pack<{b_.ctype}, {width}> pb[{packs}];",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
+        f"pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }}",
+        "#pragma unroll",
+        f"            for (int r = 0; r < {rows}; ++r) {{",
+        "                if (r >= nr) break;",
+        "#pragma unroll",
+        f"                for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
+        f"acc[r] += ml::dot(ml::load_pack<{a_.ctype}, {width}>(in0 + ab + (ml::i64)r * {a_row} + kk), pb[u]); }}",
+        "            }",
+        "        }",
+        "#pragma unroll",
+        f"        for (int r = 0; r < {rows}; ++r) {{",
+        "            if (r >= nr) break;  // nr is the same on every lane: the shuffles stay convergent",
+        "            const float s = ml::warp_sum(acc[r]);",
+        f"            if (lane == 0) ml::store(out0 + {out_at} + (ml::i64)r * {out.strides[nd - 2]}, s);",
+        "        }",
+        "    });",
+        "    return;",
+        "}",
+    ]

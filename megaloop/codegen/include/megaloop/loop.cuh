@@ -228,24 +228,20 @@ __device__ __forceinline__ void for_box(const Task& t, F f) {
     }
 }
 
-// Call f(index) once per element of the box, the whole block on the same element (block-wide row
-// reductions: every thread takes every step, so f may synchronise the block).
-template <int N, class F>
-__device__ __forceinline__ void for_box_block(const Task& t, F f) {
-    int ext[N + 1];
+// The number of elements of the task's box, and the index of its e-th element (row-major), for loops
+// that the whole block takes step by step (block-wide row reductions may synchronise the block).
+template <int N>
+__device__ __forceinline__ int box_count(const Task& t) {
     int total = 1;
-    for (int d = 0; d < N; ++d) {
-        ext[d] = t.hi[d] - t.lo[d];
-        total *= ext[d];
-    }
-    for (int e = 0; e < total; ++e) {
-        int i[N + 1];
-        int r = e;
-        for (int d = N - 1; d >= 0; --d) {
-            i[d] = t.lo[d] + r % ext[d];
-            r /= ext[d];
-        }
-        f(i);
+    for (int d = 0; d < N; ++d) total *= t.hi[d] - t.lo[d];
+    return total;
+}
+template <int N>
+__device__ __forceinline__ void box_index(const Task& t, int e, int* i) {
+    for (int d = N - 1; d >= 0; --d) {
+        const int ext = t.hi[d] - t.lo[d];
+        i[d] = t.lo[d] + e % ext;
+        e /= ext;
     }
 }
 
