@@ -93,6 +93,41 @@ def exchange_graphs(world: int) -> list[ml.Graph]:
     return ml.spmd(build, world)
 
 
+def packed_exchange_graphs(world: int) -> list[ml.Graph]:
+    """Every exchange in layouts the 16-byte packed paths take (contiguous last axis, whole packs):
+    bf16 and float32 all_reduce, all_gather and reduce_scatter along the last axis, recv."""
+
+    def build(g: ml.Graph) -> None:
+        x = g.input("x", (world * 4, 32 * world), ml.bfloat16)
+        a = ml.all_reduce(x * 2.0)
+        f = ml.all_reduce(g.input("f", (5, 36), ml.float32))
+        b = ml.all_gather(a[:3, :32], axis=1)
+        c = ml.reduce_scatter(x, axis=1)
+        ml.send(c, (g.rank + 1) % world)
+        r = ml.recv(g, (g.rank - 1) % world, c.shape, ml.bfloat16)
+        for name, value in (("a", a), ("f", f), ("b", b), ("c", c), ("r", r)):
+            g.output(name, value)
+
+    return ml.spmd(build, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchanges_take_packed_loads_where_the_layout_allows(world: int) -> None:
+    plan = make_plan(packed_exchange_graphs(world), processors=4)
+    src = generate(plan, 0).source
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "recv"):
+        body = src[src.index(f": {kind} ") :]
+        body = body[: body.index("\n}\n")]
+        assert "packed path" in body, f"{kind}: no packed path in\n{body}"
+    assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+    assert (
+        "packed path"
+        not in generate(make_plan(exchange_graphs(world), processors=4), 0)
+        .source.split(": all_gather ")[1]
+        .split("\n}\n")[0]
+    ), "rows of 6 bf16 are not whole packs"
+
+
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_exchanges_between_ranks_compile_and_name_their_peers(world: int) -> None:
     plan = make_plan(exchange_graphs(world), processors=4)

@@ -11,7 +11,7 @@ import megaloop as ml
 from megaloop.plan import make_plan
 from megaloop.runtime.device import gpus
 from tests.helpers import tp_mlp
-from tests.test_codegen import exchange_graphs
+from tests.test_codegen import exchange_graphs, packed_exchange_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,8 +48,9 @@ def same(got: list[dict], ref, what: str) -> None:
 
 
 @pytest.mark.parametrize("processors", [4, 132])
-def test_every_exchange_matches_the_reference(processors: int) -> None:
-    graphs = exchange_graphs(2)
+@pytest.mark.parametrize("build", [exchange_graphs, packed_exchange_graphs])
+def test_every_exchange_matches_the_reference(processors: int, build) -> None:
+    graphs = build(2)
     rng = np.random.default_rng(processors)
     feeds = feeds_for(graphs, rng)
     ref = ml.evaluate(graphs, feeds)
