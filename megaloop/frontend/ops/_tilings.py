@@ -305,12 +305,20 @@ def _members(node: Any, ctx: TileContext) -> tuple[int, ...]:
     return node.attrs["group"]
 
 
+def _exchange_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileContext) -> int:
+    """Elements per exchange task: ``elements``, raised (to whole 64-element runs, so that packed
+    loads line up) until the op makes no more than ``waves`` tasks per processor: 256 MB in 4096-element
+    tiles was 32768 tasks a rank, each paying its waits and signal."""
+    elements = _elements(params, math.prod(shape), ctx)
+    return elements if elements == params["elements"] else -(-elements // 64) * 64
+
+
 def _all_reduce(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     members = _members(node, ctx)
     return [
         Tile((i,), tuple(Read(0, box, m) for m in members), (Write(0, box),), box.size * len(members))
-        for i, box in enumerate(chunks(out.shape, params["elements"]))
+        for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
     ]
 
 
@@ -319,7 +327,7 @@ def _all_gather(node: Any, params: dict[str, int], ctx: TileContext) -> list[Til
     axis = node.attrs["axis"]
     piece = node.inputs[0].shape[axis]
     tiles = []
-    for i, box in enumerate(chunks(out.shape, params["elements"])):
+    for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx))):
         reads = []
         for j, m in enumerate(_members(node, ctx)):
             lo, hi = max(box.lo[axis], j * piece), min(box.hi[axis], (j + 1) * piece)
@@ -335,7 +343,7 @@ def _reduce_scatter(node: Any, params: dict[str, int], ctx: TileContext) -> list
     members = _members(node, ctx)
     shift = members.index(ctx.rank) * out.shape[axis]
     tiles = []
-    for i, box in enumerate(chunks(out.shape, params["elements"])):
+    for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx))):
         src = box.replace(axis, box.lo[axis] + shift, box.hi[axis] + shift)
         tiles.append(Tile((i,), tuple(Read(0, src, m) for m in members), (Write(0, box),), box.size * len(members)))
     return tiles
@@ -345,11 +353,13 @@ def _recv(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     return [
         Tile((i,), (Read(PEER_SEND, box, node.attrs["src"]),), (Write(0, box),), 0)
-        for i, box in enumerate(chunks(out.shape, params["elements"]))
+        for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
     ]
 
 
-ALL_REDUCE = Tiling({"elements": same(4096)}, _all_reduce, "chunks; each sums its chunk of every member in rank order")
-ALL_GATHER = Tiling({"elements": same(8192)}, _all_gather, "chunks of the output, read from the members they cover")
-REDUCE_SCATTER = Tiling({"elements": same(4096)}, _reduce_scatter, "chunks of this rank's piece of the sum")
-RECV = Tiling({"elements": same(8192)}, _recv, "chunks of the received tensor, read from the sender")
+EXCHANGE = {"elements": same(4096), "waves": WAVES}
+COPY_EXCHANGE = {"elements": same(8192), "waves": WAVES}
+ALL_REDUCE = Tiling(EXCHANGE, _all_reduce, "chunks; each sums its chunk of every member in rank order")
+ALL_GATHER = Tiling(COPY_EXCHANGE, _all_gather, "chunks of the output, read from the members they cover")
+REDUCE_SCATTER = Tiling(EXCHANGE, _reduce_scatter, "chunks of this rank's piece of the sum")
+RECV = Tiling(COPY_EXCHANGE, _recv, "chunks of the received tensor, read from the sender")
