@@ -358,6 +358,7 @@ def _row_program(
                 f"for (int u = 0; u < {held}; ++u) {{",
                 "    const int pk = threadIdx.x + u * blockDim.x;",
                 f"    if (pk < {packs}) {into}[u] = ml::load_pack<{x.ctype}, {width}>(in0 + {base} + pk * {width});",
+                f"    else {into}[u] = {{}};  // never read; defined, so the registers are not spilled",
                 "}",
             ]
 
