@@ -2,7 +2,8 @@
 # Everything a GPU run checks, in one call (the lent GPU machine's time is scarce):
 #   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog; the multi-GPU ones
 #   when there are two GPUs), then the benchmarks (allreduce too with two GPUs).
-# TESTS=... and BENCHES=... pick a subset.
+# TESTS=... and BENCHES=... pick a subset; `gpu_check.sh profile` prints per-op windows and waits of the
+# benchmark cases (scripts/profile_cases.py; PROFILE_CASES=... picks them) and writes their traces.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -29,5 +30,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in $benches; do
     timeout "$bench_timeout" python3 -m bench.$b 2>&1 | tail -n 60 | tee -a "$OUT/gpu_check.log" || status=1
   done
+fi
+if [ "$what" = profile ]; then
+  timeout "$bench_timeout" python3 scripts/profile_cases.py ${PROFILE_CASES:-decode2048 decode4096 prefill2048} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 exit $status
