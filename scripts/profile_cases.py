@@ -22,7 +22,7 @@ from megaloop.runtime import gpus, trace
 CONTEXT = 512
 
 
-def llama_case(hidden: int, tokens: int, kv_splits: int | None = None):
+def llama_case(hidden: int, tokens: int, kv_splits: int | str | None = "auto"):
     cfg = LlamaConfig(
         hidden=hidden,
         heads=hidden // 128,
@@ -52,9 +52,10 @@ def gemm_case(n: int):
 
 CASES = {
     "decode2048": lambda: llama_case(2048, 1),
-    "decode2048_split8": lambda: llama_case(2048, 1, 8),
+    "decode2048_unsplit": lambda: llama_case(2048, 1, None),
     "decode4096": lambda: llama_case(4096, 1),
     "prefill2048": lambda: llama_case(2048, 512),
+    "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
 }
 
