@@ -527,7 +527,9 @@ def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand)
     rd = attrs["rotary_dim"]
     inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
     table = ", ".join(double_literal(v) for v in inv)
-    body = [f"constexpr double inv_freq[{len(inv)}] = {{{table}}};"]
+    # static: one table in global memory; a plain local constexpr array indexed at run time was copied
+    # into every thread's local memory on every call (64 stores a thread per tile)
+    body = [f"static constexpr double inv_freq[{len(inv)}] = {{{table}}};"]
     body += pointers([x, pos, out], 2)
     body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
     d = f"i[{nd - 1}]"
