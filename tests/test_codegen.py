@@ -273,6 +273,23 @@ def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
 
 
+def test_llama_and_exchange_kernels_spill_no_registers() -> None:
+    """Spills are silent local-memory traffic in every task: the decode and 16-token Llama kernels,
+    the long-rows kernel and the packed exchanges must compile without any (undefined pack arrays
+    once made ptxas spill up to 224 B a function)."""
+    from megaloop.runtime.compile import spills
+
+    cfg = LlamaConfig(hidden=2048, heads=16, kv_heads=4, intermediate=5504, layers=1, max_seq=1040, vocab=None)
+    kernels = {
+        f"llama {tokens} token(s)": generate(make_plan(build_llama(cfg, 1, tokens), processors=132)).source
+        for tokens in (1, 16)
+    }
+    kernels["long rows"] = generate(make_plan(long_rows_graph(), processors=2)).source
+    kernels["packed exchanges"] = generate(make_plan(packed_exchange_graphs(2), processors=4), 0).source
+    found = {name: spills(src) for name, src in kernels.items()}
+    assert not any(found.values()), f"register spills (stores, loads bytes) per function: {found}"
+
+
 def test_float32_matmul_never_takes_tensor_cores() -> None:
     plan = make_plan(tensor_core_graph("float32"), processors=4, tiles={"matmul": {"tensor_cores": 1}})
     assert "ml::mma_tile<" not in generate(plan).source

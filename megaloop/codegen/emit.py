@@ -158,9 +158,9 @@ def _elementwise_fast(
     checks += [
         f"ml::aligned(in{k}, {width * o.dtype.itemsize})" for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"
     ]
-    # packs in flight per thread: 8 of each of up to two vector operands (64 KB a block; an add with 4
-    # reached 0.76 of copy bandwidth on an H200), 4 with more operands (registers)
-    unroll = 8 if kinds.count("vec") <= 2 else 4
+    # packs in flight per thread. 8 spilled registers inside the decode kernel (ptxas -v: up to 224 B a
+    # function, where 4 with zeroed arrays spill nothing)
+    unroll = 4
     lines = [f"if ({' && '.join(checks)}) {{  // packed path: {width} elements per load, {unroll} in flight"]
     lines.append(f"    const int c0 = t.lo[{last}];")
     lines.append(f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};")
@@ -173,9 +173,9 @@ def _elementwise_fast(
     lines.append(f"    for (unsigned e0 = threadIdx.x; e0 < total32; e0 += {unroll} * blockDim.x) {{")
     for k, (o, kd) in enumerate(zip(ins, kinds)):
         if kd == "vec":
-            lines.append(f"        ml::Pack<{o.ctype}, {width}> p{k}[{unroll}];")
+            lines.append(f"        ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};  // zeroed: no spills")
         else:
-            lines.append(f"        {compute_type(o.dtype)} r{k}[{unroll}];")
+            lines.append(f"        {compute_type(o.dtype)} r{k}[{unroll}] = {{}};")
     lines.append(f"        ml::i64 at[{unroll}];")
     lines.append("#pragma unroll")
     lines.append(f"        for (int u = 0; u < {unroll}; ++u) {{")

@@ -84,7 +84,7 @@ def _reduce_packed(
         out,
         width,
         unroll,
-        [f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}];" for k, o in enumerate(ops)],
+        [f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};" for k, o in enumerate(ops)],
         loads,
         [
             f"ml::Pack<{out.ctype}, {width}> po;",
@@ -120,7 +120,9 @@ def _packed_loop(
 ) -> list[str]:
     """The tile's box in packs of ``width`` along the last axis, ``unroll`` packs per thread in flight:
     ``loads`` run for each pack u with its index i[] (and at[u], its output offset) before any of
-    ``stores`` run. Falls through (to the per-element path) when the box is not whole packs."""
+    ``stores`` run. Pack arrays are declared zeroed: packs past the box's end are never read, but left
+    undefined they made ptxas spill (a review helper measured up to 124 B a function). Falls through
+    (to the per-element path) when the box is not whole packs."""
     nd = len(out.shape)
     last = nd - 1
     checks = [
@@ -184,7 +186,7 @@ def all_gather(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: O
             out,
             width,
             4,
-            [f"ml::Pack<{out.ctype}, {width}> p[4];"],
+            [f"ml::Pack<{out.ctype}, {width}> p[4] = {{}};"],
             [
                 f"switch (i[{axis}] / {piece}) {{",
                 *[f"    case {k}: p[u] = {load(k, o)}; break;" for k, o in enumerate(ops)],
@@ -219,7 +221,7 @@ def recv(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand
             out,
             width,
             8,
-            [f"ml::Pack<{out.ctype}, {width}> p[8];"],
+            [f"ml::Pack<{out.ctype}, {width}> p[8] = {{}};"],
             [f"p[u] = ml::load_pack<{src.ctype}, {width}>(in0 + {index_expr(src.strides, dims)});"],
             [f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], p[u]);"],
         )

@@ -117,6 +117,34 @@ def compile_many(sources: list[str], arch: str = "sm_90a", workers: int | None =
     return [compile_cubin(s, arch) for s in sources]
 
 
+def spills(source: str, arch: str = "sm_90a") -> dict[str, tuple[int, int]]:
+    """Bytes of registers spilled to local memory (stores, loads) per function of the compiled
+    source, from ptxas -v; functions that spill nothing are left out. A spill in a tile function is
+    local-memory traffic on every task it runs: tests keep the Llama kernels at none. Not cached."""
+    import io
+    import re
+
+    from cuda.core import Program, ProgramOptions
+
+    opts = ProgramOptions(
+        arch=arch, std="c++17", include_path=[str(INCLUDE)], name="megaloop_loop.cu", ptxas_options="-v"
+    )
+    log = io.StringIO()
+    try:
+        Program(source, "c++", opts).compile("cubin", logs=log)
+    except Exception as e:
+        raise CompileError(f"NVRTC could not compile the loop kernel for {arch}:\n{e}") from None
+    out: dict[str, tuple[int, int]] = {}
+    function = "?"
+    for line in log.getvalue().splitlines():
+        if "Function properties for " in line:
+            function = line.split("Function properties for ")[1].strip()
+        found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if found and (int(found[1]) or int(found[2])):
+            out[function] = (int(found[1]), int(found[2]))
+    return out
+
+
 def _store(path: Path, data: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
