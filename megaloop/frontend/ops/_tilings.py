@@ -120,6 +120,9 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
         widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
+        if bm < 16:  # matrix-vector tiles take any multiple of 8 columns: 5504 columns on 132 SMs are
+            # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
+            widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
         fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
         rows = n_batch * math.ceil(m / bm)
         bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
