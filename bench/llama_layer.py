@@ -60,8 +60,10 @@ class TorchLayer(torch.nn.Module):
         )
 
 
-def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto") -> dict:
-    cfg = LlamaConfig(
+def layer_config(hidden: int, tokens: int) -> LlamaConfig:
+    """One Llama-3-style layer of this width (head 128, 4 query heads per KV head), a cache for the
+    context and the step's tokens."""
+    return LlamaConfig(
         hidden=hidden,
         heads=hidden // 128,
         kv_heads=max(1, hidden // 512),
@@ -70,6 +72,10 @@ def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str
         max_seq=CONTEXT + tokens,
         vocab=None,
     )
+
+
+def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto") -> dict:
+    cfg = layer_config(hidden, tokens)
     params = random_parameters(cfg, seed=0)
     layer_params = {k: v for k, v in params.items() if k.startswith("model.layers.")}
     start = CONTEXT if tokens == 1 else 0

@@ -3,7 +3,7 @@ prints, per op, the number of tasks, the mean and longest task, and the op's win
 end) in one steady iteration, plus the gap each processor spent waiting before its tasks. Without a GPU
 it prints the cost model's estimate instead (marked as such). Traces and PNGs go to $OUT (or /tmp).
 
-    python scripts/profile_cases.py decode2048 prefill2048 gemm4096
+    PYTHONPATH=. python scripts/profile_cases.py decode2048 prefill2048 gemm4096
 """
 
 from __future__ import annotations
@@ -15,23 +15,14 @@ from pathlib import Path
 import numpy as np
 
 import megaloop as ml
-from megaloop.models import LlamaConfig, build_llama, random_parameters
+from bench.llama_layer import CONTEXT, layer_config
+from megaloop.models import build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime import gpus, trace
 
-CONTEXT = 512
-
 
 def llama_case(hidden: int, tokens: int, kv_splits: int | str | None = "auto"):
-    cfg = LlamaConfig(
-        hidden=hidden,
-        heads=hidden // 128,
-        kv_heads=max(1, hidden // 512),
-        intermediate=int(hidden * 2.6875),
-        layers=1,
-        max_seq=CONTEXT + tokens,
-        vocab=None,
-    )
+    cfg = layer_config(hidden, tokens)  # the benchmark's layer
     start = CONTEXT if tokens == 1 else 0
     rng = np.random.default_rng(1)
     feeds = {

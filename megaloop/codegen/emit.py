@@ -149,77 +149,96 @@ def _elementwise_fast(
             return []
     if not all(s % width == 0 for s in out.strides[:-1]):
         return []
+    # packs in flight per thread. 8 spilled registers inside the decode kernel (ptxas -v: up to 224 B a
+    # function, where 4 with zeroed arrays spill nothing)
+    unroll = 4
+    declare, loads = [], []
+    for k, (o, kd) in enumerate(zip(ins, kinds)):
+        offset = index_expr(o.strides, broadcast_dims(nd, o))
+        if kd == "vec":
+            declare.append(f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};")
+            loads.append(f"p{k}[u] = ml::load_pack<{o.ctype}, {width}>(in{k} + {offset});")
+        else:
+            declare.append(f"{compute_type(o.dtype)} r{k}[{unroll}] = {{}};")
+            loads.append(f"r{k}[u] = ml::load(in{k} + {offset});")
+    values = []
+    for s in range(slots):
+        if s in scalars:
+            values.append(
+                f"const {compute_type(value_dtype)} {'abc'[s]} = {_scalar(scalars[s], value_dtype, compare)};"
+            )
+        else:
+            k = tensor_slots.index(s)
+            src = f"ml::get(p{k}[u], j)" if kinds[k] == "vec" else f"r{k}[u]"
+            values.append(f"const {compute_type(ins[k].dtype)} {'abc'[s]} = {src};")
+    stores = [
+        f"ml::Pack<{out.ctype}, {width}> po;",
+        "#pragma unroll",
+        f"for (int j = 0; j < {width}; ++j) {{",
+        *["    " + v for v in values],
+        f"    ml::set(po, j, {converter(out.dtype)}({expr}));",
+        "}",
+        f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], po);",
+    ]
+    vec_in = [(f"in{k}", o) for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"]
+    return packed_loop(out, width, unroll, vec_in, declare, loads, stores)
+
+
+def packed_loop(
+    out: Operand,
+    width: int,
+    unroll: int,
+    pointers_in: list[tuple[str, Operand]],
+    declare: list[str],
+    loads: list[str],
+    stores: list[str],
+) -> list[str]:
+    """The tile's box in packs of ``width`` along the last axis, ``unroll`` packs per thread in flight:
+    ``loads`` run for each pack u with its index i[] (and at[u], its output offset) before any of
+    ``stores`` run; ``pointers_in`` are the inputs read in packs (checked aligned, as out0 is). Declare
+    pack arrays zeroed: packs past the box's end are never read, but left undefined they made ptxas
+    spill (up to 124 B a function). Falls through (to the caller's per-element path) when the box is
+    not whole packs or has 2^31 packs or more (32-bit index arithmetic: a 64-bit division costs ~4x)."""
+    nd = len(out.shape)
     last = nd - 1
     checks = [
         f"t.lo[{last}] % {width} == 0",
         f"(t.hi[{last}] - t.lo[{last}]) % {width} == 0",
         f"ml::aligned(out0, {width * out.dtype.itemsize})",
+    ] + [f"ml::aligned({p}, {width * o.dtype.itemsize})" for p, o in pointers_in]
+    return [
+        f"if ({' && '.join(checks)}) {{  // packed path: {width} elements a load, {unroll} per operand in flight",
+        f"    const int c0 = t.lo[{last}];",
+        f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};",
+        "    ml::i64 rows = 1;",
+        f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];",
+        "    if (rows * vpr <= 0x7fffffff) {  // 32-bit index arithmetic",
+        "        const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);",
+        f"        for (unsigned e0 = threadIdx.x; e0 < total; e0 += {unroll} * blockDim.x) {{",
+        *["            " + line for line in declare],
+        f"            ml::i64 at[{unroll}];",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {unroll}; ++u) {{",
+        "                const unsigned e = e0 + u * blockDim.x;",
+        "                if (e >= total) break;",
+        f"                int i[{nd}];",
+        f"                i[{last}] = c0 + (int)(e % vpr32) * {width};",
+        "                unsigned r = e / vpr32;",
+        f"                for (int d = {last - 1}; d >= 0; --d) {{ const unsigned ext = t.hi[d] - t.lo[d]; "
+        "i[d] = t.lo[d] + (int)(r % ext); r /= ext; }",
+        *["                " + line for line in loads],
+        f"                at[u] = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};",
+        "            }",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {unroll}; ++u) {{",
+        "                if (e0 + u * blockDim.x >= total) break;",
+        *["                " + line for line in stores],
+        "            }",
+        "        }",
+        "        return;",
+        "    }",
+        "}",
     ]
-    checks += [
-        f"ml::aligned(in{k}, {width * o.dtype.itemsize})" for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"
-    ]
-    # packs in flight per thread. 8 spilled registers inside the decode kernel (ptxas -v: up to 224 B a
-    # function, where 4 with zeroed arrays spill nothing)
-    unroll = 4
-    lines = [f"if ({' && '.join(checks)}) {{  // packed path: {width} elements per load, {unroll} in flight"]
-    lines.append(f"    const int c0 = t.lo[{last}];")
-    lines.append(f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};")
-    lines.append("    ml::i64 rows = 1;")
-    lines.append(f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];")
-    lines.append("    const ml::i64 total = rows * vpr;")
-    lines.append("    // 32-bit index arithmetic (a 64-bit division costs ~4x); larger tiles take the general path")
-    lines.append("    if (total <= 0x7fffffff) {")
-    lines.append("    const unsigned vpr32 = (unsigned)vpr, total32 = (unsigned)total;")
-    lines.append(f"    for (unsigned e0 = threadIdx.x; e0 < total32; e0 += {unroll} * blockDim.x) {{")
-    for k, (o, kd) in enumerate(zip(ins, kinds)):
-        if kd == "vec":
-            lines.append(f"        ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};  // zeroed: no spills")
-        else:
-            lines.append(f"        {compute_type(o.dtype)} r{k}[{unroll}] = {{}};")
-    lines.append(f"        ml::i64 at[{unroll}];")
-    lines.append("#pragma unroll")
-    lines.append(f"        for (int u = 0; u < {unroll}; ++u) {{")
-    lines.append("            const unsigned e = e0 + u * blockDim.x;")
-    lines.append("            if (e >= total32) break;")
-    lines.append(f"            int i[{nd}];")
-    lines.append(f"            i[{last}] = c0 + (int)(e % vpr32) * {width};")
-    lines.append("            unsigned r = e / vpr32;")
-    lines.append(
-        f"            for (int d = {last - 1}; d >= 0; --d) {{ const unsigned ext = t.hi[d] - t.lo[d]; i[d] = t.lo[d] + (int)(r % ext); r /= ext; }}"
-    )
-    for k, (o, kd) in enumerate(zip(ins, kinds)):
-        offset = index_expr(o.strides, broadcast_dims(nd, o))
-        if kd == "vec":
-            lines.append(f"            p{k}[u] = ml::load_pack<{o.ctype}, {width}>(in{k} + {offset});")
-        else:
-            lines.append(f"            r{k}[u] = ml::load(in{k} + {offset});")
-    lines.append(f"            at[u] = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};")
-    lines.append("        }")
-    lines.append("#pragma unroll")
-    lines.append(f"        for (int u = 0; u < {unroll}; ++u) {{")
-    lines.append("            if (e0 + u * blockDim.x >= total32) break;")
-    lines.append(f"            ml::Pack<{out.ctype}, {width}> po;")
-    lines.append("#pragma unroll")
-    lines.append(f"            for (int j = 0; j < {width}; ++j) {{")
-    names = "abc"
-    for s in range(slots):
-        if s in scalars:
-            lines.append(
-                f"                const {compute_type(value_dtype)} {names[s]} = {_scalar(scalars[s], value_dtype, compare)};"
-            )
-        else:
-            k = tensor_slots.index(s)
-            src = f"ml::get(p{k}[u], j)" if kinds[k] == "vec" else f"r{k}[u]"
-            lines.append(f"                const {compute_type(ins[k].dtype)} {names[s]} = {src};")
-    lines.append(f"                ml::set(po, j, {converter(out.dtype)}({expr}));")
-    lines.append("            }")
-    lines.append(f"            ml::store_pack<{out.ctype}, {width}>(out0 + at[u], po);")
-    lines.append("        }")
-    lines.append("    }")
-    lines.append("    return;")
-    lines.append("    }")
-    lines.append("}")
-    return lines
 
 
 def _scalar(value: float | int, dtype: DType, compare: bool) -> str:
@@ -411,22 +430,28 @@ def _row_program(
         ]
         footer = ["});"]
 
+    def held_packs(*body: str) -> list[str]:
+        """``body`` for each pack pk of the row this thread holds (px[u])."""
+        return [
+            "#pragma unroll",
+            f"    for (int u = 0; u < {held}; ++u) {{",
+            "        const int pk = threadIdx.x + u * blockDim.x;",
+            f"        if (pk >= {n // width}) break;",
+            *[("" if line.startswith("#") else "        ") + line for line in body],
+            "    }",
+        ]
+
     def reduce(kind: str, value: str) -> str:
         return f"ml::block_{kind}({value}, red)" if held else f"ml::warp_{kind}({value})"
 
     def each(statement: str, need_v: bool = True) -> list[str]:
         """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
         if held:
-            return [
+            return held_packs(
                 "#pragma unroll",
-                f"    for (int u = 0; u < {held}; ++u) {{",
-                "        const int pk = threadIdx.x + u * blockDim.x;",
-                f"        if (pk >= {n // width}) break;",
-                "#pragma unroll",
-                f"        for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; (void)j; "
+                f"for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; (void)j; "
                 f"{'const float v = ml::get(px[u], q); ' if need_v else ''}{statement} }}",
-                "    }",
-            ]
+            )
         if width == 1:
             load = f"const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); " if need_v else ""
             return [f"    for (int j = lane; j < {n}; j += 32) {{ {load}{statement} }}"]
@@ -446,18 +471,13 @@ def _row_program(
     def store_each(value: str) -> list[str]:
         """out[j] = value for every j; packed stores on the packed paths."""
         if held:
-            return [
+            return held_packs(
+                f"ml::Pack<{out.ctype}, {width}> po;",
                 "#pragma unroll",
-                f"    for (int u = 0; u < {held}; ++u) {{",
-                "        const int pk = threadIdx.x + u * blockDim.x;",
-                f"        if (pk >= {n // width}) break;",
-                f"        ml::Pack<{out.ctype}, {width}> po;",
-                "#pragma unroll",
-                f"        for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; "
+                f"for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; "
                 f"const float v = ml::get(px[u], q); ml::set(po, q, {value}); }}",
-                f"        ml::store_pack<{out.ctype}, {width}>(out0 + ob + pk * {width}, po);",
-                "    }",
-            ]
+                f"ml::store_pack<{out.ctype}, {width}>(out0 + ob + pk * {width}, po);",
+            )
         if width == 1:
             return each(f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value});")
         return [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaloop.codegen.emit import Operand, box_var, compute_type, index_expr
+from megaloop.codegen.emit import Operand, box_var, compute_type, index_expr, packed_loop
 
 
 def member_pointers(members: list[tuple[int, Operand]], out: Operand) -> list[str]:
@@ -79,11 +79,11 @@ def _reduce_packed(
         f"{{ const {ct} v = ml::get(p{k}[u], j); {_combine(attrs['op'], out.dtype.is_float)} }}"
         for k in range(1, len(ops))
     ]
-    return _packed_loop(
-        ops,
+    return packed_loop(
         out,
         width,
         unroll,
+        _members_in(ops),
         [f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};" for k, o in enumerate(ops)],
         loads,
         [
@@ -98,6 +98,10 @@ def _reduce_packed(
     )
 
 
+def _members_in(ops: list[Operand]) -> list[tuple[str, Operand]]:
+    return [(f"in{k}", o) for k, o in enumerate(ops)]
+
+
 def _pack_width(ops: list[Operand], out: Operand, last_shift: int = 0) -> int:
     """Elements per 16-byte pack when every operand and the output are contiguous along the last axis
     and every other stride (and a shift along the last axis) is a whole number of packs; else 0."""
@@ -107,62 +111,6 @@ def _pack_width(ops: list[Operand], out: Operand, last_shift: int = 0) -> int:
     if width < 2 or any(st % width for o in ops + [out] for st in o.strides[:-1]) or last_shift % width:
         return 0
     return width
-
-
-def _packed_loop(
-    ops: list[Operand],
-    out: Operand,
-    width: int,
-    unroll: int,
-    declare: list[str],
-    loads: list[str],
-    stores: list[str],
-) -> list[str]:
-    """The tile's box in packs of ``width`` along the last axis, ``unroll`` packs per thread in flight:
-    ``loads`` run for each pack u with its index i[] (and at[u], its output offset) before any of
-    ``stores`` run. Pack arrays are declared zeroed: packs past the box's end are never read, but left
-    undefined they made ptxas spill (a review helper measured up to 124 B a function). Falls through
-    (to the per-element path) when the box is not whole packs."""
-    nd = len(out.shape)
-    last = nd - 1
-    checks = [
-        f"t.lo[{last}] % {width} == 0",
-        f"(t.hi[{last}] - t.lo[{last}]) % {width} == 0",
-        f"ml::aligned(out0, {width * out.dtype.itemsize})",
-    ] + [f"ml::aligned(in{k}, {width * o.dtype.itemsize})" for k, o in enumerate(ops)]
-    return [
-        f"if ({' && '.join(checks)}) {{  // packed path: {width} elements a load, {unroll} per operand in flight",
-        f"    const int c0 = t.lo[{last}];",
-        f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};",
-        "    ml::i64 rows = 1;",
-        f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];",
-        "    if (rows * vpr <= 0x7fffffff) {  // 32-bit index arithmetic",
-        "        const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);",
-        f"        for (unsigned e0 = threadIdx.x; e0 < total; e0 += {unroll} * blockDim.x) {{",
-        *["            " + line for line in declare],
-        f"            ml::i64 at[{unroll}];",
-        "#pragma unroll",
-        f"            for (int u = 0; u < {unroll}; ++u) {{",
-        "                const unsigned e = e0 + u * blockDim.x;",
-        "                if (e >= total) break;",
-        f"                int i[{nd}];",
-        f"                i[{last}] = c0 + (int)(e % vpr32) * {width};",
-        "                unsigned r = e / vpr32;",
-        f"                for (int d = {last - 1}; d >= 0; --d) {{ const unsigned ext = t.hi[d] - t.lo[d]; "
-        "i[d] = t.lo[d] + (int)(r % ext); r /= ext; }",
-        *["                " + line for line in loads],
-        f"                at[u] = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};",
-        "            }",
-        "#pragma unroll",
-        f"            for (int u = 0; u < {unroll}; ++u) {{",
-        "                if (e0 + u * blockDim.x >= total) break;",
-        *["                " + line for line in stores],
-        "            }",
-        "        }",
-        "        return;",
-        "    }",
-        "}",
-    ]
 
 
 def all_gather(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand) -> list[str]:
@@ -181,11 +129,11 @@ def all_gather(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: O
         return f"ml::load_pack<{o.ctype}, {width}>(in{k} + {index_expr(o.strides, at)})"
 
     if width:  # a pack never straddles two members' pieces: piece is whole packs along the last axis
-        body += _packed_loop(
-            ops,
+        body += packed_loop(
             out,
             width,
             4,
+            _members_in(ops),
             [f"ml::Pack<{out.ctype}, {width}> p[4] = {{}};"],
             [
                 f"switch (i[{axis}] / {piece}) {{",
@@ -216,11 +164,11 @@ def recv(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand
     body = member_pointers(members, out)
     width = _pack_width([src], out)
     if width:
-        body += _packed_loop(
-            [src],
+        body += packed_loop(
             out,
             width,
             8,
+            _members_in([src]),
             [f"ml::Pack<{out.ctype}, {width}> p[8] = {{}};"],
             [f"p[u] = ml::load_pack<{src.ctype}, {width}>(in0 + {index_expr(src.strides, dims)});"],
             [f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], p[u]);"],
