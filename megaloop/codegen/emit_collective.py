@@ -84,7 +84,7 @@ def _reduce_packed(
         width,
         unroll,
         _members_in(ops),
-        [f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}] = {{}};" for k, o in enumerate(ops)],
+        [f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}];" for k, o in enumerate(ops)],
         loads,
         [
             f"ml::Pack<{out.ctype}, {width}> po;",
@@ -134,11 +134,11 @@ def all_gather(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: O
             width,
             4,
             _members_in(ops),
-            [f"ml::Pack<{out.ctype}, {width}> p[4] = {{}};"],
+            [f"ml::Pack<{out.ctype}, {width}> p[4];"],
             [
                 f"switch (i[{axis}] / {piece}) {{",
-                *[f"    case {k}: p[u] = {load(k, o)}; break;" for k, o in enumerate(ops)],
-                "    default: break;",
+                *[f"    case {k}: p[u] = {load(k, o)}; break;" for k, o in enumerate(ops[:-1])],
+                f"    default: p[u] = {load(len(ops) - 1, ops[-1])}; break;  // member {len(ops) - 1}",
                 "}",
             ],
             [f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], p[u]);"],
@@ -169,7 +169,7 @@ def recv(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand
             width,
             8,
             _members_in([src]),
-            [f"ml::Pack<{out.ctype}, {width}> p[8] = {{}};"],
+            [f"ml::Pack<{out.ctype}, {width}> p[8];"],
             [f"p[u] = ml::load_pack<{src.ctype}, {width}>(in0 + {index_expr(src.strides, dims)});"],
             [f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], p[u]);"],
         )
