@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU run checks, in one call (the lent GPU machine's time is scarce):
 #   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog; the multi-GPU ones
-#   when there are two GPUs), then the benchmarks (allreduce too with two GPUs).
+#   when there are two GPUs), then the benchmarks (collectives and tp_mlp too with two GPUs).
 # TESTS=... and BENCHES=... pick a subset; `gpu_check.sh profile` prints per-op windows and waits of the
 # benchmark cases (scripts/profile_cases.py; PROFILE_CASES=... picks them) and writes their traces.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 what="${1:-all}"
 gpu_count=$(nvidia-smi -L | wc -l)
 default_benches="loop_overhead memory_bound gemm llama_layer generate"
-[ "$gpu_count" -ge 2 ] && default_benches="$default_benches allreduce tp_mlp"
+[ "$gpu_count" -ge 2 ] && default_benches="$default_benches collectives tp_mlp"
 benches="${BENCHES:-$default_benches}"
 # a hung kernel must not eat the whole device call: bound every step
 test_timeout="${TEST_TIMEOUT:-420}" bench_timeout="${BENCH_TIMEOUT:-420}"
