@@ -3,8 +3,8 @@
 the all-reduce starts when the W2 tiles it needs are done, on each rank) with each step's input the
 previous step's output (``loop_dependent_us``: what a model's consecutive layers need, and what the
 PyTorch ratios use) and with a fixed input (``loop_overlapped_us``: consecutive steps may overlap in
-the resident kernel), the same work as two loop kernels run one after the other (compute, then the
-all-reduce: ``loop_no_overlap_us``), and PyTorch + NCCL eager and CUDA-graphed
+the resident kernel), the same work as two dependent loop kernels run one after the other (compute,
+then the all-reduce: ``loop_no_overlap_us``), and PyTorch + NCCL eager and CUDA-graphed
 (bench/tp_mlp_torch.py under torchrun, steps in stream order), all in one run."""
 
 from __future__ import annotations
@@ -27,28 +27,35 @@ TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
 TILES = {"matmul": {"tensor_cores": 1}}
 
 
-def graphs(tokens: int, part: str, x0: np.ndarray | None = None):
-    """part: "fused" (matmuls + all-reduce in one kernel, a fixed input each step), "dependent" (the
-    same, each step's input the previous step's output: a state, so steps cannot overlap), "compute"
-    (the matmuls only) or "comm" (the all-reduce only)."""
+def graphs(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):
+    """One step: "fused" (matmuls + all-reduce in one kernel), "compute" (the matmuls only) or "comm"
+    (the all-reduce only, twice: see below). Each step's input is the previous step's output (a state
+    starting at x0), so steps cannot overlap, as consecutive layers of a model; ``fixed_input`` gives
+    "fused" the same input x0 every step instead (consecutive steps may then overlap)."""
 
     def build(g: ml.Graph) -> None:
-        if part == "comm":
-            g.output("y", ml.all_reduce(g.input("h", (tokens, HIDDEN), ml.bfloat16)))
-            return
-        if part == "dependent":
-            x = g.state("x", (tokens, HIDDEN), ml.bfloat16, init=x0)
-        else:
+        if fixed_input:
             x = g.input("x", (tokens, HIDDEN), ml.bfloat16)
-        w1 = g.parameter("w1", (FFN // WORLD, HIDDEN), ml.bfloat16)
-        w2 = g.parameter("w2", (HIDDEN, FFN // WORLD), ml.bfloat16)
-        h = ml.linear(ml.silu(ml.linear(x, w1)), w2)
-        y = h if part == "compute" else ml.all_reduce(h)
+        else:
+            x = g.state("x", (tokens, HIDDEN), ml.bfloat16, init=x0)
+        if part == "comm":  # two chained all-reduces: the second writes the state in place (one alone
+            y = ml.all_reduce(ml.all_reduce(x))  # reads it while writing, so it would need a copy)
+        else:
+            w1 = g.parameter("w1", (FFN // WORLD, HIDDEN), ml.bfloat16)
+            w2 = g.parameter("w2", (HIDDEN, FFN // WORLD), ml.bfloat16)
+            y = ml.linear(ml.silu(ml.linear(x, w1)), w2)
+            y = y if part == "compute" else ml.all_reduce(y)
         g.output("y", y)
-        if part == "dependent":
-            g.assign(x, y)  # the all-reduce writes the state in place (no copy)
+        if not fixed_input:
+            g.assign(x, y)
 
     return ml.spmd(build, WORLD)
+
+
+def plan_of(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):
+    plan = make_plan(graphs(tokens, part, x0, fixed_input), processors=132, tiles=TILES)
+    assert "assign:x" not in {op.name for op in plan.ranks[0].ops}, "the step copies its state"
+    return plan
 
 
 def per_step(gr: LoopKernelGroup, feeds: list, iterations: int) -> float:
@@ -62,11 +69,15 @@ def torch_side() -> dict:
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    for line in done.stdout.splitlines():
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+        stdout, stderr = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:  # the result may be out already (a hang at shutdown)
+        stdout, stderr = (v.decode() if isinstance(v, bytes) else v or "" for v in (e.stdout, e.stderr))
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"tp_mlp_torch.py gave no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    raise RuntimeError(f"tp_mlp_torch.py gave no result:\n{stdout[-2000:]}\n{stderr[-2000:]}")
 
 
 def main() -> None:
@@ -86,7 +97,7 @@ def main() -> None:
     # recorded, not fatal: the loop kernel's numbers are still worth writing.
     try:
         torch_rows = torch_side()
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
+    except RuntimeError as e:
         torch_rows = {}
         results["torch_error"] = str(e)[-1500:]
         print("PyTorch side failed:", results["torch_error"], flush=True)
@@ -94,17 +105,14 @@ def main() -> None:
         x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
         iterations = 100 if tokens <= 64 else 20
         row: dict = {}
-        with LoopKernelGroup(make_plan(graphs(tokens, "fused"), processors=132, tiles=TILES), params) as gr:
+        with LoopKernelGroup(plan_of(tokens, "fused", x, fixed_input=True), params) as gr:
             row["loop_overlapped_us"] = per_step(gr, [{"x": x}] * WORLD, iterations) * 1e6
-        plan = make_plan(graphs(tokens, "dependent", x), processors=132, tiles=TILES)
-        assert "assign:x" not in {op.name for op in plan.ranks[0].ops}, "the dependent step copies its state"
-        with LoopKernelGroup(plan, params) as gr:
+        with LoopKernelGroup(plan_of(tokens, "fused", x), params) as gr:
             row["loop_dependent_us"] = per_step(gr, [None] * WORLD, iterations) * 1e6
-        with LoopKernelGroup(make_plan(graphs(tokens, "compute"), processors=132, tiles=TILES), params) as gr:
-            compute = per_step(gr, [{"x": x}] * WORLD, iterations)
-            h = [out["y"] for out in gr.run([{"x": x}] * WORLD)]
-        with LoopKernelGroup(make_plan(graphs(tokens, "comm"), processors=132)) as gr:
-            comm = per_step(gr, [{"h": v} for v in h], iterations)
+        with LoopKernelGroup(plan_of(tokens, "compute", x), params) as gr:
+            compute = per_step(gr, [None] * WORLD, iterations)
+        with LoopKernelGroup(plan_of(tokens, "comm", x)) as gr:  # sums double each step: inf in time
+            comm = per_step(gr, [None] * WORLD, iterations) / 2
         row["loop_no_overlap_us"] = (compute + comm) * 1e6
         results["tokens"][str(tokens)] = row
         print(tokens, row, flush=True)

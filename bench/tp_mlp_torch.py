@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,11 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(rank)
-    w1 = torch.randn(FFN // world, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(HIDDEN, FFN // world, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w1 = torch.randn(FFN // world, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
+    w2 = torch.randn(HIDDEN, FFN // world, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
     out = {}
     for tokens in TOKENS:
+        print(f"rank {rank}: {tokens} tokens", file=sys.stderr, flush=True)  # where a hang happened
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
 
         def step(x=x):
@@ -36,6 +38,7 @@ def main() -> None:
             return y
 
         eager = time_torch(step, repeat=50) * 1e6
+        print(f"rank {rank}: eager {eager:.1f} us, capturing", file=sys.stderr, flush=True)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -49,6 +52,8 @@ def main() -> None:
         out[str(tokens)] = {"torch_eager_us": eager, "torch_cuda_graph_us": graphed}
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    print(f"rank {rank}: done", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 
