@@ -313,8 +313,8 @@ def test_split_key_decode_against_the_reference() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> None:
-    """Tiles of 2..16 rows take the warp-per-column path (emit_matmul._skinny): batched decode, a TP
-    MLP over a few tokens (tests.test_codegen.few_row_matmul_graph says which cases)."""
+    """Tiles of 2..16 rows take the few-row path (a warp per group of columns, emit_matmul._skinny):
+    batched decode, a TP MLP over a few tokens (tests.test_codegen.few_row_matmul_graph says which)."""
     from tests.test_codegen import FEW_ROW_SHAPES, few_row_matmul_graph
 
     dt = ml.as_dtype(dtype)
@@ -323,7 +323,7 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
     params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
     plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    assert "a warp per column" in generate(plan).source
+    assert "columns, each weight read once" in generate(plan).source
     with loop_kernel(plan, params) as k:
         got = k.run(feeds)
     t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}
@@ -336,8 +336,8 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
 
 @pytest.mark.parametrize("processors", [2, 132])
 def test_long_rows_many_to_a_task_match_torch(processors: int) -> None:
-    """Block-per-row normalisations with several rows per task: the next row's loads go out before
-    this row's reductions, and rows of more packs than that reload in turn
+    """Block-per-row normalisations with several rows per task: up to 4 rows in a ring of registers
+    (the others' loads in flight while one is reduced and stored), one at 16 packs a thread
     (tests.test_codegen.long_rows_graph says which cases)."""
     from tests.test_codegen import LONG_ROW_CASES, long_rows_graph
 

@@ -313,9 +313,11 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
 BLOCK_ROW_PACKS = 128
 BLOCK_ROW_MAX_PACKS_PER_THREAD = 16  # register budget: 16 packs of 16 bytes = 64 registers
 BLOCK_ROW_MIN_THREADS = 256  # the block path's registers are sized for at least this many threads
-# Up to this many packs per thread, the next row's loads are issued before this row's reductions (two
-# rows in registers): one row in flight per SM left rmsnorm at 0.31 of copy bandwidth on an H200.
-BLOCK_ROW_PREFETCH_PACKS = 8
+# Rows held in registers at once, up to BLOCK_ROW_RING_PACKS packs a thread in all: while one row is
+# reduced and stored the others are in flight. One row in flight per SM left rmsnorm at 0.31 of copy
+# bandwidth on an H200, two at 0.32 (at 8192 bf16 a row, 16 KB: an SM needs ~30-60 KB in flight).
+BLOCK_ROW_RING_ROWS = 4
+BLOCK_ROW_RING_PACKS = 16
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -373,6 +375,7 @@ def _row_program(
     xs, os_ = x.strides[axis], out.strides[axis]
     if held:
         packs = n // width
+        ring = max(1, min(BLOCK_ROW_RING_ROWS, BLOCK_ROW_RING_PACKS // held))
 
         def load_row(into: str, base: str) -> list[str]:
             return [
@@ -392,36 +395,33 @@ def _row_program(
             f"    xb = {index_expr(x.strides, others)};",
             f"    ob = {index_expr(out.strides, others)};",
             "};",
-            "ml::i64 xb, ob;",
-            "row_at(0, xb, ob);",
-            f"ml::Pack<{x.ctype}, {width}> px[{held}];  // the whole row in flight at once",
-            *load_row("px", "xb"),
-            "for (int e = 0; e < nrows; ++e) {",
+            f"// {ring} row(s) in registers: while row e is reduced and stored, rows e + 1 .. e + {ring - 1} are in "
+            "flight",
+            f"ml::Pack<{x.ctype}, {width}> ring[{ring}][{held}];",
+            "#pragma unroll",
+            f"for (int d = 0; d < {ring}; ++d) {{  // past the last row: the last row again (defined, never read)",
+            "    ml::i64 xb, ob;",
+            "    row_at(min(d, nrows - 1), xb, ob);",
+            *["    " + line for line in load_row("ring[d]", "xb")],
+            "}",
+            f"for (int e0 = 0; e0 < nrows; e0 += {ring}) {{",
+            "#pragma unroll",
+            f"for (int d = 0; d < {ring}; ++d) {{",
+            "    const int e = e0 + d;",
+            "    if (e >= nrows) break;",
+            "    ml::i64 xb, ob;",
+            "    row_at(e, xb, ob);",
+            f"    ml::Pack<{x.ctype}, {width}>(&px)[{held}] = ring[d];  // row e",
         ]
-        if held <= BLOCK_ROW_PREFETCH_PACKS:
-            lines += [
-                "    ml::i64 nxb = xb, nob = ob;",
-                f"    ml::Pack<{x.ctype}, {width}> nx[{held}];",
-                "    if (e + 1 < nrows) {  // the next row's loads go out before this row's reductions",
-                "        row_at(e + 1, nxb, nob);",
-                *["        " + line for line in load_row("nx", "nxb")],
-                "    }",
-            ]
-            footer = [
-                "#pragma unroll",
-                f"    for (int u = 0; u < {held}; ++u) px[u] = nx[u];",
-                "    xb = nxb;",
-                "    ob = nob;",
-                "}",
-            ]
-        else:
-            footer = [
-                "    if (e + 1 < nrows) {",
-                "        row_at(e + 1, xb, ob);",
-                *["        " + line for line in load_row("px", "xb")],
-                "    }",
-                "}",
-            ]
+        footer = [
+            f"    if (e + {ring} < nrows) {{  // row e + {ring} into row e's registers",
+            "        ml::i64 nxb, nob;",
+            f"        row_at(e + {ring}, nxb, nob);",
+            *["        " + line for line in load_row("px", "nxb")],
+            "    }",
+            "}",
+            "}",
+        ]
     else:
         lines = [
             f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
@@ -468,10 +468,12 @@ def _row_program(
         out_lines.append("    }")
         return out_lines
 
-    def store_each(value: str) -> list[str]:
-        """out[j] = value for every j; packed stores on the packed paths."""
+    def store_each(value: str, per_pack: tuple[str, ...] = ()) -> list[str]:
+        """out[j] = value for every j; packed stores on the packed paths (``per_pack``: statements run
+        once per pack before its elements, on the block-per-row path)."""
         if held:
             return held_packs(
+                *per_pack,
                 f"ml::Pack<{out.ctype}, {width}> po;",
                 "#pragma unroll",
                 f"for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; "
@@ -517,11 +519,25 @@ def _row_program(
             lines += each("q2 += v * v;")
             lines.append(f"    const float den = sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
             y = "v / den"
+        per_pack = []
+
+        def param(name: str) -> str:
+            """The weight's or bias's element j: from a pack loaded once per pack of x on the block-per-row
+            path (one 16-byte load, not one per element), else a load of its own."""
+            k = wk[name]
+            if held:
+                per_pack.append(
+                    f"const ml::Pack<{ins[k].ctype}, {width}> pw{k} = ml::load_pack<{ins[k].ctype}, {width}>"
+                    f"(in{k} + pk * {width});"
+                )
+                return f"ml::get(pw{k}, q)"
+            return f"ml::load(in{k} + (ml::i64)j * {ins[k].strides[0]})"
+
         if "weight" in wk:
-            y = f"({y}) * ml::load(in{wk['weight']} + (ml::i64)j * {ins[wk['weight']].strides[0]})"
+            y = f"({y}) * {param('weight')}"
         if "bias" in wk:
-            y = f"({y}) + ml::load(in{wk['bias']} + (ml::i64)j * {ins[wk['bias']].strides[0]})"
-        lines += store_each(y)
+            y = f"({y}) + {param('bias')}"
+        lines += store_each(y, tuple(per_pack))
     return lines + footer
 
 

@@ -1,4 +1,5 @@
-"""Lane-level emulation of the block-per-row path of rows() (softmax, log_softmax, layernorm, rmsnorm).
+"""(Mirrors the px/nx prefetch of 0d7e1bf; the ring of rows that replaced it is not mirrored yet.)
+Lane-level emulation of the block-per-row path of rows() (softmax, log_softmax, layernorm, rmsnorm).
 
 Mirrors the generated code of each op, reading its constants and index expressions from the generated
 source: row_at (box_index over rowt), the px/nx pipeline (prefetch of row e+1 before row e's
