@@ -498,8 +498,11 @@ def _row_program(
         lines += each("m = (v > m || v != v) ? v : m;")
         lines += [f"    m = {reduce('max', 'm')};", "    float s = 0.0f;"]
         lines += each("s += expf(v - m);")
+        # one division a row, a multiplication an element: at 8 warps an SM, a division per element
+        # (an instruction sequence) made these rows issue-bound (softmax 0.21 of copy bandwidth)
         lines.append(f"    s = {reduce('sum', 's')};")
-        value = "expf(v - m) / s" if op == "softmax" else "(v - m) - logf(s)"
+        lines.append("    const float inv_s = 1.0f / s;")
+        value = "expf(v - m) * inv_s" if op == "softmax" else "(v - m) - logf(s)"
         lines += store_each(value)
     else:
         absent = attrs.get("absent", ())
@@ -512,13 +515,13 @@ def _row_program(
             lines += each("s += v;")
             lines += [f"    const float mean = {reduce('sum', 's')} / (float){n};", "    float q2 = 0.0f;"]
             lines += each("const float d = v - mean; q2 += d * d;")
-            lines.append(f"    const float den = sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
-            y = "(v - mean) / den"
+            lines.append(f"    const float inv = 1.0f / sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
+            y = "(v - mean) * inv"
         else:
             lines.append("    float q2 = 0.0f;")
             lines += each("q2 += v * v;")
-            lines.append(f"    const float den = sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
-            y = "v / den"
+            lines.append(f"    const float inv = 1.0f / sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
+            y = "v * inv"
         per_pack = []
 
         def param(name: str) -> str:
