@@ -313,8 +313,8 @@ def test_split_key_decode_against_the_reference() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> None:
-    """Tiles of 2..16 rows take the few-row path (a warp per group of columns, emit_matmul._skinny):
-    batched decode, a TP MLP over a few tokens (tests.test_codegen.few_row_matmul_graph says which)."""
+    """Tiles of 2..16 rows take the warp-per-column path (emit_matmul._skinny): batched decode, a TP
+    MLP over a few tokens (tests.test_codegen.few_row_matmul_graph says which cases)."""
     from tests.test_codegen import FEW_ROW_SHAPES, few_row_matmul_graph
 
     dt = ml.as_dtype(dtype)
@@ -323,7 +323,7 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
     params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
     plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    assert "columns, each weight read once" in generate(plan).source
+    assert "a warp per column" in generate(plan).source
     with loop_kernel(plan, params) as k:
         got = k.run(feeds)
     t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}

@@ -18,11 +18,10 @@ GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-p
 # (512 KB at K = 4096, more than L1) from L2 for every row; 8 tokens through a 4096 x 8192 MLP took
 # 300 us on an H200 where its weights stream in 40.
 SKINNY_MAX_ROWS = 16
-# Columns a warp computes together on that path (fewer for more rows: registers). One column a
-# warp re-read all of A's rows from L1 for every column (64 KB of A per 8 KB of weights at 8 rows and
-# K = 4096): a TP MLP step over 8 tokens moved its weights at ~1 TB/s on an H200.
-SKINNY_COLUMNS = 8
-SKINNY_ACCUMULATORS = 32  # 64 spilled (ptxas -v) with the next step's weights in flight
+# Tried at 08a8b9d: a warp per group of 4 columns (8 rows), each pack of A feeding 4 columns, the next
+# step's 4 weight packs in flight. The 8-token TP MLP step got slower (190 us, from 148): a lane had 4
+# weight packs in flight instead of GEMV_PACKS. Grouping columns needs >= 8 packs in flight per lane
+# (several k-steps ahead) to pay off; not measured.
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -215,67 +214,43 @@ def _skinny(
     a_row: int,
     b_col: int,
 ) -> list[str]:
-    """A warp per group of columns (and batch index) computing all of the tile's rows (at most
-    ``rows``): the weights are loaded once, in packs, each pack of A (small: L1) feeds the group's
-    columns, and the next step's weight packs are in flight while this step's are used. Per element,
-    the lanes add in the same order as the warp-per-element path (same bits)."""
+    """A warp per output column (and batch index) computing all of the tile's rows (at most ``rows``):
+    the column's weights are loaded once, in packs, and dotted with every row of A (small: L1/L2).
+    Per element, the lanes add in the same order as the warp-per-element path (same bits)."""
     nd = len(out.shape)
     step = 32 * width
-    group = SKINNY_COLUMNS  # registers: at most SKINNY_ACCUMULATORS accumulators (rows x group)
-    while group > 1 and rows * group > SKINNY_ACCUMULATORS:
-        group //= 2
-    col = nd - 1
-    out_at = index_expr(out.strides, [f"o[{d}]" for d in range(nd - 1)] + ["(c0 + c)"])
-    b_base = index_expr(b_.strides[:-2], bbatch)
+    packs = GEMV_PACKS if rows <= 8 else GEMV_PACKS // 2  # registers: rows accumulators + packs of B
+    out_at = index_expr(out.strides, [f"o[{d}]" for d in range(nd)])
     return [
         f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[{nd - 2}] - t.lo[{nd - 2}] <= {rows}) {{  "
-        f"// at most {rows} rows: a warp per {group} columns, each weight read once",
+        f"// at most {rows} rows: a warp per column, each weight read once",
         "    ml::Task colt = t;",
-        f"    colt.hi[{nd - 2}] = colt.lo[{nd - 2}] + 1;  // walk the column groups (and batch); the rows inside",
-        f"    colt.hi[{col}] = colt.lo[{col}] + (t.hi[{col}] - t.lo[{col}] + {group - 1}) / {group};",
+        f"    colt.hi[{nd - 2}] = colt.lo[{nd - 2}] + 1;  // walk the columns (and batch); the rows inside",
         f"    const int nr = t.hi[{nd - 2}] - t.lo[{nd - 2}];",
         f"    ml::for_box_warps<{nd}>(colt, [&](const int* o, int lane) {{",
-        f"        const int c0 = t.lo[{col}] + (o[{col}] - t.lo[{col}]) * {group};",
-        f"        const int nc = min({group}, t.hi[{col}] - c0);",
         f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};",
-        f"        ml::i64 bb[{group}];",
+        f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};",
+        f"        float acc[{rows}];",
         "#pragma unroll",
-        f"        for (int c = 0; c < {group}; ++c) bb[c] = {b_base} + (ml::i64)(c0 + min(c, nc - 1)) * {b_col};"
-        "  // past the last column: that column again (never stored)",
-        f"        float acc[{rows}][{group}];",
+        f"        for (int r = 0; r < {rows}; ++r) acc[r] = 0.0f;",
+        f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {packs} * {step}) {{",
+        f"            ml::Pack<{b_.ctype}, {width}> pb[{packs}];",
         "#pragma unroll",
-        f"        for (int r = 0; r < {rows}; ++r)",
-        "#pragma unroll",
-        f"            for (int c = 0; c < {group}; ++c) acc[r][c] = 0.0f;",
-        f"        ml::Pack<{b_.ctype}, {width}> pb[{group}];",
-        "#pragma unroll",
-        f"        for (int c = 0; c < {group}; ++c) pb[c] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb[c] + "
-        f"min(lane * {width}, {k - width}));",
-        f"        for (int kk = lane * {width}; kk < {k}; kk += {step}) {{",
-        f"            const int kn = kk + {step} < {k} ? kk + {step} : kk;  // the next step (past the end: this one)",
-        f"            ml::Pack<{b_.ctype}, {width}> nb[{group}];",
-        "#pragma unroll",
-        f"            for (int c = 0; c < {group}; ++c) nb[c] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb[c] + kn);",
+        f"            for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
+        f"pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }}",
         "#pragma unroll",
         f"            for (int r = 0; r < {rows}; ++r) {{",
         "                if (r >= nr) break;",
-        f"                const ml::Pack<{a_.ctype}, {width}> pa = ml::load_pack<{a_.ctype}, {width}>"
-        f"(in0 + ab + (ml::i64)r * {a_row} + kk);",
         "#pragma unroll",
-        f"                for (int c = 0; c < {group}; ++c) acc[r][c] += ml::dot(pa, pb[c]);",
+        f"                for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
+        f"acc[r] += ml::dot(ml::load_pack<{a_.ctype}, {width}>(in0 + ab + (ml::i64)r * {a_row} + kk), pb[u]); }}",
         "            }",
-        "#pragma unroll",
-        f"            for (int c = 0; c < {group}; ++c) pb[c] = nb[c];",
         "        }",
         "#pragma unroll",
         f"        for (int r = 0; r < {rows}; ++r) {{",
-        "            if (r >= nr) break;  // nr and nc are the same on every lane: the shuffles stay convergent",
-        "#pragma unroll",
-        f"            for (int c = 0; c < {group}; ++c) {{",
-        "                if (c >= nc) break;",
-        "                const float s = ml::warp_sum(acc[r][c]);",
-        f"                if (lane == 0) ml::store(out0 + {out_at} + (ml::i64)r * {out.strides[nd - 2]}, s);",
-        "            }",
+        "            if (r >= nr) break;  // nr is the same on every lane: the shuffles stay convergent",
+        "            const float s = ml::warp_sum(acc[r]);",
+        f"            if (lane == 0) ml::store(out0 + {out_at} + (ml::i64)r * {out.strides[nd - 2]}, s);",
         "        }",
         "    });",
         "    return;",

@@ -1,5 +1,4 @@
-"""(Mirrors the one-column-a-warp version of 0d7e1bf; the column groups that replaced it are not mirrored yet.)
-Lane-level emulation of _skinny (a warp per output column, all the tile's rows) and of the packed
+"""Lane-level emulation of _skinny (a warp per output column, all the tile's rows) and of the packed
 warp-per-element path below it, from the generated source: per task, colt, for_box_warps, per-lane
 accumulation order, K tails, nr break, warp_sum butterfly, store addresses. Checks: every output element
 stored exactly once, skinny == packed bitwise per element, values vs float64."""
