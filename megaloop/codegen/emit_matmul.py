@@ -20,8 +20,9 @@ GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-p
 SKINNY_MAX_ROWS = 16
 # Tried at 08a8b9d: a warp per group of 4 columns (8 rows), each pack of A feeding 4 columns, the next
 # step's 4 weight packs in flight. The 8-token TP MLP step got slower (190 us, from 148): a lane had 4
-# weight packs in flight instead of GEMV_PACKS. Grouping columns needs >= 8 packs in flight per lane
-# (several k-steps ahead) to pay off; not measured.
+# weight packs in flight instead of GEMV_PACKS, so the weight stream, not A's reads from L1, is what
+# limits this path. Hence (not yet measured) the next block of weight packs is loaded
+# before this block's products: loads stay in flight while the rows' dot products run.
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -233,11 +234,15 @@ def _skinny(
         f"        float acc[{rows}];",
         "#pragma unroll",
         f"        for (int r = 0; r < {rows}; ++r) acc[r] = 0.0f;",
-        f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {packs} * {step}) {{",
-        f"            ml::Pack<{b_.ctype}, {width}> pb[{packs}];",
+        f"        ml::Pack<{b_.ctype}, {width}> pb[{packs}];  // this block's weights",
         "#pragma unroll",
-        f"            for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
-        f"pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }}",
+        f"        for (int u = 0; u < {packs}; ++u) pb[u] = ml::load_pack<{b_.ctype}, {width}>"
+        f"(in1 + bb + min(lane * {width} + u * {step}, {k - width}));  // past K: its last pack (never used)",
+        f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {packs} * {step}) {{",
+        f"            ml::Pack<{b_.ctype}, {width}> nb[{packs}];  // the next block's, in flight meanwhile",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {packs}; ++u) nb[u] = ml::load_pack<{b_.ctype}, {width}>"
+        f"(in1 + bb + min(k0 + ({packs} + u) * {step}, {k - width}));",
         "#pragma unroll",
         f"            for (int r = 0; r < {rows}; ++r) {{",
         "                if (r >= nr) break;",
@@ -245,6 +250,8 @@ def _skinny(
         f"                for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
         f"acc[r] += ml::dot(ml::load_pack<{a_.ctype}, {width}>(in0 + ab + (ml::i64)r * {a_row} + kk), pb[u]); }}",
         "            }",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {packs}; ++u) pb[u] = nb[u];",
         "        }",
         "#pragma unroll",
         f"        for (int r = 0; r < {rows}; ++r) {{",
