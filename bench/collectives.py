@@ -82,9 +82,9 @@ def rank_data(rank: int, n: int) -> np.ndarray:
     return np.random.default_rng([n, rank]).standard_normal(n, dtype=np.float32)
 
 
-def dependent_seconds(nbytes: int) -> float:
-    """Seconds per all-reduce in a chain where each reads the previous one's result (see above)."""
-    n, depth = nbytes // 2, chain_depth(nbytes)
+def chain_graphs(n: int, depth: int, world: int = WORLD) -> list[ml.Graph]:
+    """``depth`` all-reduces of n bf16 a rank, each of the previous one's result; the last one is the
+    next iteration's first input (the state ``s``, rank_data at first)."""
 
     def build(g: ml.Graph) -> None:
         s = g.state("s", (n,), ml.bfloat16, init=rank_data(g.rank, n))
@@ -94,7 +94,13 @@ def dependent_seconds(nbytes: int) -> float:
         g.output("y", y)
         g.assign(s, y)  # written in place by the last all-reduce: no copy (the plan has only all-reduces)
 
-    plan = make_plan(ml.spmd(build, WORLD), processors=132)
+    return ml.spmd(build, world)
+
+
+def dependent_seconds(nbytes: int) -> float:
+    """Seconds per all-reduce in a chain where each reads the previous one's result (see above)."""
+    n, depth = nbytes // 2, chain_depth(nbytes)
+    plan = make_plan(chain_graphs(n, depth), processors=132)
     assert all(op.op == "all_reduce" for op in plan.ranks[0].ops), "the chain has copies in it"
     with LoopKernelGroup(plan) as gr:
         out = gr.run()  # one iteration: (s0 + s1) doubled depth - 1 times, exactly
