@@ -83,10 +83,27 @@ __device__ __forceinline__ void add_release(u64* p, u64 v) {
 __device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ u64 load_acquire_peer(const u64* p) {
+// Polling loads: relaxed (strong, unordered), so that several are in flight at once; the acquire
+// comes from one fence after they all saw their targets (a strong read that observes a release, then
+// fence.acq_rel: the PTX memory model's acquire pattern, as C++'s relaxed load + acquire fence). The
+// loads have no "memory" clobber, so the compiler may issue other loads (the waits' descriptions)
+// around them; the fence has one, so nothing that reads the producers' data moves above it.
+__device__ __forceinline__ u64 load_relaxed(const u64* p) {
     u64 v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p));  // no "memory": see fence_acquire
     return v;
+}
+__device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void fence_acquire(bool sys) {
+    if (sys) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+    } else {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
 }
 __device__ __forceinline__ void store_release_sys(volatile u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -107,37 +124,58 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 
 // Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
 // true for every lane, or false for every lane once any block gave up (all 32 lanes must call it:
-// it ends in a warp vote). The lanes share the waits, so
-// the acquire loads are in flight together: a consumer of a 128-tile matmul waits on 128 counters, and
-// one thread polling them in turn paid an L2 round trip (~0.7 us) each, 90 us per decode-step op.
+// it ends in a warp vote). The lanes share the waits, WAIT_BATCH of a lane's counters loaded at once
+// (relaxed), then one acquire fence per lane: a consumer of a 128-tile matmul waits on 128 counters.
+// One thread polling them in turn paid an L2 round trip (~0.7 us) each, 90 us per decode-step op; 32
+// lanes with acquire loads (each completes before the next load starts) still left ~5 us between a
+// 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
+constexpr int WAIT_BATCH = 4;
 __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, int proc) {
     bool ok = !aborted(a);
-    for (int w = threadIdx.x & 31; ok && w < t.wait_count; w += 32) {
-        const Wait wt = a.waits[t.wait_begin + w];
-        if ((u64)wt.lag > k) continue;  // the previous iteration does not exist yet
-        const u64 target = (u64)wt.per_iteration * (k + 1 - wt.lag);
-        const bool peer = wt.rank != a.rank;
-        const u64* c = peer ? &a.rank_counters[wt.rank][wt.counter] : &a.counters[wt.counter];
-        u64 seen = peer ? load_acquire_peer(c) : load_acquire(c);
-        if (seen >= target) continue;
-        const u64 start = now_ns();
-        unsigned backoff = 32;
-        while ((seen = peer ? load_acquire_peer(c) : load_acquire(c)) < target) {
-            if (aborted(a)) {
-                ok = false;
-                break;
+    bool any = false, sys = false;
+    for (int w0 = threadIdx.x & 31; ok && w0 < t.wait_count; w0 += 32 * WAIT_BATCH) {
+        Wait wt[WAIT_BATCH];
+#pragma unroll
+        for (int j = 0; j < WAIT_BATCH; ++j) {  // the waits' descriptions, all loads out at once
+            const int w = min(w0 + 32 * j, t.wait_count - 1);
+            wt[j] = a.waits[t.wait_begin + w];
+        }
+        const u64* c[WAIT_BATCH];
+        u64 target[WAIT_BATCH], seen[WAIT_BATCH];
+        bool peer[WAIT_BATCH];
+#pragma unroll
+        for (int j = 0; j < WAIT_BATCH; ++j) {  // then the counters, all loads out before any is looked at
+            const bool live = w0 + 32 * j < t.wait_count && (u64)wt[j].lag <= k;  // lag > k: no such iteration
+            target[j] = live ? (u64)wt[j].per_iteration * (k + 1 - wt[j].lag) : 0;
+            peer[j] = wt[j].rank != a.rank;
+            c[j] = peer[j] ? &a.rank_counters[wt[j].rank][wt[j].counter] : &a.counters[wt[j].counter];
+            seen[j] = live ? (peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j])) : 0;
+            any |= live;
+            sys |= live && peer[j];
+        }
+#pragma unroll
+        for (int j = 0; j < WAIT_BATCH; ++j) {
+            if (!ok || seen[j] >= target[j]) continue;
+            const u64 start = now_ns();
+            unsigned backoff = 32, polls = 0;
+            while ((seen[j] = peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j])) < target[j]) {
+                if ((++polls & 7) == 0 && aborted(a)) {  // not every poll: it is another L2 round trip
+                    ok = false;
+                    break;
+                }
+                if (now_ns() - start > a.timeout_ns) {
+                    fail(a, WATCHDOG, proc, tid, t.op, wt[j].counter, (i64)target[j], (i64)seen[j], (i64)k, wt[j].rank);
+                    ok = false;
+                    break;
+                }
+                __nanosleep(backoff);
+                // short: a dependency's latency is on the critical path of every decode step, and the
+                // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
+                backoff = backoff < 256 ? backoff * 2 : 256;
             }
-            if (now_ns() - start > a.timeout_ns) {
-                fail(a, WATCHDOG, proc, tid, t.op, wt.counter, (i64)target, (i64)seen, (i64)k, wt.rank);
-                ok = false;
-                break;
-            }
-            __nanosleep(backoff);
-            // short: a dependency's latency is on the critical path of every decode step, and the
-            // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
-            backoff = backoff < 256 ? backoff * 2 : 256;
         }
     }
+    if (ok && any) fence_acquire(sys);  // what the producers wrote before their release is visible now
     return __all_sync(0xffffffffu, ok);
 }
 
