@@ -318,6 +318,7 @@ BLOCK_ROW_MIN_THREADS = 256  # the block path's registers are sized for at least
 # bandwidth on an H200, two at 0.32 (at 8192 bf16 a row, 16 KB: an SM needs ~30-60 KB in flight).
 BLOCK_ROW_RING_ROWS = 4
 BLOCK_ROW_RING_PACKS = 16
+SOFTMAX_KEPT_EXPS = 32  # floats a thread keeps between softmax's sum and store passes
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -497,12 +498,19 @@ def _row_program(
         lines.append("    float m = ml::neg_inf();")
         lines += each("m = (v > m || v != v) ? v : m;")
         lines += [f"    m = {reduce('max', 'm')};", "    float s = 0.0f;"]
-        lines += each("s += expf(v - m);")
+        # softmax on the block-per-row path keeps each exponential for the store pass (registers: at
+        # most SOFTMAX_KEPT_EXPS a thread) instead of computing it twice; same values
+        keep = op == "softmax" and held and held * width <= SOFTMAX_KEPT_EXPS
+        if keep:
+            lines.append(f"    float ex[{held}][{width}];  // expf(v - m) of each element this thread holds")
+            lines += each("const float e_ = expf(v - m); ex[u][q] = e_; s += e_;")
+        else:
+            lines += each("s += expf(v - m);")
         # one division a row, a multiplication an element: at 8 warps an SM, a division per element
         # (an instruction sequence) made these rows issue-bound (softmax 0.21 of copy bandwidth)
         lines.append(f"    s = {reduce('sum', 's')};")
         lines.append("    const float inv_s = 1.0f / s;")
-        value = "expf(v - m) * inv_s" if op == "softmax" else "(v - m) - logf(s)"
+        value = ("ex[u][q]" if keep else "expf(v - m)") + " * inv_s" if op == "softmax" else "(v - m) - logf(s)"
         lines += store_each(value)
     else:
         absent = attrs.get("absent", ())
