@@ -98,12 +98,22 @@ __device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
     asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
     return v;
 }
+// sm_90 has acquire-only fences (fence.acquire: an L1 invalidation, no MEMBAR); older GPUs take
+// fence.acq_rel, which also waits for this thread's outstanding writes (MEMBAR.ALL).
 __device__ __forceinline__ void fence_acquire(bool sys) {
+#if __CUDA_ARCH__ >= 900
+    if (sys) {
+        asm volatile("fence.acquire.sys;" ::: "memory");
+    } else {
+        asm volatile("fence.acquire.gpu;" ::: "memory");
+    }
+#else
     if (sys) {
         asm volatile("fence.acq_rel.sys;" ::: "memory");
     } else {
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
+#endif
 }
 __device__ __forceinline__ void store_release_sys(volatile u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -125,7 +135,8 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 // Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
 // true for every lane, or false for every lane once any block gave up (all 32 lanes must call it:
 // it ends in a warp vote). The lanes share the waits, WAIT_BATCH of a lane's counters loaded at once
-// (relaxed), then one acquire fence per lane: a consumer of a 128-tile matmul waits on 128 counters.
+// (relaxed) and polled together, then one acquire fence (the whole warp, once all lanes are satisfied):
+// a consumer of a 128-tile matmul waits on 128 counters.
 // One thread polling them in turn paid an L2 round trip (~0.7 us) each, 90 us per decode-step op; 32
 // lanes with acquire loads (each completes before the next load starts) still left ~5 us between a
 // 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
@@ -153,30 +164,49 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
             any |= live;
             sys |= live && peer[j];
         }
+        // poll every counter of the batch still short, all loads out together each round (counters
+        // that arrive together cost one round trip, not one each)
+        const u64 start = now_ns();
+        unsigned backoff = 32, polls = 0;
+        for (;;) {
+            int short_of = -1;
 #pragma unroll
-        for (int j = 0; j < WAIT_BATCH; ++j) {
-            if (!ok || seen[j] >= target[j]) continue;
-            const u64 start = now_ns();
-            unsigned backoff = 32, polls = 0;
-            while ((seen[j] = peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j])) < target[j]) {
-                if ((++polls & 7) == 0 && aborted(a)) {  // not every poll: it is another L2 round trip
-                    ok = false;
-                    break;
-                }
-                if (now_ns() - start > a.timeout_ns) {
-                    fail(a, WATCHDOG, proc, tid, t.op, wt[j].counter, (i64)target[j], (i64)seen[j], (i64)k, wt[j].rank);
-                    ok = false;
-                    break;
-                }
-                __nanosleep(backoff);
-                // short: a dependency's latency is on the critical path of every decode step, and the
-                // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
-                backoff = backoff < 256 ? backoff * 2 : 256;
+            for (int j = WAIT_BATCH - 1; j >= 0; --j)
+                if (seen[j] < target[j]) short_of = j;
+            if (short_of < 0) break;
+            if ((++polls & 7) == 0 && aborted(a)) {  // not every poll: it is another L2 round trip
+                ok = false;
+                break;
             }
+            if (now_ns() - start > a.timeout_ns) {
+                Wait w = wt[0];
+                u64 want = target[0], got = seen[0];
+#pragma unroll
+                for (int j = 1; j < WAIT_BATCH; ++j) {  // static indices: the arrays stay in registers
+                    if (j == short_of) {
+                        w = wt[j];
+                        want = target[j];
+                        got = seen[j];
+                    }
+                }
+                fail(a, WATCHDOG, proc, tid, t.op, w.counter, (i64)want, (i64)got, (i64)k, w.rank);
+                ok = false;
+                break;
+            }
+            __nanosleep(backoff);
+            // short: a dependency's latency is on the critical path of every decode step, and the
+            // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
+            backoff = backoff < 256 ? backoff * 2 : 256;
+#pragma unroll
+            for (int j = 0; j < WAIT_BATCH; ++j)
+                if (seen[j] < target[j]) seen[j] = peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j]);
         }
     }
-    if (ok && any) fence_acquire(sys);  // what the producers wrote before their release is visible now
-    return __all_sync(0xffffffffu, ok);
+    // the same branch on every lane (a diverged warp would run both fences one after the other); the
+    // caller's __syncthreads then orders the whole block's reads of the producers' data after the fence
+    const bool all_ok = __all_sync(0xffffffffu, ok);
+    if (all_ok && __any_sync(0xffffffffu, any)) fence_acquire(__any_sync(0xffffffffu, sys));
+    return all_ok;
 }
 
 // Thread 0 only: wait until the host asked for iteration k; returns how many iterations the host has
