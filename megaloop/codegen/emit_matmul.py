@@ -247,8 +247,11 @@ def _skinny(
         f"            for (int r = 0; r < {rows}; ++r) {{",
         "                if (r >= nr) break;",
         "#pragma unroll",
-        f"                for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) "
-        f"acc[r] += ml::dot(ml::load_pack<{a_.ctype}, {width}>(in0 + ab + (ml::i64)r * {a_row} + kk), pb[u]); }}",
+        f"                for (int u = 0; u < {packs}; ++u) {{ const int kk = k0 + u * {step}; "
+        f"const ml::Pack<{a_.ctype}, {width}> pa = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + (ml::i64)r * {a_row} "
+        f"+ min(kk, {k - width})); if (kk < {k}) acc[r] += ml::dot(pa, pb[u]); }}",
+        "                // (A loaded unguarded, from K's last pack past its end: the loads go out together;"
+        " a guarded load per pack waited for each in turn when K is not whole blocks)",
         "            }",
         "#pragma unroll",
         f"            for (int u = 0; u < {packs}; ++u) pb[u] = nb[u];",
