@@ -178,8 +178,9 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
             f"        for (int k0 = lane * {width}; k0 < {k}; k0 += {GEMV_PACKS} * {step}) {{",
             f"            ml::Pack<{a_.ctype}, {width}> pa[{GEMV_PACKS}], pb[{GEMV_PACKS}];",
             "#pragma unroll",
-            f"            for (int u = 0; u < {GEMV_PACKS}; ++u) {{ const int kk = k0 + u * {step}; if (kk < {k}) {{ "
-            f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }} }}",
+            f"            for (int u = 0; u < {GEMV_PACKS}; ++u) {{ const int kk = min(k0 + u * {step}, {k - width}); "
+            f"pa[u] = ml::load_pack<{a_.ctype}, {width}>(in0 + ab + kk); pb[u] = ml::load_pack<{b_.ctype}, {width}>(in1 + bb + kk); }}"
+            "  // past K: its last pack (unused): no branch, every pack defined",
             "#pragma unroll",
             f"            for (int u = 0; u < {GEMV_PACKS}; ++u) if (k0 + u * {step} < {k}) acc += ml::dot(pa[u], pb[u]);",
             "        }",

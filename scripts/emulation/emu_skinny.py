@@ -27,7 +27,7 @@ def parse(text):
     p = {"R": int(m.group(1)), "rows": int(m.group(2))}
     p["ab"] = cexpr(re.search(r"const ml::i64 ab = (.+);", sk).group(1))
     p["bb"] = cexpr(re.search(r"const ml::i64 bb = (.+);", sk).group(1))
-    p["a_row"] = int(re.search(r"in0 \+ ab \+ \(ml::i64\)r \* (\d+) \+ kk", sk).group(1))
+    p["a_row"] = int(re.search(r"in0 \+ ab \+ \(ml::i64\)r \* (\d+) \+ (?:min\()?kk", sk).group(1))
     lm = re.search(r"for \(int k0 = lane \* (\d+); k0 < (\d+); k0 \+= (\d+) \* (\d+)\)", sk)
     p["W"], p["K"], p["packs"], p["step"] = map(int, lm.groups())
     st = re.search(r"ml::store\(out0 \+ (.+) \+ \(ml::i64\)r \* (\d+), s\);", sk)
