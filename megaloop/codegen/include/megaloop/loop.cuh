@@ -98,10 +98,14 @@ __device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
     asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
     return v;
 }
-// sm_90 has acquire-only fences (fence.acquire: an L1 invalidation, no MEMBAR); older GPUs take
-// fence.acq_rel, which also waits for this thread's outstanding writes (MEMBAR.ALL).
+// sm_90 has acquire-only fences (fence.acquire: an L1 invalidation, no MEMBAR; PTX ISA 8.6, NVRTC
+// 12.8 and later); older GPUs or compilers take fence.acq_rel, which also waits for this thread's
+// outstanding writes (MEMBAR.ALL).
+#if __CUDA_ARCH__ >= 900 && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8))
+#define ML_ACQUIRE_FENCE 1
+#endif
 __device__ __forceinline__ void fence_acquire(bool sys) {
-#if __CUDA_ARCH__ >= 900
+#ifdef ML_ACQUIRE_FENCE
     if (sys) {
         asm volatile("fence.acquire.sys;" ::: "memory");
     } else {
