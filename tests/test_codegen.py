@@ -277,7 +277,7 @@ def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
 
 def test_llama_and_exchange_kernels_spill_no_registers() -> None:
     """Spills are silent local-memory traffic in every task: the decode and 16-token Llama kernels,
-    the long-rows kernel and the packed exchanges must compile without any (undefined pack arrays
+    the long-rows kernel, the packed exchanges and the 8-token TP MLP must compile without any (undefined pack arrays
     once made ptxas spill up to 224 B a function)."""
     from megaloop.runtime.compile import spills
 
@@ -288,6 +288,10 @@ def test_llama_and_exchange_kernels_spill_no_registers() -> None:
     }
     kernels["long rows"] = generate(make_plan(long_rows_graph(), processors=2)).source
     kernels["packed exchanges"] = generate(make_plan(packed_exchange_graphs(2), processors=4), 0).source
+    from bench.tp_mlp import HIDDEN, plan_of  # the few-row matmul path at 8 tokens, K = 4096 and 8192
+
+    tp = plan_of(8, "fused", np.zeros((8, HIDDEN), np.float32))
+    kernels["TP MLP 8 tokens"] = generate(tp, 0).source
     found = {name: spills(src) for name, src in kernels.items()}
     assert not any(found.values()), f"register spills (stores, loads bytes) per function: {found}"
 
