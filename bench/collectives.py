@@ -10,7 +10,10 @@ as soon as that task's waits allow, not after a barrier):
   iterations; the data moved and the arithmetic are the same (timing on bf16 does not depend on values).
 - ``overlapped_us``: one collective per iteration on a fixed input, so consecutive iterations overlap:
   a throughput figure (bytes per second of back-to-back collectives), not a latency.
-NCCL: the median over repeats of ``CALLS`` back-to-back calls between device events, per call.
+NCCL from this process (torch.cuda.nccl, ``nccl_one_process_us``): the median over repeats of ``CALLS``
+back-to-back calls between device events, per call; host-launch bound at small sizes. NCCL under
+torchrun, eager and in a CUDA graph, and torch symmetric memory's one-shot all-reduce
+(``torch_*`` columns) come from bench/collectives_torch.py, run first in the same job.
 Bus bandwidth: (n - 1) / n x bytes of the full vector / time, x 2 for all_reduce (NCCL's convention)."""
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 import megaloop as ml
-from bench.common import resident_seconds, write
+from bench.common import resident_seconds, torchrun_result, write
 from megaloop.dtypes import round_to
 from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
@@ -142,6 +145,14 @@ def bus(kind: str, nbytes: int, seconds: float) -> float:
 
 def main() -> None:
     results: dict = {"world": WORLD, "nccl_calls_per_timing": CALLS}
+    # PyTorch under torchrun first, while no loop kernel holds the GPUs: NCCL eager and CUDA-graphed,
+    # torch symmetric memory's one-shot all-reduce (bench/collectives_torch.py). A failure is recorded.
+    try:
+        torch_rows = torchrun_result("collectives_torch.py", WORLD, timeout=300)
+    except RuntimeError as e:
+        torch_rows = {}
+        results["torch_error"] = str(e)[-1500:]
+        print("PyTorch side failed:", results["torch_error"], flush=True)
     for kind in KINDS:
         rows = results[kind] = {}
         for nbytes in SIZES:
@@ -149,21 +160,29 @@ def main() -> None:
             nccl_s = nccl_seconds(kind, nbytes)
             row = {
                 "overlapped_us": loop_s * 1e6,
-                "nccl_us": nccl_s * 1e6,
+                "nccl_one_process_us": nccl_s * 1e6,
                 "overlapped_bus_GBps": bus(kind, nbytes, loop_s),
-                "nccl_bus_GBps": bus(kind, nbytes, nccl_s),
+                "nccl_one_process_bus_GBps": bus(kind, nbytes, nccl_s),
                 "tasks_per_rank": tasks,
             }
+            theirs = torch_rows.get(kind, {}).get(str(nbytes), {})
+            row.update({f"torch_{k}": v for k, v in theirs.items()})
+            for key in ("nccl_eager_us", "nccl_graph_us", "symm_mem_one_shot_us"):
+                if isinstance(theirs.get(key), float):
+                    row[f"torch_{key[:-3]}_bus_GBps"] = bus(kind, nbytes, theirs[key] / 1e6)
             if kind == "all_reduce":
                 dep_s = dependent_seconds(nbytes)
                 row.update(
                     dependent_us=dep_s * 1e6,
                     dependent_bus_GBps=bus(kind, nbytes, dep_s),
                     chain_depth=chain_depth(nbytes),
-                    dependent_speedup_vs_nccl=nccl_s / dep_s,
+                    dependent_speedup_vs_nccl_one_process=nccl_s / dep_s,
                 )
+                for key in ("nccl_graph_us", "symm_mem_one_shot_us"):
+                    if isinstance(theirs.get(key), float):
+                        row[f"dependent_speedup_vs_torch_{key[:-3]}"] = theirs[key] / 1e6 / dep_s
             rows[str(nbytes)] = row
-            print(kind, nbytes, {k: round(v, 2) for k, v in row.items()}, flush=True)
+            print(kind, nbytes, {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     write("collectives", results)
 
 

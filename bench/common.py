@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,3 +82,23 @@ def write(name: str, results: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=1))
     print(json.dumps(payload, indent=1))
     return path
+
+
+def torchrun_result(script: str, world: int, timeout: float) -> dict:
+    """Run bench/<script> under torchrun (one process per GPU) and return the JSON of its last
+    "RESULT " line; the result is read even when the run is killed at the timeout (a hang at NCCL
+    shutdown once lost it). Raises RuntimeError with the output's tail when there is no result."""
+    path = Path(__file__).with_name(script)
+    root = str(path.parent.parent)  # the scripts import bench.common
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(path)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr = (v.decode() if isinstance(v, bytes) else v or "" for v in (e.stdout, e.stderr))
+    results = [line[len("RESULT ") :] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not results:
+        raise RuntimeError(f"{script} gave no result:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return json.loads(results[-1])

@@ -9,16 +9,12 @@ then the all-reduce: ``loop_no_overlap_us``), and PyTorch + NCCL eager and CUDA-
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
 import megaloop as ml
-from bench.common import resident_seconds, write
+from bench.common import resident_seconds, torchrun_result, write
 from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
 
@@ -64,20 +60,7 @@ def per_step(gr: LoopKernelGroup, feeds: list, iterations: int) -> float:
 
 
 def torch_side() -> dict:
-    script = Path(__file__).with_name("tp_mlp_torch.py")
-    root = str(script.parent.parent)  # the script imports bench.common
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), str(script)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-        stdout, stderr = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as e:  # the result may be out already (a hang at shutdown)
-        stdout, stderr = (v.decode() if isinstance(v, bytes) else v or "" for v in (e.stdout, e.stderr))
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"tp_mlp_torch.py gave no result:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return torchrun_result("tp_mlp_torch.py", WORLD, timeout=150)
 
 
 def main() -> None:
