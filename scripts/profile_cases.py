@@ -41,6 +41,17 @@ def gemm_case(n: int):
     return g, {}, {k: rng.standard_normal((n, n), dtype=np.float32) for k in ("a", "w")}
 
 
+def rows_case(op: str, rows: int = 8192, cols: int = 8192):
+    """bench/memory_bound.py's row ops on a quarter of its rows (128 MiB a tensor): per-task times of
+    the block-per-row path (how long one task's 31 rows take, and what the processors wait for)."""
+    g = ml.Graph(f"{op}{cols}")
+    x = g.input("a", (rows, cols), ml.bfloat16)
+    w = g.input("w", (cols,), ml.bfloat16)
+    g.output("y", ml.rmsnorm(x, w) if op == "rmsnorm" else ml.softmax(x, -1))
+    rng = np.random.default_rng(0)
+    return g, {}, {"a": rng.standard_normal((rows, cols), dtype=np.float32), "w": rng.standard_normal(cols, dtype=np.float32)}
+
+
 CASES = {
     "decode2048": lambda: llama_case(2048, 1),
     "decode2048_unsplit": lambda: llama_case(2048, 1, None),
@@ -48,6 +59,8 @@ CASES = {
     "prefill2048": lambda: llama_case(2048, 512),
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
+    "rmsnorm8192": lambda: rows_case("rmsnorm"),
+    "softmax8192": lambda: rows_case("softmax"),
 }
 
 
