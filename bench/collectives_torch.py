@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from bench.common import time_torch
+from bench.common import cuda_graph, time_torch
 
 SIZES = [int(s) for s in os.environ.get("COLLECTIVE_SIZES", "4096,32768,262144,1048576,16777216,268435456").split(",")]
 CALLS = 20
@@ -39,26 +39,20 @@ def buffers(kind: str, n: int, world: int):
     return lambda: dist.reduce_scatter_tensor(out, x)
 
 
-def per_call_us(fn) -> float:
+def back_to_back(fn):
     def calls():
         for _ in range(CALLS):
             fn()
 
-    return time_torch(calls, warmup=2, repeat=15) * 1e6 / CALLS
+    return calls
+
+
+def per_call_us(fn) -> float:
+    return time_torch(back_to_back(fn), warmup=2, repeat=15) * 1e6 / CALLS
 
 
 def graphed_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return time_torch(graph.replay, warmup=3, repeat=15) * 1e6 / CALLS
+    return time_torch(cuda_graph(back_to_back(fn)).replay, warmup=3, repeat=15) * 1e6 / CALLS
 
 
 def symm_mem_one_shot(n: int):

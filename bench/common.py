@@ -56,6 +56,23 @@ def time_torch(fn, warmup: int = 5, repeat: int = 30) -> float:
     return float(np.median(times))
 
 
+def cuda_graph(fn, warmup: int = 3):
+    """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, as capture needs);
+    time ``graph.replay`` to measure it without launch overhead."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def resident_seconds(kernel, iterations: int, repeats: int = 5) -> float:
     """Median seconds per iteration of a resident loop kernel (a LoopKernel or LoopKernelGroup):
     ``iterations`` iterations per doorbell, wall time from the ring to the last block's report."""

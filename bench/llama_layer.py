@@ -10,14 +10,13 @@ of the previous), and ``loop_kernel_dependent_us`` with each step's input the pr
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import megaloop as ml
-from bench.common import time_torch, write
+from bench.common import resident_seconds, time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.models.llama import auto_kv_splits, decoder_layer
 from megaloop.plan import make_plan
@@ -93,13 +92,6 @@ def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | st
     return g
 
 
-def resident_us(k: LoopKernel, iters: int) -> float:
-    t0 = time.perf_counter()
-    k.start(iters)
-    k.wait()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto") -> dict:
     cfg = layer_config(hidden, tokens)
     params = random_parameters(cfg, seed=0)
@@ -118,13 +110,13 @@ def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str
     iters = 200 if tokens == 1 else 10
     with LoopKernel(make_plan(g, processors=132, tiles=tiles), params) as k:
         k.run({"hidden": x, "positions": pos}, iterations=3)
-        out["loop_kernel_us"] = resident_us(k, iters)
+        out["loop_kernel_us"] = resident_seconds(k, iters) * 1e6
     if tokens == 1:
         plan = make_plan(dependent_decode_graph(cfg, x, kv_splits), processors=132, tiles=tiles)
         assert not any(op.name.startswith("assign:") for op in plan.ranks[0].ops), "the dependent step copies its state"
         with LoopKernel(plan, params) as k:
             k.run({"positions": pos}, iterations=3)
-            out["loop_kernel_dependent_us"] = resident_us(k, iters)
+            out["loop_kernel_dependent_us"] = resident_seconds(k, iters) * 1e6
     layer = TorchLayer(cfg, layer_params)
     final = torch.tensor(params["model.norm.weight"], dtype=torch.bfloat16, device="cuda")
     xt = torch.tensor(x, dtype=torch.bfloat16, device="cuda")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench.common import time_torch
+from bench.common import cuda_graph, time_torch
 
 HIDDEN, FFN = 4096, 16384
 TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
@@ -39,16 +39,7 @@ def main() -> None:
 
         eager = time_torch(step, repeat=50) * 1e6
         print(f"rank {rank}: eager {eager:.1f} us, capturing", file=sys.stderr, flush=True)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graphed = time_torch(graph.replay, repeat=50) * 1e6
+        graphed = time_torch(cuda_graph(step).replay, repeat=50) * 1e6
         out[str(tokens)] = {"torch_eager_us": eager, "torch_cuda_graph_us": graphed}
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)

@@ -198,8 +198,9 @@ def packed_loop(
     ``stores`` run; ``pointers_in`` are the inputs read in packs (checked aligned, as out0 is). Packs
     past the box's end load the box's last pack again (never stored): every pack is defined without a
     branch. Undefined tail packs made ptxas spill (up to 124 B a function); zeroing them instead made
-    it wait for each load before issuing the next (add fell from 0.76 to 0.44 of copy bandwidth). Falls through (to the caller's per-element path) when the box is
-    not whole packs or has 2^31 packs or more (32-bit index arithmetic: a 64-bit division costs ~4x)."""
+    it wait for each load before issuing the next (add fell from 0.76 to 0.44 of copy bandwidth).
+    Falls through (to the caller's per-element path) when the box is not whole packs or has 2^31
+    packs or more (32-bit index arithmetic: a 64-bit division costs ~4x)."""
     nd = len(out.shape)
     last = nd - 1
     checks = [

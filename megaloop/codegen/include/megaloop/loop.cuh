@@ -85,7 +85,7 @@ __device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
 }
 // Polling loads: relaxed (strong, unordered), so that several are in flight at once; the acquire
 // comes from one fence after they all saw their targets (a strong read that observes a release, then
-// fence.acq_rel: the PTX memory model's acquire pattern, as C++'s relaxed load + acquire fence). The
+// an acquire fence: the PTX memory model's acquire pattern, as C++'s relaxed load + acquire fence). The
 // loads have no "memory" clobber, so the compiler may issue other loads (the waits' descriptions)
 // around them; the fence has one, so nothing that reads the producers' data moves above it.
 __device__ __forceinline__ u64 load_relaxed(const u64* p) {
@@ -102,22 +102,16 @@ __device__ __forceinline__ u64 load_relaxed_sys(const u64* p) {
 // 12.8 and later); older GPUs or compilers take fence.acq_rel, which also waits for this thread's
 // outstanding writes (MEMBAR.ALL).
 #if __CUDA_ARCH__ >= 900 && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8))
-#define ML_ACQUIRE_FENCE 1
+#define ML_FENCE_ACQUIRE "fence.acquire"
+#else
+#define ML_FENCE_ACQUIRE "fence.acq_rel"
 #endif
 __device__ __forceinline__ void fence_acquire(bool sys) {
-#ifdef ML_ACQUIRE_FENCE
     if (sys) {
-        asm volatile("fence.acquire.sys;" ::: "memory");
+        asm volatile(ML_FENCE_ACQUIRE ".sys;" ::: "memory");
     } else {
-        asm volatile("fence.acquire.gpu;" ::: "memory");
+        asm volatile(ML_FENCE_ACQUIRE ".gpu;" ::: "memory");
     }
-#else
-    if (sys) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
-    } else {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    }
-#endif
 }
 __device__ __forceinline__ void store_release_sys(volatile u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
