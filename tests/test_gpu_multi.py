@@ -1,8 +1,16 @@
 """Several GPUs driven from one process (skipped without two): every exchange and a tensor-parallel
 MLP against the CPU reference, bitwise reproducibility across runs and ranks, and a stopped peer
-reported by name. scripts/gpu_check.sh runs these on the two-GPU machine."""
+reported by name. Then one process per GPU under torchrun: the TP MLP with each peer memory, and a
+rank killed between runs named by the survivor's watchdog. scripts/gpu_check.sh runs these on the
+two-GPU machine."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,21 +101,39 @@ def test_a_stopped_peer_is_named_by_the_watchdog() -> None:
             gr.wait()
 
 
-def test_torchrun_one_process_per_gpu() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def torchrun(script: str, peer_memory: str | None) -> subprocess.CompletedProcess:
+    """``tests/<script>`` on both GPUs, one process each; ``peer_memory`` None: the default ("auto")."""
     root = Path(__file__).parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        str(root / "tests/torchrun_tp_mlp.py"),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    env.pop("MEGALOOP_PEER_MEMORY", None)
+    if peer_memory is not None:
+        env["MEGALOOP_PEER_MEMORY"] = peer_memory
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "tests" / script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize(("asked", "used"), [(None, "symmetric"), ("ipc", "ipc")])
+def test_torchrun_one_process_per_gpu(asked: str | None, used: str) -> None:
+    """By default the ranks share memory through torch symmetric memory (this image's torch has it);
+    asked for, through legacy CUDA IPC handles."""
+    done = torchrun("torchrun_tp_mlp.py", asked)
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "OK" in done.stdout, tail
+    assert f"OK peer_memory={used}" in done.stdout, tail
+
+
+@pytest.mark.parametrize("peer_memory", ["symmetric", "ipc"])
+def test_torchrun_killed_peer_is_named_by_the_watchdog(peer_memory: str) -> None:
+    """Rank 1 is SIGKILLed between runs; rank 0's next run waits on its counters and the watchdog must
+    say so: rank 0, the tile it waited before (all_reduce_N[0]), rank 1 and the tile that never
+    signalled (mul_N[0]). torchrun itself fails (a worker died), so only rank 0's line counts."""
+    done = torchrun("torchrun_killed_peer.py", peer_memory)
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    line = next((x[x.index("KILLED-PEER") :] for x in done.stdout.splitlines() if "KILLED-PEER" in x), None)
+    assert line is not None, "rank 0 reported nothing:\n" + tail
+    assert line.startswith(f"KILLED-PEER peer_memory={peer_memory} error after "), tail
+    named = (
+        r"watchdog: rank 0 processor \d+ waited more than 2 s in iteration \d+ before all_reduce_\d+\[0\]: "
+        r"counter \d+ of rank 1 \(a peer GPU: is it running\?\) \(done mul_\d+\[0\]\) stayed at"
+    )
+    assert re.search(named, line), tail

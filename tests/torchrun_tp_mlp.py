@@ -1,5 +1,6 @@
 """Run by tests/test_gpu_multi.py under torchrun (one process per GPU): the tensor-parallel MLP on a
-DistributedLoopKernel per rank against the CPU reference; rank 0 prints OK or what differed."""
+DistributedLoopKernel per rank against the CPU reference; rank 0 prints OK or what differed, and
+which peer memory the ranks used (peer_memory=symmetric or ipc; $MEGALOOP_PEER_MEMORY chooses)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def main() -> int:
     ref = ml.evaluate(graphs, [{"x": x}] * WORLD, params)[rank].outputs["y"].astype(np.float64)
     with DistributedLoopKernel(make_plan(graphs, processors=132), params[rank]) as k:
         outs = [k.run({"x": x})["y"] for _ in range(20)]
+    used = f"peer_memory={k.peer_memory} {k.peer_memory_note}".strip()
     bad = [i for i, o in enumerate(outs) if o.tobytes() != outs[0].tobytes()]
     d = float(np.abs(outs[0].astype(np.float64) - ref).max())
     gathered: list = [None] * WORLD
@@ -30,7 +32,9 @@ def main() -> int:
     ok = not bad and d <= 0.02 * np.abs(ref).max() and gathered[0] == gathered[1]
     if rank == 0:
         print(
-            "OK" if ok else f"FAIL: runs {bad} differ, max difference {d:.3e}, ranks agree {gathered[0] == gathered[1]}"
+            f"OK {used}"
+            if ok
+            else f"FAIL: runs {bad} differ, max difference {d:.3e}, ranks agree {gathered[0] == gathered[1]}; {used}"
         )
     dist.destroy_process_group()
     return 0 if ok else 1

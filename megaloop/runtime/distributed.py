@@ -7,17 +7,17 @@ convention, and the way to more than one node later: docs/multinode.md).
 
 Setup, before any kernel starts: every rank checks that all ranks planned the same program (a hash
 of the plan; a mismatch names the ranks that differ), that all ranks share this machine, and that
-its GPU can reach every peer's GPU (naming the pair that cannot). Peer memory is shared with CUDA IPC
-handles of each rank's arena and counters (torch symmetric memory, the intended provider, is not
-used yet: it is marked alpha, and IPC needs nothing beyond the driver). After that each rank's loop
-kernel reads its peers' memory directly, exactly as in one process (megaloop/runtime/group.py). A
-peer that dies or hangs leaves this rank's kernel waiting on counters nobody bumps: its watchdog
-fires and the error names the peer rank, the op and the tile.
+its GPU can reach every peer's GPU (naming the pair that cannot). Then the ranks allocate their
+arenas and counters where every peer can map them (megaloop/runtime/peers.py): torch symmetric
+memory by default, legacy CUDA IPC handles when torch lacks it or it fails on any rank (all ranks
+fall back together), or whichever ``peer_memory=`` / $MEGALOOP_PEER_MEMORY names; ``k.peer_memory``
+says which. After that each rank's loop kernel reads its peers' memory directly, exactly as in one
+process (megaloop/runtime/group.py). A peer that dies or hangs leaves this rank's kernel waiting on
+counters nobody bumps: its watchdog fires and the error names the peer rank, the op and the tile.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from megaloop.plan.model import Plan
+from megaloop.runtime.device import gpus
 from megaloop.runtime.loop import LoopKernel, LoopKernelError, _check
+from megaloop.runtime.peers import IpcPeers, SymmetricPeers, open_peer_memory, requested_peer_memory
 
-IPC_HANDLE_BYTES = 64
 MAX_PEERS = 8  # peer mappings a GPU can hold (CUDA_ERROR_TOO_MANY_PEERS beyond)
 
 
@@ -63,7 +64,11 @@ class DistributedLoopKernel:
         *,
         device: int | None = None,
         timeout_s: float = 10.0,
+        peer_memory: str | None = None,
     ) -> None:
+        """``peer_memory``: "auto" (torch symmetric memory, else CUDA IPC), "symmetric" or "ipc"; left
+        out, $MEGALOOP_PEER_MEMORY or "auto". Every rank must ask alike. ``self.peer_memory`` says which
+        was used and ``self.peer_memory_note`` why symmetric memory was not, under "auto"."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -71,6 +76,7 @@ class DistributedLoopKernel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world > MAX_PEERS + 1:
             raise LoopKernelError(f"{self.world} ranks: a GPU maps at most {MAX_PEERS} peers' memory")
+        requested = requested_peer_memory(peer_memory)
         # megaloop's own messages go through a gloo group: with an NCCL default group, a barrier is a GPU
         # kernel, which cannot start while a loop kernel holds every SM
         self._group = dist.new_group(backend="gloo")
@@ -83,16 +89,43 @@ class DistributedLoopKernel:
                 f"rank {self.rank}: the ranks run on {len(set(hosts))} machines ({sorted(set(hosts))}); megaloop's "
                 "loop kernels exchange data over NVLink within one machine (multi-node: docs/multinode.md)"
             )
-        self.kernel = LoopKernel(
-            plan, params, state, device=device, timeout_s=timeout_s, rank=self.rank, _in_group=True
+        found, reason = gpus()
+        if not 0 <= device < len(found):
+            raise LoopKernelError(
+                f"rank {self.rank}: GPU {device} does not exist ({len(found)} visible{', ' + reason if reason else ''})"
+            )
+        self._check_gpus(device, self._all_gather(_bus_id(device)))
+        self.peers, arenas, counters, self.peer_memory_note = open_peer_memory(
+            requested,
+            self.rank,
+            self._all_gather,
+            {
+                # over the default group, all of the job's ranks: its store carries torch's handles
+                "symmetric": lambda: SymmetricPeers(plan, self.rank, device, dist.group.WORLD.group_name),
+                "ipc": lambda: IpcPeers(plan.ranks[self.rank], self.rank, device),
+            },
         )
+        self.peer_memory: str = self.peers.name
+        try:
+            self.kernel = LoopKernel(
+                plan,
+                params,
+                state,
+                device=device,
+                timeout_s=timeout_s,
+                rank=self.rank,
+                _in_group=True,
+                _memory=(self.peers.arena, self.peers.counters),
+            )
+        except BaseException:
+            self.peers.free()  # nothing reads it yet: every rank maps its peers before any kernel runs
+            raise
         rp = self.kernel.rp
         host_written = [*rp.graph.inputs.values(), *rp.graph.states.values()]
         # a peer may still read inputs or state of ours the host is about to overwrite: runs line up first
         self._line_up = any(rp.buffers[rp.tensors[rp.tensor_of[t]].buffer].peer for t in host_written)
-        self._opened: list[int] = []
         try:
-            self._connect(self._all_gather(_bus_id(self.kernel.device)))
+            self.kernel._connect(arenas, counters)
             self._barrier()  # every rank mapped its peers before any kernel runs
             self.kernel._launch()
         except BaseException:
@@ -104,12 +137,11 @@ class DistributedLoopKernel:
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def _connect(self, bus_ids: list[str]) -> None:
-        """Check the GPUs (by PCI bus id: ordinals differ between processes), then map every peer's
-        arena and counters into this process and give the kernel their addresses."""
+    def _check_gpus(self, device: int, bus_ids: list[str]) -> None:
+        """Every rank has a GPU of its own (by PCI bus id: ordinals differ between processes) that can
+        reach every peer's GPU directly."""
         from cuda.bindings import driver as d
 
-        k = self.kernel
         mine = bus_ids[self.rank]
         shared = [r for r, b in enumerate(bus_ids) if b == mine]
         if len(shared) > 1:
@@ -117,8 +149,7 @@ class DistributedLoopKernel:
                 f"ranks {shared} would share GPU {mine}: each loop kernel holds its whole GPU, so two on one GPU "
                 "wait for each other forever; give each rank its own GPU (LOCAL_RANK or device=)"
             )
-        k._use()
-        me = _check(d.cuDeviceGet(k.device))
+        me = _check(d.cuDeviceGet(device))
         for r, bus in enumerate(bus_ids):
             if r == self.rank:
                 continue
@@ -133,19 +164,6 @@ class DistributedLoopKernel:
                     f"rank {self.rank}: GPU {mine} cannot access GPU {bus} (rank {r}) directly (no peer path); "
                     "the loop kernels need every pair of GPUs to reach each other"
                 )
-        handles = self._all_gather((_ipc_handle(d, k.arena), _ipc_handle(d, k.counters)))
-        arenas, counters = [], []
-        for r, (arena_h, counters_h) in enumerate(handles):
-            if r == self.rank:
-                arenas.append(k.arena)
-                counters.append(k.counters)
-                continue
-            flag = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            for handle, into in ((arena_h, arenas), (counters_h, counters)):
-                ptr = int(_check(d.cuIpcOpenMemHandle(_ipc_from_bytes(d, handle), flag)))
-                self._opened.append(ptr)
-                into.append(ptr)
-        k._connect(arenas, counters)
 
     def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
         """This rank's inputs and outputs; every rank must call it alike (the same iterations)."""
@@ -170,7 +188,7 @@ class DistributedLoopKernel:
                 f"rank {self.rank}: the loop kernel did not stop (a task is stuck: a megaloop bug); its memory stays "
                 "allocated and this process must be restarted"
             )
-        self._unmap()
+        self.peers.close()
         try:
             self._barrier()
         except Exception as e:
@@ -179,6 +197,7 @@ class DistributedLoopKernel:
                 "memory stays allocated (a peer may still read it)"
             ) from None
         k._free()
+        self.peers.free()
 
     def _barrier(self) -> None:
         """A barrier that gives up and names the missing ranks (gloo's monitored barrier)."""
@@ -186,19 +205,11 @@ class DistributedLoopKernel:
 
         self._dist.monitored_barrier(group=self._group, timeout=datetime.timedelta(seconds=self.timeout_s + 30))
 
-    def _unmap(self) -> None:
-        from cuda.bindings import driver as d
-
-        if self._opened:
-            self.kernel._use()
-            for ptr in self._opened:
-                d.cuIpcCloseMemHandle(ptr)
-            self._opened.clear()
-
     def _close(self) -> None:
         """Setup failed: nothing was launched; unmap and free."""
-        self._unmap()
+        self.peers.close()
         self.kernel._free()
+        self.peers.free()
 
     def __enter__(self) -> DistributedLoopKernel:
         return self
@@ -213,14 +224,3 @@ def _bus_id(device: int) -> str:
     _check(d.cuInit(0))
     raw = _check(d.cuDeviceGetPCIBusId(32, _check(d.cuDeviceGet(device))))
     return (raw.decode() if isinstance(raw, bytes) else str(raw)).split("\0", 1)[0]
-
-
-def _ipc_handle(d, ptr: int) -> bytes:
-    handle = _check(d.cuIpcGetMemHandle(ptr))
-    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
-
-
-def _ipc_from_bytes(d, raw: bytes):
-    handle = d.CUipcMemHandle()
-    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
-    return handle

@@ -91,7 +91,11 @@ class LoopKernel:
         program: LoopProgram | None = None,
         rank: int = 0,
         _in_group: bool = False,
+        _memory: tuple[int, int] | None = None,
     ) -> None:
+        """``_memory``: the device addresses of an arena and counters allocated elsewhere (at least as
+        large as this rank's; megaloop/runtime/peers.py), used instead of allocating them and never freed
+        here: their provider frees them."""
         from cuda.bindings import driver
 
         if plan.world_size > 1 and not _in_group:
@@ -112,6 +116,7 @@ class LoopKernel:
         self.profile_iterations = profile_iterations
         self._d = driver
         self._allocations: list[int] = []
+        self._memory = _memory
         self._launched = False
         self._stuck = False
         self._requested = 0
@@ -194,9 +199,12 @@ class LoopKernel:
 
     def _setup_memory(self) -> None:
         d, prog = self._d, self.program
-        self.arena = self._alloc(self.rp.arena_bytes)
+        if self._memory is None:
+            self.arena = self._alloc(self.rp.arena_bytes)
+            self.counters = self._alloc(8 * max(prog.counters, 1))
+        else:  # valid here: torch and the IPC provider work in this device's primary context, our self._ctx
+            self.arena, self.counters = self._memory
         _check(d.cuMemsetD8(self.arena, 0xFF, max(self.rp.arena_bytes, 8)))  # poison: NaN in every float
-        self.counters = self._alloc(8 * max(prog.counters, 1))
         _check(d.cuMemsetD8(self.counters, 0, 8 * max(prog.counters, 1)))
         self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
         _check(d.cuMemsetD8(self.flags, 0, 24))
