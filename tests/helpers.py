@@ -114,7 +114,7 @@ def assert_close(
         idx = tuple(int(i) for i in np.argwhere(inf_mismatch)[0])
         raise AssertionError(f"{what}: infinity mismatch at {idx}: got {o[idx]!r}, expected {r[idx]!r}")
     ok = ~(nan_o | np.isinf(r))
-    err = np.where(ok, np.abs(o - r), 0.0)
+    err = np.abs(np.where(ok, o, 0.0) - np.where(ok, r, 0.0))  # matching infinities compare as 0, no inf - inf
     tol = tolerance(np.where(ok, r, 0.0), dtype, accuracy, reduce_len, scale)
     ratio = err / tol
     worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()

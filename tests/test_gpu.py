@@ -334,10 +334,39 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     assert_close(got["yb"], want, dt, ml.REGISTRY["matmul"].accuracy, 264, f"yb [{dtype}]")
 
 
+def test_block_row_softmax_edge_values_match_torch() -> None:
+    """Softmax and log_softmax on the block-per-row path (each warp's exponentials relative to its own
+    max, combined across warps) with -inf, +inf and NaN in the rows: NaN exactly where torch has it,
+    a row of -inf only is NaN, -inf entries give 0 (softmax) and -inf (log_softmax)."""
+    n = 4096
+    g = ml.Graph("softmax-edges")
+    x = g.input("x", (8, n), ml.float32)
+    g.output("soft", ml.softmax(x, -1))
+    g.output("logsoft", ml.log_softmax(x, -1))
+    rng = np.random.default_rng(7)
+    v = rng.standard_normal((8, n)).astype(np.float32) * 4
+    v[1, ::2] = -np.inf  # half the row
+    v[2, :] = -np.inf  # all of it: NaN, as torch
+    v[3, 100] = np.nan
+    v[4, :] = -np.inf
+    v[4, 3000] = 1.0  # one element left, in the last warps' part
+    v[5, 7] = np.inf
+    v[6, : n // 2] = -np.inf  # whole warps of -inf
+    v[7, :] = 80.0 + rng.standard_normal(n).astype(np.float32)  # large values: relative to the max
+    plan = make_plan(g, processors=3)
+    assert "a block per row" in generate(plan).source
+    with loop_kernel(plan) as k:
+        got = k.run({"x": v})
+    t = torch.from_numpy(v).double()
+    for name, want in (("soft", torch.softmax(t, -1)), ("logsoft", torch.log_softmax(t, -1))):
+        op = "softmax" if name == "soft" else "log_softmax"
+        assert_close(got[name], want.numpy(), ml.float32, ml.REGISTRY[op].accuracy, n, name)
+
+
 @pytest.mark.parametrize("processors", [2, 132])
 def test_long_rows_many_to_a_task_match_torch(processors: int) -> None:
-    """Block-per-row normalisations with several rows per task: up to 4 rows in a ring of registers
-    (the others' loads in flight while one is reduced and stored), one at 16 packs a thread
+    """Block-per-row normalisations with several rows per task: up to 8 rows in a ring in shared
+    memory (the next rows arriving while one is reduced and stored), two at 16 packs a thread
     (tests.test_codegen.long_rows_graph says which cases)."""
     from tests.test_codegen import LONG_ROW_CASES, long_rows_graph
 

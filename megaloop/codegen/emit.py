@@ -314,17 +314,59 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
 BLOCK_ROW_PACKS = 128
 BLOCK_ROW_MAX_PACKS_PER_THREAD = 16  # register budget: 16 packs of 16 bytes = 64 registers
 BLOCK_ROW_MIN_THREADS = 256  # the block path's registers are sized for at least this many threads
-# Rows held in registers at once, up to BLOCK_ROW_RING_PACKS packs a thread in all: while one row is
-# reduced and stored the others are in flight. One row in flight per SM left rmsnorm at 0.31 of copy
-# bandwidth on an H200, two at 0.32 (at 8192 bf16 a row, 16 KB: an SM needs ~30-60 KB in flight).
-BLOCK_ROW_RING_ROWS = 4
-BLOCK_ROW_RING_PACKS = 16
+# The next rows stream into a ring of row slots in shared memory (cp.async) while one row is reduced:
+# up to ROW_RING_ROWS rows in ROW_RING_BYTES (two rows where they are longer), and never more than
+# three quarters of the plan's shared memory (one slot on an RTX card for 64 KB rows: no read-ahead).
+# Rows held in registers instead left rmsnorm at 0.48 of copy bandwidth on an H200 whether 2 or 4 rows
+# were in flight: each row's block reduction (a barrier) waited for every load into registers still
+# in flight, so nothing streamed across it. A cp.async copy in flight is not waited for by a barrier.
+ROW_RING_ROWS = 8
+ROW_RING_BYTES = 96 * 1024
 SOFTMAX_KEPT_EXPS = 32  # floats a thread keeps between softmax's sum and store passes
+
+
+def _block_row_layout(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tuple[int, int, int] | None:
+    """(width, packs, packs per thread) of the packed paths' rows, or None when a row is not whole
+    aligned packs along the last axis."""
+    x = ins[0]
+    nd = len(x.shape)
+    axis = attrs.get("axis", nd - 1)
+    width = 16 // max(o.dtype.itemsize for o in ins + [out])
+    packed = (
+        axis == nd - 1
+        and x.shape[axis] % width == 0
+        and x.strides[-1] == 1
+        and out.strides[-1] == 1
+        and all(st % width == 0 for st in x.strides[:-1] + out.strides[:-1])
+        and all(o.strides[0] == 1 for o in ins[1:])
+    )
+    if not packed:
+        return None
+    packs = x.shape[axis] // width
+    return width, packs, -(-packs // BLOCK_ROW_MIN_THREADS)
+
+
+def row_ring(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:
+    """Rows in the block-per-row path's shared-memory ring, 0 when the op does not take that path."""
+    layout = _block_row_layout(attrs, ins, out)
+    if layout is None:
+        return 0
+    _, packs, per_thread = layout
+    if packs < BLOCK_ROW_PACKS or per_thread > BLOCK_ROW_MAX_PACKS_PER_THREAD:
+        return 0
+    row = packs * 16
+    return min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, shared_memory * 3 // 4 // row)
+
+
+def rows_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:
+    layout = _block_row_layout(attrs, ins, out)
+    return row_ring(attrs, ins, out, shared_memory) * layout[1] * 16 if layout else 0
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row, or
-    the whole block per row for long rows, with packed loads when the row is contiguous and aligned."""
+    the whole block per row for long rows, with packed loads when the row is contiguous and aligned.
+    ``attrs["codegen"]["shared_memory"]`` (the plan's, per block) sizes the block path's row ring."""
     x = ins[0]
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
@@ -332,29 +374,21 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
     body = pointers(ins + [out], len(ins))
     body.append("ml::Task rowt = t;")
     body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // iterate the box without the row axis")
-    width = 16 // max(o.dtype.itemsize for o in ins + [out])
-    packed = (
-        axis == nd - 1
-        and n % width == 0
-        and x.strides[-1] == 1
-        and out.strides[-1] == 1
-        and all(st % width == 0 for st in x.strides[:-1] + out.strides[:-1])
-        and all(o.strides[0] == 1 for o in ins[1:])
-    )
-    if packed:
+    layout = _block_row_layout(attrs, ins, out)
+    if layout:
+        width, _, per_thread = layout
         checks = " && ".join(
             f"ml::aligned({p}, {width * o.dtype.itemsize})"
             for p, o in [(f"in{k}", o) for k, o in enumerate(ins)] + [("out0", out)]
         )
-        packs = n // width
-        per_thread = -(-packs // BLOCK_ROW_MIN_THREADS)
-        if packs >= BLOCK_ROW_PACKS and per_thread <= BLOCK_ROW_MAX_PACKS_PER_THREAD:
+        ring = row_ring(attrs, ins, out, attrs.get("codegen", {}).get("shared_memory", 0))
+        if ring:
             body.append(
                 f"if ({checks} && blockDim.x >= {BLOCK_ROW_MIN_THREADS}) {{  // a block per row, {per_thread} "
-                f"pack(s) of {width} per thread in registers"
+                f"pack(s) of {width} per thread, {ring} rows streaming through shared memory"
             )
-            body.append("    __shared__ float red[32];  // the warps' partial results")
-            body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width, per_thread)]
+            body.append("    __shared__ float red[128];  // the warps' partial results, two halves (ml::block_sum_alt)")
+            body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width, per_thread, ring)]
             body.append("    return;")
             body.append("}")
         body.append(f"if ({checks}) {{  // packed path: a warp per row, {width} elements per load")
@@ -366,30 +400,28 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
 
 
 def _row_program(
-    op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand, axis: int, n: int, width: int, held: int = 0
+    op: str,
+    attrs: dict[str, Any],
+    ins: list[Operand],
+    out: Operand,
+    axis: int,
+    n: int,
+    width: int,
+    held: int = 0,
+    ring: int = 0,
 ) -> list[str]:
     """The row loop. ``width`` > 1 walks the row in packs of that many elements; ``held`` > 0 spreads
     each row over the block, every thread holding up to ``held`` packs in registers (one read of the
-    row), with block-wide reductions instead of warp-wide ones."""
+    row), with block-wide reductions instead of warp-wide ones, the next ``ring`` - 1 rows arriving
+    in shared memory meanwhile."""
     x = ins[0]
     nd = len(x.shape)
     others = [f"o[{d}]" if d != axis else None for d in range(nd)]
     xs, os_ = x.strides[axis], out.strides[axis]
     if held:
         packs = n // width
-        ring = max(1, min(BLOCK_ROW_RING_ROWS, BLOCK_ROW_RING_PACKS // held))
-
-        def load_row(into: str, base: str) -> list[str]:
-            return [
-                "#pragma unroll",
-                f"for (int u = 0; u < {held}; ++u) {{",
-                "    const int pk = threadIdx.x + u * blockDim.x;",
-                f"    {into}[u] = ml::load_pack<{x.ctype}, {width}>(in0 + {base} + min(pk, {packs - 1}) * {width});"
-                "  // past the row's end: its last pack again, never read (defined without a branch)",
-                "}",
-            ]
-
-        lines = [
+        pack = f"ml::Pack<{x.ctype}, {width}>"
+        head = [
             f"const int nrows = ml::box_count<{nd}>(rowt);",
             "auto row_at = [&](int e, ml::i64& xb, ml::i64& ob) {",
             f"    int o[{nd + 1}];",
@@ -397,15 +429,27 @@ def _row_program(
             f"    xb = {index_expr(x.strides, others)};",
             f"    ob = {index_expr(out.strides, others)};",
             "};",
-            f"// {ring} row(s) in registers: while row e is reduced and stored, rows e + 1 .. e + {ring - 1} are in "
-            "flight",
-            f"ml::Pack<{x.ctype}, {width}> ring[{ring}][{held}];",
+            "int rk = 0;  // block reductions so far: which half of red the next one uses (one barrier each)",
+        ]
+        lines = [
+            f"// a ring of {ring} row slots in shared memory, row e in slot e % {ring}; each thread copies and",
+            "// reads back only its own packs (pk = threadIdx.x + u * blockDim.x), so no barrier guards a slot",
+            "extern __shared__ float4 ml_smem4[];",
+            f"{pack}* slots = reinterpret_cast<{pack}*>(ml_smem4);",
+            "auto fetch = [&](int e, int slot) {  // one commit group a row, empty past the last row (the count",
+            "    if (e < nrows) {                 // of groups in flight stays in step with the rows)",
+            "        ml::i64 xb, ob;",
+            "        row_at(e, xb, ob);",
             "#pragma unroll",
-            f"for (int d = 0; d < {ring}; ++d) {{  // past the last row: the last row again (defined, never read)",
-            "    ml::i64 xb, ob;",
-            "    row_at(min(d, nrows - 1), xb, ob);",
-            *["    " + line for line in load_row("ring[d]", "xb")],
-            "}",
+            f"        for (int u = 0; u < {held}; ++u) {{",
+            "            const int pk = threadIdx.x + u * blockDim.x;",
+            f"            if (pk < {packs}) ml::cp_async16(slots + slot * {packs} + pk, in0 + xb + pk * {width}, true);",
+            "        }",
+            "    }",
+            "    ml::cp_async_commit();",
+            "};",
+            "#pragma unroll",
+            f"for (int d = 0; d < {ring}; ++d) fetch(d, d);",
             f"for (int e0 = 0; e0 < nrows; e0 += {ring}) {{",
             "#pragma unroll",
             f"for (int d = 0; d < {ring}; ++d) {{",
@@ -413,18 +457,20 @@ def _row_program(
             "    if (e >= nrows) break;",
             "    ml::i64 xb, ob;",
             "    row_at(e, xb, ob);",
-            f"    ml::Pack<{x.ctype}, {width}>(&px)[{held}] = ring[d];  // row e",
-        ]
-        footer = [
-            f"    if (e + {ring} < nrows) {{  // row e + {ring} into row e's registers",
-            "        ml::i64 nxb, nob;",
-            f"        row_at(e + {ring}, nxb, nob);",
-            *["        " + line for line in load_row("px", "nxb")],
+            f"    ml::cp_async_wait<{ring - 1}>();  // this thread's packs of row e have landed",
+            f"    {pack} px[{held}];  // row e",
+            "#pragma unroll",
+            f"    for (int u = 0; u < {held}; ++u) {{",
+            "        const int pk = threadIdx.x + u * blockDim.x;",
+            f"        px[u] = pk < {packs} ? slots[d * {packs} + pk] : {pack}{{}};",
             "    }",
-            "}",
-            "}",
         ]
+        refill = [
+            f"    fetch(e + {ring}, d);  // row e + {ring} into row e's slot: this thread's packs of row e are in px, used",
+        ]
+        footer = ["}", "}"]
     else:
+        head, refill = [], []
         lines = [
             f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
             f"    const ml::i64 xb = {index_expr(x.strides, others)};",
@@ -444,7 +490,7 @@ def _row_program(
         ]
 
     def reduce(kind: str, value: str) -> str:
-        return f"ml::block_{kind}({value}, red)" if held else f"ml::warp_{kind}({value})"
+        return f"ml::block_{kind}_alt({value}, red, rk++)" if held else f"ml::warp_{kind}({value})"
 
     def each(statement: str, need_v: bool = True) -> list[str]:
         """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
@@ -495,24 +541,48 @@ def _row_program(
             "    }",
         ]
 
-    if op in ("softmax", "log_softmax"):
+    hoisted: list[str] = []  # loaded once per task, before the rows (block-per-row path)
+    if op in ("softmax", "log_softmax") and held:
+        # one barrier a row: each warp takes its exponentials relative to its own max and sums them,
+        # the warps' (max, sum) pairs are combined once (two block reductions in turn, each behind a
+        # barrier, left the row's processing longer than its transfer). A NaN needs no max of its own:
+        # it reaches every output through the sum, as in torch.
+        lines.append("    float m = ml::neg_inf();")
+        lines += each("m = fmaxf(m, v);")
+        lines += refill
+        lines.append("    m = ml::warp_max(m);")
+        lines.append("    const float mt = m == ml::neg_inf() ? 0.0f : m;  // a warp of -inf only: exps of 0")
+        lines.append("    float s = 0.0f;")
+        keep = op == "softmax" and held * width <= SOFTMAX_KEPT_EXPS
+        if keep:
+            lines.append(f"    float ex[{held}][{width}];  // expf(v - mt) of each element this thread holds")
+            lines += each("const float e_ = expf(v - mt); ex[u][q] = e_; s += e_;")
+        else:
+            lines += each("s += expf(v - mt);")
+        lines += [
+            "    s = ml::warp_sum(s);",
+            "    float mx = m, sx = s;",
+            "    ml::warps_max_sumexp(mx, sx, red, rk++);  // the row's max, and its sum of exp(x - max)",
+        ]
+        if op == "softmax":
+            # the warp's exps are relative to mt: rescaled to the row's max with the sum's reciprocal;
+            # nothing to rescale where they are all 0, unless the whole row is -inf (NaN, as torch)
+            lines.append("    const float c = (s == 0.0f && mx != ml::neg_inf()) ? 0.0f : expf(m - mx) / sx;")
+            lines += store_each(("ex[u][q]" if keep else "expf(v - mt)") + " * c")
+        else:
+            lines += store_each("(v - mx) - logf(sx)")
+    elif op in ("softmax", "log_softmax"):
         lines.append("    float m = ml::neg_inf();")
         lines += each("m = (v > m || v != v) ? v : m;")
         lines += [f"    m = {reduce('max', 'm')};", "    float s = 0.0f;"]
         # softmax on the block-per-row path keeps each exponential for the store pass (registers: at
         # most SOFTMAX_KEPT_EXPS a thread) instead of computing it twice; same values
-        keep = op == "softmax" and held and held * width <= SOFTMAX_KEPT_EXPS
-        if keep:
-            lines.append(f"    float ex[{held}][{width}];  // expf(v - m) of each element this thread holds")
-            lines += each("const float e_ = expf(v - m); ex[u][q] = e_; s += e_;")
-        else:
-            lines += each("s += expf(v - m);")
+        lines += each("s += expf(v - m);")
         # one division a row, a multiplication an element: at 8 warps an SM, a division per element
         # (an instruction sequence) made these rows issue-bound (softmax 0.21 of copy bandwidth)
         lines.append(f"    s = {reduce('sum', 's')};")
         lines.append("    const float inv_s = 1.0f / s;")
-        value = ("ex[u][q]" if keep else "expf(v - m)") + " * inv_s" if op == "softmax" else "(v - m) - logf(s)"
-        lines += store_each(value)
+        lines += store_each("expf(v - m) * inv_s" if op == "softmax" else "(v - m) - logf(s)")
     else:
         absent = attrs.get("absent", ())
         names = ("weight", "bias") if op == "layernorm" else ("weight",)
@@ -522,6 +592,7 @@ def _row_program(
         if op == "layernorm":
             lines.append("    float s = 0.0f;")
             lines += each("s += v;")
+            lines += refill
             lines += [f"    const float mean = {reduce('sum', 's')} / (float){n};", "    float q2 = 0.0f;"]
             lines += each("const float d = v - mean; q2 += d * d;")
             lines.append(f"    const float inv = 1.0f / sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
@@ -529,20 +600,38 @@ def _row_program(
         else:
             lines.append("    float q2 = 0.0f;")
             lines += each("q2 += v * v;")
+            lines += refill
             lines.append(f"    const float inv = 1.0f / sqrtf({reduce('sum', 'q2')} / (float){n} + {eps});")
             y = "v * inv"
-        per_pack = []
+
+        per_pack: list[str] = []
+        # the weight's and bias's packs stay in registers for the whole task where they fit beside the
+        # row's (at most BLOCK_ROW_MAX_PACKS_PER_THREAD packs a thread in all: more spilled)
+        keep_params = held * (1 + len(present)) <= BLOCK_ROW_MAX_PACKS_PER_THREAD
 
         def param(name: str) -> str:
-            """The weight's or bias's element j: from a pack loaded once per pack of x on the block-per-row
-            path (one 16-byte load, not one per element), else a load of its own."""
+            """The weight's or bias's element j: on the block-per-row path from packs each thread loads
+            once per task (its columns are the same in every row; a load per row put an L2 round trip
+            between each row's reduction and its stores) or, where they do not fit, once per pack of
+            the row (one 16-byte load, not one per element), else a load of its own."""
             k = wk[name]
-            if held:
+            if held and not keep_params:
                 per_pack.append(
                     f"const ml::Pack<{ins[k].ctype}, {width}> pw{k} = ml::load_pack<{ins[k].ctype}, {width}>"
                     f"(in{k} + pk * {width});"
                 )
                 return f"ml::get(pw{k}, q)"
+            if held:
+                hoisted.extend(
+                    [
+                        f"ml::Pack<{ins[k].ctype}, {width}> pw{k}[{held}];  // {name}: this thread's packs",
+                        "#pragma unroll",
+                        f"for (int u = 0; u < {held}; ++u)",
+                        f"    pw{k}[u] = ml::load_pack<{ins[k].ctype}, {width}>(in{k} + min((int)threadIdx.x + u * "
+                        f"(int)blockDim.x, {n // width - 1}) * {width});",
+                    ]
+                )
+                return f"ml::get(pw{k}[u], q)"
             return f"ml::load(in{k} + (ml::i64)j * {ins[k].strides[0]})"
 
         if "weight" in wk:
@@ -550,7 +639,7 @@ def _row_program(
         if "bias" in wk:
             y = f"({y}) + {param('bias')}"
         lines += store_each(y, tuple(per_pack))
-    return lines + footer
+    return head + hoisted + lines + footer
 
 
 def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:

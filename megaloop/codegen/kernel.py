@@ -30,6 +30,7 @@ from megaloop.codegen.emit import (
     reduction,
     rope,
     rows,
+    rows_shared_bytes,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
@@ -70,7 +71,7 @@ class LoopProgram:
     operand_offsets: np.ndarray  # int64, (ops, MAX_OPERANDS)
     counters: int
     threads: int
-    shared_bytes: int  # dynamic shared memory per block (split-key attention, tensor-core operand stages)
+    shared_bytes: int  # dynamic shared memory per block (split-key attention, tensor-core operand stages, row rings)
     processors: int
     op_names: list[str]
     signatures: list[str]  # one comment line per signature
@@ -158,6 +159,9 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         attrs = op.attrs
         if op.op in ("attention", "attention_partial"):
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
+        if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
+            attrs = {**attrs, "codegen": {"shared_memory": plan.shared_memory}}
+            shared = max(shared, rows_shared_bytes(attrs, ins, outs[0], plan.shared_memory))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}

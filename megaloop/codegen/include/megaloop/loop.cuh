@@ -350,7 +350,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // Across the whole block (every thread must call it, with the same `red`: 32 floats of shared memory).
 // The warps' results are added in warp order on every thread, so all threads get the same bits; the
 // block is synchronised before `red` is written, so back-to-back calls may share it.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+__device__ __forceinline__ float block_sum(float v, float* red) {  // (block_sum_alt below: one barrier)
     v = warp_sum(v);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
@@ -367,6 +367,41 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     float m = red[0];
     for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
     return m;
+}
+// One-barrier block reductions for loops of back-to-back reductions (the block-per-row path): call k
+// uses half (k & 1) of `red` (64 floats; 128 for warps_max_sumexp), so it never overwrites a half a
+// slower thread may still be reading from call k - 1; call k - 2's readers have all passed call k - 1's
+// barrier. Same bits on every thread (warps combined in warp order).
+__device__ __forceinline__ float block_sum_alt(float v, float* red, int k) {
+    red += 32 * (k & 1);
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
+    return s;
+}
+// s scaled from max m to max mx: s * exp(m - mx), and 0 for an empty part (s == 0: all its elements
+// were -inf), which would otherwise give 0 * exp(-inf + inf) = NaN.
+__device__ __forceinline__ float rescale_sumexp(float s, float m, float mx) {
+    return s == 0.0f ? 0.0f : s * expf(m - mx);
+}
+// Softmax's sum across the warps in one barrier: each warp brings its max m (the same on all its
+// lanes) and s = sum(exp(x - m)) over its elements; every thread gets the row's max and the sum
+// rescaled to it (warps added in warp order: the same bits on every thread). The rescaling factors
+// are independent of each other (no chain of exponentials).
+__device__ __forceinline__ void warps_max_sumexp(float& m, float& s, float* red, int k) {
+    red += 64 * (k & 1);
+    if ((threadIdx.x & 31) == 0) {
+        red[threadIdx.x >> 5] = m;
+        red[32 + (threadIdx.x >> 5)] = s;
+    }
+    __syncthreads();
+    const int warps = (int)(blockDim.x >> 5);
+    m = red[0];
+    for (int w = 1; w < warps; ++w) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
+    s = 0.0f;
+    for (int w = 0; w < warps; ++w) s += rescale_sumexp(red[32 + w], red[w], m);
 }
 __device__ __forceinline__ float warp_min(float v) {
     for (int o = 16; o > 0; o >>= 1) {

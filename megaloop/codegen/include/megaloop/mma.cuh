@@ -14,6 +14,7 @@
 // and every 16-byte cp.async destination and ldmatrix row address is aligned.
 #pragma once
 #include "megaloop/types.cuh"
+#include "megaloop/vec.cuh"  // cp.async
 
 namespace ml {
 
@@ -30,23 +31,6 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, const u32* b, 
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-// 16 bytes global -> shared without passing through registers; zeros when !valid (src not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 constexpr int MMA_BK = 32;  // K slice per stage

@@ -54,4 +54,25 @@ __device__ __forceinline__ float dot(const Pack<T, N>& a, const Pack<T, N>& b) {
     return s;
 }
 
+// ---- cp.async: global -> shared without passing through registers (sm_80 and later) -------------
+// Used by the tensor-core matmul's stages and the block-per-row ring. Unlike a load into registers, a
+// copy in flight is not waited for by __syncthreads (only by cp.async.wait_group), so a block can
+// synchronise for a reduction while the next rows are still arriving.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+// 16 bytes global -> shared without passing through registers; zeros when !valid (src not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 }  // namespace ml
