@@ -421,6 +421,10 @@ def _row_program(
     if held:
         packs = n // width
         pack = f"ml::Pack<{x.ctype}, {width}>"
+        # every thread holds exactly `held` packs (the plan's block size divides the row): no guards, no
+        # placeholder packs (a select per pack and per 16-bit element, on every row); at 16 packs
+        # a thread the guarded form is kept: unguarded, ptxas spilled the layernorm's 64 row registers
+        full = packs == held * attrs.get("codegen", {}).get("threads", 0) and held < BLOCK_ROW_MAX_PACKS_PER_THREAD
         head = [
             f"const int nrows = ml::box_count<{nd}>(rowt);",
             "auto row_at = [&](int e, ml::i64& xb, ml::i64& ob) {",
@@ -443,7 +447,8 @@ def _row_program(
             "#pragma unroll",
             f"        for (int u = 0; u < {held}; ++u) {{",
             "            const int pk = threadIdx.x + u * blockDim.x;",
-            f"            if (pk < {packs}) ml::cp_async16(slots + slot * {packs} + pk, in0 + xb + pk * {width}, true);",
+            f"            {'' if full else f'if (pk < {packs}) '}ml::cp_async16(slots + slot * {packs} + pk, in0 + xb + pk * "
+            f"{width}, true);",
             "        }",
             "    }",
             "    ml::cp_async_commit();",
@@ -462,7 +467,9 @@ def _row_program(
             "#pragma unroll",
             f"    for (int u = 0; u < {held}; ++u) {{",
             "        const int pk = threadIdx.x + u * blockDim.x;",
-            f"        px[u] = pk < {packs} ? slots[d * {packs} + pk] : {pack}{{}};",
+            f"        px[u] = slots[d * {packs} + pk];"
+            if full
+            else f"        px[u] = pk < {packs} ? slots[d * {packs} + pk] : {pack}{{}};",
             "    }",
         ]
         refill = [
@@ -470,7 +477,7 @@ def _row_program(
         ]
         footer = ["}", "}"]
     else:
-        head, refill = [], []
+        head, refill, full = [], [], False
         lines = [
             f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
             f"    const ml::i64 xb = {index_expr(x.strides, others)};",
@@ -484,7 +491,7 @@ def _row_program(
             "#pragma unroll",
             f"    for (int u = 0; u < {held}; ++u) {{",
             "        const int pk = threadIdx.x + u * blockDim.x;",
-            f"        if (pk >= {n // width}) break;",
+            *([] if full else [f"        if (pk >= {n // width}) break;"]),
             *[("" if line.startswith("#") else "        ") + line for line in body],
             "    }",
         ]
@@ -550,15 +557,22 @@ def _row_program(
         lines.append("    float m = ml::neg_inf();")
         lines += each("m = fmaxf(m, v);")
         lines += refill
-        lines.append("    m = ml::warp_max(m);")
+        lines.append("    m = ml::warp_fmax(m);")
         lines.append("    const float mt = m == ml::neg_inf() ? 0.0f : m;  // a warp of -inf only: exps of 0")
         lines.append("    float s = 0.0f;")
+        if out.dtype.itemsize == 2:
+            # results rounded to 8 or 11 bits: 2^(v log2 e - mt log2 e) to ~2 float32 ulps in two
+            # instructions (expf's range reduction made these rows issue-bound: 0.40 of copy bandwidth)
+            lines.append("    const float mtl = mt * 1.4426950408889634f;")
+            exp = "ml::exp2_approx(fmaf(v, 1.4426950408889634f, -mtl))"
+        else:
+            exp = "expf(v - mt)"
         keep = op == "softmax" and held * width <= SOFTMAX_KEPT_EXPS
         if keep:
-            lines.append(f"    float ex[{held}][{width}];  // expf(v - mt) of each element this thread holds")
-            lines += each("const float e_ = expf(v - mt); ex[u][q] = e_; s += e_;")
+            lines.append(f"    float ex[{held}][{width}];  // exp(v - mt) of each element this thread holds")
+            lines += each(f"const float e_ = {exp}; ex[u][q] = e_; s += e_;")
         else:
-            lines += each("s += expf(v - mt);")
+            lines += each(f"s += {exp};")
         lines += [
             "    s = ml::warp_sum(s);",
             "    float mx = m, sx = s;",
@@ -568,7 +582,7 @@ def _row_program(
             # the warp's exps are relative to mt: rescaled to the row's max with the sum's reciprocal;
             # nothing to rescale where they are all 0, unless the whole row is -inf (NaN, as torch)
             lines.append("    const float c = (s == 0.0f && mx != ml::neg_inf()) ? 0.0f : expf(m - mx) / sx;")
-            lines += store_each(("ex[u][q]" if keep else "expf(v - mt)") + " * c")
+            lines += store_each(("ex[u][q]" if keep else exp) + " * c")
         else:
             lines += store_each("(v - mx) - logf(sx)")
     elif op in ("softmax", "log_softmax"):

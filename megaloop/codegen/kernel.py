@@ -160,7 +160,7 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         if op.op in ("attention", "attention_partial"):
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
-            attrs = {**attrs, "codegen": {"shared_memory": plan.shared_memory}}
+            attrs = {**attrs, "codegen": {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps}}
             shared = max(shared, rows_shared_bytes(attrs, ins, outs[0], plan.shared_memory))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}

@@ -387,9 +387,21 @@ __device__ __forceinline__ float rescale_sumexp(float s, float m, float mx) {
     return s == 0.0f ? 0.0f : s * expf(m - mx);
 }
 // Softmax's sum across the warps in one barrier: each warp brings its max m (the same on all its
-// lanes) and s = sum(exp(x - m)) over its elements; every thread gets the row's max and the sum
+// lanes; not NaN) and s = sum(exp(x - m)) over its elements; every thread gets the row's max and the sum
 // rescaled to it (warps added in warp order: the same bits on every thread). The rescaling factors
 // are independent of each other (no chain of exponentials).
+// 2^x to about 2 ulps (ex2.approx, subnormal results flushed to 0): for exponentials whose result is
+// rounded to a 16-bit float anyway; expf's exact range reduction is ~8 instructions where this is 1.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// The largest of the warp's values, none of which is NaN (fmaxf-based maxima: softmax's).
+__device__ __forceinline__ float warp_fmax(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
 __device__ __forceinline__ void warps_max_sumexp(float& m, float& s, float* red, int k) {
     red += 64 * (k & 1);
     if ((threadIdx.x & 31) == 0) {
@@ -399,7 +411,7 @@ __device__ __forceinline__ void warps_max_sumexp(float& m, float& s, float* red,
     __syncthreads();
     const int warps = (int)(blockDim.x >> 5);
     m = red[0];
-    for (int w = 1; w < warps; ++w) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
+    for (int w = 1; w < warps; ++w) m = fmaxf(m, red[w]);  // never NaN (warp_fmax): a NaN is in s
     s = 0.0f;
     for (int w = 0; w < warps; ++w) s += rescale_sumexp(red[32 + w], red[w], m);
 }
