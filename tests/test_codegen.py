@@ -239,8 +239,8 @@ LONG_ROW_CASES = {
     "rms": ("rmsnorm", "bfloat16", (301, 2056)),
     "soft": ("softmax", "float16", (77, 4104)),
     "logsoft": ("log_softmax", "bfloat16", (45, 3000)),
-    "ln": ("layernorm", "float32", (33, 8188)),  # 32 KB rows: 3 in the ring
-    "ln_big": ("layernorm", "bfloat16", (9, 32768)),  # 16 packs a thread, 64 KB rows: 2 in the ring
+    "ln": ("layernorm", "float32", (33, 8188)),  # 32 KB rows: at most 3 in the ring
+    "ln_big": ("layernorm", "bfloat16", (9, 32768)),  # 16 packs a thread, 64 KB rows: at most 2 in the ring
 }
 
 
@@ -269,12 +269,17 @@ def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
     src = generate(make_plan(long_rows_graph(), processors=2)).source
     assert src.count("a block per row") == len(LONG_ROW_CASES)
     rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", src)]
-    assert rings == [8, 8, 8, 3, 2]  # rows in flight while one is reduced: 8 at most, 96 KB or two rows
-    rtx = generate(make_plan(long_rows_graph(), processors=2, arch="sm_86")).source
+    assert rings == [8, 4, 2, 2, 1]  # slots: at most 8, 96 KB or two rows, and no more than a task has rows
+    wide = {"layernorm": {"elements": 1 << 17}}  # layernorm tasks of 4 rows: the ring's limits by row size
+    big = generate(make_plan(long_rows_graph(), processors=2, tiles=wide)).source
+    rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", big)]
+    assert rings == [8, 4, 2, 3, 2]  # 32 KB rows: 3 in 96 KB; 64 KB rows: 2
+    rtx = generate(make_plan(long_rows_graph(), processors=2, arch="sm_86", tiles=wide)).source
     rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", rtx)]
-    assert rings == [8, 8, 8, 2, 1]  # 99 KB of shared memory: one 64 KB row at a time
+    assert rings == [8, 4, 2, 2, 1]  # 99 KB of shared memory: one 64 KB row at a time
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
+    assert compile_cubin(big, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
     assert compile_cubin(rtx, "sm_86", use_cache=False)[:4] == b"\x7fELF"
 
 

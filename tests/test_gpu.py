@@ -363,11 +363,12 @@ def test_block_row_softmax_edge_values_match_torch() -> None:
         assert_close(got[name], want.numpy(), ml.float32, ml.REGISTRY[op].accuracy, n, name)
 
 
-@pytest.mark.parametrize("processors", [2, 132])
-def test_long_rows_many_to_a_task_match_torch(processors: int) -> None:
+@pytest.mark.parametrize("processors, wide", [(2, False), (132, False), (2, True)])
+def test_long_rows_many_to_a_task_match_torch(processors: int, wide: bool) -> None:
     """Block-per-row normalisations with several rows per task: up to 8 rows in a ring in shared
-    memory (the next rows arriving while one is reduced and stored), two at 16 packs a thread
-    (tests.test_codegen.long_rows_graph says which cases)."""
+    memory (the next rows arriving while one is reduced and stored); ``wide`` gives the layernorms
+    tasks of several rows, so that 32 KB and 64 KB rows fill rings of 3 and 2 slots
+    (tests.test_codegen.test_long_rows_take_the_block_per_row_path_and_compile says which rings)."""
     from tests.test_codegen import LONG_ROW_CASES, long_rows_graph
 
     g = long_rows_graph()
@@ -376,7 +377,7 @@ def test_long_rows_many_to_a_task_match_torch(processors: int) -> None:
         n: ml.dtypes.round_to(rng.standard_normal(t.shape) + (1.0 if n.endswith("_w") else 0.0), t.dtype)
         for n, t in g.inputs.items()
     }
-    plan = make_plan(g, processors=processors)
+    plan = make_plan(g, processors=processors, tiles={"layernorm": {"elements": 1 << 17}} if wide else None)
     assert "a block per row" in generate(plan).source
     with loop_kernel(plan) as k:
         got = k.run(feeds)

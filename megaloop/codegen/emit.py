@@ -101,7 +101,9 @@ def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], o
     value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
     names = "abc"
     body = pointers(ins + [out], len(ins))
-    fast = _elementwise_fast(expr, ins, out, scalars, tensor_slots, slots, compare, value_dtype)
+    fast = _elementwise_fast(
+        expr, ins, out, scalars, tensor_slots, slots, compare, value_dtype, attrs.get("codegen", {})
+    )
     body += fast
     body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
     for s in range(slots):
@@ -131,8 +133,10 @@ def _elementwise_fast(
     slots: int,
     compare: bool,
     value_dtype: DType,
+    hints: dict[str, int],
 ) -> list[str]:
-    """The packed path, or nothing when the layout rules it out at compile time."""
+    """The packed path, or nothing when the layout rules it out at compile time. ``hints``: the op's
+    largest tile (``elements``) and the block's ``threads``, where the generator knows them."""
     nd = len(out.shape)
     if nd == 0 or out.strides[-1] != 1:
         return []
@@ -152,6 +156,11 @@ def _elementwise_fast(
     # packs in flight per thread: 8 of each operand for up to two vector operands (4 reached 0.76 of copy
     # bandwidth on an H200 at one 256-thread block per SM), 4 with more (registers)
     unroll = 8 if kinds.count("vec") <= 2 else 4
+    if hints.get("elements") and hints.get("threads"):
+        # no more packs a thread than the largest tile has: a decode-sized op (one tile of a few thousand
+        # elements) ran 8 unrolled copies of its body, most of them on clamped duplicates, and its code
+        # (up to 46 KB for a silu) is fetched into the instruction cache afresh every iteration
+        unroll = max(1, min(unroll, -(-hints["elements"] // (width * hints["threads"]))))
     declare, loads = [], []
     for k, (o, kd) in enumerate(zip(ins, kinds)):
         offset = index_expr(o.strides, broadcast_dims(nd, o))
@@ -351,11 +360,15 @@ def row_ring(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_mem
     layout = _block_row_layout(attrs, ins, out)
     if layout is None:
         return 0
-    _, packs, per_thread = layout
+    width, packs, per_thread = layout
     if packs < BLOCK_ROW_PACKS or per_thread > BLOCK_ROW_MAX_PACKS_PER_THREAD:
         return 0
     row = packs * 16
-    return min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, shared_memory * 3 // 4 // row)
+    ring = min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, shared_memory * 3 // 4 // row)
+    # no more slots than the op's largest tile has rows (decode: one row, one slot; the ring's loop is
+    # unrolled once per slot, and that code is fetched afresh every iteration)
+    elements = attrs.get("codegen", {}).get("elements")
+    return max(1, min(ring, -(-elements // (packs * width)))) if elements and ring else ring
 
 
 def rows_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:

@@ -127,7 +127,10 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
     shared = 0
     exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
     extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows, cols)
+    largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
     for t in rp.tasks:
+        if t.writes:
+            largest[t.op] = max(largest.get(t.op, 0), t.writes[0].box.size)
         if rp.ops[t.op].op == "matmul" and t.writes:
             box = t.writes[0].box
             rows, cols = extent.get(t.op, (0, 0))
@@ -159,8 +162,10 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         attrs = op.attrs
         if op.op in ("attention", "attention_partial"):
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
+        if opdef.cuda.template in ("rows", "elementwise"):  # sized to the op's tiles and the block
+            hints = {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps, "elements": largest.get(op.id, 0)}
+            attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
-            attrs = {**attrs, "codegen": {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps}}
             shared = max(shared, rows_shared_bytes(attrs, ins, outs[0], plan.shared_memory))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
