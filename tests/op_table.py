@@ -701,6 +701,10 @@ _attn_row("sliding-window", _attn_sample(gqa=True, positions=True), positions=Tr
 _attn_row("scale-vdim", _attn_sample(gqa=False, dv=True), scale=0.3)
 _attn_row("split-decode", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3)
 _attn_row("split-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5, kv_splits=4)
+# the combine keeps up to 16 ranges' weights in registers (emit_attention.COMBINE_HELD_SPLITS), more take
+# the loop that recomputes them; a value width that is not whole warps leaves lanes without a value
+_attn_row("split-many", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=20)
+_attn_row("split-vdim", _attn_sample(gqa=False, dv=True), scale=0.3, kv_splits=3)
 
 
 def _partial_sample(rng: np.random.Generator) -> Sample:

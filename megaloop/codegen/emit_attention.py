@@ -64,6 +64,9 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     return body
 
 
+COMBINE_HELD_SPLITS = 16  # key ranges whose m, l and weight attention_combine keeps in registers
+
+
 def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """A warp per (batch, head, query): the largest m over the key ranges, then the weighted sums of
     the outputs (lanes over the value vector) and of l; zeros when no range saw a key."""
@@ -75,27 +78,69 @@ def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     body.append("rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)")
     body.append("ml::for_box_warps<4>(rowt, [&](const int* o, int lane) {")
     body.append(f"    const ml::i64 xb = (ml::i64)o[0] * {xs[0]} + (ml::i64)o[1] * {xs[1]} + (ml::i64)o[2] * {xs[2]};")
-    body.append("    float top = ml::neg_inf();")
-    body.append(
-        f"    for (int s = 0; s < {splits}; ++s) {{ const float m = in0[xb + (ml::i64)s * {xs[3]} + {dv * xs[4]}]; top = m > top ? m : top; }}"
-    )
-    body.append("    const float base = top == ml::neg_inf() ? 0.0f : top;")
-    body.append("    float total = 0.0f;")
-    body.append(
-        f"    for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
-        f"total += in0[sb + {(dv + 1) * xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
-    )
-    body.append(
-        f"    const ml::i64 ob = (ml::i64)o[0] * {out.strides[0]} + (ml::i64)o[1] * {out.strides[1]} + (ml::i64)o[2] * {out.strides[2]};"
-    )
-    body.append(f"    for (int dd = lane; dd < {dv}; dd += 32) {{")
-    body.append("        float acc = 0.0f;")
-    body.append(
-        f"        for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
-        f"acc += in0[sb + (ml::i64)dd * {xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
-    )
-    body.append(f"        ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, total > 0.0f ? acc / total : 0.0f);")
-    body.append("    }")
+    if splits <= COMBINE_HELD_SPLITS:
+        # every load before any store (out0 may alias in0 as far as the compiler knows, so a store between
+        # them kept the next loads from starting: ~6 dependent L2 round trips a warp), each range's weight
+        # computed once; the same operations in the same order as the reference loop, so the same bits
+        chunks = -(-dv // 32)
+        body.append(f"    float ms[{splits}], ls[{splits}], w[{splits}];  // each range's m, l and weight")
+        body.append("#pragma unroll")
+        body.append(
+            f"    for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
+            f"ms[s] = in0[sb + {dv * xs[4]}]; ls[s] = in0[sb + {(dv + 1) * xs[4]}]; }}"
+        )
+        body.append("    float top = ml::neg_inf();")
+        body.append("#pragma unroll")
+        body.append(f"    for (int s = 0; s < {splits}; ++s) top = ms[s] > top ? ms[s] : top;")
+        body.append("    const float base = top == ml::neg_inf() ? 0.0f : top;")
+        body.append("    float total = 0.0f;")
+        body.append("#pragma unroll")
+        body.append(f"    for (int s = 0; s < {splits}; ++s) {{ w[s] = expf(ms[s] - base); total += ls[s] * w[s]; }}")
+        body.append(
+            f"    const ml::i64 ob = (ml::i64)o[0] * {out.strides[0]} + (ml::i64)o[1] * {out.strides[1]} + (ml::i64)o[2] * {out.strides[2]};"
+        )
+        body.append(f"    float acc[{chunks}];  // the lane's values dd = lane + 32 j")
+        body.append("#pragma unroll")
+        body.append(f"    for (int j = 0; j < {chunks}; ++j) {{")
+        body.append("        const int dd = lane + 32 * j;")
+        body.append("        acc[j] = 0.0f;")
+        body.append(f"        if (dd >= {dv}) continue;")
+        body.append("#pragma unroll")
+        body.append(
+            f"        for (int s = 0; s < {splits}; ++s) acc[j] += in0[xb + (ml::i64)s * {xs[3]} + (ml::i64)dd * {xs[4]}] * w[s];"
+        )
+        body.append("    }")
+        body.append("#pragma unroll")
+        body.append(f"    for (int j = 0; j < {chunks}; ++j) {{")
+        body.append("        const int dd = lane + 32 * j;")
+        body.append(
+            f"        if (dd < {dv}) ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, total > 0.0f ? acc[j] / total : 0.0f);"
+        )
+        body.append("    }")
+    else:  # too many ranges to keep in registers: each weight recomputed where it is used
+        body.append("    float top = ml::neg_inf();")
+        body.append(
+            f"    for (int s = 0; s < {splits}; ++s) {{ const float m = in0[xb + (ml::i64)s * {xs[3]} + {dv * xs[4]}]; top = m > top ? m : top; }}"
+        )
+        body.append("    const float base = top == ml::neg_inf() ? 0.0f : top;")
+        body.append("    float total = 0.0f;")
+        body.append(
+            f"    for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
+            f"total += in0[sb + {(dv + 1) * xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
+        )
+        body.append(
+            f"    const ml::i64 ob = (ml::i64)o[0] * {out.strides[0]} + (ml::i64)o[1] * {out.strides[1]} + (ml::i64)o[2] * {out.strides[2]};"
+        )
+        body.append(f"    for (int dd = lane; dd < {dv}; dd += 32) {{")
+        body.append("        float acc = 0.0f;")
+        body.append(
+            f"        for (int s = 0; s < {splits}; ++s) {{ const ml::i64 sb = xb + (ml::i64)s * {xs[3]}; "
+            f"acc += in0[sb + (ml::i64)dd * {xs[4]}] * expf(in0[sb + {dv * xs[4]}] - base); }}"
+        )
+        body.append(
+            f"        ml::store(out0 + ob + (ml::i64)dd * {out.strides[3]}, total > 0.0f ? acc / total : 0.0f);"
+        )
+        body.append("    }")
     body.append("});")
     return body
 
