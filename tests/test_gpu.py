@@ -334,17 +334,21 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     assert_close(got["yb"], want, dt, ml.REGISTRY["matmul"].accuracy, 264, f"yb [{dtype}]")
 
 
-def test_block_row_softmax_edge_values_match_torch() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_block_row_softmax_edge_values_match_torch(dtype: str) -> None:
     """Softmax and log_softmax on the block-per-row path (each warp's exponentials relative to its own
-    max, combined across warps) with -inf, +inf and NaN in the rows: NaN exactly where torch has it,
-    a row of -inf only is NaN, -inf entries give 0 (softmax) and -inf (log_softmax)."""
+    max, combined across warps; ex2.approx for 16-bit outputs) with -inf, +inf, NaN and the dtype's
+    most negative finite value (padding masks) in the rows: NaN exactly where torch has it, a row of
+    -inf only is NaN, -inf entries give 0 (softmax) and -inf (log_softmax)."""
     n = 4096
+    dt = ml.as_dtype(dtype)
+    lowest = float(torch.finfo(getattr(torch, dtype)).min)
     g = ml.Graph("softmax-edges")
-    x = g.input("x", (8, n), ml.float32)
+    x = g.input("x", (11, n), dt)
     g.output("soft", ml.softmax(x, -1))
     g.output("logsoft", ml.log_softmax(x, -1))
     rng = np.random.default_rng(7)
-    v = rng.standard_normal((8, n)).astype(np.float32) * 4
+    v = rng.standard_normal((11, n)).astype(np.float32) * 4
     v[1, ::2] = -np.inf  # half the row
     v[2, :] = -np.inf  # all of it: NaN, as torch
     v[3, 100] = np.nan
@@ -353,14 +357,18 @@ def test_block_row_softmax_edge_values_match_torch() -> None:
     v[5, 7] = np.inf
     v[6, : n // 2] = -np.inf  # whole warps of -inf
     v[7, :] = 80.0 + rng.standard_normal(n).astype(np.float32)  # large values: relative to the max
+    v[8, 1000:] = lowest  # a padding mask: whole warps at the most negative finite value
+    v[9, :] = lowest  # all masked: 1/n each, as torch
+    v[10, 1000:] = -1e20 if dtype != "float16" else lowest
+    v = ml.dtypes.round_to(v, dt)
     plan = make_plan(g, processors=3)
     assert "a block per row" in generate(plan).source
     with loop_kernel(plan) as k:
         got = k.run({"x": v})
-    t = torch.from_numpy(v).double()
+    t = to_torch64(v)
     for name, want in (("soft", torch.softmax(t, -1)), ("logsoft", torch.log_softmax(t, -1))):
         op = "softmax" if name == "soft" else "log_softmax"
-        assert_close(got[name], want.numpy(), ml.float32, ml.REGISTRY[op].accuracy, n, name)
+        assert_close(got[name], want.numpy(), dt, ml.REGISTRY[op].accuracy, n, f"{name} [{dtype}]")
 
 
 @pytest.mark.parametrize("processors, wide", [(2, False), (132, False), (2, True)])

@@ -358,8 +358,8 @@ def _block_row_layout(attrs: dict[str, Any], ins: list[Operand], out: Operand) -
 def row_ring(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:
     """Rows in the block-per-row path's shared-memory ring, 0 when the op does not take that path."""
     layout = _block_row_layout(attrs, ins, out)
-    if layout is None:
-        return 0
+    if layout is None or attrs.get("codegen", {}).get("threads", BLOCK_ROW_MIN_THREADS) < BLOCK_ROW_MIN_THREADS:
+        return 0  # (a block of fewer threads never takes the block path: no ring to reserve)
     width, packs, per_thread = layout
     if packs < BLOCK_ROW_PACKS or per_thread > BLOCK_ROW_MAX_PACKS_PER_THREAD:
         return 0
@@ -574,10 +574,11 @@ def _row_program(
         lines.append("    const float mt = m == ml::neg_inf() ? 0.0f : m;  // a warp of -inf only: exps of 0")
         lines.append("    float s = 0.0f;")
         if out.dtype.itemsize == 2:
-            # results rounded to 8 or 11 bits: 2^(v log2 e - mt log2 e) to ~2 float32 ulps in two
-            # instructions (expf's range reduction made these rows issue-bound: 0.40 of copy bandwidth)
-            lines.append("    const float mtl = mt * 1.4426950408889634f;")
-            exp = "ml::exp2_approx(fmaf(v, 1.4426950408889634f, -mtl))"
+            # results rounded to 8 or 11 bits: 2^((v - mt) log2 e) to ~2 float32 ulps in three
+            # instructions (expf's range reduction made these rows issue-bound: 0.40 of copy bandwidth).
+            # Not fmaf(v, log2 e, -mt log2 e): mt log2 e overflows for a bf16 row masked with
+            # finfo(bf16).min (every exp inf, the row NaN) and is inexact for huge |mt|
+            exp = "ml::exp2_approx((v - mt) * 1.4426950408889634f)"
         else:
             exp = "expf(v - mt)"
         keep = op == "softmax" and held * width <= SOFTMAX_KEPT_EXPS
