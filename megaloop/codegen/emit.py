@@ -355,31 +355,34 @@ def _block_row_layout(attrs: dict[str, Any], ins: list[Operand], out: Operand) -
     return width, packs, -(-packs // BLOCK_ROW_MIN_THREADS)
 
 
-def row_ring(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:
-    """Rows in the block-per-row path's shared-memory ring, 0 when the op does not take that path."""
+def row_ring(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
+    """Rows in the block-per-row path's shared-memory ring, 0 when the op does not take that path
+    (``attrs["codegen"]``: the plan's ``shared_memory`` per block, ``threads``, the largest tile's
+    ``elements``)."""
+    hints = attrs.get("codegen", {})
     layout = _block_row_layout(attrs, ins, out)
-    if layout is None or attrs.get("codegen", {}).get("threads", BLOCK_ROW_MIN_THREADS) < BLOCK_ROW_MIN_THREADS:
+    if layout is None or hints.get("threads", BLOCK_ROW_MIN_THREADS) < BLOCK_ROW_MIN_THREADS:
         return 0  # (a block of fewer threads never takes the block path: no ring to reserve)
     width, packs, per_thread = layout
     if packs < BLOCK_ROW_PACKS or per_thread > BLOCK_ROW_MAX_PACKS_PER_THREAD:
         return 0
     row = packs * 16
-    ring = min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, shared_memory * 3 // 4 // row)
+    ring = min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, hints.get("shared_memory", 0) * 3 // 4 // row)
     # no more slots than the op's largest tile has rows (decode: one row, one slot; the ring's loop is
     # unrolled once per slot, and that code is fetched afresh every iteration)
-    elements = attrs.get("codegen", {}).get("elements")
+    elements = hints.get("elements")
     return max(1, min(ring, -(-elements // (packs * width)))) if elements and ring else ring
 
 
-def rows_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand, shared_memory: int) -> int:
+def rows_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     layout = _block_row_layout(attrs, ins, out)
-    return row_ring(attrs, ins, out, shared_memory) * layout[1] * 16 if layout else 0
+    return row_ring(attrs, ins, out) * layout[1] * 16 if layout else 0
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """softmax / log_softmax along an axis, layernorm / rmsnorm along the last: a warp per row, or
     the whole block per row for long rows, with packed loads when the row is contiguous and aligned.
-    ``attrs["codegen"]["shared_memory"]`` (the plan's, per block) sizes the block path's row ring."""
+    ``attrs["codegen"]`` (see ``row_ring``) sizes the block path's row ring."""
     x = ins[0]
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
@@ -394,13 +397,13 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
             f"ml::aligned({p}, {width * o.dtype.itemsize})"
             for p, o in [(f"in{k}", o) for k, o in enumerate(ins)] + [("out0", out)]
         )
-        ring = row_ring(attrs, ins, out, attrs.get("codegen", {}).get("shared_memory", 0))
+        ring = row_ring(attrs, ins, out)
         if ring:
             body.append(
                 f"if ({checks} && blockDim.x >= {BLOCK_ROW_MIN_THREADS}) {{  // a block per row, {per_thread} "
                 f"pack(s) of {width} per thread, {ring} rows streaming through shared memory"
             )
-            body.append("    __shared__ float red[128];  // the warps' partial results, two halves (ml::block_sum_alt)")
+            body.append("    __shared__ float red[128];  // the warps' partial results, two halves (ml::block_sum)")
             body += ["    " + line for line in _row_program(op, attrs, ins, out, axis, n, width, per_thread, ring)]
             body.append("    return;")
             body.append("}")
@@ -510,7 +513,7 @@ def _row_program(
         ]
 
     def reduce(kind: str, value: str) -> str:
-        return f"ml::block_{kind}_alt({value}, red, rk++)" if held else f"ml::warp_{kind}({value})"
+        return f"ml::block_{kind}({value}, red, rk++)" if held else f"ml::warp_{kind}({value})"
 
     def each(statement: str, need_v: bool = True) -> list[str]:
         """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
@@ -581,6 +584,8 @@ def _row_program(
             exp = "ml::exp2_approx((v - mt) * 1.4426950408889634f)"
         else:
             exp = "expf(v - mt)"
+        # softmax keeps each exponential for the store pass (registers: at most SOFTMAX_KEPT_EXPS a
+        # thread) instead of computing it twice; same values
         keep = op == "softmax" and held * width <= SOFTMAX_KEPT_EXPS
         if keep:
             lines.append(f"    float ex[{held}][{width}];  // exp(v - mt) of each element this thread holds")
@@ -603,8 +608,6 @@ def _row_program(
         lines.append("    float m = ml::neg_inf();")
         lines += each("m = (v > m || v != v) ? v : m;")
         lines += [f"    m = {reduce('max', 'm')};", "    float s = 0.0f;"]
-        # softmax on the block-per-row path keeps each exponential for the store pass (registers: at
-        # most SOFTMAX_KEPT_EXPS a thread) instead of computing it twice; same values
         lines += each("s += expf(v - m);")
         # one division a row, a multiplication an element: at 8 warps an SM, a division per element
         # (an instruction sequence) made these rows issue-bound (softmax 0.21 of copy bandwidth)

@@ -30,7 +30,7 @@ from megaloop.codegen import LoopProgram, generate
 from megaloop.codegen.kernel import MAX_OPERANDS
 from megaloop.errors import DataError, EvaluationError, MegaloopError
 from megaloop.frontend.values import coerce
-from megaloop.plan.model import Plan
+from megaloop.plan.model import Plan, RankPlan
 from megaloop.runtime.compile import compile_cubin
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
@@ -63,6 +63,12 @@ REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
 
 class LoopKernelError(MegaloopError, RuntimeError):
     """The loop kernel gave up (watchdog) or could not be run."""
+
+
+def memory_sizes(rp: RankPlan) -> tuple[int, int]:
+    """Bytes of a rank's arena and counters (one u64 per counter), as a LoopKernel allocates them and
+    as a peer-memory provider (megaloop/runtime/peers.py) must."""
+    return max(rp.arena_bytes, 8), 8 * max(len(rp.counters), 1)
 
 
 def _check(result: Any) -> Any:
@@ -199,13 +205,14 @@ class LoopKernel:
 
     def _setup_memory(self) -> None:
         d, prog = self._d, self.program
+        arena_bytes, counter_bytes = memory_sizes(self.rp)
         if self._memory is None:
-            self.arena = self._alloc(self.rp.arena_bytes)
-            self.counters = self._alloc(8 * max(prog.counters, 1))
+            self.arena = self._alloc(arena_bytes)
+            self.counters = self._alloc(counter_bytes)
         else:  # valid here: torch and the IPC provider work in this device's primary context, our self._ctx
             self.arena, self.counters = self._memory
-        _check(d.cuMemsetD8(self.arena, 0xFF, max(self.rp.arena_bytes, 8)))  # poison: NaN in every float
-        _check(d.cuMemsetD8(self.counters, 0, 8 * max(prog.counters, 1)))
+        _check(d.cuMemsetD8(self.arena, 0xFF, arena_bytes))  # poison: NaN in every float
+        _check(d.cuMemsetD8(self.counters, 0, counter_bytes))
         self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
         _check(d.cuMemsetD8(self.flags, 0, 24))
         # mapped pinned memory: the doorbell and error report, then each block's finished iterations

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from megaloop.plan.model import Plan, RankPlan
-from megaloop.runtime.loop import LoopKernelError, _check
+from megaloop.runtime.loop import LoopKernelError, _check, memory_sizes
 
 CHOICES = ("auto", "symmetric", "ipc")
 ENV = "MEGALOOP_PEER_MEMORY"
@@ -60,11 +60,6 @@ class PeerMemory(Protocol):
 
     def free(self) -> None:
         """Free this rank's memory (every rank has stopped); also after a failed allocate or exchange."""
-
-
-def memory_sizes(rp: RankPlan) -> tuple[int, int]:
-    """Bytes of a rank's arena and counters, as LoopKernel uses them (one u64 per counter)."""
-    return max(rp.arena_bytes, 8), 8 * max(len(rp.counters), 1)
 
 
 def requested_peer_memory(peer_memory: str | None) -> str:

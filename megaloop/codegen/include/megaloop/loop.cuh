@@ -347,32 +347,12 @@ __device__ __forceinline__ float warp_max(float v) {
     }
     return v;
 }
-// Across the whole block (every thread must call it, with the same `red`: 32 floats of shared memory).
-// The warps' results are added in warp order on every thread, so all threads get the same bits; the
-// block is synchronised before `red` is written, so back-to-back calls may share it.
-__device__ __forceinline__ float block_sum(float v, float* red) {  // (block_sum_alt below: one barrier)
-    v = warp_sum(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
-    return s;
-}
-__device__ __forceinline__ float block_max(float v, float* red) {
-    v = warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float m = red[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
-    return m;
-}
-// One-barrier block reductions for loops of back-to-back reductions (the block-per-row path): call k
-// uses half (k & 1) of `red` (64 floats; 128 for warps_max_sumexp), so it never overwrites a half a
-// slower thread may still be reading from call k - 1; call k - 2's readers have all passed call k - 1's
-// barrier. Same bits on every thread (warps combined in warp order).
-__device__ __forceinline__ float block_sum_alt(float v, float* red, int k) {
+// Block reductions (every thread calls them, with the same `red` in shared memory), one barrier each:
+// call k of a run of back-to-back reductions uses half (k & 1) of `red` (64 floats; 128 for
+// warps_max_sumexp), so it never overwrites a half a slower thread may still be reading from call
+// k - 1; call k - 2's readers have all passed call k - 1's barrier. Same bits on every thread (warps
+// combined in warp order).
+__device__ __forceinline__ float block_sum(float v, float* red, int k) {
     red += 32 * (k & 1);
     v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
