@@ -29,11 +29,10 @@ from megaloop.codegen.emit import (
     kv_update,
     reduction,
     rope,
-    rows,
-    rows_shared_bytes,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
+from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape

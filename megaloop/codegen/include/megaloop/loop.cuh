@@ -347,29 +347,48 @@ __device__ __forceinline__ float warp_max(float v) {
     }
     return v;
 }
-// Block reductions (every thread calls them, with the same `red` in shared memory), one barrier each:
-// call k of a run of back-to-back reductions uses half (k & 1) of `red` (64 floats; 128 for
-// warps_max_sumexp), so it never overwrites a half a slower thread may still be reading from call
-// k - 1; call k - 2's readers have all passed call k - 1's barrier. Same bits on every thread (warps
-// combined in warp order).
-__device__ __forceinline__ float block_sum(float v, float* red, int k) {
-    red += 32 * (k & 1);
+// Row reductions of a group of W warps (the block-per-row path: G groups of W warps, each group on
+// rows of its own; G == 1: the whole block), one barrier each: a named barrier of the group's
+// 32 W threads (id 1 + g), __syncthreads for a single group. Every thread of the group calls them with
+// the same `red` in shared memory (128 floats a group). Call k of a run of back-to-back reductions uses
+// half (k & 1) of the group's `red`, so it never overwrites a half a slower thread may still be reading
+// from call k - 1; call k - 2's readers have all passed call k - 1's barrier. The warps' partials are
+// combined by a butterfly over W lanes (W a power of two): the same bits on every thread of the group
+// (a + b == b + a), log2(W) shuffles instead of W dependent loads and adds.
+template <int W, int G>
+__device__ __forceinline__ void group_barrier(int g) {
+    if constexpr (G == 1) {
+        __syncthreads();
+    } else {
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + g), "n"(32 * W) : "memory");
+    }
+}
+template <int W>
+__device__ __forceinline__ float lanes_sum(float v) {
+    static_assert((W & (W - 1)) == 0 && W <= 32, "a group is a power of two of warps");
+#pragma unroll
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <int W>
+__device__ __forceinline__ float lanes_fmax(float v) {
+#pragma unroll
+    for (int o = W / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+template <int W, int G>
+__device__ __forceinline__ float group_sum(float v, float* red, int k, int g) {
+    red += 128 * g + 32 * (k & 1);
     v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
-    return s;
+    if ((threadIdx.x & 31) == 0) red[(threadIdx.x >> 5) % W] = v;
+    group_barrier<W, G>(g);
+    return lanes_sum<W>(red[threadIdx.x % W]);
 }
 // s scaled from max m to max mx: s * exp(m - mx), and 0 for an empty part (s == 0: all its elements
 // were -inf), which would otherwise give 0 * exp(-inf + inf) = NaN.
 __device__ __forceinline__ float rescale_sumexp(float s, float m, float mx) {
     return s == 0.0f ? 0.0f : s * expf(m - mx);
 }
-// Softmax's sum across the warps in one barrier: each warp brings its max m (the same on all its
-// lanes; not NaN) and s = sum(exp(x - m)) over its elements; every thread gets the row's max and the sum
-// rescaled to it (warps added in warp order: the same bits on every thread). The rescaling factors
-// are independent of each other (no chain of exponentials).
 // 2^x to about 2 ulps (ex2.approx, subnormal results flushed to 0): for exponentials whose result is
 // rounded to a 16-bit float anyway; expf's exact range reduction is ~8 instructions where this is 1.
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -382,18 +401,21 @@ __device__ __forceinline__ float warp_fmax(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ void warps_max_sumexp(float& m, float& s, float* red, int k) {
-    red += 64 * (k & 1);
+// Softmax's sum across a group's warps in one barrier: each warp brings its max m (the same on all its
+// lanes; not NaN) and s = sum(exp(x - m)) over its elements; every thread gets the row's max and the
+// sum rescaled to it. Lane l rescales warp l % W's sum (one exponential a thread, not one a warp), and
+// the butterfly adds them: the same bits on every thread of the group.
+template <int W, int G>
+__device__ __forceinline__ void group_max_sumexp(float& m, float& s, float* red, int k, int g) {
+    red += 128 * g + 64 * (k & 1);
     if ((threadIdx.x & 31) == 0) {
-        red[threadIdx.x >> 5] = m;
-        red[32 + (threadIdx.x >> 5)] = s;
+        red[(threadIdx.x >> 5) % W] = m;
+        red[32 + (threadIdx.x >> 5) % W] = s;
     }
-    __syncthreads();
-    const int warps = (int)(blockDim.x >> 5);
-    m = red[0];
-    for (int w = 1; w < warps; ++w) m = fmaxf(m, red[w]);  // never NaN (warp_fmax): a NaN is in s
-    s = 0.0f;
-    for (int w = 0; w < warps; ++w) s += rescale_sumexp(red[32 + w], red[w], m);
+    group_barrier<W, G>(g);
+    const float mw = red[threadIdx.x % W], sw = red[32 + threadIdx.x % W];
+    m = lanes_fmax<W>(mw);  // never NaN (warp_fmax): a NaN is in s
+    s = lanes_sum<W>(rescale_sumexp(sw, mw, m));
 }
 __device__ __forceinline__ float warp_min(float v) {
     for (int o = 16; o > 0; o >>= 1) {
