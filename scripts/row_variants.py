@@ -19,18 +19,20 @@ import megaloop.codegen.emit_rows as emit
 import megaloop.frontend.ops._tilings as tilings
 from bench.memory_bound import COLS, ROWS, copy_bandwidth, loop_time
 
-DEFAULTS = {k: getattr(emit, k) for k in ("ROW_GROUPS", "ROW_GROUP_MAX_PACKS", "ROW_GROUP_MIN_SLOTS", "ROW_RING_BYTES",
-                                          "ROW_RING_ROWS", "ROW_ACCUMULATORS", "SOFTMAX_KEPT_EXPS")}
-WAVES = dict(tilings.ROWS.params["waves"]) if isinstance(tilings.ROWS.params["waves"], dict) else tilings.ROWS.params["waves"]
+DEFAULTS = {
+    k: getattr(emit, k)
+    for k in ("ROW_GROUPS", "ROW_GROUP_MAX_PACKS", "SOFTMAX_GROUP_MAX_PACKS", "ROW_GROUP_MIN_SLOTS", "ROW_RING_BYTES",
+              "ROW_RING_ROWS", "ROW_ACCUMULATORS", "SOFTMAX_KEPT_EXPS", "ROW_SLOTS_UNROLLED", "FULL_AT_16")
+}
+WAVES = tilings.ROWS.params["waves"]
 VARIANTS = {
+    "default": {},
+    "slots_unrolled": {"ROW_SLOTS_UNROLLED": True},
     "groups1": {"ROW_GROUPS": 1},
-    "groups2": {},
-    "groups2_acc1": {"ROW_ACCUMULATORS": 1},
-    "groups2_ring10": {"ROW_RING_BYTES": 160 * 1024, "ROW_RING_ROWS": 10},
-    "groups4_16packs_1slot": {"ROW_GROUPS": 4, "ROW_GROUP_MAX_PACKS": 16, "ROW_GROUP_MIN_SLOTS": 1},
-    "groups4_16packs_ring8": {"ROW_GROUPS": 4, "ROW_GROUP_MAX_PACKS": 16, "ROW_GROUP_MIN_SLOTS": 2,
-                              "ROW_RING_BYTES": 128 * 1024},
-    "groups2_waves2": {"waves": 2},
+    "softmax_groups4_1slot": {"ROW_GROUP_MIN_SLOTS": 1},
+    "softmax_groups4_ring8": {"ROW_RING_BYTES": 128 * 1024},
+    "softmax_groups4_ring8_guarded": {"ROW_RING_BYTES": 128 * 1024, "FULL_AT_16": False},
+    "waves4": {"waves": 4},
 }
 
 
@@ -39,7 +41,7 @@ def run(op: str, variant: dict) -> float:
         setattr(emit, k, variant.get(k, v))
     if "waves" in variant:
         w = variant["waves"]
-        tilings.ROWS.params["waves"] = {a: w for a in WAVES} if isinstance(WAVES, dict) else w
+        tilings.ROWS.params["waves"] = {a: w for a in WAVES}
     else:
         tilings.ROWS.params["waves"] = WAVES
     g = ml.Graph(op)
@@ -55,6 +57,8 @@ copy = copy_bandwidth()
 res = {"copy_GBps": copy / 1e9}
 for name, variant in VARIANTS.items():
     for op in ("rmsnorm", "softmax"):
+        if name.startswith("softmax_") and op == "rmsnorm":
+            continue
         try:
             frac = run(op, variant) / copy
         except Exception as e:  # a variant that does not build is reported, the others still run

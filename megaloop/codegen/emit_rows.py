@@ -31,7 +31,10 @@ ROW_RING_BYTES = 96 * 1024
 # overlap one row's reductions with the other's arithmetic.
 ROW_GROUPS = 4
 ROW_GROUP_MAX_PACKS = 8
+SOFTMAX_GROUP_MAX_PACKS = 16  # softmax keeps no weights beside its row; past SOFTMAX_KEPT_EXPS it recomputes
 ROW_GROUP_MIN_WARPS = 2
+ROW_SLOTS_UNROLLED = False
+FULL_AT_16 = True
 ROW_GROUP_MIN_SLOTS = 2  # ring slots a group at least (one: no read-ahead past the row in registers)
 SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store passes
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
@@ -69,7 +72,7 @@ class BlockRows:
     ring: int
 
 
-def block_rows(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> BlockRows | None:
+def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> BlockRows | None:
     """The block-per-row layout, or None when the op takes the warp-per-row paths (``attrs["codegen"]``:
     the plan's ``shared_memory`` per block, ``threads`` a block, the largest tile's ``elements``)."""
     hints = attrs.get("codegen", {})
@@ -89,20 +92,21 @@ def block_rows(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> Block
     ring = max(1, min(ring, tile_rows)) if ring else 0
     if not ring:
         return None
+    max_packs = SOFTMAX_GROUP_MAX_PACKS if op in ("softmax", "log_softmax") else ROW_GROUP_MAX_PACKS
     groups = 1
     while (
         2 * groups <= min(ROW_GROUPS, tile_rows, ring // ROW_GROUP_MIN_SLOTS)
         and block % (2 * groups * 32) == 0
         and block // (2 * groups) >= 32 * ROW_GROUP_MIN_WARPS
-        and -(-packs // (block // (2 * groups))) <= ROW_GROUP_MAX_PACKS
+        and -(-packs // (block // (2 * groups))) <= max_packs
     ):
         groups *= 2
     threads = block // groups
     return BlockRows(width, packs, groups, threads, -(-packs // threads), ring // groups * groups)
 
 
-def rows_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
-    layout = block_rows(attrs, ins, out)
+def rows_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
+    layout = block_rows(op, attrs, ins, out)
     return layout.ring * layout.packs * 16 if layout else 0
 
 
@@ -124,7 +128,7 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
             f"ml::aligned({p}, {width * o.dtype.itemsize})"
             for p, o in [(f"in{k}", o) for k, o in enumerate(ins)] + [("out0", out)]
         )
-        block = block_rows(attrs, ins, out)
+        block = block_rows(op, attrs, ins, out)
         if block:
             G, T = block.groups, block.threads
             body.append(
@@ -171,7 +175,7 @@ def _row_program(
         # every thread holds exactly `held` packs (the plan's block size divides the row): no guards, no
         # placeholder packs (a select per pack and per 16-bit element, on every row); at 16 packs
         # a thread the guarded form is kept: unguarded, ptxas spilled the layernorm's 64 row registers
-        full = packs == held * T and held < BLOCK_ROW_MAX_PACKS_PER_THREAD
+        full = packs == held * T and (held < BLOCK_ROW_MAX_PACKS_PER_THREAD or FULL_AT_16)
         head = [
             f"const int nrows = ml::box_count<{nd}>(rowt);",
             "auto row_at = [&](int e, ml::i64& xb, ml::i64& ob) {",
@@ -206,7 +210,9 @@ def _row_program(
             "#pragma unroll",
             f"for (int d = 0; d < {S}; ++d) fetch(g + {G} * d, g * {S} + d);",
             f"for (int i0 = 0; g + {G} * i0 < nrows; i0 += {S}) {{",
-            "#pragma unroll",
+            # not unrolled over the slots: one copy of the row's code (~1-2K instructions), which the
+            # groups run in different phases at once
+            "#pragma unroll" if ROW_SLOTS_UNROLLED else "#pragma unroll 1",
             f"for (int d = 0; d < {S}; ++d) {{",
             f"    const int e = g + {G} * (i0 + d);",
             "    if (e >= nrows) break;  // (the same for the whole group: its barriers stay matched)",

@@ -165,7 +165,7 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             hints = {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps, "elements": largest.get(op.id, 0)}
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
-            shared = max(shared, rows_shared_bytes(attrs, ins, outs[0]))
+            shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
