@@ -7,7 +7,10 @@ of 10 iterations each). Writes $OUT/row_variants.json.
 
 Measured on an H200 (7274749, whole block a row): warps 8 best (16: rmsnorm 0.61-0.65, 32: 0.24);
 ring depth 2-8 and 1-8 tasks a processor within a few percent of each other once rows stream through
-shared memory."""
+shared memory. At 3be946a/764330b (groups of warps, emit_rows.ROW_GROUP_LIMITS): rmsnorm one group
+0.80-0.85, two groups of 8 packs 0.83-0.86, four of 16 packs 0.80; softmax one group 0.67-0.69, two
+groups of 8 packs (exps kept) 0.78-0.80, four groups of 16 packs with one slot each 0.85, with two
+slots each 0.82-0.845; slot loop not unrolled 0.5-2 % slower. Run-to-run spread about 2-3 %."""
 
 import json
 import os
@@ -21,17 +24,16 @@ from bench.memory_bound import COLS, ROWS, copy_bandwidth, loop_time
 
 DEFAULTS = {
     k: getattr(emit, k)
-    for k in ("ROW_GROUPS", "ROW_GROUP_MAX_PACKS", "SOFTMAX_GROUP_MAX_PACKS", "ROW_GROUP_MIN_SLOTS", "ROW_RING_BYTES",
-              "ROW_RING_ROWS", "ROW_ACCUMULATORS", "SOFTMAX_KEPT_EXPS", "ROW_SLOTS_UNROLLED", "FULL_AT_16")
+    for k in ("ROW_GROUPS", "ROW_RING_BYTES",
+              "ROW_RING_ROWS", "ROW_ACCUMULATORS", "SOFTMAX_KEPT_EXPS", "ROW_SLOTS_UNROLLED", "ROW_GROUP_LIMITS")
 }
 WAVES = tilings.ROWS.params["waves"]
 VARIANTS = {
     "default": {},
-    "slots_unrolled": {"ROW_SLOTS_UNROLLED": True},
+    "slots_not_unrolled": {"ROW_SLOTS_UNROLLED": False},
     "groups1": {"ROW_GROUPS": 1},
-    "softmax_groups4_1slot": {"ROW_GROUP_MIN_SLOTS": 1},
+    "softmax_groups2_8packs": {"ROW_GROUP_LIMITS": {}},
     "softmax_groups4_ring8": {"ROW_RING_BYTES": 128 * 1024},
-    "softmax_groups4_ring8_guarded": {"ROW_RING_BYTES": 128 * 1024, "FULL_AT_16": False},
     "waves4": {"waves": 4},
 }
 

@@ -24,18 +24,21 @@ BLOCK_ROW_MIN_THREADS = 256  # the block path's registers are sized for at least
 ROW_RING_ROWS = 8
 ROW_RING_BYTES = 96 * 1024
 # The block splits into up to ROW_GROUPS groups of warps, each reducing rows of its own behind its own
-# named barrier, where the task has that many rows and a thread then holds at most ROW_GROUP_MAX_PACKS
-# packs. Why: with the whole block on one row, every warp is in the same phase at once (all loading,
-# all waiting on shuffles, all on the exponentials' MUFU pipe), at 2 warps a scheduler; rmsnorm and
-# softmax issued ~30 % of the time (0.79 and 0.47 of copy bandwidth at 8192 bf16 a row). Two groups
-# overlap one row's reductions with the other's arithmetic.
+# named barrier, where the task has that many rows and the op's ROW_GROUP_LIMITS hold: packs a thread
+# at most, ring slots a group at least. Why: with the whole block on one row, every warp is in the same
+# phase at once (all loading, all waiting on shuffles, all on the exponentials' MUFU pipe), at 2 warps
+# a scheduler: rmsnorm and softmax issued ~30 % of the time (0.79 and 0.47 of copy bandwidth at 8192
+# bf16 a row on an H200). Measured there (scripts/row_variants.py, 764330b): rmsnorm 0.80 -> 0.83-0.86
+# with 2 groups of 8 packs (4 groups of 16 packs: 0.80, its weight no longer fits in registers);
+# softmax 0.67 (one group) -> 0.78-0.80 (2 groups of 8 packs, exps kept) -> 0.85 (4 groups of 16
+# packs, one slot each, exps recomputed: more rows in flight beats fewer exponentials).
 ROW_GROUPS = 4
-ROW_GROUP_MAX_PACKS = 8
-SOFTMAX_GROUP_MAX_PACKS = 16  # softmax keeps no weights beside its row; past SOFTMAX_KEPT_EXPS it recomputes
+ROW_GROUP_LIMITS = {"softmax": (16, 1), "log_softmax": (16, 1)}  # (max packs a thread, min slots a group)
+ROW_GROUP_DEFAULT_LIMITS = (8, 2)  # norms keep their weight's packs in registers beside the row's
 ROW_GROUP_MIN_WARPS = 2
-ROW_SLOTS_UNROLLED = False
-FULL_AT_16 = True
-ROW_GROUP_MIN_SLOTS = 2  # ring slots a group at least (one: no read-ahead past the row in registers)
+# the ring's slot loop is unrolled (a slot's address a constant): not unrolling it (one copy of the
+# row code for the groups to share) measured 0.5-2 % slower
+ROW_SLOTS_UNROLLED = True
 SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store passes
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
 
@@ -92,10 +95,10 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
     ring = max(1, min(ring, tile_rows)) if ring else 0
     if not ring:
         return None
-    max_packs = SOFTMAX_GROUP_MAX_PACKS if op in ("softmax", "log_softmax") else ROW_GROUP_MAX_PACKS
+    max_packs, min_slots = ROW_GROUP_LIMITS.get(op, ROW_GROUP_DEFAULT_LIMITS)
     groups = 1
     while (
-        2 * groups <= min(ROW_GROUPS, tile_rows, ring // ROW_GROUP_MIN_SLOTS)
+        2 * groups <= min(ROW_GROUPS, tile_rows, ring // min_slots)
         and block % (2 * groups * 32) == 0
         and block // (2 * groups) >= 32 * ROW_GROUP_MIN_WARPS
         and -(-packs // (block // (2 * groups))) <= max_packs
@@ -172,10 +175,11 @@ def _row_program(
         G, T, packs = block.groups, block.threads, block.packs
         S = block.ring // G  # slots a group
         pack = f"ml::Pack<{x.ctype}, {width}>"
-        # every thread holds exactly `held` packs (the plan's block size divides the row): no guards, no
-        # placeholder packs (a select per pack and per 16-bit element, on every row); at 16 packs
-        # a thread the guarded form is kept: unguarded, ptxas spilled the layernorm's 64 row registers
-        full = packs == held * T and (held < BLOCK_ROW_MAX_PACKS_PER_THREAD or FULL_AT_16)
+        # every thread holds exactly `held` packs (the group's threads divide the row): no guards, no
+        # placeholder packs (a select per pack and per 16-bit element, on every row). (At 16 packs
+        # ptxas once spilled the layernorm's 64 row registers unguarded; since the ring, layernorm
+        # over 32768 bf16 takes 232 registers and spills nothing: tests/test_codegen.py checks.)
+        full = packs == held * T
         head = [
             f"const int nrows = ml::box_count<{nd}>(rowt);",
             "auto row_at = [&](int e, ml::i64& xb, ml::i64& ob) {",
