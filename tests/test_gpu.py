@@ -334,12 +334,15 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     assert_close(got["yb"], want, dt, ml.REGISTRY["matmul"].accuracy, 264, f"yb [{dtype}]")
 
 
+@pytest.mark.parametrize("layout", ["groups", "block"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_block_row_softmax_edge_values_match_torch(dtype: str) -> None:
+def test_block_row_softmax_edge_values_match_torch(dtype: str, layout: str) -> None:
     """Softmax and log_softmax on the block-per-row path (each warp's exponentials relative to its own
-    max, combined across warps; ex2.approx for 16-bit outputs) with -inf, +inf, NaN and the dtype's
-    most negative finite value (padding masks) in the rows: NaN exactly where torch has it, a row of
-    -inf only is NaN, -inf entries give 0 (softmax) and -inf (log_softmax)."""
+    max, combined across the warps of the row's group; ex2.approx for 16-bit outputs), with groups of
+    warps each on rows of their own (several rows a task) and with the whole block on a row (one row a
+    task), with -inf, +inf, NaN and the dtype's most negative finite value (padding masks) in the rows:
+    NaN exactly where torch has it, a row of -inf only is NaN, -inf entries give 0 (softmax) and -inf
+    (log_softmax)."""
     n = 4096
     dt = ml.as_dtype(dtype)
     lowest = float(torch.finfo(getattr(torch, dtype)).min)
@@ -361,8 +364,9 @@ def test_block_row_softmax_edge_values_match_torch(dtype: str) -> None:
     v[9, :] = lowest  # all masked: 1/n each, as torch
     v[10, 1000:] = -1e20 if dtype != "float16" else lowest
     v = ml.dtypes.round_to(v, dt)
-    plan = make_plan(g, processors=3)
-    assert "a block per row" in generate(plan).source
+    rows = 1 if layout == "block" else 4  # a task's rows: one, or one for each of 4 groups of 64 threads
+    plan = make_plan(g, processors=3, tiles={op: {"elements": rows * n} for op in ("softmax", "log_softmax")})
+    assert ("a block per row" if layout == "block" else "4 groups of 64 threads per row") in generate(plan).source
     with loop_kernel(plan) as k:
         got = k.run({"x": v})
     t = to_torch64(v)
