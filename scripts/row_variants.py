@@ -30,11 +30,8 @@ DEFAULTS = {
 WAVES = tilings.ROWS.params["waves"]
 VARIANTS = {
     "default": {},
-    "slots_not_unrolled": {"ROW_SLOTS_UNROLLED": False},
-    "groups1": {"ROW_GROUPS": 1},
     "softmax_groups2_8packs": {"ROW_GROUP_LIMITS": {}},
     "softmax_groups4_ring8": {"ROW_RING_BYTES": 128 * 1024},
-    "waves4": {"waves": 4},
 }
 
 

@@ -344,9 +344,17 @@ def _row_program(
         # the warps' (max, sum) pairs are combined once (two block reductions in turn, each behind a
         # barrier, left the row's processing longer than its transfer). A NaN needs no max of its own:
         # it reaches every output through the sum, as in torch.
-        lines += acc_init("m", "ml::neg_inf()")
-        lines += each(f"{acc('m')} = fmaxf({acc('m')}, v);")
-        lines += acc_total("m", "fmaxf")
+        # the maxima in the row's own dtype, a pack at a time (16-bit: two elements an instruction, no
+        # conversions), into `parts` independent running packs
+        xpack = f"ml::Pack<{x.ctype}, {width}>"
+        lines += [
+            f"    {xpack} mp[{parts}];  // running maxima of this thread's packs",
+            "#pragma unroll",
+            f"    for (int a = 0; a < {parts}; ++a) mp[a] = ml::neg_inf_pack<{x.ctype}, {width}>();",
+        ]
+        lines += held_packs(f"ml::max_into(mp[u % {parts}], px[u]);")
+        lines += [f"    ml::max_into(mp[0], mp[{a}]);" for a in range(1, parts)]
+        lines.append("    float m = ml::pack_max(mp[0]);")
         lines += refill
         lines.append("    m = ml::warp_fmax(m);")
         lines.append("    const float mt = m == ml::neg_inf() ? 0.0f : m;  // a warp of -inf only: exps of 0")
@@ -381,7 +389,13 @@ def _row_program(
             lines.append(
                 "    const float c = (s == 0.0f && mx != ml::neg_inf()) ? 0.0f : __fdividef(expf(m - mx), sx);"
             )
-            lines += store_each(("ex[u][q]" if keep else exp) + " * c")
+            if keep or out.dtype.itemsize != 2:
+                lines += store_each(("ex[u][q]" if keep else exp) + " * c")
+            else:
+                # recomputed exps take c in their exponent: 2^((v - mt) log2 e + log2 c), one FFMA for
+                # the FADD, FMUL and FMUL (c = 0: log2 c = -inf, the output 0; NaN stays NaN)
+                lines.append("    const float lc = log2f(c);")
+                lines += store_each("ml::exp2_approx(fmaf(v - mt, 1.4426950408889634f, lc))")
         else:
             lines += store_each("(v - mx) - logf(sx)")
     elif op in ("softmax", "log_softmax"):

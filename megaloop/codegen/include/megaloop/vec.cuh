@@ -51,6 +51,53 @@ __device__ __forceinline__ bool aligned(const void* p, int bytes) {
     return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
 }
 
+// Running maxima of packs, element by element, none NaN-propagating (as fmaxf: softmax's maxima, whose
+// NaNs reach the output through the sum). 16-bit elements two an instruction (max.bf16x2 / max.f16x2,
+// sm_80+) and no conversion to float: the row's max is taken in its own dtype, where it is exact.
+template <int N>
+__device__ __forceinline__ void max_into(Pack<float, N>& acc, const Pack<float, N>& x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc.v[i] = fmaxf(acc.v[i], x.v[i]);
+}
+__device__ __forceinline__ u32 max2(bf16, u32 a, u32 b) {
+    asm("max.bf16x2 %0, %0, %1;" : "+r"(a) : "r"(b));
+    return a;
+}
+__device__ __forceinline__ u32 max2(f16, u32 a, u32 b) {
+    asm("max.f16x2 %0, %0, %1;" : "+r"(a) : "r"(b));
+    return a;
+}
+template <class T, int N>
+__device__ __forceinline__ void max_into(Pack<T, N>& acc, const Pack<T, N>& x) {
+    static_assert(sizeof(T) == 2 && N % 2 == 0, "16-bit packs of whole pairs");
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+        u32 a, b;
+        memcpy(&a, &acc.v[i], sizeof a);
+        memcpy(&b, &x.v[i], sizeof b);
+        a = max2(T{}, a, b);
+        memcpy(&acc.v[i], &a, sizeof a);
+    }
+}
+// a pack of -inf, and the largest element of a pack in float32
+__device__ __forceinline__ void set_neg_inf(float& x) { x = neg_inf(); }
+__device__ __forceinline__ void set_neg_inf(bf16& x) { x.bits = 0xff80; }
+__device__ __forceinline__ void set_neg_inf(f16& x) { x.bits = 0xfc00; }
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> neg_inf_pack() {
+    Pack<T, N> p;
+#pragma unroll
+    for (int i = 0; i < N; ++i) set_neg_inf(p.v[i]);
+    return p;
+}
+template <class T, int N>
+__device__ __forceinline__ float pack_max(const Pack<T, N>& p) {
+    float m = get(p, 0);
+#pragma unroll
+    for (int i = 1; i < N; ++i) m = fmaxf(m, get(p, i));
+    return m;
+}
+
 // dot product of two packs in float32
 template <class T, int N>
 __device__ __forceinline__ float dot(const Pack<T, N>& a, const Pack<T, N>& b) {
