@@ -19,6 +19,7 @@ import numpy as np
 
 import megaloop as ml
 import megaloop.codegen.emit_rows as emit
+from bench.common import commit, device_name
 import megaloop.frontend.ops._tilings as tilings
 from bench.memory_bound import COLS, ROWS, copy_bandwidth, loop_time
 
@@ -53,7 +54,7 @@ def run(op: str, variant: dict) -> float:
 
 
 copy = copy_bandwidth()
-res = {"copy_GBps": copy / 1e9}
+res = {"experiment": "row_variants", "device": device_name(), "commit": commit(), "copy_GBps": copy / 1e9}
 for name, variant in VARIANTS.items():
     for op in ("rmsnorm", "softmax"):
         if name.startswith("softmax_") and op == "rmsnorm":
