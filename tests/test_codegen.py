@@ -147,6 +147,38 @@ def test_exchanges_between_ranks_compile_and_name_their_peers(world: int) -> Non
             assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_wait_on_a_peer_polls_a_mirror_the_peer_bumps(world: int) -> None:
+    """Cross-rank waits poll a mirror counter in the waiting rank's own memory: every task (on any
+    rank) that signals the mirrored counter bumps exactly that mirror, and no two mirrors share a slot
+    or overlap the rank's own counters."""
+    plan = make_plan(exchange_graphs(world), processors=4)
+    programs = [generate(plan, r) for r in range(world)]
+    for r, prog in enumerate(programs):
+        own = len(plan.ranks[r].counters)
+        peer_waits = prog.waits[prog.waits["rank"] != r]
+        assert len(peer_waits) and (prog.waits[prog.waits["rank"] == r]["mirror"] == -1).all()
+        slots = {}
+        for w in peer_waits:
+            slots.setdefault((int(w["rank"]), int(w["counter"])), set()).add(int(w["mirror"]))
+        assert all(len(v) == 1 for v in slots.values()), "one mirror slot per peer counter"
+        used = sorted(next(iter(v)) for v in slots.values())
+        assert used == list(range(own, own + len(used))) and prog.counters == own + len(used)
+        for (p, c), (slot,) in slots.items():
+            producer = programs[p]
+            signallers = np.flatnonzero(producer.tasks["counter"] == c)
+            assert len(signallers) == len(plan.ranks[p].signalers()[c])
+            for t in signallers:
+                row = producer.tasks[t]
+                bumps = producer.mirrors[row["mirror_begin"] : row["mirror_begin"] + row["mirror_count"]]
+                assert row["remote"] == 1 and [(int(b["rank"]), int(b["counter"])) for b in bumps].count((r, slot)) == 1
+    # and nothing bumps a mirror nobody polls
+    for p, prog in enumerate(programs):
+        for b in prog.mirrors:
+            r, slot = int(b["rank"]), int(b["counter"])
+            assert slot in set(programs[r].waits["mirror"][programs[r].waits["rank"] == p])
+
+
 def test_tp_mlp_kernels_compile_for_every_rank() -> None:
     world, hidden, ffn = 2, 64, 128
 

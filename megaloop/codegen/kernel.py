@@ -50,11 +50,16 @@ TASK_DTYPE = np.dtype(
         ("wait_count", np.int32),
         ("counter", np.int32),
         ("remote", np.int32),
+        ("mirror_begin", np.int32),
+        ("mirror_count", np.int32),
         ("lo", np.int32, MAX_DIMS),
         ("hi", np.int32, MAX_DIMS),
     ]
 )
-WAIT_DTYPE = np.dtype([("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32), ("rank", np.int32)])
+WAIT_DTYPE = np.dtype(
+    [("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32), ("rank", np.int32), ("mirror", np.int32)]
+)
+MIRROR_DTYPE = np.dtype([("rank", np.int32), ("counter", np.int32)])
 EXCHANGES = ("all_reduce", "all_gather", "reduce_scatter", "recv")  # tiles that read other ranks' memory
 
 
@@ -68,7 +73,8 @@ class LoopProgram:
     list_begin: np.ndarray  # int32, processors + 1
     lists: np.ndarray  # int32
     operand_offsets: np.ndarray  # int64, (ops, MAX_OPERANDS)
-    counters: int
+    mirrors: np.ndarray  # MIRROR_DTYPE: the peers' mirror counters the tasks bump (Task.mirror_begin/count)
+    counters: int  # counter slots: the plan's counters, then the mirrors of peers' counters (counter_slots)
     threads: int
     shared_bytes: int  # dynamic shared memory per block (split-key attention, tensor-core operand stages, row rings)
     processors: int
@@ -115,6 +121,27 @@ def _describe(rp: RankPlan, op_id: int) -> str:
     outs = ", ".join(f"{rp.tensors[t].dtype.short}{format_shape(rp.tensors[t].shape)}" for t in op.outputs)
     ins = ", ".join(f"{rp.tensors[t].dtype.short}{format_shape(rp.tensors[t].shape)}" for t in op.inputs)
     return f"{op.op} {op.name}: {outs} <- {ins}"
+
+
+def mirror_counters(plan: Plan) -> list[dict[tuple[int, int], int]]:
+    """Per rank r: (rank p, counter c) -> the slot of r's counters that mirrors p's counter c, for every
+    counter of another rank that r's tasks wait on; slots after r's own counters, in (p, c) order.
+
+    Why: a wait on a peer's counter polled it across NVLink, each poll a round trip; now every task
+    that signals c on p also adds 1 to the mirror in r's memory (a posted write after its release), and
+    r polls its own memory. The mirror's value is the counter's at every point r can see (same
+    increments, each after the counter's own), so the plan's waits, targets and verification are
+    unchanged; the watchdog still names p's counter."""
+    mirrors: list[dict[tuple[int, int], int]] = []
+    for r, rp in enumerate(plan.ranks):
+        peer_counters = sorted({(w.rank, w.counter) for t in rp.tasks for w in t.waits if w.rank != r})
+        mirrors.append({pc: len(rp.counters) + k for k, pc in enumerate(peer_counters)})
+    return mirrors
+
+
+def counter_slots(plan: Plan, rank: int) -> int:
+    """u64 counters rank ``rank`` allocates: its plan's counters, then its mirrors of peers' counters."""
+    return len(plan.ranks[rank].counters) + len(mirror_counters(plan)[rank])
 
 
 def generate(plan: Plan, rank: int = 0) -> LoopProgram:
@@ -173,16 +200,16 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
         _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
     tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
-    waits: list[tuple[int, int, int, int]] = []
+    waits: list[tuple[int, int, int, int, int]] = []
     signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
-    remote = {
-        w.counter
-        for r, other in enumerate(plan.ranks)
-        if r != rank
-        for t in other.tasks
-        for w in t.waits
-        if w.rank == rank
-    }
+    all_mirrors = mirror_counters(plan)
+    mine = all_mirrors[rank]
+    mirrored_by: dict[int, list[tuple[int, int]]] = {}  # my counter -> (peer rank, its mirror slot)
+    for r, slots in enumerate(all_mirrors):
+        for (p, c), slot in slots.items():
+            if p == rank:
+                mirrored_by.setdefault(c, []).append((r, slot))
+    mirrors: list[tuple[int, int]] = []
     for t in rp.tasks:
         if len(t.writes) != 1:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
@@ -191,10 +218,14 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} has a {len(box.lo)}-D tile; at most {MAX_DIMS} axes")
         row = tasks[t.id]
         row["sig"], row["op"], row["counter"] = signature_of_op[t.op], t.op, t.signal
-        row["remote"] = int(t.signal in remote)  # other ranks wait on it: release at system scope
+        peers = mirrored_by.get(t.signal, [])
+        row["remote"] = int(bool(peers))  # other ranks wait on it: released at system scope, mirrored to them
+        row["mirror_begin"], row["mirror_count"] = len(mirrors), len(peers)
+        mirrors.extend(peers)
         row["wait_begin"], row["wait_count"] = len(waits), len(t.waits)
         for w in t.waits:
-            waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank))
+            mirror = mine[(w.rank, w.counter)] if w.rank != rank else -1
+            waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank, mirror))
         row["lo"][: len(box.lo)] = box.lo
         row["hi"][: len(box.hi)] = box.hi
         row["hi"][len(box.hi) :] = 1
@@ -220,7 +251,8 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         list_begin,
         np.array(lists, np.int32),
         offsets,
-        len(rp.counters),
+        np.array(mirrors, MIRROR_DTYPE),
+        len(rp.counters) + len(mine),
         threads,
         shared,
         plan.processors,
@@ -331,6 +363,9 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
                 if (t.remote) {{  // read by other GPUs: their tiles pull this task's output over NVLink
                     __threadfence_system();
                     ml::add_release_sys(&a.counters[t.counter], 1ull);
+                    // and their mirrors of the counter, in their own memory, where they poll it
+                    for (int m = t.mirror_begin; m < t.mirror_begin + t.mirror_count; ++m)
+                        ml::add_release_sys(&a.rank_counters[a.mirrors[m].rank][a.mirrors[m].counter], 1ull);
                 }} else {{
                     __threadfence();
                     ml::add_release(&a.counters[t.counter], 1ull);

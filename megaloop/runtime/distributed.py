@@ -102,7 +102,7 @@ class DistributedLoopKernel:
             {
                 # over the default group, all of the job's ranks: its store carries torch's handles
                 "symmetric": lambda: SymmetricPeers(plan, self.rank, device, dist.group.WORLD.group_name),
-                "ipc": lambda: IpcPeers(plan.ranks[self.rank], self.rank, device),
+                "ipc": lambda: IpcPeers(plan, self.rank, device),
             },
         )
         self.peer_memory: str = self.peers.name

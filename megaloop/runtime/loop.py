@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
-from megaloop.codegen.kernel import MAX_OPERANDS
+from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
 from megaloop.errors import DataError, EvaluationError, MegaloopError
 from megaloop.frontend.values import coerce
-from megaloop.plan.model import Plan, RankPlan
+from megaloop.plan.model import Plan
 from megaloop.runtime.compile import compile_cubin
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
@@ -56,6 +56,7 @@ ARGS_DTYPE = np.dtype(
     ]
     + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
     + [("arenas", np.uint64), ("rank_counters", np.uint64), ("rank", np.int32), ("world", np.int32)]
+    + [("mirrors", np.uint64)]
 )
 CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
 REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
@@ -65,10 +66,11 @@ class LoopKernelError(MegaloopError, RuntimeError):
     """The loop kernel gave up (watchdog) or could not be run."""
 
 
-def memory_sizes(rp: RankPlan) -> tuple[int, int]:
-    """Bytes of a rank's arena and counters (one u64 per counter), as a LoopKernel allocates them and
-    as a peer-memory provider (megaloop/runtime/peers.py) must."""
-    return max(rp.arena_bytes, 8), 8 * max(len(rp.counters), 1)
+def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
+    """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
+    included), as a LoopKernel allocates them and as a peer-memory provider (megaloop/runtime/peers.py)
+    must."""
+    return max(plan.ranks[rank].arena_bytes, 8), 8 * max(counter_slots(plan, rank), 1)
 
 
 def _check(result: Any) -> Any:
@@ -205,7 +207,7 @@ class LoopKernel:
 
     def _setup_memory(self) -> None:
         d, prog = self._d, self.program
-        arena_bytes, counter_bytes = memory_sizes(self.rp)
+        arena_bytes, counter_bytes = memory_sizes(self.plan, self.rank)
         if self._memory is None:
             self.arena = self._alloc(arena_bytes)
             self.counters = self._alloc(counter_bytes)
@@ -236,6 +238,7 @@ class LoopKernel:
         args["list_begin"] = self._upload(prog.list_begin)
         args["lists"] = self._upload(prog.lists)
         args["operand_offsets"] = self._upload(prog.operand_offsets.reshape(-1, MAX_OPERANDS))
+        args["mirrors"] = self._upload(prog.mirrors)
         args["profile"] = self.profile
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations

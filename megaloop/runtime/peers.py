@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from megaloop.plan.model import Plan, RankPlan
+from megaloop.plan.model import Plan
 from megaloop.runtime.loop import LoopKernelError, _check, memory_sizes
 
 CHOICES = ("auto", "symmetric", "ipc")
@@ -139,7 +139,7 @@ class SymmetricPeers:
 
     def __init__(self, plan: Plan, rank: int, device: int, group: str) -> None:
         """``group``: the name of the process group to rendezvous over, of exactly the plan's ranks."""
-        sizes = [memory_sizes(rp) for rp in plan.ranks]
+        sizes = [memory_sizes(plan, r) for r in range(len(plan.ranks))]
         self.sizes = (max(a for a, _ in sizes), max(c for _, c in sizes))
         self.rank, self.world, self.device, self.group = rank, plan.world_size, device, group
         self.arena = self.counters = 0
@@ -217,8 +217,8 @@ class IpcPeers:
 
     name = "ipc"
 
-    def __init__(self, rp: RankPlan, rank: int, device: int) -> None:
-        self.sizes = memory_sizes(rp)
+    def __init__(self, plan: Plan, rank: int, device: int) -> None:
+        self.sizes = memory_sizes(plan, rank)
         self.rank, self.device = rank, device
         self.arena = self.counters = 0
         self._ctx = None

@@ -21,6 +21,7 @@ struct Task {
     int wait_begin, wait_count;  // its waits: waits[wait_begin .. wait_begin + wait_count)
     int counter;  // incremented when it finishes
     int remote;  // 1: other ranks wait on that counter, so it is released at system scope
+    int mirror_begin, mirror_count;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
     int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
 };
 
@@ -28,7 +29,16 @@ struct Wait {
     int counter;
     int per_iteration;  // how many tasks signal the counter each iteration
     int lag;  // 0: this iteration's work; 1: the previous iteration's
-    int rank;  // whose counter (another rank's: read through peer memory at system scope)
+    int rank;  // whose counter (another rank's: released at system scope)
+    int mirror;  // another rank's counter: the slot of this rank's counters that mirrors it (polled here)
+};
+
+// A peer's mirror of a counter: slot `counter` of rank `rank`'s counters (megaloop/codegen/kernel.py
+// mirror_counters): the task that bumps the counter bumps the mirror too, and the peer polls its own
+// memory instead of this rank's across NVLink.
+struct Mirror {
+    int rank;
+    int counter;
 };
 
 // Host <-> kernel: lives in mapped pinned host memory.
@@ -60,6 +70,7 @@ struct Args {
     char* const* arenas;  // every rank's arena (peer memory), indexed by rank; arenas[rank] == arena
     u64* const* rank_counters;  // every rank's counters, indexed by rank
     int rank, world;
+    const Mirror* mirrors;  // the peers' mirror counters the tasks bump (Task::mirror_begin)
 };
 
 __device__ __forceinline__ u64 now_ns() {
@@ -156,8 +167,8 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
         for (int j = 0; j < WAIT_BATCH; ++j) {  // then the counters, all loads out before any is looked at
             const bool live = w0 + 32 * j < t.wait_count && (u64)wt[j].lag <= k;  // lag > k: no such iteration
             target[j] = live ? (u64)wt[j].per_iteration * (k + 1 - wt[j].lag) : 0;
-            peer[j] = wt[j].rank != a.rank;
-            c[j] = peer[j] ? &a.rank_counters[wt[j].rank][wt[j].counter] : &a.counters[wt[j].counter];
+            peer[j] = wt[j].rank != a.rank;  // another rank's counter, polled in its mirror here
+            c[j] = peer[j] ? &a.counters[wt[j].mirror] : &a.counters[wt[j].counter];
             seen[j] = live ? (peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j])) : 0;
             any |= live;
             sys |= live && peer[j];
