@@ -177,6 +177,13 @@ def test_every_wait_on_a_peer_polls_a_mirror_the_peer_bumps(world: int) -> None:
         for b in prog.mirrors:
             r, slot = int(b["rank"]), int(b["counter"])
             assert slot in set(programs[r].waits["mirror"][programs[r].waits["rank"] == p])
+    # without native peer atomics (mirrors=False): the waits poll the peers' counters, nothing is bumped
+    # remotely, and the same counters are still released at system scope
+    for r, prog in enumerate(programs):
+        plain = generate(plan, r, mirrors=False)
+        assert (plain.waits["mirror"] == -1).all() and len(plain.mirrors) == 0
+        assert (plain.tasks["mirror_count"] == 0).all() and (plain.tasks["remote"] == prog.tasks["remote"]).all()
+        assert (plain.waits[["counter", "rank", "lag"]] == prog.waits[["counter", "rank", "lag"]]).all()
 
 
 def test_tp_mlp_kernels_compile_for_every_rank() -> None:
@@ -323,6 +330,21 @@ def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
     assert compile_cubin(big, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
     assert compile_cubin(rtx, "sm_86", use_cache=False)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("warps", [12, 24])
+def test_row_groups_of_any_warp_count_compile(warps: int) -> None:
+    """Blocks of a warp count that is not a power of two: the group reductions combine the warps in
+    order instead of by butterfly (a group of 12 warps once failed a static_assert)."""
+    g = ml.Graph("odd-warps")
+    for name, rows in (("one", 1), ("many", 64)):  # one row: the whole block; 64 rows: groups of warps
+        x = g.input(f"{name}_x", (rows, 4096), ml.bfloat16)
+        w = g.input(f"{name}_w", (4096,), ml.bfloat16)
+        g.output(f"{name}_soft", ml.softmax(x, -1))
+        g.output(f"{name}_rms", ml.rmsnorm(x, w))
+    src = generate(make_plan(g, processors=2, warps=warps)).source
+    assert re.search(r"a block per row", src) and re.search(r"groups of \d+ threads per row", src)
+    assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
 
 
 def test_llama_and_exchange_kernels_spill_no_registers() -> None:

@@ -144,7 +144,10 @@ def counter_slots(plan: Plan, rank: int) -> int:
     return len(plan.ranks[rank].counters) + len(mirror_counters(plan)[rank])
 
 
-def generate(plan: Plan, rank: int = 0) -> LoopProgram:
+def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
+    """The loop kernel of rank ``rank``. ``mirrors=False``: waits on other ranks' counters poll them
+    across the peer link instead of a mirror here (for GPUs without native peer atomics, where the
+    producers' remote increments of the mirrors could be lost); every rank of a job must agree."""
     rp = plan.ranks[rank]
     bodies: dict[str, int] = {}
     functions: list[str] = []
@@ -203,13 +206,16 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
     waits: list[tuple[int, int, int, int, int]] = []
     signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
     all_mirrors = mirror_counters(plan)
-    mine = all_mirrors[rank]
+    mine = all_mirrors[rank] if mirrors else {}
+    remote: set[int] = set()  # my counters other ranks wait on
     mirrored_by: dict[int, list[tuple[int, int]]] = {}  # my counter -> (peer rank, its mirror slot)
     for r, slots in enumerate(all_mirrors):
         for (p, c), slot in slots.items():
             if p == rank:
-                mirrored_by.setdefault(c, []).append((r, slot))
-    mirrors: list[tuple[int, int]] = []
+                remote.add(c)
+                if mirrors:
+                    mirrored_by.setdefault(c, []).append((r, slot))
+    bumps: list[tuple[int, int]] = []
     for t in rp.tasks:
         if len(t.writes) != 1:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
@@ -219,12 +225,12 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         row = tasks[t.id]
         row["sig"], row["op"], row["counter"] = signature_of_op[t.op], t.op, t.signal
         peers = mirrored_by.get(t.signal, [])
-        row["remote"] = int(bool(peers))  # other ranks wait on it: released at system scope, mirrored to them
-        row["mirror_begin"], row["mirror_count"] = len(mirrors), len(peers)
-        mirrors.extend(peers)
+        row["remote"] = int(t.signal in remote)  # other ranks wait on it: released at system scope
+        row["mirror_begin"], row["mirror_count"] = len(bumps), len(peers)  # ... and bumped in their mirrors
+        bumps.extend(peers)
         row["wait_begin"], row["wait_count"] = len(waits), len(t.waits)
         for w in t.waits:
-            mirror = mine[(w.rank, w.counter)] if w.rank != rank else -1
+            mirror = mine.get((w.rank, w.counter), -1) if w.rank != rank else -1
             waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank, mirror))
         row["lo"][: len(box.lo)] = box.lo
         row["hi"][: len(box.hi)] = box.hi
@@ -251,8 +257,8 @@ def generate(plan: Plan, rank: int = 0) -> LoopProgram:
         list_begin,
         np.array(lists, np.int32),
         offsets,
-        np.array(mirrors, MIRROR_DTYPE),
-        len(rp.counters) + len(mine),
+        np.array(bumps, MIRROR_DTYPE),
+        counter_slots(plan, rank),
         threads,
         shared,
         plan.processors,

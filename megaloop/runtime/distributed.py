@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from megaloop.codegen.kernel import generate
 from megaloop.plan.model import Plan
 from megaloop.runtime.device import gpus
+from megaloop.runtime.group import native_peer_atomics
 from megaloop.runtime.loop import LoopKernel, LoopKernelError, _check
 from megaloop.runtime.peers import IpcPeers, SymmetricPeers, open_peer_memory, requested_peer_memory
 
@@ -94,7 +96,8 @@ class DistributedLoopKernel:
             raise LoopKernelError(
                 f"rank {self.rank}: GPU {device} does not exist ({len(found)} visible{', ' + reason if reason else ''})"
             )
-        self._check_gpus(device, self._all_gather(_bus_id(device)))
+        # every pair of GPUs with native peer atomics, by every rank's account: mirror counters
+        mirrors = all(self._all_gather(self._check_gpus(device, self._all_gather(_bus_id(device)))))
         self.peers, arenas, counters, self.peer_memory_note = open_peer_memory(
             requested,
             self.rank,
@@ -113,6 +116,7 @@ class DistributedLoopKernel:
                 state,
                 device=device,
                 timeout_s=timeout_s,
+                program=generate(plan, self.rank, mirrors=mirrors),
                 rank=self.rank,
                 _in_group=True,
                 _memory=(self.peers.arena, self.peers.counters),
@@ -137,9 +141,9 @@ class DistributedLoopKernel:
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def _check_gpus(self, device: int, bus_ids: list[str]) -> None:
+    def _check_gpus(self, device: int, bus_ids: list[str]) -> bool:
         """Every rank has a GPU of its own (by PCI bus id: ordinals differ between processes) that can
-        reach every peer's GPU directly."""
+        reach every peer's GPU directly. True when its atomics on every peer's memory are native."""
         from cuda.bindings import driver as d
 
         mine = bus_ids[self.rank]
@@ -150,6 +154,7 @@ class DistributedLoopKernel:
                 "wait for each other forever; give each rank its own GPU (LOCAL_RANK or device=)"
             )
         me = _check(d.cuDeviceGet(device))
+        atomics = True
         for r, bus in enumerate(bus_ids):
             if r == self.rank:
                 continue
@@ -164,6 +169,8 @@ class DistributedLoopKernel:
                     f"rank {self.rank}: GPU {mine} cannot access GPU {bus} (rank {r}) directly (no peer path); "
                     "the loop kernels need every pair of GPUs to reach each other"
                 )
+            atomics = atomics and native_peer_atomics(d, me, peer)
+        return atomics
 
     def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
         """This rank's inputs and outputs; every rank must call it alike (the same iterations)."""

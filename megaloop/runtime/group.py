@@ -55,14 +55,14 @@ class LoopKernelGroup:
             raise LoopKernelError(f"the plan has {world} ranks on GPUs {devices}; this machine has {have}")
         self._d = driver
         self.plan, self.devices, self.timeout_s = plan, devices, timeout_s
-        _check_peers(driver, devices)
+        mirrors = _check_peers(driver, devices)  # native peer atomics on every pair: mirror counters
         params = list(params) if params is not None else [None] * world
         state = list(state) if state is not None else [None] * world
         if len(params) != world or len(state) != world:
             raise LoopKernelError(
                 f"params and state: one mapping per rank ({world}), got {len(params)} and {len(state)}"
             )
-        programs = [generate(plan, r) for r in range(world)]
+        programs = [generate(plan, r, mirrors=mirrors) for r in range(world)]
         for arch in {found[d].arch for d in devices}:  # every rank's kernel at once
             compile_many([p.source for p, d in zip(programs, devices) if found[d].arch == arch], arch)
         self.kernels: list[LoopKernel] = []
@@ -190,10 +190,13 @@ class LoopKernelGroup:
         self.stop()
 
 
-def _check_peers(driver, devices: list[int]) -> None:
-    """Every pair of GPUs must reach each other directly; name the first pair that cannot."""
+def _check_peers(driver, devices: list[int]) -> bool:
+    """Every pair of GPUs must reach each other directly; name the first pair that cannot. True when
+    every pair also has native peer atomics (NVLink; usually not over PCIe): the mirror counters'
+    remote increments need them (megaloop/codegen/kernel.py mirror_counters)."""
     _check(driver.cuInit(0))
     handles = [_check(driver.cuDeviceGet(d)) for d in devices]
+    atomics = True
     for i, a in enumerate(handles):
         for j, b in enumerate(handles):
             if i != j and not _check(driver.cuDeviceCanAccessPeer(a, b)):
@@ -201,3 +204,13 @@ def _check_peers(driver, devices: list[int]) -> None:
                     f"GPU {devices[i]} (rank {i}) cannot access GPU {devices[j]} (rank {j}) directly (no peer "
                     "access: no NVLink or PCIe peer path between them); the loop kernels need every pair"
                 )
+            if i != j:
+                atomics = atomics and native_peer_atomics(driver, a, b)
+    return atomics
+
+
+def native_peer_atomics(driver, a, b) -> bool:
+    """Whether GPU a's atomics on GPU b's memory are native (CUdevice handles)."""
+    attr = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+    err, value = driver.cuDeviceGetP2PAttribute(attr, a, b)
+    return err == driver.CUresult.CUDA_SUCCESS and bool(value)

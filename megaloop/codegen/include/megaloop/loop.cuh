@@ -30,7 +30,8 @@ struct Wait {
     int per_iteration;  // how many tasks signal the counter each iteration
     int lag;  // 0: this iteration's work; 1: the previous iteration's
     int rank;  // whose counter (another rank's: released at system scope)
-    int mirror;  // another rank's counter: the slot of this rank's counters that mirrors it (polled here)
+    int mirror;  // another rank's counter: the slot of this rank's counters that mirrors it (polled here);
+                 // -1: polled in the other rank's memory (GPUs without native peer atomics)
 };
 
 // A peer's mirror of a counter: slot `counter` of rank `rank`'s counters (megaloop/codegen/kernel.py
@@ -167,8 +168,10 @@ __device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, i
         for (int j = 0; j < WAIT_BATCH; ++j) {  // then the counters, all loads out before any is looked at
             const bool live = w0 + 32 * j < t.wait_count && (u64)wt[j].lag <= k;  // lag > k: no such iteration
             target[j] = live ? (u64)wt[j].per_iteration * (k + 1 - wt[j].lag) : 0;
-            peer[j] = wt[j].rank != a.rank;  // another rank's counter, polled in its mirror here
-            c[j] = peer[j] ? &a.counters[wt[j].mirror] : &a.counters[wt[j].counter];
+            peer[j] = wt[j].rank != a.rank;  // another rank's counter: polled in its mirror here, if it has one
+            c[j] = wt[j].mirror >= 0 ? &a.counters[wt[j].mirror]
+                   : peer[j]         ? &a.rank_counters[wt[j].rank][wt[j].counter]
+                                     : &a.counters[wt[j].counter];
             seen[j] = live ? (peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j])) : 0;
             any |= live;
             sys |= live && peer[j];
@@ -364,8 +367,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // the same `red` in shared memory (128 floats a group). Call k of a run of back-to-back reductions uses
 // half (k & 1) of the group's `red`, so it never overwrites a half a slower thread may still be reading
 // from call k - 1; call k - 2's readers have all passed call k - 1's barrier. The warps' partials are
-// combined by a butterfly over W lanes (W a power of two): the same bits on every thread of the group
-// (a + b == b + a), log2(W) shuffles instead of W dependent loads and adds.
+// combined by a butterfly over W lanes (W a power of two; otherwise in warp order): the same bits on
+// every thread of the group (a + b == b + a), log2(W) shuffles instead of W dependent loads and adds.
 template <int W, int G>
 __device__ __forceinline__ void group_barrier(int g) {
     if constexpr (G == 1) {
@@ -376,7 +379,7 @@ __device__ __forceinline__ void group_barrier(int g) {
 }
 template <int W>
 __device__ __forceinline__ float lanes_sum(float v) {
-    static_assert((W & (W - 1)) == 0 && W <= 32, "a group is a power of two of warps");
+    static_assert((W & (W - 1)) == 0 && W <= 32, "butterflies over a power of two of lanes");
 #pragma unroll
     for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -393,7 +396,14 @@ __device__ __forceinline__ float group_sum(float v, float* red, int k, int g) {
     v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) red[(threadIdx.x >> 5) % W] = v;
     group_barrier<W, G>(g);
-    return lanes_sum<W>(red[threadIdx.x % W]);
+    if constexpr ((W & (W - 1)) == 0) {
+        return lanes_sum<W>(red[threadIdx.x % W]);
+    } else {  // a group of, say, 12 warps: the partials in warp order (the same bits on every thread too)
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) s += red[w];
+        return s;
+    }
 }
 // s scaled from max m to max mx: s * exp(m - mx), and 0 for an empty part (s == 0: all its elements
 // were -inf), which would otherwise give 0 * exp(-inf + inf) = NaN.
@@ -424,9 +434,18 @@ __device__ __forceinline__ void group_max_sumexp(float& m, float& s, float* red,
         red[32 + (threadIdx.x >> 5) % W] = s;
     }
     group_barrier<W, G>(g);
-    const float mw = red[threadIdx.x % W], sw = red[32 + threadIdx.x % W];
-    m = lanes_fmax<W>(mw);  // never NaN (warp_fmax): a NaN is in s
-    s = lanes_sum<W>(rescale_sumexp(sw, mw, m));
+    if constexpr ((W & (W - 1)) == 0) {
+        const float mw = red[threadIdx.x % W], sw = red[32 + threadIdx.x % W];
+        m = lanes_fmax<W>(mw);  // NaN only where a whole warp was NaN (warp_fmax): then s is NaN too
+        s = lanes_sum<W>(rescale_sumexp(sw, mw, m));
+    } else {  // not a power of two of warps: in warp order, an exponential per warp
+        m = red[0];
+#pragma unroll
+        for (int w = 1; w < W; ++w) m = fmaxf(m, red[w]);
+        s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) s += rescale_sumexp(red[32 + w], red[w], m);
+    }
 }
 __device__ __forceinline__ float warp_min(float v) {
     for (int o = 16; o > 0; o >>= 1) {
