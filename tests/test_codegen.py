@@ -265,6 +265,61 @@ def few_row_matmul_graph(dtype: str) -> ml.Graph:
     return g
 
 
+SKINNY_MMA_SHAPES = {"x1": (1, 4096, 700), "x3": (3, 2048, 96), "x8": (8, 8192, 520), "x5": (5, 1024, 4104)}
+
+
+def skinny_mma_graph(dtype: str) -> ml.Graph:
+    """Matmuls of at most 8-row tiles with K a multiple of 32 (rows, K, columns): the skinny tensor-core
+    path; 700 and 4104 columns leave a partial group of 8, 96 columns on 132 processors split K."""
+    g = ml.Graph(f"skinny-mma-{dtype}")
+    for name, (m, k, n) in SKINNY_MMA_SHAPES.items():
+        x = g.input(name, (m, k), dtype)
+        g.output(f"y{name}", ml.matmul(x, g.parameter(f"w{name}", (n, k), dtype), transpose_b=True))
+    return g
+
+
+def emulate_mma_skinny(a: np.ndarray, b: np.ndarray, s_begin: int, s_end: int) -> np.ndarray:
+    """What ml::mma_skinny computes for one warp (A: rows x K, B: 8 columns x K), by the PTX ISA's
+    m16n8k16 fragment layout (a0 = A[g][2q, 2q+1], a1 = A[g+8][..], a2 = A[g][2q+8, 2q+9], a3 =
+    A[g+8][2q+8, ..]; b0 = B[2q, 2q+1][g], b1 = B[2q+8, 2q+9][g]) fed the way the template feeds it."""
+    nr = a.shape[0]
+    c = np.zeros((16, 8))
+    for s in range(s_begin, s_end):
+        for half in range(2):  # the two mmas of a slice
+            fa, fb = np.zeros((16, 16)), np.zeros((16, 8))  # the mma's A (m x k slots) and B (k slots x n)
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                w = a[min(g, nr - 1), 32 * s + 8 * q : 32 * s + 8 * q + 8]  # the lane's 16-byte loads
+                v = b[g, 32 * s + 8 * q : 32 * s + 8 * q + 8]
+                words_a = [w[4 * half : 4 * half + 2], w[4 * half + 2 : 4 * half + 4]]  # a0, a2 (a1 = a3 = 0)
+                words_b = [v[4 * half : 4 * half + 2], v[4 * half + 2 : 4 * half + 4]]  # b0, b1
+                fa[g, 2 * q : 2 * q + 2], fa[g, 2 * q + 8 : 2 * q + 10] = words_a
+                fb[2 * q : 2 * q + 2, g], fb[2 * q + 8 : 2 * q + 10, g] = words_b
+            c += fa @ fb
+    return c[:nr]
+
+
+def test_skinny_mma_fragments_cover_k_once() -> None:
+    """The template's assignment of K to fragment slots, under the documented layout, gives A @ B.T."""
+    rng = np.random.default_rng(3)
+    for nr, k in ((1, 64), (5, 128), (8, 96)):
+        a, b = rng.standard_normal((nr, k)), rng.standard_normal((8, k))
+        got = emulate_mma_skinny(a, b, 0, k // 32)
+        parts = emulate_mma_skinny(a, b, 0, 1) + emulate_mma_skinny(a, b, 1, k // 32)  # K split in two parts
+        np.testing.assert_allclose(got, a @ b.T, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(parts, a @ b.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str) -> None:
+    on = generate(make_plan(skinny_mma_graph(dtype), processors=132, tiles={"matmul": {"skinny_mma": 1}})).source
+    off = generate(make_plan(skinny_mma_graph(dtype), processors=132)).source
+    assert on.count("tensor cores, a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
+    assert "a warp per 8 columns" not in off
+    for arch in ("sm_90a", "sm_80"):
+        assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_few_row_matmuls_take_the_warp_per_column_path_and_compile(dtype: str) -> None:
     src = generate(make_plan(few_row_matmul_graph(dtype), processors=132)).source

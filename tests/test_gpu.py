@@ -334,6 +334,30 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
     assert_close(got["yb"], want, dt, ml.REGISTRY["matmul"].accuracy, 264, f"yb [{dtype}]")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_skinny_tensor_core_matmuls_match_torch(dtype: str) -> None:
+    """Tiles of at most 8 rows on tensor cores (tile switch skinny_mma: ml::mma_skinny, fragments loaded
+    straight from memory; K split across warps where a tile has few columns), against torch in
+    float64; 100 runs bitwise the same."""
+    from tests.test_codegen import SKINNY_MMA_SHAPES, skinny_mma_graph
+
+    dt = ml.as_dtype(dtype)
+    g = skinny_mma_graph(dtype)
+    rng = np.random.default_rng(11)
+    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
+    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    plan = make_plan(g, processors=132, tiles={"matmul": {"skinny_mma": 1}})
+    assert generate(plan).source.count("a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
+    with loop_kernel(plan, params) as k:
+        got = k.run(feeds)
+        again = k.run(feeds, iterations=100)
+    t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}
+    for name, (_, k_len, _) in SKINNY_MMA_SHAPES.items():
+        want = (t64[name] @ t64[f"w{name}"].T).numpy()
+        assert_close(got[f"y{name}"], want, dt, ml.REGISTRY["matmul"].accuracy, k_len, f"y{name} [{dtype}]")
+        assert np.array_equal(got[f"y{name}"], again[f"y{name}"]), f"y{name}: runs differ"
+
+
 @pytest.mark.parametrize("layout", ["groups", "block"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_block_row_softmax_edge_values_match_torch(dtype: str, layout: str) -> None:

@@ -164,7 +164,17 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_, b_, attrs)))
     ):
         step = 32 * width
-        rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
+        hints = attrs.get("codegen", {})
+        rows = hints.get("tile", (0, 0))[0]
+        if (
+            hints.get("skinny_mma")
+            and 1 <= rows <= 8
+            and nd == 2
+            and a_.dtype.name in MMA_DTYPES
+            and k % 32 == 0
+            and hints.get("warps")
+        ):
+            body += _skinny_mma(a_, b_, out, k, a_row, b_col, hints["warps"])
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -202,6 +212,57 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
     body.append(f"    if (lane == 0) ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, acc);")
     body.append("});")
     return body
+
+
+SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in flight (twice: double-buffered)
+
+
+def _skinny_mma(a_: Operand, b_: Operand, out: Operand, k: int, a_row: int, b_col: int, warps: int) -> list[str]:
+    """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): a warp per 8 output columns, A's rows
+    and B's columns loaded straight into mma fragments. Where the tile has fewer column groups than
+    warps, the warps also split K in P parts (P a power of two dividing the slices), the parts' sums
+    added in part order through shared memory (the same bits every run). The SIMT path spends two
+    instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s of weights
+    leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
+    ct = a_.ctype
+    slices = k // 32
+    o_row, o_col = out.strides
+    return [
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[0] - t.lo[0] <= 8 && blockDim.x == {32 * warps}) {{"
+        "  // at most 8 rows: tensor cores, a warp per 8 columns",
+        "    const int nr = t.hi[0] - t.lo[0], ncols = t.hi[1] - t.lo[1], groups = (ncols + 7) / 8;",
+        "    int parts = 1;  // K split in parts where column groups leave warps idle",
+        f"    while (2 * parts * groups <= {warps} && {slices} % (2 * parts) == 0) parts *= 2;",
+        f"    const int slots = {warps} / parts, warp = threadIdx.x >> 5, slot = warp % slots, part = warp / slots;",
+        f"    const int s_begin = part * ({slices} / parts), s_end = s_begin + {slices} / parts;",
+        f"    __shared__ float partial[{max(1, (warps - 1) * 64)}];  // parts 1.. : (part - 1, slot, lane, 2)",
+        "    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;",
+        "    for (int cg0 = 0; cg0 < groups; cg0 += slots) {",
+        "        const int cg = min(cg0 + slot, groups - 1), n0 = t.lo[1] + 8 * cg;  // (idle slots: a real group)",
+        "        float c[4];",
+        f"        ml::mma_skinny<{ct}, {SKINNY_MMA_SLICES}>(in0 + (ml::i64)t.lo[0] * {a_row}, {a_row}, nr, "
+        f"in1 + (ml::i64)n0 * {b_col}, {b_col}, min(8, t.hi[1] - n0), s_begin, s_end, c);",
+        "        if (parts > 1) {  // one round (parts * groups <= warps): its partial sums meet in part order",
+        "            if (part > 0) {",
+        "                partial[((part - 1) * slots + slot) * 64 + 2 * lane] = c[0];",
+        "                partial[((part - 1) * slots + slot) * 64 + 2 * lane + 1] = c[1];",
+        "            }",
+        "            __syncthreads();",
+        "            for (int p = 1; p < parts; ++p) {",
+        "                c[0] += partial[((p - 1) * slots + slot) * 64 + 2 * lane];",
+        "                c[1] += partial[((p - 1) * slots + slot) * 64 + 2 * lane + 1];",
+        "            }",
+        "        }",
+        "        if (part == 0 && cg0 + slot < groups && g < nr) {",
+        "            const int col = n0 + 2 * q;",
+        f"            const ml::i64 ro = (ml::i64)(t.lo[0] + g) * {o_row};",
+        f"            if (col < t.hi[1]) ml::store(out0 + ro + (ml::i64)col * {o_col}, c[0]);",
+        f"            if (col + 1 < t.hi[1]) ml::store(out0 + ro + (ml::i64)(col + 1) * {o_col}, c[1]);",
+        "        }",
+        "    }",
+        "    return;",
+        "}",
+    ]
 
 
 def _skinny(

@@ -197,7 +197,11 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
             shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
         if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
-            hints = {"tensor_cores": op.tile.get("tensor_cores", 0), "tile": extent.get(op.id, (0, 0))}
+            hints = {
+                "tensor_cores": op.tile.get("tensor_cores", 0),
+                "skinny_mma": op.tile.get("skinny_mma", 0),
+                "tile": extent.get(op.id, (0, 0)),
+            }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
             shared = max(shared, matmul_shared_bytes(attrs, ins))
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)

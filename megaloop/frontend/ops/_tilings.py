@@ -151,10 +151,13 @@ MATMUL = Tiling(
         # 1: 16-bit operands with K contiguous run on tensor cores (mma.sync, fp32 accumulation).
         # Off by default until the GPU checks have run it (megaloop/codegen/include/megaloop/mma.cuh).
         "tensor_cores": same(0),
+        # 1: tiles of at most 8 rows of 16-bit operands (a few tokens) on tensor cores too, a warp per 8
+        # columns with no shared memory (ml::mma_skinny). Off until a GPU run has checked it.
+        "skinny_mma": same(0),
     },
     _matmul,
-    "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores: 0 or 1",
-    flags=("tensor_cores",),
+    "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma"),
 )
 
 

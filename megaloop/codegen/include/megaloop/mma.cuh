@@ -176,4 +176,57 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
     }
 }
 
+// ---- tiles of at most 8 rows (a few tokens): a warp per 8 output columns, no shared memory --------
+// C[r][n] = sum_k A[r][k] * B[n][k] for rows r < nr <= 8 (rows 8-15 of the m16 fragment are zeros)
+// and the 8 columns of B from `b` (ldb apart; nc < 8 of them real), over K slices [s_begin, s_end) of
+// 32 elements. Any assignment of K indices to an mma's 16 k slots is right as long as A and B use the
+// same one; this one gives lane (g, q) = (lane / 4, lane % 4) the slots 2q, 2q + 1, 2q + 8, 2q + 9 of
+// two mmas from its 16-byte loads of A row g and B row (column) g at 32 s + 8q: k 8q..8q+3 to the first,
+// 8q+4..8q+7 to the second. So the loads feed the fragments directly (no shared memory, no ldmatrix)
+// and U slices of each operand stay in flight per lane while the previous U multiply. Rows and columns
+// past the tile read a real row and their results are dropped. This lane's results: c[0], c[1] = row
+// g, columns 2q, 2q + 1 (c[2], c[3]: the zero rows).
+template <typename T, int U>
+__device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T* b, i64 ldb, int nc, int s_begin,
+                                           int s_end, float* c) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const T* ar = a + (i64)min(g, nr - 1) * lda + 8 * q;
+    const T* br = b + (i64)min(g, nc - 1) * ldb + 8 * q;
+    c[0] = c[1] = c[2] = c[3] = 0.0f;
+    const int last = s_end - 1;
+    Pack<T, 8> pa[U], pb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // past the last slice: the last again (L1), never multiplied
+        const int s = min(s_begin + u, last);
+        pa[u] = load_pack<T, 8>(ar + 32 * (i64)s);
+        pb[u] = load_pack<T, 8>(br + 32 * (i64)s);
+    }
+    for (int s0 = s_begin; s0 < s_end; s0 += U) {
+        Pack<T, 8> na[U], nb[U];  // the next U slices, in flight while these multiply
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = min(s0 + U + u, last);
+            na[u] = load_pack<T, 8>(ar + 32 * (i64)s);
+            nb[u] = load_pack<T, 8>(br + 32 * (i64)s);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (s0 + u < s_end) {
+                u32 w[4], v[4];
+                memcpy(w, &pa[u], sizeof w);
+                memcpy(v, &pb[u], sizeof v);
+                const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
+                mma_16816(c, a0, b0, T{});
+                const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
+                mma_16816(c, a1, b1, T{});
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            pa[u] = na[u];
+            pb[u] = nb[u];
+        }
+    }
+}
+
 }  // namespace ml
