@@ -20,7 +20,8 @@ from megaloop.runtime.group import LoopKernelGroup
 
 HIDDEN, FFN, WORLD = 4096, 16384, 2
 TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
-TILES = {"matmul": {"tensor_cores": 1}}
+# MEGALOOP_BENCH_SKINNY_MMA=1: tiles of at most 8 rows on tensor cores too (the matmul switch skinny_mma)
+TILES = {"matmul": {"tensor_cores": 1, "skinny_mma": int(os.environ.get("MEGALOOP_BENCH_SKINNY_MMA", "0"))}}
 
 
 def graphs(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):
@@ -105,6 +106,7 @@ def main() -> None:
         # per step of a model: each step needs the previous step's output (PyTorch's steps run in order)
         r["speedup_vs_torch_eager"] = r["torch_eager_us"] / r["loop_dependent_us"]
         r["speedup_vs_torch_cuda_graph"] = r["torch_cuda_graph_us"] / r["loop_dependent_us"]
+    results["matmul_tiles"] = TILES["matmul"]
     write("tp_mlp", results)
 
 
