@@ -310,14 +310,49 @@ def test_skinny_mma_fragments_cover_k_once() -> None:
         np.testing.assert_allclose(parts, a @ b.T, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str) -> None:
-    on = generate(make_plan(skinny_mma_graph(dtype), processors=132, tiles={"matmul": {"skinny_mma": 1}})).source
-    off = generate(make_plan(skinny_mma_graph(dtype), processors=132)).source
+@pytest.mark.parametrize("dtype,warps", [("bfloat16", 8), ("float16", 8), ("bfloat16", 12)])
+def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warps: int) -> None:
+    """Taken for every <= 8-row tile with K a multiple of 32 when switched on, never when off; compiles
+    without spills (at 12 warps, fewer slices in flight; at 16 the SIMT few-row path spills already),
+    its K parts' partial sums in the dynamic shared memory the kernel reserves."""
+    from megaloop.runtime.compile import spills
+
+    plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles={"matmul": {"skinny_mma": 1}})
+    program = generate(plan)
+    on = program.source
+    off = generate(make_plan(skinny_mma_graph(dtype), processors=132, warps=warps)).source
     assert on.count("tensor cores, a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
     assert "a warp per 8 columns" not in off
-    for arch in ("sm_90a", "sm_80"):
+    assert program.shared_bytes >= 4 * 64 * (warps - 1)
+    assert spills(on) == {}
+    for arch in ("sm_90a", "sm_80") if warps == 8 else ("sm_90a",):
         assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("warps", [8, 12])
+def test_skinny_mma_k_parts_cover_every_slice_once(warps: int) -> None:
+    """The emitted split of a tile's column groups and K slices over the warps (parts, slots), replayed
+    in Python: every (column group, slice) is multiplied by exactly one warp whose result is kept, and
+    no warp reads past K (12 warps once gave warps 8-11 slices past the end)."""
+    for ncols in (1, 8, 9, 24, 64, 100, 130):
+        for slices in (1, 2, 4, 6, 64, 128):
+            groups = -(-ncols // 8)
+            parts = 1
+            while 2 * parts * groups <= warps and slices % (2 * parts) == 0 and warps % (2 * parts) == 0:
+                parts *= 2
+            slots = warps // parts
+            covered = {}
+            for warp in range(warps):
+                slot, part = warp % slots, warp // slots
+                s_begin = part * (slices // parts)
+                s_end = s_begin + slices // parts
+                assert part < parts and s_end <= slices, (ncols, slices, warp)
+                for cg0 in range(0, groups, slots):
+                    if cg0 + slot < groups:
+                        for sl in range(s_begin, s_end):
+                            covered[(cg0 + slot, sl)] = covered.get((cg0 + slot, sl), 0) + 1
+            assert covered == {(cg, sl): 1 for cg in range(groups) for sl in range(slices)}
+            assert parts == 1 or groups <= slots  # a K split only in a single round (its barrier)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

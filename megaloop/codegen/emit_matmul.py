@@ -34,11 +34,38 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 
 
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
+    """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
+    tensor-core path's partial sums of K parts (4 bytes, 2 a lane, for every warp but one)."""
+    warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     if config is None:
-        return 0
+        return 4 * 64 * (warps - 1) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
+
+
+def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
+    """The block's warps when the op's tiles of at most 8 rows take the skinny tensor-core path
+    (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
+    multiple of 32, no batch axes, walked strides whole 16-byte packs."""
+    hints = attrs.get("codegen", {})
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    a_k = a_.strides[-2] if ta else a_.strides[-1]
+    b_k = b_.strides[-1] if tb else b_.strides[-2]
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    ok = (
+        hints.get("skinny_mma")
+        and hints.get("warps")
+        and 1 <= hints.get("tile", (0, 0))[0] <= 8
+        and len(a_.shape) == len(b_.shape) == 2
+        and a_.dtype == b_.dtype
+        and a_.dtype.name in MMA_DTYPES
+        and a_k == 1
+        and b_k == 1
+        and k % 32 == 0
+        and all(st % 8 == 0 for st in _walked(a_, b_, attrs))
+    )
+    return hints["warps"] if ok else 0
 
 
 def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int, int, int] | None:
@@ -164,17 +191,9 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         and all(st % width == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_, b_, attrs)))
     ):
         step = 32 * width
-        hints = attrs.get("codegen", {})
-        rows = hints.get("tile", (0, 0))[0]
-        if (
-            hints.get("skinny_mma")
-            and 1 <= rows <= 8
-            and nd == 2
-            and a_.dtype.name in MMA_DTYPES
-            and k % 32 == 0
-            and hints.get("warps")
-        ):
-            body += _skinny_mma(a_, b_, out, k, a_row, b_col, hints["warps"])
+        rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
+        if skinny_mma_warps(attrs, a_, b_):
+            body += _skinny_mma(a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_))
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -220,27 +239,31 @@ SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in fligh
 def _skinny_mma(a_: Operand, b_: Operand, out: Operand, k: int, a_row: int, b_col: int, warps: int) -> list[str]:
     """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): a warp per 8 output columns, A's rows
     and B's columns loaded straight into mma fragments. Where the tile has fewer column groups than
-    warps, the warps also split K in P parts (P a power of two dividing the slices), the parts' sums
+    warps, the warps also split K in P parts (P a power of two dividing the slices and the warps), the parts' sums
     added in part order through shared memory (the same bits every run). The SIMT path spends two
     instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s of weights
     leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
     ct = a_.ctype
     slices = k // 32
+    # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
+    # U = 8 made the loop spill; the block's slices in flight stay about the same
+    slices_in_flight = SKINNY_MMA_SLICES if warps <= 8 else max(2, SKINNY_MMA_SLICES * 4 // warps)
     o_row, o_col = out.strides
     return [
         f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[0] - t.lo[0] <= 8 && blockDim.x == {32 * warps}) {{"
         "  // at most 8 rows: tensor cores, a warp per 8 columns",
         "    const int nr = t.hi[0] - t.lo[0], ncols = t.hi[1] - t.lo[1], groups = (ncols + 7) / 8;",
         "    int parts = 1;  // K split in parts where column groups leave warps idle",
-        f"    while (2 * parts * groups <= {warps} && {slices} % (2 * parts) == 0) parts *= 2;",
+        f"    while (2 * parts * groups <= {warps} && {slices} % (2 * parts) == 0 && {warps} % (2 * parts) == 0) parts *= 2;",
         f"    const int slots = {warps} / parts, warp = threadIdx.x >> 5, slot = warp % slots, part = warp / slots;",
         f"    const int s_begin = part * ({slices} / parts), s_end = s_begin + {slices} / parts;",
-        f"    __shared__ float partial[{max(1, (warps - 1) * 64)}];  // parts 1.. : (part - 1, slot, lane, 2)",
+        "    extern __shared__ float4 ml_smem4[];",
+        "    float* partial = reinterpret_cast<float*>(ml_smem4);  // parts 1.. : (part - 1, slot, lane, 2)",
         "    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;",
         "    for (int cg0 = 0; cg0 < groups; cg0 += slots) {",
         "        const int cg = min(cg0 + slot, groups - 1), n0 = t.lo[1] + 8 * cg;  // (idle slots: a real group)",
         "        float c[4];",
-        f"        ml::mma_skinny<{ct}, {SKINNY_MMA_SLICES}>(in0 + (ml::i64)t.lo[0] * {a_row}, {a_row}, nr, "
+        f"        ml::mma_skinny<{ct}, {slices_in_flight}>(in0 + (ml::i64)t.lo[0] * {a_row}, {a_row}, nr, "
         f"in1 + (ml::i64)n0 * {b_col}, {b_col}, min(8, t.hi[1] - n0), s_begin, s_end, c);",
         "        if (parts > 1) {  // one round (parts * groups <= warps): its partial sums meet in part order",
         "            if (part > 0) {",
