@@ -4,13 +4,11 @@ Time per iteration is taken over many iterations of the resident kernel (fresh r
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 import megaloop as ml
-from bench.common import time_torch, write
+from bench.common import resident_seconds, time_torch, write
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -24,18 +22,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / seconds
 
 
-def loop_time(g: ml.Graph, feeds: dict, iterations: int = 10, repeat: int = 5) -> float:
-    """Seconds an iteration: the median of ``repeat`` timed runs of ``iterations`` iterations of the
-    resident kernel (one doorbell round trip each, ~10 us against ~5 ms of work)."""
+def loop_time(g: ml.Graph, feeds: dict, iterations: int = 10) -> float:
+    """Seconds an iteration of the resident kernel (bench.common.resident_seconds: the median of 5
+    timed runs, one doorbell round trip each, ~10 us against ~5 ms of work)."""
     with LoopKernel(make_plan(g, processors=132)) as k:
         k.run(feeds, iterations=2)
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            k.start(iterations)
-            k.wait()
-            times.append((time.perf_counter() - t0) / iterations)
-        return float(np.median(times))
+        return resident_seconds(k, iterations)
 
 
 def main() -> None:

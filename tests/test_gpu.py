@@ -16,7 +16,7 @@ from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import compile_many
 from megaloop.runtime.device import gpus
-from tests.helpers import assert_close, to_torch64
+from tests.helpers import assert_close, random_values, to_torch64
 from tests.op_table import ROWS, build_row
 from tests.random_graphs import random_graph
 
@@ -233,6 +233,13 @@ def test_demo_runs_on_the_loop_kernel(capsys) -> None:
     assert "running on the loop kernel" in out and out.rstrip().endswith("OK")
 
 
+def normal_inputs(g: ml.Graph, dt: ml.DType, seed: int) -> tuple[dict, dict]:
+    """Standard-normal feeds and parameters of ``g``, rounded to ``dt``."""
+    rng = np.random.default_rng(seed)
+    feeds = {n: random_values(rng, t.shape, dt) for n, t in g.inputs.items()}
+    return feeds, {n: random_values(rng, t.shape, dt) for n, t in g.parameters.items()}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("processors", [1, 132])
 def test_tensor_core_matmul_against_torch(dtype: str, processors: int) -> None:
@@ -241,10 +248,8 @@ def test_tensor_core_matmul_against_torch(dtype: str, processors: int) -> None:
     from tests.test_codegen import tensor_core_graph
 
     g = tensor_core_graph(dtype)
-    rng = np.random.default_rng(processors)
     dt = ml.as_dtype(dtype)
-    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
-    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    feeds, params = normal_inputs(g, dt, processors)
     tiles = {"matmul": {"tensor_cores": 1, "block_m": 256, "block_n": 256}}
     plan = make_plan(g, processors=processors, tiles=tiles)
     assert "ml::mma_tile<" in generate(plan).source
@@ -319,9 +324,7 @@ def test_few_row_matmuls_read_each_weight_once_and_match_torch(dtype: str) -> No
 
     dt = ml.as_dtype(dtype)
     g = few_row_matmul_graph(dtype)
-    rng = np.random.default_rng(7)
-    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
-    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    feeds, params = normal_inputs(g, dt, 7)
     plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1}})
     assert "a warp per column" in generate(plan).source
     with loop_kernel(plan, params) as k:
@@ -343,9 +346,7 @@ def test_skinny_tensor_core_matmuls_match_torch(dtype: str) -> None:
 
     dt = ml.as_dtype(dtype)
     g = skinny_mma_graph(dtype)
-    rng = np.random.default_rng(11)
-    feeds = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items()}
-    params = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), dt) for n, t in g.parameters.items()}
+    feeds, params = normal_inputs(g, dt, 11)
     plan = make_plan(g, processors=132, tiles={"matmul": {"skinny_mma": 1}})
     assert generate(plan).source.count("a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
     with loop_kernel(plan, params) as k:

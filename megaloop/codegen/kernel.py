@@ -262,7 +262,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         np.array(lists, np.int32),
         offsets,
         np.array(bumps, MIRROR_DTYPE),
-        counter_slots(plan, rank),
+        len(rp.counters) + len(all_mirrors[rank]),  # counter_slots, from the mirrors at hand
         threads,
         shared,
         plan.processors,
