@@ -16,11 +16,17 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SIZES = [int(s) for s in os.environ.get("GEMM_SIZES", "4096,8192").split(",")]
+# GEMM_TILE=BMxBN: the matmul tile (default: the architecture's block_m x block_n)
+TILE = (
+    dict(zip(("block_m", "block_n"), (int(v) for v in os.environ["GEMM_TILE"].split("x"))))
+    if "GEMM_TILE" in os.environ
+    else {}
+)
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    results: dict = {"sizes": {}}
+    results: dict = {"sizes": {}, "tile": TILE or "default"}
     for n in SIZES:
         g = ml.Graph(f"gemm{n}")
         a = g.input("a", (n, n), ml.bfloat16)
@@ -32,7 +38,7 @@ def main() -> None:
         torch_s = time_torch(lambda at=at, wt=wt: at @ wt.T, warmup=5, repeat=30)
         want = (at @ wt.T).float().cpu().numpy()
         t0 = time.perf_counter()
-        plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1}})
+        plan = make_plan(g, processors=132, tiles={"matmul": {"tensor_cores": 1, **TILE}})
         plan_s = time.perf_counter() - t0
         iterations = 20 if n <= 4096 else 5
         with LoopKernel(plan) as k:

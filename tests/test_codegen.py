@@ -5,6 +5,7 @@ The generated source is also checked for what a human reader relies on."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from megaloop.models import LlamaConfig, build_llama
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import compile_cubin
 from tests.op_table import ROWS, build_row
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GPU_OPS = [row for row in ROWS if ml.REGISTRY[row.op].cuda is not None]
 
@@ -240,14 +243,55 @@ def test_tensor_core_matmul_is_chosen_where_it_applies_and_compiles(dtype: str) 
     tiles = {"matmul": {"tensor_cores": 1, "block_m": 256, "block_n": 256}}
     plan = make_plan(tensor_core_graph(dtype), processors=1, tiles=tiles)  # one processor: tiles stay wide
     program = generate(plan)
-    mma = [c for c in program.signatures if "matmul" in c]
+    mma = "\n".join(c for c in program.signatures if "matmul" in c)
     src = program.source
-    assert src.count("ml::mma_tile<") == 2, f"{src.count('ml::mma_tile<')} tensor-core matmuls in\n" + "\n".join(mma)
-    assert program.shared_bytes >= 3 * (128 + 128) * 40 * 2  # three stages of 128-row A and B slices
-    for arch in ("sm_90a", "sm_80"):
-        assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
-    off = generate(make_plan(tensor_core_graph(dtype), processors=4)).source
-    assert "ml::mma_tile<" not in off, "tensor cores are off unless the tile switch is on"
+    # sm_90: the 200 x 144 product on warpgroup MMA (128 x 256 blocks), the 40-row one on mma.sync
+    assert (
+        src.count("ml::wgmma_tile<") == 1
+        and "ml::wgmma_tile<ml::" + ("f16" if dtype == "float16" else "bf16") + ", 256, 2, 4>" in src
+    ), mma
+    assert src.count("ml::mma_tile<") == 1, mma
+    assert program.shared_bytes >= 4 * (128 + 256) * 64 * 2  # four stages of 128-row A and 256-row B slices
+    assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+    ampere = generate(make_plan(tensor_core_graph(dtype), processors=1, tiles=tiles, arch="sm_80")).source
+    assert ampere.count("ml::mma_tile<") == 2 and "wgmma" not in ampere.split("megaloop_loop")[-1]
+    assert compile_cubin(ampere, "sm_80", use_cache=False)[:4] == b"\x7fELF"
+    no_wgmma = generate(
+        make_plan(tensor_core_graph(dtype), processors=1, tiles={"matmul": {**tiles["matmul"], "wgmma": 0}})
+    )
+    assert no_wgmma.source.count("ml::mma_tile<") == 2 and "ml::wgmma_tile<" not in no_wgmma.source
+    off = generate(make_plan(tensor_core_graph(dtype), processors=4, tiles={"matmul": {"tensor_cores": 0}})).source
+    assert "ml::mma_tile<" not in off and "ml::wgmma_tile<" not in off, "tensor cores are off with the switch off"
+
+
+def test_wgmma_header_is_generated_from_the_script() -> None:
+    """megaloop/wgmma_ops.cuh is written by scripts/gen_wgmma_ops.py; an edit by hand would be lost."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_wgmma_ops", ROOT / "scripts" / "gen_wgmma_ops.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.HEADER.read_text() == gen.render(), "run: python scripts/gen_wgmma_ops.py"
+
+
+@pytest.mark.parametrize("rows, cols, want", [(4096, 4096, (128, 256)), (200, 64, (128, 64)), (64, 100, (64, 128))])
+def test_wgmma_blocks_and_stages_fit_the_plan(rows: int, cols: int, want: tuple[int, int]) -> None:
+    """Block size from the tile, stages from the plan's shared memory (fewer where it is short, then
+    narrower blocks), warpgroups from the warps; tiles below 64 x 64 stay on mma.sync."""
+    from megaloop.codegen.emit import Operand
+    from megaloop.codegen.emit_matmul import wgmma_config
+
+    bf = ml.as_dtype("bfloat16")
+    a_, b_ = Operand(bf, (rows, 512), (512, 1)), Operand(bf, (cols, 512), (512, 1))
+    attrs = {"transpose_a": False, "transpose_b": True}
+    hints = {"tensor_cores": 1, "wgmma": 1, "arch": "sm_90", "tile": (rows, cols), "shared_memory": 227 * 1024}
+    bm, bn = want
+    got = wgmma_config({**attrs, "codegen": {**hints, "warps": 4 * (bm // 64)}}, a_, b_)
+    assert got is not None and got[0] == bn and got[1] == bm // 64 and got[2] == 4
+    short = wgmma_config({**attrs, "codegen": {**hints, "warps": 8, "shared_memory": 120 * 1024}}, a_, b_)
+    assert short is not None and short[2] * (128 + short[0]) * 128 + 1024 <= 112 * 1024 and short[2] >= 3
+    for off in ({"arch": "sm_80"}, {"wgmma": 0}, {"warps": 2}, {"tile": (32, cols)}, {"tile": (rows, 32)}):
+        assert wgmma_config({**attrs, "codegen": {**hints, "warps": 8, **off}}, a_, b_) is None, off
 
 
 FEW_ROW_SHAPES = {2: 4096, 5: 1000, 8: 4104, 16: 520}  # rows: K (not always a multiple of the pack stride)
@@ -320,7 +364,8 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
     plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles={"matmul": {"skinny_mma": 1}})
     program = generate(plan)
     on = program.source
-    off = generate(make_plan(skinny_mma_graph(dtype), processors=132, warps=warps)).source
+    off_tiles = {"matmul": {"skinny_mma": 0}}
+    off = generate(make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles=off_tiles)).source
     assert on.count("tensor cores, a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
     assert "a warp per 8 columns" not in off
     assert program.shared_bytes >= 4 * 64 * (warps - 1)
@@ -473,7 +518,9 @@ def test_compile_many_fills_the_cache_in_parallel(tmp_path, monkeypatch) -> None
     from megaloop.runtime.compile import cache_dir, cache_key, compile_many
 
     monkeypatch.setenv("MEGALOOP_CACHE", str(tmp_path))
-    sources = [generate(make_plan(tensor_core_graph(d), processors=2)).source for d in ("float16", "bfloat16")]
+    sources = [
+        generate(make_plan(tensor_core_graph(d), processors=2, arch="sm_80")).source for d in ("float16", "bfloat16")
+    ]
     cubins = compile_many(sources + sources[:1], "sm_80", workers=2)
     assert len(cubins) == 3 and all(c[:4] == b"\x7fELF" for c in cubins) and cubins[0] == cubins[2]
     assert all((cache_dir() / f"{cache_key(s, 'sm_80')}.cubin").is_file() for s in sources)

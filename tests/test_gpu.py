@@ -242,17 +242,19 @@ def normal_inputs(g: ml.Graph, dt: ml.DType, seed: int) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("processors", [1, 132])
-def test_tensor_core_matmul_against_torch(dtype: str, processors: int) -> None:
-    """The mma.sync path (tile switch on): odd edges, a broadcast batch, sub-tiles beyond 128 x 128,
-    K not a multiple of the 32-wide slice, plus the layouts that stay on the SIMT path."""
+@pytest.mark.parametrize("path", ["wgmma", "mma"])
+def test_tensor_core_matmul_against_torch(dtype: str, processors: int, path: str) -> None:
+    """The tensor-core paths (Hopper's wgmma, and mma.sync with the wgmma switch off): odd edges, a
+    broadcast batch, sub-tiles beyond one block, K not a multiple of the slice, plus the layouts that
+    stay on the SIMT path."""
     from tests.test_codegen import tensor_core_graph
 
     g = tensor_core_graph(dtype)
     dt = ml.as_dtype(dtype)
     feeds, params = normal_inputs(g, dt, processors)
-    tiles = {"matmul": {"tensor_cores": 1, "block_m": 256, "block_n": 256}}
+    tiles = {"matmul": {"tensor_cores": 1, "wgmma": int(path == "wgmma"), "block_m": 256, "block_n": 256}}
     plan = make_plan(g, processors=processors, tiles=tiles)
-    assert "ml::mma_tile<" in generate(plan).source
+    assert f"ml::{path}_tile<" in generate(plan).source
     with loop_kernel(plan, params) as k:
         got = k.run(feeds)
     t64 = {n: to_torch64(v) for n, v in {**feeds, **params}.items()}

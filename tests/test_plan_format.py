@@ -57,7 +57,13 @@ def test_edited_tile_size(setup, tmp_path) -> None:
         Plan.load(path)
     edited = Plan.load(path, rederive=True)
     new_op = edited.ranks[0].ops[op["id"]]
-    assert new_op.tile == {"block_m": 1, "block_n": 4, "tensor_cores": 0, "skinny_mma": 0}  # left out: defaults
+    assert new_op.tile == {
+        "block_m": 1,
+        "block_n": 4,
+        "tensor_cores": 1,
+        "skinny_mma": 1,
+        "wgmma": 1,
+    }  # left out: defaults
     assert sum(1 for t in edited.ranks[0].tasks if t.op == op["id"]) > sum(
         1 for t in plan.ranks[0].tasks if t.op == op["id"]
     )

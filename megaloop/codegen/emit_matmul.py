@@ -1,6 +1,7 @@
-"""Matmul tiles: tensor cores (mma.sync through megaloop/mma.cuh) for 16-bit operands with K
-contiguous on both sides when the op's ``tensor_cores`` tile switch is on, otherwise (and for thin
-tiles, where a matrix-vector product is memory-bound anyway) a warp per output element."""
+"""Matmul tiles: tensor cores for 16-bit operands with K contiguous on both sides when the op's
+``tensor_cores`` tile switch is on (Hopper's wgmma through megaloop/wgmma.cuh for tiles of 64 rows or
+more on sm_90, mma.sync through megaloop/mma.cuh otherwise), otherwise (and for thin tiles, where a
+matrix-vector product is memory-bound anyway) a warp per output element."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ MMA_DTYPES = ("bfloat16", "float16")
 MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
 MMA_BK, MMA_LD, MMA_STAGES, MMA_MAX_FRAGMENTS = 32, 40, 3, 32  # as in mma.cuh (tests/test_codegen.py checks)
+WGMMA_MIN_ROWS, WGMMA_MIN_COLS = 64, 64  # a warpgroup's 64 rows; narrower tiles stay on mma.sync
+WGMMA_STAGES = 4  # K slices of 64 in shared memory (as in wgmma.cuh: prefetched S - 2 ahead)
+# The loop kernel's static shared memory (its Args copy, the row ops' reduction scratch) comes out of
+# the same per-block budget as the dynamic shared memory sized for the stages.
+WGMMA_STATIC_RESERVE = 8 * 1024
 GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-per-element path
 # Tiles of 2..SKINNY_MAX_ROWS rows (batched decode, a few tokens) take a warp per output column for all
 # the tile's rows, so each weight is read once: a warp per element re-read a 64-column weight slab
@@ -38,6 +44,10 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
     tensor-core path's partial sums of K parts (4 bytes, 2 a lane, for every warp but one)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
+    wg = wgmma_config(attrs, ins[0], ins[1])
+    if wg is not None:
+        bn, groups, stages = wg
+        return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
         return 4 * 64 * (warps - 1) if warps else 0
     bm, bn, _, _ = config
@@ -118,6 +128,28 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
     return None
 
 
+def wgmma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int, int] | None:
+    """(BN, warpgroups, stages) for Hopper's warpgroup tensor cores (ml::wgmma_tile), or None: the
+    tile switch ``wgmma`` and the tensor-core path's conditions on an sm_90 plan, 4 or 8 warps (a warpgroup per 64 rows of a block of
+    64 or 128), tiles of at least 64 x 64, and room in the plan's shared memory for 3 stages or more
+    (fewer stages, then narrower blocks, where it is short)."""
+    hints = attrs.get("codegen", {})
+    if not hints.get("wgmma") or hints.get("arch") != "sm_90" or mma_config(attrs, a_, b_) is None:
+        return None
+    rows, cols = hints["tile"]
+    groups = hints["warps"] // 4
+    if hints["warps"] not in (4, 8) or rows < WGMMA_MIN_ROWS or cols < WGMMA_MIN_COLS:
+        return None
+    room = hints.get("shared_memory", 0) - WGMMA_STATIC_RESERVE
+    bn = min(256, 1 << (cols - 1).bit_length())
+    while bn >= 64:
+        for stages in range(WGMMA_STAGES, 2, -1):
+            if stages * (64 * groups + bn) * 64 * 2 + 1024 <= room:
+                return bn, groups, stages
+        bn //= 2
+    return None
+
+
 def _walked(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:
     """A's row stride and B's column stride, as 0 where the product has only one row or column to
     walk (a size-1 axis's stride is never used, and may be anything)."""
@@ -136,6 +168,15 @@ def _tensor_cores(
     attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, config: tuple[int, int, int, int]
 ) -> list[str]:
     bm, bn, wm, wn = config
+    wg = wgmma_config(attrs, a_, b_)
+    ct = a_.ctype
+    if wg is not None:
+        wbn, groups, stages = wg
+        threads, what = 128 * groups, f"wgmma: {64 * groups}x{wbn} blocks, {groups} warpgroup(s), {stages} stages"
+        call = f"ml::wgmma_tile<{ct}, {wbn}, {groups}, {stages}>"
+    else:
+        threads, what = 32 * wm * wn, f"tensor cores: {bm}x{bn} blocks, {wm}x{wn} warps"
+        call = f"ml::mma_tile<{ct}, {bm}, {bn}, {wm}, {wn}>"
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     nd = len(out.shape)
     k = a_.shape[-2] if ta else a_.shape[-1]
@@ -144,10 +185,8 @@ def _tensor_cores(
     batch = nd - 2
     abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
     bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
-    ct = a_.ctype
     return [
-        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && blockDim.x == {32 * wm * wn}) {{"
-        f"  // tensor cores: {bm}x{bn} blocks, {wm}x{wn} warps",
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && blockDim.x == {threads}) {{  // {what}",
         "    extern __shared__ float4 ml_smem4[];",
         f"    const int rows = t.hi[{nd - 2}] - t.lo[{nd - 2}], cols = t.hi[{nd - 1}] - t.lo[{nd - 1}];",
         f"    int o[{nd}];",
@@ -155,7 +194,7 @@ def _tensor_cores(
         "    for (;;) {  // every batch index of the box (one, as the matmul tiling makes them)",
         f"        const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)t.lo[{nd - 2}] * {a_row};",
         f"        const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)t.lo[{nd - 1}] * {b_col};",
-        f"        ml::mma_tile<{ct}, {bm}, {bn}, {wm}, {wn}>(in0 + ab, {a_row}, in1 + bb, {b_col}, rows, cols, {k}, "
+        f"        {call}(in0 + ab, {a_row}, in1 + bb, {b_col}, rows, cols, {k}, "
         "ml_smem4, [&](int i, int j, float v) {",
         "            o[{0}] = t.lo[{0}] + i; o[{1}] = t.lo[{1}] + j;".format(nd - 2, nd - 1),
         f"            ml::store(out0 + {index_expr(out.strides, [f'o[{d}]' for d in range(nd)])}, v);",

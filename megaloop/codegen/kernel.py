@@ -200,7 +200,10 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             hints = {
                 "tensor_cores": op.tile.get("tensor_cores", 0),
                 "skinny_mma": op.tile.get("skinny_mma", 0),
+                "wgmma": op.tile.get("wgmma", 0),
                 "tile": extent.get(op.id, (0, 0)),
+                "arch": plan.arch,
+                "shared_memory": plan.shared_memory or 0,
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
             shared = max(shared, matmul_shared_bytes(attrs, ins))
@@ -286,8 +289,11 @@ def _add_function(
         bodies[text] = len(functions)
         sig = len(functions)
         comments.append(f"sig_{sig}: {_describe(rp, op_id)}")
+        # Tile functions are calls (one copy of each in the instruction cache), except where a call
+        # would cost more: ptxas serialises every wgmma (waits after each) when one lives in a callee.
+        inline = "__forceinline__" if "ml::wgmma_tile" in text else "__noinline__"
         functions.append(
-            f"// {comments[-1]}\n__device__ __noinline__ void sig_{sig}(const ml::Args& a, "
+            f"// {comments[-1]}\n__device__ {inline} void sig_{sig}(const ml::Args& a, "
             f"const ml::Task& t, int tid, const ml::i64* off) {{\n{text}\n}}\n"
         )
     signature_of_op.append(bodies[text])
@@ -319,6 +325,7 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
 #include "megaloop/math.cuh"
 #include "megaloop/vec.cuh"
 #include "megaloop/mma.cuh"
+#include "megaloop/wgmma.cuh"
 
 {chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, int tid) {{

@@ -101,6 +101,7 @@ ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole ro
 
 MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
 MIN_BLOCK_N_TILED = 32  # tiles of 16 rows or more (prefill, tensor cores) read bm x k of A per tile
+MIN_BLOCK_N_WGMMA = 64  # a warpgroup MMA tile (sm_90) is at least 64 wide
 TASK_COST_WEIGHTS = 16384  # a task's fixed cost, in weights one SM streams meanwhile
 
 
@@ -119,6 +120,8 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
     if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
+        if params["tensor_cores"] and params["wgmma"] and bm >= 64:
+            narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
         widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
         if bm < 16:  # matrix-vector tiles take any multiple of 8 columns: 5504 columns on 132 SMs are
             # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
@@ -148,16 +151,21 @@ MATMUL = Tiling(
     {
         "block_m": {"sm_80": 128, "sm_86": 64, "sm_89": 64, "sm_90": 128},
         "block_n": {"sm_80": 128, "sm_86": 128, "sm_89": 128, "sm_90": 128},
-        # 1: 16-bit operands with K contiguous run on tensor cores (mma.sync, fp32 accumulation).
-        # Off by default until the GPU checks have run it (megaloop/codegen/include/megaloop/mma.cuh).
-        "tensor_cores": same(0),
+        # 1: 16-bit operands with K contiguous run on tensor cores (fp32 accumulation; GPU-checked:
+        # tests/test_gpu.py, bench/gemm.py); 0: every tile on the SIMT paths
+        "tensor_cores": same(1),
         # 1: tiles of at most 8 rows of 16-bit operands (a few tokens) on tensor cores too, a warp per 8
-        # columns with no shared memory (ml::mma_skinny). Off until a GPU run has checked it.
-        "skinny_mma": same(0),
+        # columns with no shared memory (ml::mma_skinny): the 8-token TP MLP step took 62 us instead of
+        # 136 on 2 H200s (bench/results/tp_mlp.json)
+        "skinny_mma": same(1),
+        # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
+        # 0: mma.sync as on the other architectures
+        "wgmma": {"sm_80": 0, "sm_86": 0, "sm_89": 0, "sm_90": 1},
     },
     _matmul,
-    "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma: 0 or 1",
-    flags=("tensor_cores", "skinny_mma"),
+    "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma, "
+    "wgmma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma", "wgmma"),
 )
 
 
