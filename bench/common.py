@@ -38,6 +38,21 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def matmul_tiles() -> dict[str, dict[str, int]]:
+    """Matmul tile settings for a benchmark's plans: the architecture's defaults, overridden by
+    MEGALOOP_BENCH_MATMUL="tensor_cores=0,skinny_mma=1,..." (so one GPU session compares paths without
+    edits); the effective settings go into the results JSON."""
+    from megaloop.frontend.ops._tilings import MATMUL
+
+    settings = MATMUL.defaults("sm_90")
+    for item in filter(None, os.environ.get("MEGALOOP_BENCH_MATMUL", "").split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in settings:
+            raise SystemExit(f"MEGALOOP_BENCH_MATMUL: unknown matmul tile setting {key!r}; known: {sorted(settings)}")
+        settings[key.strip()] = int(value)
+    return {"matmul": settings}
+
+
 def time_torch(fn, warmup: int = 5, repeat: int = 30) -> float:
     """Median seconds of ``fn()`` measured with CUDA events."""
     import torch

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
-from bench.common import resident_seconds, time_torch, write
+from bench.common import matmul_tiles, resident_seconds, time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.models.llama import auto_kv_splits, decoder_layer
 from megaloop.plan import make_plan
@@ -104,10 +104,8 @@ def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str
     x = rng.standard_normal((1, tokens, hidden)).astype(np.float32)
     pos = np.arange(start, start + tokens)[None]
     out: dict = {"kv_splits": auto_kv_splits(cfg, 1, tokens) if kv_splits == "auto" else kv_splits}
-    # the tensor-core switch only changes tiles of 16 rows or more (prefill); decode stays on GEMV
-    out["matmul_tensor_cores"] = int(os.environ.get("MEGALOOP_BENCH_TENSOR_CORES", "1"))
-    out["matmul_skinny_mma"] = int(os.environ.get("MEGALOOP_BENCH_SKINNY_MMA", "0"))  # tiles of <= 8 rows
-    tiles = {"matmul": {"tensor_cores": out["matmul_tensor_cores"], "skinny_mma": out["matmul_skinny_mma"]}}
+    tiles = matmul_tiles()
+    out["matmul_tiles"] = tiles["matmul"]
     iters = 200 if tokens == 1 else 10
     with LoopKernel(make_plan(g, processors=132, tiles=tiles), params) as k:
         k.run({"hidden": x, "positions": pos}, iterations=3)

@@ -14,14 +14,13 @@ import os
 import numpy as np
 
 import megaloop as ml
-from bench.common import resident_seconds, torchrun_result, write
+from bench.common import matmul_tiles, resident_seconds, torchrun_result, write
 from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
 
 HIDDEN, FFN, WORLD = 4096, 16384, 2
 TOKENS = [int(t) for t in os.environ.get("TP_TOKENS", "8,512").split(",")]
-# MEGALOOP_BENCH_SKINNY_MMA=1: tiles of at most 8 rows on tensor cores too (the matmul switch skinny_mma)
-TILES = {"matmul": {"tensor_cores": 1, "skinny_mma": int(os.environ.get("MEGALOOP_BENCH_SKINNY_MMA", "0"))}}
+TILES = matmul_tiles()  # the defaults, or MEGALOOP_BENCH_MATMUL's settings
 
 
 def graphs(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):

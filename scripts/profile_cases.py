@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import megaloop as ml
+from bench.common import matmul_tiles
 from bench.llama_layer import CONTEXT, layer_config
 from megaloop.models import build_llama, random_parameters
 from megaloop.plan import make_plan
@@ -49,7 +50,11 @@ def rows_case(op: str, rows: int = 8192, cols: int = 8192):
     w = g.input("w", (cols,), ml.bfloat16)
     g.output("y", ml.rmsnorm(x, w) if op == "rmsnorm" else ml.softmax(x, -1))
     rng = np.random.default_rng(0)
-    return g, {}, {"a": rng.standard_normal((rows, cols), dtype=np.float32), "w": rng.standard_normal(cols, dtype=np.float32)}
+    return (
+        g,
+        {},
+        {"a": rng.standard_normal((rows, cols), dtype=np.float32), "w": rng.standard_normal(cols, dtype=np.float32)},
+    )
 
 
 CASES = {
@@ -98,7 +103,7 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "/tmp/profile_cases"))
     out.mkdir(parents=True, exist_ok=True)
     found, _ = gpus()
-    tiles = {"matmul": {"tensor_cores": int(os.environ.get("TENSOR_CORES", "1"))}}
+    tiles = matmul_tiles()  # the defaults, or MEGALOOP_BENCH_MATMUL's settings
     for name in sys.argv[1:] or list(CASES):
         g, params, feeds = CASES[name]()
         plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)
