@@ -639,8 +639,16 @@ def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, s
 
 
 def _attn_sample(
-    gqa: bool, tq1: bool = False, positions: bool = False, lengths: bool = False, dv: bool = False
+    gqa: bool,
+    tq1: bool = False,
+    positions: bool = False,
+    lengths: bool = False,
+    dv: bool = False,
+    blocks: bool = False,
 ) -> Callable[[np.random.Generator], Sample]:
+    """``blocks``: shapes of the tensor-core path (16-bit heads of 16..128 in steps of 16, blocks of 16
+    queries or more, several key blocks of 64, query counts and key counts that are not whole blocks)."""
+
     def sample(rng: np.random.Generator) -> Sample:
         b = int(rng.integers(1, 4))
         hkv = int(rng.integers(1, 3))
@@ -648,6 +656,9 @@ def _attn_sample(
         tk = int(rng.integers(1, 24))
         tq = 1 if tq1 else int(rng.integers(1, tk + 1))
         d = int(rng.integers(1, 33))
+        if blocks:
+            b, tq = int(rng.integers(1, 3)), int(rng.integers(16, 90))
+            tk, d = int(rng.integers(tq, 200)), int(rng.choice([16, 64, 128]))
         shapes = [(b, hq, tq, d), (b, hkv, tk, d), (b, hkv, tk, int(rng.integers(1, 20)) if dv else d)]
         domains: list[Any] = ["normal"] * 3
         if positions:
@@ -699,6 +710,17 @@ _attn_row(
 _attn_row("decode-lengths", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True)
 _attn_row("sliding-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5)
 _attn_row("scale-vdim", _attn_sample(gqa=False, dv=True), scale=0.3)
+# blocks of queries on tensor cores (16-bit; float32 takes the other paths)
+_attn_row("blocks-causal-gqa", _attn_sample(gqa=True, blocks=True), causal=True)
+_attn_row(
+    "blocks-positions-lengths",
+    _attn_sample(gqa=True, positions=True, lengths=True, blocks=True),
+    positions=True,
+    lengths=True,
+    causal=True,
+)
+_attn_row("blocks-window", _attn_sample(gqa=True, positions=True, blocks=True), positions=True, causal=True, window=37)
+_attn_row("blocks-full-scale", _attn_sample(gqa=False, blocks=True), scale=0.3)
 _attn_row("split-decode", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3)
 _attn_row("split-window", _attn_sample(gqa=True, positions=True), positions=True, causal=True, window=5, kv_splits=4)
 # the combine keeps up to 16 ranges' weights in registers (emit_attention.COMBINE_HELD_SPLITS), more take

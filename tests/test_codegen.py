@@ -548,3 +548,32 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
     hints = {"tensor_cores": 1, "tile": (128, 128), "warps": warps}
     bm, bn, wm, wn = mma_config({"transpose_a": False, "transpose_b": True, "codegen": hints}, a, b)
     assert wm * wn == warps and (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS
+
+
+@pytest.mark.parametrize(
+    "dtype, d, tq, taken",
+    [
+        ("bfloat16", 64, 64, True),
+        ("float16", 128, 40, True),
+        ("float32", 64, 64, False),
+        ("bfloat16", 64, 8, False),
+        ("bfloat16", 40, 64, False),
+    ],
+)
+def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int, tq: int, taken: bool) -> None:
+    """16-bit heads of 16..128 (steps of 16) in blocks of 16 queries or more run ml::attention_mma; the
+    kernel compiles for Hopper and Ampere without spills and sizes its shared memory for two K/V stages."""
+    from megaloop.codegen.emit_attention import attention_mma_bytes
+    from megaloop.runtime.compile import spills
+
+    g = ml.Graph(f"attn-{dtype}")
+    q = g.input("q", (1, 8, tq, d), dtype)
+    k = g.input("k", (1, 2, 300, d), dtype)
+    v = g.input("v", (1, 2, 300, d), dtype)
+    g.output("y", ml.attention(q, k, v, causal=True))
+    for arch in ("sm_90", "sm_80"):
+        program = generate(make_plan(g, processors=132, arch=arch))
+        assert ("ml::attention_mma<" in program.source) == taken
+        if taken:
+            assert program.shared_bytes >= attention_mma_bytes(d)
+            assert spills(program.source, arch + ("a" if arch == "sm_90" else "")) == {}

@@ -1,8 +1,11 @@
-"""CUDA tile code for attention: a warp per (head, query) with an online softmax, and the split-key
-path (flash-decoding inside one tile) for packed, aligned heads. Part of megaloop/codegen/emit.py."""
+"""CUDA tile code for attention: tensor cores (megaloop/attention.cuh, FlashAttention-2 style) for
+blocks of 16 queries or more of 16-bit heads, the split-key path (flash-decoding inside one tile) for
+packed, aligned heads (decode), and a warp per (head, query) with an online softmax for the rest.
+Part of megaloop/codegen/emit.py."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megaloop.codegen.emit import Operand, float_literal, pointers
@@ -19,6 +22,7 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     group = q.shape[1] // k.shape[1]
     scale = float_literal(attrs["scale"])
     body = pointers(ins + [out], len(ins))
+    body += _attention_mma(attrs, ins, out, qpos, lens, optional)
     body += _attention_split(attrs, ins, out, qpos, lens, optional, group, scale)
     body += _online_rows(attrs, ins, None)
     dv, vl = v.shape[3], (v.shape[3] + 31) // 32
@@ -225,8 +229,101 @@ def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -
 
 
 def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
-    """Dynamic shared memory the split-key attention path needs (0 when it does not apply)."""
-    return warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
+    """Dynamic shared memory the tensor-core and split-key attention paths need (0 when neither applies)."""
+    split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
+    return max(split, attention_mma_bytes(ins[0].shape[3]) if _mma_applies(ins) else 0)
+
+
+ATT_BK = 64  # keys staged a block (attention.cuh)
+MMA_MIN_QUERIES = 16  # a warp's unit of queries: fewer (decode) take the split-key path
+
+
+def attention_mma_bytes(d: int) -> int:
+    """attention.cuh's attention_mma_shared_bytes: two stages of K and V blocks, rows padded by 8."""
+    return 2 * 2 * ATT_BK * (d + 8) * 2 + 256
+
+
+def _mma_applies(ins: list[Operand]) -> bool:
+    """The tensor-core path: 16-bit q, k, v of one type, head dimensions equal, 16..128 in steps of 16,
+    contiguous, 16-byte aligned rows, and blocks of at least 16 queries."""
+    q, k, v = ins[:3]
+    d = q.shape[3]
+    return (
+        q.dtype == k.dtype == v.dtype
+        and q.dtype.name in ("bfloat16", "float16")
+        and v.shape[3] == d
+        and d % 16 == 0
+        and 16 <= d <= 128
+        and q.shape[2] >= MMA_MIN_QUERIES
+        and q.strides[3] == k.strides[3] == v.strides[3] == 1
+        and all(st % 8 == 0 for st in q.strides[:3] + k.strides[:3] + v.strides[:3])
+    )
+
+
+def _attention_mma(
+    attrs: dict[str, Any],
+    ins: list[Operand],
+    out: Operand,
+    qpos: Operand | None,
+    lens: Operand | None,
+    optional: list[int],
+) -> list[str]:
+    """The tile on tensor cores (ml::attention_mma): each query's visible keys from the same rule as
+    the other paths (see megaloop/frontend/ops/attention.py), written as the range callback."""
+    if not _mma_applies(ins):
+        return []
+    q, k, v = ins[:3]
+    d, tq, tk = q.shape[3], q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    scale_log2 = float_literal(attrs["scale"] * math.log2(math.e))
+    o = out.strides
+    lines = [
+        "if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && ml::aligned(in2, 16)) {  // tensor cores",
+        "    extern __shared__ float4 ml_smem4[];",
+        "    const int bi = t.lo[0], h0 = t.lo[1], s0 = t.lo[2];",
+        f"    const int kh = h0 / {group};  // the tile's heads share it",
+    ]
+    if lens is not None:
+        lines += [
+            f"    const ml::i64 len = ml::load(in{3 + optional.index(4)} + (ml::i64)bi * {lens.strides[0]});",
+            f"    const bool bad_len = len < 0 || len > {tk};",
+            f"    if (bad_len && threadIdx.x == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, len, {tk}, 2, 0);",
+        ]
+    else:
+        lines += [f"    const ml::i64 len = {tk};", "    const bool bad_len = false;"]
+    lines.append("    auto range = [&](int r, ml::i64& begin, ml::i64& end) {")
+    lines.append("        const int i = s0 + r;")
+    if qpos is not None:
+        lines.append(
+            f"        const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
+            f"(ml::i64)i * {qpos.strides[1]});"
+        )
+    else:
+        lines.append(f"        const ml::i64 qp = len - {tq} + i;")
+    if attrs["causal"]:
+        window = attrs["window"]
+        lines += [
+            "        end = qp + 1 < len ? qp + 1 : len;",
+            f"        begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
+            "        if (begin < 0) begin = 0;",
+        ]
+    else:
+        lines.append("        begin = 0; end = len;")
+    lines += [
+        "        if (bad_len) end = begin;  // reported above; nothing is read",
+        "    };",
+        f"    ml::attention_mma<{q.ctype}, {d}>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h0 * {q.strides[1]} + "
+        f"(ml::i64)s0 * {q.strides[2]}, {q.strides[1]}, {q.strides[2]}, t.hi[1] - h0, t.hi[2] - s0,",
+        f"        in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]}, {k.strides[2]},",
+        f"        in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]}, {v.strides[2]}, {tk}, {scale_log2},",
+        "        ml_smem4, range, [&](int hh, int r, int dd, float val) {",
+        f"            ml::store(out0 + (ml::i64)bi * {o[0]} + (ml::i64)(h0 + hh) * {o[1]} + (ml::i64)(s0 + r) * {o[2]} + "
+        f"(ml::i64)dd * {o[3]}, val);",
+        "        });",
+        "    return;",
+        "}",
+    ]
+    return lines
 
 
 def _split_applies(ins: list[Operand]) -> bool:

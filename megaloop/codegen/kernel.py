@@ -326,6 +326,7 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
 #include "megaloop/vec.cuh"
 #include "megaloop/mma.cuh"
 #include "megaloop/wgmma.cuh"
+#include "megaloop/attention.cuh"
 
 {chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, int tid) {{

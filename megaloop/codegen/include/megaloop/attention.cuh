@@ -1,0 +1,236 @@
+// megaloop/attention.cuh: attention tiles on tensor cores (mma.sync m16n8k16, sm_80 and later), the
+// FlashAttention-2 scheme inside one tile: the tile's query heads (which share one kv head) times its
+// block of queries, against every key some query of the tile sees.
+//
+// A warp owns a unit of 16 queries of one head at a time (units in turn when the tile has more than the
+// block has warps): the queries' fragments stay in registers, and for every block of ATT_BK keys staged
+// in shared memory (K and V, double-buffered by cp.async, every thread copying) it computes the 16 x 64
+// scores S = Q K^T on tensor cores, masks them by each query's visible range, updates the running row
+// maxima and sums (online softmax, float32, exp2 with the scale folded in), and adds P V on tensor cores
+// with P rounded to the inputs' type (as FlashAttention does). Fragment layouts as in megaloop/mma.cuh:
+// the C fragment of S is, pair for pair, the A fragment P needs, so P never leaves registers. K's
+// fragments come from ldmatrix (keys are rows, the head dimension contiguous: B "col" layout); V's from
+// ldmatrix.trans (keys are rows, but V's n is the head dimension).
+#pragma once
+#include "megaloop/mma.cuh"
+#include "megaloop/types.cuh"
+#include "megaloop/vec.cuh"
+
+namespace ml {
+
+constexpr int ATT_BK = 64;  // keys a block stages and a warp's scores cover
+
+// Shared memory attention_mma<T, D> needs: two stages of K and V blocks, rows padded by 8 elements
+// (ldmatrix's 8 row addresses fall in distinct banks), plus the warps' key ranges.
+__host__ __device__ constexpr int attention_mma_shared_bytes(int d) { return 2 * 2 * ATT_BK * (d + 8) * 2 + 256; }
+
+// Keys [j0, j0 + ATT_BK) of X (row stride ld, D contiguous, rows 16-byte aligned) into s[ATT_BK][D + 8];
+// rows at or past tk are zeros (masked anyway; zeros keep 0 * V finite).
+template <typename T, int D>
+__device__ __forceinline__ void attention_stage(T* s, const T* x, i64 ld, int j0, int tk) {
+    constexpr int CHUNKS = D / 8;
+    for (int c = threadIdx.x; c < ATT_BK * CHUNKS; c += blockDim.x) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8, j = j0 + r;
+        const bool ok = j < tk;
+        cp_async16(s + r * (D + 8) + col, ok ? x + (i64)j * ld + col : x, ok);
+    }
+}
+
+__device__ __forceinline__ u32 pack_pair(float lo, float hi, bf16) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 pack_pair(float lo, float hi, f16) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// q: query 0 of head 0 of the tile (heads q_head apart, queries q_row apart, D contiguous); k, v: key 0
+// of the tile's kv head (keys k_row / v_row apart); nh heads x nq queries; tk keys in all.
+// range(r, begin, end): the keys [begin, end) query r (0 <= r < nq, the same for every head) sees.
+// store(head, r, dim, value) writes the normalised output (zeros for a query that sees no key).
+template <typename T, int D, typename Range, typename Store>
+__device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row, int nh, int nq, const T* k, i64 k_row,
+                                              const T* v, i64 v_row, int tk, float scale_log2, void* smem,
+                                              Range range, Store store) {
+    static_assert(D % 16 == 0 && D <= 128, "head dimensions of 16..128 in steps of 16");
+    constexpr int LD = D + 8, KS = D / 16, NT = ATT_BK / 8, DT = D / 8;
+    T* sk = reinterpret_cast<T*>(smem);  // [2][ATT_BK][LD]
+    T* sv = sk + 2 * ATT_BK * LD;  // [2][ATT_BK][LD]
+    int* ranges = reinterpret_cast<int*>(sv + 2 * ATT_BK * LD);  // [warps][2]
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, qd = lane & 3;
+    // ldmatrix row addresses, as shared-space byte offsets (constant offsets then fold into the
+    // instructions): K's lane l reads key (l % 8) + 8 (l / 16), dims + 8 ((l / 8) % 2) (two n8 tiles of
+    // keys, both halves of a k16 step); V's (transposed) reads key (l % 8) + 8 ((l / 8) % 2), dims + 8 (l / 16)
+    const u32 k_at = shared_address(sk) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8);
+    const u32 v_at = shared_address(sv) + 2 * ((((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8);
+    const int per_head = (nq + 15) / 16, units = nh * per_head;
+    const float NEG = neg_inf();
+    for (int u0 = 0; u0 < units; u0 += warps) {
+        const int u = u0 + warp;
+        const bool active = u < units;
+        const int hh = active ? u / per_head : 0, r0 = active ? (u % per_head) * 16 + g : nq, r1 = r0 + 8;
+        i64 b0 = 0, e0 = 0, b1 = 0, e1 = 0;  // visible keys of rows r0 and r1 (empty past nq)
+        if (r0 < nq) range(r0, b0, e0);
+        if (r1 < nq) range(r1, b1, e1);
+        if (e0 <= b0) b0 = e0 = 0;
+        if (e1 <= b1) b1 = e1 = 0;
+        // this warp's keys: the union of its rows' ranges; the block's: the union over the warps
+        int lo = (int)tk, hi = 0;
+        if (e0 > b0) { lo = (int)b0; hi = (int)e0; }
+        if (e1 > b1) { lo = min(lo, (int)b1); hi = max(hi, (int)e1); }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+            hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        if (lane == 0) { ranges[2 * warp] = lo; ranges[2 * warp + 1] = hi; }
+        __syncthreads();
+        int block_lo = (int)tk, block_hi = 0;
+        for (int w = 0; w < warps; ++w) {
+            if (ranges[2 * w] < ranges[2 * w + 1]) {
+                block_lo = min(block_lo, ranges[2 * w]);
+                block_hi = max(block_hi, ranges[2 * w + 1]);
+            }
+        }
+        __syncthreads();  // ranges[] is rewritten next round
+        // the unit's queries as A fragments: rows r0 / r1, columns 16 ks + 2 qd (+ 8), zeros past nq
+        u32 qa[KS][4];
+        const T* q0 = q + (i64)hh * q_head + (i64)min(r0, nq - 1) * q_row;
+        const T* q1 = q + (i64)hh * q_head + (i64)min(r1, nq - 1) * q_row;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int c = 16 * ks + 2 * qd;
+            qa[ks][0] = r0 < nq ? *reinterpret_cast<const u32*>(q0 + c) : 0u;
+            qa[ks][1] = r1 < nq ? *reinterpret_cast<const u32*>(q1 + c) : 0u;
+            qa[ks][2] = r0 < nq ? *reinterpret_cast<const u32*>(q0 + c + 8) : 0u;
+            qa[ks][3] = r1 < nq ? *reinterpret_cast<const u32*>(q1 + c + 8) : 0u;
+        }
+        float o[DT][4];
+#pragma unroll
+        for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        float m0 = NEG, m1 = NEG, l0 = 0.0f, l1 = 0.0f;  // running maxima (scaled, log2 units), this lane's sums
+        const int first = block_lo / ATT_BK * ATT_BK;
+        if (first < block_hi) {
+            attention_stage<T, D>(sk, k, k_row, first, tk);
+            attention_stage<T, D>(sv, v, v_row, first, tk);
+        }
+        cp_async_commit();
+        int stage = 0;
+        for (int j0 = first; j0 < block_hi; j0 += ATT_BK, stage ^= 1) {
+            if (j0 + ATT_BK < block_hi) {  // the next block lands while this one is used
+                attention_stage<T, D>(sk + (stage ^ 1) * ATT_BK * LD, k, k_row, j0 + ATT_BK, tk);
+                attention_stage<T, D>(sv + (stage ^ 1) * ATT_BK * LD, v, v_row, j0 + ATT_BK, tk);
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            if (active && j0 < hi && j0 + ATT_BK > lo) {
+                const u32 k_stage = k_at + 2 * stage * ATT_BK * LD, v_stage = v_at + 2 * stage * ATT_BK * LD;
+                float s[NT][4];
+#pragma unroll
+                for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+                    for (int n = 0; n < NT; n += 2) {  // keys 8n..8n+15: B fragments of two n8 tiles
+                        u32 b[4];
+                        const u32 at = k_stage + 2 * (8 * n * LD + 16 * ks);
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                                     : "r"(at)
+                                     : "memory");
+                        mma_16816(s[n], qa[ks], b, T{});
+                        mma_16816(s[n + 1], qa[ks], b + 2, T{});
+                    }
+                }
+                // mask, scale (log2 units) and the rows' new maxima
+                float mx0 = m0, mx1 = m1;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const i64 j = j0 + 8 * n + 2 * qd + (e & 1);
+                        const bool seen = (e < 2) ? (j >= b0 && j < e0) : (j >= b1 && j < e1);
+                        s[n][e] = seen ? s[n][e] * scale_log2 : NEG;
+                    }
+                    mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+                }
+#pragma unroll
+                for (int off = 1; off < 4; off <<= 1) {  // the quad holds a row's 64 scores
+                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+                }
+                // a row that has seen no key yet keeps max -inf: subtract 0 instead (its p are all 0)
+                const float base0 = mx0 == NEG ? 0.0f : mx0, base1 = mx1 == NEG ? 0.0f : mx1;
+                const float c0 = exp2f(m0 - base0), c1 = exp2f(m1 - base1);
+                m0 = mx0;
+                m1 = mx1;
+                l0 *= c0;
+                l1 *= c1;
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    o[n][0] *= c0;
+                    o[n][1] *= c0;
+                    o[n][2] *= c1;
+                    o[n][3] *= c1;
+                }
+#pragma unroll
+                for (int kk = 0; kk < ATT_BK / 16; ++kk) {  // keys 16kk..16kk+15: P's fragment, then P V
+                    u32 pa[4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int n = 2 * kk + h;
+                        const float p0 = exp2f(s[n][0] - base0), p1 = exp2f(s[n][1] - base0);
+                        const float p2 = exp2f(s[n][2] - base1), p3 = exp2f(s[n][3] - base1);
+                        l0 += p0 + p1;
+                        l1 += p2 + p3;
+                        // the C fragment of keys 8n.. is half of the A fragment of the key step
+                        // (a0 / a1: rows g / g + 8 of its low 8 keys; a2 / a3: of its high 8)
+                        pa[2 * h] = pack_pair(p0, p1, T{});
+                        pa[2 * h + 1] = pack_pair(p2, p3, T{});
+                    }
+#pragma unroll
+                    for (int n = 0; n < DT; n += 2) {  // dims 8n..8n+15
+                        u32 b[4];
+                        const u32 at = v_stage + 2 * (16 * kk * LD + 8 * n);
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                                     : "r"(at)
+                                     : "memory");
+                        mma_16816(o[n], pa, b, T{});
+                        mma_16816(o[n + 1], pa, b + 2, T{});
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with this stage before the next block refills it
+        }
+        cp_async_wait<0>();
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+            l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+        }
+        if (active) {
+            const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                const int dd = 8 * n + 2 * qd;
+                if (r0 < nq) {
+                    store(hh, r0, dd, o[n][0] * i0);
+                    store(hh, r0, dd + 1, o[n][1] * i0);
+                }
+                if (r1 < nq) {
+                    store(hh, r1, dd, o[n][2] * i1);
+                    store(hh, r1, dd + 1, o[n][3] * i1);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace ml
