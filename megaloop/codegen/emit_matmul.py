@@ -14,10 +14,11 @@ MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
 MMA_BK, MMA_LD, MMA_STAGES, MMA_MAX_FRAGMENTS = 32, 40, 3, 32  # as in mma.cuh (tests/test_codegen.py checks)
 WGMMA_MIN_ROWS, WGMMA_MIN_COLS = 64, 64  # a warpgroup's 64 rows; narrower tiles stay on mma.sync
-# K slices of 64 in shared memory, at most (wgmma.cuh prefetches S - 2 ahead): as many as fit, since a
-# narrow block's slice is short work (128 x 64: ~256 cycles) against a memory round trip of ~1 us; a
-# 512-token prefill's 128 x 64 tiles ran at 18.7 us for 4.5 of tensor-core work with 4
-WGMMA_STAGES = 8
+# K slices of 64 in shared memory, at most (wgmma.cuh prefetches S - 2 ahead). Tried 8 at 3f1f879: no
+# change to a 512-token prefill's 128 x 64 blocks (18 us each), 4096^3 at 128 x 128 went from 0.56 to 0.50
+# of cuBLAS. What bounds both is the blocks' operand traffic from L2 (~5.5-6 TB/s over the SMs in every
+# measurement so far), not the prefetch depth.
+WGMMA_STAGES = 4
 # The loop kernel's static shared memory (its Args copy, the row ops' reduction scratch) comes out of
 # the same per-block budget as the dynamic shared memory sized for the stages.
 WGMMA_STATIC_RESERVE = 8 * 1024
