@@ -614,6 +614,35 @@ for label, extra, sampler in [
         fixed={1: "int64"},
     )
 
+
+def _rope_wide(d: int, rotary: int | None = None, tokens: int = 160) -> Callable[[np.random.Generator], Sample]:
+    """[2, 4, tokens, d]: rope's per-pair path with 16-byte packs, several items a thread, several tasks
+    (and now and then 4 tokens: the plan interpreter's tests take draws of few tasks)."""
+
+    def sample(rng: np.random.Generator) -> Sample:
+        n = 4 if rng.random() < 0.3 else tokens
+        return Sample([(2, 4, n, d), (2, 1, n)], {} if rotary is None else {"rotary_dim": rotary})
+
+    return sample
+
+
+for label, extra, sampler in [
+    ("wide-neox", {"layout": "neox"}, _rope_wide(64)),
+    ("wide-interleaved", {"layout": "interleaved"}, _rope_wide(64)),
+    ("wide-partial-neox", {"layout": "neox"}, _rope_wide(128, rotary=48)),
+    ("wide-partial-interleaved", {"layout": "interleaved"}, _rope_wide(128, rotary=80)),
+    ("wide-llama3", {"theta": 500000.0, "scaling": _LLAMA3}, _rope_wide(128)),
+]:
+    row(
+        "rope",
+        label,
+        lambda g, x, p, _e=extra, **kw: ml.rope(x, p, **_e, **kw),
+        lambda x, p, _e=extra, **kw: rope_ref(x, p, **_e, **{k: v for k, v in kw.items() if k != "dtype"}),
+        sampler,
+        domains=("normal", ("int", 0, 1_000_000)),  # far positions: the float64 angle and its reduction
+        fixed={1: "int64"},
+    )
+
 # ---- attention ---------------------------------------------------------------------------------------
 
 
@@ -781,6 +810,23 @@ row(
     lambda g, c, n, p: ml.kv_cache_update(c, n, p),
     _cache_ref,
     _cache_sample,
+    fixed={2: "int64"},
+    states=(0,),
+)
+
+
+def _cache_sample_long(rng: np.random.Generator) -> Sample:
+    """A prefill's worth of rows: the packed copy, several packs a thread."""
+    b, h, s, d, t = 2, 3, 600, 64, 512
+    return Sample([(b, h, s, d), (b, h, t, d), (b, t)], domains=("normal", "normal", ("distinct", s)))
+
+
+row(
+    "kv_cache_update",
+    "long-prefill",
+    lambda g, c, n, p: ml.kv_cache_update(c, n, p),
+    _cache_ref,
+    _cache_sample_long,
     fixed={2: "int64"},
     states=(0,),
 )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.dtypes import DType, round_to
+from megaloop.frontend.ops._tilings import ELEMENTS
 from megaloop.frontend.ops.rope import inv_frequencies
 
 CTYPE = {
@@ -337,7 +338,60 @@ def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out:
     return body
 
 
+# ---- rope ---------------------------------------------------------------------------------------------
+
+# sin(r) and cos(r) for |r| <= pi/4 in float32: the minimax polynomials of Cephes' sinf/cosf, at most
+# 0.73 ulp (sin) and 0.88 ulp (cos) from the truth for every float32 in [0, pi/4] (measured with the
+# arithmetic below written out in numpy, as tests/test_rope_kv_codegen.py models it). Short, branch-free
+# and without sincosf's large-argument path, which the reduced angle never needs.
+ROPE_SIN = (-1.95152959e-4, 8.33216087e-3, -1.66666546e-1)
+ROPE_COS = (2.44331571e-5, -1.38873163e-3, 4.16666457e-2)
+# pi/2 as a double and the double nearest to what it leaves out (Cody-Waite): k quarter turns come off
+# the angle with an error of k * 6e-33, nothing next to float32's resolution for any k below
+PIO2_HI = math.pi / 2
+PIO2_LO = 6.123233995736766e-17
+# 1.5 * 2^52: adding it rounds a float64 below 2^51 to an integer (the sum's ulp is 1)
+ROUND_MAGIC = 1.5 * 2.0**52
+# threads a block (the plan's default 8 warps), for the fast paths' shape where the generator passes no
+# "threads" hint (it passes hints to the rows and elementwise templates only)
+DEFAULT_THREADS = 256
+
+
+def rope_angle() -> list[str]:
+    """C++ lambda ``angle(pv, w, s, c)``: sin and cos of pv * w, the reference's own float64 product."""
+    sin = [float_literal(v) for v in ROPE_SIN]
+    cos = [float_literal(v) for v in ROPE_COS]
+    return [
+        "// The product is float64 (as the reference: at position 1e6 float32 would be off by 0.03 rad) and so",
+        "// is its reduction by whole quarter turns k; float32 polynomials then take the rest, |r| <= pi/4, and",
+        "// the quarter turns become swaps and signs. A float64 sincos per element cost 26 us per 8K-element",
+        "// prefill tile; a float32 sinf of the whole angle would lose its reduction's precision to rounding.",
+        "const auto angle = [](double pv, double w, float& s, float& c) {",
+        "    const double ang = pv * w;",
+        "    // k = ang / (pi/2) to the nearest integer, the integer part of t (whole below 2^51 quarter turns,",
+        "    // positions below 3e15 at frequency 1), which saves a float64 rint and a conversion per angle",
+        f"    const double t = fma(ang, {double_literal(2 / math.pi)}, {double_literal(ROUND_MAGIC)});",
+        f"    const double k = t - {double_literal(ROUND_MAGIC)};",
+        f"    const float r = (float)fma(-k, {double_literal(PIO2_LO)}, fma(-k, {double_literal(PIO2_HI)}, ang));",
+        "    const float z = r * r;",
+        f"    const float sr = fmaf(fmaf(fmaf({sin[0]}, z, {sin[1]}), z, {sin[2]}) * z, r, r);",
+        f"    const float cr = fmaf(fmaf(fmaf(fmaf({cos[0]}, z, {cos[1]}), z, {cos[2]}), z, -0.5f), z, 1.0f);",
+        "    long long bits;",
+        "    memcpy(&bits, &t, sizeof bits);",
+        "    const int q = (int)(bits & 3);  // k mod 4: t's last bits (the magic number is a multiple of 4)",
+        "    s = (q & 1) ? cr : sr;",
+        "    c = (q & 1) ? sr : cr;",
+        "    if (q & 2) s = -s;",
+        "    if ((q + 1) & 2) c = -c;",
+        "};",
+    ]
+
+
 def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand) -> list[str]:
+    """out[d] = x[d] cos - x[p] sin and out[p] = x[p] cos + x[d] sin for each pair (d, p) of the rotary
+    dims, both rounded from float32 fmas, the angle as ``rope_angle``; dims past rotary_dim copied. A
+    per-pair path (``_rope_pairs``) runs where the layout allows, the per-element path is the fallback
+    and computes the same values."""
     nd = len(x.shape)
     rd = attrs["rotary_dim"]
     inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
@@ -346,17 +400,13 @@ def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand)
     # into every thread's local memory on every call (64 stores a thread per tile)
     body = [f"static constexpr double inv_freq[{len(inv)}] = {{{table}}};"]
     body += pointers([x, pos, out], 2)
-    # a thread's elements are blockDim apart, so with 128-wide heads it meets the same frequency (and in
-    # decode the same position) again and again: the double sincos, ~0.5 us of dependent instructions
-    # (8 of them in turn per thread at 16 heads), is taken again only when the pair changes
-    body.append("double memo_pos = 0.0, memo_s = 0.0, memo_c = 1.0;")
-    body.append("int memo_f = -1;  // none yet")
+    body += rope_angle()
+    body += _rope_pairs(attrs, x, pos, out)
     body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
-    d = f"i[{nd - 1}]"
     xb = index_expr(x.strides[:-1], [f"i[{k}]" for k in range(nd - 1)])
     ob = index_expr(out.strides[:-1], [f"i[{k}]" for k in range(nd - 1)])
     body.append(f"    const ml::i64 xb = {xb}, ob = {ob};")
-    body.append(f"    const int d = {d};")
+    body.append(f"    const int d = i[{nd - 1}];")
     body.append(
         f"    if (d >= {rd}) {{ ml::store(out0 + ob + (ml::i64)d * {out.strides[-1]}, "
         f"ml::load(in0 + xb + (ml::i64)d * {x.strides[-1]})); return; }}"
@@ -364,35 +414,182 @@ def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand)
     if attrs["layout"] == "neox":
         half = rd // 2
         body.append(f"    const int f = d % {half}; const int p = d < {half} ? d + {half} : d - {half};")
-        body.append(f"    const double sign = d < {half} ? -1.0 : 1.0;")
+        body.append(f"    const float sign = d < {half} ? -1.0f : 1.0f;")
     else:
-        body.append("    const int f = d / 2; const int p = d ^ 1; const double sign = (d & 1) ? 1.0 : -1.0;")
-    pdims = broadcast_dims(nd - 1, pos)
-    body.append(f"    const double pv = (double)ml::load(in1 + {index_expr(pos.strides, pdims)});")
-    body.append("    if (f != memo_f || pv != memo_pos) {")
-    body.append("        double s_, c_;")
-    body.append("        sincos(pv * inv_freq[f], &s_, &c_);")
-    body.append("        memo_s = s_;")
-    body.append("        memo_c = c_;")
-    body.append("        memo_f = f;")
-    body.append("        memo_pos = pv;")
-    body.append("    }")
-    body.append("    const double s = memo_s, c = memo_c;")
+        body.append("    const int f = d / 2; const int p = d ^ 1; const float sign = (d & 1) ? 1.0f : -1.0f;")
     body.append(
-        f"    const double v = (double)ml::load(in0 + xb + (ml::i64)d * {x.strides[-1]}) * c + "
-        f"sign * (double)ml::load(in0 + xb + (ml::i64)p * {x.strides[-1]}) * s;"
+        f"    const double pv = (double)ml::load(in1 + {index_expr(pos.strides, broadcast_dims(nd - 1, pos))});"
     )
-    body.append(f"    ml::store(out0 + ob + (ml::i64)d * {out.strides[-1]}, (float)v);")
+    body.append("    float s, c;")
+    body.append("    angle(pv, inv_freq[f], s, c);")
+    body.append(
+        f"    const float xd = ml::load(in0 + xb + (ml::i64)d * {x.strides[-1]}), "
+        f"xp = ml::load(in0 + xb + (ml::i64)p * {x.strides[-1]});"
+    )
+    body.append(f"    ml::store(out0 + ob + (ml::i64)d * {out.strides[-1]}, fmaf(xd, c, sign * (xp * s)));")
     body.append("});")
     return body
 
 
+def _rope_width(x: Operand, out: Operand, rd: int, neox: bool, rows: int, threads: int) -> int:
+    """Elements a load for the per-pair path (0: not taken): the widest pack (16 bytes down to one
+    element, two for interleaved pairs) that the layout allows and that still gives a task's ``rows``
+    at least one item per thread; the narrowest allowed one when none does (decode: 8 heads of 64 make
+    32 items of 16-byte packs, a single warp's work)."""
+    hd = x.shape[-1]
+    if x.strides[-1] != 1 or out.strides[-1] != 1:
+        return 0
+    row_strides = [s for o in (x, out) for s, n in zip(o.strides[:-1], o.shape[:-1]) if n > 1]
+    rotated = rd // 2 if neox else rd  # the first elements of the pairs: packs hold whole runs of them
+    chosen, w = 0, 16 // x.dtype.itemsize
+    while w >= (1 if neox else 2):
+        if rotated % w == 0 and (hd - rd) % w == 0 and all(s % w == 0 for s in row_strides):
+            chosen = w
+            if rows * (rotated + hd - rd) // w >= threads:
+                break
+        w //= 2
+    return chosen
+
+
+def _rope_pairs(attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand) -> list[str]:
+    """The per-pair path, or nothing when the layout rules it out at compile time. An item is one pack
+    of W elements of a row and its partners: neox loads the pack at j*W and its partner pack at
+    half + j*W (W pairs), interleaved one pack of W/2 pairs; items past the rotary dims copy a pack.
+    Each pair's angle is taken once (the per-element path takes it for both elements), and a thread's
+    U items are loaded (x and position) before any is computed and stored: a store may alias the next
+    load, so one element at a time waited the full memory latency each."""
+    last = len(x.shape) - 1
+    hd, rd, neox = x.shape[-1], attrs["rotary_dim"], attrs["layout"] == "neox"
+    hints = attrs.get("codegen", {})
+    threads = hints.get("threads") or DEFAULT_THREADS
+    elements = hints.get("elements") or max(ELEMENTS.values())  # the tiling's task size
+    rows = min(math.prod(x.shape[:-1]), max(1, elements // hd))  # of the largest task
+    w = _rope_width(x, out, rd, neox, rows, threads)
+    if not w:
+        return []
+    half, rotated = rd // 2, rd // 2 if neox else rd
+    rot_items, items = rotated // w, (rotated + hd - rd) // w  # per row
+    unroll = max(1, min(4, -(-rows * items // threads)))
+    pack = f"ml::Pack<{x.ctype}, {w}>"
+    # outer axes that move (size 1 has index 0): the item's row from its number, innermost first
+    outer = [d for d in range(last) if x.shape[d] > 1]
+    dims = [f"i[{d}]" if d in outer else None for d in range(last)]
+    decompose = []
+    for n, d in enumerate(reversed(outer)):
+        if n == len(outer) - 1:
+            decompose.append(f"i[{d}] = t.lo[{d}] + (int)r;")
+        else:
+            decompose.append(
+                f"{{ const unsigned ext = t.hi[{d}] - t.lo[{d}]; i[{d}] = t.lo[{d}] + (int)(r % ext); r /= ext; }}"
+            )
+    pdims = [dims[len(dims) - len(pos.shape) + k] if n > 1 else None for k, n in enumerate(pos.shape)]
+    loads = [f"pv[u] = (double)ml::load(in1 + {index_expr(pos.strides, pdims)});"]
+
+    def get(p: str, k: str) -> str:  # ml::get reads a 16-bit element from its 32-bit word: packs of 2+
+        return f"ml::get({p}, {k})" if w > 1 else f"ml::load(&{p}.v[{k}])"
+
+    if neox:
+        # a copied item's pack is its "partner" pack (half + j*W); its own load reads the same address
+        first = f"j * {w}" if rot_items == items else f"(j < {rot_items} ? j * {w} : {half} + j * {w})"
+        loads += [
+            f"pa[u] = ml::load_pack<{x.ctype}, {w}>(in0 + xb + {first});",
+            f"pb[u] = ml::load_pack<{x.ctype}, {w}>(in0 + xb + {half} + j * {w});",
+        ]
+        rotate = [
+            f"{pack} qa, qb;",
+            "#pragma unroll",
+            f"for (int k = 0; k < {w}; ++k) {{",
+            "    float s, c;",
+            f"    angle(pv[u], inv_freq[j * {w} + k], s, c);",
+            f"    const float x1 = {get('pa[u]', 'k')}, x2 = {get('pb[u]', 'k')};",
+            "    ml::set(qa, k, fmaf(x1, c, -(x2 * s)));",
+            "    ml::set(qb, k, fmaf(x2, c, x1 * s));",
+            "}",
+            f"ml::store_pack<{x.ctype}, {w}>(o + j * {w}, qa);",
+            f"ml::store_pack<{x.ctype}, {w}>(o + {half} + j * {w}, qb);",
+        ]
+        copy = f"ml::store_pack<{x.ctype}, {w}>(o + {half} + j * {w}, pb[u]);"
+    else:
+        loads.append(f"pa[u] = ml::load_pack<{x.ctype}, {w}>(in0 + xb + j * {w});")
+        rotate = [
+            f"{pack} qa;",
+            "#pragma unroll",
+            f"for (int k = 0; k < {w // 2}; ++k) {{",
+            "    float s, c;",
+            f"    angle(pv[u], inv_freq[j * {w // 2} + k], s, c);",
+            "    const float x1 = ml::get(pa[u], 2 * k), x2 = ml::get(pa[u], 2 * k + 1);",
+            "    ml::set(qa, 2 * k, fmaf(x1, c, -(x2 * s)));",
+            "    ml::set(qa, 2 * k + 1, fmaf(x2, c, x1 * s));",
+            "}",
+            f"ml::store_pack<{x.ctype}, {w}>(o + j * {w}, qa);",
+        ]
+        copy = f"ml::store_pack<{x.ctype}, {w}>(o + j * {w}, pa[u]);"
+    if rot_items == items:
+        compute = rotate
+    else:
+        compute = [
+            f"if (j < {rot_items}) {{",
+            *["    " + s for s in rotate],
+            "} else {  // past rotary_dim",
+            "    " + copy,
+            "}",
+        ]
+    checks = [
+        f"t.lo[{last}] == 0",
+        f"t.hi[{last}] == {hd}",
+        f"ml::aligned(in0, {w * x.dtype.itemsize})",
+        f"ml::aligned(out0, {w * out.dtype.itemsize})",
+    ]
+    count = " * ".join(f"(ml::i64)(t.hi[{d}] - t.lo[{d}])" for d in outer) or "1"
+    return [
+        f"// per-pair path: whole rows, {w} elements a load, {unroll} item(s) a thread in flight",
+        f"if ({' && '.join(checks)}) {{",
+        f"    const ml::i64 rows = {count};",
+        f"    if (rows * {items} <= 0x7fffffff) {{  // 32-bit index arithmetic",
+        f"        const unsigned total = (unsigned)(rows * {items});",
+        f"        for (unsigned e0 = threadIdx.x; e0 < total; e0 += {unroll} * blockDim.x) {{",
+        f"            {pack} pa[{unroll}]{f', pb[{unroll}]' if neox else ''};",
+        f"            double pv[{unroll}];",
+        f"            ml::i64 ob[{unroll}];",
+        f"            int jj[{unroll}];",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {unroll}; ++u) {{",
+        # past the end: the last item again, loaded but never stored (defined without a branch)
+        "                const unsigned e = min(e0 + u * blockDim.x, total - 1);",
+        f"                const int j = (int)(e % {items}u);",
+        f"                [[maybe_unused]] unsigned r = e / {items}u;",
+        f"                [[maybe_unused]] int i[{max(last, 1)}];",
+        *["                " + s for s in decompose],
+        f"                const ml::i64 xb = {index_expr(x.strides[:-1], dims)};",
+        f"                ob[u] = {index_expr(out.strides[:-1], dims)};",
+        "                jj[u] = j;",
+        *["                " + s for s in loads],
+        "            }",
+        "#pragma unroll",
+        f"            for (int u = 0; u < {unroll}; ++u) {{",
+        "                if (e0 + u * blockDim.x >= total) break;",
+        "                const int j = jj[u];",
+        f"                {out.ctype}* o = out0 + ob[u];",
+        *["                " + s for s in compute],
+        "            }",
+        "        }",
+        "        return;",
+        "    }",
+        "}",
+    ]
+
+
+# ---- kv_cache_update ------------------------------------------------------------------------------------
+
+
 def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos: Operand, out: Operand) -> list[str]:
-    """Rows of new into the cache slab of the task's (batch, head), at their positions (in place)."""
+    """Rows of new into the cache slab of the task's (batch, head), at their positions (in place). A
+    position outside [0, max_len) is reported (ml::DATA) and never written."""
     _, _, s, dim = cache.shape
     tokens = new.shape[2]
     body = pointers([cache, new, pos, out], 3)
     body.append("const int b = t.lo[0], h = t.lo[1];")
+    body += _kv_update_packed(attrs, new, pos, out)
     body.append(f"for (int e = threadIdx.x; e < {tokens * dim}; e += blockDim.x) {{")
     body.append(f"    const int tok = e / {dim}, d = e % {dim};")
     body.append(
@@ -406,6 +603,65 @@ def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos:
     )
     body.append("}")
     return body
+
+
+def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Operand) -> list[str]:
+    """The batched path: packs of W elements along head_dim (16 bytes where the layout allows, down to
+    one element at any stride), copied bit for bit, U packs and their positions loaded by a thread
+    before any is stored. The per-element loop paid the full memory latency per element (a store may
+    alias the next load, so neither compiler nor hardware overlapped them): 81 us for 512 tokens x 64."""
+    _, _, s, dim = out.shape
+    tokens = new.shape[2]
+    w = 16 // out.dtype.itemsize
+    while w > 1 and not (
+        dim % w == 0
+        and new.strides[3] == 1
+        and out.strides[3] == 1
+        and (tokens == 1 or new.strides[2] % w == 0)
+        and (s == 1 or out.strides[2] % w == 0)
+    ):
+        w //= 2
+    per_row = dim // w
+    total = tokens * per_row
+    if not 0 < total < 2**30:  # 32-bit index arithmetic
+        return []
+    threads = attrs.get("codegen", {}).get("threads") or DEFAULT_THREADS
+    unroll = max(1, min(8, -(-total // threads)))
+    pack = f"ml::Pack<{out.ctype}, {w}>"
+    return [
+        f"const {new.ctype}* src = in1 + (ml::i64)b * {new.strides[0]} + (ml::i64)h * {new.strides[1]};",
+        f"{out.ctype}* dst = out0 + (ml::i64)b * {out.strides[0]} + (ml::i64)h * {out.strides[1]};",
+        f"const {pos.ctype}* ps = in2 + (ml::i64)b * {pos.strides[0]};",
+        f"// batched path: {w} elements a copy, {unroll} copy(ies) a thread in flight",
+        f"if (ml::aligned(src, {w * new.dtype.itemsize}) && ml::aligned(dst, {w * out.dtype.itemsize})) {{",
+        f"    for (unsigned e0 = threadIdx.x; e0 < {total}u; e0 += {unroll} * blockDim.x) {{",
+        f"        {pack} v[{unroll}];",
+        f"        ml::i64 p[{unroll}];",
+        f"        int c[{unroll}];",
+        "#pragma unroll",
+        f"        for (int u = 0; u < {unroll}; ++u) {{",
+        # past the end: the last pack again, loaded but never stored (defined without a branch)
+        f"            const unsigned e = min(e0 + u * blockDim.x, {total - 1}u);",
+        f"            const int tok = (int)(e / {per_row}u);",
+        f"            c[u] = (int)(e % {per_row}u);",
+        f"            p[u] = ml::load(ps + (ml::i64)tok * {pos.strides[1]});",
+        f"            v[u] = ml::load_pack<{new.ctype}, {w}>(src + (ml::i64)tok * {new.strides[2]} + "
+        f"(ml::i64)c[u] * {w * new.strides[3]});",
+        "        }",
+        "#pragma unroll",
+        f"        for (int u = 0; u < {unroll}; ++u) {{",
+        f"            if (e0 + u * blockDim.x >= {total}u) break;",
+        f"            if (p[u] < 0 || p[u] >= {s}) {{",
+        f"                ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p[u], {s}, 1, 0);",
+        "                return;  // as the per-element loop: reported, never written",
+        "            }",
+        f"            ml::store_pack<{out.ctype}, {w}>(dst + p[u] * {out.strides[2]} + "
+        f"(ml::i64)c[u] * {w * out.strides[3]}, v[u]);",
+        "        }",
+        "    }",
+        "    return;",
+        "}",
+    ]
 
 
 def concat(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
