@@ -15,7 +15,7 @@ from megaloop import errors
 from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama
 from megaloop.plan import make_plan
-from megaloop.runtime.compile import compile_cubin
+from megaloop.runtime.compile import CompileError, compile_cubin
 from tests.op_table import ROWS, build_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,6 +256,8 @@ def test_tensor_core_matmul_is_chosen_where_it_applies_and_compiles(dtype: str) 
     ampere = generate(make_plan(tensor_core_graph(dtype), processors=1, tiles=tiles, arch="sm_80")).source
     assert ampere.count("ml::mma_tile<") == 2 and "wgmma" not in ampere.split("megaloop_loop")[-1]
     assert compile_cubin(ampere, "sm_80", use_cache=False)[:4] == b"\x7fELF"
+    with pytest.raises(CompileError, match=r"warpgroup MMA .* arch=.sm_80."):
+        compile_cubin(src, "sm_80", use_cache=False)  # an sm_90 plan on an older GPU: said in words
     no_wgmma = generate(
         make_plan(tensor_core_graph(dtype), processors=1, tiles={"matmul": {**tiles["matmul"], "wgmma": 0}})
     )
@@ -578,3 +580,20 @@ def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int,
         if taken:
             assert program.shared_bytes >= attention_mma_bytes(d)
             assert spills(program.source, arch + ("a" if arch == "sm_90" else "")) == {}
+
+
+def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
+    """More than 8 warps (__launch_bounds__ leaves too few registers: 16 warps spilled 0.5 KB a thread),
+    a plan whose shared memory cannot hold the K/V stages, and the split form keep the other paths."""
+    g = ml.Graph("attn-limits")
+    q = g.input("q", (1, 8, 64, 128), "bfloat16")
+    k = g.input("k", (1, 2, 300, 128), "bfloat16")
+    g.output("y", ml.attention(q, k, k, causal=True))
+    assert "ml::attention_mma<" in generate(make_plan(g, processors=132)).source
+    assert "ml::attention_mma<" not in generate(make_plan(g, processors=132, warps=16)).source
+    assert "ml::attention_mma<" not in generate(make_plan(g, processors=132, shared_memory=64 * 1024)).source
+    split = ml.Graph("attn-split")
+    q2 = split.input("q", (1, 8, 64, 128), "bfloat16")
+    k2 = split.input("k", (1, 2, 300, 128), "bfloat16")
+    split.output("y", ml.attention(q2, k2, k2, causal=True, kv_splits=2))
+    assert "ml::attention_mma<" not in generate(make_plan(split, processors=132)).source

@@ -231,7 +231,7 @@ def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -
 def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
     """Dynamic shared memory the tensor-core and split-key attention paths need (0 when neither applies)."""
     split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
-    return max(split, attention_mma_bytes(ins[0].shape[3]) if _mma_applies(ins) else 0)
+    return max(split, attention_mma_bytes(ins[0].shape[3]) if _mma_applies(attrs, ins) else 0)
 
 
 ATT_BK = 64  # keys staged a block (attention.cuh)
@@ -243,13 +243,22 @@ def attention_mma_bytes(d: int) -> int:
     return 2 * 2 * ATT_BK * (d + 8) * 2 + 256
 
 
-def _mma_applies(ins: list[Operand]) -> bool:
+MMA_MAX_WARPS = 8  # above, __launch_bounds__ leaves a thread too few registers: 16 warps spilled 0.5 KB a thread
+MMA_STATIC_RESERVE = 8 * 1024  # the kernel's static shared memory, out of the plan's budget (as for wgmma)
+
+
+def _mma_applies(attrs: dict[str, Any], ins: list[Operand]) -> bool:
     """The tensor-core path: 16-bit q, k, v of one type, head dimensions equal, 16..128 in steps of 16,
-    contiguous, 16-byte aligned rows, and blocks of at least 16 queries."""
+    contiguous, 16-byte aligned rows, blocks of at least 16 queries (not a split form: attention_partial
+    keeps its own path), at most MMA_MAX_WARPS warps, and the stages within the plan's shared memory."""
     q, k, v = ins[:3]
     d = q.shape[3]
+    hints = attrs.get("codegen", {})
     return (
-        q.dtype == k.dtype == v.dtype
+        "splits" not in attrs
+        and hints.get("warps", MMA_MAX_WARPS) <= MMA_MAX_WARPS
+        and attention_mma_bytes(d) + MMA_STATIC_RESERVE <= hints.get("shared_memory", 227 * 1024)
+        and q.dtype == k.dtype == v.dtype
         and q.dtype.name in ("bfloat16", "float16")
         and v.shape[3] == d
         and d % 16 == 0
@@ -270,7 +279,7 @@ def _attention_mma(
 ) -> list[str]:
     """The tile on tensor cores (ml::attention_mma): each query's visible keys from the same rule as
     the other paths (see megaloop/frontend/ops/attention.py), written as the range callback."""
-    if not _mma_applies(ins):
+    if not _mma_applies(attrs, ins):
         return []
     q, k, v = ins[:3]
     d, tq, tk = q.shape[3], q.shape[2], k.shape[2]

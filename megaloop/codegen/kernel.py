@@ -189,7 +189,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         ins = [_operand(rp, t) for t in op.inputs]
         outs = [_operand(rp, t) for t in op.outputs]
         attrs = op.attrs
-        if op.op in ("attention", "attention_partial"):
+        if op.op in ("attention", "attention_partial"):  # the tensor-core path's limits
+            attrs = {**attrs, "codegen": {"warps": plan.warps, "shared_memory": plan.shared_memory or 0}}
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
         if opdef.cuda.template in ("rows", "elementwise"):  # sized to the op's tiles and the block
             hints = {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps, "elements": largest.get(op.id, 0)}

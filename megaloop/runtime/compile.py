@@ -73,6 +73,12 @@ def compile_cubin(
     """The cubin of ``source`` for ``arch`` (e.g. "sm_90a", "sm_80"); CompileError with NVRTC's log."""
     if arch not in ARCHS:
         raise CompileError(f"unsupported architecture {arch!r}; megaloop builds for {', '.join(ARCHS)}")
+    if arch != "sm_90a" and "ml::wgmma_tile<" in source:
+        raise CompileError(
+            f"this loop kernel uses Hopper's warpgroup MMA (wgmma: its plan was made for sm_90), which a {arch} GPU "
+            f"does not have; make the plan for this GPU (make_plan(..., arch={arch!r})) or switch the path off "
+            "(tiles={'matmul': {'wgmma': 0}})"
+        )
     extra = () if max_registers is None else (f"maxrregcount={max_registers}",)
     path = cache_dir() / f"{cache_key(source, arch, extra)}.cubin"
     if use_cache and path.is_file():
