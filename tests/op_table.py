@@ -804,32 +804,22 @@ def _cache_ref(cache, new, pos, **k):
     return out
 
 
-row(
-    "kv_cache_update",
-    "scatter",
-    lambda g, c, n, p: ml.kv_cache_update(c, n, p),
-    _cache_ref,
-    _cache_sample,
-    fixed={2: "int64"},
-    states=(0,),
-)
-
-
 def _cache_sample_long(rng: np.random.Generator) -> Sample:
     """A prefill's worth of rows: the packed copy, several packs a thread."""
     b, h, s, d, t = 2, 3, 600, 64, 512
     return Sample([(b, h, s, d), (b, h, t, d), (b, t)], domains=("normal", "normal", ("distinct", s)))
 
 
-row(
-    "kv_cache_update",
-    "long-prefill",
-    lambda g, c, n, p: ml.kv_cache_update(c, n, p),
-    _cache_ref,
-    _cache_sample_long,
-    fixed={2: "int64"},
-    states=(0,),
-)
+for label, sampler in [("scatter", _cache_sample), ("long-prefill", _cache_sample_long)]:
+    row(
+        "kv_cache_update",
+        label,
+        lambda g, c, n, p: ml.kv_cache_update(c, n, p),
+        _cache_ref,
+        sampler,
+        fixed={2: "int64"},
+        states=(0,),
+    )
 
 # ---- layout ---------------------------------------------------------------------------------------------
 

@@ -352,8 +352,8 @@ PIO2_HI = math.pi / 2
 PIO2_LO = 6.123233995736766e-17
 # 1.5 * 2^52: adding it rounds a float64 below 2^51 to an integer (the sum's ulp is 1)
 ROUND_MAGIC = 1.5 * 2.0**52
-# threads a block (the plan's default 8 warps), for the fast paths' shape where the generator passes no
-# "threads" hint (it passes hints to the rows and elementwise templates only)
+# threads a block and elements of the largest task when an emitter is called without the generator's
+# hints (megaloop.codegen.kernel passes them): the plan's default 8 warps and sm_90 task size
 DEFAULT_THREADS = 256
 
 

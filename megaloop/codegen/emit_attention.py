@@ -149,6 +149,28 @@ def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     return body
 
 
+def _visible_keys(attrs: dict[str, Any], qpos: Operand | None, optional: list[int], tq: int, pad: str) -> list[str]:
+    """C++ lines declaring qp (query i of batch bi's position) and [begin, end), the keys it sees, from
+    len (the rule of megaloop/frontend/ops/attention.py); ``pad`` indents them."""
+    if qpos is not None:
+        lines = [
+            f"const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
+            f"(ml::i64)i * {qpos.strides[1]});"
+        ]
+    else:
+        lines = [f"const ml::i64 qp = len - {tq} + i;"]
+    if attrs["causal"]:
+        window = attrs["window"]
+        lines += [
+            "ml::i64 end = qp + 1 < len ? qp + 1 : len;",
+            f"ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
+            "if (begin < 0) begin = 0;",
+        ]
+    else:
+        lines.append("ml::i64 begin = 0, end = len;")
+    return [pad + line for line in lines]
+
+
 def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -> list[str]:
     """The warp-per-row loop up to the end of the key loop: in scope after it are bi, h, i, lane,
     the row's m and l and acc[] (the lanes' share of the unnormalised output). With ``chunk``, the
@@ -178,20 +200,7 @@ def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -
         )
     else:
         body.append(f"    const ml::i64 len = {tk};")
-    if qpos is not None:
-        body.append(
-            f"    const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
-            f"(ml::i64)i * {qpos.strides[1]});"
-        )
-    else:
-        body.append(f"    const ml::i64 qp = len - {tq} + i;")
-    if attrs["causal"]:
-        body.append("    ml::i64 end = qp + 1 < len ? qp + 1 : len;")
-        window = attrs["window"]
-        body.append(f"    ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};")
-        body.append("    if (begin < 0) begin = 0;")
-    else:
-        body.append("    ml::i64 end = len, begin = 0;")
+    body += _visible_keys(attrs, qpos, optional, tq, "    ")
     if chunk is not None:
         body.append(f"    const ml::i64 lo = (ml::i64)o[3] * {chunk}, hi = lo + {chunk};  // this tile's keys")
         body.append("    if (begin < lo) begin = lo;")
@@ -300,26 +309,12 @@ def _attention_mma(
         ]
     else:
         lines += [f"    const ml::i64 len = {tk};", "    const bool bad_len = false;"]
-    lines.append("    auto range = [&](int r, ml::i64& begin, ml::i64& end) {")
+    lines.append("    auto range = [&](int r, ml::i64& first, ml::i64& last) {")
     lines.append("        const int i = s0 + r;")
-    if qpos is not None:
-        lines.append(
-            f"        const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + "
-            f"(ml::i64)i * {qpos.strides[1]});"
-        )
-    else:
-        lines.append(f"        const ml::i64 qp = len - {tq} + i;")
-    if attrs["causal"]:
-        window = attrs["window"]
-        lines += [
-            "        end = qp + 1 < len ? qp + 1 : len;",
-            f"        begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
-            "        if (begin < 0) begin = 0;",
-        ]
-    else:
-        lines.append("        begin = 0; end = len;")
+    lines += _visible_keys(attrs, qpos, optional, tq, "        ")
     lines += [
-        "        if (bad_len) end = begin;  // reported above; nothing is read",
+        "        first = begin;",
+        "        last = bad_len ? begin : end;  // a bad length is reported above; nothing is read",
         "    };",
         f"    ml::attention_mma<{q.ctype}, {d}>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h0 * {q.strides[1]} + "
         f"(ml::i64)s0 * {q.strides[2]}, {q.strides[1]}, {q.strides[2]}, t.hi[1] - h0, t.hi[2] - s0,",
@@ -425,21 +420,7 @@ def _attention_split(
         ]
     else:
         lines.append(f"            const ml::i64 len = {tk};")
-    if qpos is not None:
-        lines.append(
-            f"            const ml::i64 qp = ml::load(in{3 + optional.index(3)} + (ml::i64)bi * {qpos.strides[0]} + (ml::i64)i * {qpos.strides[1]});"
-        )
-    else:
-        lines.append(f"            const ml::i64 qp = len - {tq} + i;")
-    if attrs["causal"]:
-        window = attrs["window"]
-        lines += [
-            "            ml::i64 end = qp + 1 < len ? qp + 1 : len;",
-            f"            ml::i64 begin = {'qp - ' + str(window) + ' + 1' if window is not None else '0'};",
-            "            if (begin < 0) begin = 0;",
-        ]
-    else:
-        lines += ["            ml::i64 begin = 0, end = len;"]
+    lines += _visible_keys(attrs, qpos, optional, tq, "            ")
     if chunk is not None:  # attention_partial: only this tile's key range (its split index in t.lo[3])
         lines += [
             f"            const ml::i64 range_lo = (ml::i64)t.lo[3] * {chunk}, range_hi = range_lo + {chunk};",

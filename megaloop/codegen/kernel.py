@@ -192,7 +192,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         if op.op in ("attention", "attention_partial"):  # the tensor-core path's limits
             attrs = {**attrs, "codegen": {"warps": plan.warps, "shared_memory": plan.shared_memory or 0}}
             shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
-        if opdef.cuda.template in ("rows", "elementwise"):  # sized to the op's tiles and the block
+        if opdef.cuda.template in ("rows", "elementwise", "rope", "kv_update"):  # sized to the tiles and block
             hints = {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps, "elements": largest.get(op.id, 0)}
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory

@@ -152,11 +152,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
 #pragma unroll
                     for (int n = 0; n < NT; n += 2) {  // keys 8n..8n+15: B fragments of two n8 tiles
                         u32 b[4];
-                        const u32 at = k_stage + 2 * (8 * n * LD + 16 * ks);
-                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                                     : "r"(at)
-                                     : "memory");
+                        ldmatrix_x4(b, k_stage + 2 * (8 * n * LD + 16 * ks));
                         mma_16816(s[n], qa[ks], b, T{});
                         mma_16816(s[n + 1], qa[ks], b + 2, T{});
                     }
@@ -211,11 +207,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
 #pragma unroll
                     for (int n = 0; n < DT; n += 2) {  // dims 8n..8n+15
                         u32 b[4];
-                        const u32 at = v_stage + 2 * (16 * kk * LD + 8 * n);
-                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                                     : "r"(at)
-                                     : "memory");
+                        ldmatrix_x4_trans(b, v_stage + 2 * (16 * kk * LD + 8 * n));
                         mma_16816(o[n], pa, b, T{});
                         mma_16816(o[n + 1], pa, b + 2, T{});
                         mma_16816(o[n], pl, b, T{});

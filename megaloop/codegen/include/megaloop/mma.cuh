@@ -61,21 +61,27 @@ __device__ __forceinline__ void mma_stage(T* s, const T* x, i64 ld, int rows, in
 //   B for two n8 tiles at `b` (n rows MMA_LD apart, k contiguous): (n 0-7, k 0-7), (0-7, 8-15),
 //   (8-15, 0-7), (8-15, 8-15) = b0, b1 of the first tile, b0, b1 of the second: lane l points at
 //   n row (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2). The x2 form (one n8 tile) reads lanes 0-15.
-template <typename T>
-__device__ __forceinline__ void ldmatrix_a(u32* r, const T* a, int lane) {
-    const u32 at = shared_address(a + (lane & 15) * MMA_LD + (lane >> 4) * 8);
+// Four 8 x 8 matrices from this lane's row address `at` (a shared-space address); .trans delivers
+// each transposed.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 at) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at)
                  : "memory");  // reads what cp.async wrote: not to be moved across the barrier
 }
-template <typename T>
-__device__ __forceinline__ void ldmatrix_b2(u32* r, const T* b, int lane) {  // two n8 tiles: r[0..3]
-    const u32 at = shared_address(b + ((lane & 7) + ((lane >> 4) << 3)) * MMA_LD + ((lane >> 3) & 1) * 8);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at)
                  : "memory");  // reads what cp.async wrote: not to be moved across the barrier
+}
+template <typename T>
+__device__ __forceinline__ void ldmatrix_a(u32* r, const T* a, int lane) {
+    ldmatrix_x4(r, shared_address(a + (lane & 15) * MMA_LD + (lane >> 4) * 8));
+}
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b2(u32* r, const T* b, int lane) {  // two n8 tiles: r[0..3]
+    ldmatrix_x4(r, shared_address(b + ((lane & 7) + ((lane >> 4) << 3)) * MMA_LD + ((lane >> 3) & 1) * 8));
 }
 template <typename T>
 __device__ __forceinline__ void ldmatrix_b1(u32* r, const T* b, int lane) {  // one n8 tile: r[0..1]
