@@ -4,7 +4,8 @@ memory, tiles pulled over NVLink and combined in rank order) against NCCL driven
 
 Two ways of timing the loop kernel, because its iterations may overlap (a block starts iteration k + 1
 as soon as that task's waits allow, not after a barrier):
-- ``dependent_us`` (all_reduce only): a chain of all-reduces, each reading the previous one's result,
+- ``dependent_us`` (all_reduce only; ``dependent_pull_us``: the same with the tile parameter push 0,
+  each member pulling the others' tiles): a chain of all-reduces, each reading the previous one's result,
   whose last result is the next iteration's first input (a state): nothing overlaps, so this is the
   latency of one all-reduce, hop included. The sums double every step and overflow to inf after a few
   iterations; the data moved and the arithmetic are the same (timing on bf16 does not depend on values).
@@ -100,10 +101,11 @@ def chain_graphs(n: int, depth: int, world: int = WORLD) -> list[ml.Graph]:
     return ml.spmd(build, world)
 
 
-def dependent_seconds(nbytes: int) -> float:
-    """Seconds per all-reduce in a chain where each reads the previous one's result (see above)."""
+def dependent_seconds(nbytes: int, push: int = 1) -> float:
+    """Seconds per all-reduce in a chain where each reads the previous one's result (see above);
+    ``push`` 0: the members pull each other's tiles (the all_reduce tile parameter)."""
     n, depth = nbytes // 2, chain_depth(nbytes)
-    plan = make_plan(chain_graphs(n, depth), processors=132)
+    plan = make_plan(chain_graphs(n, depth), processors=132, tiles={"all_reduce": {"push": push}})
     assert all(op.op == "all_reduce" for op in plan.ranks[0].ops), "the chain has copies in it"
     with LoopKernelGroup(plan) as gr:
         out = gr.run()  # one iteration: (s0 + s1) doubled depth - 1 times, exactly
@@ -172,8 +174,11 @@ def main() -> None:
                     row[f"torch_{key[:-3]}_bus_GBps"] = bus(kind, nbytes, theirs[key] / 1e6)
             if kind == "all_reduce":
                 dep_s = dependent_seconds(nbytes)
+                pull_s = dependent_seconds(nbytes, push=0)
                 row.update(
                     dependent_us=dep_s * 1e6,
+                    dependent_pull_us=pull_s * 1e6,
+                    dependent_pull_bus_GBps=bus(kind, nbytes, pull_s),
                     dependent_bus_GBps=bus(kind, nbytes, dep_s),
                     chain_depth=chain_depth(nbytes),
                     dependent_speedup_vs_nccl_one_process=nccl_s / dep_s,

@@ -84,20 +84,23 @@ def test_tensor_parallel_mlp_and_hundred_runs_bitwise() -> None:
             assert again[0]["y"].tobytes() == first[0]["y"].tobytes()
 
 
-def test_a_stopped_peer_is_named_by_the_watchdog() -> None:
-    """Every wait that can block here is on the other rank's counters (the all-reduce on its product,
-    the next product on its readers), so the watchdog must name rank 1."""
+@pytest.mark.parametrize("push", [1, 0])
+def test_a_stopped_peer_is_named_by_the_watchdog(push: int) -> None:
+    """Every wait that can block here is on the other rank: its pushed tile (push 1), or its counters
+    (push 0: the all-reduce on its product, the next product on its readers), so the watchdog must name
+    rank 1."""
     from megaloop.runtime.loop import LoopKernelError
 
     graphs = ml.spmd(lambda g: g.output("y", ml.all_reduce(g.input("x", (64,), ml.float32) * 2.0)), 2)
     feeds = [{"x": np.ones(64)}, {"x": np.ones(64)}]
-    with group(make_plan(graphs, processors=2), timeout_s=1.0) as gr:
+    with group(make_plan(graphs, processors=2, tiles={"all_reduce": {"push": push}}), timeout_s=1.0) as gr:
         gr.run(feeds)
         r0, r1 = gr.kernels
         r1._halt()  # rank 1's kernel leaves: rank 0 will wait for counters nobody bumps
         r0._stage_inputs(feeds[0], 1)
         r0.start(1)
-        with pytest.raises(LoopKernelError, match=r"watchdog: rank 0 .* of rank 1 \(a peer GPU"):
+        named = r"the tile rank 1 pushes to it never arrived \(a peer GPU" if push else r"of rank 1 \(a peer GPU"
+        with pytest.raises(LoopKernelError, match=r"watchdog: rank 0 .* " + named):
             gr.wait()
 
 
@@ -124,16 +127,16 @@ def test_torchrun_one_process_per_gpu(asked: str | None, used: str) -> None:
 
 @pytest.mark.parametrize("peer_memory", ["symmetric", "ipc"])
 def test_torchrun_killed_peer_is_named_by_the_watchdog(peer_memory: str) -> None:
-    """Rank 1 is SIGKILLed between runs; rank 0's next run waits on its counters and the watchdog must
-    say so: rank 0, the tile it waited before (all_reduce_N[0]), rank 1 and the tile that never
-    signalled (mul_N[0]). torchrun itself fails (a worker died), so only rank 0's line counts."""
+    """Rank 1 is SIGKILLed between runs; rank 0's next run waits in its pushing all-reduce tile for rank
+    1's data and the watchdog must say so: rank 0, the tile it waited in (all_reduce_N[0]) and rank 1.
+    torchrun itself fails (a worker died), so only rank 0's line counts."""
     done = torchrun("torchrun_killed_peer.py", peer_memory)
     tail = done.stdout[-3000:] + done.stderr[-3000:]
     line = next((x[x.index("KILLED-PEER") :] for x in done.stdout.splitlines() if "KILLED-PEER" in x), None)
     assert line is not None, "rank 0 reported nothing:\n" + tail
     assert line.startswith(f"KILLED-PEER peer_memory={peer_memory} error after "), tail
     named = (
-        r"watchdog: rank 0 processor \d+ waited more than 2 s in iteration \d+ before all_reduce_\d+\[0\]: "
-        r"counter \d+ of rank 1 \(a peer GPU: is it running\?\) \(done mul_\d+\[0\]\) stayed at"
+        r"watchdog: rank 0 processor \d+ waited more than 2 s in iteration \d+ in all_reduce_\d+\[0\]: "
+        r"the tile rank 1 pushes to it never arrived \(a peer GPU: is it running\?\); its LL line flag stayed at"
     )
     assert re.search(named, line), tail

@@ -9,7 +9,9 @@ tile with the op's numpy reference, reading *only* the declared boxes (everythin
 so a tiling that under-declares its reads produces NaNs there instead of a silently right answer.
 
 A read may name another rank (``rank=``) for collectives; operand index ``PEER_SEND`` in a recv's
-read means "the tensor the matching send on the source rank hands over".
+read means "the tensor the matching send on the source rank hands over". A pushing all_reduce's tiles
+declare only their own rank's reads: each member's tile hands its box to the others itself
+(``megaloop.plan.rendezvous``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Tile(NamedTuple):
     writes: tuple[Write, ...]
     flops: int = 0
     moved: int | None = None  # bytes really moved, when the declared boxes over-approximate (gathers)
+    pushed: int = 0  # bytes it stores into other ranks' memory (a pushing collective's tiles)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from megaloop.plan import memory
 from megaloop.plan.deps import Layout, derive_waits, hb_order
 from megaloop.plan.hazards import build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
+from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
 from megaloop.plan.tasks import make_tasks, peer_operand
 
@@ -369,7 +370,13 @@ def schedule_and_link(plan: Plan) -> None:
     flat = [(r, t) for r, rp in enumerate(plan.ranks) for t in rp.tasks]
     seq = [plan.ranks[r].ops[t.op].seq for r, t in flat]
     req0, req1 = requirements(plan, base, seq)
-    order = sorted(range(len(flat)), key=lambda g: (seq[g], g))
+    key = [(s, g, 0) for g, s in enumerate(seq)]
+    for group in meetings(plan):  # a meeting's tiles next to each other (megaloop.plan.rendezvous)
+        gids = [base[r] + t for r, t in group]
+        first = min(seq[g] for g in gids)
+        for j, g in enumerate(gids):
+            key[g] = (first, flat[g][1].coords[0] if flat[g][1].coords else 0, j)
+    order = sorted(range(len(flat)), key=lambda g: key[g])
     position = {g: i for i, g in enumerate(order)}
     sched = list_schedule(
         [flat[g][0] for g in order],

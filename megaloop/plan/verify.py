@@ -8,7 +8,9 @@ waits, processor lists) it checks:
    inside the arena and sharing bytes only when their lifetimes are disjoint, no op reading a
    scratch or output buffer before an op that writes it in the sequential (``seq``) order;
 2. deadlock freedom: program order plus same-iteration waits form no cycle (every counter target is
-   then reached, since each counter's signalers all run every iteration);
+   then reached, since each counter's signalers all run every iteration); a pushing all_reduce's
+   tile finishes only once the same tile of every member has started (``megaloop.plan.rendezvous``),
+   so each member also inherits what the others need before they start;
 3. race freedom: every pair of tasks that touch overlapping bytes of a writable buffer, one of them
    writing, is ordered by happens-before, within an iteration and across consecutive iterations.
 
@@ -28,6 +30,7 @@ from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
 from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Plan
+from megaloop.plan.rendezvous import meetings
 
 
 @dataclass
@@ -53,7 +56,8 @@ def verify_plan(plan: Plan) -> Report:
     seq = _sequence(plan, base, n)
     _check_memory(plan, seq, base)
     edges = _wait_edges(plan, base, last_signaler)
-    order = _acyclic(plan, base, lists, edges, n)
+    # meetings only for progress: races are checked on waits and program order alone, as planned
+    order = _acyclic(plan, base, lists, _with_meetings(plan, base, lists, proc, index, edges), n)
     _, vc1 = _clocks(order, proc, index, lists, edges, n)
     orderings = find_orderings(plan, table, seq)
     if orderings.overlapping_writers:
@@ -233,6 +237,30 @@ def _wait_edges(plan: Plan, base: list[int], last_signaler: dict) -> list[list[t
     return edges
 
 
+def _with_meetings(
+    plan: Plan,
+    base: list[int],
+    lists: list[list[int]],
+    proc: np.ndarray,
+    index: np.ndarray,
+    edges: list[list[tuple[int, int]]],
+) -> list[list[tuple[int, int]]]:
+    """``edges`` plus the meetings': a meeting's tile finishes after every other member's tile
+    started, i.e. after that tile's program predecessor (in the previous iteration for a list's first
+    task) and its waits."""
+    out = [list(e) for e in edges]
+    for group in meetings(plan):
+        gids = [base[r] + t for r, t in group]
+        for c in gids:
+            for other in gids:
+                if other == c:
+                    continue
+                i, lst = int(index[other]), lists[int(proc[other])]
+                out[c].append((lst[i - 1], 0) if i > 0 else (lst[-1], 1))
+                out[c].extend(edges[other])
+    return out
+
+
 def _acyclic(
     plan: Plan, base: list[int], lists: list[list[int]], edges: list[list[tuple[int, int]]], n: int
 ) -> list[int]:
@@ -268,8 +296,8 @@ def _acyclic(
         c = next(a for a in preds[c] if a in stuck)
     loop = path[seen[c] :]
     raise DeadlockError(
-        "tasks wait on each other in a cycle (each waits for the next, through a counter or "
-        "because it comes later on the same processor): "
+        "tasks wait on each other in a cycle (each waits for the next, through a counter, a pushing "
+        "all_reduce's meeting, or because it comes later on the same processor): "
         + " <- ".join(task_name(plan, base, x) for x in [*loop, loop[0]])
     )
 

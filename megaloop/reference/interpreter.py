@@ -28,6 +28,7 @@ from megaloop.frontend.tiling import Box
 from megaloop.frontend.values import coerce
 from megaloop.plan.bytes import box_runs
 from megaloop.plan.model import Access, Plan, PlanTensor, Task
+from megaloop.plan.rendezvous import meetings
 from megaloop.plan.tasks import op_node, peer_operand
 from megaloop.reference.evaluate import Evaluation
 
@@ -165,10 +166,15 @@ class _Machine:
                     if rank.rp.buffers[tensor.buffer].kind == "state":
                         table.setdefault(tensor.buffer, []).append((t.id, rank.byte_index(tensor, acc.box)))
             self.state_writers.append(table)
+        self.meetings = meetings(plan)  # pushing all_reduce tiles (megaloop.plan.rendezvous)
+        self.meeting_of = {member: (m, j) for m, group in enumerate(self.meetings) for j, member in enumerate(group)}
+        self.arrived: dict[tuple[int, int], dict[int, tuple[int, int, Task, np.ndarray]]] = {}
 
     def run(self, iterations: int) -> None:
         """Event-driven: a processor is either ready or parked on the first counter it still waits
-        for, and is looked at again only when that counter moves."""
+        for, and is looked at again only when that counter moves. A pushing all_reduce's tile
+        (``megaloop.plan.rendezvous``) hands over its box when it starts and finishes only once the same
+        tile of every member has started: until then its processor is parked at the meeting."""
         pos = [[0, 0] for _ in self.procs]  # (iteration, index) per processor
         ready: list[int] = []
         parked: dict[tuple[int, int], list[int]] = {}
@@ -181,22 +187,13 @@ class _Machine:
             else:
                 parked.setdefault(blocker, []).append(i)
 
-        for i in range(len(self.procs)):
-            place(i)
-        while left:
-            if not ready:
-                self._deadlock([i for i in range(len(self.procs)) if pos[i][0] < iterations], pos)
-            speeds = self.speed[ready]
-            j = int(self.rng.choice(len(ready), p=speeds / speeds.sum()))
-            i = ready.pop(j)
+        def finish(i: int, task: Task) -> None:
+            nonlocal left
             r, p = self.procs[i]
-            k, idx = pos[i]
             rank = self.ranks[r]
-            task = rank.rp.tasks[rank.rp.processors[p][idx]]
-            self._execute(r, task, k)
             self.done[r][task.id] += 1
             rank.counters[task.signal] += 1
-            idx += 1
+            k, idx = pos[i][0], pos[i][1] + 1
             if idx == len(rank.rp.processors[p]):
                 k, idx = k + 1, 0
             pos[i] = [k, idx]
@@ -206,6 +203,52 @@ class _Machine:
                 place(i)
             for waiting in parked.pop((r, task.signal), ()):
                 place(waiting)
+
+        for i in range(len(self.procs)):
+            place(i)
+        while left:
+            if not ready:
+                self._deadlock([i for i in range(len(self.procs)) if pos[i][0] < iterations], pos)
+            speeds = self.speed[ready]
+            j = int(self.rng.choice(len(ready), p=speeds / speeds.sum()))
+            i = ready.pop(j)
+            r, p = self.procs[i]
+            k = pos[i][0]
+            rank = self.ranks[r]
+            task = rank.rp.tasks[rank.rp.processors[p][pos[i][1]]]
+            if (r, task.id) in self.meeting_of:
+                for member, member_task in self._arrive(i, r, task, k):
+                    finish(member, member_task)
+                continue
+            self._execute(r, task, k)
+            finish(i, task)
+
+    def _arrive(self, i: int, r: int, task: Task, k: int) -> list[tuple[int, Task]]:
+        """Member r's tile starts: it hands over its box of x. Once every member's has, all of them
+        sum what was handed over and finish; returns those (processor, task) pairs, else nothing."""
+        meeting, j = self.meeting_of[(r, task.id)]
+        rank = self.ranks[r]
+        op = rank.rp.ops[task.op]
+        for acc in task.reads:
+            self._check_read(r, task, acc, k)
+        here = self.arrived.setdefault((meeting, k), {})
+        here[j] = (i, r, task, self._operand(r, task, acc_rank=r, tensor=op.inputs[0]))
+        group = self.meetings[meeting]
+        if len(here) < len(group):
+            return []
+        del self.arrived[(meeting, k)]
+        handed = [here[m][3] for m in range(len(group))]
+        finished = []
+        for m in range(len(group)):
+            i_m, r_m, task_m, _ = here[m]
+            op_m = self.ranks[r_m].rp.ops[task_m.op]
+            try:
+                result = REGISTRY[op_m.op].reference(handed, op_m.attrs)[m]
+            except DataError as e:
+                raise DataError(f"{self.plan.task_label(r_m, task_m.id)} (iteration {k}): {e}") from None
+            self._store(r_m, task_m, k, [result])
+            finished.append((i_m, task_m))
+        return finished
 
     def _blocker(self, i: int, at: list[int]) -> tuple[int, int] | None:
         """The first (rank, counter) the processor's next task still waits for, or None if it can run."""
@@ -232,6 +275,14 @@ class _Machine:
                 for w in task.waits
                 if self.ranks[w.rank].counters[w.counter] < self._target(w, pos[i][0])
             ]
+            at = self.meeting_of.get((r, task.id))
+            if at is not None and at[1] in self.arrived.get((at[0], pos[i][0]), {}):
+                absent = [
+                    self.plan.task_label(rm, tm)
+                    for j, (rm, tm) in enumerate(self.meetings[at[0]])
+                    if j not in self.arrived[(at[0], pos[i][0])]
+                ]
+                waits = [f"the pushed boxes of {', '.join(absent)}"]
             lines.append(f"{self.plan.task_label(r, task.id)} (iteration {pos[i][0]}) waits for {', '.join(waits)}")
         raise DeadlockError("the plan interpreter cannot make progress:\n  " + "\n  ".join(lines))
 
@@ -259,6 +310,13 @@ class _Machine:
                 results = out if isinstance(out, list) else [out]
         except DataError as e:
             raise DataError(f"{self.plan.task_label(r, task.id)} (iteration {k}): {e}") from None
+        self._store(r, task, k, results)
+
+    def _store(self, r: int, task: Task, k: int, results: list[Any]) -> None:
+        """Write the task's declared boxes of its op's ``results`` (one per output)."""
+        rank = self.ranks[r]
+        rp = rank.rp
+        op = rp.ops[task.op]
         for acc in task.writes:
             t = rp.tensors[acc.tensor]
             value = round_to(np.asarray(results[op.outputs.index(acc.tensor)]), t.dtype)

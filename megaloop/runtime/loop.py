@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
+from megaloop.codegen.exchange import exchange_region
 from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
 from megaloop.errors import DataError, EvaluationError, MegaloopError
 from megaloop.frontend.values import coerce
@@ -70,7 +71,9 @@ def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
     """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
     included), as a LoopKernel allocates them and as a peer-memory provider (megaloop/runtime/peers.py)
     must."""
-    return max(plan.ranks[rank].arena_bytes, 8), 8 * max(counter_slots(plan, rank), 1)
+    start, inbox_bytes = exchange_region(plan, rank)  # pushing all_reduces' inboxes, after the plan's buffers
+    arena = start + inbox_bytes if inbox_bytes else plan.ranks[rank].arena_bytes
+    return max(arena, 8), 8 * max(counter_slots(plan, rank), 1)
 
 
 def _check(result: Any) -> Any:
@@ -214,6 +217,9 @@ class LoopKernel:
         else:  # valid here: torch and the IPC provider work in this device's primary context, our self._ctx
             self.arena, self.counters = self._memory
         _check(d.cuMemsetD8(self.arena, 0xFF, arena_bytes))  # poison: NaN in every float
+        inbox_at, inbox_bytes = exchange_region(self.plan, self.rank)
+        if inbox_bytes:  # no flag or count of a pushed tile matches a zero
+            _check(d.cuMemsetD8(self.arena + inbox_at, 0, inbox_bytes))
         _check(d.cuMemsetD8(self.counters, 0, counter_bytes))
         self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
         _check(d.cuMemsetD8(self.flags, 0, 24))
@@ -432,6 +438,14 @@ class LoopKernel:
             proc, task, op, counter, expected, seen, k, peer = info
             rp = self.rp
             waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
+            if counter < 0:  # inside a pushing all_reduce's tile: a member's data (megaloop/exchange.cuh)
+                what = "LL line flag" if counter == -1 else "arrival count"
+                raise LoopKernelError(
+                    f"watchdog: rank {self.rank} processor {proc} waited more than {self.timeout_s:g} s in iteration "
+                    f"{k} in {waiting}: the tile rank {peer} pushes to it never arrived (a peer GPU: is it running?); "
+                    f"its {what} stayed at {seen}, expected {expected}. The kernel has stopped; make a new LoopKernel "
+                    "to run again"
+                )
             owner = self.plan.ranks[peer] if 0 <= peer < len(self.plan.ranks) else rp
             signaler = owner.counters[counter].name if 0 <= counter < len(owner.counters) else f"counter {counter}"
             where = f" of rank {peer} (a peer GPU: is it running?)" if peer != self.rank else ""

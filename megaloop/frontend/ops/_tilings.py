@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tiling import (
     PEER_SEND,
     Box,
@@ -332,10 +333,40 @@ def _exchange_elements(params: dict[str, int], shape: tuple[int, ...], ctx: Tile
 def _all_reduce(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     members = _members(node, ctx)
+    boxes = list(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
+    if params["push"] and pushable(node, boxes):
+        # each member's tile i pushes its own box of x to the others and sums what they pushed: it
+        # reads only this rank's x (the members meet in the tile: megaloop.plan.rendezvous)
+        itemsize = node.inputs[0].dtype.itemsize
+        return [
+            Tile(
+                (i,),
+                (Read(0, box),),
+                (Write(0, box),),
+                box.size * len(members),
+                pushed=box.size * itemsize * (len(members) - 1),
+            )
+            for i, box in enumerate(boxes)
+        ]
     return [
         Tile((i,), tuple(Read(0, box, m) for m in members), (Write(0, box),), box.size * len(members))
-        for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
+        for i, box in enumerate(boxes)
     ]
+
+
+PUSH_ALIGN = 16  # bytes: a pushed tile moves 16-byte lines, so x and every tile start on a line
+
+
+def pushable(node: Any, boxes: list[Box]) -> bool:
+    """Whether an all_reduce can push: x one contiguous run starting on a 16-byte line (its storage
+    offset), every tile a run starting on a line, elements of at most 8 bytes (a line holds whole
+    elements of one tile). Otherwise its tiles pull the members' boxes as before."""
+    x = node.inputs[0]
+    item = x.dtype.itemsize
+    if not x.is_contiguous or (x.offset * item) % PUSH_ALIGN or item > 8 or len(node.attrs["group"]) < 2:
+        return False
+    strides = contiguous_strides(tuple(x.shape))
+    return all(sum(lo * st for lo, st in zip(b.lo, strides)) * item % PUSH_ALIGN == 0 for b in boxes)
 
 
 def _all_gather(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -375,7 +406,15 @@ def _recv(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 
 EXCHANGE = {"elements": same(4096), "waves": WAVES}
 COPY_EXCHANGE = {"elements": same(8192), "waves": WAVES}
-ALL_REDUCE = Tiling(EXCHANGE, _all_reduce, "chunks; each sums its chunk of every member in rank order")
+# push: 1 (default) = each member pushes its tiles into the others' memory (one NVLink trip, no
+# waits across ranks); 0 = each member pulls the others' tiles (a wait on the producers, then a read
+# across the link and back)
+ALL_REDUCE = Tiling(
+    {**EXCHANGE, "push": same(1)},
+    _all_reduce,
+    "chunks; each sums its chunk of every member in rank order (pushed to each other, or pulled)",
+    flags=("push",),
+)
 ALL_GATHER = Tiling(COPY_EXCHANGE, _all_gather, "chunks of the output, read from the members they cover")
 REDUCE_SCATTER = Tiling(EXCHANGE, _reduce_scatter, "chunks of this rank's piece of the sum")
 RECV = Tiling(COPY_EXCHANGE, _recv, "chunks of the received tensor, read from the sender")

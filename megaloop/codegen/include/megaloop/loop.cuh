@@ -22,6 +22,7 @@ struct Task {
     int counter;  // incremented when it finishes
     int remote;  // 1: other ranks wait on that counter, so it is released at system scope
     int mirror_begin, mirror_count;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
+    int tile;  // a pushing all_reduce's tile: its slot in the inbox (megaloop/exchange.cuh)
     int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
 };
 

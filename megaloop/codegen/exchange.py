@@ -1,0 +1,98 @@
+"""Inboxes of pushing all_reduces (megaloop/plan/rendezvous.py): where each lives in its rank's arena,
+after the plan's buffers, and the tile function that uses it (megaloop/codegen/include/megaloop/exchange.cuh).
+
+An op's inbox has two slots (iteration parity) per other member and tile; the same layout on every member,
+since the members' tiles are the same. Tiles of at most ``LL_MAX_TILE_BYTES`` travel in LL lines (16
+bytes carry 8 of data and the flags), larger ones as plain stores followed by a flag per (sender, tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.codegen.emit import Operand
+from megaloop.plan.memory import align
+from megaloop.plan.model import Plan
+from megaloop.plan.rendezvous import pushes
+
+# Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
+# lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
+LL_MAX_TILE_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class Inbox:
+    offset: int  # bytes from the start of this rank's arena
+    ll: bool  # LL lines, or plain stores and a flag per (sender, tile)
+    tiles: int
+    slot_bytes: int  # one (parity, sender, tile) slot
+    nbytes: int  # slots, then (bulk) the (G - 1) x tiles u64 flags
+
+
+def inboxes(plan: Plan, rank: int) -> dict[int, Inbox]:
+    """Op id -> its inbox, for every pushing all_reduce of ``rank``."""
+    rp = plan.ranks[rank]
+    at = align(rp.arena_bytes)
+    out: dict[int, Inbox] = {}
+    for op in rp.ops:
+        if not pushes(rp, op):
+            continue
+        tasks = [t for t in rp.tasks if t.op == op.id]
+        item = rp.tensors[op.inputs[0]].dtype.itemsize
+        tile_bytes = max(t.writes[0].box.size for t in tasks) * item
+        members = len(op.attrs["group"])
+        ll = tile_bytes <= LL_MAX_TILE_BYTES
+        slot = -(-tile_bytes // 8) * 16 if ll else -(-tile_bytes // 16) * 16
+        senders = members - 1  # the others: a member never writes its own inbox
+        nbytes = 2 * senders * len(tasks) * slot + (0 if ll else 8 * senders * len(tasks))
+        out[op.id] = Inbox(at, ll, len(tasks), slot, nbytes)
+        at += align(nbytes)
+    return out
+
+
+def exchange_region(plan: Plan, rank: int) -> tuple[int, int]:
+    """(offset, bytes) of all of ``rank``'s inboxes: zeroed before the kernel starts (no LL flag or
+    bulk count matches a zero)."""
+    start = align(plan.ranks[rank].arena_bytes)
+    boxes = inboxes(plan, rank).values()
+    return start, sum(align(b.nbytes) for b in boxes)
+
+
+def member_inbox_offsets(plan: Plan, rank: int, op_id: int) -> list[int]:
+    """The inbox offset of ``op_id``'s counterpart on every member, in group order (each in its arena)."""
+    rp = plan.ranks[rank]
+    node = rp.graph.nodes[rp.ops[op_id].node]
+    c = plan.matching.collective_of[node]
+    out = []
+    for m, peer_node in zip(c.group, c.nodes):
+        peer = plan.ranks[m]
+        (peer_op,) = [o for o in peer.ops if o.node == peer_node.id]
+        out.append(inboxes(plan, m)[peer_op.id].offset)
+    return out
+
+
+def all_reduce_push(
+    attrs: dict, group: tuple[int, ...], rank: int, x: Operand, out: Operand, inbox: Inbox
+) -> list[str]:
+    """The tile: its box as one run of x and out (pushable: both contiguous), handed to the members
+    and combined with theirs in rank order."""
+    nd = len(out.shape)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * out.shape[d + 1]
+    first = " + ".join(f"(ml::i64)t.lo[{d}] * {s}" for d, s in enumerate(strides)) or "0"
+    g = len(group)
+    path = "ll" if inbox.ll else "bulk"
+    size = inbox.slot_bytes // 16 if inbox.ll else inbox.slot_bytes
+    sums = str(attrs["op"] == "sum").lower()
+    return [
+        f"// pushed ({'LL lines' if inbox.ll else 'stores + flag'}): this rank's box of x to the other "
+        f"{g - 1} member(s), theirs combined with it in rank order",
+        f"const int ranks[{g}] = {{{', '.join(str(m) for m in group)}}};",
+        f"const {x.ctype}* x = (const {x.ctype}*)(a.arena + off[0]);",
+        f"{out.ctype}* out0 = ({out.ctype}*)(a.arena + off[1]);",
+        f"const ml::i64 first = {first};",
+        f"ml::push_all_reduce_{path}<{out.ctype}, {g}, {sums}, {inbox.tiles}, {size}>(",
+        f"    a, t, tid, k, proc, off, ranks, {group.index(rank)}, x + first, out0 + first, "
+        f"ml::box_count<{max(nd, 1)}>(t));",
+    ]

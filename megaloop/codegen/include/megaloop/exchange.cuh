@@ -1,0 +1,251 @@
+// megaloop/exchange.cuh: a pushing all_reduce's tile (megaloop/plan/rendezvous.py).
+//
+// Member `me` of a group of G stores its box of x into every other member's inbox, then sums the
+// G boxes in rank order (x's own box for itself, the inbox for the others): the members meet in the
+// tile. The inbox of one op has the same layout on every member (megaloop/codegen/exchange.py);
+// off[2 + g] is member g's, in the arena of rank ranks[g]:
+//
+//   slot (parity, sender, tile): two slots per sender and tile, by iteration parity, so that a
+//   sender may already write iteration k + 1's box while a receiver still reads iteration k's
+//   (why two are enough: megaloop/plan/rendezvous.py).
+//
+// Small tiles travel in LL lines (NCCL's "low latency" protocol): 16 bytes = {data word, flag,
+// data word, flag}, each 8-byte half stored at once over NVLink, the flag being the iteration + 1.
+// A reader that sees the flag in both halves has the data: no fence, no separate signal, one trip.
+// Large tiles travel as plain 16-byte stores, then one release (fence + increment of the receiver's
+// flag for (sender, tile)); the receiver waits for the flag, acquires, and reads its inbox.
+// Every wait checks the watchdog and gives up (reporting the member it waited for) like wait_task.
+#pragma once
+#include "megaloop/loop.cuh"
+#include "megaloop/math.cuh"
+#include "megaloop/vec.cuh"
+
+namespace ml {
+
+__device__ __forceinline__ void ll_store(void* p, u64 data, u32 flag) {
+    asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"((u32)data), "r"(flag),
+                 "r"((u32)(data >> 32)), "r"(flag)
+                 : "memory");
+}
+__device__ __forceinline__ bool ll_load(const void* p, u32 flag, u64& data, u32& seen) {
+    u32 lo, f0, hi, f1;
+    asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(lo), "=r"(f0), "=r"(hi), "=r"(f1)
+                 : "l"(p)
+                 : "memory");
+    data = (u64)lo | ((u64)hi << 32);
+    seen = f0 == flag ? f1 : f0;
+    return f0 == flag && f1 == flag;
+}
+
+// Record a wait inside an exchange tile that timed out: counter -1 (an LL line) or -2 (a bulk flag)
+// tells the host that it was member `peer`'s pushed data, not a counter.
+__device__ inline void exchange_timeout(const Args& a, int proc, int tid, int op, int what, u64 want, u64 seen, u64 k,
+                                        int peer) {
+    fail(a, WATCHDOG, proc, tid, op, what, (i64)want, (i64)seen, (i64)k, peer);
+}
+
+// Wait until the LL line at p carries `flag`; false once the watchdog fired or any block gave up.
+__device__ inline bool ll_wait(const Args& a, const void* p, u32 flag, u64& data, int proc, int tid, int op, u64 k,
+                               int peer) {
+    u32 seen;
+    if (ll_load(p, flag, data, seen)) return true;
+    const u64 start = now_ns();
+    for (unsigned polls = 1;; ++polls) {
+        if (ll_load(p, flag, data, seen)) return true;
+        if ((polls & 63) == 0) {
+            if (aborted(a)) return false;
+            if (now_ns() - start > a.timeout_ns) {
+                exchange_timeout(a, proc, tid, op, -1, flag, seen, k, peer);
+                return false;
+            }
+        }
+    }
+}
+
+// Up to 8 bytes of a tile's run [p, p + n) (n < 8 only at a tile's end): a line's data word.
+__device__ __forceinline__ u64 load_word(const char* p, int n) {
+    if (n == 8) return *reinterpret_cast<const u64*>(p);
+    u64 w = 0;
+    for (int b = 0; b < n; ++b) w |= (u64)(unsigned char)p[b] << (8 * b);
+    return w;
+}
+__device__ __forceinline__ void store_word(char* p, u64 w, int n) {
+    if (n == 8) {
+        *reinterpret_cast<u64*>(p) = w;
+        return;
+    }
+    for (int b = 0; b < n; ++b) p[b] = (char)(w >> (8 * b));
+}
+
+template <bool SUM, class C>
+__device__ __forceinline__ C combine(C acc, C v) {
+    if constexpr (SUM) {
+        return acc + v;
+    } else {
+        return maximum(acc, v);
+    }
+}
+
+// The G members' packs combined element by element in rank order (compute type), rounded once.
+template <class T, int N, int G, bool SUM>
+__device__ __forceinline__ Pack<T, N> combine_packs(const Pack<T, N> (&p)[G]) {
+    Pack<T, N> out;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        auto acc = get(p[0], i);
+#pragma unroll
+        for (int g = 1; g < G; ++g) acc = combine<SUM>(acc, get(p[g], i));
+        set(out, i, acc);
+    }
+    return out;
+}
+
+template <class T, int G, bool SUM>
+__device__ __forceinline__ u64 combine_words(const u64 (&w)[G]) {
+    constexpr int N = 8 / sizeof(T);
+    Pack<T, N> p[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) memcpy(&p[g], &w[g], 8);
+    const Pack<T, N> out = combine_packs<T, N, G, SUM>(p);
+    u64 r;
+    memcpy(&r, &out, 8);
+    return r;
+}
+
+// Where a slot starts: member g's inbox (the arena of rank ranks[g]), slot (k's parity, sender, tile);
+// g's inbox has slots for the G - 1 others only (sender index past g moves down by one).
+template <int G, int TILES>
+__device__ __forceinline__ char* inbox_slot(const Args& a, const int (&ranks)[G], const i64* off, int g, u64 k,
+                                            int sender, int tile, i64 slot_bytes) {
+    const int from = sender < g ? sender : sender - 1;
+    return a.arenas[ranks[g]] + off[2 + g] + (((i64)(k & 1) * (G - 1) + from) * TILES + tile) * slot_bytes;
+}
+// member g's flag for (sender, tile) after its slots (bulk tiles)
+template <int G, int TILES>
+__device__ __forceinline__ u64* inbox_flag(const Args& a, const int (&ranks)[G], const i64* off, int g, int sender,
+                                           int tile, i64 slot_bytes) {
+    const int from = sender < g ? sender : sender - 1;
+    return reinterpret_cast<u64*>(a.arenas[ranks[g]] + off[2 + g] + 2 * (i64)(G - 1) * TILES * slot_bytes) +
+           from * TILES + tile;
+}
+
+// LL tile: E elements of x (own box, contiguous) into out, 8 data bytes a line, TILES tiles of at most
+// LINES lines each. Every thread hands over its lines first, then waits for the others' same lines.
+template <class T, int G, bool SUM, int TILES, int LINES>
+__device__ inline void push_all_reduce_ll(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
+                                          const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+    static_assert(8 % sizeof(T) == 0, "a line holds whole elements");
+    constexpr i64 SLOT = (i64)LINES * 16;
+    const u32 flag = (u32)k + 1u;
+    const int bytes = elements * (int)sizeof(T), lines = (bytes + 7) / 8;
+    const char* xb = reinterpret_cast<const char*>(x);
+    for (int l = threadIdx.x; l < lines; l += blockDim.x) {
+        const u64 w = load_word(xb + 8 * l, min(8, bytes - 8 * l));
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            if (g != me) ll_store(inbox_slot<G, TILES>(a, ranks, off, g, k, me, t.tile, SLOT) + 16 * (i64)l, w, flag);
+    }
+    bool ok = true;
+    for (int l = threadIdx.x; ok && l < lines; l += blockDim.x) {
+        const int n = min(8, bytes - 8 * l);
+        u64 w[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g == me) {
+                w[g] = load_word(xb + 8 * l, n);
+            } else if (ok) {
+                const char* line = inbox_slot<G, TILES>(a, ranks, off, me, k, g, t.tile, SLOT) + 16 * (i64)l;
+                ok = ll_wait(a, line, flag, w[g], proc, tid, t.op, k, ranks[g]);
+            }
+        }
+        if (ok) store_word(reinterpret_cast<char*>(out) + 8 * l, combine_words<T, G, SUM>(w), n);
+    }
+}
+
+// Bulk tile: the box in 16-byte packs (stores posted back to back), one release per member, then the
+// members' flags for this tile (in this rank's inbox, after its slots) waited for by warp 0 and the
+// inbox read locally. Slots of at most BYTES bytes; the flags: (G - 1) x TILES u64 after all slots.
+template <class T, int G, bool SUM, int TILES, int BYTES>
+__device__ inline void push_all_reduce_bulk(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
+                                            const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr i64 SLOT = BYTES;
+    const int bytes = elements * (int)sizeof(T), packs = bytes / 16;
+    const char* xb = reinterpret_cast<const char*>(x);
+    constexpr int U = 4;  // packs in flight per thread
+    for (int c0 = threadIdx.x; c0 < packs; c0 += U * blockDim.x) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = min(c0 + u * (int)blockDim.x, packs - 1);
+            v[u] = reinterpret_cast<const uint4*>(xb)[c];
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g == me) continue;
+            uint4* dst = reinterpret_cast<uint4*>(inbox_slot<G, TILES>(a, ranks, off, g, k, me, t.tile, SLOT));
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (c0 + u * (int)blockDim.x < packs) dst[c0 + u * blockDim.x] = v[u];
+        }
+    }
+    for (int b = 16 * packs + (int)threadIdx.x; b < bytes; b += blockDim.x) {  // a ragged tail, bytewise
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            if (g != me) inbox_slot<G, TILES>(a, ranks, off, g, k, me, t.tile, SLOT)[b] = xb[b];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // release: everything the block stored above, then the flags
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g == me) continue;
+            u64* f = inbox_flag<G, TILES>(a, ranks, off, g, me, t.tile, SLOT);
+            asm volatile("red.relaxed.sys.global.add.u64 [%0], 1;" ::"l"(f) : "memory");
+        }
+    }
+    __shared__ int exchange_ok;
+    if (threadIdx.x < 32) {  // warp 0: lane g waits for member g's flag
+        bool ok = !aborted(a);
+        const int g = threadIdx.x;
+        if (ok && g < G && g != me) {
+            const u64* f = inbox_flag<G, TILES>(a, ranks, off, me, g, t.tile, SLOT);
+            const u64 start = now_ns();
+            unsigned polls = 0;
+            u64 seen;
+            while ((seen = load_relaxed_sys(f)) < k + 1) {
+                if ((++polls & 63) == 0 && (aborted(a) || now_ns() - start > a.timeout_ns)) {
+                    if (!aborted(a)) exchange_timeout(a, proc, tid, t.op, -2, k + 1, seen, k, ranks[g]);
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        ok = __all_sync(0xffffffffu, ok);
+        if (ok) fence_acquire(true);
+        if (threadIdx.x == 0) exchange_ok = ok;
+    }
+    __syncthreads();
+    if (!exchange_ok) return;
+    for (int c = threadIdx.x; c < packs; c += blockDim.x) {
+        Pack<T, N> p[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const char* from = g == me ? xb : inbox_slot<G, TILES>(a, ranks, off, me, k, g, t.tile, SLOT);
+            p[g] = *reinterpret_cast<const Pack<T, N>*>(from + 16 * (i64)c);
+        }
+        *reinterpret_cast<Pack<T, N>*>(reinterpret_cast<char*>(out) + 16 * (i64)c) = combine_packs<T, N, G, SUM>(p);
+    }
+    for (int e = 16 * packs / (int)sizeof(T) + (int)threadIdx.x; e < elements; e += blockDim.x) {
+        Pack<T, 1> p[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const char* from = g == me ? xb : inbox_slot<G, TILES>(a, ranks, off, me, k, g, t.tile, SLOT);
+            p[g] = reinterpret_cast<const Pack<T, 1>*>(from)[e];
+        }
+        reinterpret_cast<Pack<T, 1>*>(out)[e] = combine_packs<T, 1, G, SUM>(p);
+    }
+}
+
+}  // namespace ml

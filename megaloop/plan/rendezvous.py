@@ -1,0 +1,73 @@
+"""Rendezvous tiles: a pushing all_reduce's tile i on every member of its group is one meeting.
+
+Each member's tile, once its own waits are met (its box of x is ready on its rank), stores that box
+into every other member's inbox (peer memory, over NVLink), then waits for the others' boxes to land in
+its own inbox and sums all of them in rank order. No task waits on another rank's counter: the data
+carries its own arrival flag (megaloop/codegen/include/megaloop/exchange.cuh), so a hop costs one
+one-way trip instead of a signal, a wait and a read across the link and back.
+
+What the plan states about such a tile: it reads only this rank's x and writes its output box (the
+inbox is the op's private memory, outside the plan's buffers). What makes it correct:
+
+- data: member m's box in my inbox is m's x after m's tile's waits, i.e. after m's producers;
+- the inbox is reused every other iteration (two slots, by iteration parity). My tile of iteration
+  k + 2 overwrites slot k % 2 of m's inbox only after my tile of iteration k + 1 saw m's box of k + 1,
+  which m pushed after its tile of iteration k had read slot k % 2 (one task, run in order);
+- progress: a member's tile finishes only once every member's tile has started. The scheduler puts a
+  meeting's tiles next to each other in the global order every processor list follows, and the
+  verifier checks that program order, waits and meetings (each member inherits what the others wait
+  for before they start) form no cycle.
+"""
+
+from __future__ import annotations
+
+from megaloop.errors import PlanError
+from megaloop.plan.model import Plan, PlanOp, RankPlan
+
+
+def pushes(rp: RankPlan, op: PlanOp) -> bool:
+    """Whether ``op`` is an all_reduce whose tiles push (they read no other rank's memory)."""
+    if op.op != "all_reduce" or len(op.attrs.get("group") or ()) < 2:
+        return False
+    tasks = [t for t in rp.tasks if t.op == op.id]
+    return bool(tasks) and all(acc.rank == rp.rank for t in tasks for acc in t.reads)
+
+
+def meetings(plan: Plan) -> list[list[tuple[int, int]]]:
+    """Every meeting as (rank, task id) per member in group order, tile by tile, for all pushing
+    all_reduces. Raises PlanError when members disagree (one pushes and another pulls, or their tiles
+    differ): they would wait for data that never comes."""
+    if plan.matching is None or plan.world_size < 2:
+        return []
+    op_of = [{op.node: op for op in rp.ops if op.node is not None} for rp in plan.ranks]
+    out: list[list[tuple[int, int]]] = []
+    for c in plan.matching.collectives:
+        if c.op != "all_reduce":
+            continue
+        ops = [op_of[r].get(node.id) for r, node in zip(c.group, c.nodes)]
+        if any(op is None for op in ops):
+            continue
+        flags = [pushes(plan.ranks[r], op) for r, op in zip(c.group, ops)]  # type: ignore[arg-type]
+        if not any(flags):
+            continue
+        names = [f"rank {r} {op.name}" for r, op in zip(c.group, ops)]  # type: ignore[union-attr]
+        if not all(flags):
+            raise PlanError(
+                f"all_reduce {names[0]}: {[n for n, f in zip(names, flags) if f]} push but "
+                f"{[n for n, f in zip(names, flags) if not f]} pull; give the tile parameter push the same "
+                "value on every member"
+            )
+        tiles = []
+        for r, op in zip(c.group, ops):
+            rp = plan.ranks[r]
+            tiles.append(sorted((t for t in rp.tasks if t.op == op.id), key=lambda t: t.coords))  # type: ignore[union-attr]
+        first = tiles[0]
+        for name, ts in zip(names[1:], tiles[1:]):
+            if [(t.coords, t.writes[0].box) for t in ts] != [(t.coords, t.writes[0].box) for t in first]:
+                raise PlanError(
+                    f"all_reduce {names[0]} and {name} cut the tensor into different tiles; a pushed tile "
+                    "meets the same tile on every member: give them the same tile parameters"
+                )
+        for i in range(len(first)):
+            out.append([(r, ts[i].id) for r, ts in zip(c.group, tiles)])
+    return out
