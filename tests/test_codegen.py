@@ -116,7 +116,8 @@ def packed_exchange_graphs(world: int) -> list[ml.Graph]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_exchanges_take_packed_loads_where_the_layout_allows(world: int) -> None:
-    plan = make_plan(packed_exchange_graphs(world), processors=4)
+    """The pulling paths (all_reduce pushes by default: tests/test_push_all_reduce.py)."""
+    plan = make_plan(packed_exchange_graphs(world), processors=4, tiles={"all_reduce": {"push": 0}})
     src = generate(plan, 0).source
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "recv"):
         body = src[src.index(f": {kind} ") :]

@@ -333,25 +333,29 @@ def _exchange_elements(params: dict[str, int], shape: tuple[int, ...], ctx: Tile
 def _all_reduce(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     members = _members(node, ctx)
-    boxes = list(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
-    if params["push"] and pushable(node, boxes):
-        # each member's tile i pushes its own box of x to the others and sums what they pushed: it
-        # reads only this rank's x (the members meet in the tile: megaloop.plan.rendezvous)
-        itemsize = node.inputs[0].dtype.itemsize
-        return [
-            Tile(
-                (i,),
-                (Read(0, box),),
-                (Write(0, box),),
-                box.size * len(members),
-                pushed=box.size * itemsize * (len(members) - 1),
-            )
-            for i, box in enumerate(boxes)
-        ]
+    if params["push"]:
+        boxes = list(chunks(out.shape, _push_elements(params, math.prod(out.shape), ctx)))
+        if pushable(node, boxes):
+            # each member's tile i pushes its own box of x to the others and sums what they pushed: it
+            # reads only this rank's x (the members meet in the tile: megaloop.plan.rendezvous)
+            others = node.inputs[0].dtype.itemsize * (len(members) - 1)
+            return [
+                Tile((i,), (Read(0, box),), (Write(0, box),), box.size * len(members), pushed=box.size * others)
+                for i, box in enumerate(boxes)
+            ]
     return [
         Tile((i,), tuple(Read(0, box, m) for m in members), (Write(0, box),), box.size * len(members))
-        for i, box in enumerate(boxes)
+        for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
     ]
+
+
+def _push_elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
+    """Elements per pushed tile: at least ``push_elements``, and few enough tiles for one wave over the
+    processors. A pushed hop costs about one trip whatever the tile, so tiles on more processors at
+    once win, and so do fewer larger tiles once there are more than processors (2 H200s, dependent
+    chain: 1 MB in 512 tiles of 2 KB took 14.2 us, in 128 of 8 KB 7.9)."""
+    spread = -(-total // ctx.processors)
+    return params["push_elements"] if spread <= params["push_elements"] else -(-spread // 64) * 64
 
 
 PUSH_ALIGN = 16  # bytes: a pushed tile moves 16-byte lines, so x and every tile start on a line
@@ -415,11 +419,10 @@ COPY_EXCHANGE = {"elements": same(8192), "waves": WAVES}
 # push: 1 (default) = each member pushes its tiles into the others' memory (one NVLink trip, no
 # waits across ranks); 0 = each member pulls the others' tiles (a wait on the producers, then a read
 # across the link and back)
-# 1024 elements a tile (2 KB in bf16), not 4096: a pushed hop costs one trip whatever the tile, so a
-# small all-reduce is fastest spread over many processors (2 H200s, dependent chain: 32 KB in four
-# 8 KB tiles took 4.8 us, 4 KB in one tile 3.9 us)
+# push_elements: the smallest pushed tile, 1024 elements (2 KB in bf16; 2 H200s, dependent chain:
+# 32 KB in four 8 KB tiles took 4.8 us, in sixteen 2 KB tiles 3.3)
 ALL_REDUCE = Tiling(
-    {"elements": same(1024), "waves": WAVES, "push": same(1)},
+    {**EXCHANGE, "push": same(1), "push_elements": same(1024)},
     _all_reduce,
     "chunks; each sums its chunk of every member in rank order (pushed to each other, or pulled)",
     flags=("push",),
