@@ -69,6 +69,26 @@ def test_every_exchange_matches_the_reference(processors: int, build) -> None:
         same(gr.run(feeds2), ml.evaluate(graphs, feeds2), "fresh inputs")
 
 
+@pytest.mark.parametrize(
+    ("dtype", "n", "op"), [(ml.float32, 2_000_003, "sum"), (ml.int64, 70001, "max"), (ml.bfloat16, 3 << 20, "sum")]
+)
+def test_pushed_all_reduce_in_lines_and_in_chunks(dtype, n: int, op: str) -> None:
+    """Pushed tiles of both kinds (megaloop/exchange.cuh), bitwise the reference: LL lines (int64: 576
+    elements a tile) and bulk chunks of 32 KB, two a tile, with a ragged last tile (float32: 60 KB tiles)
+    and without (bfloat16: 48 KB tiles)."""
+    from megaloop.codegen.exchange import inboxes
+
+    graphs = ml.spmd(lambda g: g.output("s", ml.all_reduce(g.input("x", (n,), dtype), op)), 2)
+    plan = make_plan(graphs, processors=132)
+    (box,) = inboxes(plan, 0).values()
+    assert box.ll == (dtype == ml.int64)
+    rng = np.random.default_rng(n)
+    with group(plan) as gr:
+        for _ in range(3):  # fresh data each run: a stale slot would show
+            feeds = feeds_for(graphs, rng)
+            same(gr.run(feeds, iterations=2), ml.evaluate(graphs, feeds), f"{dtype.short} {op} {n}")
+
+
 def test_tensor_parallel_mlp_and_hundred_runs_bitwise() -> None:
     world = 2
     graphs, x, params = tp_mlp(world, tokens=8, hidden=256, ffn=1024, scale=0.05, seed=0)

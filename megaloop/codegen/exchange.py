@@ -18,6 +18,8 @@ from megaloop.plan.rendezvous import pushes
 # Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
 # lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
 LL_MAX_TILE_BYTES = 8192
+# A bulk tile goes in chunks, each summed while the next is on the link (megaloop/exchange.cuh).
+BULK_CHUNK_BYTES = 32768
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def all_reduce_push(
     first = " + ".join(f"(ml::i64)t.lo[{d}] * {s}" for d, s in enumerate(strides)) or "0"
     g = len(group)
     path = "ll" if inbox.ll else "bulk"
-    size = inbox.slot_bytes // 16 if inbox.ll else inbox.slot_bytes
+    size = inbox.slot_bytes // 16 if inbox.ll else f"{inbox.slot_bytes}, {BULK_CHUNK_BYTES}"
     sums = str(attrs["op"] == "sum").lower()
     return [
         f"// pushed ({'LL lines' if inbox.ll else 'stores + flag'}): this rank's box of x to the other "

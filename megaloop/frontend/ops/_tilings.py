@@ -362,7 +362,7 @@ PUSH_ALIGN = 16  # bytes: a pushed tile moves 16-byte lines, so x and every tile
 # Above this, all_reduce pulls: a pushed tile stores its box, then sums, one phase after the other, and
 # all processors move in step, so the link idles while they sum (2 H200s, 256 MB: 287 GB/s pushed,
 # 309 pulled; 16 MB: 207 pushed, 175 pulled).
-PUSH_MAX_BYTES = 32 << 20
+PUSH_MAX_BYTES = 1 << 30
 
 
 def pushable(node: Any, boxes: list[Box]) -> bool:
