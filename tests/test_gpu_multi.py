@@ -73,7 +73,7 @@ def test_every_exchange_matches_the_reference(processors: int, build) -> None:
     ("dtype", "n", "op"), [(ml.float32, 2_000_003, "sum"), (ml.int64, 70001, "max"), (ml.bfloat16, 3 << 20, "sum")]
 )
 def test_pushed_all_reduce_in_lines_and_in_chunks(dtype, n: int, op: str) -> None:
-    """Pushed tiles of both kinds (megaloop/exchange.cuh), bitwise the reference: LL lines (int64: 576
+    """Pushed tiles of both kinds (megaloop/exchange.cuh), bitwise the reference: LL lines (int64: 1024
     elements a tile) and bulk chunks of 32 KB, two a tile, with a ragged last tile (float32: 60 KB tiles)
     and without (bfloat16: 48 KB tiles)."""
     from megaloop.codegen.exchange import inboxes

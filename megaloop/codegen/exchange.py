@@ -18,8 +18,15 @@ from megaloop.plan.rendezvous import pushes
 # Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
 # lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
 LL_MAX_TILE_BYTES = 8192
-# A bulk tile goes in chunks, each summed while the next is on the link (megaloop/exchange.cuh).
-BULK_CHUNK_BYTES = 32768
+# A bulk tile goes in chunks, each summed while the next is on the link (megaloop/exchange.cuh): a
+# quarter of the tile, within these bounds. 2 H200s, bus bandwidth of the dependent chain at 16 MB (127 KB
+# tiles) / 256 MB (2 MB tiles): chunks of 32 KB 332 / 331 GB/s, 64 KB 322 / 345, 128 KB 300 / 347.
+BULK_CHUNK_BYTES = (32768, 65536)
+
+
+def bulk_chunk(tile_bytes: int) -> int:
+    low, high = BULK_CHUNK_BYTES
+    return min(high, max(low, -(-tile_bytes // 64) * 16))
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ def all_reduce_push(
     first = " + ".join(f"(ml::i64)t.lo[{d}] * {s}" for d, s in enumerate(strides)) or "0"
     g = len(group)
     path = "ll" if inbox.ll else "bulk"
-    size = inbox.slot_bytes // 16 if inbox.ll else f"{inbox.slot_bytes}, {BULK_CHUNK_BYTES}"
+    size = inbox.slot_bytes // 16 if inbox.ll else f"{inbox.slot_bytes}, {bulk_chunk(inbox.slot_bytes)}"
     sums = str(attrs["op"] == "sum").lower()
     return [
         f"// pushed ({'LL lines' if inbox.ll else 'stores + flag'}): this rank's box of x to the other "
