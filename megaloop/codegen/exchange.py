@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from megaloop.codegen.emit import Operand
 from megaloop.plan.memory import align
 from megaloop.plan.model import Plan
-from megaloop.plan.rendezvous import pushes
+from megaloop.plan.rendezvous import pushing_tiles
 
 # Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
 # lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
@@ -43,10 +43,8 @@ def inboxes(plan: Plan, rank: int) -> dict[int, Inbox]:
     rp = plan.ranks[rank]
     at = align(rp.arena_bytes)
     out: dict[int, Inbox] = {}
-    for op in rp.ops:
-        if not pushes(rp, op):
-            continue
-        tasks = [t for t in rp.tasks if t.op == op.id]
+    for op_id, tasks in pushing_tiles(rp).items():
+        op = rp.ops[op_id]
         item = rp.tensors[op.inputs[0]].dtype.itemsize
         tile_bytes = max(t.writes[0].box.size for t in tasks) * item
         members = len(op.attrs["group"])
@@ -67,16 +65,15 @@ def exchange_region(plan: Plan, rank: int) -> tuple[int, int]:
     return start, sum(align(b.nbytes) for b in boxes)
 
 
-def member_inbox_offsets(plan: Plan, rank: int, op_id: int) -> list[int]:
-    """The inbox offset of ``op_id``'s counterpart on every member, in group order (each in its arena)."""
+def member_inbox_offsets(plan: Plan, rank: int, op_id: int, boxes: list[dict[int, Inbox]]) -> list[int]:
+    """The inbox offset of ``op_id``'s counterpart on every member, in group order (each in its arena);
+    ``boxes[m]`` is ``inboxes(plan, m)``."""
     rp = plan.ranks[rank]
-    node = rp.graph.nodes[rp.ops[op_id].node]
-    c = plan.matching.collective_of[node]
+    c = plan.matching.collective_of[rp.graph.nodes[rp.ops[op_id].node]]
     out = []
     for m, peer_node in zip(c.group, c.nodes):
-        peer = plan.ranks[m]
-        (peer_op,) = [o for o in peer.ops if o.node == peer_node.id]
-        out.append(inboxes(plan, m)[peer_op.id].offset)
+        (peer_op,) = [o for o in plan.ranks[m].ops if o.node == peer_node.id]
+        out.append(boxes[m][peer_op.id].offset)
     return out
 
 

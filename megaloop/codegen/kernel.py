@@ -259,21 +259,18 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         row["hi"][: len(box.hi)] = box.hi
         row["hi"][len(box.hi) :] = 1
     offsets = np.zeros((max(len(rp.ops), 1), MAX_OPERANDS), np.int64)
+    member_boxes: list[dict] | None = None  # every rank's inboxes, once a pushing op needs its members'
     for op in rp.ops:
-        if op.id in pushed:  # x, out, then every member's inbox (in its own arena)
-            offsets[op.id, : 2 + len(op.attrs["group"])] = [
-                *(
-                    rp.buffers[rp.tensors[tid].buffer].offset + rp.tensors[tid].offset * rp.tensors[tid].dtype.itemsize
-                    for tid in (op.inputs[0], op.outputs[0])
-                ),
-                *member_inbox_offsets(plan, rank, op.id),
-            ]
-            continue
         slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands[op.id]] if op.id in exchange_operands else []
         slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
         for k, (_, owner, tid) in enumerate(slots):
             t = owner.tensors[tid]
             offsets[op.id, k] = owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
+        if op.id in pushed:  # x, out, then every member's inbox (in its own arena)
+            if member_boxes is None:
+                member_boxes = [inboxes(plan, m) for m in range(plan.world_size)]
+            inbox_offsets = member_inbox_offsets(plan, rank, op.id, member_boxes)
+            offsets[op.id, 2 : 2 + len(inbox_offsets)] = inbox_offsets
     list_begin = np.zeros(plan.processors + 1, np.int32)
     lists: list[int] = []
     for p in range(plan.processors):

@@ -22,15 +22,28 @@ inbox is the op's private memory, outside the plan's buffers). What makes it cor
 from __future__ import annotations
 
 from megaloop.errors import PlanError
-from megaloop.plan.model import Plan, PlanOp, RankPlan
+from megaloop.plan.model import Plan, PlanOp, RankPlan, Task
+
+
+def pushing_tiles(rp: RankPlan) -> dict[int, list[Task]]:
+    """Op id -> its tasks in tile order, for every all_reduce of ``rp`` whose tiles push (they read no
+    other rank's memory); one pass over the tasks."""
+    by_op: dict[int, list[Task]] = {}
+    for t in rp.tasks:
+        by_op.setdefault(t.op, []).append(t)
+    out = {}
+    for op in rp.ops:
+        tasks = by_op.get(op.id, [])
+        if op.op != "all_reduce" or len(op.attrs.get("group") or ()) < 2 or not tasks:
+            continue
+        if all(acc.rank == rp.rank for t in tasks for acc in t.reads):
+            out[op.id] = sorted(tasks, key=lambda t: t.coords)
+    return out
 
 
 def pushes(rp: RankPlan, op: PlanOp) -> bool:
-    """Whether ``op`` is an all_reduce whose tiles push (they read no other rank's memory)."""
-    if op.op != "all_reduce" or len(op.attrs.get("group") or ()) < 2:
-        return False
-    tasks = [t for t in rp.tasks if t.op == op.id]
-    return bool(tasks) and all(acc.rank == rp.rank for t in tasks for acc in t.reads)
+    """Whether ``op`` is an all_reduce whose tiles push."""
+    return op.id in pushing_tiles(rp)
 
 
 def meetings(plan: Plan) -> list[list[tuple[int, int]]]:
@@ -40,6 +53,7 @@ def meetings(plan: Plan) -> list[list[tuple[int, int]]]:
     if plan.matching is None or plan.world_size < 2:
         return []
     op_of = [{op.node: op for op in rp.ops if op.node is not None} for rp in plan.ranks]
+    pushing = [pushing_tiles(rp) for rp in plan.ranks]
     out: list[list[tuple[int, int]]] = []
     for c in plan.matching.collectives:
         if c.op != "all_reduce":
@@ -47,7 +61,7 @@ def meetings(plan: Plan) -> list[list[tuple[int, int]]]:
         ops = [op_of[r].get(node.id) for r, node in zip(c.group, c.nodes)]
         if any(op is None for op in ops):
             continue
-        flags = [pushes(plan.ranks[r], op) for r, op in zip(c.group, ops)]  # type: ignore[arg-type]
+        flags = [op.id in pushing[r] for r, op in zip(c.group, ops)]  # type: ignore[union-attr]
         if not any(flags):
             continue
         names = [f"rank {r} {op.name}" for r, op in zip(c.group, ops)]  # type: ignore[union-attr]
@@ -57,10 +71,7 @@ def meetings(plan: Plan) -> list[list[tuple[int, int]]]:
                 f"{[n for n, f in zip(names, flags) if not f]} pull; give the tile parameter push the same "
                 "value on every member"
             )
-        tiles = []
-        for r, op in zip(c.group, ops):
-            rp = plan.ranks[r]
-            tiles.append(sorted((t for t in rp.tasks if t.op == op.id), key=lambda t: t.coords))  # type: ignore[union-attr]
+        tiles = [pushing[r][op.id] for r, op in zip(c.group, ops)]  # type: ignore[union-attr]
         first = tiles[0]
         for name, ts in zip(names[1:], tiles[1:]):
             if [(t.coords, t.writes[0].box) for t in ts] != [(t.coords, t.writes[0].box) for t in first]:

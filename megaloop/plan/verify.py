@@ -248,8 +248,11 @@ def _with_meetings(
     """``edges`` plus the meetings': a meeting's tile finishes after every other member's tile
     started, i.e. after that tile's program predecessor (in the previous iteration for a list's first
     task) and its waits."""
+    groups = meetings(plan)
+    if not groups:
+        return edges
     out = [list(e) for e in edges]
-    for group in meetings(plan):
+    for group in groups:
         gids = [base[r] + t for r, t in group]
         for c in gids:
             for other in gids:

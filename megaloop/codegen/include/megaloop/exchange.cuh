@@ -12,8 +12,8 @@
 // Small tiles travel in LL lines (NCCL's "low latency" protocol): 16 bytes = {data word, flag,
 // data word, flag}, each 8-byte half stored at once over NVLink, the flag being the iteration + 1.
 // A reader that sees the flag in both halves has the data: no fence, no separate signal, one trip.
-// Large tiles travel as plain 16-byte stores, then one release (fence + increment of the receiver's
-// flag for (sender, tile)); the receiver waits for the flag, acquires, and reads its inbox.
+// Large tiles travel as plain 16-byte stores in chunks, each released (fence + increment of the
+// receiver's flag for (sender, tile)); the receiver waits for the flag, acquires, and reads its inbox.
 // Every wait checks the watchdog and gives up (reporting the member it waited for) like wait_task.
 #pragma once
 #include "megaloop/loop.cuh"
