@@ -371,8 +371,8 @@ def schedule_and_link(plan: Plan) -> None:
     seq = [plan.ranks[r].ops[t.op].seq for r, t in flat]
     req0, req1 = requirements(plan, base, seq)
     key = [(s, g, 0) for g, s in enumerate(seq)]
-    for group in meetings(plan):  # a meeting's tiles next to each other (megaloop.plan.rendezvous)
-        gids = [base[r] + t for r, t in group]
+    met = [[base[r] + t for r, t in group] for group in meetings(plan)]
+    for gids in met:  # a meeting's tiles next to each other (megaloop.plan.rendezvous)
         first = min(seq[g] for g in gids)
         for j, g in enumerate(gids):
             key[g] = (first, flat[g][1].coords[0] if flat[g][1].coords else 0, j)
@@ -384,6 +384,7 @@ def schedule_and_link(plan: Plan) -> None:
         [[position[a] for a in req0[g]] for g in order],
         plan.processors,
         plan.world_size,
+        [sorted(position[g] for g in gids) for gids in met],  # ... and placed together
     )
     for r, rp in enumerate(plan.ranks):
         rp.processors = [[flat[order[i]][1].id for i in lst] for lst in sched.lists[r]]
