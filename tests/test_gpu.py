@@ -169,7 +169,7 @@ def test_task_stuck_outside_a_wait_is_reported_and_stopped() -> None:
     g.output("s", s + 0.0)
     plan = make_plan(g, processors=1)
     program = generate(plan)
-    head = "void run_task(const ml::Args& a, const ml::Task& t, int tid, ml::u64 k, int proc) {\n"
+    head = "void run_task(const ml::Args& a, const ml::TaskSlot& s, ml::u64 k, int proc) {\n"
     assert head in program.source
     program.source = program.source.replace(head, head + "    while (!ml::aborted(a)) __nanosleep(1000);\n")
     with pytest.raises(LoopKernelError, match=r"made no progress .* It has been stopped"):

@@ -352,8 +352,10 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
 #include "megaloop/exchange.cuh"
 
 {chr(10).join(functions)}
-__device__ __forceinline__ void run_task(const ml::Args& a, const ml::Task& t, int tid, ml::u64 k, int proc) {{
-    const ml::i64* off = a.operand_offsets + (ml::i64)t.op * ml::MAX_OPERANDS;
+__device__ __forceinline__ void run_task(const ml::Args& a, const ml::TaskSlot& s, ml::u64 k, int proc) {{
+    const ml::Task& t = s.task;
+    const ml::i64* off = s.offsets;
+    const int tid = s.id;
     switch (t.sig) {{
 {cases}
         default: break;
@@ -371,7 +373,12 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
         reported = ml::now_ns();
     }}
     __syncthreads();
-    const int proc = blockIdx.x;
+    const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
+    // the task running (slot q % 3), the next one (being copied by warp 1 meanwhile) and the previous
+    // one (thread 0 may still be signalling its counter when warp 1 starts copying)
+    __shared__ ml::TaskSlot slots[3];
+    unsigned q = 0;
+    if (begin < end && threadIdx.x >= 32 && threadIdx.x < 64) ml::fill_slot(a, a.lists[begin], slots[0]);
     for (ml::u64 k = 0;; ++k) {{
         if (threadIdx.x == 0) {{
             if (k >= granted) granted = ml::wait_requested(a, k);
@@ -379,20 +386,23 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
         }}
         __syncthreads();
         if (!go) return;
-        for (int i = a.list_begin[proc]; i < a.list_begin[proc + 1]; ++i) {{
-            const int tid = a.lists[i];
-            const ml::Task& t = a.tasks[tid];
+        for (int i = begin; i < end; ++i, ++q) {{
+            const ml::TaskSlot& s = slots[q % 3];
+            const ml::Task& t = s.task;
+            const int tid = s.id;
             ml::u64 start = 0;
             if (threadIdx.x < 32) {{
-                const bool ready = ml::wait_task(a, t, tid, k, proc);
+                const bool ready = ml::wait_task(a, s, k, proc);
                 if (threadIdx.x == 0) {{
                     go = ready;
                     start = ml::now_ns();
                 }}
+            }} else if (threadIdx.x < 64) {{  // the next task (after the last: the next iteration's first)
+                ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[(q + 1) % 3]);
             }}
             __syncthreads();
             if (!go) return;
-            run_task(a, t, tid, k, proc);
+            run_task(a, s, k, proc);
             __syncthreads();
             if (threadIdx.x == 0) {{
                 if (a.profile != nullptr && k < (ml::u64)a.profile_iterations) {{
@@ -408,7 +418,9 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
                     for (int m = t.mirror_begin; m < t.mirror_begin + t.mirror_count; ++m)
                         ml::add_release_sys(&a.rank_counters[a.mirrors[m].rank][a.mirrors[m].counter], 1ull);
                 }} else {{
-                    __threadfence();
+                    // red.release after the barrier publishes every thread's writes (release is
+                    // cumulative over the barrier's synchronisation), as CUTLASS's semaphores do; no
+                    // __threadfence (fence.sc) in front
                     ml::add_release(&a.counters[t.counter], 1ull);
                 }}
             }}

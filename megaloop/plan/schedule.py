@@ -1,16 +1,20 @@
 """Static schedule: which processor runs each task, in what order.
 
-Tasks are placed one at a time, the next being the one whose inputs are estimated to be ready
-soonest among those whose producers are all placed (program order breaks ties). Each goes to the
-processor of its rank that can start it soonest; on a tie the processor that ran one of its producers
-wins (its data is warm). Every processor's list is then a subsequence of one global order (the order
-of placement) that respects all same-iteration dependencies, so no cycle of waits can arise.
+Tasks are placed one at a time in order of depth: a task's depth is one more than its deepest
+same-iteration producer's, and among the tasks whose producers are all placed the shallowest goes
+next (program order breaks ties). Each goes to the processor of its rank that can start it soonest,
+given when the tasks it depends on are estimated to finish; on a tie the processor that ran one of
+its producers wins (its data is warm). Every processor's list is then a subsequence of one global
+order (the order of placement) that respects all same-iteration dependencies, so no cycle of waits
+can arise.
 
-Placing by readiness rather than in program order matters where independent ops sit between
-dependent ones: in ``silu(x @ Wg) * (x @ Wu)`` the up projection's tiles are ready at once, the silu's
-only as the gate's tiles finish. In program order the silu's tasks took the processors the gate's last
-partial wave left free and the up projection waited behind them (a 512-token prefill at hidden 4096 on
-an H200: the two 172-tile matmuls ran one after the other, 160 us each).
+Why depth, not program order: in ``silu(x @ Wg) * (x @ Wu)`` the silu comes before the up projection
+in program order, so its tasks took the processors that the gate's last partial wave left free and
+waited there, and the up projection queued behind them (a 512-token prefill at hidden 4096 on an
+H200: the two 172-tile matmuls ran one after the other, 160 us each). By depth the two projections
+are level and go first. Why not by estimated readiness: that follows the cost model, and where the
+model is off (matmuls run at about half the math rate below) the order it gave interleaved ropes, cache
+updates and attention tiles badly: the same prefill took 856 us instead of 735 (commit 1818602).
 
 The cost model is deliberately simple: per task, a fixed overhead plus the larger of its memory time
 and its math time at a per-processor share of the chip's measured rates.
@@ -27,22 +31,35 @@ class Rates:
     hbm: float  # bytes/s, whole chip (device-to-device copy, read + write)
     math: float  # flop/s, whole chip (dense bf16 tensor cores)
     peer: float  # bytes/s to another GPU (NVLink), whole chip
-    task_overhead_ns: float = 600.0  # dependency check, signal and task dispatch
+    l2: float  # bytes/s from L2 into the SMs, whole chip (operand blocks that tiles share)
+    # dependency check, barriers, signal and the next task's dispatch: in a profiled 512-token prefill
+    # on an H200 (commit 1818602) a processor's tasks started ~2.6 us after the previous one ended, and
+    # the 8192-element tasks of the row and elementwise ops ran ~1 us longer than their HBM share
+    task_overhead_ns: float = 2500.0
 
 
-# Measured on H200 (ARCHITECTURE.md) for sm_90; vendor figures for the others.
+# Measured on H200 for sm_90 (ARCHITECTURE.md; l2: the operand feed of 128 x 256 GEMM blocks,
+# bench/results/gemm_probe.json, which also puts a 512-token prefill's 128 x 128 x 4096 matmul tiles at
+# their measured 46 us where the HBM share gave 67); vendor figures and guesses for the others.
 RATES = {
-    "sm_90": Rates(hbm=4.2e12, math=790e12, peer=394e9),
-    "sm_80": Rates(hbm=1.9e12, math=300e12, peer=250e9),
-    "sm_86": Rates(hbm=0.9e12, math=140e12, peer=50e9),
-    "sm_89": Rates(hbm=0.95e12, math=300e12, peer=30e9),
+    "sm_90": Rates(hbm=4.2e12, math=790e12, peer=394e9, l2=5.8e12),
+    "sm_80": Rates(hbm=1.9e12, math=300e12, peer=250e9, l2=3.5e12),
+    "sm_86": Rates(hbm=0.9e12, math=140e12, peer=50e9, l2=1.8e12),
+    "sm_89": Rates(hbm=0.95e12, math=300e12, peer=30e9, l2=2.5e12),
 }
 
 
-def task_cost_ns(arch: str, processors: int, local_bytes: int, remote_bytes: int, flops: int) -> float:
+def task_cost_ns(
+    arch: str, processors: int, local_bytes: int, remote_bytes: int, flops: int, streamed_bytes: int = 0
+) -> float:
     r = RATES[arch]
     share = 1.0 / processors
-    seconds = max(local_bytes / (r.hbm * share), remote_bytes / (r.peer * share), flops / (r.math * share))
+    seconds = max(
+        local_bytes / (r.hbm * share),
+        remote_bytes / (r.peer * share),
+        flops / (r.math * share),
+        streamed_bytes / (r.l2 * share),
+    )
     return r.task_overhead_ns + seconds * 1e9
 
 
@@ -65,8 +82,8 @@ def list_schedule(
 ) -> Schedule:
     """``ranks[i]``, ``costs[i]`` and ``preds[i]`` (positions of same-iteration predecessors, all < i)
     describe task i of a sequence already in dependency order. ``groups``: positions that are placed
-    one right after another (a meeting's tiles, megaloop.plan.rendezvous), each group as soon as all
-    its members' producers are placed; a group's members must be consecutive positions."""
+    one right after another (a meeting's tiles, megaloop.plan.rendezvous), as one task whose producers
+    are all its members' producers."""
     n = len(costs)
     unit = list(range(n))  # the group a position belongs to, named by its first position
     members: dict[int, list[int]] = {}
@@ -86,8 +103,8 @@ def list_schedule(
     start = [0.0] * n
     finish = [0.0] * n
     lists: list[list[list[int]]] = [[[] for _ in range(processors)] for _ in range(world)]
-    ready = [0.0] * n  # per unit: when its producers are estimated to finish (known once all placed)
-    heap = [(0.0, u) for u in range(n) if unit[u] == u and missing[u] == 0]
+    depth = [0] * n  # per unit: one more than its deepest producer's (known once all are placed)
+    heap = [(0, u) for u in range(n) if unit[u] == u and missing[u] == 0]
     heapq.heapify(heap)
     while heap:
         _, u = heapq.heappop(heap)
@@ -106,8 +123,8 @@ def list_schedule(
             lists[r][pick].append(i)
             for c in succs[i]:
                 v = unit[c]
-                ready[v] = max(ready[v], finish[i])
+                depth[v] = max(depth[v], depth[u] + 1)
                 missing[v] -= 1
                 if missing[v] == 0:
-                    heapq.heappush(heap, (ready[v], v))
+                    heapq.heappush(heap, (depth[v], v))
     return Schedule(proc, lists, start, finish, max(finish, default=0.0))

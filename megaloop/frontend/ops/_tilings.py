@@ -132,6 +132,7 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
         bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
     tiles = []
     batch_shape = tuple(batch)
+    row_tiles, col_tiles = math.ceil(m / bm), math.ceil(n / bn)
     for bi, bidx in enumerate(chunks(batch_shape, 1)):
         abatch = project(bidx, batch_shape, a.shape[:-2])
         bbatch = project(bidx, batch_shape, b.shape[:-2])
@@ -144,7 +145,11 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
                 bbox = Box(bbatch.lo + (bcols[0][0], bcols[1][0]), bbatch.hi + (bcols[0][1], bcols[1][1]))
                 obox = Box(bidx.lo + (rows[0], cols[0]), bidx.hi + (rows[1], cols[1]))
                 flops = 2 * (rows[1] - rows[0]) * (cols[1] - cols[0]) * k
-                tiles.append(Tile((bi, i // bm, j // bn), (Read(0, abox), Read(1, bbox)), (Write(0, obox),), flops))
+                a_bytes, b_bytes = abox.size * a.dtype.itemsize, bbox.size * b.dtype.itemsize
+                # each operand block comes from HBM once, shared by the tiles of its row (A) or column (B)
+                moved = a_bytes // col_tiles + b_bytes // row_tiles + obox.size * out.dtype.itemsize
+                reads = (Read(0, abox), Read(1, bbox))
+                tiles.append(Tile((bi, i // bm, j // bn), reads, (Write(0, obox),), flops, moved, 0, a_bytes + b_bytes))
     return tiles
 
 

@@ -143,6 +143,44 @@ __device__ inline void fail(const Args& a, u64 code, i64 i0, i64 i1, i64 i2, i64
 
 __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)a.abort != 0; }
 
+// What a task reads before its tile can start, copied into shared memory ahead of time: its descriptor,
+// up to SLOT_WAITS of its waits and its op's operand offsets. Warp 1 copies the next task's while warp 0
+// waits for this one's producers, so three links leave the chain of dependent loads between two tasks
+// (list entry -> descriptor -> waits -> counters, and operand offsets -> data), each an L2 round trip
+// (~0.6 us) or worse where a decode step's weights pushed them out of L2. An L1 prefetch would not
+// do: warp 0's acquire fence invalidates L1.
+constexpr int SLOT_WAITS = 16;
+struct TaskSlot {
+    Task task;
+    Wait waits[SLOT_WAITS];  // the first SLOT_WAITS of task.wait_count
+    i64 offsets[MAX_OPERANDS];
+    int id;
+};
+
+// Warp 1's lanes together: copy task `id`'s descriptor, waits and operand offsets into `s` (two
+// rounds of loads: the descriptor, then what it points to).
+__device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
+    constexpr int TASK_WORDS = sizeof(Task) / 4, WAIT_WORDS = sizeof(Wait) / 4;
+    static_assert(sizeof(Task) % 4 == 0 && TASK_WORDS <= 32 && sizeof(Wait) % 4 == 0, "a lane per word");
+    const int lane = threadIdx.x & 31;
+    const int word = lane < TASK_WORDS ? reinterpret_cast<const int*>(a.tasks + id)[lane] : 0;
+    const int op = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, op) / 4);
+    const int wait_begin = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, wait_begin) / 4);
+    const int wait_count = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, wait_count) / 4);
+    const int words = min(wait_count, SLOT_WAITS) * WAIT_WORDS;
+    const int* waits = reinterpret_cast<const int*>(a.waits + wait_begin);
+    int w[(SLOT_WAITS * WAIT_WORDS + 31) / 32];
+#pragma unroll
+    for (int j = 0; j < (SLOT_WAITS * WAIT_WORDS + 31) / 32; ++j) w[j] = lane + 32 * j < words ? waits[lane + 32 * j] : 0;
+    const i64 off = lane < MAX_OPERANDS ? a.operand_offsets[(i64)op * MAX_OPERANDS + lane] : 0;
+    if (lane < TASK_WORDS) reinterpret_cast<int*>(&s.task)[lane] = word;
+#pragma unroll
+    for (int j = 0; j < (SLOT_WAITS * WAIT_WORDS + 31) / 32; ++j)
+        if (lane + 32 * j < words) reinterpret_cast<int*>(s.waits)[lane + 32 * j] = w[j];
+    if (lane < MAX_OPERANDS) s.offsets[lane] = off;
+    if (lane == 0) s.id = id;
+}
+
 // Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
 // true for every lane, or false for every lane once any block gave up (all 32 lanes must call it:
 // it ends in a warp vote). The lanes share the waits, WAIT_BATCH of a lane's counters loaded at once
@@ -152,17 +190,21 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 // lanes with acquire loads (each completes before the next load starts) still left ~5 us between a
 // 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
 constexpr int WAIT_BATCH = 4;
-__device__ inline bool wait_task(const Args& a, const Task& t, int tid, u64 k, int proc) {
-    // no waits: nothing to check (an abort is noticed at the next wait or iteration); the flag is an
-    // L2 round trip on the path of every chain of tasks on one processor
-    bool ok = t.wait_count == 0 || !aborted(a);
+__device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc) {
+    // The abort flag is read while polling, not before: a task whose producers are done runs anyway
+    // (the iteration's end or the next wait that cannot be met notices the abort), and the flag's L2
+    // round trip stays off the path of every chain of tasks on one processor.
+    const Task& t = s.task;
+    const int tid = s.id;
+    const Wait* waits = t.wait_count <= SLOT_WAITS ? s.waits : a.waits + t.wait_begin;
+    bool ok = true;
     bool any = false, sys = false;
     for (int w0 = threadIdx.x & 31; ok && w0 < t.wait_count; w0 += 32 * WAIT_BATCH) {
         Wait wt[WAIT_BATCH];
 #pragma unroll
         for (int j = 0; j < WAIT_BATCH; ++j) {  // the waits' descriptions, all loads out at once
             const int w = min(w0 + 32 * j, t.wait_count - 1);
-            wt[j] = a.waits[t.wait_begin + w];
+            wt[j] = waits[w];
         }
         const u64* c[WAIT_BATCH];
         u64 target[WAIT_BATCH], seen[WAIT_BATCH];
