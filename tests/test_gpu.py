@@ -188,7 +188,9 @@ def test_bad_token_id_is_a_data_error() -> None:
             k.run({"tokens": [[77]], "positions": [[0]]})
 
 
-def test_state_feedback_loop_runs_many_iterations_on_the_gpu() -> None:
+# warps 1: the one warp both waits for a task and copies the next one into its slot (TaskSlot)
+@pytest.mark.parametrize("warps", [8, 2, 1])
+def test_state_feedback_loop_runs_many_iterations_on_the_gpu(warps: int) -> None:
     g = ml.Graph("loop")
     tok = g.state("token", (2,), ml.int64, init=[1, 3])
     table = g.parameter("table", (6, 8), ml.float32)
@@ -196,7 +198,7 @@ def test_state_feedback_loop_runs_many_iterations_on_the_gpu() -> None:
     g.output("tok", tok + 0)
     params = {"table": np.random.default_rng(0).standard_normal((6, 8))}
     ref = ml.evaluate(g, {}, params, iterations=50)
-    with loop_kernel(make_plan(g, processors=4), params) as k:
+    with loop_kernel(make_plan(g, processors=4, warps=warps), params) as k:
         k.run({}, iterations=50)
         assert np.array_equal(k.state()["token"], ref.state["token"])
 

@@ -378,7 +378,8 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ ml::TaskSlot slots[3];
     unsigned q = 0;
-    if (begin < end && threadIdx.x >= 32 && threadIdx.x < 64) ml::fill_slot(a, a.lists[begin], slots[0]);
+    const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
+    if (begin < end && (int)(threadIdx.x >> 5) == filler) ml::fill_slot(a, a.lists[begin], slots[0]);
     for (ml::u64 k = 0;; ++k) {{
         if (threadIdx.x == 0) {{
             if (k >= granted) granted = ml::wait_requested(a, k);
@@ -397,9 +398,9 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
                     go = ready;
                     start = ml::now_ns();
                 }}
-            }} else if (threadIdx.x < 64) {{  // the next task (after the last: the next iteration's first)
-                ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[(q + 1) % 3]);
             }}
+            if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
+                ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[(q + 1) % 3]);
             __syncthreads();
             if (!go) return;
             run_task(a, s, k, proc);
