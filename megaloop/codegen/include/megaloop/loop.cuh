@@ -163,17 +163,15 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
     constexpr int TASK_WORDS = sizeof(Task) / 4, WAIT_WORDS = sizeof(Wait) / 4;
     static_assert(sizeof(Task) % 4 == 0 && TASK_WORDS <= 32 && sizeof(Wait) % 4 == 0, "a lane per word");
     const int lane = threadIdx.x & 31;
-    const int word = lane < TASK_WORDS ? reinterpret_cast<const int*>(a.tasks + id)[lane] : 0;
-    const int op = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, op) / 4);
-    const int wait_begin = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, wait_begin) / 4);
-    const int wait_count = __shfl_sync(0xffffffffu, word, __builtin_offsetof(Task, wait_count) / 4);
+    if (lane < TASK_WORDS) reinterpret_cast<int*>(&s.task)[lane] = reinterpret_cast<const int*>(a.tasks + id)[lane];
+    __syncwarp();
+    const int op = s.task.op, wait_begin = s.task.wait_begin, wait_count = s.task.wait_count;
     const int words = min(wait_count, SLOT_WAITS) * WAIT_WORDS;
     const int* waits = reinterpret_cast<const int*>(a.waits + wait_begin);
     int w[(SLOT_WAITS * WAIT_WORDS + 31) / 32];
 #pragma unroll
     for (int j = 0; j < (SLOT_WAITS * WAIT_WORDS + 31) / 32; ++j) w[j] = lane + 32 * j < words ? waits[lane + 32 * j] : 0;
     const i64 off = lane < MAX_OPERANDS ? a.operand_offsets[(i64)op * MAX_OPERANDS + lane] : 0;
-    if (lane < TASK_WORDS) reinterpret_cast<int*>(&s.task)[lane] = word;
 #pragma unroll
     for (int j = 0; j < (SLOT_WAITS * WAIT_WORDS + 31) / 32; ++j)
         if (lane + 32 * j < words) reinterpret_cast<int*>(s.waits)[lane + 32 * j] = w[j];
