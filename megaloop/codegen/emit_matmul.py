@@ -17,7 +17,8 @@ WGMMA_MIN_ROWS, WGMMA_MIN_COLS = 64, 64  # a warpgroup's 64 rows; narrower tiles
 # K slices of 64 in shared memory, at most (wgmma.cuh prefetches S - 2 ahead). Tried 8 at 3f1f879: no
 # change to a 512-token prefill's 128 x 64 blocks (18 us each), 4096^3 at 128 x 128 went from 0.56 to 0.50
 # of cuBLAS. What bounds both is the blocks' operand traffic from L2 (~5.5-6 TB/s over the SMs in every
-# measurement so far), not the prefetch depth.
+# measurement so far), not the prefetch depth; scripts/gemm_probe.cu confirmed it with TMA (no faster
+# than cp.async) and put 2-block clusters multicasting B at 0.75 of cuBLAS (docs/runtime.md).
 WGMMA_STAGES = 4
 # The loop kernel's static shared memory (its Args copy, the row ops' reduction scratch) comes out of
 # the same per-block budget as the dynamic shared memory sized for the stages.
