@@ -34,6 +34,10 @@ SKINNY_MAX_ROWS = 16
 # weight packs in flight instead of GEMV_PACKS, so the weight stream, not A's reads from L1, is what
 # limits this path. Hence (not yet measured) the next block of weight packs is loaded
 # before this block's products: loads stay in flight while the rows' dot products run.
+# Tried at b3c29d2: threads 64 and up prefetching a thin tile's block of weights into L2
+# (cp.async.bulk.prefetch, a row each) while warp 0 waited for the task's producers. The decode layer's
+# dependent step did not get shorter (hidden 2048: 79.1 us against 77.9 without; 4096: 148.0 against
+# 147.2, one H200): the weight stream is not what the chain of waits leaves idle. Reverted.
 
 
 # Thin tiles (decode) whose weights are parameters prefetch their block of weights into L2 while the
