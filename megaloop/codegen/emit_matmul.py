@@ -40,33 +40,6 @@ SKINNY_MAX_ROWS = 16
 # 147.2, one H200): the weight stream is not what the chain of waits leaves idle. Reverted.
 
 
-# Thin tiles (decode) whose weights are parameters prefetch their block of weights into L2 while the
-# task waits for its producers (ml::prefetch_rows_l2), up to this many bytes a tile: 132 such blocks
-# stay well inside an H200's 60 MB of L2. Wider tiles re-read their blocks from L2 anyway.
-PREFETCH_MAX_BYTES = 384 * 1024
-
-
-def matmul_prefetch(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
-    """Code (run by threads 64 and up while warp 0 waits) that prefetches the tile's block of B into
-    L2, or [] where it does not apply: B 2-D, tiles of at most SKINNY_MAX_ROWS rows, a block of at most
-    PREFETCH_MAX_BYTES. The caller decides whether B is worth it (a parameter: ready before any wait)."""
-    hints = attrs.get("codegen", {})
-    rows, cols = hints.get("tile", (0, 0))
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    k = a_.shape[-2] if ta else a_.shape[-1]
-    size = b_.dtype.itemsize
-    if len(b_.shape) != 2 or not 1 <= rows <= SKINNY_MAX_ROWS or cols * k * size > PREFETCH_MAX_BYTES:
-        return []
-    nd = len(out.shape)
-    col = f"(ml::i64)t.lo[{nd - 1}] * {b_.strides[-2 if tb else -1] * size}"
-    width = f"t.hi[{nd - 1}] - t.lo[{nd - 1}]"
-    if tb:  # B [n, k]: one row of K a column of the tile
-        call = f"ml::prefetch_rows_l2(w, {width}, {k * size}, {b_.strides[-2] * size}, i, n);"
-    else:  # B [k, n]: K rows, each the tile's columns
-        call = f"ml::prefetch_rows_l2(w, {k}, (ml::i64)({width}) * {b_.strides[-1] * size}, {b_.strides[-2] * size}, i, n);"
-    return [f"const char* w = a.arena + off[1] + {col};", call]
-
-
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
     config = mma_config(attrs, a_, b_)
     body = pointers([a_, b_, out], 2)

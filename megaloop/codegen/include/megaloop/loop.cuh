@@ -157,27 +157,6 @@ struct TaskSlot {
     int id;
 };
 
-// Thread i of n: warm L2 with `rows` rows of `bytes` bytes, `stride` bytes apart (a task's block of
-// weights, while warp 0 waits for its producers: the weights do not depend on them). One bulk prefetch
-// a row on sm_90 where rows are 16-byte aligned and sized, else one prefetch a 128-byte line. A hint:
-// L2 is the point of coherence, so whatever it fetches, later loads see the latest writes.
-__device__ inline void prefetch_rows_l2(const char* p, int rows, i64 bytes, i64 stride, int i, int n) {
-#if __CUDA_ARCH__ >= 900
-    if ((((u64)p | (u64)stride | (u64)bytes) & 15) == 0) {
-        for (int r = i; r < rows; r += n)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + (i64)r * stride), "r"((u32)bytes)
-                         : "memory");
-        return;
-    }
-#endif
-    const i64 lines = (bytes + 127) / 128 + 1;  // + 1: a row may start inside a line
-    for (i64 j = i; j < (i64)rows * lines; j += n) {
-        const char* row = p + (j / lines) * stride;
-        const i64 at = min((j % lines) * 128, bytes - 1);  // never past the row
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
-    }
-}
-
 // Warp 1's lanes together: copy task `id`'s descriptor, waits and operand offsets into `s` (two
 // rounds of loads: the descriptor, then what it points to).
 __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
