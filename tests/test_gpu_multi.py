@@ -76,7 +76,7 @@ def test_pushed_all_reduce_in_lines_and_in_chunks(dtype, n: int, op: str) -> Non
     """Pushed tiles of both kinds (megaloop/exchange.cuh), bitwise the reference: LL lines (int64: 1024
     elements a tile) and bulk chunks of 32 KB, two a tile, with a ragged last tile (float32: 60 KB tiles)
     and without (bfloat16: 48 KB tiles)."""
-    from megaloop.codegen.exchange import inboxes
+    from megaloop.plan.rendezvous import inboxes
 
     graphs = ml.spmd(lambda g: g.output("s", ml.all_reduce(g.input("x", (n,), dtype), op)), 2)
     plan = make_plan(graphs, processors=132)

@@ -14,9 +14,9 @@ import pytest
 import megaloop as ml
 from megaloop import errors
 from megaloop.codegen import generate
-from megaloop.codegen.exchange import LL_MAX_TILE_BYTES, exchange_region, inboxes
 from megaloop.plan import make_plan
-from megaloop.plan.rendezvous import meetings, pushes
+from megaloop.plan.rendezvous import LL_MAX_TILE_BYTES, exchange_region, inboxes, meetings, pushes
+from megaloop.plan.stats import plan_stats
 from megaloop.plan.verify import verify_plan
 from megaloop.reference.interpreter import run_plan
 from megaloop.runtime.compile import compile_cubin, spills
@@ -141,5 +141,7 @@ def test_inboxes_sit_after_the_plan_and_apart() -> None:
         for a, b in itertools.pairwise(boxes):
             assert a.offset + a.nbytes <= b.offset, "inboxes overlap"
         assert boxes[-1].offset + boxes[-1].nbytes <= start + total <= memory_sizes(plan, rank)[0]
+        stats = plan_stats(plan)[rank]  # what `megaloop plan` reports counts them
+        assert stats.region_bytes["inboxes"] == total and stats.arena_bytes == start + total
     # the same layout on both members: each pushes into the other's at its own offsets
     assert inboxes(plan, 0) == inboxes(plan, 1)

@@ -1,5 +1,5 @@
-"""Inboxes of pushing all_reduces (megaloop/plan/rendezvous.py): where each lives in its rank's arena,
-after the plan's buffers, and the tile function that uses it (megaloop/codegen/include/megaloop/exchange.cuh).
+"""The tile function of a pushing all_reduce (megaloop/plan/rendezvous.py, which also lays out the inboxes
+after the plan's buffers; megaloop/codegen/include/megaloop/exchange.cuh).
 
 An op's inbox has two slots (iteration parity) per other member and tile; the same layout on every member,
 since the members' tiles are the same. Tiles of at most ``LL_MAX_TILE_BYTES`` travel in LL lines (16
@@ -8,16 +8,10 @@ bytes carry 8 of data and the flags), larger ones as plain stores followed by a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from megaloop.codegen.emit import Operand
-from megaloop.plan.memory import align
 from megaloop.plan.model import Plan
-from megaloop.plan.rendezvous import pushing_tiles
+from megaloop.plan.rendezvous import Inbox
 
-# Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
-# lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
-LL_MAX_TILE_BYTES = 8192
 # A bulk tile goes in chunks, each summed while the next is on the link (megaloop/exchange.cuh): a
 # quarter of the tile, within these bounds. 2 H200s, bus bandwidth of the dependent chain at 16 MB (127 KB
 # tiles) / 256 MB (2 MB tiles): chunks of 32 KB 332 / 331 GB/s, 64 KB 322 / 345, 128 KB 300 / 347.
@@ -27,42 +21,6 @@ BULK_CHUNK_BYTES = (32768, 65536)
 def bulk_chunk(tile_bytes: int) -> int:
     low, high = BULK_CHUNK_BYTES
     return min(high, max(low, -(-tile_bytes // 64) * 16))
-
-
-@dataclass(frozen=True)
-class Inbox:
-    offset: int  # bytes from the start of this rank's arena
-    ll: bool  # LL lines, or plain stores and a flag per (sender, tile)
-    tiles: int
-    slot_bytes: int  # one (parity, sender, tile) slot
-    nbytes: int  # slots, then (bulk) the (G - 1) x tiles u64 flags
-
-
-def inboxes(plan: Plan, rank: int) -> dict[int, Inbox]:
-    """Op id -> its inbox, for every pushing all_reduce of ``rank``."""
-    rp = plan.ranks[rank]
-    at = align(rp.arena_bytes)
-    out: dict[int, Inbox] = {}
-    for op_id, tasks in pushing_tiles(rp).items():
-        op = rp.ops[op_id]
-        item = rp.tensors[op.inputs[0]].dtype.itemsize
-        tile_bytes = max(t.writes[0].box.size for t in tasks) * item
-        members = len(op.attrs["group"])
-        ll = tile_bytes <= LL_MAX_TILE_BYTES
-        slot = -(-tile_bytes // 8) * 16 if ll else -(-tile_bytes // 16) * 16
-        senders = members - 1  # the others: a member never writes its own inbox
-        nbytes = 2 * senders * len(tasks) * slot + (0 if ll else 8 * senders * len(tasks))
-        out[op.id] = Inbox(at, ll, len(tasks), slot, nbytes)
-        at += align(nbytes)
-    return out
-
-
-def exchange_region(plan: Plan, rank: int) -> tuple[int, int]:
-    """(offset, bytes) of all of ``rank``'s inboxes: zeroed before the kernel starts (no LL flag or
-    bulk count matches a zero)."""
-    start = align(plan.ranks[rank].arena_bytes)
-    boxes = inboxes(plan, rank).values()
-    return start, sum(align(b.nbytes) for b in boxes)
 
 
 def member_inbox_offsets(plan: Plan, rank: int, op_id: int, boxes: list[dict[int, Inbox]]) -> list[int]:

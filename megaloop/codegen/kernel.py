@@ -33,12 +33,13 @@ from megaloop.codegen.emit import (
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
-from megaloop.codegen.exchange import all_reduce_push, inboxes, member_inbox_offsets
+from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tiling import PEER_SEND
 from megaloop.plan.model import Plan, RankPlan
+from megaloop.plan.rendezvous import inboxes
 from megaloop.plan.tasks import peer_operand
 
 MAX_DIMS = 6

@@ -11,6 +11,7 @@ import numpy as np
 from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
 from megaloop.plan.memory import align
 from megaloop.plan.model import BUFFER_KINDS, Plan
+from megaloop.plan.rendezvous import exchange_region
 
 
 @dataclass
@@ -52,6 +53,7 @@ def plan_stats(plan: Plan) -> list[RankStats]:
         ids = np.arange(base[r], base[r] + len(rp.tasks))
         layout = rp.memory
         busy = [float(sum(rp.tasks[t].cost_ns for t in lst)) for lst in rp.processors]
+        inbox_at, inbox_bytes = exchange_region(plan, r)  # pushing all_reduces' inboxes, after the buffers
         out.append(
             RankStats(
                 rank=r,
@@ -62,8 +64,11 @@ def plan_stats(plan: Plan) -> list[RankStats]:
                 critical_path_ns=float(critical[ids].max(initial=0.0)),
                 makespan_ns=float(makespan[ids].max(initial=0.0)),
                 busy_ns=busy,
-                arena_bytes=rp.arena_bytes,
-                region_bytes=dict(layout.region_bytes) if layout else _regions(rp),
+                arena_bytes=inbox_at + inbox_bytes if inbox_bytes else rp.arena_bytes,
+                region_bytes={
+                    **(dict(layout.region_bytes) if layout else _regions(rp)),
+                    **({"inboxes": inbox_bytes} if inbox_bytes else {}),
+                },
                 scratch_without_reuse=layout.scratch_unshared if layout else _scratch_unshared(rp),
             )
         )

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
-from megaloop.codegen.exchange import exchange_region
 from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
 from megaloop.errors import DataError, EvaluationError, MegaloopError
 from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
+from megaloop.plan.rendezvous import exchange_region
 from megaloop.runtime.compile import compile_cubin
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
