@@ -89,6 +89,26 @@ def test_pushed_all_reduce_in_lines_and_in_chunks(dtype, n: int, op: str) -> Non
             same(gr.run(feeds, iterations=2), ml.evaluate(graphs, feeds), f"{dtype.short} {op} {n}")
 
 
+def test_pushed_send_recv_matches_the_reference() -> None:
+    """The send's tiles store into the peer's recv output and release their counters there
+    (tests/test_push_send_recv.py): a ring with fresh inputs each run, then a state passed around the ring
+    for 50 iterations (a send overwriting what the peer has not read yet would change it)."""
+    from tests.test_push_send_recv import PUSH, chain, ring
+
+    graphs = ml.spmd(ring, 2)
+    rng = np.random.default_rng(5)
+    with group(make_plan(graphs, processors=132, tiles=PUSH)) as gr:
+        for _ in range(3):
+            feeds = feeds_for(graphs, rng)
+            same(gr.run(feeds, iterations=2), ml.evaluate(graphs, feeds), "pushed ring")
+    graphs = ml.spmd(chain, 2)
+    ref = ml.evaluate(graphs, [{}, {}], iterations=50)
+    with group(make_plan(graphs, processors=132, tiles=PUSH)) as gr:
+        gr.run([{}, {}], iterations=50)
+        for r, st in enumerate(gr.state()):
+            assert st["s"].tobytes() == ref[r].state["s"].tobytes(), f"pushed state chain rank {r}"
+
+
 def test_tensor_parallel_mlp_and_hundred_runs_bitwise() -> None:
     world = 2
     graphs, x, params = tp_mlp(world, tokens=8, hidden=256, ffn=1024, scale=0.05, seed=0)

@@ -94,7 +94,9 @@ def test_every_op_through_the_plan(row_id: str, processors: int) -> None:
 
 def test_op_rows_reach_every_op_with_tasks() -> None:
     with_tasks = {
-        name for name, op in REGISTRY.items() if op.tiling is not None and op.kind != "collective" and name != "recv"
+        name
+        for name, op in REGISTRY.items()
+        if op.tiling is not None and op.kind != "collective" and name not in ("recv", "send")  # test_push_send_recv
     }
     assert with_tasks <= {row.op for row, _ in OP_ROWS.values()}
 

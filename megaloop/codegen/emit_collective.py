@@ -2,7 +2,7 @@
 pulls its box of every member's operand straight from that rank's arena (``a.arenas[rank]``, peer
 memory over NVLink) after its waits on the members' counters, and combines in group order, so every
 rank computes bitwise the same values (the numpy reference's rule: float32 or int64 accumulation,
-one rounding to the output dtype)."""
+one rounding to the output dtype). A pushing recv's send stores instead (``send``)."""
 
 from __future__ import annotations
 
@@ -158,10 +158,24 @@ def all_gather(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: O
 
 def recv(attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand) -> list[str]:
     """The matched send's tensor on the source rank, element for element (bit for bit)."""
+    ((_, src),) = members
+    return member_pointers(members, out) + _copy(src, out)
+
+
+def send(attrs: dict[str, Any], x: Operand, out: Operand, dst: int) -> list[str]:
+    """A pushing send's tile: its box of x stored into the recv's output in rank dst's arena (peer memory),
+    element for element; the task's release at system scope then tells the recv's consumers there."""
+    return [
+        f"const {x.ctype}* in0 = (const {x.ctype}*)(a.arena + off[0]);",
+        f"{out.ctype}* out0 = ({out.ctype}*)(a.arenas[{dst}] + off[1]);  // rank {dst}'s recv output",
+    ] + _copy(x, out)
+
+
+def _copy(src: Operand, out: Operand) -> list[str]:
+    """out0[box] = in0[box] (16-byte packs where both layouts allow, else element by element)."""
     nd = len(out.shape)
     dims = [f"i[{d}]" for d in range(nd)]
-    ((_, src),) = members
-    body = member_pointers(members, out)
+    body: list[str] = []
     width = _pack_width([src], out)
     if width:
         body += packed_loop(

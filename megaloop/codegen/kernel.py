@@ -40,7 +40,7 @@ from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tiling import PEER_SEND
 from megaloop.plan.model import Plan, RankPlan
 from megaloop.plan.rendezvous import inboxes
-from megaloop.plan.tasks import peer_operand
+from megaloop.plan.tasks import peer_operand, peer_output
 
 MAX_DIMS = 6
 MAX_OPERANDS = 16  # a collective reads one operand per member: up to 15 ranks in a group
@@ -158,6 +158,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     comments: list[str] = []
     shared = 0
     exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
+    sends: dict[int, list[tuple[int, int]]] = {}  # pushing send -> (rank, tensor id) of x and of the recv's output
     extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows, cols)
     largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
     for t in rp.tasks:
@@ -180,6 +181,13 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 )
             body = all_reduce_push(op.attrs, group, rank, x, out, pushed[op.id])
             _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
+            continue
+        if op.op == "send":  # a pushing recv's send: stores its tiles into the recv's output on dst
+            dst, out_tid = peer_output(plan, rp.graph.nodes[op.node])  # type: ignore[index]
+            x, out = _operand(rp, op.inputs[0]), _operand(plan.ranks[dst], out_tid)
+            body = emit_collective.send(op.attrs, x, out, dst)
+            _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
+            sends[op.id] = [(rank, op.inputs[0]), (dst, out_tid)]
             continue
         if op.op in EXCHANGES:
             members = _members(plan, rank, op)
@@ -264,6 +272,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     for op in rp.ops:
         slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands[op.id]] if op.id in exchange_operands else []
         slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
+        if op.id in sends:  # x here, the recv's output in the destination's arena
+            slots = [(m, plan.ranks[m], tid) for m, tid in sends[op.id]]
         for k, (_, owner, tid) in enumerate(slots):
             t = owner.tensors[tid]
             offsets[op.id, k] = owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize

@@ -27,6 +27,7 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 SHARED_MEMORY_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 MAX_WARPS = 32  # 1024 threads per block
 PEER_SEND = -1  # operand index of a recv's read: the matched send's input on the source rank
+PEER_RECV = -2  # output index of a pushing send's write: the matched recv's output on the destination rank
 
 
 class Box(NamedTuple):
@@ -69,8 +70,9 @@ class Read(NamedTuple):
 
 
 class Write(NamedTuple):
-    output: int  # index into the node's outputs
+    output: int  # index into the node's outputs (PEER_RECV for a pushing send)
     box: Box
+    rank: int | None = None  # another rank's tensor (a pushing send: the recv's output); None: this rank
 
 
 class Tile(NamedTuple):

@@ -26,7 +26,7 @@ from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
-from megaloop.plan.tasks import make_tasks, peer_operand
+from megaloop.plan.tasks import make_tasks, peer_operand, peer_output
 
 SOURCE_KINDS = {"input": "input", "parameter": "parameter", "constant": "constant", "state": "state"}
 
@@ -120,6 +120,12 @@ def tile_params(node_name: str, op_name: str, arch: str, tiles: dict[str, dict[s
     return tiling.resolve(f"{op_name} {node_name}", arch, merged)
 
 
+def pushes(transfer: Any, arch: str, tiles: dict[str, dict[str, int]]) -> bool:
+    """Whether a transfer's recv pushes (its tile parameter push): then its send has the tiles, which
+    store into the recv's output on the destination rank."""
+    return bool(tile_params(transfer.recv.name, "recv", arch, tiles)["push"])
+
+
 def lower_rank(
     graph: Graph, rank: int, matching: RankMatching, arch: str, tiles: dict[str, dict[str, int]]
 ) -> RankPlan:
@@ -143,6 +149,8 @@ def lower_rank(
     for r, node in matching.order:
         if r != rank or node.op.tiling is None:
             continue
+        if node.op.name == "send" and not pushes(matching.transfer_of[node], arch, tiles):
+            continue  # the recv pulls: the send has nothing to do
         ops.append(
             PlanOp(
                 len(ops),
@@ -236,6 +244,8 @@ def _lower_state_updates(rp: RankPlan, matching: RankMatching, index_of: dict, c
             and rp.owner[vid] == vid
             and vid not in staged
             and all(key < made for key in reads[state_tid])
+            # a pushed recv's value is stored by its send, earlier in the order than the recv
+            and not (value.node.op.name == "recv" and pushes(matching.transfer_of[value.node], copies.arch, copies.tiles))
         )
         if aliasable:
             for tid, own in list(rp.owner.items()):
@@ -313,6 +323,10 @@ def place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
             for peer, tid in _remote_reads(plan, r, op):
                 readers[peer].setdefault(plan.ranks[peer].owner[tid], []).append(op.seq)
                 remote[peer].add(plan.ranks[peer].owner[tid])
+            if op.op == "send":  # a pushing send writes the recv's output on its rank, from here on
+                peer, tid = peer_output(plan, rp.graph.nodes[op.node])  # type: ignore[index]
+                writers[peer].setdefault(plan.ranks[peer].owner[tid], []).append(op.seq)
+                remote[peer].add(plan.ranks[peer].owner[tid])
     for r, rp in enumerate(plan.ranks):
         outputs = {rp.owner[t] for t in rp.outputs.values()}
         roots = sorted(set(rp.owner.values()))
@@ -359,7 +373,7 @@ def _remote_reads(plan: Plan, rank: int, op: PlanOp) -> list[tuple[int, int]]:
         for m in node.attrs["group"]:
             if m != rank:
                 out.append((m, peer_operand(plan, rank, node, 0, m)))
-    elif node.op.name == "recv":
+    elif node.op.name == "recv" and not op.tile.get("push"):  # pushed: the send writes here instead
         out.append((node.attrs["src"], peer_operand(plan, rank, node, -1, node.attrs["src"])))
     return out
 

@@ -23,8 +23,15 @@ def check_structure(plan: Plan) -> None:
     """What a loaded plan may not change: its ops, tensors and buffers must be what planning its graphs
     makes (only tile parameters, tasks, processor orders, waits and buffer offsets are the plan's own).
     Also gives the loaded ranks what is derived rather than saved (storage owners, output tensors)."""
+    # a recv's push decides what exists (the send's op, peer buffers, state copies): plan with the file's
+    pushed = {
+        op.name: {"push": op.tile["push"]}
+        for rp in plan.ranks
+        for op in rp.ops
+        if op.op == "recv" and "push" in op.tile
+    }
     try:
-        lowered = [lower_rank(rp.graph, r, plan.matching, plan.arch, {}) for r, rp in enumerate(plan.ranks)]
+        lowered = [lower_rank(rp.graph, r, plan.matching, plan.arch, pushed) for r, rp in enumerate(plan.ranks)]
         number_ops(lowered)
         shadow = Plan(plan.arch, plan.processors, plan.warps, plan.shared_memory, lowered, matching=plan.matching)
         place_buffers(shadow, False, memory.SCRATCH_BUDGET)

@@ -9,7 +9,7 @@ from typing import Any
 from megaloop.errors import InternalError
 from megaloop.frontend.graph import Node
 from megaloop.frontend.opdef import REGISTRY
-from megaloop.frontend.tiling import PEER_SEND, TileContext
+from megaloop.frontend.tiling import PEER_RECV, PEER_SEND, TileContext
 from megaloop.plan.model import Access, Plan, PlanOp, RankPlan, Task
 from megaloop.plan.schedule import task_cost_ns
 
@@ -24,6 +24,12 @@ def peer_operand(plan: Plan, rank: int, node: Node, operand: int, member: int) -
     c = m.collective_of[node]
     peer_node = c.nodes[c.group.index(member)]
     return plan.ranks[member].tensor_of[peer_node.inputs[operand]]
+
+
+def peer_output(plan: Plan, node: Node) -> tuple[int, int]:
+    """(rank, tensor id there) that a pushing send's tiles write: the matched recv's output."""
+    transfer = plan.matching.transfer_of[node]
+    return transfer.dst, plan.ranks[transfer.dst].tensor_of[transfer.recv.outputs[0]]
 
 
 def op_node(rp: RankPlan, op: PlanOp) -> Any:
@@ -70,8 +76,14 @@ def tasks_of_op(plan: Plan, rank: int, op: PlanOp, first_id: int) -> list[Task]:
                 local += nbytes
             else:
                 remote += nbytes
-        writes = [Access(op.outputs[w.output], w.box, rank) for w in tile.writes]
-        local += sum(w.box.size * rp.tensors[op.outputs[w.output]].dtype.itemsize for w in tile.writes)
+        writes = []
+        for w in tile.writes:
+            if w.output == PEER_RECV:  # a pushing send: into the recv's output on its rank
+                dst, tid = peer_output(plan, node)
+                writes.append(Access(tid, w.box, dst))
+            else:
+                writes.append(Access(op.outputs[w.output], w.box, rank))
+                local += w.box.size * rp.tensors[op.outputs[w.output]].dtype.itemsize
         if tile.moved is not None:  # the declared boxes over-approximate what a gather touches
             local = tile.moved
         remote += tile.pushed

@@ -162,6 +162,8 @@ class _Machine:
             table: dict[int, list[tuple[int, np.ndarray]]] = {}
             for t in rank.rp.tasks:
                 for acc in t.writes:
+                    if acc.rank != rank.rp.rank:  # a pushing send's store: into the recv's output, not a state
+                        continue
                     tensor = rank.rp.tensors[acc.tensor]
                     if rank.rp.buffers[tensor.buffer].kind == "state":
                         table.setdefault(tensor.buffer, []).append((t.id, rank.byte_index(tensor, acc.box)))
@@ -304,6 +306,8 @@ class _Machine:
             elif op.op == "recv":
                 src = node.attrs["src"]
                 results = [self._operand(r, task, acc_rank=src, tensor=task.reads[0].tensor)]
+            elif op.op == "send":  # a pushing send: its chunk of x, stored into the recv's output
+                results = [self._operand(r, task, acc_rank=r, tensor=op.inputs[0])]
             else:
                 operands = [self._operand(r, task, acc_rank=r, tensor=t) for t in op.inputs]
                 out = opdef.reference(operands, op.attrs)
@@ -314,16 +318,17 @@ class _Machine:
 
     def _store(self, r: int, task: Task, k: int, results: list[Any]) -> None:
         """Write the task's declared boxes of its op's ``results`` (one per output)."""
-        rank = self.ranks[r]
-        rp = rank.rp
-        op = rp.ops[task.op]
+        op = self.ranks[r].rp.ops[task.op]
         for acc in task.writes:
-            t = rp.tensors[acc.tensor]
-            value = round_to(np.asarray(results[op.outputs.index(acc.tensor)]), t.dtype)
-            rank.view(t)[acc.box.slices] = value[acc.box.slices]
-            idx = rank.byte_index(t, acc.box)
-            rank.iteration[idx] = k
-            rank.writer[idx] = op.id
+            owner = self.ranks[acc.rank]  # another rank's: a pushing send storing into the recv's output
+            t = owner.rp.tensors[acc.tensor]
+            result = results[0] if acc.rank != r else results[op.outputs.index(acc.tensor)]
+            value = round_to(np.asarray(result), t.dtype)
+            owner.view(t)[acc.box.slices] = value[acc.box.slices]
+            idx = owner.byte_index(t, acc.box)
+            owner.iteration[idx] = k
+            # on that rank the bytes are the recv's: what its readers expect to find
+            owner.writer[idx] = op.id if acc.rank == r else owner.producer[acc.tensor]
 
     def _operand(self, r: int, task: Task, acc_rank: int, tensor: int) -> np.ndarray:
         """The operand as the task may see it: declared boxes from the arena, NaN (or garbage) elsewhere."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tiling import (
+    PEER_RECV,
     PEER_SEND,
     Box,
     Read,
@@ -414,10 +415,23 @@ def _reduce_scatter(node: Any, params: dict[str, int], ctx: TileContext) -> list
 
 def _recv(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
+    if params["push"]:  # the send's tiles store it here (_send): nothing left to do on this rank
+        return []
     return [
         Tile((i,), (Read(PEER_SEND, box, node.attrs["src"]),), (Write(0, box),), 0)
         for i, box in enumerate(chunks(out.shape, _exchange_elements(params, out.shape, ctx)))
     ]
+
+
+def _send(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    """A send has tiles only when its recv pushes (the planner makes its op only then): each stores a
+    chunk of x straight into the recv's output on rank dst."""
+    x = node.inputs[0]
+    out = []
+    for i, box in enumerate(chunks(x.shape, _exchange_elements(params, x.shape, ctx))):
+        nbytes = box.size * x.dtype.itemsize
+        out.append(Tile((i,), (Read(0, box),), (Write(PEER_RECV, box, node.attrs["dst"]),), 0, nbytes, nbytes))
+    return out
 
 
 EXCHANGE = {"elements": same(4096), "waves": WAVES}
@@ -435,4 +449,13 @@ ALL_REDUCE = Tiling(
 )
 ALL_GATHER = Tiling(COPY_EXCHANGE, _all_gather, "chunks of the output, read from the members they cover")
 REDUCE_SCATTER = Tiling(EXCHANGE, _reduce_scatter, "chunks of this rank's piece of the sum")
-RECV = Tiling(COPY_EXCHANGE, _recv, "chunks of the received tensor, read from the sender")
+# push on a recv: 0 (default) = its tiles pull the chunks from the sender's memory after waiting for
+# the send's producers; 1 = the send gets the tiles: each stores its chunk into this rank's memory and
+# releases a counter that the recv's consumers wait on here (CPU-checked; not yet measured on GPUs)
+RECV = Tiling(
+    {**COPY_EXCHANGE, "push": same(0)},
+    _recv,
+    "chunks of the received tensor, read from the sender (or, push 1, stored by the send's tiles)",
+    flags=("push",),
+)
+SEND = Tiling(COPY_EXCHANGE, _send, "chunks of x stored into the recv's output on dst (a pushing recv's send)")

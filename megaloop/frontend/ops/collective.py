@@ -234,6 +234,7 @@ SEND = register(
         infer=_send_infer,
         reference=None,
         accuracy=Accuracy(ulps=0.0),
+        tiling=_tilings.SEND,  # planned only when the recv pushes (its tile parameter push)
     )
 )
 RECV = register(
