@@ -245,7 +245,9 @@ def _lower_state_updates(rp: RankPlan, matching: RankMatching, index_of: dict, c
             and vid not in staged
             and all(key < made for key in reads[state_tid])
             # a pushed recv's value is stored by its send, earlier in the order than the recv
-            and not (value.node.op.name == "recv" and pushes(matching.transfer_of[value.node], copies.arch, copies.tiles))
+            and not (
+                value.node.op.name == "recv" and pushes(matching.transfer_of[value.node], copies.arch, copies.tiles)
+            )
         )
         if aliasable:
             for tid, own in list(rp.owner.items()):
