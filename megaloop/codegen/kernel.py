@@ -385,10 +385,10 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
     }}
     __syncthreads();
     const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
-    // the task running (slot q % 3), the next one (being copied by warp 1 meanwhile) and the previous
+    // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ ml::TaskSlot slots[3];
-    unsigned q = 0;
+    int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
     const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
     if (begin < end && (int)(threadIdx.x >> 5) == filler) ml::fill_slot(a, a.lists[begin], slots[0]);
     for (ml::u64 k = 0;; ++k) {{
@@ -398,8 +398,8 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
         }}
         __syncthreads();
         if (!go) return;
-        for (int i = begin; i < end; ++i, ++q) {{
-            const ml::TaskSlot& s = slots[q % 3];
+        for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {{
+            const ml::TaskSlot& s = slots[q];
             const ml::Task& t = s.task;
             const int tid = s.id;
             ml::u64 start = 0;
@@ -411,7 +411,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
                 }}
             }}
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
-                ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[(q + 1) % 3]);
+                ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
             __syncthreads();
             if (!go) return;
             run_task(a, s, k, proc);

@@ -82,9 +82,11 @@ class Tile(NamedTuple):
     flops: int = 0
     moved: int | None = None  # bytes really moved, when the declared boxes over-approximate (gathers)
     pushed: int = 0  # bytes it stores into other ranks' memory (a pushing collective's tiles)
-    # bytes it streams through L2 in blocks that other tiles read too (a matmul's operand blocks): these
-    # come from HBM once (``moved`` counts that share) but reach every tile that needs them at L2's rate
+    # operand bytes it streams through L2 in blocks that other tiles read too (a matmul's A and B
+    # blocks), and its share of them from HBM (each block comes once, split over the tiles sharing it):
+    # the cost model reads the first at L2's rate and counts only the second against HBM
     streamed: int = 0
+    streamed_once: int = 0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from megaloop.errors import DeadlockError
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -104,13 +106,17 @@ def list_schedule(
     finish = [0.0] * n
     lists: list[list[list[int]]] = [[[] for _ in range(processors)] for _ in range(world)]
     depth = [0] * n  # per unit: one more than its deepest producer's (known once all are placed)
+    ready = [0.0] * n  # per task: when its producers are estimated to finish (known once all are placed)
     heap = [(0, u) for u in range(n) if unit[u] == u and missing[u] == 0]
     heapq.heapify(heap)
+    placed = 0
     while heap:
         _, u = heapq.heappop(heap)
         for i in members.get(u, (u,)):
             r, fr = ranks[i], free[ranks[i]]
-            at = max((finish[p] for p in preds[i]), default=0.0)
+            at = ready[i] if preds[i] else 0.0
+            if any(unit[p] == unit[i] for p in preds[i]):  # a producer in its own group (placed just before)
+                at = max(at, max(finish[p] for p in preds[i]))
             earliest = min(fr)
             soonest = max(earliest, at)
             pick = next((proc[p] for p in preds[i] if ranks[p] == r and fr[proc[p]] <= soonest), None)
@@ -121,10 +127,20 @@ def list_schedule(
             finish[i] = start[i] + costs[i]
             fr[pick] = finish[i]
             lists[r][pick].append(i)
+            placed += 1
             for c in succs[i]:
                 v = unit[c]
                 depth[v] = max(depth[v], depth[u] + 1)
+                if finish[i] > ready[c]:
+                    ready[c] = finish[i]
                 missing[v] -= 1
                 if missing[v] == 0:
                     heapq.heappush(heap, (depth[v], v))
+    if placed < n:
+        stuck = next(i for i in range(n) if missing[unit[i]] > 0)
+        raise DeadlockError(
+            f"plan: task {stuck} of the schedule's order can never be placed: its group "
+            f"{members.get(unit[stuck], [stuck])} (a meeting's tiles, which run together) depends on itself "
+            "through another group"
+        )
     return Schedule(proc, lists, start, finish, max(finish, default=0.0))

@@ -87,6 +87,7 @@ def tasks_of_op(plan: Plan, rank: int, op: PlanOp, first_id: int) -> list[Task]:
         if tile.moved is not None:  # the declared boxes over-approximate what a gather touches
             local = tile.moved
         remote += tile.pushed
-        cost = task_cost_ns(plan.arch, plan.processors, local, remote, tile.flops, tile.streamed)
+        hbm = local - tile.streamed + tile.streamed_once  # blocks other tiles share: this tile's share of HBM
+        cost = task_cost_ns(plan.arch, plan.processors, hbm, remote, tile.flops, tile.streamed)
         out.append(Task(first_id + k, op.id, tile.coords, reads, writes, tile.flops, local + remote, cost))
     return out

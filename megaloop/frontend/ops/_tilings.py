@@ -133,7 +133,10 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
         bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
     tiles = []
     batch_shape = tuple(batch)
-    row_tiles, col_tiles = math.ceil(m / bm), math.ceil(n / bn)
+    # an A block is read by every column tile of its rows, and by every batch index when A broadcasts
+    # over the batch; a B block likewise by the row tiles
+    a_sharers = math.ceil(n / bn) * (n_batch if math.prod(a.shape[:-2]) == 1 else 1)
+    b_sharers = math.ceil(m / bm) * (n_batch if math.prod(b.shape[:-2]) == 1 else 1)
     for bi, bidx in enumerate(chunks(batch_shape, 1)):
         abatch = project(bidx, batch_shape, a.shape[:-2])
         bbatch = project(bidx, batch_shape, b.shape[:-2])
@@ -147,10 +150,11 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
                 obox = Box(bidx.lo + (rows[0], cols[0]), bidx.hi + (rows[1], cols[1]))
                 flops = 2 * (rows[1] - rows[0]) * (cols[1] - cols[0]) * k
                 a_bytes, b_bytes = abox.size * a.dtype.itemsize, bbox.size * b.dtype.itemsize
-                # each operand block comes from HBM once, shared by the tiles of its row (A) or column (B)
-                moved = a_bytes // col_tiles + b_bytes // row_tiles + obox.size * out.dtype.itemsize
+                once = a_bytes // a_sharers + b_bytes // b_sharers
                 reads = (Read(0, abox), Read(1, bbox))
-                tiles.append(Tile((bi, i // bm, j // bn), reads, (Write(0, obox),), flops, moved, 0, a_bytes + b_bytes))
+                tiles.append(
+                    Tile((bi, i // bm, j // bn), reads, (Write(0, obox),), flops, None, 0, a_bytes + b_bytes, once)
+                )
     return tiles
 
 
