@@ -15,7 +15,8 @@ NCCL from this process (torch.cuda.nccl, ``nccl_one_process_us``): the median ov
 back-to-back calls between device events, per call; host-launch bound at small sizes. NCCL under
 torchrun, eager and in a CUDA graph, and torch symmetric memory's one-shot all-reduce
 (``torch_*`` columns) come from bench/collectives_torch.py, run first in the same job.
-Bus bandwidth: (n - 1) / n x bytes of the full vector / time, x 2 for all_reduce (NCCL's convention)."""
+Bus bandwidth: (n - 1) / n x bytes of the full vector / time, x 2 for all_reduce (NCCL's convention).
+``send_recv``: the loop kernel only, a chain of dependent hops (swap_graphs), pushed and pulled."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from megaloop.plan import make_plan
 from megaloop.runtime.group import LoopKernelGroup
 
 SIZES = [int(s) for s in os.environ.get("COLLECTIVE_SIZES", "4096,32768,262144,1048576,16777216,268435456").split(",")]
-KINDS = os.environ.get("COLLECTIVES", "all_reduce,all_gather,reduce_scatter").split(",")
+KINDS = os.environ.get("COLLECTIVES", "all_reduce,all_gather,reduce_scatter,send_recv").split(",")
 WORLD = 2
 CALLS = 20
 
@@ -116,6 +117,36 @@ def dependent_seconds(nbytes: int, push: int = 1) -> float:
         return resident_seconds(gr, iterations) / depth
 
 
+def swap_graphs(n: int, depth: int) -> list[ml.Graph]:
+    """``depth`` hops a rank: each sends what it holds to the other and holds what it receives, so
+    every hop waits for the previous one; the last is the next iteration's first (the state ``s``,
+    rank_data at first). After an odd number of hops each rank holds the other's data."""
+
+    def build(g: ml.Graph) -> None:
+        s = g.state("s", (n,), ml.bfloat16, init=rank_data(g.rank, n))
+        y = s
+        for d in range(depth):
+            ml.send(y, 1 - g.rank, tag=d)
+            y = ml.recv(g, 1 - g.rank, (n,), ml.bfloat16, tag=d)
+        g.output("y", y)
+        g.assign(s, y)
+
+    return ml.spmd(build, 2)
+
+
+def hop_seconds(nbytes: int, push: int) -> float:
+    """Seconds per send/recv hop in the swap chain (see swap_graphs); ``push``: the recv's tile parameter
+    (1: the send stores into the receiver's memory; 0: the recv pulls from the sender's)."""
+    n, depth = nbytes // 2, chain_depth(nbytes)
+    plan = make_plan(swap_graphs(n, depth), processors=132, tiles={"recv": {"push": push}})
+    with LoopKernelGroup(plan) as gr:
+        out = gr.run()
+        for r in range(WORLD):  # depth is even: each rank holds its own data again
+            assert np.array_equal(out[r]["y"], bf16(rank_data(r, n))), f"send/recv chain is wrong on rank {r}"
+        iterations = 50 if nbytes <= 1 << 20 else 5
+        return resident_seconds(gr, iterations) / depth
+
+
 def overlapped_seconds(kind: str, nbytes: int) -> tuple[float, int]:
     """Seconds per collective, one per iteration on a fixed input (iterations overlap; see above)."""
     n = nbytes // 2
@@ -157,6 +188,18 @@ def main() -> None:
         print("PyTorch side failed:", results["torch_error"], flush=True)
     for kind in KINDS:
         rows = results[kind] = {}
+        if kind == "send_recv":  # the loop kernel only: a dependent hop, pushed and pulled
+            for nbytes in SIZES:
+                push_s, pull_s = hop_seconds(nbytes, 1), hop_seconds(nbytes, 0)
+                rows[str(nbytes)] = {
+                    "hop_push_us": push_s * 1e6,
+                    "hop_pull_us": pull_s * 1e6,
+                    "hop_push_GBps": nbytes / push_s / 1e9,
+                    "hop_pull_GBps": nbytes / pull_s / 1e9,
+                    "chain_depth": chain_depth(nbytes),
+                }
+                print(kind, nbytes, {k: round(v, 2) for k, v in rows[str(nbytes)].items()}, flush=True)
+            continue
         for nbytes in SIZES:
             loop_s, tasks = overlapped_seconds(kind, nbytes)
             nccl_s = nccl_seconds(kind, nbytes)

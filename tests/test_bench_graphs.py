@@ -43,6 +43,20 @@ def test_all_reduce_chain_feeds_itself_without_copies(world: int) -> None:
         assert np.array_equal(got, want), f"rank {r}: worst mismatch {worst} after two iterations"
 
 
+@pytest.mark.parametrize("push", [1, 0])
+def test_send_recv_swap_chain_returns_each_ranks_data(push: int) -> None:
+    # bench/collectives.hop_seconds checks this on the GPUs: an even chain of swaps gives each rank its
+    # own data back, an odd one the other's
+    for depth in (4, 3):
+        plan = make_plan(collectives.swap_graphs(96, depth), processors=4, tiles={"recv": {"push": push}})
+        for iterations in (1, 2):
+            results = run_plan(plan, iterations=iterations, seed=3)
+            for r, ev in enumerate(results):
+                holder = r if iterations * depth % 2 == 0 else 1 - r
+                want = bf16(collectives.rank_data(holder, 96))
+                assert np.array_equal(ev.outputs["y"].astype(np.float64), want), f"depth {depth} x{iterations} rank {r}"
+
+
 def test_tp_mlp_steps_feed_themselves_without_copies() -> None:
     x = np.random.default_rng(0).standard_normal((8, tp_mlp.HIDDEN), dtype=np.float32)
     for part in ("fused", "compute", "comm"):
