@@ -270,10 +270,11 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     offsets = np.zeros((max(len(rp.ops), 1), MAX_OPERANDS), np.int64)
     member_boxes: list[dict] | None = None  # every rank's inboxes, once a pushing op needs its members'
     for op in rp.ops:
-        slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands[op.id]] if op.id in exchange_operands else []
-        slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
         if op.id in sends:  # x here, the recv's output in the destination's arena
             slots = [(m, plan.ranks[m], tid) for m, tid in sends[op.id]]
+        else:
+            slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands.get(op.id, [])]
+            slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
         for k, (_, owner, tid) in enumerate(slots):
             t = owner.tensors[tid]
             offsets[op.id, k] = owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize

@@ -120,7 +120,7 @@ def tile_params(node_name: str, op_name: str, arch: str, tiles: dict[str, dict[s
     return tiling.resolve(f"{op_name} {node_name}", arch, merged)
 
 
-def pushes(transfer: Any, arch: str, tiles: dict[str, dict[str, int]]) -> bool:
+def recv_pushes(transfer: Any, arch: str, tiles: dict[str, dict[str, int]]) -> bool:
     """Whether a transfer's recv pushes (its tile parameter push): then its send has the tiles, which
     store into the recv's output on the destination rank."""
     return bool(tile_params(transfer.recv.name, "recv", arch, tiles)["push"])
@@ -149,7 +149,7 @@ def lower_rank(
     for r, node in matching.order:
         if r != rank or node.op.tiling is None:
             continue
-        if node.op.name == "send" and not pushes(matching.transfer_of[node], arch, tiles):
+        if node.op.name == "send" and not recv_pushes(matching.transfer_of[node], arch, tiles):
             continue  # the recv pulls: the send has nothing to do
         ops.append(
             PlanOp(
@@ -246,7 +246,8 @@ def _lower_state_updates(rp: RankPlan, matching: RankMatching, index_of: dict, c
             and all(key < made for key in reads[state_tid])
             # a pushed recv's value is stored by its send, earlier in the order than the recv
             and not (
-                value.node.op.name == "recv" and pushes(matching.transfer_of[value.node], copies.arch, copies.tiles)
+                value.node.op.name == "recv"
+                and recv_pushes(matching.transfer_of[value.node], copies.arch, copies.tiles)
             )
         )
         if aliasable:

@@ -94,11 +94,11 @@ def list_schedule(
             unit[i] = g[0]
         members[g[0]] = list(g)
     succs: list[list[int]] = [[] for _ in range(n)]
-    missing = [0] * n  # per unit: producers not yet placed
+    missing = [0] * n  # per unit: producers in other units not yet placed
     for i, ps in enumerate(preds):
         for p in ps:
+            succs[p].append(i)
             if unit[p] != unit[i]:
-                succs[p].append(i)
                 missing[unit[i]] += 1
     free = [[0.0] * processors for _ in range(world)]
     proc = [0] * n
@@ -114,9 +114,7 @@ def list_schedule(
         _, u = heapq.heappop(heap)
         for i in members.get(u, (u,)):
             r, fr = ranks[i], free[ranks[i]]
-            at = ready[i] if preds[i] else 0.0
-            if any(unit[p] == unit[i] for p in preds[i]):  # a producer in its own group (placed just before)
-                at = max(at, max(finish[p] for p in preds[i]))
+            at = ready[i]  # every producer is placed (one in its own group just before it)
             earliest = min(fr)
             soonest = max(earliest, at)
             pick = next((proc[p] for p in preds[i] if ranks[p] == r and fr[proc[p]] <= soonest), None)
@@ -129,10 +127,12 @@ def list_schedule(
             lists[r][pick].append(i)
             placed += 1
             for c in succs[i]:
-                v = unit[c]
-                depth[v] = max(depth[v], depth[u] + 1)
                 if finish[i] > ready[c]:
                     ready[c] = finish[i]
+                v = unit[c]
+                if v == u:
+                    continue
+                depth[v] = max(depth[v], depth[u] + 1)
                 missing[v] -= 1
                 if missing[v] == 0:
                     heapq.heappush(heap, (depth[v], v))
