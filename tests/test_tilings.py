@@ -42,6 +42,24 @@ def test_large_ops_make_a_bounded_number_of_tasks_that_cover_the_output(op: str)
         assert (written == 1).all(), f"{op}: elements written {written.min()}..{written.max()} times"
 
 
+@pytest.mark.parametrize("op", ["add", "rmsnorm", "sum"])
+@pytest.mark.parametrize("rows", [32768, 30001, 4097])
+def test_large_ops_fill_their_last_round_of_processors(op: str, rows: int) -> None:
+    """A big op's tasks come in rounds over the processors; the busiest processor's share of rows must
+    be within a few percent of an even split (32768 rows in the old tiles of 31: 279 rows against 248,
+    a ninth round for 2 of 132 processors)."""
+    processors, cols = 132, 8192
+    plan = make_plan(graph(op, (rows, cols)), processors=processors)
+    tasks = tasks_of(plan, op)
+    sizes = [t.writes[0].box.hi[0] - t.writes[0].box.lo[0] for t in tasks]
+    rounds = -(-len(tasks) // processors)
+    busiest = rounds * max(sizes)  # tasks are equal but the last: a processor's rows, at most
+    even = rows / processors
+    print(f"{op} {rows} rows: {len(tasks)} tasks of {max(sizes)} rows, {rounds} rounds, {busiest} vs {even:.1f}")
+    assert len(tasks) <= processors * 8 + 1
+    assert busiest <= even * 1.04 + 1, f"{busiest} rows on the busiest processor against {even:.1f} evenly"
+
+
 def test_small_ops_keep_the_elements_parameter() -> None:
     plan = make_plan(graph("add", (64, 512)), processors=132, tiles={"add": {"elements": 4096}})
     assert len(tasks_of(plan, "add")) == 64 * 512 // 4096

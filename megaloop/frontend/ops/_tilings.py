@@ -17,6 +17,7 @@ from megaloop.frontend.tiling import (
     TileContext,
     Tiling,
     Write,
+    balanced,
     blocks,
     chunks,
     project,
@@ -38,12 +39,27 @@ def _elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
     return max(params["elements"], -(-total // (ctx.processors * params["waves"])))
 
 
+def _chunk_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileContext, unit: int = 1) -> int:
+    """``chunks(shape, ·)``'s size for an op whose every element of ``shape`` stands for ``unit``
+    elements of work (a row op's rows): ``_elements``, and where that was raised for a big op, made
+    ``balanced`` so the last round of tasks over the processors is as full as it can be (a task costs
+    about ``elements`` elements' time on top of its own: its wait, barrier, signal and pipeline fill)."""
+    elements = _elements(params, math.prod(shape) * unit, ctx)
+    size = max(1, elements // unit)
+    if elements == params["elements"]:
+        return size
+    return balanced(shape, size, ctx.processors, max(1, params["elements"] // unit))
+
+
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     elements = _elements(params, math.prod(out.shape), ctx)
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    boxes = blocks(out.shape, elements) if elements == params["elements"] else chunks(out.shape, elements)
+    if elements == params["elements"]:
+        boxes = blocks(out.shape, elements)
+    else:
+        boxes = chunks(out.shape, _chunk_elements(params, out.shape, ctx))
     tiles = []
     for i, box in enumerate(boxes):
         reads = tuple(Read(k, project(box, out.shape, t.shape)) for k, t in enumerate(node.inputs))
@@ -65,7 +81,7 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     keepdims = node.attrs["keepdims"]
     reduced = math.prod(x.shape[a] for a in axes)
     tiles = []
-    for i, box in enumerate(chunks(out.shape, max(1, _elements(params, math.prod(x.shape), ctx) // reduced))):
+    for i, box in enumerate(chunks(out.shape, _chunk_elements(params, out.shape, ctx, reduced))):
         lo, hi, j = [], [], 0
         for d in range(x.ndim):
             if d in axes:
@@ -91,7 +107,7 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     axis = node.attrs.get("axis", x.ndim - 1)
     outer = x.shape[:axis] + x.shape[axis + 1 :]
     tiles = []
-    for i, box in enumerate(chunks(outer, max(1, _elements(params, math.prod(x.shape), ctx) // x.shape[axis]))):
+    for i, box in enumerate(chunks(outer, _chunk_elements(params, outer, ctx, x.shape[axis]))):
         xbox = Box(box.lo[:axis] + (0,) + box.lo[axis:], box.hi[:axis] + (x.shape[axis],) + box.hi[axis:])
         reads = (Read(0, xbox),) + tuple(Read(k, Box.full(t.shape)) for k, t in enumerate(node.inputs) if k)
         tiles.append(Tile((i,), reads, (Write(0, xbox),), flops=5 * xbox.size))
