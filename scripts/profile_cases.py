@@ -104,6 +104,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     found, _ = gpus()
     tiles = matmul_tiles()  # the defaults, or MEGALOOP_BENCH_MATMUL's settings
+    # PROFILE_TILES="attention.q_block=128,rmsnorm.waves=4": other ops' tile parameters, to compare
+    for item in filter(None, os.environ.get("PROFILE_TILES", "").split(",")):
+        key, _, value = item.partition("=")
+        op, _, param = key.strip().partition(".")
+        tiles.setdefault(op, {})[param] = int(value)
     for name in sys.argv[1:] or list(CASES):
         g, params, feeds = CASES[name]()
         plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)

@@ -31,8 +31,12 @@ DEFAULTS = {
 WAVES = tilings.ROWS.params["waves"]
 VARIANTS = {
     "default": {},
-    "softmax_groups2_8packs": {"ROW_GROUP_LIMITS": {}},
-    "softmax_groups4_ring8": {"ROW_RING_BYTES": 128 * 1024},
+    "waves2": {"waves": 2},
+    "waves4": {"waves": 4},
+    "waves16": {"waves": 16},
+    "ring12": {"ROW_RING_ROWS": 12, "ROW_RING_BYTES": 192 * 1024},
+    "ring4": {"ROW_RING_ROWS": 4},
+    "default_again": {},
 }
 
 
