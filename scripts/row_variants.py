@@ -31,12 +31,11 @@ DEFAULTS = {
 WAVES = tilings.ROWS.params["waves"]
 VARIANTS = {
     "default": {},
-    "waves2": {"waves": 2},
     "waves4": {"waves": 4},
-    "waves16": {"waves": 16},
-    "ring12": {"ROW_RING_ROWS": 12, "ROW_RING_BYTES": 192 * 1024},
-    "ring4": {"ROW_RING_ROWS": 4},
+    "waves3": {"waves": 3},
     "default_again": {},
+    "waves4_again": {"waves": 4},
+    "waves3_again": {"waves": 3},
 }
 
 

@@ -240,16 +240,29 @@ def _online_rows(attrs: dict[str, Any], ins: list[Operand], chunk: int | None) -
 def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
     """Dynamic shared memory the tensor-core and split-key attention paths need (0 when neither applies)."""
     split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
-    return max(split, attention_mma_bytes(ins[0].shape[3]) if _mma_applies(attrs, ins) else 0)
+    if not _mma_applies(attrs, ins):
+        return split
+    return max(split, attention_mma_bytes(ins[0].shape[3], attention_mma_split(attrs, ins)))
 
 
 ATT_BK = 64  # keys staged a block (attention.cuh)
 MMA_MIN_QUERIES = 16  # a warp's unit of queries: fewer (decode) take the split-key path
 
 
-def attention_mma_bytes(d: int) -> int:
-    """attention.cuh's attention_mma_shared_bytes: two stages of K and V blocks, rows padded by 8."""
-    return 2 * 2 * ATT_BK * (d + 8) * 2 + 256
+def attention_mma_bytes(d: int, split: int = 1) -> int:
+    """attention.cuh's attention_mma_shared_bytes: two stages of ``split`` K and V blocks each, rows
+    padded by 8."""
+    return 2 * 2 * split * ATT_BK * (d + 8) * 2 + 256
+
+
+def attention_mma_split(attrs: dict[str, Any], ins: list[Operand]) -> int:
+    """Warps a unit of 16 queries may take (attention.cuh's SPLIT): 2 where the plan's shared memory
+    holds stages of two key blocks, so a tile of fewer units than half its warps keeps them all busy,
+    each warp of a pair on every other key block. Prefill at hidden 4096 (tiles of 64 queries: 4 units
+    on 8 warps) spent 64 us in attention, 4 warps a block idle."""
+    hints = attrs.get("codegen", {})
+    fits = attention_mma_bytes(ins[0].shape[3], 2) + MMA_STATIC_RESERVE <= hints.get("shared_memory", 227 * 1024)
+    return 2 if fits and hints.get("warps", MMA_MAX_WARPS) >= 2 else 1
 
 
 MMA_MAX_WARPS = 8  # above, __launch_bounds__ leaves a thread too few registers: 16 warps spilled 0.5 KB a thread
@@ -316,7 +329,7 @@ def _attention_mma(
         "        first = begin;",
         "        last = bad_len ? begin : end;  // a bad length is reported above; nothing is read",
         "    };",
-        f"    ml::attention_mma<{q.ctype}, {d}>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h0 * {q.strides[1]} + "
+        f"    ml::attention_mma<{q.ctype}, {d}, {attention_mma_split(attrs, ins)}>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h0 * {q.strides[1]} + "
         f"(ml::i64)s0 * {q.strides[2]}, {q.strides[1]}, {q.strides[2]}, t.hi[1] - h0, t.hi[2] - s0,",
         f"        in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]}, {k.strides[2]},",
         f"        in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]}, {v.strides[2]}, {tk}, {scale_log2},",

@@ -3,8 +3,10 @@
 // block of queries, against every key some query of the tile sees.
 //
 // A warp owns a unit of 16 queries of one head at a time (units in turn when the tile has more than the
-// block has warps): the queries' fragments stay in registers, and for every block of ATT_BK keys staged
-// in shared memory (K and V, double-buffered by cp.async, every thread copying) it computes the 16 x 64
+// block has warps; with SPLIT 2 and at most half as many units as warps, two warps a unit, each on every
+// other block of keys, their partial results merged at the end): the queries' fragments stay in
+// registers, and for every block of ATT_BK keys staged in shared memory (K and V, double-buffered by
+// cp.async, every thread copying, SPLIT blocks a stage) it computes the 16 x 64
 // scores S = Q K^T on tensor cores, masks them by each query's visible range, updates the running row
 // maxima and sums (online softmax, float32, exp2 with the scale folded in), and adds P V on tensor cores
 // with P as two 16-bit parts (split_pair: float32-like accuracy at twice the P V work). Fragment layouts as in megaloop/mma.cuh:
@@ -20,9 +22,13 @@ namespace ml {
 
 constexpr int ATT_BK = 64;  // keys a block stages and a warp's scores cover
 
-// Shared memory attention_mma<T, D> needs: two stages of K and V blocks, rows padded by 8 elements
-// (ldmatrix's 8 row addresses fall in distinct banks), plus the warps' key ranges.
-__host__ __device__ constexpr int attention_mma_shared_bytes(int d) { return 2 * 2 * ATT_BK * (d + 8) * 2 + 256; }
+// Shared memory attention_mma<T, D, SPLIT> needs: two stages of SPLIT K and V blocks each, rows padded
+// by 8 elements (ldmatrix's 8 row addresses fall in distinct banks), plus the warps' key ranges. (The
+// split warps' partial results pass through the stages' space once the keys are done: 16 x (D + 4)
+// floats a unit, at most half the warps' units, fits in two K blocks.)
+__host__ __device__ constexpr int attention_mma_shared_bytes(int d, int split = 1) {
+    return 2 * 2 * split * ATT_BK * (d + 8) * 2 + 256;
+}
 
 // Keys [j0, j0 + ATT_BK) of X (row stride ld, D contiguous, rows 16-byte aligned) into s[ATT_BK][D + 8];
 // rows at or past tk are zeros (masked anyway; zeros keep 0 * V finite).
@@ -65,16 +71,17 @@ __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
 // of the tile's kv head (keys k_row / v_row apart); nh heads x nq queries; tk keys in all.
 // range(r, begin, end): the keys [begin, end) query r (0 <= r < nq, the same for every head) sees.
 // store(head, r, dim, value) writes the normalised output (zeros for a query that sees no key).
-template <typename T, int D, typename Range, typename Store>
+template <typename T, int D, int SPLIT, typename Range, typename Store>
 __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row, int nh, int nq, const T* k, i64 k_row,
                                               const T* v, i64 v_row, int tk, float scale_log2, void* smem,
                                               Range range, Store store) {
     static_assert(D % 16 == 0 && D <= 128, "head dimensions of 16..128 in steps of 16");
+    static_assert(SPLIT == 1 || SPLIT == 2, "a unit's keys over one or two warps");
     constexpr int LD = D + 8, KS = D / 16, NT = ATT_BK / 8, DT = D / 8;
-    T* sk = reinterpret_cast<T*>(smem);  // [2][ATT_BK][LD]
-    T* sv = sk + 2 * ATT_BK * LD;  // [2][ATT_BK][LD]
-    int* ranges = reinterpret_cast<int*>(sv + 2 * ATT_BK * LD);  // [warps][2]
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    T* sk = reinterpret_cast<T*>(smem);  // [2][SPLIT][ATT_BK][LD]
+    T* sv = sk + 2 * SPLIT * ATT_BK * LD;  // [2][SPLIT][ATT_BK][LD]
+    int* ranges = reinterpret_cast<int*>(sv + 2 * SPLIT * ATT_BK * LD);  // [warps][2]
+    const int warps = blockDim.x >> 5, warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, qd = lane & 3;
     // ldmatrix row addresses, as shared-space byte offsets (constant offsets then fold into the
     // instructions): K's lane l reads key (l % 8) + 8 (l / 16), dims + 8 ((l / 8) % 2) (two n8 tiles of
@@ -82,8 +89,12 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
     const u32 k_at = shared_address(sk) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8);
     const u32 v_at = shared_address(sv) + 2 * ((((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8);
     const int per_head = (nq + 15) / 16, units = nh * per_head;
+    // two warps a unit when the units leave at least half the warps idle: warp w takes unit w / 2 and
+    // keys blocks w % 2, 2 + w % 2, ... of each stage pair (a stage holds `split` consecutive blocks)
+    const int split = SPLIT == 2 && 2 * units <= warps ? 2 : 1;
+    const int warp = warp_id / split, part = warp_id % split, per_round = warps / split;
     const float NEG = neg_inf();
-    for (int u0 = 0; u0 < units; u0 += warps) {
+    for (int u0 = 0; u0 < units; u0 += per_round) {
         const int u = u0 + warp;
         const bool active = u < units;
         const int hh = active ? u / per_head : 0, r0 = active ? (u % per_head) * 16 + g : nq, r1 = r0 + 8;
@@ -101,7 +112,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
             lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
             hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
         }
-        if (lane == 0) { ranges[2 * warp] = lo; ranges[2 * warp + 1] = hi; }
+        if (lane == 0) { ranges[2 * warp_id] = lo; ranges[2 * warp_id + 1] = hi; }
         __syncthreads();
         int block_lo = (int)tk, block_hi = 0;
         for (int w = 0; w < warps; ++w) {
@@ -127,23 +138,25 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
 #pragma unroll
         for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
         float m0 = NEG, m1 = NEG, l0 = 0.0f, l1 = 0.0f;  // running maxima (scaled, log2 units), this lane's sums
-        const int first = block_lo / ATT_BK * ATT_BK;
-        if (first < block_hi) {
-            attention_stage<T, D>(sk, k, k_row, first, tk);
-            attention_stage<T, D>(sv, v, v_row, first, tk);
+        const int first = block_lo / ATT_BK * ATT_BK, step = split * ATT_BK;
+        for (int p = 0; p < split && first + p * ATT_BK < block_hi; ++p) {
+            attention_stage<T, D>(sk + p * ATT_BK * LD, k, k_row, first + p * ATT_BK, tk);
+            attention_stage<T, D>(sv + p * ATT_BK * LD, v, v_row, first + p * ATT_BK, tk);
         }
         cp_async_commit();
         int stage = 0;
-        for (int j0 = first; j0 < block_hi; j0 += ATT_BK, stage ^= 1) {
-            if (j0 + ATT_BK < block_hi) {  // the next block lands while this one is used
-                attention_stage<T, D>(sk + (stage ^ 1) * ATT_BK * LD, k, k_row, j0 + ATT_BK, tk);
-                attention_stage<T, D>(sv + (stage ^ 1) * ATT_BK * LD, v, v_row, j0 + ATT_BK, tk);
+        for (int js = first; js < block_hi; js += step, stage ^= 1) {
+            for (int p = 0; p < split && js + step + p * ATT_BK < block_hi; ++p) {  // the next stage lands meanwhile
+                attention_stage<T, D>(sk + ((stage ^ 1) * split + p) * ATT_BK * LD, k, k_row, js + step + p * ATT_BK, tk);
+                attention_stage<T, D>(sv + ((stage ^ 1) * split + p) * ATT_BK * LD, v, v_row, js + step + p * ATT_BK, tk);
             }
             cp_async_commit();
             cp_async_wait<1>();
             __syncthreads();
+            const int j0 = js + part * ATT_BK;  // this warp's block of the stage
             if (active && j0 < hi && j0 + ATT_BK > lo) {
-                const u32 k_stage = k_at + 2 * stage * ATT_BK * LD, v_stage = v_at + 2 * stage * ATT_BK * LD;
+                const int slot = stage * split + part;
+                const u32 k_stage = k_at + 2 * slot * ATT_BK * LD, v_stage = v_at + 2 * slot * ATT_BK * LD;
                 float s[NT][4];
 #pragma unroll
                 for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -218,12 +231,44 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
             __syncthreads();  // every warp is done with this stage before the next block refills it
         }
         cp_async_wait<0>();
+        if (split == 2) {
+            // merge the pair's partial results, lane by lane (both warps hold the same rows and columns):
+            // the odd warp leaves (m, l, o) in the stages' space (free: every warp passed the loop's last
+            // barrier), the even one rescales both to the larger maximum and adds
+            float* merge = reinterpret_cast<float*>(smem) + (warp * 32 + lane) * (4 * DT + 4);
+            if (part == 1) {
+                merge[0] = m0;
+                merge[1] = m1;
+                merge[2] = l0;
+                merge[3] = l1;
+#pragma unroll
+                for (int n = 0; n < DT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) merge[4 + 4 * n + e] = o[n][e];
+            }
+            __syncthreads();
+            if (part == 0) {
+                const float pm0 = merge[0], pm1 = merge[1];
+                const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);
+                const float z0 = n0 == NEG ? 0.0f : n0, z1 = n1 == NEG ? 0.0f : n1;  // rows no key reached
+                const float a0 = exp2f(m0 - z0), a1 = exp2f(m1 - z1), b0 = exp2f(pm0 - z0), b1 = exp2f(pm1 - z1);
+                l0 = l0 * a0 + merge[2] * b0;
+                l1 = l1 * a1 + merge[3] * b1;
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    o[n][0] = o[n][0] * a0 + merge[4 + 4 * n] * b0;
+                    o[n][1] = o[n][1] * a0 + merge[4 + 4 * n + 1] * b0;
+                    o[n][2] = o[n][2] * a1 + merge[4 + 4 * n + 2] * b1;
+                    o[n][3] = o[n][3] * a1 + merge[4 + 4 * n + 3] * b1;
+                }
+            }
+        }
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             l0 += __shfl_xor_sync(0xffffffffu, l0, off);
             l1 += __shfl_xor_sync(0xffffffffu, l1, off);
         }
-        if (active) {
+        if (active && part == 0) {
             const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
 #pragma unroll
             for (int n = 0; n < DT; ++n) {
