@@ -140,6 +140,15 @@ for name, tfn, kinds in [
         else ("normal", "positive" if name == "div" else "normal"),
     )
 
+row(
+    "silu_mul",
+    "broadcast",
+    lambda g, a, b: ml.silu_mul(a, b),
+    lambda a, b, **k: F.silu(a) * b,
+    many(2),
+    FLOATS,
+    domains=("normal", "normal"),
+)
 row("pow", "broadcast", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), domains=("positive", "unit"))
 row("pow", "scalar-exponent", lambda g, a: a**2.0, lambda a, **k: a**2.0, one())
 row("add", "scalar", lambda g, a: a + 0.3, lambda a, **k: a + 0.3, one())

@@ -448,23 +448,26 @@ def test_long_rows_take_the_block_per_row_path_and_compile() -> None:
     layouts = re.findall(r"// (a block|\d+ groups of \d+ threads) per row, (\d+) pack\(s\) of \d+ a thread", src)
     # groups of warps, each on rows of its own, where a thread then holds at most 8 packs and each group
     # has two ring slots (softmaxes: 16 packs, one slot): 2056 bf16 (257 packs, not a multiple of the
-    # group) on 64 threads, 4104 fp16 on 64, 3000 bf16 in two slots on 128; the layernorms a whole block
+    # group) on 64 threads, 4104 fp16 on 64, 3000 bf16 on 64 (tasks of 5 and 8 rows: 8 slots, 2 a
+    # group); the layernorms a whole block
     assert layouts == [
         ("4 groups of 64 threads", "5"),
         ("4 groups of 64 threads", "9"),
-        ("2 groups of 128 threads", "3"),
+        ("4 groups of 64 threads", "6"),
         ("a block", "8"),
         ("a block", "16"),
     ]
     rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", src)]
-    assert rings == [8, 4, 2, 2, 1]  # slots: at most 8, 96 KB or two rows, and no more than a task has rows
+    # slots: at most 8, 96 KB or two rows, and no more than a task has rows (the layernorms: tasks of 6
+    # rows of 32 KB and of 2 rows of 64 KB)
+    assert rings == [8, 8, 8, 3, 2]
     wide = {"layernorm": {"elements": 1 << 17}}  # layernorm tasks of 4 rows: the ring's limits by row size
     big = generate(make_plan(long_rows_graph(), processors=2, tiles=wide)).source
     rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", big)]
-    assert rings == [8, 4, 2, 3, 2]  # 32 KB rows: 3 in 96 KB; 64 KB rows: 2
+    assert rings == [8, 8, 8, 3, 2]  # 32 KB rows: 3 in 96 KB; 64 KB rows: 2
     rtx = generate(make_plan(long_rows_graph(), processors=2, arch="sm_86", tiles=wide)).source
     rings = [int(r) for r in re.findall(r"(\d+) rows streaming through shared memory", rtx)]
-    assert rings == [8, 4, 2, 2, 1]  # 99 KB of shared memory: one 64 KB row at a time
+    assert rings == [8, 8, 8, 2, 1]  # 99 KB of shared memory: one 64 KB row at a time
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
     assert compile_cubin(big, "sm_90a", use_cache=False)[:4] == b"\x7fELF"

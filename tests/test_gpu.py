@@ -435,3 +435,28 @@ def test_long_rows_many_to_a_task_match_torch(processors: int, wide: bool) -> No
         else:
             want = tf.layer_norm(x, shape[-1:], w, w, eps=1e-5)
         assert_close(got[name], want.numpy(), dt, ml.REGISTRY[op].accuracy, shape[-1], f"{name} [{dtype}]")
+
+
+@pytest.mark.parametrize("q_block", [64, 128])
+def test_prefill_attention_on_tensor_cores_matches_torch(q_block: int) -> None:
+    """Prefill-sized causal GQA attention (32 heads of 512 queries, 8 kv heads, head 128) through
+    attention_mma, both warp layouts: tiles of 64 queries (4 units on 8 warps: pairs of warps on a
+    unit's keys, merged at the end) and of 128 (a unit a warp), against float64 torch."""
+    from tests.op_table import attention_ref
+
+    g = ml.Graph(f"prefill-attention-{q_block}")
+    shapes = {"q": (1, 32, 512, 128), "k": (1, 8, 512, 128), "v": (1, 8, 512, 128)}
+    t = {n: g.input(n, s, ml.bfloat16) for n, s in shapes.items()}
+    g.output("y", ml.attention(t["q"], t["k"], t["v"], causal=True))
+    plan = make_plan(g, processors=132, tiles={"attention": {"q_block": q_block}})
+    program = generate(plan)
+    assert "ml::attention_mma<bf16, 128, 2>" in program.source  # pairs where a tile's units leave warps idle
+    rp = plan.ranks[0]
+    heights = {t.writes[0].box.hi[2] - t.writes[0].box.lo[2] for t in rp.tasks}
+    assert heights == {q_block}, f"query blocks {heights}"
+    rng = np.random.default_rng(q_block)
+    feeds = {n: random_values(rng, s, ml.bfloat16) for n, s in shapes.items()}
+    with loop_kernel(plan) as k:
+        got = k.run(feeds)["y"]
+    ref = attention_ref(*[to_torch64(feeds[n]) for n in "qkv"], causal=True).numpy()
+    assert_close(got, ref, ml.bfloat16, ml.REGISTRY["attention"].accuracy, 512 + 128, f"q_block {q_block}")

@@ -97,6 +97,7 @@ class TileContext:
     rank: int
     world_size: int
     processors: int  # thread blocks the plan has: small ops may pick smaller tiles to use them all
+    warps: int = 8  # a block's warps: tiles may size their units of work to keep them all busy
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def op_node(rp: RankPlan, op: PlanOp) -> Any:
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     rp = plan.ranks[rank]
-    ctx = TileContext(rank, plan.world_size, plan.processors)
+    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps)
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
 
 

@@ -114,7 +114,13 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     return tiles
 
 
-ROWS = Tiling({"elements": ELEMENTS, "waves": WAVES}, _rows, "blocks of whole rows along the normalised axis")
+# Row ops stream each task's rows through a ring in shared memory that fills at the task's start and
+# drains at its end: fewer, longer tasks for big ops. H200, 32768 rows of 8192 bf16 (scripts/
+# row_variants.py, 460653c/26ae4ea, balanced tiles, fractions of copy bandwidth over 2-3 runs each):
+# 8 tasks a processor rmsnorm 0.815-0.834 / softmax 0.82-0.857, 4: 0.831-0.864 / 0.842-0.887, 3:
+# 0.839-0.887 / 0.849-0.857 (run-to-run spread 2-3 %).
+ROW_WAVES = same(4)
+ROWS = Tiling({"elements": ELEMENTS, "waves": ROW_WAVES}, _rows, "blocks of whole rows along the normalised axis")
 
 
 MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
@@ -237,7 +243,14 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
     group = hq // hkv
     chunk = tk if splits is None else -(-tk // splits)
     ranges = [(min(tk, sp * chunk), min(tk, (sp + 1) * chunk)) for sp in range(splits or 1)]
-    qb = min(params["q_block"], tq)
+    # Query blocks of up to q_block queries, a 16-query unit per warp at most: a larger block shares
+    # each staged key block among more queries, worth it while the op still makes about as many tiles
+    # as processors; halved (to 64 at least) where it would not. Prefill at hidden 4096 on an H200 (32
+    # heads of 512 causal queries): 128 tiles of 128 queries took 42 us, 256 of 64 took 51 with the
+    # block's warps in pairs on a unit's keys (attention.cuh) and 64 with half the warps idle.
+    qb = min(params["q_block"], tq, 16 * ctx.warps)
+    while qb > 64 and qb % 32 == 0 and 4 * b * hq * -(-tq // qb) < 3 * ctx.processors:
+        qb //= 2
     # All query heads of a kv head share its keys; but when that makes fewer tiles than processors
     # (decode: one tile per kv head), tiles take fewer query heads each, re-reading the keys (from L2).
     blocks = b * hkv * -(-tq // qb) * len(ranges)
@@ -269,7 +282,7 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
 
 
 ATTENTION = Tiling(
-    {"q_block": {"sm_80": 64, "sm_86": 64, "sm_89": 64, "sm_90": 64}},
+    {"q_block": same(128)},
     lambda node, params, ctx: _attention_tiles(node, params, ctx, None),
     "a block of queries of the query heads sharing one kv head (fewer heads per tile when tiles would be few)",
 )

@@ -213,6 +213,16 @@ GREATER = _binary_op("greater", "a > b elementwise, giving bool.", np.greater, "
 GREATER_EQUAL = _binary_op(
     "greater_equal", "a >= b elementwise, giving bool.", np.greater_equal, "fi", result="bool", cuda="a >= b"
 )
+# SwiGLU's gate: one task reads both projections, silu(gate) stays in float32 (no rounding between
+# the two), and a dependent chain (decode) is one hop shorter than silu then mul
+SILU_MUL = _binary_op(
+    "silu_mul",
+    "silu(a) * b in one pass: SwiGLU's silu(gate) times its up projection, silu(a) not rounded to the dtype.",
+    lambda a, b: a * _sigmoid(a) * b,
+    "f",
+    accuracy=Accuracy(ulps=3.0),
+    cuda="ml::silu(a) * b",
+)
 LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b", cuda="a && b")
 LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b", cuda="a || b")
 
@@ -247,6 +257,7 @@ less_equal = _binary_builder(LESS_EQUAL)
 greater = _binary_builder(GREATER)
 greater_equal = _binary_builder(GREATER_EQUAL)
 logical_and = _binary_builder(LOGICAL_AND)
+silu_mul = _binary_builder(SILU_MUL)
 logical_or = _binary_builder(LOGICAL_OR)
 
 
