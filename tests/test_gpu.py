@@ -450,7 +450,7 @@ def test_prefill_attention_on_tensor_cores_matches_torch(q_block: int) -> None:
     g.output("y", ml.attention(t["q"], t["k"], t["v"], causal=True))
     plan = make_plan(g, processors=132, tiles={"attention": {"q_block": q_block}})
     program = generate(plan)
-    assert "ml::attention_mma<bf16, 128, 2>" in program.source  # pairs where a tile's units leave warps idle
+    assert "ml::attention_mma<ml::bf16, 128, 2>" in program.source  # pairs where a tile's units leave warps idle
     rp = plan.ranks[0]
     heights = {t.writes[0].box.hi[2] - t.writes[0].box.lo[2] for t in rp.tasks}
     assert heights == {q_block}, f"query blocks {heights}"
