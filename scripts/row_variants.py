@@ -10,7 +10,10 @@ ring depth 2-8 and 1-8 tasks a processor within a few percent of each other once
 shared memory. At 3be946a/764330b (groups of warps, emit_rows.ROW_GROUP_LIMITS): rmsnorm one group
 0.80-0.85, two groups of 8 packs 0.83-0.86, four of 16 packs 0.80; softmax one group 0.67-0.69, two
 groups of 8 packs (exps kept) 0.78-0.80, four groups of 16 packs with one slot each 0.85, with two
-slots each 0.82-0.845; slot loop not unrolled 0.5-2 % slower. Run-to-run spread about 2-3 %."""
+slots each 0.82-0.845; slot loop not unrolled 0.5-2 % slower. Run-to-run spread about 2-3 %.
+With balanced tiles (f7b9909; 460653c/26ae4ea, three runs): 8 tasks a processor rmsnorm 0.815-0.834,
+softmax 0.82-0.857; 4: 0.831-0.864 / 0.842-0.887; 3: 0.839-0.887 / 0.849-0.857; 2: 0.83 / 0.83; 16:
+0.835 / 0.836; a ring of 4 rows 0.871 / 0.843, of 10 (12 asked, shared memory caps it) 0.851 / 0.844."""
 
 import json
 import os

@@ -323,8 +323,9 @@ class _Machine:
             owner = self.ranks[acc.rank]  # another rank's: a pushing send storing into the recv's output
             t = owner.rp.tensors[acc.tensor]
             result = results[0] if acc.rank != r else results[op.outputs.index(acc.tensor)]
-            value = round_to(np.asarray(result), t.dtype)
-            owner.view(t)[acc.box.slices] = value[acc.box.slices]
+            # only the box is rounded: elsewhere the op computed on poison (an int32 poison cast to
+            # float16 overflows, a warning the tests turn into an error)
+            owner.view(t)[acc.box.slices] = round_to(np.asarray(result)[acc.box.slices], t.dtype)
             idx = owner.byte_index(t, acc.box)
             owner.iteration[idx] = k
             # on that rank the bytes are the recv's: what its readers expect to find
