@@ -177,12 +177,31 @@ def balanced(shape: Sequence[int], elements: int, processors: int, fixed: int) -
     if inner * shape[k] <= elements:
         return elements  # one chunk
     outer, n, lo = math.prod(shape[:k]), shape[k], max(1, elements // inner)
+    return _fewest_rounds(lo, n, lambda block: outer * -(-n // block), inner, processors, fixed) * inner
+
+
+def balanced_blocks(shape: Sequence[int], elements: int, processors: int, fixed: int, cols: int = 128) -> int:
+    """``balanced`` for ``blocks(shape, size, cols)``: blocks of elements // cols rows or of twice that
+    (prefill's 512 x 4096 residual add: 256 blocks of 64 rows, two rounds over 132 processors; 128
+    blocks of 128 rows, one), never in between, so that they still line up with matmul tiles."""
+    shape = tuple(shape)
+    if len(shape) < 2 or shape[-1] < 2 * cols or shape[-2] < max(2, elements // cols):
+        return balanced(shape, elements, processors, fixed)  # blocks() takes chunks
+    outer, n, width = math.prod(shape[:-2]), shape[-2], -(-shape[-1] // cols)
+    lo = max(1, elements // cols)
+    return _fewest_rounds(lo, n, lambda rows: outer * -(-n // rows) * width, cols, processors, fixed, lo) * cols
+
+
+def _fewest_rounds(
+    lo: int, n: int, tasks: Callable[[int], int], unit: int, processors: int, fixed: int, step: int = 1
+) -> int:
+    """The block (lo..min(n, 2 lo) units of ``unit`` elements, in steps of ``step``) that minimises
+    rounds of ``tasks(block)`` over the processors times (a block plus ``fixed``); the smaller on ties."""
 
     def cost(block: int) -> tuple[int, int]:
-        rounds = -(-outer * -(-n // block) // processors)
-        return rounds * (block * inner + fixed), block
+        return -(-tasks(block) // processors) * (block * unit + fixed), block
 
-    return min(range(lo, min(n, 2 * lo) + 1), key=cost) * inner
+    return min(range(lo, min(n, 2 * lo) + 1, step), key=cost)
 
 
 def blocks(shape: Sequence[int], elements: int, cols: int = 128) -> Iterator[Box]:

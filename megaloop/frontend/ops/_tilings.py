@@ -18,6 +18,7 @@ from megaloop.frontend.tiling import (
     Tiling,
     Write,
     balanced,
+    balanced_blocks,
     blocks,
     chunks,
     project,
@@ -41,14 +42,11 @@ def _elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
 
 def _chunk_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileContext, unit: int = 1) -> int:
     """``chunks(shape, ·)``'s size for an op whose every element of ``shape`` stands for ``unit``
-    elements of work (a row op's rows): ``_elements``, and where that was raised for a big op, made
-    ``balanced`` so the last round of tasks over the processors is as full as it can be (a task costs
-    about ``elements`` elements' time on top of its own: its wait, barrier, signal and pipeline fill)."""
+    elements of work (a row op's rows): ``_elements``, made ``balanced`` so the last round of tasks over
+    the processors is as full as it can be (a task costs about ``elements`` elements' time on top of its
+    own: its wait, barrier, signal and pipeline fill). Ops of fewer tasks than processors keep it."""
     elements = _elements(params, math.prod(shape) * unit, ctx)
-    size = max(1, elements // unit)
-    if elements == params["elements"]:
-        return size
-    return balanced(shape, size, ctx.processors, max(1, params["elements"] // unit))
+    return balanced(shape, max(1, elements // unit), ctx.processors, max(1, params["elements"] // unit))
 
 
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -57,7 +55,7 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
     if elements == params["elements"]:
-        boxes = blocks(out.shape, elements)
+        boxes = blocks(out.shape, balanced_blocks(out.shape, elements, ctx.processors, elements))
     else:
         boxes = chunks(out.shape, _chunk_elements(params, out.shape, ctx))
     tiles = []
