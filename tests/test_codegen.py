@@ -586,6 +586,23 @@ def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int,
             assert spills(program.source, arch + ("a" if arch == "sm_90" else "")) == {}
 
 
+@pytest.mark.parametrize("arch, d, split", [("sm_90", 128, 2), ("sm_86", 128, 1), ("sm_86", 64, 2), ("sm_80", 128, 2)])
+def test_attention_blocks_pair_warps_where_shared_memory_holds_two_key_blocks(arch: str, d: int, split: int) -> None:
+    """attention_mma<T, D, SPLIT>: SPLIT 2 (a unit's keys over two warps) where the plan's shared memory
+    holds stages of two K and V blocks (an RTX card's 99 KB does not at head 128), and the kernel's
+    dynamic shared memory covers the layout it picked."""
+    from megaloop.codegen.emit_attention import attention_mma_bytes
+
+    g = ml.Graph(f"attn-split-{arch}-{d}")
+    q = g.input("q", (1, 4, 64, d), "bfloat16")
+    k = g.input("k", (1, 1, 200, d), "bfloat16")
+    v = g.input("v", (1, 1, 200, d), "bfloat16")
+    g.output("y", ml.attention(q, k, v, causal=True))
+    program = generate(make_plan(g, processors=132, arch=arch))
+    assert f"ml::attention_mma<ml::bf16, {d}, {split}>" in program.source
+    assert program.shared_bytes >= attention_mma_bytes(d, split)
+
+
 def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
     """More than 8 warps (__launch_bounds__ leaves too few registers: 16 warps spilled 0.5 KB a thread),
     a plan whose shared memory cannot hold the K/V stages, and the split form keep the other paths."""

@@ -78,3 +78,14 @@ def test_attention_partial_with_an_empty_key_range() -> None:
     got = run_plan(make_plan(g, processors=3), feeds, seed=0).outputs["y"]
     assert np.array_equal(got, ml.evaluate(g, feeds).outputs["y"], equal_nan=True)
     assert np.isneginf(got[..., 3, 4]).all() and (got[..., 3, 5] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 1_000_000), (1_638_400,), (1 << 22,)])
+def test_chunks_of_the_last_axis_stay_on_whole_packs(shape: tuple[int, ...]) -> None:
+    """Balanced chunks that split the last axis start on a multiple of 64 elements and are whole 64-element
+    runs but at the axis' end (the generated code's 16-byte packs; an odd size made every element take the
+    one-at-a-time path)."""
+    plan = make_plan(graph("add", shape), processors=132)
+    for t in tasks_of(plan, "add"):
+        lo, hi = t.writes[0].box.lo[-1], t.writes[0].box.hi[-1]
+        assert lo % 64 == 0 and (hi % 64 == 0 or hi == shape[-1]), f"{shape}: a task writes [{lo}, {hi})"

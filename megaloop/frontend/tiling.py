@@ -161,12 +161,17 @@ def chunks(shape: Sequence[int], elements: int) -> Iterator[Box]:
             )
 
 
+# A chunk that splits the last axis starts and ends on a multiple of this many elements, so that its
+# 16-byte packs line up (the generated elementwise code falls back to one element at a time otherwise)
+LAST_AXIS_RUN = 64
+
+
 def balanced(shape: Sequence[int], elements: int, processors: int, fixed: int) -> int:
-    """A size for ``chunks(shape, size)`` between ``elements`` and twice that whose chunks fill their
-    last round over the processors best: the fewest rounds times (a chunk plus ``fixed``, a task's own
-    cost in elements). Why: 32768 rows in chunks of 31 are 1058 tasks, 8 rounds of 132 processors and 2
-    tasks left over, a ninth round for 2 processors while the other 130 idle; chunks of 50 rows are 5
-    full rounds."""
+    """A size for ``chunks(shape, size)`` whose chunks fill their last round over the processors best:
+    the fewest rounds times (a chunk plus ``fixed``, a task's own cost in elements), over chunks of the
+    block ``chunks(shape, elements)`` makes up to twice that (never fewer elements a chunk than it).
+    Why: 32768 rows in chunks of 31 are 1058 tasks, 8 rounds of 132 processors and 2 tasks left over, a
+    ninth round for 2 processors while the other 130 idle; chunks of 50 rows are 5 full rounds."""
     shape = tuple(shape)
     if not shape:
         return elements
@@ -177,7 +182,11 @@ def balanced(shape: Sequence[int], elements: int, processors: int, fixed: int) -
     if inner * shape[k] <= elements:
         return elements  # one chunk
     outer, n, lo = math.prod(shape[:k]), shape[k], max(1, elements // inner)
-    return _fewest_rounds(lo, n, lambda block: outer * -(-n // block), inner, processors, fixed) * inner
+    step = 1
+    if k == len(shape) - 1 and lo >= LAST_AXIS_RUN:  # runs of the last axis: whole packs
+        step = LAST_AXIS_RUN
+        lo = -(-lo // step) * step
+    return _fewest_rounds(lo, n, lambda block: outer * -(-n // block), inner, processors, fixed, step) * inner
 
 
 def balanced_blocks(shape: Sequence[int], elements: int, processors: int, fixed: int, cols: int = 128) -> int:
@@ -196,12 +205,21 @@ def _fewest_rounds(
     lo: int, n: int, tasks: Callable[[int], int], unit: int, processors: int, fixed: int, step: int = 1
 ) -> int:
     """The block (lo..min(n, 2 lo) units of ``unit`` elements, in steps of ``step``) that minimises
-    rounds of ``tasks(block)`` over the processors times (a block plus ``fixed``); the smaller on ties."""
+    rounds of ``tasks(block)`` over the processors times (a block plus ``fixed``); the smaller on ties.
+    Only the smallest block of each count of blocks along n is a candidate (a larger one costs more
+    and makes no fewer tasks), so a long range costs n / lo candidates at most."""
+    hi = min(n, 2 * lo)
+    if (hi - lo) // step <= n // lo:
+        candidates = range(lo, hi + 1, step)
+    else:  # the smallest block (a multiple of step) that splits n into c blocks, for each count c
+        counts = range(math.ceil(n / hi), math.ceil(n / lo) + 1)
+        candidates = sorted({max(lo, math.ceil(math.ceil(n / c) / step) * step) for c in counts})
+        candidates = [b for b in candidates if b <= hi] or [lo]
 
     def cost(block: int) -> tuple[int, int]:
         return -(-tasks(block) // processors) * (block * unit + fixed), block
 
-    return min(range(lo, min(n, 2 * lo) + 1, step), key=cost)
+    return min(candidates, key=cost)
 
 
 def blocks(shape: Sequence[int], elements: int, cols: int = 128) -> Iterator[Box]:

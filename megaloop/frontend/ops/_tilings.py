@@ -245,10 +245,11 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
     # each staged key block among more queries, worth it while the op still makes about as many tiles
     # as processors; halved (to 64 at least) where it would not. Prefill at hidden 4096 on an H200 (32
     # heads of 512 causal queries): 128 tiles of 128 queries took 42 us, 256 of 64 took 51 with the
-    # block's warps in pairs on a unit's keys (attention.cuh) and 64 with half the warps idle.
-    qb = min(params["q_block"], tq, 16 * ctx.warps)
-    while qb > 64 and qb % 32 == 0 and 4 * b * hq * -(-tq // qb) < 3 * ctx.processors:
-        qb //= 2
+    # block's warps in pairs on a unit's keys (attention.cuh) and 64 with half the warps idle. (The
+    # split form's tiles keep q_block: they never take the tensor-core path.)
+    qb = min(params["q_block"], tq, 16 * ctx.warps if splits is None else tq)
+    while qb > 64 and 4 * b * hq * -(-tq // qb) < 3 * ctx.processors:
+        qb = max(64, qb // 2)
     # All query heads of a kv head share its keys; but when that makes fewer tiles than processors
     # (decode: one tile per kv head), tiles take fewer query heads each, re-reading the keys (from L2).
     blocks = b * hkv * -(-tq // qb) * len(ranges)

@@ -24,8 +24,8 @@ constexpr int ATT_BK = 64;  // keys a block stages and a warp's scores cover
 
 // Shared memory attention_mma<T, D, SPLIT> needs: two stages of SPLIT K and V blocks each, rows padded
 // by 8 elements (ldmatrix's 8 row addresses fall in distinct banks), plus the warps' key ranges. (The
-// split warps' partial results pass through the stages' space once the keys are done: 16 x (D + 4)
-// floats a unit, at most half the warps' units, fits in two K blocks.)
+// split warps' partial results pass through the stages' space once the keys are done: 32 lanes x
+// (D / 2 + 4) floats, 16 x (D + 8), a unit; at most half the warps' units, 8 warps' fill two K blocks.)
 __host__ __device__ constexpr int attention_mma_shared_bytes(int d, int split = 1) {
     return 2 * 2 * split * ATT_BK * (d + 8) * 2 + 256;
 }
