@@ -172,3 +172,22 @@ def test_stats(setup) -> None:
     assert s.region_bytes["parameter"] == sum(
         int(np.prod(v)) * 2 for v in CFG.parameter_shapes().values()
     ) or s.region_bytes["parameter"] >= sum(int(np.prod(v)) * 2 for v in CFG.parameter_shapes().values())
+
+
+def test_files_saved_before_balanced_tiles_load_as_they_were(tmp_path) -> None:
+    """Ops whose tiles grow to fill the processors' last round (the tile switch ``balance``, on by
+    default) load from files without the switch as they were made then: exactly ``elements`` a task."""
+    g = ml.Graph("balance")
+    x = g.input("x", (11, 4096), ml.float32)
+    g.output("y", ml.softmax(x, -1))
+    exact = make_plan(g, processors=3, tiles={"softmax": {"elements": 4096, "balance": 0}})
+    grown = make_plan(g, processors=3, tiles={"softmax": {"elements": 4096}})
+    assert len(exact.ranks[0].tasks) == 11 and len(grown.ranks[0].tasks) == 6  # 1 row a task; 2 (2 rounds, not 4)
+    data = plan_to_dict(exact)
+    op = next(o for o in data["ranks"][0]["ops"] if o["op"] == "softmax")
+    del op["tile"]["balance"]  # as saved before the switch existed
+    loaded = plan_from_dict(data)
+    assert loaded.ranks[0].ops[op["id"]].tile["balance"] == 0 and len(loaded.ranks[0].tasks) == 11
+    feeds = {"x": np.random.default_rng(0).standard_normal((11, 4096)).astype(np.float32)}
+    want = ml.evaluate(g, feeds).outputs["y"]
+    assert run_plan(loaded, feeds).outputs["y"].tobytes() == want.tobytes()

@@ -44,6 +44,9 @@ def check_structure(plan: Plan) -> None:
             got = (op.name, op.op, op.node, op.inputs, op.outputs, op.seq)
             exp = (w.name, w.op, w.node, w.inputs, w.outputs, w.seq)
             _same(f"{where}.ops[{op.id}]", got, exp, "(name, op, node, inputs, outputs, seq)")
+            tiling = REGISTRY[op.op].tiling
+            if tiling is not None and "balance" in tiling.params and "balance" not in op.tile:
+                op.tile = {**op.tile, "balance": 0}  # saved before balanced tiles: its tasks are unbalanced
             try:
                 resolved = REGISTRY[op.op].tiling.resolve(op.name, plan.arch, op.tile)
             except MegaloopError as e:

@@ -46,6 +46,8 @@ def _chunk_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileCon
     the processors is as full as it can be (a task costs about ``elements`` elements' time on top of its
     own: its wait, barrier, signal and pipeline fill). Ops of fewer tasks than processors keep it."""
     elements = _elements(params, math.prod(shape) * unit, ctx)
+    if not params["balance"]:
+        return max(1, elements // unit)
     return balanced(shape, max(1, elements // unit), ctx.processors, max(1, params["elements"] // unit))
 
 
@@ -55,7 +57,8 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
     if elements == params["elements"]:
-        boxes = blocks(out.shape, balanced_blocks(out.shape, elements, ctx.processors, elements))
+        size = balanced_blocks(out.shape, elements, ctx.processors, elements) if params["balance"] else elements
+        boxes = blocks(out.shape, size)
     else:
         boxes = chunks(out.shape, _chunk_elements(params, out.shape, ctx))
     tiles = []
@@ -65,10 +68,15 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     return tiles
 
 
+# switch: tiles grown (up to twice) so that the last round over the processors is full (tiling.balanced);
+# 0 keeps exactly `elements` a task (plan files saved before it existed load with 0: plan/edit.py)
+BALANCE = same(1)
+
 ELEMENTWISE = Tiling(
-    {"elements": ELEMENTS, "waves": WAVES},
+    {"elements": ELEMENTS, "waves": WAVES, "balance": BALANCE},
     _elementwise,
     "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their projection",
+    flags=("balance",),
 )
 
 
@@ -96,7 +104,10 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
 
 
 REDUCTION = Tiling(
-    {"elements": ELEMENTS, "waves": WAVES}, _reduction, "chunks of the output, each reading whole reduced axes"
+    {"elements": ELEMENTS, "waves": WAVES, "balance": BALANCE},
+    _reduction,
+    "chunks of the output, each reading whole reduced axes",
+    flags=("balance",),
 )
 
 
@@ -118,7 +129,12 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 # 8 tasks a processor rmsnorm 0.815-0.834 / softmax 0.82-0.857, 4: 0.831-0.864 / 0.842-0.887, 3:
 # 0.839-0.887 / 0.849-0.857 (run-to-run spread 2-3 %).
 ROW_WAVES = same(4)
-ROWS = Tiling({"elements": ELEMENTS, "waves": ROW_WAVES}, _rows, "blocks of whole rows along the normalised axis")
+ROWS = Tiling(
+    {"elements": ELEMENTS, "waves": ROW_WAVES, "balance": BALANCE},
+    _rows,
+    "blocks of whole rows along the normalised axis",
+    flags=("balance",),
+)
 
 
 MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
