@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from megaloop.errors import GraphBuildError
@@ -106,6 +106,9 @@ class Tiling:
     make: Callable[[Any, dict[str, int], TileContext], list[Tile]]  # (node, params, ctx) -> tiles
     doc: str = ""
     flags: tuple[str, ...] = ()  # parameters that are switches (0 or 1), not sizes
+    # what a plan file that leaves a parameter out meant, where that is not today's default: the
+    # parameter came later, and the file's tasks were made the old way (megaloop.plan.edit)
+    saved_without: dict[str, int] = field(default_factory=dict)
 
     def minimum(self, name: str) -> int:
         return 0 if name in self.flags else 1
@@ -137,21 +140,27 @@ def same(value: int) -> dict[str, int]:
 # ---- helpers the op tilings share -----------------------------------------------------------------
 
 
+def _split_axis(shape: tuple[int, ...], elements: int) -> tuple[int, int] | None:
+    """The axis ``chunks`` splits into blocks and the elements below it (whole trailing axes), or None
+    when the whole tensor is one chunk."""
+    if not shape:
+        return None
+    k, inner = len(shape) - 1, 1
+    while k > 0 and inner * shape[k] <= elements:
+        inner *= shape[k]
+        k -= 1
+    return None if inner * shape[k] <= elements else (k, inner)
+
+
 def chunks(shape: Sequence[int], elements: int) -> Iterator[Box]:
     """Cover ``shape`` with boxes of at most ``elements`` elements that are contiguous runs in row-major
     order: whole trailing axes, a block of one axis, and single indices before it."""
     shape = tuple(shape)
-    if not shape:
-        yield Box((), ())
-        return
-    k = len(shape) - 1  # the axis that is split into blocks
-    inner = 1
-    while k > 0 and inner * shape[k] <= elements:
-        inner *= shape[k]
-        k -= 1
-    if inner * shape[k] <= elements:
+    split = _split_axis(shape, elements)
+    if split is None:
         yield Box.full(shape)
         return
+    k, inner = split
     block = max(1, elements // inner)
     for outer in _indices(shape[:k]):
         for start in range(0, shape[k], block):
@@ -173,14 +182,10 @@ def balanced(shape: Sequence[int], elements: int, processors: int, fixed: int) -
     Why: 32768 rows in chunks of 31 are 1058 tasks, 8 rounds of 132 processors and 2 tasks left over, a
     ninth round for 2 processors while the other 130 idle; chunks of 50 rows are 5 full rounds."""
     shape = tuple(shape)
-    if not shape:
-        return elements
-    k, inner = len(shape) - 1, 1  # as in chunks: the axis split into blocks, the elements below it
-    while k > 0 and inner * shape[k] <= elements:
-        inner *= shape[k]
-        k -= 1
-    if inner * shape[k] <= elements:
+    split = _split_axis(shape, elements)
+    if split is None:
         return elements  # one chunk
+    k, inner = split
     outer, n, lo = math.prod(shape[:k]), shape[k], max(1, elements // inner)
     step = 1
     if k == len(shape) - 1 and lo >= LAST_AXIS_RUN:  # runs of the last axis: whole packs

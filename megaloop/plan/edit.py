@@ -45,10 +45,8 @@ def check_structure(plan: Plan) -> None:
             exp = (w.name, w.op, w.node, w.inputs, w.outputs, w.seq)
             _same(f"{where}.ops[{op.id}]", got, exp, "(name, op, node, inputs, outputs, seq)")
             tiling = REGISTRY[op.op].tiling
-            if tiling is not None and "balance" in tiling.params and "balance" not in op.tile:
-                op.tile = {**op.tile, "balance": 0}  # saved before balanced tiles: its tasks are unbalanced
             try:
-                resolved = REGISTRY[op.op].tiling.resolve(op.name, plan.arch, op.tile)
+                resolved = tiling.resolve(op.name, plan.arch, {**tiling.saved_without, **op.tile})
             except MegaloopError as e:
                 raise PlanFormatError(f"{where}.ops[{op.id}].tile: {e}") from None
             op.tile = resolved  # a parameter left out takes its default (plans saved before it existed)

@@ -68,15 +68,22 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     return tiles
 
 
-# switch: tiles grown (up to twice) so that the last round over the processors is full (tiling.balanced);
-# 0 keeps exactly `elements` a task (plan files saved before it existed load with 0: plan/edit.py)
-BALANCE = same(1)
+def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES) -> Tiling:
+    """The tilings of memory-bound ops: ``elements`` a task, at most ``waves`` tasks a processor, and the
+    switch ``balance``: tiles grown (up to twice) so that the last round over the processors is full
+    (tiling.balanced); 0 keeps exactly that size, as plan files saved before the switch were made."""
+    return Tiling(
+        {"elements": ELEMENTS, "waves": waves, "balance": same(1)},
+        make,
+        doc,
+        flags=("balance",),
+        saved_without={"balance": 0},
+    )
 
-ELEMENTWISE = Tiling(
-    {"elements": ELEMENTS, "waves": WAVES, "balance": BALANCE},
+
+ELEMENTWISE = _streaming(
     _elementwise,
     "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their projection",
-    flags=("balance",),
 )
 
 
@@ -103,12 +110,7 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
     return tiles
 
 
-REDUCTION = Tiling(
-    {"elements": ELEMENTS, "waves": WAVES, "balance": BALANCE},
-    _reduction,
-    "chunks of the output, each reading whole reduced axes",
-    flags=("balance",),
-)
+REDUCTION = _streaming(_reduction, "chunks of the output, each reading whole reduced axes")
 
 
 def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -129,12 +131,7 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 # 8 tasks a processor rmsnorm 0.815-0.834 / softmax 0.82-0.857, 4: 0.831-0.864 / 0.842-0.887, 3:
 # 0.839-0.887 / 0.849-0.857 (run-to-run spread 2-3 %).
 ROW_WAVES = same(4)
-ROWS = Tiling(
-    {"elements": ELEMENTS, "waves": ROW_WAVES, "balance": BALANCE},
-    _rows,
-    "blocks of whole rows along the normalised axis",
-    flags=("balance",),
-)
+ROWS = _streaming(_rows, "blocks of whole rows along the normalised axis", ROW_WAVES)
 
 
 MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
