@@ -313,15 +313,22 @@ def few_row_matmul_graph(dtype: str) -> ml.Graph:
     return g
 
 
-SKINNY_MMA_SHAPES = {"x1": (1, 4096, 700), "x3": (3, 2048, 96), "x8": (8, 8192, 520), "x5": (5, 1024, 4104)}
+SKINNY_MMA_SHAPES = {
+    "x1": (1, 4096, 700),
+    "x3": (3, 2048, 96),
+    "x8": (8, 8192, 520),
+    "x5": (5, 1024, 4104),
+    "xb": ((2, 1), 2048, 200),  # batch axes (a decode step's [batch, token, hidden]): a tile per batch index
+}
 
 
 def skinny_mma_graph(dtype: str) -> ml.Graph:
     """Matmuls of at most 8-row tiles with K a multiple of 32 (rows, K, columns): the skinny tensor-core
-    path; 700 and 4104 columns leave a partial group of 8, 96 columns on 132 processors split K."""
+    path; 700, 4104 and 200 columns leave a partial group of 8, 96 columns on 132 processors make
+    tiles of one group (K shared by the warps)."""
     g = ml.Graph(f"skinny-mma-{dtype}")
     for name, (m, k, n) in SKINNY_MMA_SHAPES.items():
-        x = g.input(name, (m, k), dtype)
+        x = g.input(name, (*m, k) if isinstance(m, tuple) else (m, k), dtype)
         g.output(f"y{name}", ml.matmul(x, g.parameter(f"w{name}", (n, k), dtype), transpose_b=True))
     return g
 
@@ -362,7 +369,8 @@ def test_skinny_mma_fragments_cover_k_once() -> None:
 def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warps: int) -> None:
     """Taken for every <= 8-row tile with K a multiple of 32 when switched on, never when off; compiles
     without spills (at 12 warps, fewer slices in flight; at 16 the SIMT few-row path spills already),
-    its K parts' partial sums in the dynamic shared memory the kernel reserves."""
+    its partial sums in the dynamic shared memory the kernel reserves (every group of the widest tile x
+    every warp); weights (parameters) read under L2's evict_first policy."""
     from megaloop.runtime.compile import spills
 
     plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles={"matmul": {"skinny_mma": 1}})
@@ -370,38 +378,64 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
     on = program.source
     off_tiles = {"matmul": {"skinny_mma": 0}}
     off = generate(make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles=off_tiles)).source
-    assert on.count("tensor cores, a warp per 8 columns") == len(SKINNY_MMA_SHAPES)
-    assert "a warp per 8 columns" not in off
-    assert program.shared_bytes >= 4 * 64 * (warps - 1)
+    assert on.count("at most 8 rows: tensor cores") == len(SKINNY_MMA_SHAPES)
+    assert on.count(", true>(in0 + ab") == len(SKINNY_MMA_SHAPES)  # the weights are parameters: streamed
+    assert "at most 8 rows: tensor cores" not in off
+    widest = max(t.writes[0].box.hi[-1] - t.writes[0].box.lo[-1] for t in plan.ranks[0].tasks)
+    assert program.shared_bytes >= 4 * 64 * warps * -(-widest // 8)
     assert spills(on) == {}
     for arch in ("sm_90a", "sm_80") if warps == 8 else ("sm_90a",):
         assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
 
 
+def emulate_skinny_task(a: np.ndarray, b: np.ndarray, warps: int) -> np.ndarray:
+    """A whole skinny tile as the emitted code runs it: warp w takes units [w L / W, (w + 1) L / W) of
+    the groups x slices (group-major), writing its sum at the end of each run of a group (mma_skinny);
+    then each group's sums are added over the warps ml::skinny_sums selects, in warp order. Asserts
+    that every unit is multiplied once and that skinny_sums reads exactly the partial sums written."""
+    nr, k = a.shape
+    ncols = b.shape[0]
+    slices, groups = k // 32, -(-ncols // 8)
+    units = groups * slices
+    written: dict[tuple[int, int], np.ndarray] = {}
+    seen = np.zeros(units, int)
+    for w in range(warps):
+        lo, hi = w * units // warps, (w + 1) * units // warps
+        c = np.zeros((nr, 8))
+        for i in range(lo, hi):
+            grp, sl = divmod(i, slices)
+            cols = b[np.minimum(8 * grp + np.arange(8), ncols - 1)]  # past the tile: a real column
+            c += emulate_mma_skinny(a, cols, sl, sl + 1)
+            seen[i] += 1
+            if sl == slices - 1 or i == hi - 1:
+                assert (grp, w) not in written
+                written[(grp, w)], c = c, np.zeros((nr, 8))
+    assert (seen == 1).all()
+    out = np.zeros((nr, groups * 8))
+    for grp in range(groups):
+        read = []
+        for w in range(warps):  # skinny_sums' test
+            lo, hi = w * units // warps, (w + 1) * units // warps
+            if lo < hi and lo < (grp + 1) * slices and hi > grp * slices:
+                read.append(w)
+                out[:, 8 * grp : 8 * grp + 8] += written[(grp, w)]
+        assert sorted(read) == sorted(w for g_, w in written if g_ == grp)
+    return out[:, :ncols]
+
+
 @pytest.mark.parametrize("warps", [8, 12])
-def test_skinny_mma_k_parts_cover_every_slice_once(warps: int) -> None:
-    """The emitted split of a tile's column groups and K slices over the warps (parts, slots), replayed
-    in Python: every (column group, slice) is multiplied by exactly one warp whose result is kept, and
-    no warp reads past K (12 warps once gave warps 8-11 slices past the end)."""
-    for ncols in (1, 8, 9, 24, 64, 100, 130):
-        for slices in (1, 2, 4, 6, 64, 128):
-            groups = -(-ncols // 8)
-            parts = 1
-            while 2 * parts * groups <= warps and slices % (2 * parts) == 0 and warps % (2 * parts) == 0:
-                parts *= 2
-            slots = warps // parts
-            covered = {}
-            for warp in range(warps):
-                slot, part = warp % slots, warp // slots
-                s_begin = part * (slices // parts)
-                s_end = s_begin + slices // parts
-                assert part < parts and s_end <= slices, (ncols, slices, warp)
-                for cg0 in range(0, groups, slots):
-                    if cg0 + slot < groups:
-                        for sl in range(s_begin, s_end):
-                            covered[(cg0 + slot, sl)] = covered.get((cg0 + slot, sl), 0) + 1
-            assert covered == {(cg, sl): 1 for cg in range(groups) for sl in range(slices)}
-            assert parts == 1 or groups <= slots  # a K split only in a single round (its barrier)
+def test_skinny_mma_warps_share_units_evenly_and_sum_every_part(warps: int) -> None:
+    """The emitted split of a tile's (column group, K slice) units over the warps, replayed with the
+    fragment emulation: A @ B.T for column counts that leave partial groups and fewer units than warps,
+    each unit multiplied once, every warp's share within one unit of the others."""
+    rng = np.random.default_rng(4)
+    for nr, k, ncols in ((1, 32, 8), (1, 64, 3), (3, 96, 24), (8, 128, 9), (2, 256, 48), (5, 64, 100)):
+        a, b = rng.standard_normal((nr, k)), rng.standard_normal((ncols, k))
+        got = emulate_skinny_task(a, b, warps)
+        np.testing.assert_allclose(got, a @ b.T, rtol=1e-12, atol=1e-12)
+        units = -(-ncols // 8) * (k // 32)
+        shares = [(w + 1) * units // warps - w * units // warps for w in range(warps)]
+        assert max(shares) - min(shares) <= 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -50,7 +50,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
-    tensor-core path's partial sums of K parts (4 bytes, 2 a lane, for every warp but one)."""
+    tensor-core path's partial sums (4 bytes, 2 a lane, for every group of 8 columns and warp)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     wg = wgmma_config(attrs, ins[0], ins[1])
@@ -58,15 +58,21 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
         bn, groups, stages = wg
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
-        return 4 * 64 * (warps - 1) if warps else 0
+        return 4 * 64 * warps * skinny_mma_groups(attrs) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
+
+
+def skinny_mma_groups(attrs: dict[str, Any]) -> int:
+    """Groups of 8 columns in the op's widest tile (the skinny path's partial sums are sized for it)."""
+    return max(1, -(-attrs.get("codegen", {}).get("tile", (0, 0))[1] // 8))
 
 
 def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
     """The block's warps when the op's tiles of at most 8 rows take the skinny tensor-core path
     (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
-    multiple of 32, no batch axes, walked strides whole 16-byte packs."""
+    multiple of 32, walked strides whole 16-byte packs. Batch axes are taken a tile at one batch index
+    (as the matmul tiling makes them; the tile checks): a Llama decode step's [1, 1, hidden] rows."""
     hints = attrs.get("codegen", {})
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     a_k = a_.strides[-2] if ta else a_.strides[-1]
@@ -76,13 +82,12 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
         hints.get("skinny_mma")
         and hints.get("warps")
         and 1 <= hints.get("tile", (0, 0))[0] <= 8
-        and len(a_.shape) == len(b_.shape) == 2
         and a_.dtype == b_.dtype
         and a_.dtype.name in MMA_DTYPES
         and a_k == 1
         and b_k == 1
         and k % 32 == 0
-        and all(st % 8 == 0 for st in _walked(a_, b_, attrs))
+        and all(st % 8 == 0 for st in (*_batch_strides(a_), *_batch_strides(b_), *_walked(a_, b_, attrs)))
     )
     return hints["warps"] if ok else 0
 
@@ -241,7 +246,10 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         step = 32 * width
         rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
         if skinny_mma_warps(attrs, a_, b_):
-            body += _skinny_mma(a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_))
+            stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False)
+            body += _skinny_mma(
+                a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_), stream, abatch, bbatch, attrs
+            )
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -282,53 +290,64 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
 
 
 SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in flight (twice: double-buffered)
+# Weights (B a parameter) read under L2's evict_first policy: a decode step streams 100-400 MB of them
+# through a 60 MB L2, which otherwise evicts what the step's other tasks read again and again
+SKINNY_MMA_STREAM_WEIGHTS = True
 
 
-def _skinny_mma(a_: Operand, b_: Operand, out: Operand, k: int, a_row: int, b_col: int, warps: int) -> list[str]:
-    """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): a warp per 8 output columns, A's rows
-    and B's columns loaded straight into mma fragments. Where the tile has fewer column groups than
-    warps, the warps also split K in P parts (P a power of two dividing the slices and the warps), the parts' sums
-    added in part order through shared memory (the same bits every run). The SIMT path spends two
-    instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s of weights
-    leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
+def _skinny_mma(
+    a_: Operand,
+    b_: Operand,
+    out: Operand,
+    k: int,
+    a_row: int,
+    b_col: int,
+    warps: int,
+    stream: bool,
+    abatch: list[str | None],
+    bbatch: list[str | None],
+    attrs: dict[str, Any],
+) -> list[str]:
+    """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): A's rows and B's columns loaded straight
+    into mma fragments, the tile's groups of 8 columns x K slices shared evenly by the warps, their
+    partial sums added in warp order through shared memory (the same bits every run). The SIMT path
+    spends two instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s
+    of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
     ct = a_.ctype
     slices = k // 32
+    groups = skinny_mma_groups(attrs)
     # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
     # U = 8 made the loop spill; the block's slices in flight stay about the same
     slices_in_flight = SKINNY_MMA_SLICES if warps <= 8 else max(2, SKINNY_MMA_SLICES * 4 // warps)
-    o_row, o_col = out.strides
+    nd = len(out.shape)
+    r_, c_ = nd - 2, nd - 1  # the box's row and column axes
+    o_row, o_col = out.strides[-2:]
+    one_batch = "".join(f" && t.hi[{d}] - t.lo[{d}] == 1" for d in range(nd - 2))  # (as the tiling makes them)
+    at_lo = [f"t.lo[{d}]" for d in range(nd)]
+    a_base = index_expr(a_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in abatch])
+    b_base = index_expr(b_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in bbatch])
+    o_base = index_expr(out.strides[:-2], at_lo[:-2])
     return [
-        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[0] - t.lo[0] <= 8 && blockDim.x == {32 * warps}) {{"
-        "  // at most 8 rows: tensor cores, a warp per 8 columns",
-        "    const int nr = t.hi[0] - t.lo[0], ncols = t.hi[1] - t.lo[1], groups = (ncols + 7) / 8;",
-        "    int parts = 1;  // K split in parts where column groups leave warps idle",
-        f"    while (2 * parts * groups <= {warps} && {slices} % (2 * parts) == 0 && {warps} % (2 * parts) == 0) parts *= 2;",
-        f"    const int slots = {warps} / parts, warp = threadIdx.x >> 5, slot = warp % slots, part = warp / slots;",
-        f"    const int s_begin = part * ({slices} / parts), s_end = s_begin + {slices} / parts;",
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[{r_}] - t.lo[{r_}] <= 8{one_batch} "
+        f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * groups} && blockDim.x == {32 * warps}) {{"
+        "  // at most 8 rows: tensor cores, the warps sharing groups of 8 columns x K",
+        f"    const int nr = t.hi[{r_}] - t.lo[{r_}], ncols = t.hi[{c_}] - t.lo[{c_}], groups = (ncols + 7) / 8;",
+        f"    const ml::i64 ab = {a_base} + (ml::i64)t.lo[{r_}] * {a_row}, bb = {b_base} + (ml::i64)t.lo[{c_}] * {b_col};",
+        f"    const ml::i64 ob = {o_base};",
+        f"    const int units = groups * {slices}, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    extern __shared__ float4 ml_smem4[];",
-        "    float* partial = reinterpret_cast<float*>(ml_smem4);  // parts 1.. : (part - 1, slot, lane, 2)",
-        "    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;",
-        "    for (int cg0 = 0; cg0 < groups; cg0 += slots) {",
-        "        const int cg = min(cg0 + slot, groups - 1), n0 = t.lo[1] + 8 * cg;  // (idle slots: a real group)",
-        "        float c[4];",
-        f"        ml::mma_skinny<{ct}, {slices_in_flight}>(in0 + (ml::i64)t.lo[0] * {a_row}, {a_row}, nr, "
-        f"in1 + (ml::i64)n0 * {b_col}, {b_col}, min(8, t.hi[1] - n0), s_begin, s_end, c);",
-        "        if (parts > 1) {  // one round (parts * groups <= warps): its partial sums meet in part order",
-        "            if (part > 0) {",
-        "                partial[((part - 1) * slots + slot) * 64 + 2 * lane] = c[0];",
-        "                partial[((part - 1) * slots + slot) * 64 + 2 * lane + 1] = c[1];",
-        "            }",
-        "            __syncthreads();",
-        "            for (int p = 1; p < parts; ++p) {",
-        "                c[0] += partial[((p - 1) * slots + slot) * 64 + 2 * lane];",
-        "                c[1] += partial[((p - 1) * slots + slot) * 64 + 2 * lane + 1];",
-        "            }",
-        "        }",
-        "        if (part == 0 && cg0 + slot < groups && g < nr) {",
-        "            const int col = n0 + 2 * q;",
-        f"            const ml::i64 ro = (ml::i64)(t.lo[0] + g) * {o_row};",
-        f"            if (col < t.hi[1]) ml::store(out0 + ro + (ml::i64)col * {o_col}, c[0]);",
-        f"            if (col + 1 < t.hi[1]) ml::store(out0 + ro + (ml::i64)(col + 1) * {o_col}, c[1]);",
+        "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group, warp, lane, 2)",
+        f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {'true' if stream else 'false'}>(in0 + ab, {a_row}, nr, "
+        f"in1 + bb, {b_col}, ncols, warp * units / {warps}, (warp + 1) * units / {warps}, partial, warp, {warps});",
+        "    __syncthreads();",
+        f"    for (int group = warp; group < groups; group += {warps}) {{",
+        "        float c0, c1;",
+        f"        ml::skinny_sums(partial, group, {slices}, units, {warps}, c0, c1);",
+        "        const int g = lane >> 2, col = 8 * group + 2 * (lane & 3);",
+        "        if (g < nr) {",
+        f"            const ml::i64 ro = ob + (ml::i64)(t.lo[{r_}] + g) * {o_row}, co = (ml::i64)(t.lo[{c_}] + col) * {o_col};",
+        "            if (col < ncols) ml::store(out0 + ro + co, c0);",
+        f"            if (col + 1 < ncols) ml::store(out0 + ro + co + {o_col}, c1);",
         "        }",
         "    }",
         "    return;",

@@ -228,6 +228,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "tile": extent.get(op.id, (0, 0)),
                 "arch": plan.arch,
                 "shared_memory": plan.shared_memory or 0,
+                # B a parameter: weights, read once a step (streamed past L2's other contents)
+                "b_parameter": rp.buffers[rp.tensors[op.inputs[1]].buffer].kind == "parameter",
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
             shared = max(shared, matmul_shared_bytes(attrs, ins))

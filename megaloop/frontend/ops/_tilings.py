@@ -200,9 +200,9 @@ MATMUL = Tiling(
         # 1: 16-bit operands with K contiguous run on tensor cores (fp32 accumulation; GPU-checked:
         # tests/test_gpu.py, bench/gemm.py); 0: every tile on the SIMT paths
         "tensor_cores": same(1),
-        # 1: tiles of at most 8 rows of 16-bit operands (a few tokens) on tensor cores too, a warp per 8
-        # columns with no shared memory (ml::mma_skinny): the 8-token TP MLP step took 62 us instead of
-        # 136 on 2 H200s (bench/results/tp_mlp.json)
+        # 1: tiles of at most 8 rows of 16-bit operands (a few tokens, decode) on tensor cores too, the
+        # warps sharing the tile's groups of 8 columns x K evenly (ml::mma_skinny): the 8-token TP MLP step
+        # took 62 us instead of 136 on 2 H200s (bench/results/tp_mlp.json)
         "skinny_mma": same(1),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures

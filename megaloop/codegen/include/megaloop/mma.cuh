@@ -182,42 +182,52 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
     }
 }
 
-// ---- tiles of at most 8 rows (a few tokens): a warp per 8 output columns, no shared memory --------
+// ---- tiles of at most 8 rows (a few tokens): the task's columns x K shared evenly by its warps -----
 // C[r][n] = sum_k A[r][k] * B[n][k] for rows r < nr <= 8 (rows 8-15 of the m16 fragment are zeros)
-// and the 8 columns of B from `b` (ldb apart; nc < 8 of them real), over K slices [s_begin, s_end) of
-// 32 elements. Any assignment of K indices to an mma's 16 k slots is right as long as A and B use the
-// same one; this one gives lane (g, q) = (lane / 4, lane % 4) the slots 2q, 2q + 1, 2q + 8, 2q + 9 of
-// two mmas from its 16-byte loads of A row g and B row (column) g at 32 s + 8q: k 8q..8q+3 to the first,
-// 8q+4..8q+7 to the second. So the loads feed the fragments directly (no shared memory, no ldmatrix)
-// and U slices of each operand stay in flight per lane while the previous U multiply. Rows and columns
-// past the tile read a real row and their results are dropped. This lane's results: c[0], c[1] = row
-// g, columns 2q, 2q + 1 (c[2], c[3]: the zero rows).
-template <typename T, int U>
-__device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T* b, i64 ldb, int nc, int s_begin,
-                                           int s_end, float* c) {
+// and columns n < ncols of B from `b` (ldb apart). The work is G = ceil(ncols / 8) groups of 8 columns
+// x S slices of 32 K elements: L = G S units in group-major order, warp w of W taking units
+// [w L / W, (w + 1) L / W). So every warp streams the same share of the weights whatever the column
+// count (a warp per group left 2 of 8 warps idle on 48-column decode tiles, and a second round of groups
+// on 88-column ones). Any assignment of K indices to an mma's 16 k slots is right as long as A and B
+// use the same one; this one gives lane (g, q) = (lane / 4, lane % 4) the slots 2q, 2q + 1, 2q + 8,
+// 2q + 9 of two mmas from its 16-byte loads of A row g and B row (column) g at 32 s + 8q: k 8q..8q+3
+// to the first, 8q+4..8q+7 to the second. So the loads feed the fragments directly (no shared memory
+// for operands, no ldmatrix) and U units of each operand stay in flight per lane while the previous U
+// multiply. Rows and columns past the tile read a real row and their results are dropped. At the end
+// of each group's run of units a warp writes its sums (c[0], c[1] = row g, columns 2q, 2q + 1; c[2],
+// c[3] are the zero rows) to partial[(group W + w) 64 + 2 lane + 0/1]; skinny_sums adds them up.
+// STREAM: B is read under the L2 evict_first policy (weights streamed once a step).
+template <typename T, int S, int U, bool STREAM>
+__device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols, int lo,
+                                           int hi, float* partial, int warp, int W) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    if (lo >= hi) return;  // (fewer units than warps)
+    const u64 policy = STREAM ? evict_first_policy() : 0;
     const T* ar = a + (i64)min(g, nr - 1) * lda + 8 * q;
-    const T* br = b + (i64)min(g, nc - 1) * ldb + 8 * q;
-    c[0] = c[1] = c[2] = c[3] = 0.0f;
-    const int last = s_end - 1;
+    const int last = hi - 1;
+    auto load_a = [&](int i) { return load_pack<T, 8>(ar + 32 * (i % S)); };
+    auto load_b = [&](int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
+        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
+        return STREAM ? load_pack_policy<T, 8>(p, policy) : load_pack<T, 8>(p);
+    };
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     Pack<T, 8> pa[U], pb[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // past the last slice: the last again (L1), never multiplied
-        const int s = min(s_begin + u, last);
-        pa[u] = load_pack<T, 8>(ar + 32 * (i64)s);
-        pb[u] = load_pack<T, 8>(br + 32 * (i64)s);
+    for (int u = 0; u < U; ++u) {  // past the last unit: the last again (L1), never multiplied
+        pa[u] = load_a(min(lo + u, last));
+        pb[u] = load_b(min(lo + u, last));
     }
-    for (int s0 = s_begin; s0 < s_end; s0 += U) {
-        Pack<T, 8> na[U], nb[U];  // the next U slices, in flight while these multiply
+    for (int i0 = lo; i0 < hi; i0 += U) {
+        Pack<T, 8> na[U], nb[U];  // the next U units, in flight while these multiply
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int s = min(s0 + U + u, last);
-            na[u] = load_pack<T, 8>(ar + 32 * (i64)s);
-            nb[u] = load_pack<T, 8>(br + 32 * (i64)s);
+            na[u] = load_a(min(i0 + U + u, last));
+            nb[u] = load_b(min(i0 + U + u, last));
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            if (s0 + u < s_end) {
+            const int i = i0 + u;
+            if (i < hi) {
                 u32 w[4], v[4];
                 memcpy(w, &pa[u], sizeof w);
                 memcpy(v, &pb[u], sizeof v);
@@ -225,12 +235,35 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
                 mma_16816(c, a0, b0, T{});
                 const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
                 mma_16816(c, a1, b1, T{});
+                if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
+                    float* out = partial + ((i / S) * W + warp) * 64 + 2 * lane;
+                    out[0] = c[0];
+                    out[1] = c[1];
+                    c[0] = c[1] = c[2] = c[3] = 0.0f;
+                }
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             pa[u] = na[u];
             pb[u] = nb[u];
+        }
+    }
+}
+
+// After a barrier over the warps that ran mma_skinny on a task of L = G S units: this lane's two sums
+// of group `group` (row lane / 4, columns 2 (lane % 4) + 0/1): the partial sums of the warps whose
+// units meet the group, added in warp order (the same bits every run).
+__device__ __forceinline__ void skinny_sums(const float* partial, int group, int S, int L, int W, float& c0,
+                                            float& c1) {
+    const int lane = threadIdx.x & 31;
+    c0 = c1 = 0.0f;
+    for (int w = 0; w < W; ++w) {
+        const int lo = w * L / W, hi = (w + 1) * L / W;
+        if (lo < hi && lo < (group + 1) * S && hi > group * S) {
+            const float* p = partial + (group * W + w) * 64 + 2 * lane;
+            c0 += p[0];
+            c1 += p[1];
         }
     }
 }

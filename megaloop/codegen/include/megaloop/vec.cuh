@@ -19,6 +19,28 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
     return *reinterpret_cast<const Pack<T, N>*>(p);
 }
 
+// L2 policy for data read once an iteration and too big to stay in L2 (a decode step's weights): its
+// lines are the first evicted, so the stream does not push out what the next tasks need again (the
+// loop kernel's code, task lists, counters, activations, the KV cache)
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// a 16-byte pack loaded under an L2 policy (evict_first_policy)
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack_policy(const T* p, u64 policy) {
+    static_assert(sizeof(T) * N == 16, "16-byte packs");
+    Pack<T, N> x;
+    u32 w[4];
+    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p), "l"(policy));
+    memcpy(&x, w, sizeof x);
+    return x;
+}
+
 template <class T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x) {
     *reinterpret_cast<Pack<T, N>*>(p) = x;

@@ -1,0 +1,51 @@
+"""Tuning experiment, not a benchmark: the dependent Llama decode step (bench/llama_layer.py's layer at
+hidden 2048 and 4096) under variants of the few-row tensor-core matmul path (emit_matmul constants),
+microseconds per step (median of 5 timed runs of 200 steps). Writes $OUT/decode_variants.json.
+
+    PYTHONPATH=. python scripts/decode_variants.py      # on a GPU machine
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import megaloop.codegen.emit_attention as emit_attention
+import megaloop.codegen.emit_matmul as emit_matmul
+from bench.common import commit, device_name, matmul_tiles, resident_seconds
+from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
+from megaloop.models import random_parameters
+from megaloop.plan import make_plan
+from megaloop.runtime.loop import LoopKernel
+
+MODULES = {"SPLIT_PREFETCH_STEPS": emit_attention, "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
+DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
+VARIANTS = {
+    "default": {},
+    "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
+    "prefetch4": {"SPLIT_PREFETCH_STEPS": 4},
+    "default_again": {},
+}
+
+
+def step_us(hidden: int, variant: dict) -> float:
+    for k, v in DEFAULTS.items():
+        setattr(MODULES[k], k, variant.get(k, v))
+    cfg = layer_config(hidden, 1)
+    params = random_parameters(cfg, seed=0)
+    x = np.random.default_rng(1).standard_normal((1, 1, hidden)).astype(np.float32)
+    plan = make_plan(dependent_decode_graph(cfg, x, "auto"), processors=132, tiles=matmul_tiles())
+    with LoopKernel(plan, params) as k:
+        k.run({"positions": np.array([[CONTEXT]])}, iterations=3)
+        return resident_seconds(k, 200) * 1e6
+
+
+names = sys.argv[1:] or list(VARIANTS)
+res = {"experiment": "decode_variants", "device": device_name(), "commit": commit()}
+for name in names:
+    for hidden in (2048, 4096):
+        us = step_us(hidden, VARIANTS[name])
+        res[f"{name}_h{hidden}_us"] = round(us, 1)
+        print(name, hidden, round(us, 1), flush=True)
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_variants.json"), "w"), indent=1)
