@@ -318,7 +318,7 @@ SKINNY_MMA_SHAPES = {
     "x3": (3, 2048, 96),
     "x8": (8, 8192, 520),
     "x5": (5, 1024, 4104),
-    "xb": ((2, 1), 2048, 200),  # batch axes (a decode step's [batch, token, hidden]): a tile per batch index
+    "xb": ((1, 3), 2048, 200),  # batch axes of size 1 (a decode step's [batch, tokens, hidden])
 }
 
 
@@ -386,6 +386,18 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
     assert spills(on) == {}
     for arch in ("sm_90a", "sm_80") if warps == 8 else ("sm_90a",):
         assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
+def test_skinny_mma_leaves_batches_of_several_to_the_per_element_path() -> None:
+    """Over a batch of 2 (a tile per batch index, each reading the whole weight block) the skinny path is
+    not taken; at batch 1 it is, its weights streamed (read once)."""
+    for batch, taken in ((2, False), (1, True)):
+        g = ml.Graph("batched-decode")
+        x = g.input("x", (batch, 1, 1024), "bfloat16")
+        g.output("y", ml.matmul(x, g.parameter("w", (256, 1024), "bfloat16"), transpose_b=True))
+        src = generate(make_plan(g, processors=16)).source
+        assert ("at most 8 rows: tensor cores" in src) == taken, batch
+        assert (", true>(in0 + ab" in src) == taken, batch
 
 
 def emulate_skinny_task(a: np.ndarray, b: np.ndarray, warps: int) -> np.ndarray:

@@ -5,6 +5,7 @@ matrix-vector product is memory-bound anyway) a warp per output element."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megaloop.codegen.emit import Operand, broadcast_dims, index_expr, pointers
@@ -71,8 +72,10 @@ def skinny_mma_groups(attrs: dict[str, Any]) -> int:
 def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
     """The block's warps when the op's tiles of at most 8 rows take the skinny tensor-core path
     (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
-    multiple of 32, walked strides whole 16-byte packs. Batch axes are taken a tile at one batch index
-    (as the matmul tiling makes them; the tile checks): a Llama decode step's [1, 1, hidden] rows."""
+    multiple of 32, walked strides whole 16-byte packs, batch axes (if any) of size 1: a Llama decode
+    step's [1, 1, hidden] rows. (Over a batch of several, the tiling makes a tile per batch index, each
+    reading the whole weight block again: the per-element path, whose whole-row loads keep those
+    re-reads in L2, stays.)"""
     hints = attrs.get("codegen", {})
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     a_k = a_.strides[-2] if ta else a_.strides[-1]
@@ -83,6 +86,7 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
         and hints.get("warps")
         and 1 <= hints.get("tile", (0, 0))[0] <= 8
         and a_.dtype == b_.dtype
+        and math.prod(a_.shape[:-2]) == math.prod(b_.shape[:-2]) == 1
         and a_.dtype.name in MMA_DTYPES
         and a_k == 1
         and b_k == 1
@@ -246,7 +250,11 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         step = 32 * width
         rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
         if skinny_mma_warps(attrs, a_, b_):
-            stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False)
+            # weights read once a step: a parameter, and a single row block (every tile of the op reads
+            # a block of B of its own)
+            m = a_.shape[-1] if attrs["transpose_a"] else a_.shape[-2]
+            once = rows >= m
+            stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
             body += _skinny_mma(
                 a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_), stream, abatch, bbatch, attrs
             )
@@ -290,8 +298,11 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
 
 
 SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in flight (twice: double-buffered)
-# Weights (B a parameter) read under L2's evict_first policy: a decode step streams 100-400 MB of them
-# through a 60 MB L2, which otherwise evicts what the step's other tasks read again and again
+# Weights read once a step (B a parameter, one row block) are loaded under L2's evict_first policy.
+# Measured on an H200 (scripts/decode_variants.py, dependent Llama decode step at hidden 2048 / 4096):
+# 76 / 148 us with it, 99-100 / 161-164 without it and with the same loads as asm volatile without the
+# policy (so it is the policy, not the order of the loads); the warp-per-element path, whose lanes read
+# a column's whole row of weights at once, 78 / 146 without it.
 SKINNY_MMA_STREAM_WEIGHTS = True
 
 
