@@ -369,8 +369,8 @@ def test_skinny_mma_fragments_cover_k_once() -> None:
 def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warps: int) -> None:
     """Taken for every <= 8-row tile with K a multiple of 32 when switched on, never when off; compiles
     without spills (at 12 warps, fewer slices in flight; at 16 the SIMT few-row path spills already),
-    its partial sums in the dynamic shared memory the kernel reserves (every group of the widest tile x
-    every warp); weights (parameters) read under L2's evict_first policy."""
+    its partial sums in the dynamic shared memory the kernel reserves (a slot per run of a group in a
+    warp: groups of the widest tile + warps - 1); weights (parameters) read under L2's evict_first policy."""
     from megaloop.runtime.compile import spills
 
     plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles={"matmul": {"skinny_mma": 1}})
@@ -382,7 +382,7 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
     assert on.count(", true>(in0 + ab") == len(SKINNY_MMA_SHAPES)  # the weights are parameters: streamed
     assert "at most 8 rows: tensor cores" not in off
     widest = max(t.writes[0].box.hi[-1] - t.writes[0].box.lo[-1] for t in plan.ranks[0].tasks)
-    assert program.shared_bytes >= 4 * 64 * warps * -(-widest // 8)
+    assert program.shared_bytes >= 4 * 64 * (-(-widest // 8) + warps - 1)
     assert spills(on) == {}
     for arch in ("sm_90a", "sm_80") if warps == 8 else ("sm_90a",):
         assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
@@ -404,7 +404,8 @@ def emulate_skinny_task(a: np.ndarray, b: np.ndarray, warps: int) -> np.ndarray:
     """A whole skinny tile as the emitted code runs it: warp w takes units [w L / W, (w + 1) L / W) of
     the groups x slices (group-major), writing its sum at the end of each run of a group (mma_skinny);
     then each group's sums are added over the warps ml::skinny_sums selects, in warp order. Asserts
-    that every unit is multiplied once and that skinny_sums reads exactly the partial sums written."""
+    that every unit is multiplied once, that each run has a slot (group + warp) of its own and that
+    skinny_sums reads exactly the partial sums written."""
     nr, k = a.shape
     ncols = b.shape[0]
     slices, groups = k // 32, -(-ncols // 8)
@@ -423,6 +424,8 @@ def emulate_skinny_task(a: np.ndarray, b: np.ndarray, warps: int) -> np.ndarray:
                 assert (grp, w) not in written
                 written[(grp, w)], c = c, np.zeros((nr, 8))
     assert (seen == 1).all()
+    slots = [grp + w for grp, w in written]  # the shared-memory slot of each run: its own, fewer than G + W
+    assert len(set(slots)) == len(slots) and max(slots) < groups + warps - 1
     out = np.zeros((nr, groups * 8))
     for grp in range(groups):
         read = []
@@ -441,7 +444,8 @@ def test_skinny_mma_warps_share_units_evenly_and_sum_every_part(warps: int) -> N
     fragment emulation: A @ B.T for column counts that leave partial groups and fewer units than warps,
     each unit multiplied once, every warp's share within one unit of the others."""
     rng = np.random.default_rng(4)
-    for nr, k, ncols in ((1, 32, 8), (1, 64, 3), (3, 96, 24), (8, 128, 9), (2, 256, 48), (5, 64, 100)):
+    cases = ((1, 32, 8), (1, 64, 3), (3, 96, 24), (8, 128, 9), (2, 256, 48), (5, 64, 100), (1, 32, 256), (2, 1024, 88))
+    for nr, k, ncols in cases:
         a, b = rng.standard_normal((nr, k)), rng.standard_normal((ncols, k))
         got = emulate_skinny_task(a, b, warps)
         np.testing.assert_allclose(got, a @ b.T, rtol=1e-12, atol=1e-12)

@@ -51,7 +51,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
-    tensor-core path's partial sums (4 bytes, 2 a lane, for every group of 8 columns and warp)."""
+    tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     wg = wgmma_config(attrs, ins[0], ins[1])
@@ -59,7 +59,7 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
         bn, groups, stages = wg
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
-        return 4 * 64 * warps * skinny_mma_groups(attrs) if warps else 0
+        return 4 * 64 * (skinny_mma_groups(attrs) + warps - 1) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
 
@@ -347,7 +347,7 @@ def _skinny_mma(
         f"    const ml::i64 ob = {o_base};",
         f"    const int units = groups * {slices}, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    extern __shared__ float4 ml_smem4[];",
-        "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group, warp, lane, 2)",
+        "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
         f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {'true' if stream else 'false'}>(in0 + ab, {a_row}, nr, "
         f"in1 + bb, {b_col}, ncols, warp * units / {warps}, (warp + 1) * units / {warps}, partial, warp, {warps});",
         "    __syncthreads();",

@@ -195,7 +195,9 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
 // for operands, no ldmatrix) and U units of each operand stay in flight per lane while the previous U
 // multiply. Rows and columns past the tile read a real row and their results are dropped. At the end
 // of each group's run of units a warp writes its sums (c[0], c[1] = row g, columns 2q, 2q + 1; c[2],
-// c[3] are the zero rows) to partial[(group W + w) 64 + 2 lane + 0/1]; skinny_sums adds them up.
+// c[3] are the zero rows) to partial[(group + w) 64 + 2 lane + 0/1]; skinny_sums adds them up. (Slot
+// group + w is the run's own: where warp w - 1 reaches into group + 1, warp w starts past group. So
+// G + W - 1 slots, 256 bytes each, whatever the tile's width.)
 // STREAM: B is read under the L2 evict_first policy (weights streamed once a step).
 template <typename T, int S, int U, bool STREAM>
 __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols, int lo,
@@ -236,7 +238,7 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
                 const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
                 mma_16816(c, a1, b1, T{});
                 if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
-                    float* out = partial + ((i / S) * W + warp) * 64 + 2 * lane;
+                    float* out = partial + (i / S + warp) * 64 + 2 * lane;
                     out[0] = c[0];
                     out[1] = c[1];
                     c[0] = c[1] = c[2] = c[3] = 0.0f;
@@ -261,7 +263,7 @@ __device__ __forceinline__ void skinny_sums(const float* partial, int group, int
     for (int w = 0; w < W; ++w) {
         const int lo = w * L / W, hi = (w + 1) * L / W;
         if (lo < hi && lo < (group + 1) * S && hi > group * S) {
-            const float* p = partial + (group * W + w) * 64 + 2 * lane;
+            const float* p = partial + (group + w) * 64 + 2 * lane;
             c0 += p[0];
             c1 += p[1];
         }
