@@ -13,7 +13,10 @@ groups of 8 packs (exps kept) 0.78-0.80, four groups of 16 packs with one slot e
 slots each 0.82-0.845; slot loop not unrolled 0.5-2 % slower. Run-to-run spread about 2-3 %.
 With balanced tiles (f7b9909; 460653c/26ae4ea, three runs): 8 tasks a processor rmsnorm 0.815-0.834,
 softmax 0.82-0.857; 4: 0.831-0.864 / 0.842-0.887; 3: 0.839-0.887 / 0.849-0.857; 2: 0.83 / 0.83; 16:
-0.835 / 0.836; a ring of 4 rows 0.871 / 0.843, of 10 (12 asked, shared memory caps it) 0.851 / 0.844."""
+0.835 / 0.836; a ring of 4 rows 0.871 / 0.843, of 10 (12 asked, shared memory caps it) 0.851 / 0.844.
+At d511ebd (one run, the experiment's code not kept): rows copied in under L2's evict_first policy
+rmsnorm 0.812 / softmax 0.796, copied in and stored under it 0.866-0.890 / 0.859-0.863, against
+0.856-0.867 / 0.870-0.879 without it: no gain (unlike the decode step's weights, scripts/decode_variants.py)."""
 
 import json
 import os
