@@ -388,6 +388,20 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
         assert compile_cubin(on, arch, use_cache=False)[:4] == b"\x7fELF"
 
 
+def test_llama_decode_matmuls_take_the_skinny_path_with_streamed_weights() -> None:
+    """Every matmul of a batch-1 Llama decode step ([1, 1, hidden] rows against 2-D weights) runs on the
+    skinny tensor-core path with its weights under evict_first: until 43e593d the step's 3-D rows fell
+    to the per-element path without anyone noticing, and without the policy that path took 99 / 163 us
+    a step on an H200 instead of 76 / 148 (docs/runtime.md)."""
+    cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, max_seq=64, vocab=100)
+    src = generate(make_plan(build_llama(cfg, 1, 1), processors=132)).source
+    matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith("matmul ")]  # a function a signature
+    assert len(matmuls) >= 4  # q / o, k / v, gate / up, down, the head: shapes that differ
+    for body in matmuls:
+        assert "at most 8 rows: tensor cores" in body, body.splitlines()[0]
+        assert ", true>(in0 + ab" in body, body.splitlines()[0]
+
+
 def test_skinny_mma_leaves_batches_of_several_to_the_per_element_path() -> None:
     """Over a batch of 2 (a tile per batch index, each reading the whole weight block) the skinny path is
     not taken; at batch 1 it is, its weights streamed (read once)."""
