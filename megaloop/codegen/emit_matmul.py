@@ -74,8 +74,9 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
     (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
     multiple of 32, walked strides whole 16-byte packs, batch axes (if any) of size 1: a Llama decode
     step's [1, 1, hidden] rows. (Over a batch of several, the tiling makes a tile per batch index, each
-    reading the whole weight block again: the per-element path, whose whole-row loads keep those
-    re-reads in L2, stays.)"""
+    reading the whole weight block again; such ops stay on the per-element path as before, not measured
+    against this one. Folding the batch into the rows, one tile reading its weights once for every
+    sequence, is the better fix for batched decode.)"""
     hints = attrs.get("codegen", {})
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     a_k = a_.strides[-2] if ta else a_.strides[-1]
