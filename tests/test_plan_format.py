@@ -62,6 +62,7 @@ def test_edited_tile_size(setup, tmp_path) -> None:
         "block_n": 4,
         "tensor_cores": 1,
         "skinny_mma": 1,
+        "fold_batch": 0,
         "wgmma": 1,
     }  # left out: defaults
     assert sum(1 for t in edited.ranks[0].tasks if t.op == op["id"]) > sum(

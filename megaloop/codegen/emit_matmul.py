@@ -69,14 +69,34 @@ def skinny_mma_groups(attrs: dict[str, Any]) -> int:
     return max(1, -(-attrs.get("codegen", {}).get("tile", (0, 0))[1] // 8))
 
 
+def merged_row_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The one stride that walks the (batch..., row) index space in row-major order (axes of size 1
+    skipped), 0 where it holds one row, None where its axes are not evenly spaced."""
+    live = [(n, st) for n, st in zip(sizes, strides) if n > 1]
+    if not live:
+        return 0
+    step, span = live[-1][1], 1
+    for n, st in reversed(live):
+        if st != step * span:
+            return None
+        span *= n
+    return step
+
+
+def _a_rows(a_: Operand, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A's (batch..., row) sizes and strides."""
+    axis = -1 if attrs["transpose_a"] else -2
+    return a_.shape[:-2] + (a_.shape[axis],), a_.strides[:-2] + (a_.strides[axis],)
+
+
 def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
     """The block's warps when the op's tiles of at most 8 rows take the skinny tensor-core path
     (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
-    multiple of 32, walked strides whole 16-byte packs, batch axes (if any) of size 1: a Llama decode
-    step's [1, 1, hidden] rows. (Over a batch of several, the tiling makes a tile per batch index, each
-    reading the whole weight block again; such ops stay on the per-element path as before, not measured
-    against this one. Folding the batch into the rows, one tile reading its weights once for every
-    sequence, is the better fix for batched decode.)"""
+    multiple of 32, walked strides whole 16-byte packs, batch axes (if any) of size 1 (a Llama decode
+    step's [1, 1, hidden] rows) or, where the tiles fold several batch indices (tile switch fold_batch),
+    A's batch and row axes evenly spaced (the tile's rows of all its batch indices one after the other)
+    and no batch axes on B. (Unfolded over a batch of several, each batch index's tile reads the whole
+    weight block again: those stay on the per-element path, not measured against this one.)"""
     hints = attrs.get("codegen", {})
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     a_k = a_.strides[-2] if ta else a_.strides[-1]
@@ -87,7 +107,11 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
         and hints.get("warps")
         and 1 <= hints.get("tile", (0, 0))[0] <= 8
         and a_.dtype == b_.dtype
-        and math.prod(a_.shape[:-2]) == math.prod(b_.shape[:-2]) == 1
+        and math.prod(b_.shape[:-2]) == 1
+        and (
+            math.prod(a_.shape[:-2]) == 1
+            or (hints.get("fold_batch") and merged_row_stride(*_a_rows(a_, attrs)) is not None)
+        )
         and a_.dtype.name in MMA_DTYPES
         and a_k == 1
         and b_k == 1
@@ -253,8 +277,7 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
         if skinny_mma_warps(attrs, a_, b_):
             # weights read once a step: a parameter, and a single row block (every tile of the op reads
             # a block of B of its own)
-            m = a_.shape[-1] if attrs["transpose_a"] else a_.shape[-2]
-            once = rows >= m
+            once = rows >= math.prod(out.shape[:-1])  # (rows: the largest tile's, batch indices folded in)
             stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
             body += _skinny_mma(
                 a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_), stream, abatch, bbatch, attrs
@@ -333,23 +356,38 @@ def _skinny_mma(
     slices_in_flight = SKINNY_MMA_SLICES if warps <= 8 else max(2, SKINNY_MMA_SLICES * 4 // warps)
     nd = len(out.shape)
     r_, c_ = nd - 2, nd - 1  # the box's row and column axes
+    m = out.shape[-2]
     o_row, o_col = out.strides[-2:]
-    one_batch = "".join(f" && t.hi[{d}] - t.lo[{d}] == 1" for d in range(nd - 2))  # (as the tiling makes them)
     at_lo = [f"t.lo[{d}]" for d in range(nd)]
     a_base = index_expr(a_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in abatch])
     b_base = index_expr(b_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in bbatch])
     o_base = index_expr(out.strides[:-2], at_lo[:-2])
+    # a box of several batch indices (fold_batch) is taken as their rows one after the other, where A's
+    # and out's (batch..., row) axes are evenly spaced and one batch axis varies (the box then holds
+    # whole rows of consecutive batch indices); any other box: one batch index
+    a_rs = merged_row_stride(*_a_rows(a_, attrs))
+    o_rs = merged_row_stride(out.shape[:-1], out.strides[:-1])
+    batches = " * ".join(f"(t.hi[{d}] - t.lo[{d}])" for d in range(nd - 2)) or "1"
+    if a_rs is not None and o_rs is not None and sum(1 for n in out.shape[:-2] if n > 1) <= 1:
+        a_step, o_step = a_rs or a_row, o_rs or o_row
+        boxes = f" && (box_batches == 1 || (t.lo[{r_}] == 0 && t.hi[{r_}] == {m}))"
+        what = "rows of its batch indices one after the other"
+    else:
+        a_step, o_step = a_row, o_row
+        boxes = " && box_batches == 1"
+        what = "one batch index"
     return [
-        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && t.hi[{r_}] - t.lo[{r_}] <= 8{one_batch} "
+        f"const int box_batches = {batches};  // batch indices in the box",
+        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && box_batches * (t.hi[{r_}] - t.lo[{r_}]) <= 8{boxes} "
         f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * groups} && blockDim.x == {32 * warps}) {{"
-        "  // at most 8 rows: tensor cores, the warps sharing groups of 8 columns x K",
-        f"    const int nr = t.hi[{r_}] - t.lo[{r_}], ncols = t.hi[{c_}] - t.lo[{c_}], groups = (ncols + 7) / 8;",
+        f"  // at most 8 rows: tensor cores, the warps sharing groups of 8 columns x K; {what}",
+        f"    const int nr = box_batches * (t.hi[{r_}] - t.lo[{r_}]), ncols = t.hi[{c_}] - t.lo[{c_}], groups = (ncols + 7) / 8;",
         f"    const ml::i64 ab = {a_base} + (ml::i64)t.lo[{r_}] * {a_row}, bb = {b_base} + (ml::i64)t.lo[{c_}] * {b_col};",
-        f"    const ml::i64 ob = {o_base};",
+        f"    const ml::i64 ob = {o_base} + (ml::i64)t.lo[{r_}] * {o_row};",
         f"    const int units = groups * {slices}, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    extern __shared__ float4 ml_smem4[];",
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
-        f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {'true' if stream else 'false'}>(in0 + ab, {a_row}, nr, "
+        f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {'true' if stream else 'false'}>(in0 + ab, {a_step}, nr, "
         f"in1 + bb, {b_col}, ncols, warp * units / {warps}, (warp + 1) * units / {warps}, partial, warp, {warps});",
         "    __syncthreads();",
         f"    for (int group = warp; group < groups; group += {warps}) {{",
@@ -357,7 +395,7 @@ def _skinny_mma(
         f"        ml::skinny_sums(partial, group, {slices}, units, {warps}, c0, c1);",
         "        const int g = lane >> 2, col = 8 * group + 2 * (lane & 3);",
         "        if (g < nr) {",
-        f"            const ml::i64 ro = ob + (ml::i64)(t.lo[{r_}] + g) * {o_row}, co = (ml::i64)(t.lo[{c_}] + col) * {o_col};",
+        f"            const ml::i64 ro = ob + (ml::i64)g * {o_step}, co = (ml::i64)(t.lo[{c_}] + col) * {o_col};",
         "            if (col < ncols) ml::store(out0 + ro + co, c0);",
         f"            if (col + 1 < ncols) ml::store(out0 + ro + co + {o_col}, c1);",
         "        }",

@@ -159,7 +159,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     shared = 0
     exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
     sends: dict[int, list[tuple[int, int]]] = {}  # pushing send -> (rank, tensor id) of x and of the recv's output
-    extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows, cols)
+    extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows of all its batch indices, cols)
     largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
     for t in rp.tasks:
         if t.writes:
@@ -167,7 +167,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         if rp.ops[t.op].op == "matmul" and t.writes:
             box = t.writes[0].box
             rows, cols = extent.get(t.op, (0, 0))
-            extent[t.op] = (max(rows, box.hi[-2] - box.lo[-2]), max(cols, box.hi[-1] - box.lo[-1]))
+            width = box.hi[-1] - box.lo[-1]
+            extent[t.op] = (max(rows, box.size // max(width, 1)), max(cols, width))
     pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
     for op in rp.ops:
         opdef = REGISTRY[op.op]
@@ -224,6 +225,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             hints = {
                 "tensor_cores": op.tile.get("tensor_cores", 0),
                 "skinny_mma": op.tile.get("skinny_mma", 0),
+                "fold_batch": op.tile.get("fold_batch", 0),
                 "wgmma": op.tile.get("wgmma", 0),
                 "tile": extent.get(op.id, (0, 0)),
                 "arch": plan.arch,

@@ -138,6 +138,10 @@ MIN_BLOCK_N = 8  # matrix-vector products (decode): a tile is 8 x k weights
 MIN_BLOCK_N_TILED = 32  # tiles of 16 rows or more (prefill, tensor cores) read bm x k of A per tile
 MIN_BLOCK_N_WGMMA = 64  # a warpgroup MMA tile (sm_90) is at least 64 wide
 TASK_COST_WEIGHTS = 16384  # a task's fixed cost, in weights one SM streams meanwhile
+# fold_batch: a matmul of few rows a batch index against weights without batch axes (batched decode,
+# A [sequences, tokens, hidden]) takes several batch indices a tile, up to this many rows in all, so that
+# a tile reads its block of weights once for all of them (the skinny tensor-core path's limit)
+FOLD_BATCH_ROWS = 8
 
 
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
@@ -147,13 +151,23 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     *batch, m, n = out.shape
     k = a.shape[-2] if ta else a.shape[-1]
     bm, bn = min(params["block_m"], m), min(params["block_n"], n)
-    n_batch = math.prod(batch)
+    # batch indices a tile: several where fold_batch asks and the weights have no batch axes of their
+    # own, one batch axis varies, and its rows are few (their rows then follow each other in A and out)
+    per_tile = 1
+    if (
+        params["fold_batch"]
+        and math.prod(b.shape[:-2]) == 1
+        and sum(1 for d in batch if d > 1) == 1
+        and m * 2 <= min(params["block_m"], FOLD_BATCH_ROWS)
+    ):
+        per_tile, bm = min(params["block_m"], FOLD_BATCH_ROWS) // m, m
+    batch_boxes = list(chunks(tuple(batch), per_tile))
     # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles (down to 8
     # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest: rounds of
     # tasks over the processors times the time of one task, its columns plus a fixed cost per task
     # (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
     # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
-    if n_batch * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
+    if len(batch_boxes) * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
         if params["tensor_cores"] and params["wgmma"] and bm >= 64:
             narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
@@ -162,15 +176,15 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
             # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
             widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
         fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
-        rows = n_batch * math.ceil(m / bm)
+        rows = len(batch_boxes) * math.ceil(m / bm)
         bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
     tiles = []
     batch_shape = tuple(batch)
     # an A block is read by every column tile of its rows, and by every batch index when A broadcasts
     # over the batch; a B block likewise by the row tiles
-    a_sharers = math.ceil(n / bn) * (n_batch if math.prod(a.shape[:-2]) == 1 else 1)
-    b_sharers = math.ceil(m / bm) * (n_batch if math.prod(b.shape[:-2]) == 1 else 1)
-    for bi, bidx in enumerate(chunks(batch_shape, 1)):
+    a_sharers = math.ceil(n / bn) * (len(batch_boxes) if math.prod(a.shape[:-2]) == 1 else 1)
+    b_sharers = math.ceil(m / bm) * (len(batch_boxes) if math.prod(b.shape[:-2]) == 1 else 1)
+    for bi, bidx in enumerate(batch_boxes):
         abatch = project(bidx, batch_shape, a.shape[:-2])
         bbatch = project(bidx, batch_shape, b.shape[:-2])
         for i in range(0, m, bm):
@@ -181,7 +195,7 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
                 abox = Box(abatch.lo + (arows[0][0], arows[1][0]), abatch.hi + (arows[0][1], arows[1][1]))
                 bbox = Box(bbatch.lo + (bcols[0][0], bcols[1][0]), bbatch.hi + (bcols[0][1], bcols[1][1]))
                 obox = Box(bidx.lo + (rows[0], cols[0]), bidx.hi + (rows[1], cols[1]))
-                flops = 2 * (rows[1] - rows[0]) * (cols[1] - cols[0]) * k
+                flops = 2 * bidx.size * (rows[1] - rows[0]) * (cols[1] - cols[0]) * k
                 a_bytes, b_bytes = abox.size * a.dtype.itemsize, bbox.size * b.dtype.itemsize
                 once = a_bytes // a_sharers + b_bytes // b_sharers
                 reads = (Read(0, abox), Read(1, bbox))
@@ -204,14 +218,18 @@ MATMUL = Tiling(
         # warps sharing the tile's groups of 8 columns x K evenly (ml::mma_skinny): the 8-token TP MLP step
         # took 62 us instead of 136 on 2 H200s (bench/results/tp_mlp.json)
         "skinny_mma": same(1),
+        # 1: batched decode (rows of several batch indices against weights without batch axes) takes up
+        # to FOLD_BATCH_ROWS rows of several batch indices a tile, reading its weights once for all of them;
+        # 0 (the default until a GPU run has measured it): a tile per batch index
+        "fold_batch": same(0),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
         "wgmma": {"sm_80": 0, "sm_86": 0, "sm_89": 0, "sm_90": 1},
     },
     _matmul,
     "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma, "
-    "wgmma: 0 or 1",
-    flags=("tensor_cores", "skinny_mma", "wgmma"),
+    "fold_batch, wgmma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma", "fold_batch", "wgmma"),
 )
 
 
