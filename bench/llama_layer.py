@@ -81,10 +81,10 @@ def layer_config(hidden: int, tokens: int) -> LlamaConfig:
 
 def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None) -> ml.Graph:
     """The decode step of build_llama (one layer, the final norm) with ``hidden`` a state that each
-    step's output replaces (in place: the final norm writes it, no copy)."""
+    step's output replaces (in place: the final norm writes it, no copy); x0 [sequences, 1, hidden]."""
     g = ml.Graph("llama-layer-dependent")
-    positions = g.input("positions", (1, 1), "int64")
-    x = g.state("hidden", (1, 1, cfg.hidden), cfg.dtype, init=x0)
+    positions = g.input("positions", (x0.shape[0], 1), "int64")
+    x = g.state("hidden", (x0.shape[0], 1, cfg.hidden), cfg.dtype, init=x0)
     y = decoder_layer(g, cfg, x, positions, 0, kv_splits)
     y = ml.rmsnorm(y, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
     g.output("hidden", y)

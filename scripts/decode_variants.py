@@ -2,7 +2,8 @@
 hidden 2048 and 4096) under variants of the emitters' constants (the few-row tensor-core matmul's L2
 policy for weights, the split-key attention's keys in flight), microseconds per step (median of 5 timed
 runs of 200 steps). Writes $OUT/decode_variants.json. MEGALOOP_BENCH_MATMUL="skinny_mma=0" runs the
-same variants on the warp-per-element matmul path.
+same variants on the warp-per-element matmul path; DECODE_SEQUENCES=4 decodes 4 sequences at once
+(with MEGALOOP_BENCH_MATMUL="fold_batch=1": a tile for the rows of all of them).
 
     PYTHONPATH=. python scripts/decode_variants.py [variant ...]     # on a GPU machine
 
@@ -25,6 +26,7 @@ from megaloop.models import random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
+SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4, with fold_batch=1 or 0
 MODULES = {"SPLIT_PREFETCH_STEPS": emit_attention, "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
@@ -40,15 +42,16 @@ def step_us(hidden: int, variant: dict) -> float:
         setattr(MODULES[k], k, variant.get(k, v))
     cfg = layer_config(hidden, 1)
     params = random_parameters(cfg, seed=0)
-    x = np.random.default_rng(1).standard_normal((1, 1, hidden)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
     plan = make_plan(dependent_decode_graph(cfg, x, "auto"), processors=132, tiles=matmul_tiles())
     with LoopKernel(plan, params) as k:
-        k.run({"positions": np.array([[CONTEXT]])}, iterations=3)
+        k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)
         return resident_seconds(k, 200) * 1e6
 
 
 names = sys.argv[1:] or list(VARIANTS)
-res = {"experiment": "decode_variants", "device": device_name(), "commit": commit()}
+res = {"experiment": "decode_variants", "device": device_name(), "commit": commit(), "sequences": SEQUENCES}
+res["matmul_tiles"] = matmul_tiles()["matmul"]
 for name in names:
     for hidden in (2048, 4096):
         us = step_us(hidden, VARIANTS[name])
