@@ -5,6 +5,8 @@ generated skinny tensor-core path (compiled; the GPU check is in tests/test_gpu.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,49 @@ def test_folded_tiles_take_the_skinny_path_and_compile() -> None:
         assert compile_cubin(once, arch, use_cache=False)[:4] == b"\x7fELF"
 
 
+def skinny_row_strides(src: str) -> set[int]:
+    """The A row strides the generated skinny calls pass (lda of ml::mma_skinny)."""
+    return {int(v) for v in re.findall(r"mma_skinny<[^>]*>\(in0 \+ ab, (\d+), nr", src)}
+
+
+def views_graph(kind: str) -> ml.Graph:
+    """A folded matmul whose A is a view: its rows of consecutive sequences are 3 K apart (a slice of
+    [4, 3, K]), or all the same row (one sequence broadcast to 4)."""
+    g = ml.Graph(kind)
+    if kind == "slice":
+        x = g.input("x", (4, 3, 256), "bfloat16")
+        a, _ = ml.split(x, [1, 2], axis=1)
+    else:
+        a = ml.broadcast_to(g.input("x", (1, 1, 256), "bfloat16"), (4, 1, 256))
+    g.output("y", ml.matmul(a, g.parameter("w", (96, 256), "bfloat16"), transpose_b=True))
+    return g
+
+
+@pytest.mark.parametrize("kind,stride", [("slice", 3 * 256), ("broadcast", 0)])
+def test_folded_views_step_their_rows_by_the_view_strides(kind: str, stride: int) -> None:
+    """The generated code steps a folded box's rows by the view's own stride (a broadcast A: 0; its row
+    axis's stride, the stride of a size-1 axis, once made rows 1..3 read past x into the output), and the
+    plan matches float64."""
+    g = views_graph(kind)
+    plan = make_plan(g, processors=132, tiles=FOLD)
+    assert {int(np.prod(b.shape[:-2])) for b in boxes(plan)} == {4}
+    assert skinny_row_strides(generate(plan).source) == {stride}
+    rng = np.random.default_rng(6)
+    x = ml.dtypes.round_to(rng.standard_normal(g.inputs["x"].shape), ml.bfloat16)
+    w = ml.dtypes.round_to(rng.standard_normal((96, 256)), ml.bfloat16)
+    got = run_plan(plan, {"x": x}, {"w": w}, seed=1).outputs["y"]
+    a = x[:, :1] if kind == "slice" else np.broadcast_to(x, (4, 1, 256))
+    want = a.astype(np.float64) @ w.astype(np.float64).T
+    assert_close(got, want, ml.bfloat16, ml.REGISTRY["matmul"].accuracy, 256, kind)
+
+
+def test_batched_ops_the_tiling_does_not_fold_stay_off_the_skinny_path() -> None:
+    """With fold_batch on, an op whose tiles still hold one batch index each (5 rows a sequence) keeps
+    the per-element path, as with it off: a skinny tile per sequence would read the weights again."""
+    src = generate(make_plan(batched_graph((3, 5, 256), (96, 256)), processors=132, tiles=FOLD)).source
+    assert "mma_skinny<" not in src
+
+
 def test_batched_llama_decode_with_folded_tiles_matches_the_reference() -> None:
     """A Llama decode step for 4 sequences with fold_batch on: the plan interpreter (random legal
     orders) against the graph's float64-reference evaluation, and every matmul on the folded path."""
@@ -96,6 +141,11 @@ def test_batched_llama_decode_with_folded_tiles_matches_the_reference() -> None:
     plan = make_plan(g, processors=16, tiles=FOLD)
     src = generate(plan).source
     assert src.count("rows of its batch indices one after the other") >= 4
+    # whole rows of consecutive sequences only, stepped by the sequences' stride: hidden (128) or
+    # intermediate (256) elements, also where A's own row axis (size 1) has stride 1 (the attention
+    # output, [4, 1, 128] as a view of [4, 4, 1, 32] heads)
+    assert "(box_batches == 1 || (t.lo[1] == 0 && t.hi[1] == 1))" in src
+    assert skinny_row_strides(src) == {128, 256}
     want = ml.evaluate(g, feeds, params).outputs
     for seed in range(2):
         got = run_plan(plan, feeds, params, seed=seed).outputs

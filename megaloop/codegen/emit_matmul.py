@@ -69,12 +69,13 @@ def skinny_mma_groups(attrs: dict[str, Any]) -> int:
     return max(1, -(-attrs.get("codegen", {}).get("tile", (0, 0))[1] // 8))
 
 
-def merged_row_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+def merged_row_stride(sizes: tuple[int, ...], strides: tuple[int, ...], one_row: int) -> int | None:
     """The one stride that walks the (batch..., row) index space in row-major order (axes of size 1
-    skipped), 0 where it holds one row, None where its axes are not evenly spaced."""
+    skipped; 0 where every row is the same, a broadcast A), ``one_row`` where it holds a single row,
+    None where its axes are not evenly spaced."""
     live = [(n, st) for n, st in zip(sizes, strides) if n > 1]
     if not live:
-        return 0
+        return one_row
     step, span = live[-1][1], 1
     for n, st in reversed(live):
         if st != step * span:
@@ -83,10 +84,10 @@ def merged_row_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int |
     return step
 
 
-def _a_rows(a_: Operand, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A's (batch..., row) sizes and strides."""
+def _a_rows(a_: Operand, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A's (batch..., row) sizes and strides, and its row stride (merged_row_stride's arguments)."""
     axis = -1 if attrs["transpose_a"] else -2
-    return a_.shape[:-2] + (a_.shape[axis],), a_.strides[:-2] + (a_.strides[axis],)
+    return a_.shape[:-2] + (a_.shape[axis],), a_.strides[:-2] + (a_.strides[axis],), a_.strides[axis]
 
 
 def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
@@ -110,7 +111,11 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
         and math.prod(b_.shape[:-2]) == 1
         and (
             math.prod(a_.shape[:-2]) == 1
-            or (hints.get("fold_batch") and merged_row_stride(*_a_rows(a_, attrs)) is not None)
+            or (  # tiles that fold several batch indices (more rows than one index has), evenly spaced
+                hints.get("fold_batch")
+                and hints.get("tile", (0, 0))[0] > _a_rows(a_, attrs)[0][-1]
+                and merged_row_stride(*_a_rows(a_, attrs)) is not None
+            )
         )
         and a_.dtype.name in MMA_DTYPES
         and a_k == 1
@@ -366,10 +371,10 @@ def _skinny_mma(
     # and out's (batch..., row) axes are evenly spaced and one batch axis varies (the box then holds
     # whole rows of consecutive batch indices); any other box: one batch index
     a_rs = merged_row_stride(*_a_rows(a_, attrs))
-    o_rs = merged_row_stride(out.shape[:-1], out.strides[:-1])
+    o_rs = merged_row_stride(out.shape[:-1], out.strides[:-1], o_row)
     batches = " * ".join(f"(t.hi[{d}] - t.lo[{d}])" for d in range(nd - 2)) or "1"
     if a_rs is not None and o_rs is not None and sum(1 for n in out.shape[:-2] if n > 1) <= 1:
-        a_step, o_step = a_rs or a_row, o_rs or o_row
+        a_step, o_step = a_rs, o_rs
         boxes = f" && (box_batches == 1 || (t.lo[{r_}] == 0 && t.hi[{r_}] == {m}))"
         what = "rows of its batch indices one after the other"
     else:
