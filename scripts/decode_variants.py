@@ -1,6 +1,6 @@
 """Tuning experiment, not a benchmark: the dependent Llama decode step (bench/llama_layer.py's layer at
 hidden 2048 and 4096) under variants of the emitters' constants (the few-row tensor-core matmul's L2
-policy for weights, the split-key attention's keys in flight), microseconds per step (median of 5 timed
+policy for weights), microseconds per step (median of 5 timed
 runs of 200 steps). Writes $OUT/decode_variants.json. MEGALOOP_BENCH_MATMUL="skinny_mma=0" runs the
 same variants on the warp-per-element matmul path; DECODE_SEQUENCES=4 decodes 4 sequences at once
 (with MEGALOOP_BENCH_MATMUL="fold_batch=1": a tile for the rows of all of them).
@@ -9,8 +9,8 @@ same variants on the warp-per-element matmul path; DECODE_SEQUENCES=4 decodes 4 
 
 Measured on an H200 (e02e999, us at hidden 2048 / 4096): default 75.9 / 147.6 and 75.8 / 149.3;
 weights without the evict_first policy 99.2 / 163.5; the same loads as asm volatile without a policy
-98.4 / 161.2; the warp-per-element path 77.9 / 145.9 (another run); 4 steps of keys in flight 74.7 /
-153.2 against 73.5 / 153.1 at 1; 8 steps: 80.8 / 165.3."""
+98.4 / 161.2; the warp-per-element path 77.9 / 145.9 (another run). (The split-key attention's keys in
+flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1; 8 steps 80.8 / 165.3.)"""
 
 import json
 import os
@@ -18,7 +18,6 @@ import sys
 
 import numpy as np
 
-import megaloop.codegen.emit_attention as emit_attention
 import megaloop.codegen.emit_matmul as emit_matmul
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
@@ -27,12 +26,11 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4, with fold_batch=1 or 0
-MODULES = {"SPLIT_PREFETCH_STEPS": emit_attention, "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
+MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
-    "prefetch4": {"SPLIT_PREFETCH_STEPS": 4},
     "default_again": {},
 }
 

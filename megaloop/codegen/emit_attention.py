@@ -10,12 +10,6 @@ from typing import Any
 
 from megaloop.codegen.emit import Operand, float_literal, pointers
 
-# steps of keys (KPW keys each) whose packs a warp of the split-key path has in flight. 4 and 8 did not
-# shorten the decode layer (scripts/decode_variants.py on an H200: 74.7 / 153.2 us at 4 against 73.5 /
-# 153.1 at 1, hidden 2048 / 4096; 8 made hidden 4096 slower, 165 us): a decode tile's ~5 steps a warp
-# are not what its 6.5 us go to, and the unrolled ring makes more code to fetch every step
-SPLIT_PREFETCH_STEPS = 1
-
 
 def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """A warp per (query head, query): online softmax over the visible keys in float32, the head and
@@ -453,29 +447,23 @@ def _attention_split(
         f"            const ml::Pack<{ct}, W> qpk = ml::load_pack<{ct}, W>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W);",
         f"            const {ct}* kp = in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]} + r * W;",
         f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
-        f"            // key and value packs are loaded PF = {SPLIT_PREFETCH_STEPS} steps ahead (a ring in registers), so",
-        "            // that the piece's memory round trips overlap instead of one a step (decode: ~9 steps a warp,",
-        f"            // one step ahead took 6.5 us a tile); rows past the end are clamped to the last ({tk - 1}):",
-        "            // loaded, never used",
-        f"            constexpr int PF = {SPLIT_PREFETCH_STEPS};",
-        f"            ml::Pack<{ct}, W> kn[PF], vn[PF];",
-        "#pragma unroll",
-        "            for (int st = 0; st < PF; ++st) {",
-        f"                const ml::i64 jp = j_lo + g + st * KPW < {tk} ? j_lo + g + st * KPW : {tk - 1};",
-        f"                kn[st] = ml::load_pack<{ct}, W>(kp + jp * {k.strides[2]});",
-        f"                vn[st] = ml::load_pack<{ct}, W>(vp + jp * {v.strides[2]});",
-        "            }",
+        # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
+        # (scripts/decode_variants.py, H200: 74.7 / 153.2 us at 4 against 73.5 / 153.1 at 1, hidden 2048 /
+        # 4096; 8 steps made 4096 slower, 165 us): a decode tile's ~5 steps a warp are not what its ~6 us go to.
+        "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",
+        "            // behind the step before instead of one starting every step (decode: ~9 steps a warp in",
+        f"            // turn); rows past the end are clamped to the last ({tk - 1}): loaded, never used",
+        f"            ml::Pack<{ct}, W> kn = ml::load_pack<{ct}, W>(kp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {k.strides[2]});",
+        f"            ml::Pack<{ct}, W> vn = ml::load_pack<{ct}, W>(vp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {v.strides[2]});",
         "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
         "            // lanes past the end of their piece contribute nothing",
-        "            for (ml::i64 j00 = j_lo; j00 < j_hi; j00 += PF * KPW) {",
-        "#pragma unroll",
-        "              for (int st = 0; st < PF; ++st) {  // step st of PF: keys j00 + st * KPW + (0 .. KPW - 1)",
-        "                const ml::i64 j = j00 + st * KPW + g;",
+        "            for (ml::i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {",
+        "                const ml::i64 j = j0 + g;",
         "                const bool live = j < j_hi;",
-        f"                const ml::Pack<{ct}, W> kc = kn[st], vv = vn[st];",
-        f"                const ml::i64 jn = j + PF * KPW < {tk} ? j + PF * KPW : {tk - 1};",
-        f"                kn[st] = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
-        f"                vn[st] = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
+        f"                const ml::Pack<{ct}, W> kc = kn, vv = vn;",
+        f"                const ml::i64 jn = j + KPW < {tk} ? j + KPW : {tk - 1};",
+        f"                kn = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
+        f"                vn = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
         "                float s = 0.0f;",
         "                if (live) s = ml::dot(qpk, kc);",
         "#pragma unroll",
@@ -489,7 +477,6 @@ def _attention_split(
         "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
         "                    m = mn;",
         "                }",
-        "              }",
         "            }",
         "        }",
         "        // merge the KPW key groups of the warp (lanes with the same r)",

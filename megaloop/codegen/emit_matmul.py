@@ -90,6 +90,13 @@ def _a_rows(a_: Operand, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[
     return a_.shape[:-2] + (a_.shape[axis],), a_.strides[:-2] + (a_.strides[axis],), a_.strides[axis]
 
 
+def _folded_rows(a_: Operand, attrs: dict[str, Any]) -> bool:
+    """The op's tiles hold several batch indices (more rows than one index has), their rows of A evenly
+    spaced."""
+    sizes, strides, row = _a_rows(a_, attrs)
+    return attrs["codegen"].get("tile", (0, 0))[0] > sizes[-1] and merged_row_stride(sizes, strides, row) is not None
+
+
 def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
     """The block's warps when the op's tiles of at most 8 rows take the skinny tensor-core path
     (ml::mma_skinny; the tile switch ``skinny_mma``), else 0: 16-bit operands, both K-contiguous, K a
@@ -109,14 +116,7 @@ def skinny_mma_warps(attrs: dict[str, Any], a_: Operand, b_: Operand) -> int:
         and 1 <= hints.get("tile", (0, 0))[0] <= 8
         and a_.dtype == b_.dtype
         and math.prod(b_.shape[:-2]) == 1
-        and (
-            math.prod(a_.shape[:-2]) == 1
-            or (  # tiles that fold several batch indices (more rows than one index has), evenly spaced
-                hints.get("fold_batch")
-                and hints.get("tile", (0, 0))[0] > _a_rows(a_, attrs)[0][-1]
-                and merged_row_stride(*_a_rows(a_, attrs)) is not None
-            )
-        )
+        and (math.prod(a_.shape[:-2]) == 1 or (hints.get("fold_batch") and _folded_rows(a_, attrs)))
         and a_.dtype.name in MMA_DTYPES
         and a_k == 1
         and b_k == 1
@@ -279,14 +279,13 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
     ):
         step = 32 * width
         rows = attrs.get("codegen", {}).get("tile", (0, 0))[0]
-        if skinny_mma_warps(attrs, a_, b_):
+        skinny_warps = skinny_mma_warps(attrs, a_, b_)
+        if skinny_warps:
             # weights read once a step: a parameter, and a single row block (every tile of the op reads
             # a block of B of its own)
             once = rows >= math.prod(out.shape[:-1])  # (rows: the largest tile's, batch indices folded in)
             stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
-            body += _skinny_mma(
-                a_, b_, out, k, a_row, b_col, skinny_mma_warps(attrs, a_, b_), stream, abatch, bbatch, attrs
-            )
+            body += _skinny_mma(a_, b_, out, k, a_row, b_col, skinny_warps, stream, abatch, bbatch, attrs)
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:

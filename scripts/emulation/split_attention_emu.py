@@ -94,10 +94,9 @@ def parse(lines):
     P.ks = tuple(map(int, h.groups()))
     h = grab(lines, r"\* vp = in2 \+ \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)kh \* (\d+) \+ r \* W;")
     P.vs = tuple(map(int, h.groups()))
-    # the key / value row strides of the ring's first loads and of its refills (the same stride)
-    P.kj = int(grab(lines, r"load_pack<[^>]*>\(kp \+ j[pn] \* (\d+)\)", n=2).group(1))
-    P.vj = int(grab(lines, r"load_pack<[^>]*>\(vp \+ j[pn] \* (\d+)\)", n=2).group(1))
-    assert {h.group(1) for h in [re.search(r"\(kp \+ j[pn] \* (\d+)\)", l) for l in lines] if h} == {str(P.kj)}
+    # the key / value row strides (of the loads a step ahead)
+    P.kj = int(grab(lines, r"load_pack<[^>]*>\(kp \+ jn \* (\d+)\)").group(1))
+    P.vj = int(grab(lines, r"load_pack<[^>]*>\(vp \+ jn \* (\d+)\)").group(1))
     P.scale = F32(float.fromhex(grab(lines, r"s \*= \(\(float\)([-0-9a-fx.p+]+)\);").group(1)))
     h = grab(lines, r"const ml::i64 ob = \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)h \* (\d+) \+ \(ml::i64\)i \* (\d+) \+ \(ml::i64\)t\.lo\[3\] \* (\d+);")
     P.os = tuple(map(int, h.groups()))
