@@ -1,6 +1,7 @@
 """One Llama-style decoder layer (hidden 2048 and 4096), batch 1: decode (1 token over a 512-token
-cache) and prefill (512 tokens). Loop kernel vs PyTorch eager vs torch.compile(mode="reduce-overhead"),
-same weights, bf16, CUDA-event medians (the loop kernel: wall time over many resident iterations).
+cache) and prefill (512 tokens); and decode for 4 sequences at once (``decode_batch4``). Loop kernel
+vs PyTorch eager vs torch.compile(mode="reduce-overhead"), same weights, bf16, CUDA-event medians (the
+loop kernel: wall time over many resident iterations).
 
 Decode is timed twice on the loop kernel: ``loop_kernel_us`` with the same input every step (a block
 may start step k + 1 before step k ends elsewhere: the first ops of a step do not need the last ones
@@ -26,16 +27,17 @@ CONTEXT = 512
 
 
 class TorchLayer(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, params: dict) -> None:
+    def __init__(self, cfg: LlamaConfig, params: dict, sequences: int = 1, device: str = "cuda") -> None:
         super().__init__()
         self.cfg = cfg
-        p = {k: torch.tensor(v, dtype=torch.bfloat16, device="cuda") for k, v in params.items()}
+        p = {k: torch.tensor(v, dtype=torch.bfloat16, device=device) for k, v in params.items()}
         self.p = p
-        self.k_cache = torch.zeros(1, cfg.kv_heads, cfg.max_seq, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+        shape = (sequences, cfg.kv_heads, cfg.max_seq, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
         hd = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cuda") / hd))
-        ang = torch.arange(cfg.max_seq, device="cuda", dtype=torch.float64)[:, None] * inv
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+        ang = torch.arange(cfg.max_seq, device=device, dtype=torch.float64)[:, None] * inv
         self.cos = torch.cat([ang, ang], -1).cos().to(torch.bfloat16)
         self.sin = torch.cat([ang, ang], -1).sin().to(torch.bfloat16)
 
@@ -92,18 +94,21 @@ def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | st
     return g
 
 
-def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto") -> dict:
+def bench_case(
+    hidden: int, tokens: int, compile_too: bool, kv_splits: int | str | None = "auto", sequences: int = 1
+) -> dict:
     cfg = layer_config(hidden, tokens)
     params = random_parameters(cfg, seed=0)
     layer_params = {k: v for k, v in params.items() if k.startswith("model.layers.")}
     start = CONTEXT if tokens == 1 else 0
-    g = build_llama(cfg, 1, tokens, kv_splits=kv_splits)
+    g = build_llama(cfg, sequences, tokens, kv_splits=kv_splits)
     # the reference graph has a final norm; the layer alone is what torch times, so time the full
     # graph (one extra rmsnorm, negligible) on both sides by adding it to torch too
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((1, tokens, hidden)).astype(np.float32)
-    pos = np.arange(start, start + tokens)[None]
-    out: dict = {"kv_splits": auto_kv_splits(cfg, 1, tokens) if kv_splits == "auto" else kv_splits}
+    x = rng.standard_normal((sequences, tokens, hidden)).astype(np.float32)
+    pos = np.tile(np.arange(start, start + tokens), (sequences, 1))
+    out: dict = {"sequences": sequences}
+    out["kv_splits"] = auto_kv_splits(cfg, sequences, tokens) if kv_splits == "auto" else kv_splits
     tiles = matmul_tiles()
     out["matmul_tiles"] = tiles["matmul"]
     iters = 200 if tokens == 1 else 10
@@ -116,7 +121,7 @@ def bench_case(hidden: int, tokens: int, compile_too: bool, kv_splits: int | str
         with LoopKernel(plan, params) as k:
             k.run({"positions": pos}, iterations=3)
             out["loop_kernel_dependent_us"] = resident_seconds(k, iters) * 1e6
-    layer = TorchLayer(cfg, layer_params)
+    layer = TorchLayer(cfg, layer_params, sequences)
     final = torch.tensor(params["model.norm.weight"], dtype=torch.bfloat16, device="cuda")
     xt = torch.tensor(x, dtype=torch.bfloat16, device="cuda")
 
@@ -145,6 +150,9 @@ def main() -> None:
         # decode without splitting the cache into key ranges (one attention tile per query head)
         results[f"hidden{hidden}_decode_unsplit"] = bench_case(hidden, 1, False, kv_splits=None)
         print("decode unsplit", hidden, results[f"hidden{hidden}_decode_unsplit"], flush=True)
+        # batched decode: the matmuls' tiles take the rows of all 4 sequences (tile switch fold_batch)
+        results[f"hidden{hidden}_decode_batch4"] = bench_case(hidden, 1, compile_too, sequences=4)
+        print("decode batch 4", hidden, results[f"hidden{hidden}_decode_batch4"], flush=True)
     write("llama_layer", results)
 
 

@@ -3,14 +3,15 @@ hidden 2048 and 4096) under variants of the emitters' constants (the few-row ten
 policy for weights), microseconds per step (median of 5 timed
 runs of 200 steps). Writes $OUT/decode_variants.json. MEGALOOP_BENCH_MATMUL="skinny_mma=0" runs the
 same variants on the warp-per-element matmul path; DECODE_SEQUENCES=4 decodes 4 sequences at once
-(with MEGALOOP_BENCH_MATMUL="fold_batch=1": a tile for the rows of all of them).
+(a tile for the rows of all of them; MEGALOOP_BENCH_MATMUL="fold_batch=0": a tile per sequence).
 
     PYTHONPATH=. python scripts/decode_variants.py [variant ...]     # on a GPU machine
 
 Measured on an H200 (e02e999, us at hidden 2048 / 4096): default 75.9 / 147.6 and 75.8 / 149.3;
 weights without the evict_first policy 99.2 / 163.5; the same loads as asm volatile without a policy
 98.4 / 161.2; the warp-per-element path 77.9 / 145.9 (another run). (The split-key attention's keys in
-flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1; 8 steps 80.8 / 165.3.)"""
+flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1; 8 steps 80.8 / 165.3.)
+4 sequences (9e65d89): fold_batch=1 85.0 / 156.3, fold_batch=0 147.7 / 395.8 (made the default)."""
 
 import json
 import os
@@ -25,7 +26,7 @@ from megaloop.models import random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
-SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4, with fold_batch=1 or 0
+SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
 MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {

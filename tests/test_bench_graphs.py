@@ -84,3 +84,31 @@ def test_dependent_llama_decode_is_build_llamas_step_fed_back() -> None:
     want = second.outputs["hidden"]
     worst = np.max(np.abs(got.outputs["hidden"].astype(np.float64) - want.astype(np.float64)))
     assert np.array_equal(got.outputs["hidden"], want), f"worst mismatch {worst}"
+
+
+@pytest.mark.parametrize("sequences", [1, 4])
+def test_the_benchmarks_torch_layer_is_the_same_layer(sequences: int) -> None:
+    """bench/llama_layer.py times PyTorch's layer against megaloop's: both must compute the same layer.
+    On the CPU: a 24-token prefill, then a decode step over the keys it cached, bf16 torch against the
+    graph's reference evaluation (float32 accumulation, rounded to bf16 an op)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    cfg = llama_layer.layer_config(256, 1)
+    params = random_parameters(cfg, seed=4)
+    rng = np.random.default_rng(5)
+    layer = llama_layer.TorchLayer(cfg, {k: v for k, v in params.items() if "layers" in k}, sequences, "cpu")
+    final = torch.tensor(params["model.norm.weight"], dtype=torch.bfloat16)
+    state = None
+    for start, tokens in ((0, 24), (24, 1)):
+        x = rng.standard_normal((sequences, tokens, cfg.hidden)).astype(np.float32)
+        pos = np.tile(np.arange(start, start + tokens), (sequences, 1))
+        ref = ml.evaluate(build_llama(cfg, sequences, tokens), {"hidden": x, "positions": pos}, params, state=state)
+        state, want = ref.state, ref.outputs["hidden"].astype(np.float64)
+        with torch.no_grad():
+            y = layer(torch.tensor(x, dtype=torch.bfloat16), start)
+            got = F.rms_norm(y, (cfg.hidden,), final, cfg.rms_eps).double().numpy()
+        # both round to bf16 after every op (torch in its own order): a few bf16 ulps of the outputs
+        tol = 8 * 2.0**-8 * np.abs(want).max()
+        worst = np.max(np.abs(got - want))
+        assert worst <= tol, f"{tokens} tokens from {start}: worst mismatch {worst} > {tol}"

@@ -403,13 +403,14 @@ def test_llama_decode_matmuls_take_the_skinny_path_with_streamed_weights() -> No
 
 
 def test_skinny_mma_leaves_batches_of_several_to_the_per_element_path() -> None:
-    """Over a batch of 2 (a tile per batch index, each reading the whole weight block) the skinny path is
-    not taken; at batch 1 it is, its weights streamed (read once)."""
-    for batch, taken in ((2, False), (1, True)):
+    """Over a batch of 2 with a tile per batch index (fold_batch=0: each tile reads the whole weight
+    block) the skinny path is not taken; at batch 1, or batch 2 folded into one tile's rows (the
+    default), it is, its weights streamed (read once)."""
+    for batch, fold, taken in ((2, 0, False), (1, 0, True), (2, 1, True)):
         g = ml.Graph("batched-decode")
         x = g.input("x", (batch, 1, 1024), "bfloat16")
         g.output("y", ml.matmul(x, g.parameter("w", (256, 1024), "bfloat16"), transpose_b=True))
-        src = generate(make_plan(g, processors=16)).source
+        src = generate(make_plan(g, processors=16, tiles={"matmul": {"fold_batch": fold}})).source
         assert ("at most 8 rows: tensor cores" in src) == taken, batch
         assert (", true>(in0 + ab" in src) == taken, batch
 

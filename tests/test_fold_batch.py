@@ -14,11 +14,13 @@ import megaloop as ml
 from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import make_plan
+from megaloop.plan.format import plan_from_dict, plan_to_dict
 from megaloop.reference.interpreter import run_plan
 from megaloop.runtime.compile import compile_cubin, spills
 from tests.helpers import assert_close
 
-FOLD = {"matmul": {"fold_batch": 1}}
+FOLD = {"matmul": {"fold_batch": 1}}  # the default; spelled out where a test is about the switch
+UNFOLDED = {"matmul": {"fold_batch": 0}}
 
 
 def batched_graph(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: str = "bfloat16") -> ml.Graph:
@@ -51,8 +53,9 @@ def test_tiles_take_several_batch_indices_only_where_asked_and_useful(a_shape, b
     assert counts == batches_a_tile
     for b in folded:  # whole rows of consecutive batch indices
         assert b.lo[-2] == 0 and b.hi[-2] == a_shape[-2]
-    unfolded = boxes(make_plan(g, processors=132))
-    assert {int(np.prod(b.shape[:-2])) for b in unfolded} == {1}  # off by default
+    assert boxes(make_plan(g, processors=132)) == folded  # on by default
+    unfolded = boxes(make_plan(g, processors=132, tiles=UNFOLDED))
+    assert {int(np.prod(b.shape[:-2])) for b in unfolded} == {1}
     covered = np.zeros(tuple(a_shape[:-1]) + (96,), int)
     for b in folded:
         covered[b.slices] += 1
@@ -151,3 +154,21 @@ def test_batched_llama_decode_with_folded_tiles_matches_the_reference() -> None:
         got = run_plan(plan, feeds, params, seed=seed).outputs
         for name, value in want.items():
             np.testing.assert_array_equal(got[name], value, err_msg=f"{name}, seed {seed}")
+
+
+def test_files_saved_before_the_switch_load_with_a_tile_per_sequence() -> None:
+    """fold_batch changes the tasks; a plan file without it (saved before it existed, when each batch
+    index had its own tiles) loads as it was made, and runs."""
+    g = batched_graph((4, 1, 256), (96, 256))
+    data = plan_to_dict(make_plan(g, processors=132, tiles=UNFOLDED))
+    op = next(o for o in data["ranks"][0]["ops"] if o["op"] == "matmul")
+    del op["tile"]["fold_batch"]
+    loaded = plan_from_dict(data)
+    assert loaded.ranks[0].ops[op["id"]].tile["fold_batch"] == 0
+    assert {int(np.prod(b.shape[:-2])) for b in boxes(loaded)} == {1}
+    rng = np.random.default_rng(8)
+    x = ml.dtypes.round_to(rng.standard_normal((4, 1, 256)), ml.bfloat16)
+    w = ml.dtypes.round_to(rng.standard_normal((96, 256)), ml.bfloat16)
+    got = run_plan(loaded, {"x": x}, {"w": w}).outputs["y"]
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert_close(got, want, ml.bfloat16, ml.REGISTRY["matmul"].accuracy, 256, "loaded")

@@ -465,7 +465,7 @@ def test_prefill_attention_on_tensor_cores_matches_torch(q_block: int) -> None:
 
 
 def test_folded_batch_decode_matches_torch_and_the_reference() -> None:
-    """Tile switch fold_batch (not yet the default): batched decode's matmuls take the rows of several
+    """Tile switch fold_batch (on by default): batched decode's matmuls take the rows of several
     sequences a tile on the skinny tensor-core path. The matmuls against torch in float64 (100 runs
     bitwise the same), then a 4-sequence Llama decode step, three steps, against the CPU reference."""
     from tests.test_fold_batch import FOLD, batched_graph
