@@ -22,15 +22,16 @@ from megaloop.plan import make_plan
 from megaloop.runtime import gpus, trace
 
 
-def llama_case(hidden: int, tokens: int, kv_splits: int | str | None = "auto"):
+def llama_case(hidden: int, tokens: int, kv_splits: int | str | None = "auto", sequences: int = 1):
     cfg = layer_config(hidden, tokens)  # the benchmark's layer
     start = CONTEXT if tokens == 1 else 0
     rng = np.random.default_rng(1)
     feeds = {
-        "hidden": rng.standard_normal((1, tokens, hidden)).astype(np.float32),
-        "positions": np.arange(start, start + tokens)[None],
+        "hidden": rng.standard_normal((sequences, tokens, hidden)).astype(np.float32),
+        "positions": np.tile(np.arange(start, start + tokens), (sequences, 1)),
     }
-    return build_llama(cfg, 1, tokens, kv_splits=kv_splits), random_parameters(cfg, seed=0), feeds
+    graph = build_llama(cfg, sequences, tokens, kv_splits=kv_splits)
+    return graph, random_parameters(cfg, seed=0), feeds
 
 
 def gemm_case(n: int):
@@ -61,6 +62,8 @@ CASES = {
     "decode2048": lambda: llama_case(2048, 1),
     "decode2048_unsplit": lambda: llama_case(2048, 1, None),
     "decode4096": lambda: llama_case(4096, 1),
+    "decode2048x4": lambda: llama_case(2048, 1, sequences=4),  # 4 sequences at once
+    "decode4096x4": lambda: llama_case(4096, 1, sequences=4),
     "prefill2048": lambda: llama_case(2048, 512),
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
