@@ -20,7 +20,6 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
-import megaloop.codegen.prefetch as prefetch
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
@@ -28,14 +27,11 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul, "PREFETCH_BYTES": prefetch}
+MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
-    "no_prefetch": {"PREFETCH_BYTES": 0},
-    "prefetch96k": {"PREFETCH_BYTES": 96 * 1024},
-    "prefetch384k": {"PREFETCH_BYTES": 384 * 1024},
     "default_again": {},
 }
 

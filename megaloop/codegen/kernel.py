@@ -33,7 +33,6 @@ from megaloop.codegen.emit import (
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
-from megaloop.codegen.prefetch import plan_prefetches
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
@@ -56,8 +55,6 @@ TASK_DTYPE = np.dtype(
         ("mirror_begin", np.int32),
         ("mirror_count", np.int32),
         ("tile", np.int32),
-        ("prefetch_begin", np.int32),
-        ("prefetch_count", np.int32),
         ("lo", np.int32, MAX_DIMS),
         ("hi", np.int32, MAX_DIMS),
     ]
@@ -80,7 +77,6 @@ class LoopProgram:
     lists: np.ndarray  # int32
     operand_offsets: np.ndarray  # int64, (ops, MAX_OPERANDS)
     mirrors: np.ndarray  # MIRROR_DTYPE: the peers' mirror counters the tasks bump (Task.mirror_begin/count)
-    prefetches: np.ndarray  # PREFETCH_DTYPE: weights fetched into L2 ahead (Task.prefetch_begin/count)
     counters: int  # counter slots: the plan's counters, then the mirrors of peers' counters (counter_slots)
     threads: int
     shared_bytes: int  # dynamic shared memory per block (split-key attention, tensor-core operand stages, row rings)
@@ -255,7 +251,6 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 if mirrors:
                     mirrored_by.setdefault(c, []).append((r, slot))
     bumps: list[tuple[int, int]] = []
-    prefetch_spans, prefetches = plan_prefetches(plan, rank)
     for t in rp.tasks:
         if len(t.writes) != 1:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
@@ -273,7 +268,6 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             mirror = mine.get((w.rank, w.counter), -1) if w.rank != rank else -1
             waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank, mirror))
         row["tile"] = t.coords[0] if t.op in pushed and t.coords else 0  # its slot in the inbox
-        row["prefetch_begin"], row["prefetch_count"] = prefetch_spans[t.id]
         row["lo"][: len(box.lo)] = box.lo
         row["hi"][: len(box.hi)] = box.hi
         row["hi"][len(box.hi) :] = 1
@@ -309,7 +303,6 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         np.array(lists, np.int32),
         offsets,
         np.array(bumps, MIRROR_DTYPE),
-        prefetches,
         len(rp.counters) + len(all_mirrors[rank]),  # counter_slots, from the mirrors at hand
         threads,
         shared,

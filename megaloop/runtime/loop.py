@@ -57,7 +57,7 @@ ARGS_DTYPE = np.dtype(
     ]
     + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
     + [("arenas", np.uint64), ("rank_counters", np.uint64), ("rank", np.int32), ("world", np.int32)]
-    + [("mirrors", np.uint64), ("prefetches", np.uint64)]
+    + [("mirrors", np.uint64)]
 )
 CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
 REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
@@ -245,7 +245,6 @@ class LoopKernel:
         args["lists"] = self._upload(prog.lists)
         args["operand_offsets"] = self._upload(prog.operand_offsets.reshape(-1, MAX_OPERANDS))
         args["mirrors"] = self._upload(prog.mirrors)
-        args["prefetches"] = self._upload(prog.prefetches)
         args["profile"] = self.profile
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations

@@ -23,7 +23,6 @@ struct Task {
     int remote;  // 1: other ranks wait on that counter, so it is released at system scope
     int mirror_begin, mirror_count;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
     int tile;  // a pushing all_reduce's tile: its slot in the inbox (megaloop/exchange.cuh)
-    int prefetch_begin, prefetch_count;  // weights fetched into L2 when its slot is filled (fill_slot)
     int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
 };
 
@@ -42,14 +41,6 @@ struct Wait {
 struct Mirror {
     int rank;
     int counter;
-};
-
-// Arena bytes [offset, offset + bytes) fetched into L2 ahead of the tasks that read them: weights,
-// which nothing writes while the kernel runs (megaloop/codegen/prefetch.py plans them). 16-byte
-// aligned, a multiple of 16 bytes.
-struct Prefetch {
-    i64 offset;
-    i64 bytes;
 };
 
 // Host <-> kernel: lives in mapped pinned host memory.
@@ -82,7 +73,6 @@ struct Args {
     u64* const* rank_counters;  // every rank's counters, indexed by rank
     int rank, world;
     const Mirror* mirrors;  // the peers' mirror counters the tasks bump (Task::mirror_begin)
-    const Prefetch* prefetches;  // byte ranges of the arena fetched into L2 ahead (Task::prefetch_begin)
 };
 
 __device__ __forceinline__ u64 now_ns() {
@@ -167,20 +157,8 @@ struct TaskSlot {
     int id;
 };
 
-// Start fetching arena bytes into L2 (no wait: the loads that later read them find them there).
-// Pieces of 32 KB, so that the copy engine can spread a long range.
-__device__ __forceinline__ void prefetch_l2(const char* p, i64 bytes) {
-#if __CUDA_ARCH__ >= 900
-    for (i64 o = 0; o < bytes; o += 32768) {
-        const unsigned n = (unsigned)min(bytes - o, (i64)32768);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(n) : "memory");
-    }
-#endif
-}
-
 // Warp 1's lanes together: copy task `id`'s descriptor, waits and operand offsets into `s` (two
-// rounds of loads: the descriptor, then what it points to), and start fetching the weights planned
-// for this moment into L2 (megaloop/codegen/prefetch.py).
+// rounds of loads: the descriptor, then what it points to).
 __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
     constexpr int TASK_WORDS = sizeof(Task) / 4, WAIT_WORDS = sizeof(Wait) / 4;
     static_assert(sizeof(Task) % 4 == 0 && TASK_WORDS <= 32 && sizeof(Wait) % 4 == 0, "a lane per word");
@@ -188,9 +166,6 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
     if (lane < TASK_WORDS) reinterpret_cast<int*>(&s.task)[lane] = reinterpret_cast<const int*>(a.tasks + id)[lane];
     __syncwarp();
     const int op = s.task.op, wait_begin = s.task.wait_begin, wait_count = s.task.wait_count;
-    const bool fetch = lane < s.task.prefetch_count;
-    Prefetch pf = {0, 0};
-    if (fetch) pf = a.prefetches[s.task.prefetch_begin + lane];
     const int words = min(wait_count, SLOT_WAITS) * WAIT_WORDS;
     const int* waits = reinterpret_cast<const int*>(a.waits + wait_begin);
     int w[(SLOT_WAITS * WAIT_WORDS + 31) / 32];
@@ -202,7 +177,6 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
         if (lane + 32 * j < words) reinterpret_cast<int*>(s.waits)[lane + 32 * j] = w[j];
     if (lane < MAX_OPERANDS) s.offsets[lane] = off;
     if (lane == 0) s.id = id;
-    if (fetch) prefetch_l2(a.arena + pf.offset, pf.bytes);
 }
 
 // Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
