@@ -11,7 +11,8 @@ Measured on an H200 (e02e999, us at hidden 2048 / 4096): default 75.9 / 147.6 an
 weights without the evict_first policy 99.2 / 163.5; the same loads as asm volatile without a policy
 98.4 / 161.2; the warp-per-element path 77.9 / 145.9 (another run). (The split-key attention's keys in
 flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1; 8 steps 80.8 / 165.3.)
-4 sequences (9e65d89): fold_batch=1 85.0 / 156.3, fold_batch=0 147.7 / 395.8 (made the default)."""
+4 sequences (9e65d89): fold_batch=1 85.0 / 156.3, fold_batch=0 147.7 / 395.8 (made the default).
+L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/runtime.md."""
 
 import json
 import os
