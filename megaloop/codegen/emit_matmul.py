@@ -38,7 +38,8 @@ SKINNY_MAX_ROWS = 16
 # Tried at b3c29d2: threads 64 and up prefetching a thin tile's block of weights into L2
 # (cp.async.bulk.prefetch, a row each) while warp 0 waited for the task's producers. The decode layer's
 # dependent step did not get shorter (hidden 2048: 79.1 us against 77.9 without; 4096: 148.0 against
-# 147.2, one H200): the weight stream is not what the chain of waits leaves idle. Reverted.
+# 147.2, one H200): the weight stream is not what the chain of waits leaves idle. Reverted. Fetching
+# the next tasks' weights ahead (a schedule per processor, addbeac) did no better: docs/runtime.md.
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
