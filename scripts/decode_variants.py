@@ -20,7 +20,6 @@ import sys
 
 import numpy as np
 
-import megaloop.codegen.emit_attention as emit_attention
 import megaloop.codegen.emit_matmul as emit_matmul
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
@@ -29,13 +28,11 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul, "SPLIT_KEY_PACKS": emit_attention}
+MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
-    "key_packs2": {"SPLIT_KEY_PACKS": 2},
-    "key_packs4": {"SPLIT_KEY_PACKS": 4},
     "default_again": {},
 }
 

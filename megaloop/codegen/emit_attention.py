@@ -358,16 +358,6 @@ def _split_applies(ins: list[Operand]) -> bool:
     )
 
 
-# 16-byte packs of a key each lane of the split-key path holds (at most; 1: a lane per pack, 16 lanes a
-# 128-wide bf16 key, 2 keys a warp step)
-SPLIT_KEY_PACKS = 1
-
-
-def split_key_packs(packs: int) -> int:
-    """Packs a lane takes of a key of ``packs`` packs: up to SPLIT_KEY_PACKS, dividing it evenly."""
-    return max(p for p in range(1, SPLIT_KEY_PACKS + 1) if packs % p == 0)
-
-
 def _split_store(out: Operand, chunk: int | None) -> list[str]:
     """The merged (head, query) of the split-key path: normalised (attention), or the unnormalised
     sum with its max and exp-sum (attention_partial, float32 [..., split, D + 2])."""
@@ -411,8 +401,7 @@ def _attention_split(
     q, k, v = ins[:3]
     d = q.shape[3]
     width = 16 // q.dtype.itemsize
-    packs = split_key_packs(d // width)  # 16-byte packs of a key a lane holds
-    lpk = d // width // packs  # lanes per key
+    lpk = d // width  # lanes per key
     kpw = 32 // lpk  # keys per warp step
     tk, tq = k.shape[2], q.shape[2]
     ct = q.ctype
@@ -420,8 +409,7 @@ def _attention_split(
         "if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && ml::aligned(in2, 16)) {  // split-key path",
         "    extern __shared__ float4 ml_smem4[];",
         "    float* part = reinterpret_cast<float*>(ml_smem4);",
-        f"    constexpr int W = {width}, P = {packs}, LPK = {lpk}, KPW = {kpw}, D = {d};",
-        "    // lane r of a key's LPK lanes holds its packs r, r + LPK, ... (P of them): elements (p LPK + r) W + w",
+        f"    constexpr int W = {width}, LPK = {lpk}, KPW = {kpw}, D = {d};",
         "    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    const int g = lane / LPK, r = lane % LPK;",
         "    const int bi = t.lo[0], nh = t.hi[1] - t.lo[1], nq = t.hi[2] - t.lo[2], pairs = nh * nq;",
@@ -430,9 +418,9 @@ def _attention_split(
         "    for (int base = 0; base < pairs; base += per_round) {",
         "        const int pair = base + warp / split, piece = warp % split;",
         "        const bool active = warp < per_round * split && pair < pairs;",
-        "        float m = ml::neg_inf(), l = 0.0f, acc[P * W];",
+        "        float m = ml::neg_inf(), l = 0.0f, acc[W];",
         "#pragma unroll",
-        "        for (int w = 0; w < P * W; ++w) acc[w] = 0.0f;",
+        "        for (int w = 0; w < W; ++w) acc[w] = 0.0f;",
         "        int h = 0, i = 0;",
         "        if (active) {",
         "            h = t.lo[1] + pair / nq; i = t.lo[2] + pair % nq;",
@@ -456,10 +444,7 @@ def _attention_split(
         f"            if (end > {tk}) end = {tk};",
         "            const ml::i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;",
         "            const ml::i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;",
-        f"            const {ct}* qrow = in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W;",
-        f"            ml::Pack<{ct}, W> qpk[P], kn[P], vn[P];",
-        "#pragma unroll",
-        f"            for (int p = 0; p < P; ++p) qpk[p] = ml::load_pack<{ct}, W>(qrow + p * LPK * W);",
+        f"            const ml::Pack<{ct}, W> qpk = ml::load_pack<{ct}, W>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W);",
         f"            const {ct}* kp = in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]} + r * W;",
         f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
         # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
@@ -468,29 +453,19 @@ def _attention_split(
         "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",
         "            // behind the step before instead of one starting every step (decode: ~9 steps a warp in",
         f"            // turn); rows past the end are clamped to the last ({tk - 1}): loaded, never used",
-        f"            const ml::i64 j_first = j_lo + g < {tk} ? j_lo + g : {tk - 1};",
-        "#pragma unroll",
-        "            for (int p = 0; p < P; ++p) {",
-        f"                kn[p] = ml::load_pack<{ct}, W>(kp + j_first * {k.strides[2]} + p * LPK * W);",
-        f"                vn[p] = ml::load_pack<{ct}, W>(vp + j_first * {v.strides[2]} + p * LPK * W);",
-        "            }",
+        f"            ml::Pack<{ct}, W> kn = ml::load_pack<{ct}, W>(kp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {k.strides[2]});",
+        f"            ml::Pack<{ct}, W> vn = ml::load_pack<{ct}, W>(vp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {v.strides[2]});",
         "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
         "            // lanes past the end of their piece contribute nothing",
         "            for (ml::i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {",
         "                const ml::i64 j = j0 + g;",
         "                const bool live = j < j_hi;",
-        f"                ml::Pack<{ct}, W> kc[P], vv[P];",
+        f"                const ml::Pack<{ct}, W> kc = kn, vv = vn;",
         f"                const ml::i64 jn = j + KPW < {tk} ? j + KPW : {tk - 1};",
-        "#pragma unroll",
-        "                for (int p = 0; p < P; ++p) {",
-        "                    kc[p] = kn[p];",
-        "                    vv[p] = vn[p];",
-        f"                    kn[p] = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]} + p * LPK * W);",
-        f"                    vn[p] = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]} + p * LPK * W);",
-        "                }",
+        f"                kn = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
+        f"                vn = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
         "                float s = 0.0f;",
-        "#pragma unroll",
-        "                for (int p = 0; p < P; ++p) if (live) s += ml::dot(qpk[p], kc[p]);",
+        "                if (live) s = ml::dot(qpk, kc);",
         "#pragma unroll",
         "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
         "                if (live) {",
@@ -499,7 +474,7 @@ def _attention_split(
         "                    const float corr = expf(m - mn), p = expf(s - mn);",
         "                    l = l * corr + p;",
         "#pragma unroll",
-        "                    for (int w = 0; w < P * W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv[w / W], w % W);",
+        "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
         "                    m = mn;",
         "                }",
         "            }",
@@ -512,13 +487,13 @@ def _attention_split(
         "            const float c1 = mx == ml::neg_inf() ? 0.0f : expf(m - mx), c2 = mx == ml::neg_inf() ? 0.0f : expf(m2 - mx);",
         "            l = l * c1 + l2 * c2;",
         "#pragma unroll",
-        "            for (int w = 0; w < P * W; ++w) acc[w] = acc[w] * c1 + __shfl_xor_sync(0xffffffffu, acc[w], o) * c2;",
+        "            for (int w = 0; w < W; ++w) acc[w] = acc[w] * c1 + __shfl_xor_sync(0xffffffffu, acc[w], o) * c2;",
         "            m = mx;",
         "        }",
         "        if (active && g == 0) {",
         "            float* slot = part + warp * (D + 2);",
         "#pragma unroll",
-        "            for (int w = 0; w < P * W; ++w) slot[((w / W) * LPK + r) * W + w % W] = acc[w];",
+        "            for (int w = 0; w < W; ++w) slot[r * W + w] = acc[w];",
         "            if (r == 0) { slot[D] = m; slot[D + 1] = l; }",
         "        }",
         "        __syncthreads();",
