@@ -450,6 +450,9 @@ def _attention_split(
         # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
         # (scripts/decode_variants.py, H200: 74.7 / 153.2 us at 4 against 73.5 / 153.1 at 1, hidden 2048 /
         # 4096; 8 steps made 4096 slower, 165 us): a decode tile's ~5 steps a warp are not what its ~6 us go to.
+        # Nor were the steps themselves (59d405a: 2 or 4 packs of a key a lane, 4 or 8 keys a warp step,
+        # 2-3 shuffle levels fewer: 77.9 / 78.0 against 75.6 / 76.3 us at hidden 2048, 148.7 / 150.6 against
+        # 148.3 / 148.5 at 4096; 4 sequences 85.7 / 154.6 against 85.6 / 155.3).
         "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",
         "            // behind the step before instead of one starting every step (decode: ~9 steps a warp in",
         f"            // turn); rows past the end are clamped to the last ({tk - 1}): loaded, never used",
