@@ -58,6 +58,17 @@ def rows_case(op: str, rows: int = 8192, cols: int = 8192):
     )
 
 
+def chain_case(op: str, n: int = 5504, length: int = 12):
+    """``length`` dependent one-task ops of a decode step's size in a small kernel: whether a small task's
+    1-4 us in the decode layer are its own (the same here) or its surroundings' (cold code, caches)."""
+    g = ml.Graph(f"{op}-chain")
+    x = g.input("x", (1, n), ml.bfloat16)
+    for _ in range(length):
+        x = ml.silu(x) if op == "silu" else ml.add(x, x)
+    g.output("y", x)
+    return g, {}, {"x": np.random.default_rng(0).standard_normal((1, n), dtype=np.float32)}
+
+
 CASES = {
     "decode2048": lambda: llama_case(2048, 1),
     "decode2048_unsplit": lambda: llama_case(2048, 1, None),
@@ -67,6 +78,8 @@ CASES = {
     "prefill2048": lambda: llama_case(2048, 512),
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
+    "silu_chain": lambda: chain_case("silu"),
+    "add_chain": lambda: chain_case("add", 2048),
     "rmsnorm8192": lambda: rows_case("rmsnorm"),
     "softmax8192": lambda: rows_case("softmax"),
 }
