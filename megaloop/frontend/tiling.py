@@ -98,6 +98,13 @@ class TileContext:
     world_size: int
     processors: int  # thread blocks the plan has: small ops may pick smaller tiles to use them all
     warps: int = 8  # a block's warps: tiles may size their units of work to keep them all busy
+    # the part of the processors this op can count on: ops that become ready together and run side by
+    # side (the q, k and v projections of one input) share them (megaloop.plan.tasks.processor_share)
+    share: float = 1.0
+
+    @property
+    def own_processors(self) -> int:
+        return max(1, round(self.processors * self.share))
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,32 @@ def op_node(rp: RankPlan, op: PlanOp) -> Any:
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     rp = plan.ranks[rank]
-    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps)
+    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op))
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
+
+
+SHARE_SIBLINGS = True  # False: every matmul sizes its tiles for all the processors (an A/B switch)
+
+
+def processor_share(rp: RankPlan, op: PlanOp) -> float:
+    """The part of the processors a matmul can count on when it sizes its tiles: its share, by output
+    elements, among the matmuls of the same input (the q, k and v projections; gate and up). They
+    become ready together, so tiles each sized to fill every processor would make two rounds of tasks
+    between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132 processors) where one would do."""
+    if not SHARE_SIBLINGS or op.op != "matmul" or not op.inputs:
+        return 1.0
+    siblings = [o for o in rp.ops if o.op == "matmul" and o.inputs and o.inputs[0] == op.inputs[0]]
+    if len(siblings) < 2:
+        return 1.0
+    size = {o.id: _elements(rp, o.outputs[0]) for o in siblings}
+    return size[op.id] / sum(size.values())
+
+
+def _elements(rp: RankPlan, tensor: int) -> int:
+    n = 1
+    for d in rp.tensors[tensor].shape:
+        n *= d
+    return n
 
 
 def make_tasks(plan: Plan) -> None:

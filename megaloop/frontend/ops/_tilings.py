@@ -167,7 +167,8 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     # tasks over the processors times the time of one task, its columns plus a fixed cost per task
     # (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
     # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
-    if len(batch_boxes) * math.ceil(m / bm) * math.ceil(n / bn) < ctx.processors:
+    processors = ctx.own_processors  # its share where sibling matmuls run alongside (TileContext.share)
+    if len(batch_boxes) * math.ceil(m / bm) * math.ceil(n / bn) < processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
         if params["tensor_cores"] and params["wgmma"] and bm >= 64:
             narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
@@ -177,7 +178,7 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
             widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
         fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
         rows = len(batch_boxes) * math.ceil(m / bm)
-        bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / ctx.processors) * (w + fixed), -w))
+        bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
     tiles = []
     batch_shape = tuple(batch)
     # an A block is read by every column tile of its rows, and by every batch index when A broadcasts
