@@ -21,6 +21,8 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
+import megaloop.frontend.ops._tilings as tilings
+import megaloop.models.llama as llama
 import megaloop.plan.tasks as plan_tasks
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
@@ -29,12 +31,20 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul, "SHARE_SIBLINGS": plan_tasks}
+MODULES = {
+    "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
+    "SHARE_SIBLINGS": plan_tasks,
+    "SMALL_OP_SPLIT": tilings,
+    "SPLIT_GATE_MAX_ROWS": llama,
+}
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
     "no_share": {"SHARE_SIBLINGS": False},
+    "no_small_split": {"SMALL_OP_SPLIT": 0},
+    "silu_mul": {"SPLIT_GATE_MAX_ROWS": 0},
+    "old": {"SHARE_SIBLINGS": False, "SMALL_OP_SPLIT": 0},
     "default_again": {},
 }
 

@@ -51,12 +51,24 @@ def _chunk_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileCon
     return balanced(shape, max(1, elements // unit), ctx.processors, max(1, params["elements"] // unit))
 
 
+# An op smaller than one tile is cut into tiles of a 16-byte pack a thread (2048 bf16 values at 8
+# warps): a decode step's silu over 5504 values took 2.2 us on one processor even with its code and
+# data at hand (its expf and division on 8 warps; scripts/profile_cases.py silu_chain), 3-4 us inside
+# the step, on the critical path once the gate and up projections end together. 0: one tile.
+SMALL_OP_SPLIT = 1
+
+
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
-    elements = _elements(params, math.prod(out.shape), ctx)
+    total = math.prod(out.shape)
+    elements = _elements(params, total, ctx)
+    width = 16 // max([t.dtype.itemsize for t in node.inputs] + [out.dtype.itemsize])
+    small = ctx.warps * 32 * width
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    if elements == params["elements"]:
+    if SMALL_OP_SPLIT and total < params["elements"] and total > small:
+        boxes = chunks(out.shape, small)
+    elif elements == params["elements"]:
         size = balanced_blocks(out.shape, elements, ctx.processors, elements) if params["balance"] else elements
         boxes = blocks(out.shape, size)
     else:
