@@ -495,3 +495,36 @@ def test_folded_batch_decode_matches_torch_and_the_reference() -> None:
             r = ml.evaluate(decode, f, params, ref_state)
             ref_state = r.state
             _close(out["logits"], r.outputs["logits"], f"folded decode step {step}")
+
+
+@pytest.mark.parametrize(
+    "hidden,sequences,tokens", [(2048, 1, 1), (4096, 1, 1), (2048, 4, 1), (4096, 4, 1), (2048, 1, 64)]
+)
+def test_benchmark_layers_match_the_reference(hidden: int, sequences: int, tokens: int) -> None:
+    """bench/llama_layer.py's layers at their own sizes (the tile widths the planner picks there:
+    sibling q, k, v and gate, up tiles sharing the processors, small elementwise ops in several tiles,
+    folded sequences) against the CPU reference, with the MLP's silu and product apart (decode's
+    default) and as one op; two runs bitwise the same."""
+    from bench.llama_layer import CONTEXT, layer_config
+    from megaloop.models import llama
+
+    cfg = layer_config(hidden, tokens)
+    params = random_parameters(cfg, seed=0)
+    rng = np.random.default_rng(hidden + sequences + tokens)
+    start = CONTEXT if tokens == 1 else 0
+    feeds = {
+        "hidden": rng.standard_normal((sequences, tokens, hidden)).astype(np.float32),
+        "positions": np.tile(np.arange(start, start + tokens), (sequences, 1)),
+    }
+    for split_rows in (llama.SPLIT_GATE_MAX_ROWS, 0):
+        saved, llama.SPLIT_GATE_MAX_ROWS = llama.SPLIT_GATE_MAX_ROWS, split_rows
+        try:
+            g = build_llama(cfg, sequences, tokens)
+        finally:
+            llama.SPLIT_GATE_MAX_ROWS = saved
+        with loop_kernel(make_plan(g, processors=132), params) as k:
+            got = k.run(feeds)["hidden"]
+            again = k.run(feeds)["hidden"]
+        want = ml.evaluate(g, feeds, params).outputs["hidden"]
+        _close(got, want, f"hidden {hidden} x{sequences}, {tokens} tokens, silu apart below {split_rows} rows")
+        assert np.array_equal(got, again), "two runs differ"
