@@ -12,7 +12,10 @@ weights without the evict_first policy 99.2 / 163.5; the same loads as asm volat
 98.4 / 161.2; the warp-per-element path 77.9 / 145.9 (another run). (The split-key attention's keys in
 flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1; 8 steps 80.8 / 165.3.)
 4 sequences (9e65d89): fold_batch=1 85.0 / 156.3, fold_batch=0 147.7 / 395.8 (made the default).
-L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/runtime.md."""
+L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/runtime.md.
+9cde193 (one run): sibling matmuls sharing the processors and small elementwise ops in several tiles
+70.1 / 147.1; the first alone 75.4 / 145.9; neither 75.8 / 147.9; both with silu_mul 67.5 / 142.3
+(made the default); 4 sequences 82.4 / 156.3 against 85.0 / 154.3 without either."""
 
 import json
 import os
@@ -21,9 +24,6 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
-import megaloop.frontend.ops._tilings as tilings
-import megaloop.models.llama as llama
-import megaloop.plan.tasks as plan_tasks
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
@@ -31,20 +31,16 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {
-    "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
-    "SHARE_SIBLINGS": plan_tasks,
-    "SMALL_OP_SPLIT": tilings,
-    "SPLIT_GATE_MAX_ROWS": llama,
-}
+MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
+SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
-    "no_share": {"SHARE_SIBLINGS": False},
-    "no_small_split": {"SMALL_OP_SPLIT": 0},
-    "silu_mul": {"SPLIT_GATE_MAX_ROWS": 0},
-    "old": {"SHARE_SIBLINGS": False, "SMALL_OP_SPLIT": 0},
+    # tile switches (docs/plan-format.md): matmuls each sized for all the processors; small elementwise
+    # ops in one tile
+    "no_share": {"tiles": {"matmul": {"share": 0}}},
+    "no_split_small": {"tiles": {op: {"split_small": 0} for op in SMALL_OPS}},
     "default_again": {},
 }
 
@@ -52,10 +48,13 @@ VARIANTS = {
 def step_us(hidden: int, variant: dict) -> float:
     for k, v in DEFAULTS.items():
         setattr(MODULES[k], k, variant.get(k, v))
+    tiles = matmul_tiles()
+    for op, params in variant.get("tiles", {}).items():
+        tiles[op] = {**tiles.get(op, {}), **params}
     cfg = layer_config(hidden, 1)
     params = random_parameters(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
-    plan = make_plan(dependent_decode_graph(cfg, x, "auto"), processors=132, tiles=matmul_tiles())
+    plan = make_plan(dependent_decode_graph(cfg, x, "auto"), processors=132, tiles=tiles)
     with LoopKernel(plan, params) as k:
         k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)
         return resident_seconds(k, 200) * 1e6

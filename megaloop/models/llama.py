@@ -9,7 +9,6 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,23 +137,18 @@ def attention_block(
     return ops.linear(o, w["o"])
 
 
-# Up to this many token rows the MLP keeps silu(gate) and the product apart; above, they are one op,
-# silu_mul (prefill at hidden 4096, 512 tokens:
-# 688 tasks fewer, with the q_block change 634 -> 576 us on an H200). Below, silu(gate) runs while the up
-# projection still streams its weights and only the product waits for both: decode with silu_mul took
-# 83.4 us a dependent step at hidden 2048 against 77.0 (154 against 147 at 4096; same run, 6a751a6).
-SPLIT_GATE_MAX_ROWS = 16
-
-
 def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
     p = f"model.layers.{layer}.mlp."
     gate = g.parameter(p + "gate_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
     up = g.parameter(p + "up_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
     down = g.parameter(p + "down_proj.weight", (cfg.hidden, cfg.intermediate), cfg.dtype)
-    if math.prod(x.shape[:-1]) <= SPLIT_GATE_MAX_ROWS:
-        return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
-    # dtype before the product, so results differ by that rounding)
+    # dtype before the product, so results differ by that rounding). Decode (few rows) kept them apart
+    # until the gate and up projections shared the processors (matmul tile switch share): silu(gate)
+    # then ran while up still streamed its weights (83.4 us a hidden-2048 step with silu_mul against
+    # 77.0, 6a751a6); now both end together and one op is a stage fewer: 67.5 us against 70.1 apart,
+    # 142.3 against 147.1 at 4096 (scripts/decode_variants.py, H200, 9cde193). Prefill at hidden 4096,
+    # 512 tokens: 688 tasks fewer than apart.
     return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
 
 

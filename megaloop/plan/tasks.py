@@ -48,15 +48,13 @@ def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
 
 
-SHARE_SIBLINGS = True  # False: every matmul sizes its tiles for all the processors (an A/B switch)
-
-
 def processor_share(rp: RankPlan, op: PlanOp) -> float:
     """The part of the processors a matmul can count on when it sizes its tiles: its share, by output
     elements, among the matmuls of the same input (the q, k and v projections; gate and up). They
     become ready together, so tiles each sized to fill every processor would make two rounds of tasks
-    between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132 processors) where one would do."""
-    if not SHARE_SIBLINGS or op.op != "matmul" or not op.inputs:
+    between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132 processors) where one would do.
+    The matmul tile switch ``share`` (1 by default) decides whether its tiling uses it."""
+    if op.op != "matmul" or not op.inputs:
         return 1.0
     siblings = [o for o in rp.ops if o.op == "matmul" and o.inputs and o.inputs[0] == op.inputs[0]]
     if len(siblings) < 2:

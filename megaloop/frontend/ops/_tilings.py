@@ -51,13 +51,6 @@ def _chunk_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileCon
     return balanced(shape, max(1, elements // unit), ctx.processors, max(1, params["elements"] // unit))
 
 
-# An op smaller than one tile is cut into tiles of a 16-byte pack a thread (2048 bf16 values at 8
-# warps): a decode step's silu over 5504 values took 2.2 us on one processor even with its code and
-# data at hand (its expf and division on 8 warps; scripts/profile_cases.py silu_chain), 3-4 us inside
-# the step, on the critical path once the gate and up projections end together. 0: one tile.
-SMALL_OP_SPLIT = 1
-
-
 def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     out = node.outputs[0]
     total = math.prod(out.shape)
@@ -66,7 +59,7 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     small = ctx.warps * 32 * width
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    if SMALL_OP_SPLIT and total < params["elements"] and total > small:
+    if params["split_small"] and total < params["elements"] and total > small:
         boxes = chunks(out.shape, small)
     elif elements == params["elements"]:
         size = balanced_blocks(out.shape, elements, ctx.processors, elements) if params["balance"] else elements
@@ -80,22 +73,31 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     return tiles
 
 
-def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES) -> Tiling:
+def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES, switches: tuple[str, ...] = ()) -> Tiling:
     """The tilings of memory-bound ops: ``elements`` a task, at most ``waves`` tasks a processor, and the
     switch ``balance``: tiles grown (up to twice) so that the last round over the processors is full
-    (tiling.balanced); 0 keeps exactly that size, as plan files saved before the switch were made."""
+    (tiling.balanced); 0 keeps exactly that size, as plan files saved before the switch were made.
+    ``switches``: more switches, on by default, off in files saved before them."""
+    flags = ("balance", *switches)
     return Tiling(
-        {"elements": ELEMENTS, "waves": waves, "balance": same(1)},
+        {"elements": ELEMENTS, "waves": waves, **{f: same(1) for f in flags}},
         make,
         doc,
-        flags=("balance",),
-        saved_without={"balance": 0},
+        flags=flags,
+        saved_without={f: 0 for f in flags},
     )
 
 
+# split_small: an op smaller than one tile (``elements``) is cut into tiles of a 16-byte pack a thread
+# (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
+# even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
+# silu_chain), 3-4 us inside the step, on its critical path once the gate and up projections end
+# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). 0: one tile.
 ELEMENTWISE = _streaming(
     _elementwise,
-    "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their projection",
+    "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their "
+    "projection; split_small: 0 or 1",
+    switches=("split_small",),
 )
 
 
@@ -179,7 +181,8 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     # tasks over the processors times the time of one task, its columns plus a fixed cost per task
     # (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
     # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
-    processors = ctx.own_processors  # its share where sibling matmuls run alongside (TileContext.share)
+    # its share of the processors where sibling matmuls run alongside (tile switch share)
+    processors = ctx.own_processors if params["share"] else ctx.processors
     if len(batch_boxes) * math.ceil(m / bm) * math.ceil(n / bn) < processors:
         narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
         if params["tensor_cores"] and params["wgmma"] and bm >= 64:
@@ -236,15 +239,21 @@ MATMUL = Tiling(
         # a 4-sequence Llama decode layer step took 85.0 us instead of 147.7 at hidden 2048, 156.3 instead
         # of 395.8 at 4096 on an H200 (scripts/decode_variants.py); 0: a tile per batch index
         "fold_batch": same(1),
+        # 1: matmuls of one input (q, k, v; gate, up) size their tiles for their share of the processors
+        # (TileContext.share) so that together they make one round of tasks: the hidden-2048 decode step
+        # took 75.4 us against 75.8 without, 145.9 against 147.9 at 4096 (with split_small on the
+        # elementwise ops: 70.1 against 75.4; H200, 9cde193); 0: each sized for all the processors
+        "share": same(1),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
         "wgmma": {"sm_80": 0, "sm_86": 0, "sm_89": 0, "sm_90": 1},
     },
     _matmul,
     "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma, "
-    "fold_batch, wgmma: 0 or 1",
-    flags=("tensor_cores", "skinny_mma", "fold_batch", "wgmma"),
-    saved_without={"fold_batch": 0},  # plan files made before the switch: a tile per batch index
+    "fold_batch, share, wgmma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma", "fold_batch", "share", "wgmma"),
+    # plan files made before these switches: a tile per batch index, tiles sized for every processor
+    saved_without={"fold_batch": 0, "share": 0},
 )
 
 

@@ -1,0 +1,131 @@
+"""Tile switches that size tiles for the processors an op really gets: matmuls of one input (q, k, v;
+gate, up) share the processors (matmul ``share``), and elementwise ops smaller than one tile are cut
+into several (``split_small``). What tiles they make, that results do not change, and that plan files
+saved before the switches load as they were made."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop.models import LlamaConfig, build_llama, random_parameters
+from megaloop.plan import make_plan
+from megaloop.plan.format import plan_from_dict, plan_to_dict
+from megaloop.reference.interpreter import run_plan
+from tests.helpers import assert_close
+
+
+def width(task) -> int:
+    box = task.writes[0].box
+    return box.hi[-1] - box.lo[-1]
+
+
+def siblings_graph(outs: tuple[int, ...], k: int = 2048) -> ml.Graph:
+    """Matmuls of one [1, 1, k] row against weights of ``outs`` rows each (a decode step's q, k, v)."""
+    g = ml.Graph("siblings")
+    x = g.input("x", (1, 1, k), ml.bfloat16)
+    for i, n in enumerate(outs):
+        g.output(f"y{i}", ml.matmul(x, g.parameter(f"w{i}", (n, k), ml.bfloat16), transpose_b=True))
+    return g
+
+
+def test_sibling_matmuls_make_one_round_between_them() -> None:
+    g = siblings_graph((2048, 512, 512))
+    shared = make_plan(g, processors=132)
+    counts = [len([t for t in shared.ranks[0].tasks if t.op == op.id]) for op in shared.ranks[0].ops]
+    assert counts == [86, 22, 22] and sum(counts) <= 132  # 24-column tiles: one round
+    assert max(width(t) for t in shared.ranks[0].tasks) == 24
+    alone = make_plan(g, processors=132, tiles={"matmul": {"share": 0}})
+    counts = [len([t for t in alone.ranks[0].tasks if t.op == op.id]) for op in alone.ranks[0].ops]
+    assert counts == [128, 64, 64]  # each sized for every processor: two rounds
+    one = make_plan(siblings_graph((2048,)), processors=132)
+    assert len(one.ranks[0].tasks) == 128  # no siblings: as before
+
+
+def test_only_matmuls_of_one_input_share() -> None:
+    """Two matmuls of different inputs (one after the other) each keep every processor."""
+    g = ml.Graph("chain")
+    x = g.input("x", (1, 1, 2048), ml.bfloat16)
+    y = ml.matmul(x, g.parameter("w0", (2048, 2048), ml.bfloat16), transpose_b=True)
+    g.output("z", ml.matmul(y, g.parameter("w1", (2048, 2048), ml.bfloat16), transpose_b=True))
+    rp = make_plan(g, processors=132).ranks[0]
+    assert [len([t for t in rp.tasks if t.op == op.id]) for op in rp.ops] == [128, 128]
+
+
+@pytest.mark.parametrize("dtype,tile", [("bfloat16", 2048), ("float32", 1024)])
+def test_small_elementwise_ops_take_a_pack_a_thread(dtype: str, tile: int) -> None:
+    g = ml.Graph("silu")
+    x = g.input("x", (1, 1, 5504), dtype)
+    g.output("y", ml.silu(x))
+    split = make_plan(g, processors=132)
+    assert [t.writes[0].box.size for t in split.ranks[0].tasks] == [tile] * (5504 // tile) + [5504 % tile]
+    whole = make_plan(g, processors=132, tiles={"silu": {"split_small": 0}})
+    assert len(whole.ranks[0].tasks) == 1
+    rng = np.random.default_rng(3)
+    feeds = {"x": ml.dtypes.round_to(rng.standard_normal((1, 1, 5504)), ml.as_dtype(dtype))}
+    want = ml.evaluate(g, feeds).outputs["y"]
+    for seed in range(3):
+        assert np.array_equal(run_plan(split, feeds, seed=seed).outputs["y"], want)
+
+
+def test_big_and_one_pack_ops_are_unchanged() -> None:
+    """An op of at least one tile keeps its tiling; one of at most a pack a thread stays one tile."""
+    for n, tasks in ((2048, 1), (8192, 1)):
+        g = ml.Graph("add")
+        x = g.input("x", (1, n), ml.bfloat16)
+        g.output("y", x + x)
+        assert len(make_plan(g, processors=132).ranks[0].tasks) == tasks, n
+
+
+def test_decode_step_keeps_its_results() -> None:
+    """A Llama decode step with the switches on (sibling tiles of 24 columns and the like) against the
+    graph's reference evaluation, in random legal orders; its silu_mul in several tiles."""
+    cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=2752, layers=1, max_seq=32, vocab=None)
+    g = build_llama(cfg, 1, 1)
+    params = random_parameters(cfg, seed=2)
+    rng = np.random.default_rng(4)
+    feeds = {"hidden": rng.standard_normal((1, 1, 256)).astype(np.float32), "positions": np.array([[9]])}
+    plan = make_plan(g, processors=16)
+    rp = plan.ranks[0]
+    (silu_mul,) = [op.id for op in rp.ops if op.op == "silu_mul"]
+    assert len([t for t in rp.tasks if t.op == silu_mul]) == 2  # 2752 values: 2048 + 704
+    want = ml.evaluate(g, feeds, params).outputs["hidden"]
+    for seed in range(2):
+        got = run_plan(plan, feeds, params, seed=seed).outputs["hidden"]
+        assert np.array_equal(got, want), f"seed {seed}: worst {np.max(np.abs(got.astype(float) - want))}"
+
+
+def test_files_saved_before_the_switches_load_as_they_were_made() -> None:
+    g = ml.Graph("both")
+    x = g.input("x", (1, 1, 2048), ml.bfloat16)
+    ys = [
+        ml.matmul(x, g.parameter(f"w{i}", (n, 2048), ml.bfloat16), transpose_b=True)
+        for i, n in enumerate((512, 5504, 5504))
+    ]
+    g.output("y", ml.silu(ys[1]) * ys[2])
+    g.output("k", ys[0])
+    old = make_plan(
+        g, processors=132, tiles={"matmul": {"share": 0}, "silu": {"split_small": 0}, "mul": {"split_small": 0}}
+    )
+    data = plan_to_dict(old)
+    for op in data["ranks"][0]["ops"]:
+        op["tile"].pop("share", None)
+        op["tile"].pop("split_small", None)
+    loaded = plan_from_dict(data)
+    assert len(loaded.ranks[0].tasks) == len(old.ranks[0].tasks)
+    assert len(loaded.ranks[0].tasks) != len(make_plan(g, processors=132).ranks[0].tasks)
+    rng = np.random.default_rng(5)
+    params = {
+        f"w{i}": ml.dtypes.round_to(rng.standard_normal((n, 2048)), ml.bfloat16)
+        for i, n in enumerate((512, 5504, 5504))
+    }
+    feeds = {"x": ml.dtypes.round_to(rng.standard_normal((1, 1, 2048)), ml.bfloat16)}
+    got = run_plan(loaded, feeds, params).outputs["y"]
+    assert np.array_equal(got, ml.evaluate(g, feeds, params).outputs["y"])
+    # independently in float64, rounding to bf16 where the graph's ops store (the projections, silu)
+    w1, w2 = (params[f"w{i}"].astype(np.float64) for i in (1, 2))
+    a = feeds["x"].astype(np.float64)
+    bf = lambda v: ml.dtypes.round_to(v, ml.bfloat16).astype(np.float64)
+    gate, up = bf(a @ w1.T), bf(a @ w2.T)
+    assert_close(got, bf(gate / (1 + np.exp(-gate))) * up, ml.bfloat16, ml.REGISTRY["mul"].accuracy, 1, "y")
