@@ -129,3 +129,18 @@ def test_files_saved_before_the_switches_load_as_they_were_made() -> None:
     bf = lambda v: ml.dtypes.round_to(v, ml.bfloat16).astype(np.float64)
     gate, up = bf(a @ w1.T), bf(a @ w2.T)
     assert_close(got, bf(gate / (1 + np.exp(-gate))) * up, ml.bfloat16, ml.REGISTRY["mul"].accuracy, 1, "y")
+
+
+def test_tall_sibling_tiles_only_get_wider() -> None:
+    """Prefill-sized siblings (tensor-core tiles of 128 rows): sharing may make their tiles wider
+    (fewer tasks: hidden 2048's q, 64 -> 128 columns) but never narrower (hidden 4096's q would have
+    gone from 128 to 64 columns on its share, 256 tiles)."""
+    for k, q_alone, q_shared in ((2048, 64, 128), (4096, 128, 128)):
+        g = ml.Graph("prefill-siblings")
+        x = g.input("x", (512, k), ml.bfloat16)
+        for i, n in enumerate((k, k // 4, k // 4)):
+            g.output(f"y{i}", ml.matmul(x, g.parameter(f"w{i}", (n, k), ml.bfloat16), transpose_b=True))
+        for share, want in ((0, q_alone), (1, q_shared)):
+            rp = make_plan(g, processors=132, tiles={"matmul": {"share": share}}).ranks[0]
+            q_tiles = [t for t in rp.tasks if t.op == rp.ops[0].id]
+            assert max(width(t) for t in q_tiles) == want, (k, share)

@@ -158,6 +158,25 @@ TASK_COST_WEIGHTS = 16384  # a task's fixed cost, in weights one SM streams mean
 FOLD_BATCH_ROWS = 8
 
 
+def _narrowed(bn: int, bm: int, n: int, k: int, rows: int, processors: int, params: dict[str, int]) -> int:
+    """A small grid (decode: m == 1) would leave processors idle: narrow the column tiles (down to 8
+    columns: 8 x k weights is still a sizeable task) to the width that finishes soonest: rounds of
+    tasks over the processors times the time of one task, its columns plus a fixed cost per task
+    (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
+    k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run)."""
+    if rows * math.ceil(n / bn) >= processors:
+        return bn
+    narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
+    if params["tensor_cores"] and params["wgmma"] and bm >= 64:
+        narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
+    widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
+    if bm < 16:  # matrix-vector tiles take any multiple of 8 columns: 5504 columns on 132 SMs are
+        # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
+        widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
+    fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
+    return min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
+
+
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     a, b = node.inputs
     out = node.outputs[0]
@@ -176,24 +195,17 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     ):
         per_tile, bm = min(params["block_m"], FOLD_BATCH_ROWS) // m, m
     batch_boxes = list(chunks(tuple(batch), per_tile))
-    # A small grid (decode: m == 1) would leave processors idle: narrow the column tiles (down to 8
-    # columns: 8 x k weights is still a sizeable task) to the width that finishes soonest: rounds of
-    # tasks over the processors times the time of one task, its columns plus a fixed cost per task
-    # (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
-    # k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
-    # its share of the processors where sibling matmuls run alongside (tile switch share)
-    processors = ctx.own_processors if params["share"] else ctx.processors
-    if len(batch_boxes) * math.ceil(m / bm) * math.ceil(n / bn) < processors:
-        narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
-        if params["tensor_cores"] and params["wgmma"] and bm >= 64:
-            narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
-        widths = [bn >> s for s in range(8) if bn >> s >= narrowest] or [bn]
-        if bm < 16:  # matrix-vector tiles take any multiple of 8 columns: 5504 columns on 132 SMs are
-            # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
-            widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
-        fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
-        rows = len(batch_boxes) * math.ceil(m / bm)
-        bn = min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
+    rows = len(batch_boxes) * math.ceil(m / bm)
+    if params["share"] and ctx.share < 1:
+        # sibling matmuls of one input run alongside: size the tiles for this op's share of the
+        # processors. Tall tiles (16 rows or more, tensor cores) only ever get wider for it: the cost
+        # model below counts a tile's time by its columns, but a narrower tensor-core tile does more
+        # work a column (prefill at hidden 4096: q narrowed from 128 to 64 columns on its share, 256
+        # tiles, and the layer took 596 us against 568-580)
+        shared = _narrowed(bn, bm, n, k, rows, ctx.own_processors, params)
+        bn = shared if bm < 16 else max(shared, _narrowed(bn, bm, n, k, rows, ctx.processors, params))
+    else:
+        bn = _narrowed(bn, bm, n, k, rows, ctx.processors, params)
     tiles = []
     batch_shape = tuple(batch)
     # an A block is read by every column tile of its rows, and by every batch index when A broadcasts
