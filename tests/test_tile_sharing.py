@@ -59,7 +59,10 @@ def test_small_elementwise_ops_take_a_pack_a_thread(dtype: str, tile: int) -> No
     x = g.input("x", (1, 1, 5504), dtype)
     g.output("y", ml.silu(x))
     split = make_plan(g, processors=132)
-    assert [t.writes[0].box.size for t in split.ranks[0].tasks] == [tile] * (5504 // tile) + [5504 % tile]
+    sizes = [t.writes[0].box.size for t in split.ranks[0].tasks]
+    pack = 16 // ml.as_dtype(dtype).itemsize
+    assert len(sizes) == -(-5504 // tile) and max(sizes) <= tile and sum(sizes) == 5504, sizes
+    assert len(set(sizes[:-1])) == 1 and all(n % pack == 0 for n in sizes), sizes  # equal pieces of whole packs
     whole = make_plan(g, processors=132, tiles={"silu": {"split_small": 0}})
     assert len(whole.ranks[0].tasks) == 1
     rng = np.random.default_rng(3)
@@ -89,7 +92,7 @@ def test_decode_step_keeps_its_results() -> None:
     plan = make_plan(g, processors=16)
     rp = plan.ranks[0]
     (silu_mul,) = [op.id for op in rp.ops if op.op == "silu_mul"]
-    assert len([t for t in rp.tasks if t.op == silu_mul]) == 2  # 2752 values: 2048 + 704
+    assert len([t for t in rp.tasks if t.op == silu_mul]) == 2  # 2752 values: 1376 + 1376
     want = ml.evaluate(g, feeds, params).outputs["hidden"]
     for seed in range(2):
         got = run_plan(plan, feeds, params, seed=seed).outputs["hidden"]
@@ -144,3 +147,26 @@ def test_tall_sibling_tiles_only_get_wider() -> None:
             rp = make_plan(g, processors=132, tiles={"matmul": {"share": share}}).ranks[0]
             q_tiles = [t for t in rp.tasks if t.op == rp.ops[0].id]
             assert max(width(t) for t in q_tiles) == want, (k, share)
+
+
+def test_split_small_leaves_big_tiles_and_makes_even_pieces() -> None:
+    """Past what the template keeps in flight (8 packs a thread) an op stays one tile even where
+    ``elements`` was raised to hold it; 2049 values make two near-equal tiles, not 2048 + 1."""
+    for n, elements, want in ((60000, 65536, [60000]), (2049, 8192, [1032, 1017]), (16384, 65536, [16384])):
+        g = ml.Graph("silu")
+        g.output("y", ml.silu(g.input("x", (1, n), ml.bfloat16)))
+        plan = make_plan(g, processors=132, tiles={"silu": {"elements": elements}})
+        assert [t.writes[0].box.size for t in plan.ranks[0].tasks] == want, n
+
+
+def test_matmuls_of_one_input_against_computed_operands_do_not_share() -> None:
+    """Only matmuls against weights share: one whose B is computed (here from a sibling's output)
+    waits for it, so sizing both for half the processors would only lengthen the plan."""
+    g = ml.Graph("dependent")
+    x = g.input("x", (1, 1, 2048), ml.bfloat16)
+    a = ml.matmul(x, g.parameter("w0", (2048, 2048), ml.bfloat16), transpose_b=True)  # [1, 1, 2048]
+    b = ml.matmul(a, g.input("v", (1, 1, 2048), ml.bfloat16), transpose_a=True)  # [1, 2048, 2048]
+    g.output("y", ml.matmul(x, b))  # a decode row: sharing would have narrowed a's and y's tiles
+    shared = make_plan(g, processors=132)
+    alone = make_plan(g, processors=132, tiles={"matmul": {"share": 0}})
+    assert [t.writes[0].box for t in shared.ranks[0].tasks] == [t.writes[0].box for t in alone.ranks[0].tasks]

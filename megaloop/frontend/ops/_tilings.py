@@ -56,11 +56,12 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     total = math.prod(out.shape)
     elements = _elements(params, total, ctx)
     width = 16 // max([t.dtype.itemsize for t in node.inputs] + [out.dtype.itemsize])
-    small = ctx.warps * 32 * width
+    small = ctx.warps * 32 * width  # a 16-byte pack a thread
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    if params["split_small"] and total < params["elements"] and total > small:
-        boxes = chunks(out.shape, small)
+    if params["split_small"] and small < total < min(params["elements"], SMALL_OP_PACKS * small):
+        pieces = -(-total // small)  # equal pieces of whole packs: 5504 values are 1840 + 1840 + 1824
+        boxes = chunks(out.shape, -(-total // (pieces * width)) * width)
     elif elements == params["elements"]:
         size = balanced_blocks(out.shape, elements, ctx.processors, elements) if params["balance"] else elements
         boxes = blocks(out.shape, size)
@@ -88,11 +89,13 @@ def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES, switches: tup
     )
 
 
-# split_small: an op smaller than one tile (``elements``) is cut into tiles of a 16-byte pack a thread
-# (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
+# split_small: an op smaller than one tile (``elements``) and than SMALL_OP_PACKS packs a thread (what
+# the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte pack a
+# thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
 # even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
 # silu_chain), 3-4 us inside the step, on its critical path once the gate and up projections end
 # together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). 0: one tile.
+SMALL_OP_PACKS = 8
 ELEMENTWISE = _streaming(
     _elementwise,
     "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their "
