@@ -41,6 +41,8 @@ VARIANTS = {
     # ops in one tile
     "no_share": {"tiles": {"matmul": {"share": 0}}},
     "no_split_small": {"tiles": {op: {"split_small": 0} for op in SMALL_OPS}},
+    # weights copied into shared memory by the copy engine during the tasks' waits (megaloop/stage.cuh)
+    "stage_weights": {"tiles": {"matmul": {"stage_weights": 1}}},
     "default_again": {},
 }
 

@@ -64,6 +64,7 @@ def test_edited_tile_size(setup, tmp_path) -> None:
         "skinny_mma": 1,
         "fold_batch": 0,
         "share": 0,
+        "stage_weights": 0,
         "wgmma": 1,
     }  # left out: defaults, but the switches that change the tasks as plans were made before them
     assert sum(1 for t in edited.ranks[0].tasks if t.op == op["id"]) > sum(

@@ -50,7 +50,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
     return body + _simt(attrs, a_, b_, out)
 
 
-def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
+def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand | None = None) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
     tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
@@ -60,6 +60,9 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
         bn, groups, stages = wg
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
+        layout = stage_layout(attrs, ins[0], ins[1], out) if out is not None else None
+        if layout is not None:  # the partial sums, then the staged block of the widest tile
+            return layout[0] + attrs["codegen"]["tile"][1] * layout[1]
         return 4 * 64 * (skinny_mma_groups(attrs) + warps - 1) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
@@ -286,7 +289,7 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
             # a block of B of its own)
             once = rows >= math.prod(out.shape[:-1])  # (rows: the largest tile's, batch indices folded in)
             stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
-            body += _skinny_mma(a_, b_, out, k, a_row, b_col, skinny_warps, stream, abatch, bbatch, attrs)
+            body += _skinny_mma(a_, b_, out, k, skinny_warps, stream, attrs)
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -335,72 +338,162 @@ SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in fligh
 SKINNY_MMA_STREAM_WEIGHTS = True
 
 
-def _skinny_mma(
-    a_: Operand,
-    b_: Operand,
-    out: Operand,
-    k: int,
-    a_row: int,
-    b_col: int,
-    warps: int,
-    stream: bool,
-    abatch: list[str | None],
-    bbatch: list[str | None],
-    attrs: dict[str, Any],
-) -> list[str]:
-    """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): A's rows and B's columns loaded straight
-    into mma fragments, the tile's groups of 8 columns x K slices shared evenly by the warps, their
-    partial sums added in warp order through shared memory (the same bits every run). The SIMT path
-    spends two instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s
-    of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
-    ct = a_.ctype
-    slices = k // 32
-    groups = skinny_mma_groups(attrs)
-    # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
-    # U = 8 made the loop spill; the block's slices in flight stay about the same
-    slices_in_flight = SKINNY_MMA_SLICES if warps <= 8 else max(2, SKINNY_MMA_SLICES * 4 // warps)
+def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dict[str, Any]) -> dict[str, Any]:
+    """What the skinny tile and its stage function (stage_function) share: the guard under which the
+    tile takes the skinny path (the stage function copies weights under exactly the same one, so that
+    every staged copy has a waiting tile), its B block's offset, and how its rows are walked."""
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     nd = len(out.shape)
+    batch = nd - 2
+    abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
+    bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    a_row = a_.strides[-1] if ta else a_.strides[-2]
+    b_col = b_.strides[-2] if tb else b_.strides[-1]
     r_, c_ = nd - 2, nd - 1  # the box's row and column axes
     m = out.shape[-2]
-    o_row, o_col = out.strides[-2:]
-    at_lo = [f"t.lo[{d}]" for d in range(nd)]
     a_base = index_expr(a_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in abatch])
     b_base = index_expr(b_.strides[:-2], [x and x.replace("o[", "t.lo[") for x in bbatch])
-    o_base = index_expr(out.strides[:-2], at_lo[:-2])
     # a box of several batch indices (fold_batch) is taken as their rows one after the other, where A's
     # and out's (batch..., row) axes are evenly spaced and one batch axis varies (the box then holds
     # whole rows of consecutive batch indices); any other box: one batch index
     a_rs = merged_row_stride(*_a_rows(a_, attrs))
-    o_rs = merged_row_stride(out.shape[:-1], out.strides[:-1], o_row)
+    o_rs = merged_row_stride(out.shape[:-1], out.strides[:-1], out.strides[-2])
     batches = " * ".join(f"(t.hi[{d}] - t.lo[{d}])" for d in range(nd - 2)) or "1"
     if a_rs is not None and o_rs is not None and sum(1 for n in out.shape[:-2] if n > 1) <= 1:
         a_step, o_step = a_rs, o_rs
         boxes = f" && (box_batches == 1 || (t.lo[{r_}] == 0 && t.hi[{r_}] == {m}))"
         what = "rows of its batch indices one after the other"
     else:
-        a_step, o_step = a_row, o_row
+        a_step, o_step = a_row, out.strides[-2]
         boxes = " && box_batches == 1"
         what = "one batch index"
+    guard = (
+        f"ml::aligned(in0, 16) && ml::aligned(in1, 16) && box_batches * (t.hi[{r_}] - t.lo[{r_}]) <= 8{boxes} "
+        f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * skinny_mma_groups(attrs)} && blockDim.x == {32 * warps}"
+    )
+    return {
+        "batches": f"const int box_batches = {batches};  // batch indices in the box",
+        "guard": guard,
+        "bb": f"{b_base} + (ml::i64)t.lo[{c_}] * {b_col}",
+        "ab": f"{a_base} + (ml::i64)t.lo[{r_}] * {a_row}",
+        "a_row": a_row,
+        "b_col": b_col,
+        "a_step": a_step,
+        "o_step": o_step,
+        "what": what,
+    }
+
+
+# Decode tiles whose whole block of weights fits in shared memory may have it copied there by the copy
+# engine while the task waits for its producers (matmul tile switch stage_weights, 0 by default;
+# megaloop/stage.cuh). Rows are padded to 64 bytes past a multiple of 128, so that the 8 lanes of a
+# 16-byte load phase (two columns, four K offsets) fall in different banks.
+STAGE_ARCHS = ("sm_90",)
+
+
+def stage_layout(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> tuple[int, int] | None:
+    """(byte offset in dynamic shared memory, row pitch in bytes) of the op's staged weights, or None
+    where its tiles do not stage them: the switch off, not sm_90, fewer than 3 warps (warp 2 issues the
+    copies), not the skinny path, B not a parameter read once a step, or the widest tile's block (with
+    the partial sums before it) past the plan's shared memory."""
+    hints = attrs.get("codegen", {})
+    warps = skinny_mma_warps(attrs, a_, b_)
+    if not (hints.get("stage_weights") and hints.get("arch") in STAGE_ARCHS and warps >= 3):
+        return None
+    rows, cols = hints.get("tile", (0, 0))
+    if not hints.get("b_parameter") or rows < math.prod(out.shape[:-1]):
+        return None
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    k = a_.shape[-2] if ta else a_.shape[-1]
+    b_col = b_.strides[-2] if tb else b_.strides[-1]
+    row_bytes = k * b_.dtype.itemsize
+    if row_bytes % 16 or (b_col * b_.dtype.itemsize) % 16:
+        return None
+    pitch = row_bytes + (64 - row_bytes) % 128
+    offset = -(-4 * 64 * (skinny_mma_groups(attrs) + warps - 1) // 128) * 128
+    if offset + cols * pitch + WGMMA_STATIC_RESERVE > hints.get("shared_memory", 0):
+        return None
+    return offset, pitch
+
+
+def stage_function(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str] | None:
+    """The body of the op's stage function (warp 2, before the task's wait: megaloop/codegen/kernel.py),
+    or None where its tiles do not stage their weights."""
+    a_, b_ = ins
+    layout = stage_layout(attrs, a_, b_, out)
+    if layout is None:
+        return None
+    offset, pitch = layout
+    f = _skinny_frame(a_, b_, out, skinny_mma_warps(attrs, a_, b_), attrs)
+    nd = len(out.shape)
+    k = a_.shape[-2] if attrs["transpose_a"] else a_.shape[-1]
+    return pointers([a_, b_, out], 2) + [
+        f["batches"],
+        f"if ({f['guard']}) {{  // the tile takes the skinny path: copy its block of weights",
+        f"    const ml::i64 bb = {f['bb']};",
+        "    extern __shared__ float4 ml_smem4[];",
+        f"    ml::stage_rows(&ml_stage_bar, reinterpret_cast<char*>(ml_smem4) + {offset}, {pitch}, "
+        f"reinterpret_cast<const char*>(in1 + bb), {f['b_col'] * b_.dtype.itemsize}, t.hi[{nd - 1}] - t.lo[{nd - 1}], "
+        f"{k * b_.dtype.itemsize});",
+        "    if ((threadIdx.x & 31) == 0) ml_stage_pending = 1u;",
+        "}",
+    ]
+
+
+def _skinny_mma(
+    a_: Operand, b_: Operand, out: Operand, k: int, warps: int, stream: bool, attrs: dict[str, Any]
+) -> list[str]:
+    """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): A's rows and B's columns loaded straight
+    into mma fragments, the tile's groups of 8 columns x K slices shared evenly by the warps, their
+    partial sums added in warp order through shared memory (the same bits every run). The SIMT path
+    spends two instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s
+    of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows). Where the op
+    stages its weights (stage_layout), B is read from shared memory once they have landed."""
+    ct = a_.ctype
+    slices = k // 32
+    # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
+    # U = 8 made the loop spill; the block's slices in flight stay about the same
+    slices_in_flight = SKINNY_MMA_SLICES if warps <= 8 else max(2, SKINNY_MMA_SLICES * 4 // warps)
+    nd = len(out.shape)
+    r_, c_ = nd - 2, nd - 1
+    o_row, o_col = out.strides[-2:]
+    at_lo = [f"t.lo[{d}]" for d in range(nd)]
+    o_base = index_expr(out.strides[:-2], at_lo[:-2])
+    f = _skinny_frame(a_, b_, out, warps, attrs)
+    layout = stage_layout(attrs, a_, b_, out)
+    if layout is None:
+        b_src, b_ld, staged = "in1 + bb", str(f["b_col"]), []
+        policy = "true" if stream else "false"
+    else:
+        offset, pitch = layout
+        b_src = f"reinterpret_cast<const {ct}*>(reinterpret_cast<const char*>(ml_smem4) + {offset})"
+        b_ld, policy = str(pitch // b_.dtype.itemsize), "false"
+        staged = [
+            "    // its weights, copied into shared memory by warp 2 while the task waited (megaloop/stage.cuh)",
+            "    if (!ml::stage_wait(a, &ml_stage_bar, ml_stage_parity, proc, tid, t.op)) return;",
+        ]
+    done = ["    if (threadIdx.x == 0) { ml_stage_parity ^= 1u; ml_stage_pending = 0u; }"] if staged else []
     return [
-        f"const int box_batches = {batches};  // batch indices in the box",
-        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && box_batches * (t.hi[{r_}] - t.lo[{r_}]) <= 8{boxes} "
-        f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * groups} && blockDim.x == {32 * warps}) {{"
-        f"  // at most 8 rows: tensor cores, the warps sharing groups of 8 columns x K; {what}",
+        f["batches"],
+        f"if ({f['guard']}) {{"
+        f"  // at most 8 rows: tensor cores, the warps sharing groups of 8 columns x K; {f['what']}",
         f"    const int nr = box_batches * (t.hi[{r_}] - t.lo[{r_}]), ncols = t.hi[{c_}] - t.lo[{c_}], groups = (ncols + 7) / 8;",
-        f"    const ml::i64 ab = {a_base} + (ml::i64)t.lo[{r_}] * {a_row}, bb = {b_base} + (ml::i64)t.lo[{c_}] * {b_col};",
+        f"    const ml::i64 ab = {f['ab']}, bb = {f['bb']};",
         f"    const ml::i64 ob = {o_base} + (ml::i64)t.lo[{r_}] * {o_row};",
         f"    const int units = groups * {slices}, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    extern __shared__ float4 ml_smem4[];",
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
-        f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {'true' if stream else 'false'}>(in0 + ab, {a_step}, nr, "
-        f"in1 + bb, {b_col}, ncols, warp * units / {warps}, (warp + 1) * units / {warps}, partial, warp, {warps});",
+        *staged,
+        f"    ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {policy}>(in0 + ab, {f['a_step']}, nr, "
+        f"{b_src}, {b_ld}, ncols, warp * units / {warps}, (warp + 1) * units / {warps}, partial, warp, {warps});",
         "    __syncthreads();",
+        *done,
         f"    for (int group = warp; group < groups; group += {warps}) {{",
         "        float c0, c1;",
         f"        ml::skinny_sums(partial, group, {slices}, units, {warps}, c0, c1);",
         "        const int g = lane >> 2, col = 8 * group + 2 * (lane & 3);",
         "        if (g < nr) {",
-        f"            const ml::i64 ro = ob + (ml::i64)g * {o_step}, co = (ml::i64)(t.lo[{c_}] + col) * {o_col};",
+        f"            const ml::i64 ro = ob + (ml::i64)g * {f['o_step']}, co = (ml::i64)(t.lo[{c_}] + col) * {o_col};",
         "            if (col < ncols) ml::store(out0 + ro + co, c0);",
         f"            if (col + 1 < ncols) ml::store(out0 + ro + co + {o_col}, c1);",
         "        }",

@@ -31,7 +31,7 @@ from megaloop.codegen.emit import (
     rope,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
-from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
+from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError
@@ -158,6 +158,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     comments: list[str] = []
     shared = 0
     exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
+    stages: dict[int, list[str]] = {}  # signature -> its stage function's body (ops staging their weights)
     sends: dict[int, list[tuple[int, int]]] = {}  # pushing send -> (rank, tensor id) of x and of the recv's output
     extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows of all its batch indices, cols)
     largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
@@ -226,6 +227,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "tensor_cores": op.tile.get("tensor_cores", 0),
                 "skinny_mma": op.tile.get("skinny_mma", 0),
                 "fold_batch": op.tile.get("fold_batch", 0),
+                "stage_weights": op.tile.get("stage_weights", 0),
                 "wgmma": op.tile.get("wgmma", 0),
                 "tile": extent.get(op.id, (0, 0)),
                 "arch": plan.arch,
@@ -234,9 +236,12 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "b_parameter": rp.buffers[rp.tensors[op.inputs[1]].buffer].kind == "parameter",
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
-            shared = max(shared, matmul_shared_bytes(attrs, ins))
+            shared = max(shared, matmul_shared_bytes(attrs, ins, outs[0]))
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
         _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
+        staging = stage_function(attrs, ins, outs[0]) if op.op == "matmul" else None
+        if staging is not None:  # its weights copied into shared memory before its wait (megaloop/stage.cuh)
+            stages[signature_of_op[-1]] = staging
     tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
     waits: list[tuple[int, int, int, int, int]] = []
     signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
@@ -294,7 +299,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         lists.extend(lst)
         list_begin[p + 1] = len(lists)
     threads = plan.warps * 32
-    source = _source(functions, threads, rp.graph.name, len(rp.tasks))
+    source = _source(functions, threads, rp.graph.name, len(rp.tasks), stages)
     return LoopProgram(
         source,
         tasks,
@@ -355,8 +360,41 @@ def _exchange(kind: str, attrs: dict[str, Any], members: list, out: Operand, ran
     return emit_collective.recv(attrs, members, out)
 
 
-def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
+def _stage_parts(stages: dict[int, list[str]]) -> dict[str, str]:
+    """The pieces of the loop kernel that stage weights (megaloop/stage.cuh), empty where no op does so:
+    such kernels are the same text as before the switch existed."""
+    if not stages:
+        return {"include": "", "functions": "", "init": "", "issue": "", "drain": ""}
+    functions = [
+        "// the block's staged-weights barrier (megaloop/stage.cuh): the phase parity the next staged tile\n"
+        "// waits on, and whether copies are in flight (a block leaving early lets them land first)\n"
+        "__shared__ ml::u64 ml_stage_bar;\n__shared__ unsigned ml_stage_parity, ml_stage_pending;\n"
+    ]
+    for sig, body in sorted(stages.items()):
+        text = "\n".join("    " + line for line in body)
+        functions.append(
+            f"// stage_{sig}: sig_{sig}'s block of weights into shared memory, warp 2, before the task's wait\n"
+            f"__device__ __noinline__ void stage_{sig}(const ml::Args& a, const ml::Task& t, const ml::i64* off) {{\n"
+            f"{text}\n}}\n"
+        )
+    cases = "\n".join(f"        case {sig}: stage_{sig}(a, s.task, s.offsets); break;" for sig in sorted(stages))
+    functions.append(
+        "__device__ __forceinline__ void stage_task(const ml::Args& a, const ml::TaskSlot& s) {\n"
+        f"    switch (s.task.sig) {{\n{cases}\n        default: break;\n    }}\n}}\n"
+    )
+    return {
+        "include": '#include "megaloop/stage.cuh"\n',
+        "functions": "\n".join(functions) + "\n",
+        "init": "        ml::stage_init(&ml_stage_bar);\n        ml_stage_parity = ml_stage_pending = 0u;\n",
+        "issue": "            if ((int)(threadIdx.x >> 5) == 2) stage_task(a, s);  // its weights, during the wait\n",
+        "drain": "            if (!go && threadIdx.x == 0 && ml_stage_pending)\n"
+        "                ml::stage_drain(&ml_stage_bar, ml_stage_parity);  // copies in flight: let them land\n",
+    }
+
+
+def _source(functions: list[str], threads: int, name: str, n_tasks: int, stages: dict[int, list[str]]) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
+    st = _stage_parts(stages)
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.
 // Generated by megaloop.codegen.kernel; the header library is megaloop/codegen/include/megaloop.
 #include "megaloop/loop.cuh"
@@ -366,8 +404,8 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int) -> str:
 #include "megaloop/wgmma.cuh"
 #include "megaloop/attention.cuh"
 #include "megaloop/exchange.cuh"
-
-{chr(10).join(functions)}
+{st["include"]}
+{st["functions"]}{chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::TaskSlot& s, ml::u64 k, int proc) {{
     const ml::Task& t = s.task;
     const ml::i64* off = s.offsets;
@@ -387,7 +425,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
         a = *args;
         granted = 0;
         reported = ml::now_ns();
-    }}
+{st["init"]}    }}
     __syncthreads();
     const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
@@ -408,7 +446,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             const ml::Task& t = s.task;
             const int tid = s.id;
             ml::u64 start = 0;
-            if (threadIdx.x < 32) {{
+{st["issue"]}            if (threadIdx.x < 32) {{
                 const bool ready = ml::wait_task(a, s, k, proc);
                 if (threadIdx.x == 0) {{
                     go = ready;
@@ -418,7 +456,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
                 ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
             __syncthreads();
-            if (!go) return;
+{st["drain"]}            if (!go) return;
             run_task(a, s, k, proc);
             __syncthreads();
             if (threadIdx.x == 0) {{

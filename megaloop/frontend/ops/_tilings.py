@@ -259,14 +259,18 @@ MATMUL = Tiling(
         # took 75.4 us against 75.8 without, 145.9 against 147.9 at 4096 (with split_small on the
         # elementwise ops: 70.1 against 75.4; H200, 9cde193); 0: each sized for all the processors
         "share": same(1),
+        # 1 (sm_90, not yet run on a GPU): decode tiles whose whole block of weights fits in shared memory
+        # have it copied there by the copy engine while the task waits for its producers (warp 2;
+        # megaloop/stage.cuh); 0: loaded by the warps once the task runs
+        "stage_weights": same(0),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
         "wgmma": {"sm_80": 0, "sm_86": 0, "sm_89": 0, "sm_90": 1},
     },
     _matmul,
     "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma, "
-    "fold_batch, share, wgmma: 0 or 1",
-    flags=("tensor_cores", "skinny_mma", "fold_batch", "share", "wgmma"),
+    "fold_batch, share, stage_weights, wgmma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma", "fold_batch", "share", "stage_weights", "wgmma"),
     # plan files made before these switches: a tile per batch index, tiles sized for every processor
     saved_without={"fold_batch": 0, "share": 0},
 )
