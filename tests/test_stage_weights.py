@@ -16,7 +16,7 @@ from megaloop.codegen import generate
 from megaloop.codegen.emit_matmul import WGMMA_STATIC_RESERVE
 from megaloop.frontend.tiling import SHARED_MEMORY_PER_BLOCK
 from megaloop.plan import make_plan
-from megaloop.runtime.compile import compile_cubin, spills
+from megaloop.runtime.compile import CompileError, compile_cubin, spills
 from megaloop.runtime.loop import CONTROL_WORDS, ERROR, INFO, LoopKernel, LoopKernelError
 
 STAGED = {"matmul": {"stage_weights": 1}}
@@ -68,10 +68,15 @@ def test_four_sequences_and_other_architectures() -> None:
     assert "stage" not in generate(decode_plan(2048, 1, STAGED, "sm_80")).source.replace("kv_cache_update", "")
 
 
-def test_staged_kernel_compiles_without_spills() -> None:
+def test_staged_kernel_compiles_without_spills_and_only_for_hopper() -> None:
+    """Every thread fences its shared-memory stores before the barrier that ends a task (a proxy fence
+    orders only its own thread's accesses); a GPU without the copy engine is refused, naming the switch."""
     src = generate(decode_plan(2048, tiles=STAGED)).source
+    assert "ml::stage_fence();" in src[src.index("run_task(a, s, k, proc);") :]
     assert spills(src) == {}
     assert compile_cubin(src, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+    with pytest.raises(CompileError, match="stage_weights"):
+        compile_cubin(src, "sm_80", use_cache=False)
 
 
 def test_watchdog_names_the_task_whose_weights_never_landed() -> None:

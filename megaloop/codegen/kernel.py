@@ -364,7 +364,7 @@ def _stage_parts(stages: dict[int, list[str]]) -> dict[str, str]:
     """The pieces of the loop kernel that stage weights (megaloop/stage.cuh), empty where no op does so:
     such kernels are the same text as before the switch existed."""
     if not stages:
-        return {"include": "", "functions": "", "init": "", "issue": "", "drain": ""}
+        return {"include": "", "functions": "", "init": "", "issue": "", "drain": "", "fence": ""}
     functions = [
         "// the block's staged-weights barrier (megaloop/stage.cuh): the phase parity the next staged tile\n"
         "// waits on, and whether copies are in flight (a block leaving early lets them land first)\n"
@@ -380,6 +380,8 @@ def _stage_parts(stages: dict[int, list[str]]) -> dict[str, str]:
     cases = "\n".join(f"        case {sig}: stage_{sig}(a, s.task, s.offsets); break;" for sig in sorted(stages))
     functions.append(
         "__device__ __forceinline__ void stage_task(const ml::Args& a, const ml::TaskSlot& s) {\n"
+        "    // copies of a tile that left without them (the block is giving up): no new phase over them\n"
+        "    if (ml_stage_pending) return;\n"
         f"    switch (s.task.sig) {{\n{cases}\n        default: break;\n    }}\n}}\n"
     )
     return {
@@ -389,6 +391,7 @@ def _stage_parts(stages: dict[int, list[str]]) -> dict[str, str]:
         "issue": "            if ((int)(threadIdx.x >> 5) == 2) stage_task(a, s);  // its weights, during the wait\n",
         "drain": "            if (!go && threadIdx.x == 0 && ml_stage_pending)\n"
         "                ml::stage_drain(&ml_stage_bar, ml_stage_parity);  // copies in flight: let them land\n",
+        "fence": "            ml::stage_fence();  // this task's shared-memory stores before the next one's copies\n",
     }
 
 
@@ -458,7 +461,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             __syncthreads();
 {st["drain"]}            if (!go) return;
             run_task(a, s, k, proc);
-            __syncthreads();
+{st["fence"]}            __syncthreads();
             if (threadIdx.x == 0) {{
                 if (a.profile != nullptr && k < (ml::u64)a.profile_iterations) {{
                     // stamped before the signal, so that a task waiting on this one starts after this end

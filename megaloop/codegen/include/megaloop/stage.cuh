@@ -25,15 +25,23 @@ __device__ __forceinline__ void stage_init(u64* bar) {
 #endif
 }
 
+// Every thread, after its task and before the barrier that ends it: its ordinary stores to shared
+// memory are ordered before the copy engine's writes that the next task may issue there (a proxy fence
+// orders only its own thread's accesses, and no barrier carries it to another thread).
+__device__ __forceinline__ void stage_fence() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // The lanes of one warp: copy `rows` rows of `row_bytes` each (16-byte multiples, 16-byte aligned) from
 // `src` (rows `src_stride` bytes apart) to `dst` (rows `pitch` bytes apart), completing one phase of
-// `bar` once all have landed. Shared memory the block used before (the previous task, through ordinary
-// stores, ordered by the barrier that ended it) is handed to the copy engine by the proxy fence.
+// `bar` once all have landed. Below sm_90 there is no copy engine: a trap, never a silent no-op
+// (megaloop/runtime/compile.py refuses such sources for those GPUs before they get here).
 __device__ __forceinline__ void stage_rows(u64* bar, char* dst, int pitch, const char* src, i64 src_stride, int rows,
                                            int row_bytes) {
 #if __CUDA_ARCH__ >= 900
     const int lane = threadIdx.x & 31;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (lane == 0)
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)),
                      "r"((u32)rows * (u32)row_bytes)
@@ -44,6 +52,8 @@ __device__ __forceinline__ void stage_rows(u64* bar, char* dst, int pitch, const
                          smem_address(dst + (i64)r * pitch)),
                      "l"(src + (i64)r * src_stride), "r"((u32)row_bytes), "r"(smem_address(bar))
                      : "memory");
+#else
+    __trap();
 #endif
 }
 
@@ -57,25 +67,32 @@ __device__ __forceinline__ bool stage_done(u64* bar, u32 parity) {
         : "memory");
     return done != 0;
 #else
-    return true;
+    __trap();
+    return false;
 #endif
 }
 
-// Every thread of the tile: wait until the staged weights have landed. False (after recording a watchdog
-// error that names the task: counter -3 tells the host it was staged weights) if they have not within
-// the timeout, or once any block gave up.
+// Every thread of the tile: wait until the staged weights have landed. True for every thread, or false
+// for every thread (decided together at a barrier, so that all leave the tile or none does) if they have
+// not within the timeout (after recording a watchdog error that names the task: counter -3 tells the
+// host it was staged weights) or once any block gave up.
 __device__ inline bool stage_wait(const Args& a, u64* bar, u32 parity, int proc, int tid, int op) {
     const u64 start = now_ns();
+    bool ok = true;
     for (int spin = 0; !stage_done(bar, parity); ++spin) {
         if ((spin & 63) == 63) {
-            if (aborted(a)) return false;
+            if (aborted(a)) {
+                ok = false;
+                break;
+            }
             if (now_ns() - start > a.timeout_ns) {
                 if (threadIdx.x == 0) fail(a, WATCHDOG, proc, tid, op, -3, 0, 0, 0, a.rank);
-                return false;
+                ok = false;
+                break;
             }
         }
     }
-    return true;
+    return !__syncthreads_or(!ok);
 }
 
 // Thread 0, leaving early (the block gave up) with copies in flight: let them land first (a copy into
