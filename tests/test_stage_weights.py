@@ -60,6 +60,15 @@ def test_stages_the_tiles_whose_weights_fit() -> None:
         # rows padded to 64 bytes past a multiple of 128 (bank-conflict-free 16-byte loads), after the partial sums
         offset, pitch, row = map(int, re.search(r"ml_smem4\) \+ (\d+), (\d+), .*, (\d+)\);", stage).groups())
         assert pitch % 128 == 64 and pitch >= row and offset % 128 == 0 and offset >= 4 * 64 * 9
+        # the tile reads B where the copies put it: same offset, rows pitch / 2 elements apart, no L2 policy
+        call = re.search(
+            r"mma_skinny<[^>]*, false>\(in0 \+ ab, \d+, nr, reinterpret_cast<const ml::bf16\*>\("
+            r"reinterpret_cast<const char\*>\(ml_smem4\) \+ (\d+)\), (\d+), ncols",
+            tile,
+        )
+        assert call and (int(call.group(1)), int(call.group(2))) == (offset, pitch // 2), sig
+        width = int(re.search(r"t\.hi\[2\] - t\.lo\[2\] <= (\d+)", guard).group(1))
+        assert prog.shared_bytes >= offset + width * pitch  # the kernel asks for room for the widest tile
     assert staged_ops(generate(decode_plan(4096, 1, STAGED)).source) == []
 
 
