@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
+import megaloop.codegen.kernel as kernel
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
@@ -31,7 +32,7 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul}
+MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul, "SLOT_WAITS": kernel}
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
@@ -43,6 +44,8 @@ VARIANTS = {
     "no_split_small": {"tiles": {op: {"split_small": 0} for op in SMALL_OPS}},
     # weights copied into shared memory by the copy engine during the tasks' waits (megaloop/stage.cuh)
     "stage_weights": {"tiles": {"matmul": {"stage_weights": 1}}},
+    # every wait of a decode step's tasks copied into the slot ahead (megaloop/loop.cuh SLOT_WAITS)
+    "slot_waits128": {"SLOT_WAITS": 128},
     "default_again": {},
 }
 

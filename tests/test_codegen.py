@@ -683,3 +683,21 @@ def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
     k2 = split.input("k", (1, 2, 300, 128), "bfloat16")
     split.output("y", ml.attention(q2, k2, k2, causal=True, kv_splits=2))
     assert "ml::attention_mma<" not in generate(make_plan(split, processors=132)).source
+
+
+def test_more_waits_in_the_slot_compile_and_leave_default_kernels_alone(monkeypatch) -> None:
+    """kernel.SLOT_WAITS (an experiment for scripts/decode_variants.py): 128 waits copied into each task
+    slot ahead instead of 16; kernels at the default are the same text as before."""
+    import megaloop.codegen.kernel as kernel
+    from bench.llama_layer import dependent_decode_graph, layer_config
+    from megaloop.runtime.compile import spills
+
+    cfg = layer_config(2048, 1)
+    plan = make_plan(dependent_decode_graph(cfg, np.zeros((1, 1, 2048), np.float32), "auto"), processors=132)
+    default = generate(plan).source
+    assert "ML_SLOT_WAITS" not in default
+    monkeypatch.setattr(kernel, "SLOT_WAITS", 128)
+    src = generate(plan).source
+    assert "#define ML_SLOT_WAITS 128\n" in src
+    assert src.replace("#define ML_SLOT_WAITS 128\n", "") == default
+    assert spills(src) == {}

@@ -149,7 +149,10 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 // (list entry -> descriptor -> waits -> counters, and operand offsets -> data), each an L2 round trip
 // (~0.6 us) or worse where a decode step's weights pushed them out of L2. An L1 prefetch would not
 // do: warp 0's acquire fence invalidates L1.
-constexpr int SLOT_WAITS = 16;
+#ifndef ML_SLOT_WAITS  // a generated kernel may ask for more (megaloop/codegen/kernel.py SLOT_WAITS)
+#define ML_SLOT_WAITS 16
+#endif
+constexpr int SLOT_WAITS = ML_SLOT_WAITS;
 struct TaskSlot {
     Task task;
     Wait waits[SLOT_WAITS];  // the first SLOT_WAITS of task.wait_count
