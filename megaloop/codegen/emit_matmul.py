@@ -50,7 +50,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
     return body + _simt(attrs, a_, b_, out)
 
 
-def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand | None = None) -> int:
+def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
     tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
@@ -60,7 +60,7 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand 
         bn, groups, stages = wg
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
-        layout = stage_layout(attrs, ins[0], ins[1], out) if out is not None else None
+        layout = stage_layout(attrs, ins[0], ins[1], out)
         if layout is not None:  # the partial sums, then the staged block of the widest tile
             return layout[0] + attrs["codegen"]["tile"][1] * layout[1]
         return 4 * 64 * (skinny_mma_groups(attrs) + warps - 1) if warps else 0
@@ -376,7 +376,6 @@ def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dic
         "guard": guard,
         "bb": f"{b_base} + (ml::i64)t.lo[{c_}] * {b_col}",
         "ab": f"{a_base} + (ml::i64)t.lo[{r_}] * {a_row}",
-        "a_row": a_row,
         "b_col": b_col,
         "a_step": a_step,
         "o_step": o_step,

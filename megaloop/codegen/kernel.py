@@ -233,7 +233,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "arch": plan.arch,
                 "shared_memory": plan.shared_memory or 0,
                 # B a parameter: weights, read once a step (streamed past L2's other contents)
-                "b_parameter": rp.buffers[rp.tensors[op.inputs[1]].buffer].kind == "parameter",
+                "b_parameter": rp.is_parameter(op.inputs[1]),
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
             shared = max(shared, matmul_shared_bytes(attrs, ins, outs[0]))

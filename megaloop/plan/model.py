@@ -114,6 +114,10 @@ class RankPlan:
     outputs: dict[str, int] = field(default_factory=dict)  # output name -> the tensor the host reads
     memory: Any = None  # megaloop.plan.memory.Layout of the arena
 
+    def is_parameter(self, tensor: int) -> bool:
+        """Whether tensor ``tensor`` lives in a parameter buffer (weights: nothing writes them)."""
+        return self.buffers[self.tensors[tensor].buffer].kind == "parameter"
+
     def task_name(self, task: Task) -> str:
         coords = ",".join(str(c) for c in task.coords)
         return f"{self.ops[task.op].name}[{coords}]"

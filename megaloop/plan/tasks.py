@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,33 +52,22 @@ def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
 def processor_share(rp: RankPlan, op: PlanOp) -> float:
     """The part of the processors a matmul against weights can count on when it sizes its tiles: its
     share, by output elements, among the matmuls of the same input against weights (the q, k and v
-    projections; gate and up). They
-    become ready together, so tiles each sized to fill every processor would make two rounds of tasks
-    between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132 processors) where one would do.
-    The matmul tile switch ``share`` (1 by default) decides whether its tiling uses it."""
-    if op.op != "matmul" or len(op.inputs) < 2 or not _parameter(rp, op.inputs[1]):
+    projections; gate and up). They become ready together, so tiles each sized to fill every processor
+    would make two rounds of tasks between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132
+    processors) where one would do. The matmul tile switch ``share`` (1 by default) decides whether its
+    tiling uses it."""
+    if op.op != "matmul" or len(op.inputs) < 2 or not rp.is_parameter(op.inputs[1]):
         return 1.0
     # against weights: none can wait for another (a B computed from a sibling's output would)
     siblings = [
         o
         for o in rp.ops
-        if o.op == "matmul" and len(o.inputs) > 1 and o.inputs[0] == op.inputs[0] and _parameter(rp, o.inputs[1])
+        if o.op == "matmul" and len(o.inputs) > 1 and o.inputs[0] == op.inputs[0] and rp.is_parameter(o.inputs[1])
     ]
     if len(siblings) < 2:
         return 1.0
-    size = {o.id: _elements(rp, o.outputs[0]) for o in siblings}
+    size = {o.id: math.prod(rp.tensors[o.outputs[0]].shape) for o in siblings}
     return size[op.id] / sum(size.values())
-
-
-def _parameter(rp: RankPlan, tensor: int) -> bool:
-    return rp.buffers[rp.tensors[tensor].buffer].kind == "parameter"
-
-
-def _elements(rp: RankPlan, tensor: int) -> int:
-    n = 1
-    for d in rp.tensors[tensor].shape:
-        n *= d
-    return n
 
 
 def make_tasks(plan: Plan) -> None:
