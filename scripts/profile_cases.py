@@ -69,6 +69,18 @@ def chain_case(op: str, n: int = 5504, length: int = 12):
     return g, {}, {"x": np.random.default_rng(0).standard_normal((1, n), dtype=np.float32)}
 
 
+def generate_case(splits: int | str | None = "auto"):
+    """bench/generate.py's self-feeding Llama-3.2-1B-shaped generator (16 layers, the LM head, the argmax)
+    at position 128 of 256: the whole decode step that the benchmark times per token."""
+    from megaloop.cli import PRESETS
+    from megaloop.models import build_llama_generator
+
+    base = PRESETS["llama3.2-1b"]
+    cfg = type(base)(**{**base.__dict__, "max_seq": 256})
+    state = {"token": np.array([[17]]), "position": np.array([[128]])}
+    return build_llama_generator(cfg, 1, kv_splits=splits), random_parameters(cfg, seed=0), {}, state
+
+
 CASES = {
     "decode2048": lambda: llama_case(2048, 1),
     "decode2048_unsplit": lambda: llama_case(2048, 1, None),
@@ -78,6 +90,7 @@ CASES = {
     "prefill2048": lambda: llama_case(2048, 512),
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
+    "generate1b": generate_case,  # the whole 16-layer step with the LM head and argmax
     "silu_chain": lambda: chain_case("silu"),
     "add_chain": lambda: chain_case("add", 2048),
     "rmsnorm8192": lambda: rows_case("rmsnorm"),
@@ -126,12 +139,12 @@ def main() -> None:
         op, _, param = key.strip().partition(".")
         tiles.setdefault(op, {})[param] = int(value)
     for name in sys.argv[1:] or list(CASES):
-        g, params, feeds = CASES[name]()
+        g, params, feeds, *state = CASES[name]()  # (a case that starts from a state gives it fourth)
         plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)
         if found:
             from megaloop.runtime.loop import LoopKernel
 
-            with LoopKernel(plan, params, profile_iterations=4) as kern:
+            with LoopKernel(plan, params, state[0] if state else None, profile_iterations=4) as kern:
                 kern.run(feeds, iterations=4)
                 tl = trace.measured_timeline(plan, kern.profile_ns(), f"measured on {found[0].name}")
         else:
