@@ -15,7 +15,9 @@ flight, a variant until 5f6029e: 4 steps 74.7 / 153.2 against 73.5 / 153.1 at 1;
 L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/runtime.md.
 9cde193 (one run): sibling matmuls sharing the processors and small elementwise ops in several tiles
 70.1 / 147.1; the first alone 75.4 / 145.9; neither 75.8 / 147.9; both with silu_mul 67.5 / 142.3
-(made the default); 4 sequences 82.4 / 156.3 against 85.0 / 154.3 without either."""
+(made the default); 4 sequences 82.4 / 156.3 against 85.0 / 154.3 without either.
+111ccac: default 68.7, 67.5 / 143.7, 142.9; stage_weights 77.0 / 142.7 (4 sequences 103.2 against 79.0,
+80.9); slot_waits128 69.6 / 144.7: neither made the default (docs/runtime.md)."""
 
 import json
 import os

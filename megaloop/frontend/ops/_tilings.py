@@ -259,9 +259,10 @@ MATMUL = Tiling(
         # took 75.4 us against 75.8 without, 145.9 against 147.9 at 4096 (with split_small on the
         # elementwise ops: 70.1 against 75.4; H200, 9cde193); 0: each sized for all the processors
         "share": same(1),
-        # 1 (sm_90, not yet run on a GPU): decode tiles whose whole block of weights fits in shared memory
-        # have it copied there by the copy engine while the task waits for its producers (warp 2;
-        # megaloop/stage.cuh); 0: loaded by the warps once the task runs
+        # 1 (sm_90): decode tiles whose whole block of weights fits in shared memory have it copied there
+        # by the copy engine while the task waits for its producers (warp 2; megaloop/stage.cuh); 0: loaded
+        # by the warps once the task runs. Off: correct but slower on an H200 (hidden-2048 decode step 77.0
+        # us against 67.5-68.7; the room it takes from L1 slows the other ops: docs/runtime.md)
         "stage_weights": same(0),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
