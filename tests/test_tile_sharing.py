@@ -73,8 +73,9 @@ def test_small_elementwise_ops_take_a_pack_a_thread(dtype: str, tile: int) -> No
 
 
 def test_big_and_one_pack_ops_are_unchanged() -> None:
-    """An op of at least one tile keeps its tiling; one of at most a pack a thread stays one tile."""
-    for n, tasks in ((2048, 1), (8192, 1)):
+    """An op of more than one tile keeps its tiling; one of at most a pack a thread stays one tile; one
+    of exactly one tile (Llama-3.2-1B's silu_mul over 8192 values) is split into packs a thread."""
+    for n, tasks in ((2048, 1), (8192, 4), (8200, 2), (16384, 2)):
         g = ml.Graph("add")
         x = g.input("x", (1, n), ml.bfloat16)
         g.output("y", x + x)

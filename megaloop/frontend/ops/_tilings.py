@@ -59,7 +59,7 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     small = ctx.warps * 32 * width  # a 16-byte pack a thread
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    if params["split_small"] and small < total < min(params["elements"], SMALL_OP_PACKS * small):
+    if params["split_small"] and small < total <= params["elements"] and total < SMALL_OP_PACKS * small:
         pieces = -(-total // small)  # equal pieces of whole packs: 5504 values are 1840 + 1840 + 1824
         boxes = chunks(out.shape, -(-total // (pieces * width)) * width)
     elif elements == params["elements"]:
@@ -89,12 +89,14 @@ def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES, switches: tup
     )
 
 
-# split_small: an op smaller than one tile (``elements``) and than SMALL_OP_PACKS packs a thread (what
-# the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte pack a
-# thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
-# even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
+# split_small: an op of at most one tile (``elements``) and smaller than SMALL_OP_PACKS packs a thread
+# (what the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte
+# pack a thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one
+# processor even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
 # silu_chain), 3-4 us inside the step, on its critical path once the gate and up projections end
-# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). 0: one tile.
+# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). Llama-3.2-1B's
+# silu_mul over exactly one tile's 8192 values took 4.5 us in one tile (profile_cases.py generate1b,
+# 111ccac), 16 times a token: ops of exactly one tile are split too since then. 0: one tile.
 SMALL_OP_PACKS = 8
 ELEMENTWISE = _streaming(
     _elementwise,
