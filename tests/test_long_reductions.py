@@ -27,10 +27,23 @@ CASES = {
     "half_max": ("max", "float16", (4, 9000), -1),
     "int_min": ("min", "int32", (2, 20000), -1),
     "int_sum": ("sum", "int64", (2, 16384), -1),
+    "all_sum": ("sum", "float32", (300, 100), None),  # every axis: a 0-d result
+    "all_argmax": ("argmax", "bfloat16", (40, 1000), None),  # the index into the flattened tensor
     "column_sum": ("sum", "float32", (20000, 3), 0),  # not a contiguous run: a warp an output element
     "short_max": ("max", "float32", (64, 500), -1),  # too short: a warp an output element
 }
-BLOCK_PATH = {"vocab_argmax", "odd_argmax", "int_argmax", "long_sum", "two_axis_mean", "half_max", "int_min", "int_sum"}
+BLOCK_PATH = {
+    "vocab_argmax",
+    "odd_argmax",
+    "int_argmax",
+    "long_sum",
+    "two_axis_mean",
+    "half_max",
+    "int_min",
+    "int_sum",
+    "all_sum",
+    "all_argmax",
+}
 
 
 def long_reductions_graph() -> ml.Graph:
@@ -39,6 +52,11 @@ def long_reductions_graph() -> ml.Graph:
         x = g.input(f"{name}_x", shape, dtype)
         g.output(name, getattr(ml, op)(x, axis=axis) if op == "argmax" else getattr(ml, op)(x, axis))
     return g
+
+
+def reduced_count(name: str) -> int:
+    _, _, shape, axis = CASES[name]
+    return int(np.prod([shape[a] for a in (range(len(shape)) if axis is None else np.atleast_1d(axis))]))
 
 
 def feeds_for(g: ml.Graph, seed: int) -> dict[str, np.ndarray]:
@@ -69,10 +87,10 @@ def numpy_result(name: str, x: np.ndarray) -> np.ndarray:
 
 
 def check(got: dict[str, np.ndarray], feeds: dict[str, np.ndarray], where: str) -> None:
-    for name, (op, dtype, shape, axis) in CASES.items():
+    for name, (op, dtype, _, _) in CASES.items():
         x = feeds[f"{name}_x"]
         want = numpy_result(name, x)
-        reduced = int(np.prod([shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+        reduced = reduced_count(name)
         dt = ml.int64 if op == "argmax" else ml.as_dtype(dtype)
         assert_close(got[name], want, dt, ml.REGISTRY[op].accuracy, reduced, f"{name} ({where})")
     assert got["vocab_argmax"][0] == np.argmax(feeds["vocab_argmax_x"][0])  # the first of the two
@@ -83,9 +101,7 @@ def test_long_contiguous_reductions_take_the_block_and_compile_without_spills() 
     src = generate(make_plan(long_reductions_graph(), processors=132)).source
     blocks = {name for name in CASES if "the whole block on each output element" in _function_of(src, name)}
     assert blocks == BLOCK_PATH
-    for name in blocks:  # long enough: the reduced elements of one output element
-        _, _, shape, axis = CASES[name]
-        assert np.prod([shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]) >= BLOCK_REDUCTION_MIN
+    assert all(reduced_count(name) >= BLOCK_REDUCTION_MIN for name in blocks)  # long enough
     assert spills(src) == {}
 
 
