@@ -1,5 +1,5 @@
 """Reductions over long contiguous runs (the argmax over a Llama vocabulary of logits, sums over long
-rows) take the whole block per output element (megaloop.codegen.emit._block_reduction) instead of a
+rows) take the whole block per output element (megaloop.codegen.emit_reduce._block_reduction) instead of a
 warp: which path each case takes, that the kernel compiles without spills, and (GPU) that every case
 matches numpy in float64, argmax ties and NaNs included. The same graph runs on the CPU reference."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import megaloop as ml
 from megaloop.codegen import generate
-from megaloop.codegen.emit import BLOCK_REDUCTION_MIN
+from megaloop.codegen.emit_reduce import BLOCK_REDUCTION_MIN
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import spills
 from megaloop.runtime.device import gpus
@@ -27,6 +27,9 @@ CASES = {
     "half_max": ("max", "float16", (4, 9000), -1),
     "int_min": ("min", "int32", (2, 20000), -1),
     "int_sum": ("sum", "int64", (2, 16384), -1),
+    "wrapping_sum": ("sum", "int32", (2, 24000), -1),  # past int32's range: wraps, as the reference
+    "scalar_argmax": ("argmax", "float32", (), None),  # nothing reduced: a warp, the one element
+    "no_axis_sum": ("sum", "float32", (3, 4), ()),
     "all_sum": ("sum", "float32", (300, 100), None),  # every axis: a 0-d result
     "all_argmax": ("argmax", "bfloat16", (40, 1000), None),  # the index into the flattened tensor
     "column_sum": ("sum", "float32", (20000, 3), 0),  # not a contiguous run: a warp an output element
@@ -41,9 +44,14 @@ BLOCK_PATH = {
     "half_max",
     "int_min",
     "int_sum",
+    "wrapping_sum",
     "all_sum",
     "all_argmax",
 }
+
+
+# several output elements a task on the block path (the loop over them, its barrier between elements)
+TILES = {"max": {"elements": 1 << 16}}
 
 
 def long_reductions_graph() -> ml.Graph:
@@ -56,7 +64,7 @@ def long_reductions_graph() -> ml.Graph:
 
 def reduced_count(name: str) -> int:
     _, _, shape, axis = CASES[name]
-    return int(np.prod([shape[a] for a in (range(len(shape)) if axis is None else np.atleast_1d(axis))]))
+    return int(np.prod([shape[a] for a in (range(len(shape)) if axis is None else np.atleast_1d(axis).astype(int))]))
 
 
 def feeds_for(g: ml.Graph, seed: int) -> dict[str, np.ndarray]:
@@ -66,7 +74,9 @@ def feeds_for(g: ml.Graph, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
     for name, t in g.inputs.items():
-        if t.dtype.is_int:
+        if name.startswith("wrapping"):
+            feeds[name] = rng.integers(2**29, 2**30, t.shape).astype(t.dtype.name)
+        elif t.dtype.is_int:
             feeds[name] = rng.integers(-1000, 1000, t.shape).astype(t.dtype.name)
         else:
             feeds[name] = ml.dtypes.round_to(rng.standard_normal(t.shape) * 4, t.dtype)
@@ -82,8 +92,9 @@ def numpy_result(name: str, x: np.ndarray) -> np.ndarray:
     op, _, _, axis = CASES[name]
     x64 = x.astype(np.float64) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else x.astype(np.int64)
     if op == "argmax":
-        return np.argmax(x64, axis=axis)
-    return getattr(np, op)(x64, axis=axis)
+        return np.asarray(np.argmax(x64, axis=axis))
+    out = getattr(np, op)(x64, axis=axis)
+    return out.astype(x.dtype) if x.dtype.kind == "i" else out  # integer sums wrap to the input's type
 
 
 def check(got: dict[str, np.ndarray], feeds: dict[str, np.ndarray], where: str) -> None:
@@ -98,7 +109,11 @@ def check(got: dict[str, np.ndarray], feeds: dict[str, np.ndarray], where: str) 
 
 
 def test_long_contiguous_reductions_take_the_block_and_compile_without_spills() -> None:
-    src = generate(make_plan(long_reductions_graph(), processors=132)).source
+    plan = make_plan(long_reductions_graph(), processors=132, tiles=TILES)
+    rp = plan.ranks[0]
+    (half_max,) = [op.id for op in rp.ops if op.op == "max" and rp.tensors[op.inputs[0]].shape == (4, 9000)]
+    assert max(t.writes[0].box.size for t in rp.tasks if t.op == half_max) > 1  # several elements a task
+    src = generate(plan).source
     blocks = {name for name in CASES if "the whole block on each output element" in _function_of(src, name)}
     assert blocks == BLOCK_PATH
     assert all(reduced_count(name) >= BLOCK_REDUCTION_MIN for name in blocks)  # long enough
@@ -127,7 +142,7 @@ def test_long_reductions_match_numpy_on_the_gpu() -> None:
     from megaloop.runtime.loop import LoopKernel
 
     g = long_reductions_graph()
-    with LoopKernel(make_plan(g, processors=132)) as k:
+    with LoopKernel(make_plan(g, processors=132, tiles=TILES)) as k:
         for seed in (2, 3):  # fresh values each run (the first run cannot leave the right answer behind)
             feeds = feeds_for(g, seed)
             check(k.run(feeds), feeds, f"GPU, seed {seed}")

@@ -171,3 +171,48 @@ def test_matmuls_of_one_input_against_computed_operands_do_not_share() -> None:
     shared = make_plan(g, processors=132)
     alone = make_plan(g, processors=132, tiles={"matmul": {"share": 0}})
     assert [t.writes[0].box for t in shared.ranks[0].tasks] == [t.writes[0].box for t in alone.ranks[0].tasks]
+
+
+def test_attention_combine_takes_a_row_a_warp() -> None:
+    """``warp_rows``: a combine tile holds at most a (batch, head, query) row a warp (32 heads: 4 tiles of
+    8, not 31 + 1, which left one tile 4 rounds of its warps); the decode step's result does not change;
+    plan files saved before the switch load with the tiles they were made with."""
+    cfg = LlamaConfig(hidden=2048, heads=32, kv_heads=8, intermediate=256, layers=1, max_seq=64, vocab=None)
+    g = build_llama(cfg, 1, 1, kv_splits=4)  # Llama-3.2-1B's attention: 32 heads of 64
+    params = random_parameters(cfg, seed=6)
+    rng = np.random.default_rng(7)
+    feeds = {"hidden": rng.standard_normal((1, 1, 2048)).astype(np.float32), "positions": np.array([[40]])}
+
+    def combine_rows(plan) -> list[int]:
+        rp = plan.ranks[0]
+        (op,) = [o.id for o in rp.ops if o.op == "attention_combine"]
+        return [t.writes[0].box.size // 64 for t in rp.tasks if t.op == op]  # 64 values a head
+
+    split = make_plan(g, processors=132)
+    old = make_plan(g, processors=132, tiles={"attention_combine": {"warp_rows": 0}})
+    assert combine_rows(split) == [8, 8, 8, 8] and combine_rows(old) == [31, 1]
+    want = ml.evaluate(g, feeds, params).outputs["hidden"]
+    for seed in range(2):
+        assert np.array_equal(run_plan(split, feeds, params, seed=seed).outputs["hidden"], want), seed
+    data = plan_to_dict(old)
+    for op in data["ranks"][0]["ops"]:
+        op["tile"].pop("warp_rows", None)
+    assert combine_rows(plan_from_dict(data)) == [31, 1]
+
+
+def test_files_saved_before_split_full_keep_one_tile_ops_whole() -> None:
+    """``split_full`` (an op of exactly one tile, 8192 bf16 values, cut into 4) came after split_small:
+    a file saved with split_small but without split_full loads with the one tile it was made with."""
+    g = ml.Graph("full")
+    x = g.input("x", (1, 8192), ml.bfloat16)
+    g.output("y", ml.silu(x) * x)
+    assert {len(make_plan(g, processors=132).ranks[0].tasks)} == {8}  # silu and mul: 4 tiles each
+    old = make_plan(g, processors=132, tiles={op: {"split_full": 0} for op in ("silu", "mul")})
+    assert len(old.ranks[0].tasks) == 2
+    data = plan_to_dict(old)
+    for op in data["ranks"][0]["ops"]:
+        assert op["tile"].pop("split_full") == 0 and op["tile"]["split_small"] == 1
+    loaded = plan_from_dict(data)
+    assert len(loaded.ranks[0].tasks) == 2
+    feeds = {"x": ml.dtypes.round_to(np.random.default_rng(8).standard_normal((1, 8192)), ml.bfloat16)}
+    assert np.array_equal(run_plan(loaded, feeds).outputs["y"], ml.evaluate(g, feeds).outputs["y"])

@@ -27,11 +27,11 @@ from megaloop.codegen.emit import (
     elementwise,
     embedding,
     kv_update,
-    reduction,
     rope,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
+from megaloop.codegen.emit_reduce import reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError

@@ -87,7 +87,8 @@ def check_tasks_match_tiles(plan: Plan) -> None:
             if [_signature(t) for t in stored] != [_signature(t) for t in expected]:
                 raise PlanFormatError(
                     f"plan.ranks[{r}].ops[{op.id}] ({op.name}): its {len(stored)} tasks are not what tile {op.tile} "
-                    f"makes ({len(expected)} tasks); after editing tile parameters load with rederive=True"
+                    f"makes ({len(expected)} tasks): tile parameters edited, or the file made by a megaloop "
+                    "whose tilings differ; load with rederive=True to make them again"
                 )
 
 

@@ -59,7 +59,8 @@ def _elementwise(node: Any, params: dict[str, int], ctx: TileContext) -> list[Ti
     small = ctx.warps * 32 * width  # a 16-byte pack a thread
     # blocks line up with matmul tiles; a tile enlarged for a huge op takes whole rows instead (long
     # contiguous runs stream from memory better than many 256-byte pieces of 128 columns)
-    if params["split_small"] and small < total <= params["elements"] and total < SMALL_OP_PACKS * small:
+    one_tile = total <= params["elements"] if params["split_full"] else total < params["elements"]
+    if params["split_small"] and small < total < SMALL_OP_PACKS * small and one_tile:
         pieces = -(-total // small)  # equal pieces of whole packs: 5504 values are 1840 + 1840 + 1824
         boxes = chunks(out.shape, -(-total // (pieces * width)) * width)
     elif elements == params["elements"]:
@@ -89,20 +90,21 @@ def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES, switches: tup
     )
 
 
-# split_small: an op of at most one tile (``elements``) and smaller than SMALL_OP_PACKS packs a thread
-# (what the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte
-# pack a thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one
-# processor even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
+# split_small: an op smaller than one tile (``elements``) and than SMALL_OP_PACKS packs a thread (what
+# the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte pack a
+# thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
+# even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
 # silu_chain), 3-4 us inside the step, on its critical path once the gate and up projections end
-# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). Llama-3.2-1B's
-# silu_mul over exactly one tile's 8192 values took 4.5 us in one tile (profile_cases.py generate1b,
-# 111ccac), 16 times a token: ops of exactly one tile are split too since then. 0: one tile.
+# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). 0: one tile.
+# split_full: with split_small, an op of exactly one tile is cut too: Llama-3.2-1B's silu_mul over 8192
+# values took 4.5 us in one tile (profile_cases.py generate1b, H200, 111ccac), 16 times a token. Its own
+# switch so that files saved with split_small before it (0 there) keep their tasks.
 SMALL_OP_PACKS = 8
 ELEMENTWISE = _streaming(
     _elementwise,
     "row-major chunks of the output (2-D blocks when it has many wide rows); broadcast operands read their "
-    "projection; split_small: 0 or 1",
-    switches=("split_small",),
+    "projection; split_small, split_full: 0 or 1",
+    switches=("split_small", "split_full"),
 )
 
 
@@ -374,16 +376,28 @@ ATTENTION_PARTIAL = Tiling(
 def _attention_combine(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     x, out = node.inputs[0], node.outputs[0]
     per_row = x.shape[3] * x.shape[4]
+    rows = max(1, params["elements"] // per_row)
+    if params["warp_rows"]:  # at most a row (batch, head, query) a warp: one round of the block's warps
+        rows = min(rows, ctx.warps)
     tiles = []
-    for i, box in enumerate(chunks(out.shape[:3], max(1, params["elements"] // per_row))):
+    for i, box in enumerate(chunks(out.shape[:3], rows)):
         xbox = Box(box.lo + (0, 0), box.hi + x.shape[3:])
         obox = Box(box.lo + (0,), box.hi + (out.shape[3],))
         tiles.append(Tile((i,), (Read(0, xbox),), (Write(0, obox),), 3 * xbox.size))
     return tiles
 
 
+# warp_rows: a tile holds at most as many rows as the block has warps (the template takes a warp a row,
+# each two dependent trips to L2). Llama-3.2-1B's 32 heads made 2 tiles of 31 + 1 heads, 4 rounds of
+# warps: 3.6 us on the critical path of every layer of the generation step (profile_cases.py
+# generate1b, H200, 111ccac), against 1.5 us for hidden 2048's 16 heads in tiles of 7. 0: ``elements``
+# values a tile, as plan files saved before the switch were made.
 ATTENTION_COMBINE = Tiling(
-    {"elements": ELEMENTS}, _attention_combine, "blocks of rows, each reading all its key ranges"
+    {"elements": ELEMENTS, "warp_rows": same(1)},
+    _attention_combine,
+    "blocks of rows, each reading all its key ranges; warp_rows: 0 or 1",
+    flags=("warp_rows",),
+    saved_without={"warp_rows": 0},
 )
 
 
