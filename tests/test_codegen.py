@@ -701,3 +701,22 @@ def test_more_waits_in_the_slot_compile_and_leave_default_kernels_alone(monkeypa
     assert "#define ML_SLOT_WAITS 128\n" in src
     assert src.replace("#define ML_SLOT_WAITS 128\n", "") == default
     assert spills(src) == {}
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,packed", [("bfloat16", 2048, True), ("float32", 64, True), ("bfloat16", 12, False)]
+)
+def test_embedding_copies_rows_in_packs(dtype: str, hidden: int, packed: bool) -> None:
+    """The token's row in 16-byte packs, each thread's id read with its packs (a Llama step's row of
+    2048 values had each thread make 8 dependent trips element by element); rows of a width that is not
+    whole packs take the per-element path; both keep the bad-id data error and compile without spills."""
+    from megaloop.runtime.compile import spills
+
+    g = ml.Graph("embedding")
+    table = g.parameter("table", (1000, hidden), dtype)
+    g.output("y", ml.embedding(table, g.input("tok", (2, 3), ml.int64)))
+    src = generate(make_plan(g, processors=8)).source
+    body = src[src.index("// sig_0") : src.index("\n}\n", src.index("// sig_0"))]
+    assert ("packed path" in body) == packed
+    assert body.count("ml::fail(a, ml::DATA") == 1 + packed
+    assert spills(src) == {}
