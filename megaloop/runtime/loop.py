@@ -20,6 +20,7 @@ then left, and a new LoopKernel can be made in the same process.
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -292,10 +293,17 @@ class LoopKernel:
         self._use()
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
+        item = t.dtype.itemsize
+        if t.strides == _contiguous(t.shape):  # its own bytes straight into the array returned (a
+            # prefill's 33 MB of logits were copied whole buffer first, then once more on the host)
+            raw = np.empty(math.prod(t.shape) * item, np.uint8)
+            at = self.arena + buf.offset + t.offset * item
+            _check(self._d.cuMemcpyDtoHAsync(raw, at, raw.nbytes, self._copies))
+            _check(self._d.cuStreamSynchronize(self._copies))
+            return raw.view(t.dtype.np).reshape(t.shape)
         raw = np.empty(buf.nbytes, np.uint8)
         _check(self._d.cuMemcpyDtoHAsync(raw, self.arena + buf.offset, buf.nbytes, self._copies))
         _check(self._d.cuStreamSynchronize(self._copies))
-        item = t.dtype.itemsize
         return np.array(
             np.ndarray(
                 t.shape, t.dtype.np, buffer=raw, offset=t.offset * item, strides=tuple(s * item for s in t.strides)
