@@ -720,3 +720,13 @@ def test_embedding_copies_rows_in_packs(dtype: str, hidden: int, packed: bool) -
     assert ("packed path" in body) == packed
     assert body.count("ml::fail(a, ml::DATA") == 1 + packed
     assert spills(src) == {}
+
+
+def test_shared_memory_opt_in_counts_the_static_bytes() -> None:
+    """A kernel opts in to more than 48 KiB of shared memory counting its static bytes too: 46.6 KB of
+    dynamic (skinny tiles with 4 rows of A in shared memory) and ~3 KB static left no block resident
+    on an H200 when only the dynamic bytes were compared with 48 KiB."""
+    from megaloop.runtime.loop import needs_shared_opt_in
+
+    assert needs_shared_opt_in(3400, 46592) and not needs_shared_opt_in(3400, 40000)
+    assert needs_shared_opt_in(0, 48 * 1024 + 1) and not needs_shared_opt_in(0, 48 * 1024)

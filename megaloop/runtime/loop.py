@@ -64,6 +64,14 @@ CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
 REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
 
 
+def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
+    """Whether a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) to launch with
+    ``dynamic_bytes`` of dynamic shared memory a block: past 48 KiB of static and dynamic together (CUDA
+    programming guide). Testing the dynamic bytes alone left kernels of 46 KB dynamic and 3 KB static
+    unlaunchable: no block resident."""
+    return static_bytes + dynamic_bytes > 48 * 1024
+
+
 class LoopKernelError(MegaloopError, RuntimeError):
     """The loop kernel gave up (watchdog) or could not be run."""
 
@@ -141,18 +149,23 @@ class LoopKernel:
         try:
             self._module = _check(driver.cuModuleLoadData(self.cubin))
             self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
-            if self.program.shared_bytes > 48 * 1024:
-                # Above 48 KiB a kernel must opt in to dynamic shared memory (CUDA programming guide).
+            static = _check(
+                driver.cuFuncGetAttribute(
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self._function
+                )
+            )
+            if needs_shared_opt_in(int(static), self.program.shared_bytes):
                 limit = _check(
                     driver.cuDeviceGetAttribute(
                         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev
                     )
                 )
-                if self.program.shared_bytes > limit:
+                if int(static) + self.program.shared_bytes > limit:
                     raise LoopKernelError(
-                        f"the loop kernel needs {self.program.shared_bytes} bytes of shared memory per block "
-                        f"(split-key attention for {self.program.threads // 32} warps, tensor-core matmul stages); "
-                        f"this GPU allows {limit}: plan with fewer warps or smaller matmul tiles"
+                        f"the loop kernel needs {self.program.shared_bytes} bytes of dynamic shared memory per "
+                        f"block (split-key attention for {self.program.threads // 32} warps, tensor-core matmul "
+                        f"stages) besides its {int(static)} static ones; this GPU allows {limit}: plan with fewer "
+                        "warps or smaller matmul tiles"
                     )
                 _check(
                     driver.cuFuncSetAttribute(
@@ -187,6 +200,13 @@ class LoopKernel:
             )
         )
         resident = int(per_sm) * gpu.sm_count
+        if resident == 0:
+            self._free()
+            raise LoopKernelError(
+                f"no block of the loop kernel ({self.program.threads} threads, {self.program.shared_bytes} bytes of "
+                f"dynamic shared memory) fits on a multiprocessor of {gpu.name}: plan with fewer warps or smaller "
+                "matmul tiles"
+            )
         if self.program.processors > resident:
             self._free()
             raise LoopKernelError(
