@@ -34,12 +34,20 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
-MODULES = {"SKINNY_MMA_STREAM_WEIGHTS": emit_matmul, "SLOT_WAITS": kernel}
+MODULES = {
+    "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
+    "SKINNY_A_SHARED_BYTES": emit_matmul,
+    "SKINNY_A_SHARED_SLICES": emit_matmul,
+    "SLOT_WAITS": kernel,
+}
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
+    # the skinny tiles' rows of A copied into shared memory first, 16 (or 8) units of B in flight a warp
+    "a_shared": {"SKINNY_A_SHARED_BYTES": 64 * 1024},
+    "a_shared_u8": {"SKINNY_A_SHARED_BYTES": 64 * 1024, "SKINNY_A_SHARED_SLICES": 8},
     # tile switches (docs/plan-format.md): matmuls each sized for all the processors; small elementwise
     # ops in one tile
     "no_share": {"tiles": {"matmul": {"share": 0}}},

@@ -253,6 +253,67 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
     }
 }
 
+// mma_skinny with A's rows in shared memory (an experiment: emit_matmul.SKINNY_A_SHARED_BYTES, 0 by
+// default). Every thread of the block calls it. A's nr rows (4 S packs each) are copied to `as` (rows
+// `aps` elements apart, 64 bytes past a multiple of 128, so the two rows a 16-byte load phase reads
+// fall in different banks) with cp.async, all at once, while each warp's first U units of B are in
+// flight; a barrier, then each unit's A fragment is read from shared memory right where it is used, so
+// no register holds A and U units of B can be twice as many for the same registers. Measured at U = 8
+// with A held in registers as mma_skinny does (H200, hidden 2048 / 4096 decode step): 66.5, 67.3 /
+// 140.4 us against 67.1 / 142.2 with A from global memory; a tile whose B already sat in shared memory
+// spent 2.4 us in mma_skinny on the rounds of A's trips to L2.
+template <typename T, int S, int U, bool STREAM>
+__device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols,
+                                                    int lo, int hi, float* partial, int warp, T* as, int aps) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    for (int p = threadIdx.x; p < nr * 4 * S; p += blockDim.x) {  // 4 S packs of 8 elements a row
+        const int r = p / (4 * S), k = 8 * (p % (4 * S));
+        cp_async16(as + r * aps + k, a + r * lda + k, true);
+    }
+    cp_async_commit();
+    const u64 policy = STREAM ? evict_first_policy() : 0;
+    const int last = max(lo, hi - 1);  // (a warp without units loads the unit lo, never multiplied)
+    auto load_b = [&](int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
+        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
+        return STREAM ? load_pack_policy<T, 8>(p, policy) : load_pack<T, 8>(p);
+    };
+    Pack<T, 8> pb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pb[u] = load_b(min(lo + u, last));  // past the last unit: the last again
+    cp_async_wait<0>();
+    __syncthreads();  // A has landed, every thread's copies
+    if (lo >= hi) return;  // (fewer units than warps)
+    const T* ar = as + min(g, nr - 1) * aps + 8 * q;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i0 = lo; i0 < hi; i0 += U) {
+        Pack<T, 8> nb[U];  // the next U units, in flight while these multiply
+#pragma unroll
+        for (int u = 0; u < U; ++u) nb[u] = load_b(min(i0 + U + u, last));
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u;
+            if (i < hi) {
+                const Pack<T, 8> pa = load_pack<T, 8>(ar + 32 * (i % S));
+                u32 w[4], v[4];
+                memcpy(w, &pa, sizeof w);
+                memcpy(v, &pb[u], sizeof v);
+                const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
+                mma_16816(c, a0, b0, T{});
+                const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
+                mma_16816(c, a1, b1, T{});
+                if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
+                    float* out = partial + (i / S + warp) * 64 + 2 * lane;
+                    out[0] = c[0];
+                    out[1] = c[1];
+                    c[0] = c[1] = c[2] = c[3] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) pb[u] = nb[u];
+    }
+}
+
 // After a barrier over the warps that ran mma_skinny on a task of L = G S units: this lane's two sums
 // of group `group` (row lane / 4, columns 2 (lane % 4) + 0/1): the partial sums of the warps whose
 // units meet the group, added in warp order (the same bits every run).
