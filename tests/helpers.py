@@ -153,3 +153,21 @@ def tp_mlp(world: int, tokens: int, hidden: int, ffn: int, scale: float, seed: i
         for _ in range(world)
     ]
     return ml.spmd(build, world), x, params
+
+
+def sass(cubin: bytes) -> str:
+    """The machine code of a cubin, as nvdisasm prints it (the nvidia-cuda-nvdisasm wheel, a test
+    dependency: no GPU needed), for tests that check what ptxas made of generated code."""
+    import os
+    import subprocess
+    import tempfile
+
+    import nvidia
+
+    tools = [os.path.join(p, "cu13", "bin", "nvdisasm") for p in nvidia.__path__]
+    tool = next((t for t in tools if os.access(t, os.X_OK)), None)
+    assert tool, f"nvdisasm not found in {tools}: pip install nvidia-cuda-nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout

@@ -57,6 +57,23 @@ def test_where_a_lies_and_which_ops_take_it(shared_a) -> None:
     assert len(calls(big)) == len(calls(decode_source(4096, 1).source)) - 1
 
 
+def test_b_is_in_flight_while_a_is_copied(shared_a) -> None:
+    """What ptxas made of it: each streaming tile issues its 16 loads of B before it waits for A's copies
+    (issued after the copies in the source, ptxas had moved them past the wait: a whole trip to L2
+    before B's first load). Counted in the machine code: the loads between a barrier and the wait for
+    cp.async copies that precedes the next barrier."""
+    from megaloop.runtime.compile import compile_cubin
+    from tests.helpers import sass
+
+    code = sass(compile_cubin(decode_source(2048).source, "sm_90a", use_cache=False)).splitlines()
+    ahead = []
+    for n, line in enumerate(code):
+        if "DEPBAR.LE SB0" in line and any("BAR.SYNC" in x for x in code[n + 1 : n + 3]):
+            start = max(m for m in range(n) if "BAR.SYNC" in code[m])
+            ahead.append(sum("LDG.E.128" in x for x in code[start:n]))
+    assert sorted(ahead)[-5:] == [16] * 5, ahead  # the 5 tile functions that stream their weights
+
+
 def test_staged_weights_lie_after_a(shared_a) -> None:
     src = decode_source(2048, 1, {"matmul": {"stage_weights": 1}}).source
     for sig in re.findall(r"void stage_(\d+)\(", src):

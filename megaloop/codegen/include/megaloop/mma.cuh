@@ -183,6 +183,26 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
 }
 
 // ---- tiles of at most 8 rows (a few tokens): the task's columns x K shared evenly by its warps -----
+// One unit of mma_skinny's walk: its two mmas (A pack `pa` and B pack `pb` as the two k halves), and at
+// the end of the warp's run of a group the sums into the group's partial-sum slot.
+template <typename T, int S>
+__device__ __forceinline__ void skinny_unit(float (&c)[4], const Pack<T, 8>& pa, const Pack<T, 8>& pb, int i,
+                                            int last, float* partial, int warp, int lane) {
+    u32 w[4], v[4];
+    memcpy(w, &pa, sizeof w);
+    memcpy(v, &pb, sizeof v);
+    const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
+    mma_16816(c, a0, b0, T{});
+    const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
+    mma_16816(c, a1, b1, T{});
+    if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
+        float* out = partial + (i / S + warp) * 64 + 2 * lane;
+        out[0] = c[0];
+        out[1] = c[1];
+        c[0] = c[1] = c[2] = c[3] = 0.0f;
+    }
+}
+
 // C[r][n] = sum_k A[r][k] * B[n][k] for rows r < nr <= 8 (rows 8-15 of the m16 fragment are zeros)
 // and columns n < ncols of B from `b` (ldb apart). The work is G = ceil(ncols / 8) groups of 8 columns
 // x S slices of 32 K elements: L = G S units in group-major order, warp w of W taking units
@@ -229,21 +249,7 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int i = i0 + u;
-            if (i < hi) {
-                u32 w[4], v[4];
-                memcpy(w, &pa[u], sizeof w);
-                memcpy(v, &pb[u], sizeof v);
-                const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
-                mma_16816(c, a0, b0, T{});
-                const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
-                mma_16816(c, a1, b1, T{});
-                if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
-                    float* out = partial + (i / S + warp) * 64 + 2 * lane;
-                    out[0] = c[0];
-                    out[1] = c[1];
-                    c[0] = c[1] = c[2] = c[3] = 0.0f;
-                }
-            }
+            if (i < hi) skinny_unit<T, S>(c, pa[u], pb[u], i, last, partial, warp, lane);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -266,20 +272,23 @@ template <typename T, int S, int U, bool STREAM>
 __device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols,
                                                     int lo, int hi, float* partial, int warp, T* as, int aps) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    for (int p = threadIdx.x; p < nr * 4 * S; p += blockDim.x) {  // 4 S packs of 8 elements a row
-        const int r = p / (4 * S), k = 8 * (p % (4 * S));
-        cp_async16(as + r * aps + k, a + r * lda + k, true);
-    }
-    cp_async_commit();
     const u64 policy = STREAM ? evict_first_policy() : 0;
     const int last = max(lo, hi - 1);  // (a warp without units loads the unit lo, never multiplied)
     auto load_b = [&](int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
         const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
         return STREAM ? load_pack_policy<T, 8>(p, policy) : load_pack<T, 8>(p);
     };
+    // B's first units before A's copies: issued after them, ptxas moved these loads past the wait for
+    // the copies (nvdisasm: LDGSTS, DEPBAR, then the 16 LDG.E.128), a full trip to L2 before B's first
     Pack<T, 8> pb[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) pb[u] = load_b(min(lo + u, last));  // past the last unit: the last again
+#pragma unroll 4  // (a rolled loop, K = 5504's, had ptxas move B's loads past the wait again)
+    for (int p = threadIdx.x; p < nr * 4 * S; p += blockDim.x) {  // 4 S packs of 8 elements a row
+        const int r = p / (4 * S), k = 8 * (p % (4 * S));
+        cp_async16(as + r * aps + k, a + r * lda + k, true);
+    }
+    cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // A has landed, every thread's copies
     if (lo >= hi) return;  // (fewer units than warps)
@@ -292,22 +301,7 @@ __device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr,
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int i = i0 + u;
-            if (i < hi) {
-                const Pack<T, 8> pa = load_pack<T, 8>(ar + 32 * (i % S));
-                u32 w[4], v[4];
-                memcpy(w, &pa, sizeof w);
-                memcpy(v, &pb[u], sizeof v);
-                const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
-                mma_16816(c, a0, b0, T{});
-                const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
-                mma_16816(c, a1, b1, T{});
-                if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
-                    float* out = partial + (i / S + warp) * 64 + 2 * lane;
-                    out[0] = c[0];
-                    out[1] = c[1];
-                    c[0] = c[1] = c[2] = c[3] = 0.0f;
-                }
-            }
+            if (i < hi) skinny_unit<T, S>(c, load_pack<T, 8>(ar + 32 * (i % S)), pb[u], i, last, partial, warp, lane);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) pb[u] = nb[u];
