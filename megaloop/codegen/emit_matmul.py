@@ -52,7 +52,8 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
-    tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs)."""
+    tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs), then
+    its rows of A (the SKINNY_A_SHARED_BYTES experiment) and its staged weights (stage_weights) if any."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     wg = wgmma_config(attrs, ins[0], ins[1])
@@ -408,7 +409,8 @@ def _pad_row(row_bytes: int) -> int:
 def skinny_a_layout(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int] | None:
     """(byte offset in dynamic shared memory, row pitch in bytes) of a skinny tile's rows of A, after the
     partial sums, or None where the op's tiles read A from global memory: the experiment off, not the
-    skinny path, or the widest tile's rows past SKINNY_A_SHARED_BYTES or the plan's shared memory."""
+    skinny path, or the tallest tile's rows past SKINNY_A_SHARED_BYTES or the plan's shared memory. (A
+    comes first: where A and the staged weights do not both fit, the weights are not staged.)"""
     warps = skinny_mma_warps(attrs, a_, b_)
     if not warps or SKINNY_A_SHARED_BYTES <= 0:
         return None

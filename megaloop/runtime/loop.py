@@ -30,6 +30,7 @@ import numpy as np
 from megaloop.codegen import LoopProgram, generate
 from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
 from megaloop.errors import DataError, EvaluationError, MegaloopError
+from megaloop.frontend.shapes import is_contiguous
 from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import exchange_region
@@ -149,22 +150,24 @@ class LoopKernel:
         try:
             self._module = _check(driver.cuModuleLoadData(self.cubin))
             self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
-            static = _check(
-                driver.cuFuncGetAttribute(
-                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self._function
+            static = self._static_shared = int(
+                _check(
+                    driver.cuFuncGetAttribute(
+                        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self._function
+                    )
                 )
             )
-            if needs_shared_opt_in(int(static), self.program.shared_bytes):
+            if needs_shared_opt_in(static, self.program.shared_bytes):
                 limit = _check(
                     driver.cuDeviceGetAttribute(
                         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev
                     )
                 )
-                if int(static) + self.program.shared_bytes > limit:
+                if static + self.program.shared_bytes > limit:
                     raise LoopKernelError(
                         f"the loop kernel needs {self.program.shared_bytes} bytes of dynamic shared memory per "
                         f"block (split-key attention for {self.program.threads // 32} warps, tensor-core matmul "
-                        f"stages) besides its {int(static)} static ones; this GPU allows {limit}: plan with fewer "
+                        f"stages) besides its {static} static ones; this GPU allows {limit}: plan with fewer "
                         "warps or smaller matmul tiles"
                     )
                 _check(
@@ -204,8 +207,8 @@ class LoopKernel:
             self._free()
             raise LoopKernelError(
                 f"no block of the loop kernel ({self.program.threads} threads, {self.program.shared_bytes} bytes of "
-                f"dynamic shared memory) fits on a multiprocessor of {gpu.name}: plan with fewer warps or smaller "
-                "matmul tiles"
+                f"dynamic and {self._static_shared} of static shared memory) fits on a multiprocessor of {gpu.name}: "
+                "plan with fewer warps or smaller matmul tiles"
             )
         if self.program.processors > resident:
             self._free()
@@ -314,7 +317,7 @@ class LoopKernel:
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
         item = t.dtype.itemsize
-        if t.strides == _contiguous(t.shape):  # its own bytes straight into the array returned (a
+        if is_contiguous(t.shape, t.strides):  # its own bytes straight into the array returned (a
             # prefill's 33 MB of logits were copied whole buffer first, then once more on the host)
             raw = np.empty(math.prod(t.shape) * item, np.uint8)
             at = self.arena + buf.offset + t.offset * item
