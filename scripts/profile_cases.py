@@ -8,6 +8,7 @@ it prints the cost model's estimate instead (marked as such). Traces and PNGs go
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -138,6 +139,15 @@ def main() -> None:
         key, _, value = item.partition("=")
         op, _, param = key.strip().partition(".")
         tiles.setdefault(op, {})[param] = int(value)
+    # PROFILE_CONSTANTS="emit_reduce.BLOCK_REDUCTION_PACKS=8,emit_matmul.SKINNY_A_SHARED_BYTES=65536": the
+    # code generator's experiment constants (megaloop.codegen.<module>.<NAME>), to compare without edits
+    for item in filter(None, os.environ.get("PROFILE_CONSTANTS", "").split(",")):
+        key, _, value = item.partition("=")
+        module, _, name = key.strip().partition(".")
+        target = importlib.import_module(f"megaloop.codegen.{module}")
+        if not hasattr(target, name):
+            raise SystemExit(f"PROFILE_CONSTANTS: megaloop.codegen.{module} has no {name}")
+        setattr(target, name, int(value))
     for name in sys.argv[1:] or list(CASES):
         g, params, feeds, *state = CASES[name]()  # (a case that starts from a state gives it fourth)
         plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)
