@@ -3,7 +3,8 @@
 #   the GPU tests (loop kernel vs references, fuzz, reproducibility, watchdog; the multi-GPU ones
 #   when there are two GPUs), then the benchmarks (collectives and tp_mlp too with two GPUs).
 # TESTS=... and BENCHES=... pick a subset; `gpu_check.sh profile` prints per-op windows and waits of the
-# benchmark cases (scripts/profile_cases.py; PROFILE_CASES=... picks them) and writes their traces.
+# benchmark cases (scripts/profile_cases.py; PROFILE_CASES=... picks them) and writes their traces;
+# `gpu_check.sh experiments` runs the open tuning comparisons (decode_variants, generate1b profiles).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -29,6 +30,14 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in $benches; do
     timeout "$bench_timeout" python3 -m bench.$b 2>&1 | tail -n 60 | tee -a "$OUT/gpu_check.log" || status=1
+  done
+fi
+if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md), one call
+  timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default a_shared a_shared_u8 default_again} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  for constants in "" "emit_matmul.SKINNY_A_SHARED_BYTES=65536" "emit_reduce.BLOCK_REDUCTION_PACKS=16"; do
+    echo "== generate1b ${constants:-default}" | tee -a "$OUT/gpu_check.log"
+    PROFILE_CONSTANTS="$constants" OUT="$OUT/profile-${constants:-default}" timeout "$bench_timeout" \
+      python3 scripts/profile_cases.py generate1b 2>&1 | grep -v 'layers\.[1-9]' | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi
 if [ "$what" = profile ]; then
