@@ -34,9 +34,11 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
 fi
 if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md), one call
   timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default a_shared a_shared_u8 default_again} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  n=0
   for constants in "" "emit_matmul.SKINNY_A_SHARED_BYTES=65536" "emit_reduce.BLOCK_REDUCTION_PACKS=16"; do
-    echo "== generate1b ${constants:-default}" | tee -a "$OUT/gpu_check.log"
-    PROFILE_CONSTANTS="$constants" OUT="$OUT/profile-${constants:-default}" timeout "$bench_timeout" \
+    n=$((n + 1))
+    echo "== generate1b ${constants:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
+    PROFILE_CONSTANTS="$constants" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \
       python3 scripts/profile_cases.py generate1b 2>&1 | grep -v 'layers\.[1-9]' | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi
