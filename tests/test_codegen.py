@@ -730,3 +730,19 @@ def test_shared_memory_opt_in_counts_the_static_bytes() -> None:
 
     assert needs_shared_opt_in(3400, 46592) and not needs_shared_opt_in(3400, 40000)
     assert needs_shared_opt_in(0, 48 * 1024 + 1) and not needs_shared_opt_in(0, 48 * 1024)
+
+
+def test_skinny_rounds_feed_the_mma_without_repacking() -> None:
+    """The decode matmul's loop in machine code (nvdisasm): two rounds of 8 units of B loaded as 32-bit
+    words, each multiplied while the other is in flight. Loaded as packs of bf16 values, ptxas repacked
+    every pack with PRMTs (122 in this kernel) where the next round moved into place, and each round
+    waited there for the loads it had just issued: one round in flight, about 26 GB/s a processor."""
+    from megaloop.runtime.compile import compile_cubin
+    from tests.helpers import sass
+
+    g = ml.Graph("decode-matmul")
+    x = g.input("x", (1, 1, 2048), ml.bfloat16)
+    g.output("y", ml.matmul(x, g.parameter("w", (2048, 2048), ml.bfloat16), transpose_b=True))
+    code = sass(compile_cubin(generate(make_plan(g, processors=132)).source, "sm_90a", use_cache=False))
+    assert code.count("PRMT") <= 8, code.count("PRMT")  # the output's conversions only
+    assert code.count("LDG.E.128") >= 24  # B: the first round, then two rounds in the loop body

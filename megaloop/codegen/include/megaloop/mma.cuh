@@ -183,17 +183,31 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
 }
 
 // ---- tiles of at most 8 rows (a few tokens): the task's columns x K shared evenly by its warps -----
-// One unit of mma_skinny's walk: its two mmas (A pack `pa` and B pack `pb` as the two k halves), and at
+// 16 bytes as the four 32-bit words an mma takes: loaded as words, a pack feeds the mma as it is.
+// (Loaded as Pack<bf16, 8>, ptxas repacked each pack with PRMTs where the next round's packs were moved
+// into place at the end of every round, so each round waited there for the loads it had just issued:
+// one round of U units in flight, not two. nvdisasm of the hidden-2048 decode kernel, 6a1febc.)
+__device__ __forceinline__ void load_words(u32 (&w)[4], const void* p) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+}
+__device__ __forceinline__ void load_words_policy(u32 (&w)[4], const void* p, u64 policy) {
+    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p), "l"(policy));
+}
+
+// One unit of the skinny walk: its two mmas (A's words `wa` and B's `wb` as the two k halves), and at
 // the end of the warp's run of a group the sums into the group's partial-sum slot.
 template <typename T, int S>
-__device__ __forceinline__ void skinny_unit(float (&c)[4], const Pack<T, 8>& pa, const Pack<T, 8>& pb, int i,
-                                            int last, float* partial, int warp, int lane) {
-    u32 w[4], v[4];
-    memcpy(w, &pa, sizeof w);
-    memcpy(v, &pb, sizeof v);
-    const u32 a0[4] = {w[0], 0u, w[1], 0u}, b0[2] = {v[0], v[1]};
+__device__ __forceinline__ void skinny_unit(float (&c)[4], const u32 (&wa)[4], const u32 (&wb)[4], int i, int last,
+                                            float* partial, int warp, int lane) {
+    const u32 a0[4] = {wa[0], 0u, wa[1], 0u}, b0[2] = {wb[0], wb[1]};
     mma_16816(c, a0, b0, T{});
-    const u32 a1[4] = {w[2], 0u, w[3], 0u}, b1[2] = {v[2], v[3]};
+    const u32 a1[4] = {wa[2], 0u, wa[3], 0u}, b1[2] = {wb[2], wb[3]};
     mma_16816(c, a1, b1, T{});
     if (i % S == S - 1 || i == last) {  // the end of this warp's run of a group
         float* out = partial + (i / S + warp) * 64 + 2 * lane;
@@ -212,8 +226,9 @@ __device__ __forceinline__ void skinny_unit(float (&c)[4], const Pack<T, 8>& pa,
 // use the same one; this one gives lane (g, q) = (lane / 4, lane % 4) the slots 2q, 2q + 1, 2q + 8,
 // 2q + 9 of two mmas from its 16-byte loads of A row g and B row (column) g at 32 s + 8q: k 8q..8q+3
 // to the first, 8q+4..8q+7 to the second. So the loads feed the fragments directly (no shared memory
-// for operands, no ldmatrix) and U units of each operand stay in flight per lane while the previous U
-// multiply. Rows and columns past the tile read a real row and their results are dropped. At the end
+// for operands, no ldmatrix), as 32-bit words (load_words), in two rounds of U units a lane: each round
+// multiplies while the other's loads are in flight, and no register copy joins them (a copy at the end
+// of each round waited for the loads just issued). Rows and columns past the tile read a real row and their results are dropped. At the end
 // of each group's run of units a warp writes its sums (c[0], c[1] = row g, columns 2q, 2q + 1; c[2],
 // c[3] are the zero rows) to partial[(group + w) 64 + 2 lane + 0/1]; skinny_sums adds them up. (Slot
 // group + w is the run's own: where warp w - 1 reaches into group + 1, warp w starts past group. So
@@ -227,35 +242,32 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
     const u64 policy = STREAM ? evict_first_policy() : 0;
     const T* ar = a + (i64)min(g, nr - 1) * lda + 8 * q;
     const int last = hi - 1;
-    auto load_a = [&](int i) { return load_pack<T, 8>(ar + 32 * (i % S)); };
-    auto load_b = [&](int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
-        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
-        return STREAM ? load_pack_policy<T, 8>(p, policy) : load_pack<T, 8>(p);
+    auto load = [&](u32 (&wa)[4], u32 (&wb)[4], int i) {  // unit i's A and B (past the last unit: the last again)
+        i = min(i, last);
+        load_words(wa, ar + 32 * (i % S));
+        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);  // column 8 (i / S) + g
+        if constexpr (STREAM)
+            load_words_policy(wb, p, policy);
+        else
+            load_words(wb, p);
     };
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    Pack<T, 8> pa[U], pb[U];
+    // two rounds of U units, each multiplied while the other is in flight (no copies between them)
+    u32 a0[U][4], b0[U][4], a1[U][4], b1[U][4];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // past the last unit: the last again (L1), never multiplied
-        pa[u] = load_a(min(lo + u, last));
-        pb[u] = load_b(min(lo + u, last));
-    }
-    for (int i0 = lo; i0 < hi; i0 += U) {
-        Pack<T, 8> na[U], nb[U];  // the next U units, in flight while these multiply
+    for (int u = 0; u < U; ++u) load(a0[u], b0[u], lo + u);
+    for (int i0 = lo; i0 < hi; i0 += 2 * U) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            na[u] = load_a(min(i0 + U + u, last));
-            nb[u] = load_b(min(i0 + U + u, last));
-        }
+        for (int u = 0; u < U; ++u) load(a1[u], b1[u], i0 + U + u);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + u;
-            if (i < hi) skinny_unit<T, S>(c, pa[u], pb[u], i, last, partial, warp, lane);
-        }
+        for (int u = 0; u < U; ++u)
+            if (i0 + u < hi) skinny_unit<T, S>(c, a0[u], b0[u], i0 + u, last, partial, warp, lane);
+        if (i0 + U >= hi) break;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            pa[u] = na[u];
-            pb[u] = nb[u];
-        }
+        for (int u = 0; u < U; ++u) load(a0[u], b0[u], i0 + 2 * U + u);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i0 + U + u < hi) skinny_unit<T, S>(c, a1[u], b1[u], i0 + U + u, last, partial, warp, lane);
     }
 }
 
@@ -274,15 +286,19 @@ __device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr,
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const u64 policy = STREAM ? evict_first_policy() : 0;
     const int last = max(lo, hi - 1);  // (a warp without units loads the unit lo, never multiplied)
-    auto load_b = [&](int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
+    auto load_b = [&](u32 (&wb)[4], int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
+        i = min(i, last);
         const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
-        return STREAM ? load_pack_policy<T, 8>(p, policy) : load_pack<T, 8>(p);
+        if constexpr (STREAM)
+            load_words_policy(wb, p, policy);
+        else
+            load_words(wb, p);
     };
     // B's first units before A's copies: issued after them, ptxas moved these loads past the wait for
     // the copies (nvdisasm: LDGSTS, DEPBAR, then the 16 LDG.E.128), a full trip to L2 before B's first
-    Pack<T, 8> pb[U];
+    u32 b0[U][4], b1[U][4];
 #pragma unroll
-    for (int u = 0; u < U; ++u) pb[u] = load_b(min(lo + u, last));  // past the last unit: the last again
+    for (int u = 0; u < U; ++u) load_b(b0[u], lo + u);
 #pragma unroll 4  // (a rolled loop, K = 5504's, had ptxas move B's loads past the wait again)
     for (int p = threadIdx.x; p < nr * 4 * S; p += blockDim.x) {  // 4 S packs of 8 elements a row
         const int r = p / (4 * S), k = 8 * (p % (4 * S));
@@ -294,17 +310,26 @@ __device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr,
     if (lo >= hi) return;  // (fewer units than warps)
     const T* ar = as + min(g, nr - 1) * aps + 8 * q;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i0 = lo; i0 < hi; i0 += U) {
-        Pack<T, 8> nb[U];  // the next U units, in flight while these multiply
+    for (int i0 = lo; i0 < hi; i0 += 2 * U) {  // two rounds of B, as mma_skinny
 #pragma unroll
-        for (int u = 0; u < U; ++u) nb[u] = load_b(min(i0 + U + u, last));
+        for (int u = 0; u < U; ++u) load_b(b1[u], i0 + U + u);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int i = i0 + u;
-            if (i < hi) skinny_unit<T, S>(c, load_pack<T, 8>(ar + 32 * (i % S)), pb[u], i, last, partial, warp, lane);
+            if (i0 + u >= hi) break;
+            u32 wa[4];
+            load_words(wa, ar + 32 * ((i0 + u) % S));
+            skinny_unit<T, S>(c, wa, b0[u], i0 + u, last, partial, warp, lane);
         }
+        if (i0 + U >= hi) break;
 #pragma unroll
-        for (int u = 0; u < U; ++u) pb[u] = nb[u];
+        for (int u = 0; u < U; ++u) load_b(b0[u], i0 + 2 * U + u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (i0 + U + u >= hi) break;
+            u32 wa[4];
+            load_words(wa, ar + 32 * ((i0 + U + u) % S));
+            skinny_unit<T, S>(c, wa, b1[u], i0 + U + u, last, partial, warp, lane);
+        }
     }
 }
 
