@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+import megaloop.codegen.emit_attention as emit_attention
 import megaloop.codegen.emit_matmul as emit_matmul
 import megaloop.codegen.kernel as kernel
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
@@ -35,6 +36,7 @@ from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
 MODULES = {
+    "SPLIT_KEY_STEPS": emit_attention,
     "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
     "SKINNY_A_SHARED_BYTES": emit_matmul,
     "SKINNY_A_SHARED_SLICES": emit_matmul,
@@ -45,6 +47,9 @@ DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
 VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
+    # the split-key attention keeps 4 (8) steps of keys in flight, a ring of 32-bit words
+    "keys4": {"SPLIT_KEY_STEPS": 4},
+    "keys8": {"SPLIT_KEY_STEPS": 8},
     # the skinny tiles' rows of A copied into shared memory first, 16 (or 8) units of B in flight a warp
     "a_shared": {"SKINNY_A_SHARED_BYTES": 64 * 1024},
     "a_shared_u8": {"SKINNY_A_SHARED_BYTES": 64 * 1024, "SKINNY_A_SHARED_SLICES": 8},
