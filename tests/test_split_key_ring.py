@@ -61,7 +61,9 @@ def test_the_ring_keeps_its_loads_in_flight(steps: int, monkeypatch) -> None:
 @pytest.mark.parametrize("sequences", [1, 4])
 def test_same_bits_as_one_step(sequences: int, monkeypatch) -> None:
     """The same keys in the same order through the same arithmetic: the same bits as the one-step
-    kernel, and close to the CPU reference."""
+    kernel, and close to the CPU reference. The caches hold random keys and values (a step reading the
+    wrong row changes the result) and the sequences sit at different positions (full, short and empty
+    key ranges of the tiles' splits)."""
     from megaloop.runtime.loop import LoopKernel
 
     cfg = layer_config(2048, 1)
@@ -69,17 +71,18 @@ def test_same_bits_as_one_step(sequences: int, monkeypatch) -> None:
     rng = np.random.default_rng(sequences)
     feeds = {
         "hidden": rng.standard_normal((sequences, 1, 2048)).astype(np.float32),
-        "positions": np.full((sequences, 1), CONTEXT),
+        "positions": np.array([[CONTEXT], [3], [100], [0]][:sequences]),
     }
     g = build_llama(cfg, sequences, 1)
-    with LoopKernel(make_plan(g, processors=132), params) as k:
+    state = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), t.dtype) for n, t in g.states.items()}
+    with LoopKernel(make_plan(g, processors=132), params, state) as k:
         want = k.run(feeds)["hidden"]
     monkeypatch.setattr(emit_attention, "SPLIT_KEY_STEPS", 4)
     plan = make_plan(g, processors=132)
     assert "constexpr int PF = 4;" in generate(plan).source
-    with LoopKernel(plan, params) as k:
+    with LoopKernel(plan, params, state) as k:
         got = k.run(feeds)["hidden"]
     assert np.array_equal(got, want), f"worst {np.max(np.abs(got.astype(float) - want.astype(float)))}"
-    ref = ml.evaluate(g, feeds, params).outputs["hidden"].astype(np.float64)
+    ref = ml.evaluate(g, feeds, params, state).outputs["hidden"].astype(np.float64)
     rel = np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref)
     assert rel < 1e-2, f"relative L2 difference {rel:.2e} from the CPU reference"
