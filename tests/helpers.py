@@ -171,3 +171,18 @@ def sass(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout
+
+
+def decode_layer_case(sequences: int, positions=None) -> tuple[ml.Graph, dict, dict]:
+    """bench/llama_layer.py's hidden-2048 decode layer for ``sequences`` sequences: (graph, parameters,
+    feeds), fresh random hidden states (seeded by the count) at position CONTEXT unless ``positions``."""
+    from bench.llama_layer import CONTEXT, layer_config
+    from megaloop.models import build_llama, random_parameters
+
+    cfg = layer_config(2048, 1)
+    rng = np.random.default_rng(sequences)
+    feeds = {
+        "hidden": rng.standard_normal((sequences, 1, 2048)).astype(np.float32),
+        "positions": np.full((sequences, 1), CONTEXT) if positions is None else np.asarray(positions),
+    }
+    return build_llama(cfg, sequences, 1), random_parameters(cfg, seed=0), feeds

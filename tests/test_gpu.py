@@ -530,16 +530,9 @@ def test_staged_weights_decode_matches_the_reference(sequences: int) -> None:
     down tiles read weights the copy engine put in shared memory during their waits. Bitwise the same
     as without the switch (same products in the same order), close to the CPU reference, 100 runs
     bitwise the same."""
-    from bench.llama_layer import CONTEXT, layer_config
+    from tests.helpers import decode_layer_case
 
-    cfg = layer_config(2048, 1)
-    params = random_parameters(cfg, seed=0)
-    rng = np.random.default_rng(sequences)
-    feeds = {
-        "hidden": rng.standard_normal((sequences, 1, 2048)).astype(np.float32),
-        "positions": np.full((sequences, 1), CONTEXT),
-    }
-    g = build_llama(cfg, sequences, 1)
+    g, params, feeds = decode_layer_case(sequences)
     plan = make_plan(g, processors=132, tiles={"matmul": {"stage_weights": 1}})
     assert "ml::stage_wait" in generate(plan).source
     with loop_kernel(plan, params) as k:

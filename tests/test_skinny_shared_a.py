@@ -12,9 +12,8 @@ import pytest
 
 import megaloop as ml
 import megaloop.codegen.emit_matmul as emit_matmul
-from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
+from bench.llama_layer import dependent_decode_graph, layer_config
 from megaloop.codegen import generate
-from megaloop.models import build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import spills
 from megaloop.runtime.device import gpus
@@ -93,15 +92,9 @@ def test_same_bits_as_the_default_kernel(sequences: int, monkeypatch) -> None:
     global memory (the hidden-2048 decode layer, 1 and 4 sequences: 46.6 KB of dynamic shared memory,
     the launch that needed the opt-in), and close to the CPU reference."""
     from megaloop.runtime.loop import LoopKernel
+    from tests.helpers import decode_layer_case
 
-    cfg = layer_config(2048, 1)
-    params = random_parameters(cfg, seed=0)
-    rng = np.random.default_rng(sequences)
-    feeds = {
-        "hidden": rng.standard_normal((sequences, 1, 2048)).astype(np.float32),
-        "positions": np.full((sequences, 1), CONTEXT),
-    }
-    g = build_llama(cfg, sequences, 1)
+    g, params, feeds = decode_layer_case(sequences)
     with LoopKernel(make_plan(g, processors=132), params) as k:
         want = k.run(feeds)["hidden"]
     monkeypatch.setattr(emit_matmul, "SKINNY_A_SHARED_BYTES", 64 * 1024)

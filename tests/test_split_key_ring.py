@@ -14,7 +14,6 @@ import megaloop as ml
 import megaloop.codegen.emit_attention as emit_attention
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.codegen import generate
-from megaloop.models import build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import compile_cubin, spills
 from megaloop.runtime.device import gpus
@@ -65,15 +64,10 @@ def test_same_bits_as_one_step(sequences: int, monkeypatch) -> None:
     wrong row changes the result) and the sequences sit at different positions (full, short and empty
     key ranges of the tiles' splits)."""
     from megaloop.runtime.loop import LoopKernel
+    from tests.helpers import decode_layer_case
 
-    cfg = layer_config(2048, 1)
-    params = random_parameters(cfg, seed=0)
-    rng = np.random.default_rng(sequences)
-    feeds = {
-        "hidden": rng.standard_normal((sequences, 1, 2048)).astype(np.float32),
-        "positions": np.array([[CONTEXT], [3], [100], [0]][:sequences]),
-    }
-    g = build_llama(cfg, sequences, 1)
+    g, params, feeds = decode_layer_case(sequences, [[CONTEXT], [3], [100], [0]][:sequences])
+    rng = np.random.default_rng(sequences + 100)
     state = {n: ml.dtypes.round_to(rng.standard_normal(t.shape), t.dtype) for n, t in g.states.items()}
     with LoopKernel(make_plan(g, processors=132), params, state) as k:
         want = k.run(feeds)["hidden"]

@@ -445,6 +445,23 @@ def _attention_split(
             "            if (begin < range_lo) begin = range_lo;",
             "            if (end > range_hi) end = range_hi;",
         ]
+    # one step: its keys' scores (a key's lanes summed by shuffles), then the online softmax over them (kc,
+    # vv: the step's packs of keys and values)
+    step = [
+        "                float s = 0.0f;",
+        "                if (live) s = ml::dot(qpk, kc);",
+        "#pragma unroll",
+        "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
+        "                if (live) {",
+        f"                    s *= {scale};",
+        "                    const float mn = s > m ? s : m;",
+        "                    const float corr = expf(m - mn), p = expf(s - mn);",
+        "                    l = l * corr + p;",
+        "#pragma unroll",
+        "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
+        "                    m = mn;",
+        "                }",
+    ]
     lines += (
         [
             f"            if (end > {tk}) end = {tk};",
@@ -455,7 +472,8 @@ def _attention_split(
             f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
             # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
             # (scripts/decode_variants.py, H200: 74.7 / 153.2 us at 4 against 73.5 / 153.1 at 1, hidden 2048 /
-            # 4096; 8 steps made 4096 slower, 165 us): a decode tile's ~5 steps a warp are not what its ~6 us go to.
+            # 4096; 8 steps made 4096 slower, 165 us). Its machine code waited for each group's fresh loads
+            # (docs/runtime.md); SPLIT_KEY_STEPS is that ring again without the wait.
             # Nor were the steps themselves (59d405a: 2 or 4 packs of a key a lane, 4 or 8 keys a warp step,
             # 2-3 shuffle levels fewer: 77.9 / 78.0 against 75.6 / 76.3 us at hidden 2048, 148.7 / 150.6 against
             # 148.3 / 148.5 at 4096; 4 sequences 85.7 / 154.6 against 85.6 / 155.3).
@@ -476,19 +494,7 @@ def _attention_split(
                 f"                const ml::i64 jn = j + KPW < {tk} ? j + KPW : {tk - 1};",
                 f"                kn = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
                 f"                vn = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
-                "                float s = 0.0f;",
-                "                if (live) s = ml::dot(qpk, kc);",
-                "#pragma unroll",
-                "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
-                "                if (live) {",
-                f"                    s *= {scale};",
-                "                    const float mn = s > m ? s : m;",
-                "                    const float corr = expf(m - mn), p = expf(s - mn);",
-                "                    l = l * corr + p;",
-                "#pragma unroll",
-                "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
-                "                    m = mn;",
-                "                }",
+                *step,
                 "            }",
                 "        }",
             ]
@@ -513,19 +519,7 @@ def _attention_split(
                 f"                ml::Pack<{ct}, W> kc, vv;  // the slot's words as packs, where they are used",
                 "                memcpy(&kc, kw[st], sizeof kc);",
                 "                memcpy(&vv, vw[st], sizeof vv);",
-                "                float s = 0.0f;",
-                "                if (live) s = ml::dot(qpk, kc);",
-                "#pragma unroll",
-                "                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);",
-                "                if (live) {",
-                f"                    s *= {scale};",
-                "                    const float mn = s > m ? s : m;",
-                "                    const float corr = expf(m - mn), p = expf(s - mn);",
-                "                    l = l * corr + p;",
-                "#pragma unroll",
-                "                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * ml::get(vv, w);",
-                "                    m = mn;",
-                "                }",
+                *step,
                 "                // the slot is free: step j + PF KPW's keys into it",
                 f"                const ml::i64 jn = j + PF * KPW < {tk} ? j + PF * KPW : {tk - 1};",
                 f"                ml::load_words(kw[st], kp + jn * {k.strides[2]});",

@@ -183,23 +183,6 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
 }
 
 // ---- tiles of at most 8 rows (a few tokens): the task's columns x K shared evenly by its warps -----
-// 16 bytes as the four 32-bit words an mma takes: loaded as words, a pack feeds the mma as it is.
-// (Loaded as Pack<bf16, 8>, ptxas repacked each pack with PRMTs where the next round's packs were moved
-// into place at the end of every round, so each round waited there for the loads it had just issued:
-// one round of U units in flight, not two. nvdisasm of the hidden-2048 decode kernel, 6a1febc.)
-__device__ __forceinline__ void load_words(u32 (&w)[4], const void* p) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-}
-__device__ __forceinline__ void load_words_policy(u32 (&w)[4], const void* p, u64 policy) {
-    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "l"(p), "l"(policy));
-}
-
 // One unit of the skinny walk: its two mmas (A's words `wa` and B's `wb` as the two k halves), and at
 // the end of the warp's run of a group the sums into the group's partial-sum slot.
 template <typename T, int S>

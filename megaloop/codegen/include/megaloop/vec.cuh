@@ -28,17 +28,22 @@ __device__ __forceinline__ u64 evict_first_policy() {
     return policy;
 }
 
-// a 16-byte pack loaded under an L2 policy (evict_first_policy)
-template <class T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack_policy(const T* p, u64 policy) {
-    static_assert(sizeof(T) * N == 16, "16-byte packs");
-    Pack<T, N> x;
-    u32 w[4];
+// 16 bytes as four 32-bit words (an mma's operands, a ring of loads in flight): loaded as words, they are
+// used as they are; load_words_policy under an L2 policy (evict_first_policy).
+// (Loaded as Pack<bf16, 8>, ptxas repacked each pack with PRMTs where the next round's packs were moved
+// into place at the end of every round, so each round waited there for the loads it had just issued:
+// one round of U units in flight, not two. nvdisasm of the hidden-2048 decode kernel, 6a1febc.)
+__device__ __forceinline__ void load_words(u32 (&w)[4], const void* p) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+}
+__device__ __forceinline__ void load_words_policy(u32 (&w)[4], const void* p, u64 policy) {
     asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                  : "l"(p), "l"(policy));
-    memcpy(&x, w, sizeof x);
-    return x;
 }
 
 template <class T, int N>
