@@ -41,6 +41,7 @@ MODULES = {
     "SKINNY_A_SHARED_BYTES": emit_matmul,
     "SKINNY_A_SHARED_SLICES": emit_matmul,
     "SLOT_WAITS": kernel,
+    "POLL_SLEEP_NS": kernel,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
@@ -61,6 +62,10 @@ VARIANTS = {
     "stage_weights": {"tiles": {"matmul": {"stage_weights": 1}}},
     # every wait of a decode step's tasks copied into the slot ahead (megaloop/loop.cuh SLOT_WAITS)
     "slot_waits128": {"SLOT_WAITS": 128},
+    # the longest sleep between two polls of a wait's counters (megaloop/loop.cuh; 256 ns by default)
+    "poll64": {"POLL_SLEEP_NS": 64},
+    "poll0": {"POLL_SLEEP_NS": 0},
+    "poll0_slots128": {"POLL_SLEEP_NS": 0, "SLOT_WAITS": 128},
     "default_again": {},
 }
 

@@ -687,7 +687,8 @@ def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
 
 def test_more_waits_in_the_slot_compile_and_leave_default_kernels_alone(monkeypatch) -> None:
     """kernel.SLOT_WAITS (an experiment for scripts/decode_variants.py): 128 waits copied into each task
-    slot ahead instead of 16; kernels at the default are the same text as before."""
+    slot ahead instead of 16; kernel.POLL_SLEEP_NS: shorter sleeps between polls, or none; kernels at the
+    defaults are the same text as before."""
     import megaloop.codegen.kernel as kernel
     from bench.llama_layer import dependent_decode_graph, layer_config
     from megaloop.runtime.compile import spills
@@ -701,6 +702,12 @@ def test_more_waits_in_the_slot_compile_and_leave_default_kernels_alone(monkeypa
     assert "#define ML_SLOT_WAITS 128\n" in src
     assert src.replace("#define ML_SLOT_WAITS 128\n", "") == default
     assert spills(src) == {}
+    monkeypatch.setattr(kernel, "SLOT_WAITS", 16)
+    for sleep in (0, 64):  # kernel.POLL_SLEEP_NS: the longest sleep between polls (0: none)
+        monkeypatch.setattr(kernel, "POLL_SLEEP_NS", sleep)
+        src = generate(plan).source
+        assert src.replace(f"#define ML_POLL_SLEEP_NS {sleep}\n", "") == default
+        assert spills(src) == {}
 
 
 @pytest.mark.parametrize(

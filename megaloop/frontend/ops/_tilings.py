@@ -170,9 +170,16 @@ def _narrowed(bn: int, bm: int, n: int, k: int, rows: int, processors: int, para
     columns: 8 x k weights is still a sizeable task) to the width that finishes soonest: rounds of
     tasks over the processors times the time of one task, its columns plus a fixed cost per task
     (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
-    k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run)."""
+    k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
+    Matrix-vector products of many tiles (an LM head) take the width that fills their last round best,
+    by the same cost: Llama-3.2-1B's 128256 columns were 501 tiles of 256, 3.8 rounds (the last one for
+    105 of 132 processors), now 518 of 248 (4 rounds, 992 columns the busiest processor against 1024)."""
+    fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
     if rows * math.ceil(n / bn) >= processors:
-        return bn
+        if bm >= 16:
+            return bn
+        widths = range(bn - bn % MIN_BLOCK_N, MIN_BLOCK_N - 1, -MIN_BLOCK_N)
+        return min([bn, *widths], key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
     narrowest = MIN_BLOCK_N if bm < 16 else MIN_BLOCK_N_TILED  # a tall tile re-reads A per column tile
     if params["tensor_cores"] and params["wgmma"] and bm >= 64:
         narrowest = MIN_BLOCK_N_WGMMA  # narrower tiles would leave wgmma for mma.sync
@@ -180,7 +187,6 @@ def _narrowed(bn: int, bm: int, n: int, k: int, rows: int, processors: int, para
     if bm < 16:  # matrix-vector tiles take any multiple of 8 columns: 5504 columns on 132 SMs are
         # 115 tiles of 48 (one round) where powers of two gave 86 of 64 (an SM streams 64 columns)
         widths += [w for w in range(narrowest, bn, MIN_BLOCK_N) if w not in widths]
-    fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
     return min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
 
 

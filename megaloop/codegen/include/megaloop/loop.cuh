@@ -191,6 +191,11 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
 // lanes with acquire loads (each completes before the next load starts) still left ~5 us between a
 // 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
 constexpr int WAIT_BATCH = 4;
+// The longest sleep between two polls of a wait's counters, in ns (the sleeps double from 32 up to it);
+// 0: no sleep, the polls back to back. A generated kernel may ask for another (kernel.py POLL_SLEEP_NS).
+#ifndef ML_POLL_SLEEP_NS
+#define ML_POLL_SLEEP_NS 256
+#endif
 __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc) {
     // The abort flag is read while polling, not before: a task whose producers are done runs anyway
     // (the iteration's end or the next wait that cannot be met notices the abort), and the flag's L2
@@ -251,10 +256,12 @@ __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int pr
                 ok = false;
                 break;
             }
-            __nanosleep(backoff);
             // short: a dependency's latency is on the critical path of every decode step, and the
             // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
-            backoff = backoff < 256 ? backoff * 2 : 256;
+            if (ML_POLL_SLEEP_NS > 0) {
+                __nanosleep(backoff);
+                backoff = backoff * 2 < ML_POLL_SLEEP_NS ? backoff * 2 : ML_POLL_SLEEP_NS;
+            }
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j)
                 if (seen[j] < target[j]) seen[j] = peer[j] ? load_relaxed_sys(c[j]) : load_relaxed(c[j]);
