@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import megaloop as ml
 from bench.common import matmul_tiles, resident_seconds, time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import auto_kv_splits, decoder_layer
+from megaloop.models.llama import auto_kv_splits, decoder_layer_parts
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -87,8 +87,8 @@ def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | st
     g = ml.Graph("llama-layer-dependent")
     positions = g.input("positions", (x0.shape[0], 1), "int64")
     x = g.state("hidden", (x0.shape[0], 1, cfg.hidden), cfg.dtype, init=x0)
-    y = decoder_layer(g, cfg, x, positions, 0, kv_splits)
-    y = ml.rmsnorm(y, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
+    h, update = decoder_layer_parts(g, cfg, x, None, positions, 0, kv_splits)
+    y = ml.rmsnorm(h, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps, residual=update)
     g.output("hidden", y)
     g.assign(x, y)
     return g

@@ -418,6 +418,35 @@ row(
     reduce_len=lambda s: s.shapes[0][-1],
 )
 
+
+# With a residual: the norm of x + residual as an add would have stored it (rounded to the dtype);
+# short rows (warp paths), long ones (block path, the residual streaming through its own ring), odd
+# lengths (the element-by-element path)
+def _residual_sample(lengths: tuple[int, ...], nparams: int) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        x = rand_shape(rng, 1, 3) + (int(rng.choice(lengths)),)
+        return Sample([x, x] + [(x[-1],)] * nparams)
+
+    return sample
+
+
+row(
+    "rmsnorm",
+    "residual",
+    lambda g, x, r, w: ml.rmsnorm(x, w, eps=1e-6, residual=r),
+    lambda x, r, w, dtype, **k: F.rms_norm(rnd(x + r, dtype), x.shape[-1:], w, eps=1e-6),
+    _residual_sample((5, 64, 2048, 3080), 1),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "layernorm",
+    "residual",
+    lambda g, x, r, w, b: ml.layernorm(x, w, b, eps=1e-5, residual=r),
+    lambda x, r, w, b, dtype, **k: F.layer_norm(rnd(x + r, dtype), x.shape[-1:], w, b, eps=1e-5),
+    _residual_sample((7, 96, 2048), 2),
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+
 # Rows of 128 packs (16 bytes) or more take the block-per-row path (codegen/emit.py BLOCK_ROW_PACKS);
 # lengths not a multiple of the block's threads leave some threads with fewer packs.
 row(

@@ -181,3 +181,44 @@ def test_generator_feeds_itself_the_same_tokens_as_host_steps() -> None:
     assert np.array_equal(ref.state["token"][:, 0], token) and (ref.state["position"] == 9).all()
     planned = run_plan(make_plan(gen, processors=5), {}, params, start, iterations=4, seed=2)
     assert planned.state["generated"].tobytes() == ref.state["generated"].tobytes()
+
+
+def test_norms_do_not_wait_for_the_residual_add() -> None:
+    """build_llama's norms take the residual stream's last update as their ``residual`` operand
+    (decoder_layer_parts): each reads the sublayer's output (its last matmul) itself, not the add of it
+    to the stream, so none waits for that add on a decode step's critical path; the adds still feed the
+    next residual. The logits are test_two_layer_block's (the
+    same values: rmsnorm rounds x + residual as the add does): here against the graph that norms the
+    adds' outputs, bit for bit."""
+    from megaloop.models.llama import decoder_layer
+
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
+    g = build_llama(cfg, 1, 1)
+    norms = [n for n in g.nodes if n.op.name == "rmsnorm"]
+    assert len(norms) == 2 * cfg.layers + 1
+    assert len(norms[0].inputs) == 2 and norms[0].inputs[0].node.op.name == "embedding"
+    for n in norms[1:]:  # x, weight, residual: one of x and residual the sublayer's matmul, not an add of it
+        stream = {n.inputs[0].node.op.name, n.inputs[2].node.op.name} - {"matmul"}
+        assert len(n.inputs) == 3 and len(stream) == 1 and stream <= {"add", "embedding"}, n
+        for add in (t.node for t in n.inputs if t.node.op.name == "add"):
+            assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
+
+    summed = ml.Graph("summed")  # the same layers through decoder_layer, which norms the adds' outputs
+    tokens = summed.input("tokens", (1, 1), "int64")
+    positions = summed.input("positions", (1, 1), "int64")
+    x = ml.embedding(summed.parameter("model.embed_tokens.weight", (40, 64), cfg.dtype), tokens)
+    for layer in range(cfg.layers):
+        x = decoder_layer(summed, cfg, x, positions, layer)
+    x = ml.rmsnorm(x, summed.parameter("model.norm.weight", (64,), cfg.dtype), eps=cfg.rms_eps)
+    summed.output("logits", ml.linear(x, summed.parameter("lm_head.weight", (40, 64), cfg.dtype)))
+    params = random_parameters(cfg, seed=2)
+    rng = np.random.default_rng(2)
+    state = {
+        name: rng.standard_normal(t.shape).astype(np.float32) * 0.5
+        for name, t in g.states.items()
+        if name in summed.states
+    }
+    feeds = {"tokens": np.array([[7]]), "positions": np.array([[5]])}
+    want = ml.evaluate(summed, feeds, params, state).outputs["logits"]
+    got = ml.evaluate(g, feeds, params, state).outputs["logits"]
+    assert got.tobytes() == want.tobytes(), np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))

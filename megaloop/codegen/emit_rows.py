@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megaloop.codegen.emit import Operand, float_literal, index_expr, pointers
+from megaloop.frontend.ops.normalization import LAYERNORM_OPERANDS, RMSNORM_OPERANDS
+
+NORM_OPERANDS = {"layernorm": LAYERNORM_OPERANDS, "rmsnorm": RMSNORM_OPERANDS}  # after x, by name
 
 # A row of at least this many 16-byte packs is spread over the whole block (held in registers, one
 # DRAM read, block-wide reductions); shorter rows get a warp each. Decode's rmsnorm over 2048 bf16 on
@@ -43,20 +46,32 @@ SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store 
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
 
 
-def _packed_rows(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tuple[int, int] | None:
+def norm_inputs(op: str, attrs: dict[str, Any]) -> dict[str, int]:
+    """A norm's present operands after x by name -> their index in the op's inputs."""
+    absent = attrs.get("absent", ())
+    present = [nm for k, nm in enumerate(NORM_OPERANDS.get(op, ()), start=1) if k not in absent]
+    return {nm: i for i, nm in enumerate(present, start=1)}
+
+
+def _residual(op: str, attrs: dict[str, Any]) -> int | None:
+    """The input index of a norm's residual (added to x before normalising), or None."""
+    return norm_inputs(op, attrs).get("residual")
+
+
+def _packed_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tuple[int, int] | None:
     """(width, packs a row) of the packed paths' rows, or None when a row is not whole aligned packs
     along the last axis."""
     x = ins[0]
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
     width = 16 // max(o.dtype.itemsize for o in ins + [out])
+    res = _residual(op, attrs)
+    rows_like = [x, out] + ([ins[res]] if res else [])  # laid out in rows of x's shape
     packed = (
         axis == nd - 1
         and x.shape[axis] % width == 0
-        and x.strides[-1] == 1
-        and out.strides[-1] == 1
-        and all(st % width == 0 for st in x.strides[:-1] + out.strides[:-1])
-        and all(o.strides[0] == 1 for o in ins[1:])
+        and all(o.strides[-1] == 1 and all(st % width == 0 for st in o.strides[:-1]) for o in rows_like)
+        and all(o.strides[0] == 1 for k, o in enumerate(ins) if k and k != res)
     )
     return (width, x.shape[axis] // width) if packed else None
 
@@ -79,14 +94,14 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
     """The block-per-row layout, or None when the op takes the warp-per-row paths (``attrs["codegen"]``:
     the plan's ``shared_memory`` per block, ``threads`` a block, the largest tile's ``elements``)."""
     hints = attrs.get("codegen", {})
-    packed = _packed_rows(attrs, ins, out)
+    packed = _packed_rows(op, attrs, ins, out)
     block = hints.get("threads", BLOCK_ROW_MIN_THREADS)
     if packed is None or block < BLOCK_ROW_MIN_THREADS or block % 32:
         return None  # (a block of fewer threads never takes the block path: no ring to reserve)
     width, packs = packed
     if packs < BLOCK_ROW_PACKS or -(-packs // block) > BLOCK_ROW_MAX_PACKS_PER_THREAD:
         return None
-    row = packs * 16
+    row = packs * 16 * (2 if _residual(op, attrs) else 1)  # a residual's row streams beside x's
     ring = min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, hints.get("shared_memory", 0) * 3 // 4 // row)
     # no more slots than the op's largest tile has rows (decode: one row, one slot; the ring's loop is
     # unrolled once per slot, and that code is fetched afresh every iteration)
@@ -110,7 +125,7 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
 
 def rows_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     layout = block_rows(op, attrs, ins, out)
-    return layout.ring * layout.packs * 16 if layout else 0
+    return layout.ring * layout.packs * 16 * (2 if _residual(op, attrs) else 1) if layout else 0
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -124,7 +139,7 @@ def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> li
     body = pointers(ins + [out], len(ins))
     body.append("ml::Task rowt = t;")
     body.append(f"rowt.hi[{axis}] = rowt.lo[{axis}] + 1;  // iterate the box without the row axis")
-    packed = _packed_rows(attrs, ins, out)
+    packed = _packed_rows(op, attrs, ins, out)
     if packed:
         width = packed[0]
         checks = " && ".join(
@@ -171,6 +186,9 @@ def _row_program(
     others = [f"o[{d}]" if d != axis else None for d in range(nd)]
     xs, os_ = x.strides[axis], out.strides[axis]
     held = block.held if block else 0
+    res = _residual(op, attrs)  # x + residual is the row (rounded to x's dtype, as an add would store it)
+    rb_out = ", ml::i64& rb" if res else ""
+    rb_arg = ", rb" if res else ""
     if block:
         G, T, packs = block.groups, block.threads, block.packs
         S = block.ring // G  # slots a group
@@ -182,11 +200,12 @@ def _row_program(
         full = packs == held * T
         head = [
             f"const int nrows = ml::box_count<{nd}>(rowt);",
-            "auto row_at = [&](int e, ml::i64& xb, ml::i64& ob) {",
+            f"auto row_at = [&](int e, ml::i64& xb, ml::i64& ob{rb_out}) {{",
             f"    int o[{nd + 1}];",
             f"    ml::box_index<{nd}>(rowt, e, o);",
             f"    xb = {index_expr(x.strides, others)};",
             f"    ob = {index_expr(out.strides, others)};",
+            *([f"    rb = {index_expr(ins[res].strides, others)};"] if res else []),
             "};",
             "int rk = 0;  // group reductions so far: which half of red the next one uses (one barrier each)",
             f"const int g = {'0' if G == 1 else f'threadIdx.x / {T}'};  // this thread's group: rows g, g + {G}, ...",
@@ -198,15 +217,28 @@ def _row_program(
             "// no barrier guards a slot",
             "extern __shared__ float4 ml_smem4[];",
             f"{pack}* slots = reinterpret_cast<{pack}*>(ml_smem4);",
+            *(
+                [f"{pack}* rslots = slots + {block.ring * packs};  // the residual's rows, slot for slot"]
+                if res
+                else []
+            ),
             "auto fetch = [&](int e, int slot) {  // one commit group a row, empty past the last row (the count",
             "    if (e < nrows) {                 // of groups in flight stays in step with the rows)",
-            "        ml::i64 xb, ob;",
-            "        row_at(e, xb, ob);",
+            f"        ml::i64 xb, ob{rb_arg};",
+            f"        row_at(e, xb, ob{rb_arg});",
             "#pragma unroll",
             f"        for (int u = 0; u < {held}; ++u) {{",
             f"            const int pk = tg + u * {T};",
             f"            {'' if full else f'if (pk < {packs}) '}ml::cp_async16(slots + slot * {packs} + pk, "
             f"in0 + xb + pk * {width}, true);",
+            *(
+                [
+                    f"            {'' if full else f'if (pk < {packs}) '}ml::cp_async16(rslots + slot * {packs} + pk, "
+                    f"in{res} + rb + pk * {width}, true);"
+                ]
+                if res
+                else []
+            ),
             "        }",
             "    }",
             "    ml::cp_async_commit();",
@@ -220,8 +252,8 @@ def _row_program(
             f"for (int d = 0; d < {S}; ++d) {{",
             f"    const int e = g + {G} * (i0 + d);",
             "    if (e >= nrows) break;  // (the same for the whole group: its barriers stay matched)",
-            "    ml::i64 xb, ob;",
-            "    row_at(e, xb, ob);",
+            f"    ml::i64 xb, ob{rb_arg};",
+            f"    row_at(e, xb, ob{rb_arg});",
             f"    ml::cp_async_wait<{S - 1}>();  // this thread's packs of row e have landed",
             f"    {pack} px[{held}];  // row e",
             "#pragma unroll",
@@ -230,6 +262,14 @@ def _row_program(
             f"        px[u] = slots[(g * {S} + d) * {packs} + pk];"
             if full
             else f"        px[u] = pk < {packs} ? slots[(g * {S} + d) * {packs} + pk] : {pack}{{}};",
+            *(
+                [
+                    f"        {'' if full else f'if (pk < {packs}) '}px[u] = ml::add_rounded(px[u], "
+                    f"rslots[(g * {S} + d) * {packs} + pk]);"
+                ]
+                if res
+                else []
+            ),
             "    }",
         ]
         refill = [
@@ -243,6 +283,7 @@ def _row_program(
             f"ml::for_box_warps<{nd}>(rowt, [&](const int* o, int lane) {{",
             f"    const ml::i64 xb = {index_expr(x.strides, others)};",
             f"    const ml::i64 ob = {index_expr(out.strides, others)};",
+            *([f"    const ml::i64 rb = {index_expr(ins[res].strides, others)};"] if res else []),
         ]
         footer = ["});"]
 
@@ -289,6 +330,18 @@ def _row_program(
             ]
         return [f"    float {name} = {terms[0]};"]
 
+    def scalar_row_value() -> str:
+        """The row's element j (float) on the element-by-element path: x's, plus the residual's."""
+        if res:
+            rs = ins[res].strides[axis]
+            return f"ml::add_rounded(in0 + xb + (ml::i64)j * {xs}, in{res} + rb + (ml::i64)j * {rs})"
+        return f"ml::load(in0 + xb + (ml::i64)j * {xs})"
+
+    def packed_row_value() -> str:
+        """The row's pack at j0 on the warp-per-row packed path: x's, plus the residual's."""
+        load = f"ml::load_pack<{x.ctype}, {width}>(in0 + xb + j0)"
+        return f"ml::add_rounded({load}, ml::load_pack<{x.ctype}, {width}>(in{res} + rb + j0))" if res else load
+
     def each(statement: str, need_v: bool = True) -> list[str]:
         """Run ``statement`` for every element j of the row, with v = x[j] (float) when asked."""
         if held:
@@ -298,13 +351,11 @@ def _row_program(
                 f"{'const float v = ml::get(px[u], q); ' if need_v else ''}{statement} }}",
             )
         if width == 1:
-            load = f"const float v = ml::load(in0 + xb + (ml::i64)j * {xs}); " if need_v else ""
+            load = f"const float v = {scalar_row_value()}; " if need_v else ""
             return [f"    for (int j = lane; j < {n}; j += 32) {{ {load}{statement} }}"]
         out_lines = [f"    for (int j0 = lane * {width}; j0 < {n}; j0 += 32 * {width}) {{"]
         if need_v:
-            out_lines.append(
-                f"        const ml::Pack<{x.ctype}, {width}> px = ml::load_pack<{x.ctype}, {width}>(in0 + xb + j0);"
-            )
+            out_lines.append(f"        const ml::Pack<{x.ctype}, {width}> px = {packed_row_value()};")
         out_lines.append("#pragma unroll")
         out_lines.append(
             f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; (void)j; "
@@ -329,7 +380,7 @@ def _row_program(
             return each(f"ml::store(out0 + ob + (ml::i64)j * {os_}, {value});")
         return [
             f"    for (int j0 = lane * {width}; j0 < {n}; j0 += 32 * {width}) {{",
-            f"        const ml::Pack<{x.ctype}, {width}> px = ml::load_pack<{x.ctype}, {width}>(in0 + xb + j0);",
+            f"        const ml::Pack<{x.ctype}, {width}> px = {packed_row_value()};",
             f"        ml::Pack<{out.ctype}, {width}> po;",
             "#pragma unroll",
             f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; const float v = ml::get(px, q); "
@@ -409,10 +460,8 @@ def _row_program(
         lines.append("    const float inv_s = 1.0f / s;")
         lines += store_each("expf(v - m) * inv_s" if op == "softmax" else "(v - m) - logf(s)")
     else:
-        absent = attrs.get("absent", ())
-        names = ("weight", "bias") if op == "layernorm" else ("weight",)
-        present = [nm for k, nm in enumerate(names, start=1) if k not in absent]
-        wk = {nm: present.index(nm) + 1 for nm in present}
+        wk = norm_inputs(op, attrs)
+        present = [nm for nm in wk if nm != "residual"]  # the affine parameters
         eps = float_literal(attrs["eps"])
         if op == "layernorm":
             lines += acc_init("s", "0.0f")

@@ -141,7 +141,10 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     tiles = []
     for i, box in enumerate(chunks(outer, _chunk_elements(params, outer, ctx, x.shape[axis]))):
         xbox = Box(box.lo[:axis] + (0,) + box.lo[axis:], box.hi[:axis] + (x.shape[axis],) + box.hi[axis:])
-        reads = (Read(0, xbox),) + tuple(Read(k, Box.full(t.shape)) for k, t in enumerate(node.inputs) if k)
+        # a norm's residual (x's shape) is read in x's box, its weight and bias (the row's length) whole
+        reads = (Read(0, xbox),) + tuple(
+            Read(k, xbox if t.shape == x.shape else Box.full(t.shape)) for k, t in enumerate(node.inputs) if k
+        )
         tiles.append(Tile((i,), reads, (Write(0, xbox),), flops=5 * xbox.size))
     return tiles
 

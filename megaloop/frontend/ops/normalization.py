@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
@@ -85,6 +86,14 @@ def _norm_infer(call: OpCall) -> list[OutSpec]:
         raise call.error(ShapeError, "x must have at least one axis (the normalised last axis)")
     for i in range(1, len(call.operands)):
         p = call.operands[i]
+        if call.name(i) == "residual":
+            if p.shape != x.shape or p.dtype != x.dtype:
+                raise call.error(
+                    ShapeError if p.shape != x.shape else DtypeError,
+                    f"residual is {p.dtype.name} {format_shape(p.shape)} but must be x's "
+                    f"{x.dtype.name} {format_shape(x.shape)} (it is added to x before normalising)",
+                )
+            continue
         if p.shape != (x.shape[-1],):
             raise call.error(
                 ShapeError,
@@ -100,9 +109,21 @@ def _norm_infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(x.shape, x.dtype)]
 
 
-def _affine(y: np.ndarray, arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> np.ndarray:
+def _operands(arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The present operands by name (``names``: the op's after x), arrays in the compute dtype."""
     present = [n for i, n in enumerate(names, start=1) if i not in attrs.get("absent", ())]
-    params = dict(zip(present, (to_compute(a) for a in arrays[1:])))
+    return dict(zip(present, (to_compute(a) for a in arrays[1:])))
+
+
+def _rows_of(arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> np.ndarray:
+    """x, or x + residual rounded to x's dtype where a residual is given (what an add would store)."""
+    x = arrays[0]
+    residual = _operands(arrays, attrs, names).get("residual")
+    return to_compute(x) if residual is None else to_compute(round_to(to_compute(x) + residual, as_dtype(x.dtype)))
+
+
+def _affine(y: np.ndarray, arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> np.ndarray:
+    params = _operands(arrays, attrs, names)
     if "weight" in params:
         y = y * params["weight"]
     if "bias" in params:
@@ -110,20 +131,24 @@ def _affine(y: np.ndarray, arrays: list[np.ndarray], attrs: dict[str, Any], name
     return y
 
 
+LAYERNORM_OPERANDS = ("weight", "bias", "residual")
+RMSNORM_OPERANDS = ("weight", "residual")
+
+
 def _layernorm_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
-    x = to_compute(arrays[0])
+    x = _rows_of(arrays, attrs, LAYERNORM_OPERANDS)
     mu = np.mean(x, axis=-1, keepdims=True)
     d = x - mu
     var = np.mean(d * d, axis=-1, keepdims=True)
     y = d / np.sqrt(var + np.float32(attrs["eps"]))
-    return _affine(y, arrays, attrs, ("weight", "bias"))
+    return _affine(y, arrays, attrs, LAYERNORM_OPERANDS)
 
 
 def _rmsnorm_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
-    x = to_compute(arrays[0])
+    x = _rows_of(arrays, attrs, RMSNORM_OPERANDS)
     ms = np.mean(x * x, axis=-1, keepdims=True)
     y = x / np.sqrt(ms + np.float32(attrs["eps"]))
-    return _affine(y, arrays, attrs, ("weight",))
+    return _affine(y, arrays, attrs, RMSNORM_OPERANDS)
 
 
 LAYERNORM = register(
@@ -131,8 +156,9 @@ LAYERNORM = register(
         name="layernorm",
         kind="compute",
         category="normalization",
-        doc="(x - mean) / sqrt(var + eps) over the last axis (biased variance), then * weight + bias when given.",
-        operands=("x", "weight", "bias"),
+        doc="(x - mean) / sqrt(var + eps) over the last axis (biased variance), then * weight + bias when given; "
+        "with a residual, of x + residual rounded to x's dtype (what an add would store).",
+        operands=("x", *LAYERNORM_OPERANDS),
         infer=_norm_infer,
         reference=_layernorm_ref,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
@@ -146,8 +172,9 @@ RMSNORM = register(
         kind="compute",
         category="normalization",
         doc="x / sqrt(mean(x**2) + eps) over the last axis, then * weight when given "
-        "(one rounding at the end; Llama's RMSNorm).",
-        operands=("x", "weight"),
+        "(one rounding at the end; Llama's RMSNorm); with a residual, of x + residual rounded to x's "
+        "dtype (what an add would store).",
+        operands=("x", *RMSNORM_OPERANDS),
         infer=_norm_infer,
         reference=_rmsnorm_ref,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
@@ -164,12 +191,29 @@ def _eps(op: OpDef, eps: Any) -> float:
     return value
 
 
-def layernorm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *, eps: float = 1e-5) -> Tensor:
-    operands = [x] + [t for t in (weight, bias) if t is not None]
-    absent = tuple(i for i, t in ((1, weight), (2, bias)) if t is None)
-    return apply(LAYERNORM, operands, eps=_eps(LAYERNORM, eps), **({"absent": absent} if absent else {}))
+# residual: the norm of x + residual, rounded to x's dtype as an add would store it, without waiting
+# for that add: a transformer layer's norm of its residual stream (h = x + attention(...); norm(h))
+# becomes norm(attention(...), residual=x) beside h = x + attention(...), which only the next residual
+# add reads (megaloop.models.llama): on a decode step one task and one dependency fewer on the critical
+# path, twice a layer.
 
 
-def rmsnorm(x: Tensor, weight: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
-    operands = [x] if weight is None else [x, weight]
-    return apply(RMSNORM, operands, eps=_eps(RMSNORM, eps), **({"absent": (1,)} if weight is None else {}))
+def _norm(op: OpDef, x: Tensor, optional: dict[str, Tensor | None], eps: float) -> Tensor:
+    operands = [x] + [t for t in optional.values() if t is not None]
+    absent = tuple(i for i, t in enumerate(optional.values(), start=1) if t is None)
+    return apply(op, operands, eps=_eps(op, eps), **({"absent": absent} if absent else {}))
+
+
+def layernorm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    eps: float = 1e-5,
+    residual: Tensor | None = None,
+) -> Tensor:
+    return _norm(LAYERNORM, x, {"weight": weight, "bias": bias, "residual": residual}, eps)
+
+
+def rmsnorm(x: Tensor, weight: Tensor | None = None, *, eps: float = 1e-6, residual: Tensor | None = None) -> Tensor:
+    return _norm(RMSNORM, x, {"weight": weight, "residual": residual}, eps)

@@ -74,6 +74,22 @@ __device__ __forceinline__ bool get(const Pack<bool, N>& p, int i) { return p.v[
 template <class T, int N, class V>
 __device__ __forceinline__ void set(Pack<T, N>& p, int i, V value) { store(&p.v[i], value); }
 
+// a + b element by element, each sum rounded to T as storing it would round it: a norm's row plus its
+// residual, the values an add op would have stored (megaloop/codegen/emit_rows.py)
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> add_rounded(const Pack<T, N>& a, const Pack<T, N>& b) {
+    Pack<T, N> s;
+#pragma unroll
+    for (int i = 0; i < N; ++i) set(s, i, get(a, i) + get(b, i));
+    return s;
+}
+template <class T>
+__device__ __forceinline__ float add_rounded(const T* a, const T* b) {
+    Pack<T, 1> s;
+    set(s, 0, load(a) + load(b));
+    return get(s, 0);
+}
+
 __device__ __forceinline__ bool aligned(const void* p, int bytes) {
     return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
 }
