@@ -17,7 +17,10 @@ L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/r
 70.1 / 147.1; the first alone 75.4 / 145.9; neither 75.8 / 147.9; both with silu_mul 67.5 / 142.3
 (made the default); 4 sequences 82.4 / 156.3 against 85.0 / 154.3 without either.
 111ccac: default 68.7, 67.5 / 143.7, 142.9; stage_weights 77.0 / 142.7 (4 sequences 103.2 against 79.0,
-80.9); slot_waits128 69.6 / 144.7: neither made the default (docs/runtime.md)."""
+80.9); slot_waits128 69.6 / 144.7: neither made the default (docs/runtime.md).
+d8d9541: default 70.9, 69.4 / 143.3, 143.2; keys4 69.5 / 145.9; keys8 72.9 / 150.6; a_shared 84.1 / 169.6.
+2813a05: default 70.5, 70.9 / 142.4, 143.2; poll64 69.5 / 140.9; poll0 70.1 / 140.1; slot_waits128
+70.3 / 141.7; poll0_slots128 68.8 / 141.7: none made the default (within the noise)."""
 
 import json
 import os
