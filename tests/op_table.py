@@ -335,6 +335,45 @@ row(
     domains=("ties",),
 )
 
+
+# argmax split over tiles (argmax_partial's ranges, argmax_combine): an axis of 17+ elements (at least
+# two ranges of whole packs), long ones on the partial's packed block path, short last ranges
+def _split_sample(rng: np.random.Generator) -> Sample:
+    shape = list(rand_shape(rng, 0, 2)) + [int(rng.choice([17, 100, 1000, 4100]))]
+    axis = int(rng.integers(0, len(shape))) if rng.random() < 0.3 else len(shape) - 1
+    shape[axis] = max(shape[axis], 17)
+    keepdims = bool(rng.random() < 0.5)
+    return Sample([tuple(shape)], {"axis": axis, "keepdims": keepdims, "splits": int(rng.integers(2, 9))})
+
+
+def _partial_ref(a: torch.Tensor, axis: int, splits: int, **k: Any) -> torch.Tensor:
+    from megaloop.frontend.ops.argmax_split import split_ranges
+
+    n = a.shape[axis]
+    _, chunk = split_ranges(n, splits)
+    parts = [torch.argmax(a.narrow(axis, lo, min(chunk, n - lo)), axis) + lo for lo in range(0, n, chunk)]
+    return torch.stack(parts, axis)
+
+
+row(
+    "argmax_partial",
+    "ranges",
+    lambda g, a, axis, keepdims, splits: ml.argmax_partial(a, axis, splits=splits),
+    _partial_ref,
+    _split_sample,
+    FLOATS + INTS,
+    domains=("ties",),
+)
+row(
+    "argmax_combine",
+    "split",
+    lambda g, a, axis, keepdims, splits: ml.argmax(a, axis, keepdims=keepdims, splits=splits),
+    lambda a, axis, keepdims, **k: _argmax_ref(a, axis, keepdims),
+    _split_sample,
+    FLOATS + INTS,
+    domains=("ties",),
+)
+
 # ---- normalisations -------------------------------------------------------------------------------
 
 

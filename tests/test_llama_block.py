@@ -172,15 +172,18 @@ def test_generator_feeds_itself_the_same_tokens_as_host_steps() -> None:
         out = ml.evaluate(decode, {"tokens": token[:, None], "positions": np.full((2, 1), 5 + i)}, params, state)
         state, token = out.state, out.outputs["logits"][:, -1].astype(np.float32).argmax(-1)
     want = np.stack(want, 1)
-    # self-feeding: four iterations of one graph
-    gen = build_llama_generator(cfg, 2)
+    # self-feeding: four iterations of one graph (the next token's argmax whole, and in 3 ranges of the
+    # 50 logits: 3 argmax_partial tiles and a combine)
     start = {**pre.state, "token": first[:, None], "position": np.full((2, 1), 5)}
-    ref = ml.evaluate(gen, {}, params, start, iterations=4)
-    got = ref.state["generated"][:, 0, 5:9, 0].astype(np.int64)
-    assert np.array_equal(got, want), f"generator {got.tolist()} vs host steps {want.tolist()}"
-    assert np.array_equal(ref.state["token"][:, 0], token) and (ref.state["position"] == 9).all()
-    planned = run_plan(make_plan(gen, processors=5), {}, params, start, iterations=4, seed=2)
-    assert planned.state["generated"].tobytes() == ref.state["generated"].tobytes()
+    for splits in (None, 3):
+        gen = build_llama_generator(cfg, 2, argmax_splits=splits)
+        assert any(n.op.name == "argmax_partial" for n in gen.nodes) == (splits is not None)
+        ref = ml.evaluate(gen, {}, params, start, iterations=4)
+        got = ref.state["generated"][:, 0, 5:9, 0].astype(np.int64)
+        assert np.array_equal(got, want), f"generator {got.tolist()} vs host steps {want.tolist()}"
+        assert np.array_equal(ref.state["token"][:, 0], token) and (ref.state["position"] == 9).all()
+        planned = run_plan(make_plan(gen, processors=5), {}, params, start, iterations=4, seed=2)
+        assert planned.state["generated"].tobytes() == ref.state["generated"].tobytes()
 
 
 def test_norms_do_not_wait_for_the_residual_add() -> None:

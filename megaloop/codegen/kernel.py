@@ -31,7 +31,7 @@ from megaloop.codegen.emit import (
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
-from megaloop.codegen.emit_reduce import reduction
+from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError
@@ -93,6 +93,10 @@ def emit(
         return elementwise(op_name, attrs, expr, ins, out)
     if template == "reduction":
         return reduction(op_name, attrs, ins[0], out)
+    if template == "argmax_partial":
+        return argmax_partial(attrs, ins[0], out)
+    if template == "argmax_combine":
+        return argmax_combine(attrs, ins[0], ins[1], out)
     if template == "rows":
         return rows(op_name, attrs, ins, out)
     if template == "matmul":

@@ -210,8 +210,27 @@ def build_llama(
     return g
 
 
+# The next token's argmax over the vocabulary, split into ranges of about this many logits (argmax's
+# splits: a range a tile, each starting once the LM head's tiles over it end, then one combine): on
+# one processor, even with the whole block, the 128256 logits of Llama-3.2-1B took 28 us a token
+# (profile_cases.py generate1b, H200, 2ae6b15). At most ARGMAX_MAX_SPLITS ranges (one round of tiles).
+ARGMAX_RANGE = 1024
+ARGMAX_MAX_SPLITS = 128
+
+
+def auto_argmax_splits(cfg: LlamaConfig) -> int | None:
+    """How many ranges ``argmax_splits="auto"`` splits the vocabulary into (None: one)."""
+    splits = min(ARGMAX_MAX_SPLITS, -(-(cfg.vocab or 0) // ARGMAX_RANGE))
+    return splits if splits > 1 else None
+
+
 def build_llama_generator(
-    cfg: LlamaConfig, batch: int, name: str = "llama-generate", *, kv_splits: int | str | None = "auto"
+    cfg: LlamaConfig,
+    batch: int,
+    name: str = "llama-generate",
+    *,
+    kv_splits: int | str | None = "auto",
+    argmax_splits: int | str | None = "auto",
 ) -> Graph:
     """Greedy decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
@@ -222,7 +241,9 @@ def build_llama_generator(
     the first token to feed, e.g. the argmax of the prefill's last logits), ``position`` int64
     [batch, 1] (where that token goes: the prompt length), ``generated`` float32
     [batch, 1, max_seq, 1] (token ids by position; float32 holds ids below 2^24 exactly).
-    Output: ``logits`` [batch, 1, vocab] of the last step.
+    Output: ``logits`` [batch, 1, vocab] of the last step. ``argmax_splits``: the next token's argmax
+    in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE logits);
+    the same tokens whatever it is.
     """
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_generator: the model needs a vocabulary (cfg.vocab) to pick tokens")
@@ -232,7 +253,9 @@ def build_llama_generator(
     history = g.state("generated", (batch, 1, cfg.max_seq, 1), "float32")
     ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), position)
     logits = _model(g, cfg, token, position, kv_splits)
-    g.assign(token, ops.argmax(logits, axis=-1))
+    if argmax_splits == "auto":
+        argmax_splits = auto_argmax_splits(cfg)
+    g.assign(token, ops.argmax(logits, axis=-1, splits=argmax_splits))
     g.assign(position, position + 1)
     g.output("logits", logits)
     return g

@@ -14,6 +14,7 @@ from typing import Any as _Any
 from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
 from megaloop.frontend.ops import sources
+from megaloop.frontend.ops.argmax_split import argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import attention, kv_cache_update
 from megaloop.frontend.ops.attention_split import attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
@@ -79,6 +80,8 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "argmax",
+    "argmax_combine",
+    "argmax_partial",
     "attention",
     "attention_combine",
     "attention_partial",

@@ -134,6 +134,41 @@ def _reduction(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
 REDUCTION = _streaming(_reduction, "chunks of the output, each reading whole reduced axes")
 
 
+def _argmax_partial(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    """Ranges of the axis spread over one round of the processors (the op exists for latency: a range
+    a task where there are no more ranges than processors), each tile reading its ranges of x."""
+    x, out = node.inputs[0], node.outputs[0]
+    a, chunk = node.attrs["axis"], node.attrs["chunk"]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, max(1, -(-math.prod(out.shape) // ctx.processors)))):
+        lo = box.lo[:a] + (box.lo[a] * chunk,) + box.lo[a + 1 :]
+        hi = box.hi[:a] + (min(x.shape[a], box.hi[a] * chunk),) + box.hi[a + 1 :]
+        xbox = Box(lo, hi)
+        tiles.append(Tile((i,), (Read(0, xbox),), (Write(0, box),), flops=xbox.size))
+    return tiles
+
+
+ARGMAX_PARTIAL = Tiling({}, _argmax_partial, "one round of tasks over the processors, each a few ranges")
+
+
+def _argmax_combine(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    """Output elements a warp each, a block's warps a tile; each reads its ranges' indices and (at
+    them) x: x's whole axis is declared, the values are picked by data."""
+    x, partial = node.inputs
+    out = node.outputs[0]
+    a, keep = node.attrs["axis"], node.attrs["keepdims"]
+    tiles = []
+    for i, box in enumerate(chunks(out.shape, ctx.warps)):
+        lo, hi = (box.lo, box.hi) if keep else (box.lo[:a] + (0,) + box.lo[a:], box.hi[:a] + (1,) + box.hi[a:])
+        xbox = Box(lo[:a] + (0,) + lo[a + 1 :], hi[:a] + (x.shape[a],) + hi[a + 1 :])
+        pbox = Box(xbox.lo, xbox.hi[:a] + (partial.shape[a],) + xbox.hi[a + 1 :])
+        tiles.append(Tile((i,), (Read(0, xbox), Read(1, pbox)), (Write(0, box),), flops=2 * pbox.size))
+    return tiles
+
+
+ARGMAX_COMBINE = Tiling({}, _argmax_combine, "a warp an output element, a block's warps a tile")
+
+
 def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     x = node.inputs[0]
     axis = node.attrs.get("axis", x.ndim - 1)
