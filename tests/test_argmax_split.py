@@ -70,8 +70,9 @@ def test_integers_split_too() -> None:
 
 
 def test_the_lm_head_case_makes_a_round_of_ranges_and_compiles() -> None:
-    """128 ranges of 1008 logits: 128 partial tiles (one round of 132 processors), each waiting only
-    for the LM head tiles over its range, and one combine; the kernel compiles without spills."""
+    """128 ranges of 1008 logits (build_llama_generator's "auto": 126 of 1024): 128 partial tiles (one
+    round of 132 processors), each waiting only for the LM head tiles over its range, and one combine;
+    the kernel compiles without spills."""
     from megaloop.codegen.kernel import generate
     from megaloop.runtime.compile import spills
 
@@ -104,5 +105,31 @@ def test_bad_pairs_are_refused_at_build_time() -> None:
     with pytest.raises(ShapeError, match="do not cover"):
         apply(ARGMAX_COMBINE, [x, partial], axis=1, keepdims=False, splits=4, chunk=8)
     other = g.input("y", (3, 100), "float32")
-    with pytest.raises(ShapeError, match="needs"):
-        ml.argmax_combine(other, partial, 1)
+    with pytest.raises(ShapeError, match="needs"):  # (ml.argmax_combine refuses it sooner: another x)
+        apply(ARGMAX_COMBINE, [other, partial], axis=1, keepdims=False, splits=4, chunk=32)
+
+
+def test_a_partial_of_another_tensor_or_axis_is_refused() -> None:
+    g = ml.Graph("mismatch")
+    x, y = g.input("x", (2, 100), "float32"), g.input("y", (2, 100), "float32")
+    with pytest.raises(GraphBuildError, match="not of x"):
+        ml.argmax_combine(x, ml.argmax_partial(y, 1, splits=4), 1)
+    square = g.input("s", (100, 100), "float32")
+    with pytest.raises(GraphBuildError, match="not of x"):
+        ml.argmax_combine(square, ml.argmax_partial(square, 0, splits=4), 1)
+
+
+def test_many_ranges_compile_without_spills() -> None:
+    """The combine loads a batch of ranges a lane at a time (a rolled loop over batches): 2048 ranges
+    spilled when every range of a lane was unrolled at once (a helper's review)."""
+    from megaloop.codegen.kernel import generate
+    from megaloop.runtime.compile import spills
+
+    g = ml.Graph("wide")
+    x = g.input("x", (1, 1 << 20), "float32")
+    g.output("i", ml.argmax(x, 1, splits=2048))
+    plan = make_plan(g, processors=132)
+    assert spills(generate(plan).source) == {}
+    rng = np.random.default_rng(9)
+    v = rng.integers(-50, 50, (1, 1 << 20)).astype(np.float32)
+    assert run_plan(plan, {"x": v}, seed=1).outputs["i"][0] == np.argmax(v)

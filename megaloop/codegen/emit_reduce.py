@@ -104,19 +104,24 @@ def _block_reduction(
     index order, so argmax's ties still go to the first index), then the warps' results are combined in
     a fixed order through shared memory (the same bits every run)."""
     nd = len(out.shape)
+    width = 16 // x.dtype.itemsize
     base = index_expr([x.strides[d] for d in kept], [f"o[{out_axis[d]}]" for d in kept])
     where = index_expr(out.strides, [f"o[{d}]" for d in range(nd)])
     return [
-        f"// the whole block on each output element: {total} consecutive elements, "
-        f"{16 // x.dtype.itemsize} a 16-byte pack",
+        f"// the whole block on each output element: {total} consecutive elements, {width} a 16-byte pack",
         *_block_shared(op, x),
         f"for (int e = 0; e < ml::box_count<{nd}>(t); ++e) {{",
         f"    int o[{nd + 1}];",
         f"    ml::box_index<{nd}>(t, e, o);",
         f"    const {x.ctype}* p = in0 + {base};",
-        *["    " + line for line in _block_fold(op, x, f"{total}LL", 1, f"out0 + {where}", "", str(total))],
+        *_indented(_block_fold(op, x, f"{total}LL", 1, f"out0 + {where}", "", str(total), f"{total // width}LL")),
         "}",
     ]
+
+
+def _indented(lines: list[str]) -> list[str]:
+    """``lines`` one level in (pragmas stay at the line's start, as they were written)."""
+    return [line if line.startswith("#") else "    " + line for line in lines]
 
 
 def _block_shared(op: str, x: Operand) -> list[str]:
@@ -130,11 +135,13 @@ def _block_shared(op: str, x: Operand) -> list[str]:
     ]
 
 
-def _block_fold(op: str, x: Operand, total: str, step: int, dest: str, index_offset: str, count: str) -> list[str]:
-    """One output element on the whole block: the ``total`` elements at ``p``, ``step`` apart (16-byte
-    packs where step is 1 and p is aligned), folded by each thread in increasing index order, then the
-    warps combined in a fixed order; thread 0 stores the result at ``dest`` (argmax: the index plus
-    ``index_offset``; mean: divided by ``count``)."""
+def _block_fold(
+    op: str, x: Operand, total: str, step: int, dest: str, index_offset: str, count: str, packs: str
+) -> list[str]:
+    """One output element on the whole block: the ``total`` elements at ``p``, ``step`` apart (``packs``
+    16-byte packs where step is 1 and p is aligned), folded by each thread in increasing index order,
+    then the warps combined in a fixed order; thread 0 stores the result at ``dest`` (argmax: the index
+    plus ``index_offset``; mean: divided by ``count``)."""
     ct = compute_type(x.dtype)
     width = 16 // x.dtype.itemsize
     arg = op in ("argmax", "argmax_partial")
@@ -160,7 +167,7 @@ def _block_fold(op: str, x: Operand, total: str, step: int, dest: str, index_off
     reset = f"best = {init};" + (" best_i = NONE;" if arg else "")
     packed = [
         "if (ml::aligned(p, 16)) {",
-        f"    const ml::i64 packs = ({total}) / {width};",
+        f"    const ml::i64 packs = {packs};",
         f"    for (ml::i64 j0 = threadIdx.x; j0 < packs; j0 += {u} * (ml::i64)blockDim.x) {{",
         f"        ml::Pack<{x.ctype}, {width}> pk[{u}];  // {u} loads in flight before any is used",
         "#pragma unroll",
@@ -219,7 +226,9 @@ def argmax_partial(attrs: dict[str, Any], x: Operand, out: Operand) -> list[str]
     others = [x.strides[d] for d in range(nd) if d != a]
     base = index_expr(others, [f"o[{d}]" for d in range(nd) if d != a]) if others else "0"
     where = index_expr(out.strides, [f"o[{d}]" for d in range(nd)])
-    fold = _block_fold("argmax_partial", x, "count", x.strides[a], f"out0 + {where}", " + lo", "")
+    fold = _block_fold(
+        "argmax_partial", x, "count", x.strides[a], f"out0 + {where}", " + lo", "", f"count / {16 // x.dtype.itemsize}"
+    )
     return [
         *pointers([x, out], 1),
         f"// the whole block on each range of {chunk} elements of axis {a} ({n} in all; the last range shorter)",
@@ -230,9 +239,12 @@ def argmax_partial(attrs: dict[str, Any], x: Operand, out: Operand) -> list[str]
         f"    const ml::i64 lo = (ml::i64)o[{a}] * {chunk};  // the range's first element along the axis",
         f"    const ml::i64 count = min((ml::i64){chunk}, {n}LL - lo);",
         f"    const {x.ctype}* p = in0 + {base} + lo * {x.strides[a]};",
-        *["    " + line for line in fold],
+        *_indented(fold),
         "}",
     ]
+
+
+COMBINE_BATCH = 4  # ranges a lane of argmax_combine loads at once (128 ranges: one batch, two trips)
 
 
 def argmax_combine(attrs: dict[str, Any], x: Operand, partial: Operand, out: Operand) -> list[str]:
@@ -241,7 +253,7 @@ def argmax_combine(attrs: dict[str, Any], x: Operand, partial: Operand, out: Ope
     combined (ties to the smaller index: the earlier range)."""
     a, keep, splits = attrs["axis"], attrs["keepdims"], attrs["splits"]
     nd = len(x.shape)
-    per_lane = -(-splits // 32)
+    per_lane = min(COMBINE_BATCH, -(-splits // 32))  # ranges a lane loads at once (a batch)
     # output coordinates of x's axes other than a: the same with keepdims, shifted past a without
     out_of = {d: d if keep or d < a else d - 1 for d in range(nd) if d != a}
     xbase = index_expr([x.strides[d] for d in out_of], [f"o[{out_of[d]}]" for d in out_of]) if out_of else "0"
@@ -255,22 +267,24 @@ def argmax_combine(attrs: dict[str, Any], x: Operand, partial: Operand, out: Ope
         "constexpr ml::i64 NONE = 9223372036854775807LL;  // no range seen yet",
         f"ml::for_box_warps<{box_var(len(out.shape))}>(t, [&](const int* o, int lane) {{",
         f"    const ml::i64 xb = {xbase}, pb = {pbase};",
-        f"    ml::i64 at[{per_lane}];  // the lane's ranges lane, lane + 32, ...: their best indices",
-        "#pragma unroll",
-        f"    for (int k = 0; k < {per_lane}; ++k) {{",
-        "        const int s = lane + 32 * k;",
-        f"        at[k] = s < {splits} ? in1[pb + (ml::i64)s * {partial.strides[a]}] : NONE;",
-        "    }",
-        f"    {ct} val[{per_lane}];",
-        "#pragma unroll",
-        f"    for (int k = 0; k < {per_lane}; ++k)",
-        f"        val[k] = at[k] != NONE ? ml::load(in0 + xb + at[k] * {x.strides[a]}) : {init};",
         f"    {ct} best = {init};",
         "    ml::i64 best_i = NONE;",
+        f"    for (int s0 = lane; s0 < {splits}; s0 += {32 * per_lane}) {{  // the lane's ranges s0, s0 + 32, ...",
+        f"        ml::i64 at[{per_lane}];  // their best indices",
         "#pragma unroll",
-        f"    for (int k = 0; k < {per_lane}; ++k) {{",
-        f"        const {ct} v = val[k];",
-        f"        if (at[k] != NONE && (best_i == NONE || ({better}))) {{ best = v; best_i = at[k]; }}",
+        f"        for (int k = 0; k < {per_lane}; ++k) {{",
+        "            const int s = s0 + 32 * k;",
+        f"            at[k] = s < {splits} ? in1[pb + (ml::i64)s * {partial.strides[a]}] : NONE;",
+        "        }",
+        f"        {ct} val[{per_lane}];",
+        "#pragma unroll",
+        f"        for (int k = 0; k < {per_lane}; ++k)",
+        f"            val[k] = at[k] != NONE ? ml::load(in0 + xb + at[k] * {x.strides[a]}) : {init};",
+        "#pragma unroll",
+        f"        for (int k = 0; k < {per_lane}; ++k) {{",
+        f"            const {ct} v = val[k];",
+        f"            if (at[k] != NONE && (best_i == NONE || ({better}))) {{ best = v; best_i = at[k]; }}",
+        "        }",
         "    }",
         "    ml::warp_argmax(best, best_i);",
         f"    if (lane == 0) ml::store(out0 + {where}, best_i);",

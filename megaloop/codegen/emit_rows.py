@@ -46,16 +46,17 @@ SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store 
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
 
 
-def norm_inputs(op: str, attrs: dict[str, Any]) -> dict[str, int]:
-    """A norm's present operands after x by name -> their index in the op's inputs."""
+def norm_inputs(op: str, attrs: dict[str, Any], n_inputs: int) -> dict[str, int]:
+    """A norm's present operands after x by name -> their index among its ``n_inputs`` inputs. Graphs
+    saved before the residual operand do not list it as absent: operands past the inputs are absent."""
     absent = attrs.get("absent", ())
     present = [nm for k, nm in enumerate(NORM_OPERANDS.get(op, ()), start=1) if k not in absent]
-    return {nm: i for i, nm in enumerate(present, start=1)}
+    return {nm: i for i, nm in enumerate(present[: n_inputs - 1], start=1)}
 
 
-def _residual(op: str, attrs: dict[str, Any]) -> int | None:
+def _residual(op: str, attrs: dict[str, Any], ins: list[Operand]) -> int | None:
     """The input index of a norm's residual (added to x before normalising), or None."""
-    return norm_inputs(op, attrs).get("residual")
+    return norm_inputs(op, attrs, len(ins)).get("residual")
 
 
 def _packed_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tuple[int, int] | None:
@@ -65,7 +66,7 @@ def _packed_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operan
     nd = len(x.shape)
     axis = attrs.get("axis", nd - 1)
     width = 16 // max(o.dtype.itemsize for o in ins + [out])
-    res = _residual(op, attrs)
+    res = _residual(op, attrs, ins)
     rows_like = [x, out] + ([ins[res]] if res else [])  # laid out in rows of x's shape
     packed = (
         axis == nd - 1
@@ -101,7 +102,7 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
     width, packs = packed
     if packs < BLOCK_ROW_PACKS or -(-packs // block) > BLOCK_ROW_MAX_PACKS_PER_THREAD:
         return None
-    row = packs * 16 * (2 if _residual(op, attrs) else 1)  # a residual's row streams beside x's
+    row = packs * 16 * (2 if _residual(op, attrs, ins) else 1)  # a residual's row streams beside x's
     ring = min(ROW_RING_ROWS, max(ROW_RING_BYTES, 2 * row) // row, hints.get("shared_memory", 0) * 3 // 4 // row)
     # no more slots than the op's largest tile has rows (decode: one row, one slot; the ring's loop is
     # unrolled once per slot, and that code is fetched afresh every iteration)
@@ -125,7 +126,7 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
 
 def rows_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     layout = block_rows(op, attrs, ins, out)
-    return layout.ring * layout.packs * 16 * (2 if _residual(op, attrs) else 1) if layout else 0
+    return layout.ring * layout.packs * 16 * (2 if _residual(op, attrs, ins) else 1) if layout else 0
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -186,7 +187,7 @@ def _row_program(
     others = [f"o[{d}]" if d != axis else None for d in range(nd)]
     xs, os_ = x.strides[axis], out.strides[axis]
     held = block.held if block else 0
-    res = _residual(op, attrs)  # x + residual is the row (rounded to x's dtype, as an add would store it)
+    res = _residual(op, attrs, ins)  # x + residual is the row (rounded to x's dtype, as an add would store it)
     rb_out = ", ml::i64& rb" if res else ""
     rb_arg = ", rb" if res else ""
     if block:
@@ -460,7 +461,7 @@ def _row_program(
         lines.append("    const float inv_s = 1.0f / s;")
         lines += store_each("expf(v - m) * inv_s" if op == "softmax" else "(v - m) - logf(s)")
     else:
-        wk = norm_inputs(op, attrs)
+        wk = norm_inputs(op, attrs, len(ins))
         present = [nm for nm in wk if nm != "residual"]  # the affine parameters
         eps = float_literal(attrs["eps"])
         if op == "layernorm":

@@ -154,5 +154,11 @@ def argmax_combine(x: Tensor, partial: Tensor, axis: int, *, keepdims: bool = Fa
     node = partial.node
     if node.op.name != "argmax_partial":
         raise GraphBuildError(f"argmax_combine: partial must be argmax_partial's output, got {node.op.name}'s")
+    a = axis + x.ndim if -x.ndim <= axis < 0 else axis
+    if node.inputs[0] is not x or node.attrs["axis"] != a:
+        raise GraphBuildError(
+            f"argmax_combine: partial is argmax_partial of {node.inputs[0]!r} along axis {node.attrs['axis']}, "
+            f"not of x {x!r} along axis {axis}"
+        )
     splits, chunk = node.attrs["splits"], node.attrs["chunk"]
     return apply(ARGMAX_COMBINE, [x, partial], axis=axis, keepdims=keepdims, splits=splits, chunk=chunk)

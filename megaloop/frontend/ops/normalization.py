@@ -112,7 +112,7 @@ def _norm_infer(call: OpCall) -> list[OutSpec]:
 def _operands(arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The present operands by name (``names``: the op's after x), arrays in the compute dtype."""
     present = [n for i, n in enumerate(names, start=1) if i not in attrs.get("absent", ())]
-    return dict(zip(present, (to_compute(a) for a in arrays[1:])))
+    return dict(zip(present, (to_compute(a) for a in arrays[1:])))  # (past the arrays: absent, as in old files)
 
 
 def _rows_of(arrays: list[np.ndarray], attrs: dict[str, Any], names: tuple[str, ...]) -> np.ndarray:

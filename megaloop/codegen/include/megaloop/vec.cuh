@@ -85,9 +85,9 @@ __device__ __forceinline__ Pack<T, N> add_rounded(const Pack<T, N>& a, const Pac
 }
 template <class T>
 __device__ __forceinline__ float add_rounded(const T* a, const T* b) {
-    Pack<T, 1> s;
-    set(s, 0, load(a) + load(b));
-    return get(s, 0);
+    T s;
+    store(&s, load(a) + load(b));
+    return load(&s);
 }
 
 __device__ __forceinline__ bool aligned(const void* p, int bytes) {
