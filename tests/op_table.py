@@ -346,7 +346,7 @@ def _split_sample(rng: np.random.Generator) -> Sample:
     return Sample([tuple(shape)], {"axis": axis, "keepdims": keepdims, "splits": int(rng.integers(2, 9))})
 
 
-def _partial_ref(a: torch.Tensor, axis: int, splits: int, **k: Any) -> torch.Tensor:
+def _argmax_partial_ref(a: torch.Tensor, axis: int, splits: int, **k: Any) -> torch.Tensor:
     from megaloop.frontend.ops.argmax_split import split_ranges
 
     n = a.shape[axis]
@@ -359,7 +359,7 @@ row(
     "argmax_partial",
     "ranges",
     lambda g, a, axis, keepdims, splits: ml.argmax_partial(a, axis, splits=splits),
-    _partial_ref,
+    _argmax_partial_ref,
     _split_sample,
     FLOATS + INTS,
     domains=("ties",),
@@ -897,6 +897,32 @@ for label, sampler in [("scatter", _cache_sample), ("long-prefill", _cache_sampl
         fixed={2: "int64"},
         states=(0,),
     )
+
+
+# the key rotated at its slot's position and written into the cache in one op: decode's one token, a
+# few tokens, a prefill's worth (several items a thread); partial rotary dims; both layouts
+def _rope_cache_sample(rng: np.random.Generator) -> Sample:
+    b, h = (int(v) for v in rng.integers(1, 4, 2))
+    d = 2 * int(rng.integers(1, 33))
+    s = int(rng.integers(4, 40)) if rng.random() < 0.8 else 600
+    t = 1 if rng.random() < 0.4 else int(rng.integers(1, min(s, 520) + 1))
+    kw = {
+        "layout": str(rng.choice(["neox", "interleaved"])),
+        "rotary_dim": None if rng.random() < 0.6 else 2 * int(rng.integers(1, d // 2 + 1)),
+        "theta": float(rng.choice([10000.0, 500000.0])),
+    }
+    return Sample([(b, h, s, d), (b, h, t, d), (b, t)], kw, domains=("normal", "normal", ("distinct", s)))
+
+
+row(
+    "rope_kv_cache_update",
+    "decode-and-prefill",
+    lambda g, c, n, p, **kw: ml.rope_kv_cache_update(c, n, p, **kw),
+    lambda c, n, p, dtype, **kw: _cache_ref(c, rnd(rope_ref(n, p[:, None, :], **kw), dtype), p),
+    _rope_cache_sample,
+    fixed={2: "int64"},
+    states=(0,),
+)
 
 # ---- layout ---------------------------------------------------------------------------------------------
 

@@ -543,3 +543,53 @@ def test_staged_weights_decode_matches_the_reference(sequences: int) -> None:
     assert np.array_equal(got, unstaged), "staged weights changed the result"
     assert np.array_equal(got, again), "runs differ"
     _close(got, ml.evaluate(g, feeds, params).outputs["hidden"], f"staged decode x{sequences}")
+
+
+LLAMA3_SCALING = {
+    "type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize("tokens,layout", [(1, "neox"), (3, "interleaved"), (200, "neox")])
+def test_rope_into_the_cache_is_rope_then_the_update_bit_for_bit(tokens: int, layout: str) -> None:
+    """rope_kv_cache_update (decode's key, rotated on its way into the cache) stores the same bits as
+    rope then kv_cache_update on the GPU (rope's fmas), both within rope's accuracy of the reference;
+    the rest of the cache untouched."""
+    b, h, s, d = 2, 8, 256, 64
+    rng = np.random.default_rng(tokens)
+    kw = {"theta": 500000.0, "layout": layout, "scaling": LLAMA3_SCALING if layout == "neox" else None}
+
+    def graph(fused: bool) -> ml.Graph:
+        g = ml.Graph("fused" if fused else "apart")
+        cache = g.state("cache", (b, h, s, d), "bfloat16")
+        new = g.input("new", (b, tokens, h, d), "bfloat16").transpose(1, 2)  # a projection's heads: a view
+        pos = g.input("pos", (b, tokens), "int64")
+        if fused:
+            ml.rope_kv_cache_update(cache, new, pos, **kw)
+        else:
+            ml.kv_cache_update(cache, ml.rope(new, pos.reshape(b, 1, tokens), **kw), pos)
+        return g
+
+    feeds = {
+        "new": ml.dtypes.round_to(rng.standard_normal((b, tokens, h, d)), ml.bfloat16),
+        "pos": np.stack([rng.choice(s, tokens, replace=False) + 0 for _ in range(b)]).astype(np.int64),
+    }
+    state = {"cache": ml.dtypes.round_to(rng.standard_normal((b, h, s, d)), ml.bfloat16)}
+    caches = {}
+    for fused in (True, False):
+        g = graph(fused)
+        with loop_kernel(make_plan(g, processors=132), None, state) as k:
+            k.run(feeds)
+            caches[fused] = k.state()["cache"]
+        want = ml.evaluate(g, feeds, None, state).state["cache"]
+        _close(caches[fused], want, f"{'fused' if fused else 'rope + kv_cache_update'} cache")
+    assert np.array_equal(caches[True].view(np.uint16), caches[False].view(np.uint16))
+    written = np.zeros((b, s), bool)
+    for bi in range(b):
+        written[bi, feeds["pos"][bi]] = True
+    untouched = caches[True].transpose(0, 2, 1, 3)[~written]
+    assert np.array_equal(untouched.view(np.uint16), state["cache"].transpose(0, 2, 1, 3)[~written].view(np.uint16))

@@ -49,7 +49,7 @@ def test_stages_the_tiles_whose_weights_fit() -> None:
     gate and up (88 columns) do not; hidden 4096: none does."""
     plan = decode_plan(2048, tiles=STAGED)
     prog = generate(plan)
-    assert staged_ops(prog.source) == ["matmul_10", "matmul_14", "matmul_29", "matmul_38"]  # k, v share sig_3
+    assert staged_ops(prog.source) == ["matmul_10", "matmul_14", "matmul_28", "matmul_37"]  # k, v share sig_3
     assert prog.shared_bytes + WGMMA_STATIC_RESERVE <= SHARED_MEMORY_PER_BLOCK["sm_90"]
     # every staged signature has its stage function under the very same guard as its tile
     for sig in re.findall(r"void stage_(\d+)\(", prog.source):
@@ -91,12 +91,12 @@ def test_staged_kernel_compiles_without_spills_and_only_for_hopper() -> None:
 def test_watchdog_names_the_task_whose_weights_never_landed() -> None:
     plan = decode_plan(2048, tiles=STAGED)
     rp = plan.ranks[0]
-    task = next(t for t in rp.tasks if rp.ops[t.op].name.endswith("matmul_29"))
+    task = next(t for t in rp.tasks if rp.ops[t.op].name.endswith("matmul_28"))
     k = LoopKernel.__new__(LoopKernel)  # no GPU: only the error report
     k.plan, k.rp, k.rank, k.timeout_s = plan, rp, 0, 2.0
     k._halt = lambda: None
     k.control = np.zeros(CONTROL_WORDS, np.uint64)
     k.control[ERROR] = 1
     k.control[INFO : INFO + 8] = np.array([7, task.id, task.op, -3, 0, 0, 5, 0], np.int64).astype(np.uint64)
-    with pytest.raises(LoopKernelError, match=r"processor 7 .* iteration 5 in .*matmul_29.*never landed"):
+    with pytest.raises(LoopKernelError, match=r"processor 7 .* iteration 5 in .*matmul_28.*never landed"):
         k._raise_kernel_error()

@@ -581,6 +581,71 @@ def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos:
     return body
 
 
+# items (a rotary pair, or a dim past rotary_dim) a thread loads, with their positions, before it
+# stores any (a store may alias the next load: one at a time paid the memory latency per item)
+ROPE_KV_ITEMS = 4
+
+
+def rope_kv_update(
+    op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos: Operand, out: Operand
+) -> list[str]:
+    """rope_kv_cache_update: the rows of new of the task's (batch, head), each rotary pair rotated at its
+    token's position with rope's formula (``rope``: the same fmas, so the same bits as rope's output)
+    and stored at that position of the cache slab, dims past rotary_dim copied. A position outside
+    [0, max_len) is reported (ml::DATA) and never written."""
+    _, _, s, dim = cache.shape
+    tokens = new.shape[2]
+    rd = attrs["rotary_dim"]
+    half = rd // 2
+    per_token = half + dim - rd  # items: the rotary pairs, then the dims passed through
+    total = tokens * per_token
+    u = ROPE_KV_ITEMS
+    inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
+    neox = attrs["layout"] == "neox"
+    first, second = ("f", f"f + {half}") if neox else ("2 * f", "2 * f + 1")  # the pair's dims
+    at_new = f"(ml::i64)b * {new.strides[0]} + (ml::i64)h * {new.strides[1]}"
+    at_out = f"(ml::i64)b * {out.strides[0]} + (ml::i64)h * {out.strides[1]}"
+    body = [f"static constexpr double inv_freq[{len(inv)}] = {{{', '.join(double_literal(v) for v in inv)}}};"]
+    body += pointers([cache, new, pos, out], 3)
+    body += rope_angle()
+    body += [
+        "const int b = t.lo[0], h = t.lo[1];",
+        f"// {tokens} token(s) x ({half} rotary pairs + {dim - rd} dims copied), {u} items a thread at a time",
+        f"for (int e0 = threadIdx.x; e0 < {total}; e0 += {u} * blockDim.x) {{",
+        f"    int d0[{u}], d1[{u}];  // the item's dims (d1 < 0: a dim copied)",
+        f"    ml::i64 p[{u}];",
+        f"    float x0[{u}], x1[{u}];",
+        "#pragma unroll",
+        f"    for (int k = 0; k < {u}; ++k) {{  // every load out before any store",
+        "        const int e = min(e0 + k * (int)blockDim.x, " + f"{total - 1});",
+        f"        const int tok = e / {per_token}, f = e % {per_token};",
+        f"        d0[k] = f < {half} ? {first} : {rd} + (f - {half});",
+        f"        d1[k] = f < {half} ? {second} : -1;",
+        f"        p[k] = ml::load(in2 + (ml::i64)b * {pos.strides[0]} + (ml::i64)tok * {pos.strides[1]});",
+        f"        const ml::i64 row = {at_new} + (ml::i64)tok * {new.strides[2]};",
+        f"        x0[k] = ml::load(in1 + row + (ml::i64)d0[k] * {new.strides[3]});",
+        f"        x1[k] = d1[k] >= 0 ? ml::load(in1 + row + (ml::i64)d1[k] * {new.strides[3]}) : 0.0f;",
+        "    }",
+        "#pragma unroll",
+        f"    for (int k = 0; k < {u}; ++k) {{",
+        "        if (e0 + k * (int)blockDim.x >= " + f"{total}) break;",
+        f"        if (p[k] < 0 || p[k] >= {s}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p[k], {s}, 1, 0); break; }}",
+        f"        {out.ctype}* o = out0 + {at_out} + p[k] * {out.strides[2]};",
+        "        if (d1[k] < 0) {",
+        f"            ml::store(o + (ml::i64)d0[k] * {out.strides[3]}, x0[k]);",
+        "            continue;",
+        "        }",
+        "        float sn, cs;",
+        f"        angle((double)p[k], inv_freq[{'d0[k]' if neox else 'd0[k] / 2'}], sn, cs);",
+        "        // rope's formula (its pair path's fmas): the same bits as rope's output",
+        f"        ml::store(o + (ml::i64)d0[k] * {out.strides[3]}, fmaf(x0[k], cs, -(x1[k] * sn)));",
+        f"        ml::store(o + (ml::i64)d1[k] * {out.strides[3]}, fmaf(x1[k], cs, x0[k] * sn));",
+        "    }",
+        "}",
+    ]
+    return body
+
+
 def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Operand) -> list[str]:
     """The batched path: packs of W elements along head_dim (16 bytes where the layout allows, down to
     one element at any stride), copied bit for bit, U packs and their positions loaded by a thread

@@ -28,6 +28,7 @@ from megaloop.codegen.emit import (
     embedding,
     kv_update,
     rope,
+    rope_kv_update,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
@@ -107,6 +108,8 @@ def emit(
         return rope(op_name, attrs, ins[0], ins[1], out)
     if template == "kv_update":
         return kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
+    if template == "rope_kv_update":
+        return rope_kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
     if template == "concat":
         return concat(op_name, attrs, ins, out)
     if template == "attention":

@@ -127,10 +127,14 @@ def attention_block(
     rope_pos = positions.reshape(b, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
     q = ops.rope(heads(ops.linear(x, w["q"]), cfg.heads), rope_pos, **rope_args)
-    k = ops.rope(heads(ops.linear(x, w["k"]), cfg.kv_heads), rope_pos, **rope_args)
+    k = heads(ops.linear(x, w["k"]), cfg.kv_heads)
     v = heads(ops.linear(x, w["v"]), cfg.kv_heads)
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
-    k_all = ops.kv_cache_update(g.state(p + "k_cache", cache_shape, cfg.dtype), k, positions)
+    k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
+    if t == 1:  # decode: the key rotated on its way into the cache, one stage fewer before attention
+        k_all = ops.rope_kv_cache_update(k_cache, k, positions, **rope_args)
+    else:  # prefill: rope's packed tiles over every token, then the cache's (one task a head for both)
+        k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
     o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, kv_splits=kv_splits)
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
@@ -174,16 +178,20 @@ def decoder_layer_parts(
     add does), so it starts without waiting for the add, which runs beside it for the next residual
     only: on a decode step one task and one dependency fewer on the critical path, twice a layer."""
     p = f"model.layers.{layer}."
+    stream = x
+    if update is not None:  # the previous layer's output, summed where a profile looks for it
+        with g.scope(f"layers.{layer - 1}"), g.scope("mlp"):
+            stream = x + update
     with g.scope(f"layers.{layer}"):
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
             normed = ops.rmsnorm(x, ln1, eps=cfg.rms_eps, residual=update)
-            x = x if update is None else x + update
             attn = attention_block(g, cfg, normed, positions, layer, kv_splits)
+            h = stream + attn
         with g.scope("mlp"):
-            normed = ops.rmsnorm(attn, ln2, eps=cfg.rms_eps, residual=x)
-            return x + attn, mlp_block(g, cfg, normed, layer)
+            normed = ops.rmsnorm(attn, ln2, eps=cfg.rms_eps, residual=stream)
+            return h, mlp_block(g, cfg, normed, layer)
 
 
 def build_llama(
@@ -213,7 +221,8 @@ def build_llama(
 # The next token's argmax over the vocabulary, split into ranges of about this many logits (argmax's
 # splits: a range a tile, each starting once the LM head's tiles over it end, then one combine): on
 # one processor, even with the whole block, the 128256 logits of Llama-3.2-1B took 28 us a token
-# (profile_cases.py generate1b, H200, 2ae6b15). At most ARGMAX_MAX_SPLITS ranges (one round of tiles).
+# (profile_cases.py generate1b, H200, 2ae6b15); in 126 ranges of 1024 bench/generate's token took 26 us
+# less (1267 us against 1293, c2b4077). At most ARGMAX_MAX_SPLITS ranges (one round of tiles).
 ARGMAX_RANGE = 1024
 ARGMAX_MAX_SPLITS = 128
 

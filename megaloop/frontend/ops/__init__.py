@@ -72,6 +72,7 @@ from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
 from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
+from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 
 __all__ = [
     "abs",
@@ -127,6 +128,7 @@ __all__ = [
     "reshape",
     "rmsnorm",
     "rope",
+    "rope_kv_cache_update",
     "rsqrt",
     "scale",
     "send",

@@ -253,14 +253,19 @@ KV_CACHE_UPDATE = register(
 
 def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
     """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value."""
+    return cache_update(KV_CACHE_UPDATE, cache, new, positions)
+
+
+def cache_update(op: OpDef, cache: Tensor, new: Tensor, positions: Tensor, **attrs: Any) -> Tensor:
+    """``op`` (kv_cache_update or a variant of it) on the cache state, its result the state's next value."""
     if isinstance(cache, Tensor) and cache.node.op is sources.STATE:
         name = cache.node.attrs["name"]
         if name in cache.graph.state_updates:  # checked first, so a refused call adds no node
             raise GraphBuildError(
-                f"kv_cache_update: state {name!r} already receives "
+                f"{op.name}: state {name!r} already receives "
                 f"{cache.graph.state_updates[name]!r} this iteration; a state takes one new value "
                 "per iteration"
             )
-    out = apply(KV_CACHE_UPDATE, [cache, new, positions])
+    out = apply(op, [cache, new, positions], **attrs)
     cache.graph.assign(cache, out)
     return out

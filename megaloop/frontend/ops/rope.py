@@ -57,14 +57,19 @@ def _infer(call: OpCall) -> list[OutSpec]:
             hint="for x [batch, heads, tokens, dim] and positions [batch, tokens], "
             "pass positions.reshape(batch, 1, tokens)",
         )
+    check_rotary(call, x.shape[-1])
+    return [OutSpec(x.shape, x.dtype)]
+
+
+def check_rotary(call: OpCall, head_dim: int) -> None:
+    """rotary_dim (None: the whole head_dim) and layout of a call with rope's attributes."""
     rd = call.attrs["rotary_dim"]
     if rd is None:
-        rd = call.attrs["rotary_dim"] = x.shape[-1]
-    if rd % 2 or not 2 <= rd <= x.shape[-1]:
-        raise call.error(ShapeError, f"rotary_dim {rd} must be even and between 2 and head_dim {x.shape[-1]}")
+        rd = call.attrs["rotary_dim"] = head_dim
+    if rd % 2 or not 2 <= rd <= head_dim:
+        raise call.error(ShapeError, f"rotary_dim {rd} must be even and between 2 and head_dim {head_dim}")
     if call.attrs["layout"] not in LAYOUTS:
         raise call.error(GraphBuildError, f"layout must be one of {LAYOUTS}, got {call.attrs['layout']!r}")
-    return [OutSpec(x.shape, x.dtype)]
 
 
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -135,11 +140,14 @@ def rope(
     rotary_dim: int | None = None,
     scaling: dict[str, Any] | None = None,
 ) -> Tensor:
+    return apply(ROPE, [x, positions], **rope_attrs(theta, layout, rotary_dim, scaling))
+
+
+def rope_attrs(theta: Any, layout: str, rotary_dim: Any, scaling: Any) -> dict[str, Any]:
+    """rope's attributes, checked (theta > 1, rotary_dim an int >= 2 or None, scaling) and normalised."""
     theta = float(require_scalar(ROPE, "theta", theta))
     if theta <= 1.0:
         raise GraphBuildError(f"rope: theta must be > 1, got {theta}")
     if rotary_dim is not None:
         rotary_dim = require_int(ROPE, "rotary_dim", rotary_dim, minimum=2)
-    return apply(
-        ROPE, [x, positions], theta=theta, layout=layout, rotary_dim=rotary_dim, scaling=_check_scaling(scaling)
-    )
+    return {"theta": theta, "layout": layout, "rotary_dim": rotary_dim, "scaling": _check_scaling(scaling)}
