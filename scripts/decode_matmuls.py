@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
-import megaloop.codegen.emit_matmul as emit_matmul
 from bench.common import commit, cuda_graph, device_name, matmul_tiles, resident_seconds, time_torch
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
@@ -46,10 +45,7 @@ def torch_seconds(x: np.ndarray, weights: list[np.ndarray]) -> float:
 
 
 def main() -> None:
-    # SKINNY_A_SHARED_BYTES=65536: the skinny tiles' rows of A in shared memory (emit_matmul's experiment)
-    emit_matmul.SKINNY_A_SHARED_BYTES = int(os.environ.get("SKINNY_A_SHARED_BYTES", emit_matmul.SKINNY_A_SHARED_BYTES))
     res = {"experiment": "decode_matmuls", "device": device_name(), "commit": commit(), "min_bytes": MIN_BYTES}
-    res["skinny_a_shared_bytes"] = emit_matmul.SKINNY_A_SHARED_BYTES
     res["matmul_tiles"] = matmul_tiles()["matmul"]
     rng = np.random.default_rng(0)
     for out, k in SHAPES:

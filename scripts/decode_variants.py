@@ -18,7 +18,8 @@ L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/r
 (made the default); 4 sequences 82.4 / 156.3 against 85.0 / 154.3 without either.
 111ccac: default 68.7, 67.5 / 143.7, 142.9; stage_weights 77.0 / 142.7 (4 sequences 103.2 against 79.0,
 80.9); slot_waits128 69.6 / 144.7: neither made the default (docs/runtime.md).
-d8d9541: default 70.9, 69.4 / 143.3, 143.2; keys4 69.5 / 145.9; keys8 72.9 / 150.6; a_shared 84.1 / 169.6.
+d8d9541: default 70.9, 69.4 / 143.3, 143.2; keys4 69.5 / 145.9; keys8 72.9 / 150.6; a_shared 84.1 / 169.6
+(the key ring and A in shared memory: taken out again, see emit_attention.py and emit_matmul.py).
 2813a05: default 70.5, 70.9 / 142.4, 143.2; poll64 69.5 / 140.9; poll0 70.1 / 140.1; slot_waits128
 70.3 / 141.7; poll0_slots128 68.8 / 141.7: none made the default (within the noise)."""
 
@@ -28,7 +29,6 @@ import sys
 
 import numpy as np
 
-import megaloop.codegen.emit_attention as emit_attention
 import megaloop.codegen.emit_matmul as emit_matmul
 import megaloop.codegen.kernel as kernel
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
@@ -39,10 +39,7 @@ from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
 MODULES = {
-    "SPLIT_KEY_STEPS": emit_attention,
     "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
-    "SKINNY_A_SHARED_BYTES": emit_matmul,
-    "SKINNY_A_SHARED_SLICES": emit_matmul,
     "SLOT_WAITS": kernel,
     "POLL_SLEEP_NS": kernel,
 }
@@ -52,11 +49,7 @@ VARIANTS = {
     "default": {},
     "no_stream": {"SKINNY_MMA_STREAM_WEIGHTS": False},
     # the split-key attention keeps 4 (8) steps of keys in flight, a ring of 32-bit words
-    "keys4": {"SPLIT_KEY_STEPS": 4},
-    "keys8": {"SPLIT_KEY_STEPS": 8},
     # the skinny tiles' rows of A copied into shared memory first, 16 (or 8) units of B in flight a warp
-    "a_shared": {"SKINNY_A_SHARED_BYTES": 64 * 1024},
-    "a_shared_u8": {"SKINNY_A_SHARED_BYTES": 64 * 1024, "SKINNY_A_SHARED_SLICES": 8},
     # tile switches (docs/plan-format.md): matmuls each sized for all the processors; small elementwise
     # ops in one tile
     "no_share": {"tiles": {"matmul": {"share": 0}}},

@@ -41,10 +41,9 @@ fi
 if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md), one call
   # decode matmul tiles alone: weight bytes a second, the loop kernel against cuBLAS (two rounds in flight?)
   timeout "$bench_timeout" python3 scripts/decode_matmuls.py 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
-  timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default a_shared a_shared_u8 keys4 keys8 default_again} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default default_again} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
   n=0
-  for constants in "" "emit_matmul.SKINNY_A_SHARED_BYTES=65536" "emit_attention.SPLIT_KEY_STEPS=4" \
-    "emit_reduce.BLOCK_REDUCTION_PACKS=16"; do
+  for constants in ${PROFILE_CONSTANT_SETS:-""}; do
     n=$((n + 1))
     echo "== generate1b ${constants:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
     PROFILE_CONSTANTS="$constants" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \

@@ -139,7 +139,7 @@ def main() -> None:
         key, _, value = item.partition("=")
         op, _, param = key.strip().partition(".")
         tiles.setdefault(op, {})[param] = int(value)
-    # PROFILE_CONSTANTS="emit_reduce.BLOCK_REDUCTION_PACKS=8,emit_matmul.SKINNY_A_SHARED_BYTES=65536": the
+    # PROFILE_CONSTANTS="emit_reduce.BLOCK_REDUCTION_PACKS=8,kernel.POLL_SLEEP_NS=0": the
     # code generator's experiment constants (megaloop.codegen.<module>.<NAME>), to compare without edits
     for item in filter(None, os.environ.get("PROFILE_CONSTANTS", "").split(",")):
         key, _, value = item.partition("=")

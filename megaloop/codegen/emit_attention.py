@@ -69,11 +69,6 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
 
 
 COMBINE_HELD_SPLITS = 16  # key ranges whose m, l and weight attention_combine keeps in registers
-# Experiment (1, the one-step prefetch below, by default): steps of keys a warp of the split-key path
-# keeps in flight, as a ring of 32-bit words whose slot is reloaded only after its step used it (no
-# register copy between a load and its use: e02e999's ring of bf16 packs repacked each group's fresh
-# loads at the group's end and so waited for them; docs/runtime.md). scripts/decode_variants.py keys4.
-SPLIT_KEY_STEPS = 1
 
 
 def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -473,62 +468,32 @@ def _attention_split(
             # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
             # (scripts/decode_variants.py, H200: 74.7 / 153.2 us at 4 against 73.5 / 153.1 at 1, hidden 2048 /
             # 4096; 8 steps made 4096 slower, 165 us). Its machine code waited for each group's fresh loads
-            # (docs/runtime.md); SPLIT_KEY_STEPS is that ring again without the wait.
+            # (docs/runtime.md), so it was tried again as a ring of 32-bit words with no repacking (416205d,
+            # taken out again): 69.5 / 145.9 at 4 steps, 72.9 / 150.6 at 8, against 70.9, 69.4 / 143.3, 143.2
+            # (d8d9541). The keys' latency is not what bounds this tile.
             # Nor were the steps themselves (59d405a: 2 or 4 packs of a key a lane, 4 or 8 keys a warp step,
             # 2-3 shuffle levels fewer: 77.9 / 78.0 against 75.6 / 76.3 us at hidden 2048, 148.7 / 150.6 against
             # 148.3 / 148.5 at 4096; 4 sequences 85.7 / 154.6 against 85.6 / 155.3).
         ]
-        + (
-            [
-                "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",
-                "            // behind the step before instead of one starting every step (decode: ~9 steps a warp in",
-                f"            // turn); rows past the end are clamped to the last ({tk - 1}): loaded, never used",
-                f"            ml::Pack<{ct}, W> kn = ml::load_pack<{ct}, W>(kp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {k.strides[2]});",
-                f"            ml::Pack<{ct}, W> vn = ml::load_pack<{ct}, W>(vp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {v.strides[2]});",
-                "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
-                "            // lanes past the end of their piece contribute nothing",
-                "            for (ml::i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {",
-                "                const ml::i64 j = j0 + g;",
-                "                const bool live = j < j_hi;",
-                f"                const ml::Pack<{ct}, W> kc = kn, vv = vn;",
-                f"                const ml::i64 jn = j + KPW < {tk} ? j + KPW : {tk - 1};",
-                f"                kn = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
-                f"                vn = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
-                *step,
-                "            }",
-                "        }",
-            ]
-            if SPLIT_KEY_STEPS == 1
-            else [
-                # SPLIT_KEY_STEPS > 1: a ring of that many steps of 32-bit words
-                f"            constexpr int PF = {SPLIT_KEY_STEPS};  // steps of keys in flight: slot st holds step st of PF",
-                "            ml::u32 kw[PF][4], vw[PF][4];",
-                "#pragma unroll",
-                "            for (int st = 0; st < PF; ++st) {",
-                f"                const ml::i64 jp = j_lo + g + st * KPW < {tk} ? j_lo + g + st * KPW : {tk - 1};",
-                f"                ml::load_words(kw[st], kp + jp * {k.strides[2]});",
-                f"                ml::load_words(vw[st], vp + jp * {v.strides[2]});",
-                "            }",
-                "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
-                "            // lanes past the end of their piece contribute nothing",
-                "            for (ml::i64 j00 = j_lo; j00 < j_hi; j00 += PF * KPW) {",
-                "#pragma unroll",
-                "              for (int st = 0; st < PF; ++st) {",
-                "                const ml::i64 j = j00 + st * KPW + g;",
-                "                const bool live = j < j_hi;",
-                f"                ml::Pack<{ct}, W> kc, vv;  // the slot's words as packs, where they are used",
-                "                memcpy(&kc, kw[st], sizeof kc);",
-                "                memcpy(&vv, vw[st], sizeof vv);",
-                *step,
-                "                // the slot is free: step j + PF KPW's keys into it",
-                f"                const ml::i64 jn = j + PF * KPW < {tk} ? j + PF * KPW : {tk - 1};",
-                f"                ml::load_words(kw[st], kp + jn * {k.strides[2]});",
-                f"                ml::load_words(vw[st], vp + jn * {v.strides[2]});",
-                "              }",
-                "            }",
-                "        }",
-            ]
-        )
+        + [
+            "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",
+            "            // behind the step before instead of one starting every step (decode: ~9 steps a warp in",
+            f"            // turn); rows past the end are clamped to the last ({tk - 1}): loaded, never used",
+            f"            ml::Pack<{ct}, W> kn = ml::load_pack<{ct}, W>(kp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {k.strides[2]});",
+            f"            ml::Pack<{ct}, W> vn = ml::load_pack<{ct}, W>(vp + (j_lo + g < {tk} ? j_lo + g : {tk - 1}) * {v.strides[2]});",
+            "            // every lane runs the same number of steps (the shuffles below need the whole warp);",
+            "            // lanes past the end of their piece contribute nothing",
+            "            for (ml::i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {",
+            "                const ml::i64 j = j0 + g;",
+            "                const bool live = j < j_hi;",
+            f"                const ml::Pack<{ct}, W> kc = kn, vv = vn;",
+            f"                const ml::i64 jn = j + KPW < {tk} ? j + KPW : {tk - 1};",
+            f"                kn = ml::load_pack<{ct}, W>(kp + jn * {k.strides[2]});",
+            f"                vn = ml::load_pack<{ct}, W>(vp + jn * {v.strides[2]});",
+            *step,
+            "            }",
+            "        }",
+        ]
         + [
             "        // merge the KPW key groups of the warp (lanes with the same r)",
             "#pragma unroll",

@@ -53,7 +53,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
     tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs), then
-    its rows of A (the SKINNY_A_SHARED_BYTES experiment) and its staged weights (stage_weights) if any."""
+    its staged weights (stage_weights) if any."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     wg = wgmma_config(attrs, ins[0], ins[1])
@@ -62,11 +62,8 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand)
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
         layout = stage_layout(attrs, ins[0], ins[1], out)
-        if layout is not None:  # the partial sums, A's rows (if there), then the staged block of the widest tile
+        if layout is not None:  # the partial sums, then the staged block of the widest tile
             return layout[0] + attrs["codegen"]["tile"][1] * layout[1]
-        a_layout = skinny_a_layout(attrs, ins[0], ins[1])
-        if a_layout is not None:  # the partial sums, then A's rows
-            return a_layout[0] + attrs["codegen"]["tile"][0] * a_layout[1]
         return _partial_bytes(attrs, warps) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
@@ -387,12 +384,11 @@ def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dic
     }
 
 
-# Experiment (0: off, the default): a skinny tile first copies its rows of A (a decode step's activations)
-# into shared memory where they fit in this many bytes, and streams SKINNY_A_SHARED_SLICES units of B a
-# warp (ml::mma_skinny_shared_a; scripts/decode_variants.py a_shared, a_shared_u8). Its first GPU run
-# failed to launch the 4-sequence kernel for want of the shared-memory opt-in, fixed since (cb425d8).
-SKINNY_A_SHARED_BYTES = 0
-SKINNY_A_SHARED_SLICES = 16
+# Tried and taken out again (1ada0bb, measured at d8d9541): a skinny tile first copying its rows of A (the decode
+# step's activations) into shared memory with cp.async, A's fragments then read from there, and 16 units
+# of B in flight a warp instead of 8 (the registers A no longer took). Slower: the decode step 84.1 /
+# 169.6 us at hidden 2048 / 4096 against 70.9 / 143.3 (scripts/decode_variants.py, H200, d8d9541); at 8
+# units, earlier, within the noise (66.5, 67.3 / 140.4 against 67.1 / 142.2). docs/runtime.md.
 
 
 def _partial_bytes(attrs: dict[str, Any], warps: int) -> int:
@@ -404,25 +400,6 @@ def _pad_row(row_bytes: int) -> int:
     """A row pitch 64 bytes past a multiple of 128: the two rows (or columns) that the 8 lanes of a 16-byte
     load phase read fall in different banks."""
     return row_bytes + (64 - row_bytes) % 128
-
-
-def skinny_a_layout(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, int] | None:
-    """(byte offset in dynamic shared memory, row pitch in bytes) of a skinny tile's rows of A, after the
-    partial sums, or None where the op's tiles read A from global memory: the experiment off, not the
-    skinny path, or the tallest tile's rows past SKINNY_A_SHARED_BYTES or the plan's shared memory. (A
-    comes first: where A and the staged weights do not both fit, the weights are not staged.)"""
-    warps = skinny_mma_warps(attrs, a_, b_)
-    if not warps or SKINNY_A_SHARED_BYTES <= 0:
-        return None
-    hints = attrs["codegen"]
-    k = a_.shape[-2] if attrs["transpose_a"] else a_.shape[-1]
-    pitch = _pad_row(k * a_.dtype.itemsize)
-    rows = hints.get("tile", (0, 0))[0]
-    offset = -(-_partial_bytes(attrs, warps) // 128) * 128
-    end = offset + rows * pitch
-    if rows * pitch > SKINNY_A_SHARED_BYTES or end + WGMMA_STATIC_RESERVE > hints.get("shared_memory", 0):
-        return None
-    return offset, pitch
 
 
 # Decode tiles whose whole block of weights fits in shared memory may have it copied there by the copy
@@ -451,9 +428,7 @@ def stage_layout(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) 
     if row_bytes % 16 or (b_col * b_.dtype.itemsize) % 16:
         return None
     pitch = _pad_row(row_bytes)
-    a_layout = skinny_a_layout(attrs, a_, b_)  # (A's rows first, where the tiles copy them)
-    after = _partial_bytes(attrs, warps) if a_layout is None else a_layout[0] + rows * a_layout[1]
-    offset = -(-after // 128) * 128
+    offset = -(-_partial_bytes(attrs, warps) // 128) * 128
     if offset + cols * pitch + WGMMA_STATIC_RESERVE > hints.get("shared_memory", 0):
         return None
     return offset, pitch
@@ -516,17 +491,7 @@ def _skinny_mma(
             "    if (!ml::stage_wait(a, &ml_stage_bar, ml_stage_parity, proc, tid, t.op)) return;",
         ]
     done = ["    if (threadIdx.x == 0) { ml_stage_parity ^= 1u; ml_stage_pending = 0u; }"] if staged else []
-    a_layout = skinny_a_layout(attrs, a_, b_)
-    if a_layout is None:
-        call = f"ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {policy}>"
-        a_args = ""
-    else:  # A's rows copied into shared memory first, all at once; more units of B in flight
-        units = SKINNY_A_SHARED_SLICES if warps <= 8 else max(2, SKINNY_A_SHARED_SLICES * 4 // warps)
-        call = f"ml::mma_skinny_shared_a<{ct}, {slices}, {units}, {policy}>"
-        a_args = (
-            f", reinterpret_cast<{ct}*>(reinterpret_cast<char*>(ml_smem4) + {a_layout[0]}), "
-            f"{a_layout[1] // a_.dtype.itemsize}"
-        )
+    call = f"ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {policy}>"
     return [
         f["batches"],
         f"if ({f['guard']}) {{"
@@ -539,7 +504,7 @@ def _skinny_mma(
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
         *staged,
         f"    {call}(in0 + ab, {f['a_step']}, nr, {b_src}, {b_ld}, ncols, warp * units / {warps}, "
-        f"(warp + 1) * units / {warps}, partial, warp{'' if a_args else f', {warps}'}{a_args});",
+        f"(warp + 1) * units / {warps}, partial, warp, {warps});",
         "    __syncthreads();",
         *done,
         f"    for (int group = warp; group < groups; group += {warps}) {{",

@@ -254,68 +254,6 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
     }
 }
 
-// mma_skinny with A's rows in shared memory (an experiment: emit_matmul.SKINNY_A_SHARED_BYTES, 0 by
-// default). Every thread of the block calls it. A's nr rows (4 S packs each) are copied to `as` (rows
-// `aps` elements apart, 64 bytes past a multiple of 128, so the two rows a 16-byte load phase reads
-// fall in different banks) with cp.async, all at once, while each warp's first U units of B are in
-// flight; a barrier, then each unit's A fragment is read from shared memory right where it is used, so
-// no register holds A and U units of B can be twice as many for the same registers. Measured at U = 8
-// with A held in registers as mma_skinny does (H200, hidden 2048 / 4096 decode step): 66.5, 67.3 /
-// 140.4 us against 67.1 / 142.2 with A from global memory; a tile whose B already sat in shared memory
-// spent 2.4 us in mma_skinny on the rounds of A's trips to L2.
-template <typename T, int S, int U, bool STREAM>
-__device__ __forceinline__ void mma_skinny_shared_a(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols,
-                                                    int lo, int hi, float* partial, int warp, T* as, int aps) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const u64 policy = STREAM ? evict_first_policy() : 0;
-    const int last = max(lo, hi - 1);  // (a warp without units loads the unit lo, never multiplied)
-    auto load_b = [&](u32 (&wb)[4], int i) {  // column 8 (i / S) + g of the task (a real one), slice i % S
-        i = min(i, last);
-        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
-        if constexpr (STREAM)
-            load_words_policy(wb, p, policy);
-        else
-            load_words(wb, p);
-    };
-    // B's first units before A's copies: issued after them, ptxas moved these loads past the wait for
-    // the copies (nvdisasm: LDGSTS, DEPBAR, then the 16 LDG.E.128), a full trip to L2 before B's first
-    u32 b0[U][4], b1[U][4];
-#pragma unroll
-    for (int u = 0; u < U; ++u) load_b(b0[u], lo + u);
-#pragma unroll 4  // (a rolled loop, K = 5504's, had ptxas move B's loads past the wait again)
-    for (int p = threadIdx.x; p < nr * 4 * S; p += blockDim.x) {  // 4 S packs of 8 elements a row
-        const int r = p / (4 * S), k = 8 * (p % (4 * S));
-        cp_async16(as + r * aps + k, a + r * lda + k, true);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();  // A has landed, every thread's copies
-    if (lo >= hi) return;  // (fewer units than warps)
-    const T* ar = as + min(g, nr - 1) * aps + 8 * q;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i0 = lo; i0 < hi; i0 += 2 * U) {  // two rounds of B, as mma_skinny
-#pragma unroll
-        for (int u = 0; u < U; ++u) load_b(b1[u], i0 + U + u);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (i0 + u >= hi) break;
-            u32 wa[4];
-            load_words(wa, ar + 32 * ((i0 + u) % S));
-            skinny_unit<T, S>(c, wa, b0[u], i0 + u, last, partial, warp, lane);
-        }
-        if (i0 + U >= hi) break;
-#pragma unroll
-        for (int u = 0; u < U; ++u) load_b(b0[u], i0 + 2 * U + u);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (i0 + U + u >= hi) break;
-            u32 wa[4];
-            load_words(wa, ar + 32 * ((i0 + U + u) % S));
-            skinny_unit<T, S>(c, wa, b1[u], i0 + U + u, last, partial, warp, lane);
-        }
-    }
-}
-
 // After a barrier over the warps that ran mma_skinny on a task of L = G S units: this lane's two sums
 // of group `group` (row lane / 4, columns 2 (lane % 4) + 0/1): the partial sums of the warps whose
 // units meet the group, added in warp order (the same bits every run).
