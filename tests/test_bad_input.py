@@ -306,3 +306,22 @@ def test_weird_arguments_raise_megaloop_errors(weird: object) -> None:
             pass
         except Exception as e:
             raise AssertionError(f"call #{i} with {weird!r} raised {type(e).__name__}: {e}") from e
+
+
+def test_rope_into_the_cache_refuses_bad_input_in_its_own_name() -> None:
+    """rope_kv_cache_update takes rope's attributes and kv_cache_update's operands: its errors name it."""
+    g = ml.Graph("rope-cache")
+    cache = g.state("k", (1, 2, 8, 4), ml.bfloat16)
+    new = g.input("new", (1, 2, 1, 4), ml.bfloat16)
+    pos = g.input("pos", (1, 1), ml.int64)
+    with pytest.raises(errors.GraphBuildError, match=r"^rope_kv_cache_update: theta must be > 1"):
+        ml.rope_kv_cache_update(cache, new, pos, theta=1.0)
+    with pytest.raises(errors.GraphBuildError, match=r"^rope_kv_cache_update: llama3 scaling needs"):
+        ml.rope_kv_cache_update(cache, new, pos, scaling={"type": "llama3", "factor": 8.0})
+    with pytest.raises(errors.GraphBuildError, match=r"rope_kv_cache_update.*rotary_dim 3 must be even"):
+        ml.rope_kv_cache_update(cache, new, pos, rotary_dim=3)
+    with pytest.raises(errors.GraphBuildError, match=r"rope_kv_cache_update.*cache must be a state"):
+        ml.rope_kv_cache_update(g.input("c", (1, 2, 8, 4), ml.bfloat16), new, pos)
+    ml.rope_kv_cache_update(cache, new, pos)
+    with pytest.raises(errors.GraphBuildError, match="already receives"):  # one new value a state an iteration
+        ml.kv_cache_update(cache, new, pos)

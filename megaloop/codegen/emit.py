@@ -582,7 +582,8 @@ def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos:
 
 
 # items (a rotary pair, or a dim past rotary_dim) a thread loads, with their positions, before it
-# stores any (a store may alias the next load: one at a time paid the memory latency per item)
+# stores any (a store may alias the next load: one at a time paid the memory latency per item); fewer
+# where the task has fewer items than its threads have (decode: 32 pairs a head)
 ROPE_KV_ITEMS = 4
 
 
@@ -591,15 +592,17 @@ def rope_kv_update(
 ) -> list[str]:
     """rope_kv_cache_update: the rows of new of the task's (batch, head), each rotary pair rotated at its
     token's position with rope's formula (``rope``: the same fmas, so the same bits as rope's output)
-    and stored at that position of the cache slab, dims past rotary_dim copied. A position outside
-    [0, max_len) is reported (ml::DATA) and never written."""
+    and stored at that position of the cache slab, dims past rotary_dim copied bit for bit. A position
+    outside [0, max_len) is reported (ml::DATA), never written, and ends the thread's part of the task
+    (as kv_update's)."""
     _, _, s, dim = cache.shape
     tokens = new.shape[2]
     rd = attrs["rotary_dim"]
     half = rd // 2
     per_token = half + dim - rd  # items: the rotary pairs, then the dims passed through
     total = tokens * per_token
-    u = ROPE_KV_ITEMS
+    threads = attrs.get("codegen", {}).get("threads") or DEFAULT_THREADS
+    u = max(1, min(ROPE_KV_ITEMS, -(-total // threads)))
     inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
     neox = attrs["layout"] == "neox"
     first, second = ("f", f"f + {half}") if neox else ("2 * f", "2 * f + 1")  # the pair's dims
@@ -610,36 +613,39 @@ def rope_kv_update(
     body += rope_angle()
     body += [
         "const int b = t.lo[0], h = t.lo[1];",
-        f"// {tokens} token(s) x ({half} rotary pairs + {dim - rd} dims copied), {u} items a thread at a time",
-        f"for (int e0 = threadIdx.x; e0 < {total}; e0 += {u} * blockDim.x) {{",
+        f"// {tokens} token(s) x ({half} rotary pairs + {dim - rd} dims copied), {u} item(s) a thread at a time",
+        f"for (ml::i64 e0 = threadIdx.x; e0 < {total}LL; e0 += {u} * (ml::i64)blockDim.x) {{",
         f"    int d0[{u}], d1[{u}];  // the item's dims (d1 < 0: a dim copied)",
         f"    ml::i64 p[{u}];",
-        f"    float x0[{u}], x1[{u}];",
+        f"    {new.ctype} x0[{u}], x1[{u}];  // as stored: a copied dim keeps its bits (NaN payloads too)",
+        f"    double w[{u}];  // the pair's frequency",
         "#pragma unroll",
         f"    for (int k = 0; k < {u}; ++k) {{  // every load out before any store",
-        "        const int e = min(e0 + k * (int)blockDim.x, " + f"{total - 1});",
-        f"        const int tok = e / {per_token}, f = e % {per_token};",
+        f"        const ml::i64 e = min(e0 + k * (ml::i64)blockDim.x, {total - 1}LL);",
+        f"        const int tok = (int)(e / {per_token}), f = (int)(e % {per_token});",
         f"        d0[k] = f < {half} ? {first} : {rd} + (f - {half});",
         f"        d1[k] = f < {half} ? {second} : -1;",
+        f"        w[k] = inv_freq[f < {half} ? f : 0];",
         f"        p[k] = ml::load(in2 + (ml::i64)b * {pos.strides[0]} + (ml::i64)tok * {pos.strides[1]});",
         f"        const ml::i64 row = {at_new} + (ml::i64)tok * {new.strides[2]};",
-        f"        x0[k] = ml::load(in1 + row + (ml::i64)d0[k] * {new.strides[3]});",
-        f"        x1[k] = d1[k] >= 0 ? ml::load(in1 + row + (ml::i64)d1[k] * {new.strides[3]}) : 0.0f;",
+        f"        x0[k] = in1[row + (ml::i64)d0[k] * {new.strides[3]}];",
+        f"        x1[k] = in1[row + (ml::i64)(d1[k] >= 0 ? d1[k] : d0[k]) * {new.strides[3]}];",
         "    }",
         "#pragma unroll",
         f"    for (int k = 0; k < {u}; ++k) {{",
-        "        if (e0 + k * (int)blockDim.x >= " + f"{total}) break;",
-        f"        if (p[k] < 0 || p[k] >= {s}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p[k], {s}, 1, 0); break; }}",
+        f"        if (e0 + k * (ml::i64)blockDim.x >= {total}LL) break;",
+        f"        if (p[k] < 0 || p[k] >= {s}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p[k], {s}, 1, 0); return; }}",
         f"        {out.ctype}* o = out0 + {at_out} + p[k] * {out.strides[2]};",
         "        if (d1[k] < 0) {",
-        f"            ml::store(o + (ml::i64)d0[k] * {out.strides[3]}, x0[k]);",
+        f"            o[(ml::i64)d0[k] * {out.strides[3]}] = x0[k];",
         "            continue;",
         "        }",
         "        float sn, cs;",
-        f"        angle((double)p[k], inv_freq[{'d0[k]' if neox else 'd0[k] / 2'}], sn, cs);",
+        "        angle((double)p[k], w[k], sn, cs);",
+        "        const float a0 = ml::load(&x0[k]), a1 = ml::load(&x1[k]);",
         "        // rope's formula (its pair path's fmas): the same bits as rope's output",
-        f"        ml::store(o + (ml::i64)d0[k] * {out.strides[3]}, fmaf(x0[k], cs, -(x1[k] * sn)));",
-        f"        ml::store(o + (ml::i64)d1[k] * {out.strides[3]}, fmaf(x1[k], cs, x0[k] * sn));",
+        f"        ml::store(o + (ml::i64)d0[k] * {out.strides[3]}, fmaf(a0, cs, -(a1 * sn)));",
+        f"        ml::store(o + (ml::i64)d1[k] * {out.strides[3]}, fmaf(a1, cs, a0 * sn));",
         "    }",
         "}",
     ]

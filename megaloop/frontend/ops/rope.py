@@ -107,11 +107,14 @@ ROPE = register(
 )
 
 
-def _check_scaling(scaling: Any) -> dict[str, Any] | None:
+def _check_scaling(scaling: Any, op: OpDef | None = None) -> dict[str, Any] | None:
+    op = op or ROPE
     if scaling is None:
         return None
     if not isinstance(scaling, dict) or scaling.get("type", scaling.get("rope_type")) not in SCALING_TYPES:
-        raise GraphBuildError(f"rope: scaling must be None or a dict with type in {SCALING_TYPES}, got {scaling!r}")
+        raise GraphBuildError(
+            f"{op.name}: scaling must be None or a dict with type in {SCALING_TYPES}, got {scaling!r}"
+        )
     s = dict(scaling)
     s["type"] = s.pop("rope_type", s.get("type"))
     needed = {
@@ -120,12 +123,12 @@ def _check_scaling(scaling: Any) -> dict[str, Any] | None:
     }
     for key in needed[s["type"]]:
         if key not in s:
-            raise GraphBuildError(f"rope: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")
-        if require_scalar(ROPE, f"scaling[{key!r}]", s[key]) <= 0:
-            raise GraphBuildError(f"rope: scaling[{key!r}] must be > 0, got {s[key]}")
+            raise GraphBuildError(f"{op.name}: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")
+        if require_scalar(op, f"scaling[{key!r}]", s[key]) <= 0:
+            raise GraphBuildError(f"{op.name}: scaling[{key!r}] must be > 0, got {s[key]}")
     if s["type"] == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
         raise GraphBuildError(
-            f"rope: llama3 scaling needs high_freq_factor > low_freq_factor, got "
+            f"{op.name}: llama3 scaling needs high_freq_factor > low_freq_factor, got "
             f"{s['high_freq_factor']} and {s['low_freq_factor']}"
         )
     return {k: s[k] for k in ("type", *needed[s["type"]])}
@@ -143,11 +146,13 @@ def rope(
     return apply(ROPE, [x, positions], **rope_attrs(theta, layout, rotary_dim, scaling))
 
 
-def rope_attrs(theta: Any, layout: str, rotary_dim: Any, scaling: Any) -> dict[str, Any]:
-    """rope's attributes, checked (theta > 1, rotary_dim an int >= 2 or None, scaling) and normalised."""
-    theta = float(require_scalar(ROPE, "theta", theta))
+def rope_attrs(theta: Any, layout: str, rotary_dim: Any, scaling: Any, op: OpDef | None = None) -> dict[str, Any]:
+    """rope's attributes, checked (theta > 1, rotary_dim an int >= 2 or None, scaling) and normalised;
+    errors name ``op`` (rope by default; an op that takes rope's attributes)."""
+    op = op or ROPE
+    theta = float(require_scalar(op, "theta", theta))
     if theta <= 1.0:
-        raise GraphBuildError(f"rope: theta must be > 1, got {theta}")
+        raise GraphBuildError(f"{op.name}: theta must be > 1, got {theta}")
     if rotary_dim is not None:
-        rotary_dim = require_int(ROPE, "rotary_dim", rotary_dim, minimum=2)
-    return {"theta": theta, "layout": layout, "rotary_dim": rotary_dim, "scaling": _check_scaling(scaling)}
+        rotary_dim = require_int(op, "rotary_dim", rotary_dim, minimum=2)
+    return {"theta": theta, "layout": layout, "rotary_dim": rotary_dim, "scaling": _check_scaling(scaling, op)}

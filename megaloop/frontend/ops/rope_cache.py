@@ -4,7 +4,8 @@ slot, as in Llama / Hugging Face): the same values (rope's, rounded to the cache
 without a rope op between the key projection and the cache, so that on a decode step attention waits
 one dependent stage fewer in every layer (rope and the cache update took 1-1.5 us each, plus a handoff
 between them: scripts/profile_cases.py generate1b). Where the rotary positions are not the slots (a
-ring cache), use rope and kv_cache_update.
+ring cache), use rope and kv_cache_update. A task writes one (batch, head) slab, as kv_cache_update's: for
+many tokens (a prefill), rope's tiles over every token and then the cache's copy run wider.
 """
 
 from __future__ import annotations
@@ -65,5 +66,5 @@ def rope_kv_cache_update(
 ) -> Tensor:
     """Rotate ``new`` at ``positions`` (rope) and write it into ``cache`` there; the result is the
     cache's next value."""
-    attrs = rope_attrs(theta, layout, rotary_dim, scaling)
+    attrs = rope_attrs(theta, layout, rotary_dim, scaling, ROPE_KV_CACHE_UPDATE)
     return cache_update(ROPE_KV_CACHE_UPDATE, cache, new, positions, **attrs)
