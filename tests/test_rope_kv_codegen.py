@@ -335,6 +335,7 @@ struct Dim3 { unsigned x, y, z; };
 static Dim3 threadIdx, blockDim, blockIdx;
 static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
 namespace ml {
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -596,3 +597,103 @@ def test_kv_update_reports_a_bad_position_and_never_writes_it(case: int, bad, tm
             assert np.array_equal(got[bi][:, keep].view(np.uint8), old[bi][:, keep].view(np.uint8))
         arena.write(3, got, expected)
         assert np.array_equal(arena.bytes, expected), "a write outside the cache's elements"
+
+
+FUSED_CASES = [
+    # (dtype, batch, kv heads, max_len, head_dim, tokens, attrs)
+    ("bfloat16", 1, 8, 48, 64, 1, rope_attrs("neox", 64, 500000.0, LLAMA3)),  # a Llama decode step's keys
+    ("bfloat16", 2, 3, 64, 64, 5, rope_attrs("interleaved", 32)),  # dims past rotary_dim copied
+    ("float16", 2, 2, 32, 48, 9, rope_attrs("neox", 16)),
+    ("float32", 1, 2, 600, 128, 300, rope_attrs("neox", 96, 500000.0, LLAMA3)),  # several items a thread
+]
+
+
+def fused_run(case: int, tmp_path: Path, pv: np.ndarray, nan_payloads: bool = False):
+    """rope_kv_cache_update's tile function, and rope's then kv_cache_update's, on the same inputs: the
+    two caches, the fused run's info words and its arena (bytes before the run in .before)."""
+    dt, b, h, s, d, t, attrs = FUSED_CASES[case]
+    cache, new = contiguous(dt, (b, h, s, d)), heads_view(dt, b, h, t, d)  # new: a projection's heads
+    pos, rope_pos, rotated = contiguous("int64", (b, t)), contiguous("int64", (b, 1, t)), contiguous(dt, new.shape)
+    rng = np.random.default_rng(300 + case)
+    nv = ml.dtypes.round_to(rng.standard_normal(new.shape), new.dtype)
+    if nan_payloads:  # NaNs with payloads, in rotated and in copied dims
+        bits = nv.view(np.uint16 if new.dtype.itemsize == 2 else np.uint32)
+        bits.reshape(-1)[::5] = 0xFFC1 if new.dtype.itemsize == 2 else 0xFFC00001
+    cv = ml.dtypes.round_to(rng.standard_normal(cache.shape), cache.dtype)
+    boxes = [Box((bi, hi, 0, 0), (bi + 1, hi + 1, s, d)) for bi in range(b) for hi in range(h)]  # as the tiling
+    fused = Arena([cache, new, pos, cache], alias={3: 0})
+    fused.write(0, cv)
+    fused.write(1, nv)
+    fused.write(2, pv)
+    fused.before = fused.bytes.copy()
+    info = run_on_cpu(
+        emit.rope_kv_update("k", attrs, cache, new, pos, cache), tmp_path, fused.bytes, fused.offsets, boxes
+    )
+    apart = Arena([cache, new, pos, cache, rope_pos, rotated], alias={3: 0})
+    apart.write(0, cv)
+    apart.write(1, nv)
+    apart.write(2, pv)
+    apart.write(4, pv[:, None, :])
+    rows = [Box(bx.lo, bx.hi[:2] + (t, d)) for bx in boxes]
+    run_on_cpu(
+        emit.rope("rope", attrs, new, rope_pos, rotated),
+        tmp_path,
+        apart.bytes,
+        [apart.offsets[k] for k in (1, 4, 5)],
+        rows,
+    )
+    run_on_cpu(
+        emit.kv_update("kv", {}, cache, rotated, pos, cache),
+        tmp_path,
+        apart.bytes,
+        [apart.offsets[k] for k in (0, 5, 2, 3)],
+        boxes,
+    )
+    return fused.read(3), apart.read(3), info, fused, nv
+
+
+@needs_cxx
+@pytest.mark.parametrize("nan_payloads", [False, True])
+@pytest.mark.parametrize("case", range(len(FUSED_CASES)))
+def test_generated_rope_into_the_cache_is_rope_then_the_update(case: int, nan_payloads: bool, tmp_path: Path) -> None:
+    """rope_kv_cache_update's tile stores the bytes rope's tile then kv_cache_update's store (the same
+    fmas; dims past rotary_dim, NaN payloads included, copied as stored), writes nothing else, and is
+    within rope's accuracy of the reference."""
+    _, b, _, s, _, t, attrs = FUSED_CASES[case]
+    rng = np.random.default_rng(case)
+    pv = np.stack([rng.permutation(s)[:t] for _ in range(b)])
+    got, want, info, arena, nv = fused_run(case, tmp_path, pv, nan_payloads)
+    assert info[0] == 0
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), "fused and two-op caches differ"
+    expected = arena.before.copy()
+    arena.write(3, got, expected)
+    assert np.array_equal(arena.bytes, expected), "a write outside the cache's elements"
+    if not nan_payloads:
+        ref = rope_ref(torch.from_numpy(nv.astype(np.float64)), torch.from_numpy(pv[:, None, :]), **attrs).numpy()
+        written = np.stack([got[bi][:, pv[bi]] for bi in range(b)])
+        assert_close(
+            written,
+            ref,
+            got.dtype if isinstance(got.dtype, ml.DType) else ml.as_dtype(got.dtype),
+            ROPE.accuracy,
+            what=f"fused case {case}",
+        )
+
+
+@needs_cxx
+@pytest.mark.parametrize("bad", [-1, "max_len"])
+def test_generated_rope_into_the_cache_reports_a_bad_position_and_never_writes_it(bad, tmp_path: Path) -> None:
+    _, b, h, s, d, t, _ = FUSED_CASES[1]
+    rng = np.random.default_rng(7)
+    pv = np.stack([rng.permutation(s)[:t] for _ in range(b)])
+    value = s if bad == "max_len" else bad
+    pv[-1, -1] = value
+    got, _, info, arena, _ = fused_run(1, tmp_path, pv)
+    assert list(info[:7]) == [2, int(info[1]), int(info[2]), 0, value, s, 1]  # DATA: value, limit, kind
+    old = arena.view(0, arena.before)[element_index(contiguous("bfloat16", (b, h, s, d)))]
+    for bi in range(b):  # only the valid positions' rows may have changed
+        keep = np.setdiff1d(np.arange(s), pv[bi])
+        assert np.array_equal(got[bi][:, keep].view(np.uint8), old[bi][:, keep].view(np.uint8))
+    expected = arena.before.copy()
+    arena.write(3, got, expected)
+    assert np.array_equal(arena.bytes, expected), "a write outside the cache's elements"
