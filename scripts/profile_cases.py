@@ -122,6 +122,7 @@ def report(name: str, tl: trace.Timeline, out: Path) -> None:
             f"  {op:<34}{len(ids):>6}{(t[ids, 0].min() - base) / 1e3:>9.1f}{(t[ids, 1].max() - base) / 1e3:>9.1f}"
             f"{d.mean() / 1e3:>9.2f}{d.max() / 1e3:>9.2f}{wait[ids].mean() / 1e3:>9.2f}"
         )
+    print(trace.format_critical_path(tl))
     trace.save_chrome_trace(tl, out / f"{name}.trace.json")
     try:
         trace.save_png(tl, out / f"{name}.png")

@@ -79,6 +79,62 @@ def test_kernel_stamps_are_checked(plan) -> None:
         trace.measured_timeline(plan, stamps[:, :-1], "x")
 
 
+def simulated(plan, gaps: np.ndarray, iterations: int = 2) -> np.ndarray:
+    """A run of the plan as a loop kernel would make it: each task starts gaps[task] ns after the last of
+    its predecessors ends (the task before it on its processor, the last iteration's last task for the
+    first one, and every signaller of the counters it waits on), and takes its estimated cost."""
+    rp = plan.ranks[0]
+    signalers: dict[int, list[int]] = {}
+    for t in rp.tasks:
+        signalers.setdefault(t.signal, []).append(t.id)
+    times = np.full((iterations, len(rp.tasks), 2), np.nan)
+    progress = True
+    while progress:
+        progress = False
+        for k in range(iterations):
+            for lst in rp.processors:
+                for i, tid in enumerate(lst):
+                    if not np.isnan(times[k, tid, 0]):
+                        continue
+                    ready = [times[k, lst[i - 1], 1]] if i else ([times[k - 1, lst[-1], 1]] if k else [0.0])
+                    for w in rp.tasks[tid].waits:
+                        if w.lag <= k:
+                            ready += [times[k - w.lag, p, 1] for p in signalers[w.counter]]
+                    if np.isnan(ready).any():
+                        break
+                    start = max(ready) + gaps[tid]
+                    times[k, tid] = start, start + rp.tasks[tid].cost_ns
+                    progress = True
+    assert not np.isnan(times).any()
+    return times
+
+
+def test_the_critical_path_is_the_chain_that_ended_the_iteration(plan) -> None:
+    """On a run with known handoffs (each task starts its gap after its last predecessor ends), the path
+    ends at the iteration's last task, each step's predecessor is the latest-ending of its waits and its
+    processor's previous task, its handoff is that task's gap, and the steps tile the time from the first
+    step's start to the iteration's end. A task given a long gap is on it, with that gap."""
+    rp = plan.ranks[0]
+    rng = np.random.default_rng(3)
+    gaps = rng.uniform(300, 2000, len(rp.tasks))
+    slow = next(t.id for t in rp.tasks if rp.ops[t.op].op == "rmsnorm")
+    gaps[slow] = 50_000.0  # 50 us: on the critical path whatever else
+    times = simulated(plan, gaps)
+    tl = trace.Timeline(plan, 0, times - times[..., 0].min(), "simulated")
+    path = trace.critical_path(tl)
+    assert path[-1].task == int(np.argmax(tl.times_ns[1, :, 1])) and all(st.iteration == 1 for st in path)
+    for a, b in itertools.pairwise(path):
+        assert b.ready_ns == pytest.approx(a.end_ns) and b.handoff_ns == pytest.approx(gaps[b.task])
+    span = path[-1].end_ns - path[0].start_ns
+    assert sum(st.end_ns - st.start_ns for st in path) + sum(st.handoff_ns for st in path[1:]) == pytest.approx(span)
+    step = next(st for st in path if st.task == slow)
+    assert step.handoff_ns == pytest.approx(50_000.0)
+    text = trace.format_critical_path(tl)
+    assert rp.ops[rp.tasks[slow].op].name in text and "handoffs" in text
+    with pytest.raises(trace.TraceError, match="iteration 5"):
+        trace.critical_path(tl, 5)
+
+
 def test_profile_command_writes_trace_and_png(tmp_path, capsys) -> None:
     out = tmp_path / "prof"
     assert main(["profile", "--preset", "tiny", "--estimate", "--iterations", "2", "--out", str(out)]) == 0

@@ -9,6 +9,7 @@ every output so that an estimate is never mistaken for a measurement.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,101 @@ def format_summary(tl: Timeline) -> str:
     ]
     for kind, n, ns, share in op_summary(tl):
         lines.append(f"  {kind:<18}{n:>8}{ns / 1e3:>12.1f}{100 * share:>7.1f}%")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """A task on an iteration's critical path: its iteration, id, start and end (ns), and what it waited
+    for: ``after`` is "wait" (the last of the producers it waits on to end), "order" (the task before it
+    on its processor) or "" (the first step), ``ready_ns`` when that predecessor ended."""
+
+    iteration: int
+    task: int
+    start_ns: float
+    end_ns: float
+    after: str
+    ready_ns: float
+
+    @property
+    def handoff_ns(self) -> float:
+        """From the predecessor's end to this task's start: the signal, the wait and the task's launch."""
+        return self.start_ns - self.ready_ns if self.after else 0.0
+
+
+def critical_path(tl: Timeline, iteration: int | None = None) -> list[PathStep]:
+    """The chain of tasks that made ``iteration`` (the last one by default) end when it did: from its
+    last task back, each step's predecessor is whichever ended last of the producers it waits on (this
+    rank's counters) and the task before it on its processor; the walk stops where it leaves the
+    iteration. In order of time. Measured timelines say where a step's time goes: the tasks' own time
+    and the handoffs between them (docs/runtime.md)."""
+    rp, times = tl.rp, tl.times_ns
+    k = times.shape[0] - 1 if iteration is None else iteration
+    if not 0 <= k < times.shape[0]:
+        raise TraceError(f"iteration {k}: the timeline has {times.shape[0]}")
+    signalers: dict[int, list[int]] = {}
+    for t in rp.tasks:
+        signalers.setdefault(t.signal, []).append(t.id)
+    before: dict[int, int] = {}  # task -> the task before it on its processor (same iteration)
+    for lst in rp.processors:
+        for a, b in itertools.pairwise(lst):
+            before[b] = a
+    steps: list[PathStep] = []
+    tid = int(np.argmax(times[k, :, 1]))
+    while True:
+        task = rp.tasks[tid]
+        candidates = []  # (end ns, iteration, task, why)
+        for w in task.waits:
+            if w.rank == tl.rank and w.lag <= k:
+                candidates += [(times[k - w.lag, p, 1], k - w.lag, p, "wait") for p in signalers.get(w.counter, [])]
+        if tid in before:
+            candidates.append((times[k, before[tid], 1], k, before[tid], "order"))
+        start, end = times[k, tid]
+        ready = max(candidates) if candidates else None
+        if ready is None or ready[1] != k:  # the first task, or its predecessor is the previous iteration's
+            steps.append(
+                PathStep(
+                    k,
+                    tid,
+                    float(start),
+                    float(end),
+                    ready[3] if ready else "",
+                    float(ready[0]) if ready else float(start),
+                )
+            )
+            break
+        steps.append(PathStep(k, tid, float(start), float(end), ready[3], float(ready[0])))
+        tid = ready[2]
+    return steps[::-1]
+
+
+def format_critical_path(tl: Timeline, iteration: int | None = None) -> str:
+    """critical_path as a table, consecutive tasks of one op merged into a stage: its time on the path and
+    the handoff before it; then the sums."""
+    steps = critical_path(tl, iteration)
+    rp = tl.rp
+    rows: list[list] = []  # [op name, tasks, first start, last end, handoff before, after]
+    for st in steps:
+        name = rp.ops[rp.tasks[st.task].op].name
+        if rows and rows[-1][0] == name:
+            rows[-1][1] += 1
+            rows[-1][3] = st.end_ns
+            rows[-1][6] += st.handoff_ns  # handoffs inside the stage
+        else:
+            rows.append([name, 1, st.start_ns, st.end_ns, st.handoff_ns, st.after, 0.0])
+    base = steps[0].start_ns if steps else 0.0
+    lines = [
+        f"critical path of iteration {steps[0].iteration if steps else '-'}: {len(steps)} tasks in {len(rows)} stages",
+        f"  {'op':<40}{'tasks':>6}{'from us':>9}{'stage us':>10}{'handoff us':>12}  after",
+    ]
+    for name, n, start, end, handoff, after, inner in rows:
+        stage = end - start - inner
+        lines.append(
+            f"  {name:<40}{n:>6}{(start - base) / 1e3:>9.1f}{stage / 1e3:>10.2f}{handoff / 1e3:>12.2f}  {after}"
+        )
+    busy = sum(st.end_ns - st.start_ns for st in steps)
+    handoffs = sum(st.handoff_ns for st in steps)
+    lines.append(f"  tasks {busy / 1e3:.1f} us, handoffs {handoffs / 1e3:.1f} us ({len(steps)} of them)")
     return "\n".join(lines)
 
 
