@@ -315,6 +315,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except OSError as e:
         raise SystemExit(f"megaloop profile: cannot make the folder {out} for the results: {e}") from None
     print(trace.format_summary(tl))
+    print(trace.format_critical_path(tl))
     print(f"wrote {trace.save_chrome_trace(tl, out / 'trace.json')} (open in https://ui.perfetto.dev)")
     try:
         print(f"wrote {trace.save_png(tl, out / 'timeline.png')}")

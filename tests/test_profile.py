@@ -140,5 +140,6 @@ def test_profile_command_writes_trace_and_png(tmp_path, capsys) -> None:
     assert main(["profile", "--preset", "tiny", "--estimate", "--iterations", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "estimated by the cost model" in text and "trace.json" in text
+    assert "critical path of iteration 1" in text and "handoffs" in text
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
