@@ -23,14 +23,14 @@ def test_ranges_cover_the_axis_in_whole_packs(n: int, splits: int) -> None:
     assert (ranges - 1) * chunk < n <= ranges * chunk  # every range non-empty
 
 
-def values(rng: np.random.Generator, shape: tuple[int, ...], case: str) -> np.ndarray:
+def values(rng: np.random.Generator, shape: tuple[int, ...], case: str, axis: int) -> np.ndarray:
     v = rng.integers(-3, 3, shape).astype(np.float32)  # many ties
     if case == "nan":  # NaNs in some rows: the first NaN wins, as numpy's argmax
         v.reshape(-1)[rng.choice(v.size, max(1, v.size // 500), replace=False)] = np.nan
     elif case == "-inf":  # rows of only -inf: index 0 (a range of -inf must still be a candidate)
         v[...] = -np.inf
-    elif case == "last":  # the largest in the last, short range
-        v[..., -1] = 100.0
+    elif case == "last":  # the largest in the last, short range (along the split axis)
+        v[(slice(None),) * (axis % len(shape)) + (-1,)] = 100.0
     return v
 
 
@@ -50,7 +50,7 @@ def test_split_argmax_is_argmax(shape, axis, splits, keepdims, dtype, case) -> N
     x = g.input("x", shape, dtype)
     g.output("i", ml.argmax(x, axis, keepdims=keepdims, splits=splits))
     assert [n.op.name for n in g.nodes][-2:] == ["argmax_partial", "argmax_combine"]
-    v = ml.dtypes.round_to(values(rng, shape, case), ml.as_dtype(dtype))
+    v = ml.dtypes.round_to(values(rng, shape, case, axis), ml.as_dtype(dtype))
     want = np.argmax(v.astype(np.float64), axis=axis, keepdims=keepdims)  # float64: NaN first, as numpy
     assert np.array_equal(ml.evaluate(g, {"x": v}).outputs["i"], want)
     plan = make_plan(g, processors=16)

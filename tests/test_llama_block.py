@@ -190,9 +190,9 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
     """build_llama's norms take the residual stream's last update as their ``residual`` operand
     (decoder_layer_parts): each reads the sublayer's output (its last matmul) itself, not the add of it
     to the stream, so none waits for that add on a decode step's critical path; the adds still feed the
-    next residual. The logits are test_two_layer_block's (the
-    same values: rmsnorm rounds x + residual as the add does): here against the graph that norms the
-    adds' outputs, bit for bit."""
+    next residual. The same values as norming the sums (rmsnorm rounds x + residual as the add does):
+    here against decoder_layer's graph, whose input norms and final norm read the adds' outputs, bit
+    for bit."""
     from megaloop.models.llama import decoder_layer
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
@@ -262,3 +262,38 @@ def test_decode_rotates_keys_on_their_way_into_the_cache(monkeypatch) -> None:
         assert fused.state[name].tobytes() == want.state[name].tobytes(), name
     planned = run_plan(make_plan(decode, processors=6), feeds, params, state, seed=1)
     assert planned.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
+
+
+def test_decode_keys_match_a_longer_prefill_with_scaled_rope() -> None:
+    """The decode step's key (rope_kv_cache_update, with the model's theta and Llama-3 scaling) is the
+    one a prefill one token longer writes (rope then kv_cache_update) into the cache: a decode call that
+    lost the rope arguments would fail here (a review's mutant passed the other tests)."""
+    scaling = {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }
+    cfg = LlamaConfig(
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        intermediate=96,
+        layers=1,
+        max_seq=48,
+        vocab=40,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        dtype=ml.float32,
+    )
+    params = random_parameters(cfg, seed=6)
+    tokens = np.random.default_rng(6).integers(0, 40, (1, 40))
+    longer = ml.evaluate(build_llama(cfg, 1, 40), {"tokens": tokens, "positions": np.arange(40)[None]}, params)
+    shorter = ml.evaluate(build_llama(cfg, 1, 39), {"tokens": tokens[:, :39], "positions": np.arange(39)[None]}, params)
+    step = ml.evaluate(
+        build_llama(cfg, 1, 1), {"tokens": tokens[:, 39:], "positions": np.array([[39]])}, params, shorter.state
+    )
+    for name in ("model.layers.0.self_attn.k_cache", "model.layers.0.self_attn.v_cache"):
+        got, want = step.state[name][:, :, :40], longer.state[name][:, :, :40]
+        assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.max(np.abs(want))), name

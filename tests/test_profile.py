@@ -80,9 +80,11 @@ def test_kernel_stamps_are_checked(plan) -> None:
 
 
 def simulated(plan, gaps: np.ndarray, iterations: int = 2) -> np.ndarray:
-    """A run of the plan as a loop kernel would make it: each task starts gaps[task] ns after the last of
-    its predecessors ends (the task before it on its processor, the last iteration's last task for the
-    first one, and every signaller of the counters it waits on), and takes its estimated cost."""
+    """A run of the plan as a loop kernel would make it: each task starts gaps[task] ns (gaps[k, task]
+    for a 2-D array) after the last of its predecessors ends (the task before it on its processor, the
+    last iteration's last task for the first one, and every signaller of the counters it waits on), and
+    takes its estimated cost."""
+    gaps = np.broadcast_to(gaps, (iterations, len(plan.ranks[0].tasks)))
     rp = plan.ranks[0]
     signalers: dict[int, list[int]] = {}
     for t in rp.tasks:
@@ -102,7 +104,7 @@ def simulated(plan, gaps: np.ndarray, iterations: int = 2) -> np.ndarray:
                             ready += [times[k - w.lag, p, 1] for p in signalers[w.counter]]
                     if np.isnan(ready).any():
                         break
-                    start = max(ready) + gaps[tid]
+                    start = max(ready) + gaps[k, tid]
                     times[k, tid] = start, start + rp.tasks[tid].cost_ns
                     progress = True
     assert not np.isnan(times).any()
@@ -133,6 +135,63 @@ def test_the_critical_path_is_the_chain_that_ended_the_iteration(plan) -> None:
     assert rp.ops[rp.tasks[slow].op].name in text and "handoffs" in text
     with pytest.raises(trace.TraceError, match="iteration 5"):
         trace.critical_path(tl, 5)
+
+
+def test_the_path_starts_where_the_previous_iteration_held_it(plan) -> None:
+    """No barrier between iterations: a processor still on the last iteration's task holds its first
+    task of this one. The path starts there (after "order", its handoff the gap), not at a producer of
+    this iteration that ended earlier (a review found the walk going through one)."""
+    rp = plan.ranks[0]
+    gaps = np.full((2, len(rp.tasks)), 500.0)
+    late = next(lst for lst in rp.processors if len(lst) > 1)
+    gaps[0, late[-1]] = 100_000.0  # this processor ends iteration 0 100 us late
+    times = simulated(plan, gaps)
+    tl = trace.Timeline(plan, 0, times - times[..., 0].min(), "simulated")
+    path = trace.critical_path(tl)
+    first = path[0]
+    assert first.task == late[0] and first.after == "order", (rp.task_name(rp.tasks[first.task]), first.after)
+    assert first.ready_ns == pytest.approx(tl.times_ns[0, late[-1], 1]) and first.handoff_ns == pytest.approx(500.0)
+
+
+def test_a_generators_path_starts_at_a_wait_on_the_last_iteration(tmp_path) -> None:
+    """A self-feeding generator's tasks wait (lag 1) on the previous iteration's (the token, the position,
+    the caches). With one such producer on another processor 100 us late, iteration 2's path starts at
+    its consumer, after that wait. The table's columns add up to its sums (tasks, handoffs and their
+    count), which tile the time from that producer's end to the iteration's end."""
+    from megaloop.models import build_llama_generator
+
+    cfg = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1, max_seq=16, vocab=40)
+    gen = make_plan(build_llama_generator(cfg, 1, argmax_splits=None), processors=4)
+    rp = gen.ranks[0]
+    where = {t: p for p, lst in enumerate(rp.processors) for t in lst}
+    signalers: dict[int, list[int]] = {}
+    for t in rp.tasks:
+        signalers.setdefault(t.signal, []).append(t.id)
+    consumer, producer = next(
+        (t.id, q)
+        for t in rp.tasks
+        for w in t.waits
+        if w.lag == 1
+        for q in signalers[w.counter]
+        if where[q] != where[t.id]
+    )
+    gaps = np.full((3, len(rp.tasks)), 400.0)
+    gaps[1, producer] = 100_000.0
+    times = simulated(gen, gaps, iterations=3)
+    tl = trace.Timeline(gen, 0, times - times[..., 0].min(), "simulated")
+    path = trace.critical_path(tl, 2)
+    assert all(st.iteration == 2 for st in path) and path[-1].end_ns == pytest.approx(tl.times_ns[2, :, 1].max())
+    first = path[0]
+    assert (first.task, first.after) == (consumer, "wait"), rp.task_name(rp.tasks[first.task])
+    assert first.ready_ns == pytest.approx(tl.times_ns[1, producer, 1])
+    text = trace.format_critical_path(tl, 2)
+    rows = [line.split() for line in text.splitlines()[2:-1]]
+    total = text.splitlines()[-1].split()  # "tasks X us, handoffs Y us (N of them)"
+    assert abs(sum(float(r[3]) for r in rows) - float(total[1])) < 0.01 * len(rows)
+    assert abs(sum(float(r[4]) for r in rows) - float(total[4])) < 0.01 * len(rows)
+    assert int(total[6].lstrip("(")) == len(path)  # every step's, the first one's from iteration 1
+    span = path[-1].end_ns - first.ready_ns
+    assert sum(st.end_ns - st.start_ns + st.handoff_ns for st in path) == pytest.approx(span)
 
 
 def test_profile_command_writes_trace_and_png(tmp_path, capsys) -> None:

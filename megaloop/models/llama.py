@@ -160,7 +160,8 @@ def decoder_layer(
     g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int, kv_splits: int | str | None = "auto"
 ) -> Tensor:
     h, update = decoder_layer_parts(g, cfg, x, None, positions, layer, kv_splits)
-    return h + update
+    with g.scope(f"layers.{layer}"), g.scope("mlp"):
+        return h + update
 
 
 def decoder_layer_parts(

@@ -157,8 +157,9 @@ class PathStep:
 
     @property
     def handoff_ns(self) -> float:
-        """From the predecessor's end to this task's start: the signal, the wait and the task's launch."""
-        return self.start_ns - self.ready_ns if self.after else 0.0
+        """From the predecessor's end to this task's start: the signal, the wait and the task's launch
+        (0 for a first step with no predecessor on this rank)."""
+        return self.start_ns - self.ready_ns
 
 
 def critical_path(tl: Timeline, iteration: int | None = None) -> list[PathStep]:
@@ -174,10 +175,14 @@ def critical_path(tl: Timeline, iteration: int | None = None) -> list[PathStep]:
     signalers: dict[int, list[int]] = {}
     for t in rp.tasks:
         signalers.setdefault(t.signal, []).append(t.id)
-    before: dict[int, int] = {}  # task -> the task before it on its processor (same iteration)
+    # task -> (lag, the task before it on its processor): the one before in the list, or for the first
+    # task the list's last one of the iteration before (iterations overlap: no barrier between them)
+    before: dict[int, tuple[int, int]] = {}
     for lst in rp.processors:
         for a, b in itertools.pairwise(lst):
-            before[b] = a
+            before[b] = (0, a)
+        if lst:
+            before[lst[0]] = (1, lst[-1])
     steps: list[PathStep] = []
     tid = int(np.argmax(times[k, :, 1]))
     while True:
@@ -186,54 +191,51 @@ def critical_path(tl: Timeline, iteration: int | None = None) -> list[PathStep]:
         for w in task.waits:
             if w.rank == tl.rank and w.lag <= k:
                 candidates += [(times[k - w.lag, p, 1], k - w.lag, p, "wait") for p in signalers.get(w.counter, [])]
-        if tid in before:
-            candidates.append((times[k, before[tid], 1], k, before[tid], "order"))
+        lag, prev = before.get(tid, (k + 1, -1))
+        if lag <= k:
+            candidates.append((times[k - lag, prev, 1], k - lag, prev, "order"))
         start, end = times[k, tid]
         ready = max(candidates) if candidates else None
-        if ready is None or ready[1] != k:  # the first task, or its predecessor is the previous iteration's
-            steps.append(
-                PathStep(
-                    k,
-                    tid,
-                    float(start),
-                    float(end),
-                    ready[3] if ready else "",
-                    float(ready[0]) if ready else float(start),
-                )
-            )
+        if ready is None:  # nothing on this rank before it: the first task, or one only other ranks gate
+            remote = any(w.rank != tl.rank for w in task.waits)
+            steps.append(PathStep(k, tid, float(start), float(end), "other rank" if remote else "", float(start)))
             break
         steps.append(PathStep(k, tid, float(start), float(end), ready[3], float(ready[0])))
+        if ready[1] != k:  # its predecessor is the previous iteration's: the path starts here
+            break
         tid = ready[2]
     return steps[::-1]
 
 
 def format_critical_path(tl: Timeline, iteration: int | None = None) -> str:
-    """critical_path as a table, consecutive tasks of one op merged into a stage: its time on the path and
-    the handoff before it; then the sums."""
+    """critical_path as a table, consecutive tasks of one op merged into a stage: its tasks' time on the
+    path and its handoffs (the one before it and any between its tasks); then the sums, which the
+    columns add up to. The first stage's handoff is from the previous iteration's task (or 0): the sums
+    cover the step from that task's end to the iteration's end."""
     steps = critical_path(tl, iteration)
     rp = tl.rp
-    rows: list[list] = []  # [op name, tasks, first start, last end, handoff before, after]
+    rows: list[list] = []  # [op name, tasks, first start, busy ns, handoffs ns, after]
     for st in steps:
         name = rp.ops[rp.tasks[st.task].op].name
         if rows and rows[-1][0] == name:
             rows[-1][1] += 1
-            rows[-1][3] = st.end_ns
-            rows[-1][6] += st.handoff_ns  # handoffs inside the stage
+            rows[-1][3] += st.end_ns - st.start_ns
+            rows[-1][4] += st.handoff_ns
         else:
-            rows.append([name, 1, st.start_ns, st.end_ns, st.handoff_ns, st.after, 0.0])
+            rows.append([name, 1, st.start_ns, st.end_ns - st.start_ns, st.handoff_ns, st.after])
     base = steps[0].start_ns if steps else 0.0
     lines = [
         f"critical path of iteration {steps[0].iteration if steps else '-'}: {len(steps)} tasks in {len(rows)} stages",
-        f"  {'op':<40}{'tasks':>6}{'from us':>9}{'stage us':>10}{'handoff us':>12}  after",
+        f"  {'op':<40}{'tasks':>6}{'from us':>9}{'tasks us':>10}{'handoffs us':>13}  after",
     ]
-    for name, n, start, end, handoff, after, inner in rows:
-        stage = end - start - inner
+    for name, n, start, busy_ns, handoff_ns, after in rows:
         lines.append(
-            f"  {name:<40}{n:>6}{(start - base) / 1e3:>9.1f}{stage / 1e3:>10.2f}{handoff / 1e3:>12.2f}  {after}"
+            f"  {name:<40}{n:>6}{(start - base) / 1e3:>9.1f}{busy_ns / 1e3:>10.2f}{handoff_ns / 1e3:>13.2f}  {after}"
         )
     busy = sum(st.end_ns - st.start_ns for st in steps)
     handoffs = sum(st.handoff_ns for st in steps)
-    lines.append(f"  tasks {busy / 1e3:.1f} us, handoffs {handoffs / 1e3:.1f} us ({len(steps)} of them)")
+    counted = sum(1 for st in steps if st.after and st.after != "other rank")
+    lines.append(f"  tasks {busy / 1e3:.1f} us, handoffs {handoffs / 1e3:.1f} us ({counted} of them)")
     return "\n".join(lines)
 
 
