@@ -333,6 +333,14 @@ ROUND_MAGIC = 1.5 * 2.0**52
 DEFAULT_THREADS = 256
 
 
+def rope_frequencies(attrs: dict[str, Any]) -> str:
+    """C++: rope's frequencies (rotary_dim / 2 of them, float64) as the table ``inv_freq``. Static: one
+    table in global memory; a plain local constexpr array indexed at run time was copied into every
+    thread's local memory on every call (64 stores a thread per tile)."""
+    inv = inv_frequencies(attrs["rotary_dim"], attrs["theta"], attrs["scaling"])
+    return f"static constexpr double inv_freq[{len(inv)}] = {{{', '.join(double_literal(v) for v in inv)}}};"
+
+
 def rope_angle() -> list[str]:
     """C++ lambda ``angle(pv, w, s, c)``: sin and cos of pv * w, the reference's own float64 product."""
     sin = [float_literal(v) for v in ROPE_SIN]
@@ -370,11 +378,7 @@ def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand)
     and computes the same values."""
     nd = len(x.shape)
     rd = attrs["rotary_dim"]
-    inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
-    table = ", ".join(double_literal(v) for v in inv)
-    # static: one table in global memory; a plain local constexpr array indexed at run time was copied
-    # into every thread's local memory on every call (64 stores a thread per tile)
-    body = [f"static constexpr double inv_freq[{len(inv)}] = {{{table}}};"]
+    body = [rope_frequencies(attrs)]
     body += pointers([x, pos, out], 2)
     body += rope_angle()
     body += _rope_pairs(attrs, x, pos, out)
@@ -603,12 +607,11 @@ def rope_kv_update(
     total = tokens * per_token
     threads = attrs.get("codegen", {}).get("threads") or DEFAULT_THREADS
     u = max(1, min(ROPE_KV_ITEMS, -(-total // threads)))
-    inv = inv_frequencies(rd, attrs["theta"], attrs["scaling"])
     neox = attrs["layout"] == "neox"
     first, second = ("f", f"f + {half}") if neox else ("2 * f", "2 * f + 1")  # the pair's dims
     at_new = f"(ml::i64)b * {new.strides[0]} + (ml::i64)h * {new.strides[1]}"
     at_out = f"(ml::i64)b * {out.strides[0]} + (ml::i64)h * {out.strides[1]}"
-    body = [f"static constexpr double inv_freq[{len(inv)}] = {{{', '.join(double_literal(v) for v in inv)}}};"]
+    body = [rope_frequencies(attrs)]
     body += pointers([cache, new, pos, out], 3)
     body += rope_angle()
     body += [

@@ -19,11 +19,11 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import REGISTRY, Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
-from megaloop.frontend.ops.reduce import reduced_shape
+from megaloop.frontend.ops.reduce import ARGMAX, reduced_shape
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
@@ -131,21 +131,25 @@ ARGMAX_COMBINE = register(
 )
 
 
+def _ranges(x: Tensor, axis: int, splits: int) -> tuple[int, tuple[int, int]]:
+    """(axis as a non-negative index, split_ranges of its length); an axis out of range is left to the
+    ops' own check (call.axis), which names it."""
+    a = axis + x.ndim if -x.ndim <= axis < 0 else axis
+    return a, split_ranges(x.shape[a], splits) if 0 <= a < x.ndim else (splits, 1)
+
+
 def split_argmax(x: Tensor, axis: int, keepdims: bool, splits: int) -> Tensor:
     """argmax_partial then argmax_combine (called by ``ml.argmax(..., splits=)``)."""
-    a = axis + x.ndim if -x.ndim <= axis < 0 else axis
-    n = x.shape[a] if 0 <= a < x.ndim else 0
-    ranges, chunk = split_ranges(n, splits) if n else (splits, 1)
+    _, (ranges, chunk) = _ranges(x, axis, splits)
     if ranges == 1:  # the axis is one range: the plain argmax
-        return apply(REGISTRY["argmax"], [x], axis=axis, keepdims=keepdims)
+        return apply(ARGMAX, [x], axis=axis, keepdims=keepdims)
     partial = apply(ARGMAX_PARTIAL, [x], axis=axis, splits=ranges, chunk=chunk)
     return apply(ARGMAX_COMBINE, [x, partial], axis=axis, keepdims=keepdims, splits=ranges, chunk=chunk)
 
 
 def argmax_partial(x: Tensor, axis: int, *, splits: int) -> Tensor:
     """The first half on its own (tests, and graphs that combine ranges themselves)."""
-    a = axis + x.ndim if -x.ndim <= axis < 0 else axis
-    ranges, chunk = split_ranges(x.shape[a], splits) if 0 <= a < x.ndim else (splits, 1)
+    _, (ranges, chunk) = _ranges(x, axis, splits)
     return apply(ARGMAX_PARTIAL, [x], axis=axis, splits=ranges, chunk=chunk)
 
 
@@ -154,8 +158,7 @@ def argmax_combine(x: Tensor, partial: Tensor, axis: int, *, keepdims: bool = Fa
     node = partial.node
     if node.op.name != "argmax_partial":
         raise GraphBuildError(f"argmax_combine: partial must be argmax_partial's output, got {node.op.name}'s")
-    a = axis + x.ndim if -x.ndim <= axis < 0 else axis
-    if node.inputs[0] is not x or node.attrs["axis"] != a:
+    if node.inputs[0] is not x or node.attrs["axis"] != _ranges(x, axis, 1)[0]:
         raise GraphBuildError(
             f"argmax_combine: partial is argmax_partial of {node.inputs[0]!r} along axis {node.attrs['axis']}, "
             f"not of x {x!r} along axis {axis}"
