@@ -593,3 +593,42 @@ def test_rope_into_the_cache_is_rope_then_the_update_bit_for_bit(tokens: int, la
         written[bi, feeds["pos"][bi]] = True
     untouched = caches[True].transpose(0, 2, 1, 3)[~written]
     assert np.array_equal(untouched.view(np.uint16), state["cache"].transpose(0, 2, 1, 3)[~written].view(np.uint16))
+
+
+@pytest.mark.parametrize("rows,k,n,residual", [(1, 2048, 2048, True), (1, 4096, 5504, False), (4, 2048, 512, True)])
+def test_rmsnorm_matmul_is_the_norm_then_the_matmul(rows: int, k: int, n: int, residual: bool) -> None:
+    """rmsnorm_matmul (decode's projections norming their own rows in shared memory) against the
+    reference, and against rmsnorm then linear on the GPU: at one row (the norm's tiles then have the
+    same layout as the prologue's) bit for bit."""
+    rng = np.random.default_rng(rows * k + n)
+    shape = (rows, 1, k)
+
+    def graph(fused: bool) -> ml.Graph:
+        g = ml.Graph("fused" if fused else "apart")
+        x = g.input("x", shape, "bfloat16")
+        r = g.input("r", shape, "bfloat16") if residual else None
+        w = g.parameter("w", (k,), "bfloat16")
+        b = g.parameter("b", (n, k), "bfloat16")
+        if fused:
+            y = ml.rmsnorm_linear(x, w, b, eps=1e-5, residual=r)
+        else:
+            y = ml.linear(ml.rmsnorm(x, w, eps=1e-5, residual=r), b)
+        g.output("y", y)
+        return g
+
+    feeds = {"x": ml.dtypes.round_to(rng.standard_normal(shape), ml.bfloat16)}
+    if residual:
+        feeds["r"] = ml.dtypes.round_to(rng.standard_normal(shape), ml.bfloat16)
+    params = {
+        "w": ml.dtypes.round_to(1 + 0.1 * rng.standard_normal(k), ml.bfloat16),
+        "b": ml.dtypes.round_to(rng.standard_normal((n, k)) / np.sqrt(k), ml.bfloat16),
+    }
+    got = {}
+    for fused in (True, False):
+        g = graph(fused)
+        assert ("rmsnorm_matmul" in [nd.op.name for nd in g.nodes]) == fused
+        with loop_kernel(make_plan(g, processors=132), params) as kern:
+            got[fused] = kern.run(feeds)["y"]
+        _close(got[fused], ml.evaluate(g, feeds, params).outputs["y"], "fused" if fused else "apart")
+    if rows == 1:
+        assert np.array_equal(got[True].view(np.uint16), got[False].view(np.uint16))

@@ -32,11 +32,13 @@ from megaloop.codegen.emit import (
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
+from megaloop.codegen.emit_norm_matmul import rmsnorm_matmul, rmsnorm_matmul_shared_bytes
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
+from megaloop.frontend.ops.matmul import MATMUL_OPS
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tiling import PEER_SEND
 from megaloop.plan.model import Plan, RankPlan
@@ -102,6 +104,8 @@ def emit(
         return rows(op_name, attrs, ins, out)
     if template == "matmul":
         return matmul(op_name, attrs, ins[0], ins[1], out)
+    if template == "rmsnorm_matmul":
+        return rmsnorm_matmul(op_name, attrs, ins, out)
     if template == "embedding":
         return embedding(op_name, attrs, ins[0], ins[1], out)
     if template == "rope":
@@ -172,7 +176,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     for t in rp.tasks:
         if t.writes:
             largest[t.op] = max(largest.get(t.op, 0), t.writes[0].box.size)
-        if rp.ops[t.op].op == "matmul" and t.writes:
+        if rp.ops[t.op].op in MATMUL_OPS and t.writes:
             box = t.writes[0].box
             rows, cols = extent.get(t.op, (0, 0))
             width = box.hi[-1] - box.lo[-1]
@@ -229,12 +233,13 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
             shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
-        if op.op == "matmul":  # what the tile template needs beyond the op: its switch, tile size, warps
+        if op.op in MATMUL_OPS:  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {
                 "tensor_cores": op.tile.get("tensor_cores", 0),
                 "skinny_mma": op.tile.get("skinny_mma", 0),
                 "fold_batch": op.tile.get("fold_batch", 0),
-                "stage_weights": op.tile.get("stage_weights", 0),
+                # (rmsnorm_matmul's tiles use that shared memory for the norm while the weights would land)
+                "stage_weights": op.tile.get("stage_weights", 0) if op.op == "matmul" else 0,
                 "wgmma": op.tile.get("wgmma", 0),
                 "tile": extent.get(op.id, (0, 0)),
                 "arch": plan.arch,
@@ -243,7 +248,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "b_parameter": rp.is_parameter(op.inputs[1]),
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
-            shared = max(shared, matmul_shared_bytes(attrs, ins, outs[0]))
+            room = rmsnorm_matmul_shared_bytes if op.op == "rmsnorm_matmul" else matmul_shared_bytes
+            shared = max(shared, room(attrs, ins, outs[0]))
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
         _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
         staging = stage_function(attrs, ins, outs[0]) if op.op == "matmul" else None

@@ -9,6 +9,8 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
+from megaloop.frontend.ops.norm_matmul import RMSNORM_MATMUL_MAX_ROWS
 from megaloop.frontend.tensor import Tensor
 
 
@@ -104,10 +107,36 @@ def auto_kv_splits(cfg: LlamaConfig, batch: int, tokens: int) -> int | None:
     return splits if splits > 1 else None
 
 
+Projection = Callable[[Tensor], Tensor]  # weight [out, in] -> the block's input (normed) times weight.T
+
+
+def projection(x: Tensor | Projection) -> Projection:
+    """A block's input as the function that projects it: linear(x, weight) for a tensor."""
+    return x if callable(x) else (lambda w: ops.linear(x, w))
+
+
+def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
+    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: on a decode
+    step of at most RMSNORM_MATMUL_MAX_ROWS rows, each projection norms its own rows (rmsnorm_linear, one
+    op: no norm task, no handoff in front of q/k/v or gate/up, twice a layer); otherwise the norm once
+    and the projections of its output (prefill: a norm a row, not one a column tile)."""
+    rows = math.prod(x.shape[:-1])
+    if x.shape[-2] == 1 and rows <= RMSNORM_MATMUL_MAX_ROWS:
+        return lambda w: ops.rmsnorm_linear(x, norm_weight, w, eps=cfg.rms_eps, residual=residual)
+    return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
+
+
 def attention_block(
-    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int, kv_splits: int | str | None = "auto"
+    g: Graph,
+    cfg: LlamaConfig,
+    x: Tensor | Projection,
+    positions: Tensor,
+    layer: int,
+    kv_splits: int | str | None = "auto",
 ) -> Tensor:
-    b, t, _ = x.shape
+    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input."""
+    project = projection(x)
+    b, t = positions.shape
     if kv_splits == "auto":
         kv_splits = auto_kv_splits(cfg, b, t)
     hd, p = cfg.head_dim, f"model.layers.{layer}.self_attn."
@@ -126,9 +155,9 @@ def attention_block(
 
     rope_pos = positions.reshape(b, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
-    q = ops.rope(heads(ops.linear(x, w["q"]), cfg.heads), rope_pos, **rope_args)
-    k = heads(ops.linear(x, w["k"]), cfg.kv_heads)
-    v = heads(ops.linear(x, w["v"]), cfg.kv_heads)
+    q = ops.rope(heads(project(w["q"]), cfg.heads), rope_pos, **rope_args)
+    k = heads(project(w["k"]), cfg.kv_heads)
+    v = heads(project(w["v"]), cfg.kv_heads)
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
     if t == 1:  # decode: the key rotated on its way into the cache, one stage fewer before attention
@@ -141,7 +170,9 @@ def attention_block(
     return ops.linear(o, w["o"])
 
 
-def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
+def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) -> Tensor:
+    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input."""
+    project = projection(x)
     p = f"model.layers.{layer}.mlp."
     gate = g.parameter(p + "gate_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
     up = g.parameter(p + "up_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
@@ -153,7 +184,7 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
     # 77.0, 6a751a6); now both end together and one op is a stage fewer: 67.5 us against 70.1 apart,
     # 142.3 against 147.1 at 4096 (scripts/decode_variants.py, H200, 9cde193). Prefill at hidden 4096,
     # 512 tokens: 688 tasks fewer than apart.
-    return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
+    return ops.linear(ops.silu_mul(project(gate), project(up)), down)
 
 
 def decoder_layer(
@@ -187,12 +218,12 @@ def decoder_layer_parts(
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            normed = ops.rmsnorm(x, ln1, eps=cfg.rms_eps, residual=update)
-            attn = attention_block(g, cfg, normed, positions, layer, kv_splits)
+            project = normed_projection(cfg, x, ln1, update)
+            attn = attention_block(g, cfg, project, positions, layer, kv_splits)
             h = stream + attn
         with g.scope("mlp"):
-            normed = ops.rmsnorm(attn, ln2, eps=cfg.rms_eps, residual=stream)
-            return h, mlp_block(g, cfg, normed, layer)
+            project = normed_projection(cfg, attn, ln2, stream)
+            return h, mlp_block(g, cfg, project, layer)
 
 
 def build_llama(

@@ -69,6 +69,7 @@ from megaloop.frontend.ops.layout import (
     unsqueeze,
 )
 from megaloop.frontend.ops.matmul import linear, matmul
+from megaloop.frontend.ops.norm_matmul import rmsnorm_linear, rmsnorm_matmul
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
 from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
@@ -127,6 +128,8 @@ __all__ = [
     "relu",
     "reshape",
     "rmsnorm",
+    "rmsnorm_linear",
+    "rmsnorm_matmul",
     "rope",
     "rope_kv_cache_update",
     "rsqrt",

@@ -1,0 +1,98 @@
+"""rmsnorm_matmul without a GPU: what the builders accept and refuse, that the plan interpreter's random
+orders give the reference (the tiles declare the residual and the norm's weight), and what the generator
+emits: the rmsnorm op's own code into shared memory, past the partial sums and the norm's ring, then the
+skinny tensor-core path reading A there; decode-layer kernels compile without spills. The GPU checks
+are test_gpu.py's test_rmsnorm_matmul_is_the_norm_then_the_matmul and the every-op test's rows."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from bench.llama_layer import dependent_decode_graph, layer_config
+from megaloop.codegen import generate
+from megaloop.codegen.emit import Operand
+from megaloop.codegen.emit_norm_matmul import rmsnorm_matmul_shared_bytes
+from megaloop.errors import GraphBuildError
+from megaloop.plan import make_plan
+from megaloop.reference.interpreter import run_plan
+from megaloop.runtime.compile import spills
+from tests.helpers import assert_close
+
+
+def _graph(rows: tuple[int, ...], k: int, n: int, residual: bool, dtype: str = "bfloat16") -> ml.Graph:
+    g = ml.Graph("norm-matmul")
+    x = g.input("x", (*rows, k), dtype)
+    r = g.input("r", (*rows, k), dtype) if residual else None
+    y = ml.rmsnorm_linear(x, g.parameter("w", (k,), dtype), g.parameter("b", (n, k), dtype), eps=1e-5, residual=r)
+    g.output("y", y)
+    return g
+
+
+def test_builders_fuse_decode_rows_and_refuse_or_split_the_rest() -> None:
+    assert [nd.op.name for nd in _graph((4, 1), 64, 16, True).nodes][-1] == "rmsnorm_matmul"
+    apart = [nd.op.name for nd in _graph((9, 1), 64, 16, True).nodes]  # 9 rows: rmsnorm then linear
+    assert "rmsnorm_matmul" not in apart and "rmsnorm" in apart and "matmul" in apart
+    g = ml.Graph("bad")
+    x = g.input("x", (9, 64), "bfloat16")
+    w, b = g.parameter("w", (64,), "bfloat16"), g.parameter("b", (16, 64), "bfloat16")
+    with pytest.raises(GraphBuildError, match=r"(?s)rmsnorm_matmul: a has 9 rows.*at most 8 rows.*rmsnorm_linear"):
+        ml.rmsnorm_matmul(x, b, w, transpose_b=True)
+    x2 = g.input("x2", (2, 64), "bfloat16")
+    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: weight has shape \[32\] but must be \[64\]"):
+        ml.rmsnorm_matmul(x2, b, g.parameter("w2", (32,), "bfloat16"), transpose_b=True)
+    with pytest.raises(GraphBuildError, match=r"b.s K is 16"):
+        ml.rmsnorm_matmul(x2, b, w)  # b [16, 64] not transposed: K 16
+    with pytest.raises(GraphBuildError, match=r"residual is bfloat16 \[3,64\] but must be a's"):
+        ml.rmsnorm_matmul(x2, b, w, transpose_b=True, residual=g.input("r", (3, 64), "bfloat16"))
+    with pytest.raises(GraphBuildError, match="float16 but a is bfloat16"):
+        ml.rmsnorm_matmul(x2, g.parameter("b16", (16, 64), "float16"), w, transpose_b=True)
+
+
+@pytest.mark.parametrize("rows,k,residual", [((1, 1), 2048, True), ((4, 1), 24, False), ((2, 3), 1032, True)])
+def test_interpreter_orders_give_the_reference(rows: tuple[int, ...], k: int, residual: bool) -> None:
+    g = _graph(rows, k, 40, residual)
+    rng = np.random.default_rng(k)
+    feeds = {"x": rng.standard_normal((*rows, k)), "r": rng.standard_normal((*rows, k))}
+    if not residual:
+        del feeds["r"]
+    params = {"w": 1 + 0.1 * rng.standard_normal(k), "b": rng.standard_normal((40, k)) / np.sqrt(k)}
+    want = ml.evaluate(g, feeds, params).outputs["y"]
+    # the reference itself against rmsnorm then linear (the same two roundings)
+    apart = ml.Graph("apart")
+    x = apart.input("x", (*rows, k), "bfloat16")
+    r = apart.input("r", (*rows, k), "bfloat16") if residual else None
+    w, b = apart.parameter("w", (k,), "bfloat16"), apart.parameter("b", (40, k), "bfloat16")
+    apart.output("y", ml.linear(ml.rmsnorm(x, w, eps=1e-5, residual=r), b))
+    assert ml.evaluate(apart, feeds, params).outputs["y"].tobytes() == want.tobytes()
+    for seed in range(4):
+        got = run_plan(make_plan(g, processors=5), feeds, params, seed=seed).outputs["y"]
+        assert_close(got, want, ml.bfloat16, ml.REGISTRY["rmsnorm_matmul"].accuracy, k, "interpreted")
+        assert got.tobytes() == want.tobytes()
+
+
+def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refused() -> None:
+    src = generate(make_plan(_graph((4, 1), 2048, 512, True), processors=132)).source
+    fn = src[src.index("// sig_0: rmsnorm_matmul") :]
+    offset = int(re.search(r"ml_smem4\) \+ (\d+)\);  // x's rows normed, 2080 elements apart", fn).group(1))
+    ring = int(re.search(r"// .*?(\d+) rows streaming through shared memory", fn).group(1)) * 2048 * 2 * 2
+    assert offset >= ring and offset % 128 == 0  # past the ring of x's and the residual's rows
+    assert "rmsnorm of the tile's rows" in fn and "at most 8 rows: tensor cores" in fn
+    assert "ml::mma_skinny<ml::bf16, 64, 8, true>(in0 + ab, 2080, nr" in fn  # A from the rows, B streamed
+    x = Operand(ml.bfloat16, (8, 1, 8192), (8192, 8192, 1))
+    ins = [x, Operand(ml.bfloat16, (64, 8192), (8192, 1)), Operand(ml.bfloat16, (8192,), (1,)), x]
+    hints = {"tile": (8, 64), "warps": 8, "skinny_mma": 1, "tensor_cores": 1, "shared_memory": 100 * 1024}
+    attrs = {"eps": 1e-5, "transpose_a": False, "transpose_b": True, "codegen": hints}
+    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: x's 8 rows of 8192 .* do not fit"):
+        rmsnorm_matmul_shared_bytes(attrs, ins, Operand(ml.bfloat16, (8, 1, 64), (64, 64, 1)))
+
+
+@pytest.mark.parametrize("hidden,sequences", [(2048, 1), (4096, 4)])
+def test_decode_layers_compile_without_spills(hidden: int, sequences: int) -> None:
+    g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
+    src = generate(make_plan(g, processors=132)).source
+    assert len(re.findall(r"// sig_\d+: rmsnorm_matmul", src)) >= 3  # q / k, v / gate, up
+    assert spills(src, "sm_90a") == {}
