@@ -30,7 +30,9 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
+import megaloop.codegen.emit_norm_matmul as emit_norm_matmul
 import megaloop.codegen.kernel as kernel
+import megaloop.models.llama as llama
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
@@ -42,6 +44,8 @@ MODULES = {
     "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
     "SLOT_WAITS": kernel,
     "POLL_SLEEP_NS": kernel,
+    "PREFETCH_B_BYTES": emit_norm_matmul,
+    "RMSNORM_MATMUL_MAX_ROWS": llama,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
@@ -62,6 +66,11 @@ VARIANTS = {
     "poll64": {"POLL_SLEEP_NS": 64},
     "poll0": {"POLL_SLEEP_NS": 0},
     "poll0_slots128": {"POLL_SLEEP_NS": 0, "SLOT_WAITS": 128},
+    # q/k/v and gate/up behind their norms (no rmsnorm_matmul), as before 17fa663
+    "norms_apart": {"RMSNORM_MATMUL_MAX_ROWS": 0},
+    # rmsnorm_matmul's warps ask for B's first 2 / 8 KB of each column into L2 before norming the rows
+    "prefetch2k": {"PREFETCH_B_BYTES": 2048},
+    "prefetch8k": {"PREFETCH_B_BYTES": 8192},
     "default_again": {},
 }
 

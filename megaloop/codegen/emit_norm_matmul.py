@@ -14,7 +14,14 @@ import math
 from typing import Any
 
 from megaloop.codegen.emit import Operand, pointers
-from megaloop.codegen.emit_matmul import WGMMA_STATIC_RESERVE, _pad_row, _simt, matmul_shared_bytes
+from megaloop.codegen.emit_matmul import (
+    WGMMA_STATIC_RESERVE,
+    _pad_row,
+    _simt,
+    _skinny_frame,
+    matmul_shared_bytes,
+    skinny_mma_warps,
+)
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
 
@@ -64,6 +71,39 @@ def rmsnorm_matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: 
     return total
 
 
+# Bytes of each of its first 8 columns that a warp of a skinny tile asks the copy engine to bring into L2
+# (cp.async.bulk.prefetch, sm_90) from where its own units start, before the rows are normed: the
+# weights' first trips from DRAM then overlap the norm instead of following it. 0: none.
+PREFETCH_B_BYTES = 0
+
+
+def _prefetch_b(attrs: dict[str, Any], rows_op: Operand, b: Operand, out: Operand) -> list[str]:
+    """Each warp's first PREFETCH_B_BYTES of B's columns its units start on, into L2, where the tile
+    takes the skinny tensor-core path (the same guard)."""
+    warps = skinny_mma_warps(attrs, rows_op, b)
+    if not PREFETCH_B_BYTES or not warps:
+        return []
+    f = _skinny_frame(rows_op, b, out, warps, attrs)
+    k = rows_op.shape[-1]
+    c_ = len(out.shape) - 1
+    size = b.dtype.itemsize
+    return [
+        "#if __CUDA_ARCH__ >= 900",
+        f["batches"],
+        f"if ({f['guard']}) {{  // B's first bytes on their way into L2 while the rows are normed",
+        f"    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ncols = t.hi[{c_}] - t.lo[{c_}];",
+        f"    const int units = (ncols + 7) / 8 * {k // 32}, first = warp * units / {warps};",
+        f"    if (lane < 8 && first < (warp + 1) * units / {warps}) {{",
+        f"        const int col = min(8 * (first / {k // 32}) + lane, ncols - 1), k0 = 32 * (first % {k // 32});",
+        f"        const unsigned bytes = min({PREFETCH_B_BYTES}, ({k} - k0) * {size});",
+        f"        const {b.ctype}* p = in1 + {f['bb']} + (ml::i64)col * {f['b_col']} + k0;",
+        '        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");',
+        "    }",
+        "}",
+        "#endif",
+    ]
+
+
 def rmsnorm_matmul(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     x, b = ins[0], ins[1]
     norm_attrs, norm_ins, rows_op, _ = _norm_parts(attrs, ins)
@@ -81,6 +121,7 @@ def rmsnorm_matmul(op: str, attrs: dict[str, Any], ins: list[Operand], out: Oper
     ct = x.ctype
     return [
         *pointers([*ins, out], len(ins)),
+        *_prefetch_b(attrs, rows_op, b, out),
         "extern __shared__ float4 ml_smem4[];",
         f"{ct}* const normed = reinterpret_cast<{ct}*>(reinterpret_cast<char*>(ml_smem4) + {offset});"
         f"  // x's rows normed, {rows_op.strides[-2]} elements apart",
