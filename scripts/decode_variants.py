@@ -45,6 +45,7 @@ MODULES = {
     "SLOT_WAITS": kernel,
     "POLL_SLEEP_NS": kernel,
     "PREFETCH_B_BYTES": emit_norm_matmul,
+    "NORM_BLOCK_PATH": emit_norm_matmul,
     "RMSNORM_MATMUL_MAX_ROWS": llama,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
@@ -71,6 +72,8 @@ VARIANTS = {
     # rmsnorm_matmul's warps ask for B's first 2 / 8 KB of each column into L2 before norming the rows
     "prefetch2k": {"PREFETCH_B_BYTES": 2048},
     "prefetch8k": {"PREFETCH_B_BYTES": 8192},
+    # rmsnorm_matmul's rows normed a warp a row (no block reductions) instead of on the block path
+    "warp_prologue": {"NORM_BLOCK_PATH": False},
     "default_again": {},
 }
 

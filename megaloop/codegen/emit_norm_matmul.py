@@ -26,6 +26,11 @@ from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
 
 
+# True: the prologue norms long rows on rmsnorm's block path (the norm op's own layout: the same bits as
+# its output); False: a warp a row (rmsnorm's packed warp path: no ring, no block reductions)
+NORM_BLOCK_PATH = True
+
+
 def _rows_operand(x: Operand) -> Operand:
     """x's rows as they lie in shared memory: row-major, each row ``_pad_row`` bytes apart."""
     pitch = _pad_row(x.shape[-1] * x.dtype.itemsize) // x.dtype.itemsize
@@ -44,7 +49,8 @@ def _norm_parts(attrs: dict[str, Any], ins: list[Operand]) -> tuple[dict[str, An
     hints = attrs["codegen"]
     room = hints.get("shared_memory", 0) - a_bytes - WGMMA_STATIC_RESERVE
     tile_rows = max(1, hints.get("tile", (1, 0))[0])
-    norm_hints = {"shared_memory": max(0, room), "threads": 32 * hints["warps"], "elements": tile_rows * x.shape[-1]}
+    threads = 32 * hints["warps"] if NORM_BLOCK_PATH else 32  # (fewer than 256: the warp-per-row paths)
+    norm_hints = {"shared_memory": max(0, room), "threads": threads, "elements": tile_rows * x.shape[-1]}
     norm_attrs = {"eps": attrs["eps"], "codegen": norm_hints, **({} if len(ins) > 3 else {"absent": (2,)})}
     return norm_attrs, [x, ins[2], *ins[3:]], rows_op, a_bytes
 
