@@ -21,7 +21,11 @@ L2 prefetch of the next tasks' weights (a variant at addbeac, taken out): docs/r
 d8d9541: default 70.9, 69.4 / 143.3, 143.2; keys4 69.5 / 145.9; keys8 72.9 / 150.6; a_shared 84.1 / 169.6
 (the key ring and A in shared memory: taken out again, see emit_attention.py and emit_matmul.py).
 2813a05: default 70.5, 70.9 / 142.4, 143.2; poll64 69.5 / 140.9; poll0 70.1 / 140.1; slot_waits128
-70.3 / 141.7; poll0_slots128 68.8 / 141.7: none made the default (within the noise)."""
+70.3 / 141.7; poll0_slots128 68.8 / 141.7: none made the default (within the noise).
+3a58a32 / 2cc241c (the fused norms then the default; bench/results/decode_variants.json): fused_norms
+65.4, 67.0, 66.9, 65.7 / 140.7, 139.7, 140.8, 141.4 against the norms apart 65.8, 68.0 / 138.3, 137.6;
+4 sequences 81.1 / 158.9 against 79.8 / 148.2; fused_prefetch2k 66.5 / 140.9, fused_prefetch8k 66.3 /
+161.0, fused_warp_norms 71.4 / 148.2 (4 sequences 80.5 / 157.5): the norms stay apart by default."""
 
 import json
 import os
@@ -46,7 +50,7 @@ MODULES = {
     "POLL_SLEEP_NS": kernel,
     "PREFETCH_B_BYTES": emit_norm_matmul,
     "NORM_BLOCK_PATH": emit_norm_matmul,
-    "RMSNORM_MATMUL_MAX_ROWS": llama,
+    "FUSE_DECODE_NORMS": llama,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
@@ -67,13 +71,13 @@ VARIANTS = {
     "poll64": {"POLL_SLEEP_NS": 64},
     "poll0": {"POLL_SLEEP_NS": 0},
     "poll0_slots128": {"POLL_SLEEP_NS": 0, "SLOT_WAITS": 128},
-    # q/k/v and gate/up behind their norms (no rmsnorm_matmul), as before 17fa663
-    "norms_apart": {"RMSNORM_MATMUL_MAX_ROWS": 0},
-    # rmsnorm_matmul's warps ask for B's first 2 / 8 KB of each column into L2 before norming the rows
-    "prefetch2k": {"PREFETCH_B_BYTES": 2048},
-    "prefetch8k": {"PREFETCH_B_BYTES": 8192},
-    # rmsnorm_matmul's rows normed a warp a row (no block reductions) instead of on the block path
-    "warp_prologue": {"NORM_BLOCK_PATH": False},
+    # q/k/v and gate/up norming their own rows (rmsnorm_matmul; llama.FUSE_DECODE_NORMS), with the
+    # norm on rmsnorm's block path (its own layout) or a warp a row, and B's first 2 / 8 KB of each
+    # column prefetched into L2 before the norm
+    "fused_norms": {"FUSE_DECODE_NORMS": True},
+    "fused_warp_norms": {"FUSE_DECODE_NORMS": True, "NORM_BLOCK_PATH": False},
+    "fused_prefetch2k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 2048},
+    "fused_prefetch8k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 8192},
     "default_again": {},
 }
 

@@ -395,8 +395,7 @@ def test_llama_decode_matmuls_take_the_skinny_path_with_streamed_weights() -> No
     a step on an H200 instead of 76 / 148 (docs/runtime.md)."""
     cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, max_seq=64, vocab=100)
     src = generate(make_plan(build_llama(cfg, 1, 1), processors=132)).source
-    # a function a signature; q, k, v, gate and up norm their rows first (rmsnorm_matmul)
-    matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith(("matmul ", "rmsnorm_matmul "))]
+    matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith("matmul ")]  # a function a signature
     assert len(matmuls) >= 4  # q / o, k / v, gate / up, down, the head: shapes that differ
     for body in matmuls:
         assert "at most 8 rows: tensor cores" in body, body.splitlines()[0]

@@ -197,24 +197,14 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
     g = build_llama(cfg, 1, 1)
-    # prefill: the norms; decode: the final norm and the matmuls that norm their rows (rmsnorm_matmul: x,
-    # b, weight, residual), five a layer (q, k, v; gate, up)
-    for graph, norm_op, operands, first_layer, per_layer in (
-        (build_llama(cfg, 1, 2), "rmsnorm", 2, 1, 2),  # (x, weight; x, weight, residual)
-        (g, "rmsnorm_matmul", 3, 3, 5),  # (x, b, weight; x, b, weight, residual)
-    ):
-        norms = [n for n in graph.nodes if n.op.name == norm_op]
-        final = [n for n in graph.nodes if n.op.name == "rmsnorm"][-1]
-        assert len(norms) == per_layer * cfg.layers + (norm_op == "rmsnorm")
-        for n in norms[:first_layer]:  # the first layer's input: the embedding, no residual
-            assert n.inputs[0].node.op.name == "embedding" and len(n.inputs) == operands
-        for n in norms[first_layer:] + [final]:
-            # x and residual: one of them the sublayer's matmul, the other the stream, not an add of it
-            x, r = n.inputs[0].node, n.inputs[-1].node
-            stream = {x.op.name, r.op.name} - {"matmul"}
-            assert len(stream) == 1 and stream <= {"add", "embedding"}, n
-            for add in (t.node for t in n.inputs if t.node.op.name == "add"):
-                assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
+    norms = [n for n in g.nodes if n.op.name == "rmsnorm"]
+    assert len(norms) == 2 * cfg.layers + 1
+    assert len(norms[0].inputs) == 2 and norms[0].inputs[0].node.op.name == "embedding"
+    for n in norms[1:]:  # x, weight, residual: one of x and residual the sublayer's matmul, not an add of it
+        stream = {n.inputs[0].node.op.name, n.inputs[2].node.op.name} - {"matmul"}
+        assert len(n.inputs) == 3 and len(stream) == 1 and stream <= {"add", "embedding"}, n
+        for add in (t.node for t in n.inputs if t.node.op.name == "add"):
+            assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
 
     summed = ml.Graph("summed")  # the same layers through decoder_layer, which norms the adds' outputs
     tokens = summed.input("tokens", (1, 1), "int64")
@@ -310,31 +300,40 @@ def test_decode_keys_match_a_longer_prefill_with_scaled_rope() -> None:
 
 
 def test_decode_projections_norm_their_own_rows(monkeypatch) -> None:
-    """Decode steps of at most 8 rows project each norm's input with rmsnorm_linear (rmsnorm_matmul: the
-    norm inside the q/k/v and gate/up projections, no norm op in front of them); prefill keeps the norms.
-    The same values either way: here the decode step's logits and caches equal the graph built with the
-    norms apart, bit for bit, through the reference and a plan's random interleavings; and the op
-    against PyTorch (tests/op_table.py's rmsnorm_matmul rows)."""
+    """With llama.FUSE_DECODE_NORMS (off by default: measured no faster, see its comment), decode steps
+    of at most 8 rows project each norm's input with rmsnorm_linear (rmsnorm_matmul: the norm inside
+    the q/k/v and gate/up projections, x and the residual read as the norm read them, not the add);
+    prefill and 9 rows keep the norms. The same values either way: the decode step's logits and caches
+    equal the default graph's (norms apart), bit for bit, through the reference and a plan's random
+    interleavings; the op against PyTorch: tests/op_table.py's rmsnorm_matmul rows."""
     import megaloop.models.llama as llama
     from megaloop.plan import make_plan
     from megaloop.reference.interpreter import run_plan
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=2, max_seq=16, vocab=40)
+    apart = build_llama(cfg, 2, 1)
+    assert "rmsnorm_matmul" not in [n.op.name for n in apart.nodes]  # the default
+    monkeypatch.setattr(llama, "FUSE_DECODE_NORMS", True)
     fused = build_llama(cfg, 2, 1)
-    assert [n.op.name for n in fused.nodes].count("rmsnorm") == 1  # the final norm (the LM head's 518 tiles)
+    assert [n.op.name for n in fused.nodes].count("rmsnorm") == 1  # the final norm (the LM head's many tiles)
+    matmuls = [n for n in fused.nodes if n.op.name == "rmsnorm_matmul"]
+    assert len(matmuls) == 5 * cfg.layers  # q, k, v; gate, up
+    for n in matmuls[3:]:  # x, b, weight, residual: one of x and residual the sublayer's matmul, not an add
+        stream = {n.inputs[0].node.op.name, n.inputs[3].node.op.name} - {"matmul"}
+        assert len(n.inputs) == 4 and len(stream) == 1 and stream <= {"add", "embedding"}, n
+        for add in (t.node for t in n.inputs if t.node.op.name == "add"):
+            assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
     assert [n.op.name for n in build_llama(cfg, 9, 1).nodes].count("rmsnorm_matmul") == 0  # 9 rows: apart
     assert [n.op.name for n in build_llama(cfg, 1, 3).nodes].count("rmsnorm_matmul") == 0  # prefill
     params = random_parameters(cfg, seed=5)
     rng = np.random.default_rng(5)
-    prefill = build_llama(cfg, 2, 5)
     state = ml.evaluate(
-        prefill, {"tokens": rng.integers(0, 40, (2, 5)), "positions": np.tile(np.arange(5), (2, 1))}, params
+        build_llama(cfg, 2, 5),
+        {"tokens": rng.integers(0, 40, (2, 5)), "positions": np.tile(np.arange(5), (2, 1))},
+        params,
     ).state
     feeds = {"tokens": rng.integers(0, 40, (2, 1)), "positions": np.array([[5], [7]])}
     got = ml.evaluate(fused, feeds, params, state)
-    monkeypatch.setattr(llama, "RMSNORM_MATMUL_MAX_ROWS", 0)
-    apart = build_llama(cfg, 2, 1)
-    assert "rmsnorm_matmul" not in [n.op.name for n in apart.nodes]
     want = ml.evaluate(apart, feeds, params, state)
     assert got.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
     for name in want.state:

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import megaloop as ml
+import megaloop.codegen.emit_norm_matmul as emit_norm_matmul
+import megaloop.models.llama as llama
 from bench.llama_layer import dependent_decode_graph, layer_config
 from megaloop.codegen import generate
 from megaloop.codegen.emit import Operand
@@ -19,7 +21,7 @@ from megaloop.codegen.emit_norm_matmul import rmsnorm_matmul_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
-from megaloop.runtime.compile import spills
+from megaloop.runtime.compile import compile_cubin, spills
 from tests.helpers import assert_close
 
 
@@ -90,9 +92,16 @@ def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refuse
         rmsnorm_matmul_shared_bytes(attrs, ins, Operand(ml.bfloat16, (8, 1, 64), (64, 64, 1)))
 
 
-@pytest.mark.parametrize("hidden,sequences", [(2048, 1), (4096, 4)])
-def test_decode_layers_compile_without_spills(hidden: int, sequences: int) -> None:
+@pytest.mark.parametrize("hidden,sequences,prefetch", [(2048, 1, 0), (4096, 4, 0), (2048, 1, 2048)])
+def test_decode_layers_compile_without_spills(monkeypatch, hidden: int, sequences: int, prefetch: int) -> None:
+    """The decode layer with the norms fused (llama.FUSE_DECODE_NORMS, off by default) compiles without
+    spills, also with the L2 prefetch variant (PREFETCH_B_BYTES), for sm_80 too (no prefetch there)."""
+    monkeypatch.setattr(llama, "FUSE_DECODE_NORMS", True)
+    monkeypatch.setattr(emit_norm_matmul, "PREFETCH_B_BYTES", prefetch)
     g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
     src = generate(make_plan(g, processors=132)).source
     assert len(re.findall(r"// sig_\d+: rmsnorm_matmul", src)) >= 3  # q / k, v / gate, up
+    assert src.count("cp.async.bulk.prefetch.L2") == (3 if prefetch else 0)
     assert spills(src, "sm_90a") == {}
+    if prefetch:
+        assert compile_cubin(src, "sm_80", use_cache=False)[:4] == b"\x7fELF"

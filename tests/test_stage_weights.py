@@ -7,12 +7,10 @@ test_gpu.py's test_staged_weights_decode_matches_the_reference."""
 from __future__ import annotations
 
 import re
-from unittest import mock
 
 import numpy as np
 import pytest
 
-import megaloop.models.llama as llama
 from bench.llama_layer import dependent_decode_graph, layer_config
 from megaloop.codegen import generate
 from megaloop.codegen.emit_matmul import WGMMA_STATIC_RESERVE
@@ -25,11 +23,8 @@ STAGED = {"matmul": {"stage_weights": 1}}
 
 
 def decode_plan(hidden: int, sequences: int = 1, tiles=None, arch: str = "sm_90"):
-    """The decode layer with its norms apart (stage_weights is matmul's switch; rmsnorm_matmul, which
-    q/k/v and gate/up take by default, uses that shared memory for its rows)."""
     cfg = layer_config(hidden, 1)
-    with mock.patch.object(llama, "RMSNORM_MATMUL_MAX_ROWS", 0):
-        g = dependent_decode_graph(cfg, np.zeros((sequences, 1, hidden), np.float32), "auto")
+    g = dependent_decode_graph(cfg, np.zeros((sequences, 1, hidden), np.float32), "auto")
     return make_plan(g, processors=132, tiles=tiles, arch=arch)
 
 

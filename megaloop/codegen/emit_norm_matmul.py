@@ -25,7 +25,6 @@ from megaloop.codegen.emit_matmul import (
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
 
-
 # True: the prologue norms long rows on rmsnorm's block path (the norm op's own layout: the same bits as
 # its output); False: a warp a row (rmsnorm's packed warp path: no ring, no block reductions)
 NORM_BLOCK_PATH = True

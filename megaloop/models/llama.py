@@ -115,13 +115,23 @@ def projection(x: Tensor | Projection) -> Projection:
     return x if callable(x) else (lambda w: ops.linear(x, w))
 
 
+# True: decode steps of at most RMSNORM_MATMUL_MAX_ROWS rows project the norms' inputs with
+# rmsnorm_linear (each q/k/v and gate/up tile norms its rows itself: no norm task and no handoff in front
+# of them, twice a layer). Off by default: measured no faster (H200, 2cc241c; scripts/decode_variants.py,
+# us at hidden 2048 / 4096): one sequence 65.4-67.0 / 139.7-141.4 fused against 65.8-68.0 / 137.6-138.3
+# apart, four sequences 81.1 / 158.9 against 79.8 / 148.2; bench/generate 1242 us a token against 1245.
+# The profile: 40 us a token fewer handoffs on the critical path (144 against 183), but each fused tile
+# 2 us longer (q 8.3 us against 6.3 + the norm's 1.3), every tile norming the row before its first
+# weights arrive (prefetching them into L2 meanwhile did not help). docs/runtime.md.
+FUSE_DECODE_NORMS = False
+
+
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
-    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: on a decode
-    step of at most RMSNORM_MATMUL_MAX_ROWS rows, each projection norms its own rows (rmsnorm_linear, one
-    op: no norm task, no handoff in front of q/k/v or gate/up, twice a layer); otherwise the norm once
-    and the projections of its output (prefill: a norm a row, not one a column tile)."""
+    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once
+    and the projections of its output, or (FUSE_DECODE_NORMS, a decode step of at most
+    RMSNORM_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear, one op)."""
     rows = math.prod(x.shape[:-1])
-    if x.shape[-2] == 1 and rows <= RMSNORM_MATMUL_MAX_ROWS:
+    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and rows <= RMSNORM_MATMUL_MAX_ROWS:
         return lambda w: ops.rmsnorm_linear(x, norm_weight, w, eps=cfg.rms_eps, residual=residual)
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 
