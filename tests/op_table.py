@@ -573,37 +573,41 @@ row(
 )
 
 
-# rmsnorm_matmul (through rmsnorm_linear): the norm of x (+ residual) rounded as rmsnorm stores it, then
-# linear; at most 8 rows (a decode step's), rows short (warp paths) and long (the block path's ring)
-def _norm_matmul_sample(residual: bool) -> Callable[[np.random.Generator], Sample]:
+# rmsnorm_matmul (through rmsnorm_linear, and the op with b not transposed): the norm of x (+ residual)
+# rounded as rmsnorm stores it, then linear; at most 8 rows (a decode step's). A row each for the
+# prologue's paths: long rows (the norm's block path and its ring), short ones (a warp a row), K not a
+# multiple of 32 (the matmul's SIMT paths) or of 8 (element by element)
+def _norm_matmul_sample(k: int, residual: bool, transposed: bool = True) -> Callable[[np.random.Generator], Sample]:
     def sample(rng: np.random.Generator) -> Sample:
         rows = [(1,), (3,), (2, 1), (4, 2), (8,)][int(rng.integers(0, 5))]
-        k, n = int(rng.choice((8, 64, 2048))), int(rng.integers(1, 40))
+        n = int(rng.integers(1, 40))
         x = (*rows, k)
-        return Sample([x, (n, k), (k,)] + ([x] if residual else []), {"k": k})
+        return Sample([x, (n, k) if transposed else (k, n), (k,)] + ([x] if residual else []), {"k": k})
 
     return sample
 
 
+for label, k, residual in (("residual-long", 2048, True), ("residual-short", 64, True), ("plain-k40", 40, False)):
+    row(
+        "rmsnorm_matmul",
+        label,
+        lambda g, x, b, w, *r, k: ml.rmsnorm_linear(x, w, b, eps=1e-6, residual=r[0] if r else None),
+        lambda x, b, w, *r, k, dtype, **kw: F.linear(
+            rnd(F.rms_norm(rnd(x + r[0], dtype) if r else x, (k,), w, eps=1e-6), dtype), b
+        ),
+        _norm_matmul_sample(k, residual),
+        reduce_len=lambda s: s.kw["k"],
+        cancels=True,
+    )
 row(
     "rmsnorm_matmul",
-    "residual",
-    lambda g, x, b, w, r, k: ml.rmsnorm_linear(x, w, b, eps=1e-6, residual=r),
-    lambda x, b, w, r, k, dtype, **kw: F.linear(rnd(F.rms_norm(rnd(x + r, dtype), (k,), w, eps=1e-6), dtype), b),
-    _norm_matmul_sample(True),
+    "k13-b-not-transposed",
+    lambda g, x, b, w, r, k: ml.rmsnorm_matmul(x, b, w, eps=1e-5, residual=r),
+    lambda x, b, w, r, k, dtype, **kw: rnd(F.rms_norm(rnd(x + r, dtype), (k,), w, eps=1e-5), dtype) @ b,
+    _norm_matmul_sample(13, True, transposed=False),
     reduce_len=lambda s: s.kw["k"],
     cancels=True,
 )
-row(
-    "rmsnorm_matmul",
-    "plain",
-    lambda g, x, b, w, k: ml.rmsnorm_linear(x, w, b, eps=1e-5),
-    lambda x, b, w, k, dtype, **kw: F.linear(rnd(F.rms_norm(x, (k,), w, eps=1e-5), dtype), b),
-    _norm_matmul_sample(False),
-    reduce_len=lambda s: s.kw["k"],
-    cancels=True,
-)
-
 
 # ---- embedding / rope --------------------------------------------------------------------------------
 

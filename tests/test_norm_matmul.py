@@ -44,7 +44,7 @@ def test_builders_fuse_decode_rows_and_refuse_or_split_the_rest() -> None:
     with pytest.raises(GraphBuildError, match=r"(?s)rmsnorm_matmul: a has 9 rows.*at most 8 rows.*rmsnorm_linear"):
         ml.rmsnorm_matmul(x, b, w, transpose_b=True)
     x2 = g.input("x2", (2, 64), "bfloat16")
-    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: weight has shape \[32\] but must be \[64\]"):
+    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: norm_weight has shape \[32\] but must be \[64\]"):
         ml.rmsnorm_matmul(x2, b, g.parameter("w2", (32,), "bfloat16"), transpose_b=True)
     with pytest.raises(GraphBuildError, match=r"b.s K is 16"):
         ml.rmsnorm_matmul(x2, b, w)  # b [16, 64] not transposed: K 16
@@ -52,6 +52,18 @@ def test_builders_fuse_decode_rows_and_refuse_or_split_the_rest() -> None:
         ml.rmsnorm_matmul(x2, b, w, transpose_b=True, residual=g.input("r", (3, 64), "bfloat16"))
     with pytest.raises(GraphBuildError, match="float16 but a is bfloat16"):
         ml.rmsnorm_matmul(x2, g.parameter("b16", (16, 64), "float16"), w, transpose_b=True)
+    # where the op does not apply, rmsnorm_linear is rmsnorm then linear: no norm weight, a batched weight,
+    # rows too wide for a tile's shared memory (8 float32 rows of 8192: 256 KB)
+    x3 = g.input("x3", (8, 1, 8192), "float32")
+    w3, b3 = g.parameter("w3", (8192,), "float32"), g.parameter("b3", (16, 8192), "float32")
+    for y in (
+        ml.rmsnorm_linear(x2, None, b),
+        ml.rmsnorm_linear(x2, w, g.parameter("b3d", (2, 16, 64), "bfloat16")),
+        ml.rmsnorm_linear(x3, w3, b3),
+    ):
+        assert y.node.op.name in ("matmul", "add") and "rmsnorm_matmul" not in [n.op.name for n in g.nodes]
+    with pytest.raises(GraphBuildError, match=r"(?s)a's rows take 262656 bytes .* at most 81920.*rmsnorm_linear"):
+        ml.rmsnorm_matmul(x3, b3, w3, transpose_b=True)
 
 
 @pytest.mark.parametrize("rows,k,residual", [((1, 1), 2048, True), ((4, 1), 24, False), ((2, 3), 1032, True)])
@@ -90,6 +102,11 @@ def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refuse
     attrs = {"eps": 1e-5, "transpose_a": False, "transpose_b": True, "codegen": hints}
     with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: x's 8 rows of 8192 .* do not fit"):
         rmsnorm_matmul_shared_bytes(attrs, ins, Operand(ml.bfloat16, (8, 1, 64), (64, 64, 1)))
+
+
+def test_matmul_only_tile_switches_are_refused() -> None:
+    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul .*stage_weights is matmul's only"):
+        generate(make_plan(_graph((1, 1), 64, 16, True), processors=4, tiles={"rmsnorm_matmul": {"stage_weights": 1}}))
 
 
 @pytest.mark.parametrize("hidden,sequences,prefetch", [(2048, 1, 0), (4096, 4, 0), (2048, 1, 2048)])

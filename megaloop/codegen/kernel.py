@@ -233,6 +233,11 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
             shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
+        if op.op == "rmsnorm_matmul" and op.tile.get("stage_weights"):
+            raise GraphBuildError(
+                f"codegen: {op.op} {op.name}: tile switch stage_weights is matmul's only (this op's tiles use "
+                "that shared memory for their normed rows); set it to 0"
+            )
         if op.op in MATMUL_OPS:  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {
                 "tensor_cores": op.tile.get("tensor_cores", 0),

@@ -129,9 +129,9 @@ FUSE_DECODE_NORMS = False
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
     """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once
     and the projections of its output, or (FUSE_DECODE_NORMS, a decode step of at most
-    RMSNORM_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear, one op)."""
-    rows = math.prod(x.shape[:-1])
-    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and rows <= RMSNORM_MATMUL_MAX_ROWS:
+    RMSNORM_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear: one op where its
+    rows fit a tile's shared memory, ``norm_matmul.fusable``)."""
+    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and math.prod(x.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS:
         return lambda w: ops.rmsnorm_linear(x, norm_weight, w, eps=cfg.rms_eps, residual=residual)
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 

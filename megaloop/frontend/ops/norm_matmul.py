@@ -28,8 +28,31 @@ from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, TileContext, Tiling
 
-# Every tile holds all of x's rows in shared memory (the skinny paths' tiles are at most 8 rows)
+# Every tile holds all of x's rows in shared memory (the skinny paths' tiles are at most 8 rows), each
+# row padded to 64 bytes past a multiple of 128 (emit_norm_matmul): at most this many bytes of them, so
+# that they fit beside the partial sums and the kernel's static shared memory on every architecture
+# megaloop plans for (99 KB a block on sm_86 / sm_89)
 RMSNORM_MATMUL_MAX_ROWS = 8
+RMSNORM_MATMUL_MAX_BYTES = 80 * 1024
+
+
+def normed_rows_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Shared memory the normed rows of an x of ``shape`` take in each tile."""
+    row = shape[-1] * itemsize
+    return math.prod(shape[:-1]) * (row + (64 - row) % 128)
+
+
+def fusable(x: Any, norm_weight: Any, weight: Any) -> bool:
+    """Whether rmsnorm_linear(x, norm_weight, weight) is one rmsnorm_matmul: tensors, x of at most
+    RMSNORM_MATMUL_MAX_ROWS rows whose normed rows fit RMSNORM_MATMUL_MAX_BYTES, a norm weight, a 2-D
+    weight."""
+    return (
+        all(isinstance(t, Tensor) for t in (x, norm_weight, weight))
+        and x.ndim >= 2
+        and weight.ndim == 2
+        and math.prod(x.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS
+        and normed_rows_bytes(x.shape, x.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
+    )
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
@@ -37,6 +60,8 @@ def _infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, x.dtype, "f")
     if x.ndim < 2 or b.ndim != 2:
         raise call.error(ShapeError, "a must be [..., rows, K] and b a 2-D weight", hint="use rmsnorm, then matmul")
+    if call.attrs.setdefault("transpose_a", False):  # (matmul's tiling and paths read it)
+        raise call.error(ShapeError, "a cannot be transposed (its rows are normed along its last axis)")
     tb = call.attrs["transpose_b"]
     k, n = (b.shape[1], b.shape[0]) if tb else b.shape
     if x.shape[-1] != k:
@@ -48,11 +73,18 @@ def _infer(call: OpCall) -> list[OutSpec]:
             f"a has {rows} rows; the norm is fused into matmuls of at most {RMSNORM_MATMUL_MAX_ROWS} rows",
             hint="use rmsnorm_linear (it falls back to rmsnorm then linear) or the two ops",
         )
+    if normed_rows_bytes(x.shape, x.dtype.itemsize) > RMSNORM_MATMUL_MAX_BYTES:
+        raise call.error(
+            ShapeError,
+            f"a's rows take {normed_rows_bytes(x.shape, x.dtype.itemsize)} bytes of shared memory in every tile; "
+            f"at most {RMSNORM_MATMUL_MAX_BYTES}",
+            hint="use rmsnorm_linear (it falls back to rmsnorm then linear) or the two ops",
+        )
     for i, t in ((1, b), (2, w)):
         if t.dtype != x.dtype:
             raise call.error(DtypeError, f"{call.name(i)} is {t.dtype.name} but a is {x.dtype.name}")
     if w.shape != (k,):
-        raise call.error(ShapeError, f"weight has shape {format_shape(w.shape)} but must be [{k}] (a's last axis)")
+        raise call.error(ShapeError, f"norm_weight has shape {format_shape(w.shape)} but must be [{k}] (a's last axis)")
     if len(call.operands) > 3:
         r = call.operands[3]
         if r.shape != x.shape or r.dtype != x.dtype:
@@ -95,11 +127,11 @@ RMSNORM_MATMUL = register(
         name="rmsnorm_matmul",
         kind="compute",
         category="matmul",
-        doc="matmul(rmsnorm(a, weight, eps, residual=residual), b) for a of at most "
+        doc="matmul(rmsnorm(a, norm_weight, eps, residual=residual), b) for a of at most "
         f"{RMSNORM_MATMUL_MAX_ROWS} rows (a decode step's): each tile norms its rows (rounded to a's dtype, "
         "as rmsnorm stores them) in shared memory and multiplies them; b a 2-D weight (transpose_b: "
         "stored [N, K]).",
-        operands=("a", "b", "weight", "residual"),
+        operands=("a", "b", "norm_weight", "residual"),
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
@@ -118,16 +150,16 @@ RMSNORM_MATMUL = register(
 def rmsnorm_matmul(
     a: Tensor,
     b: Tensor,
-    weight: Tensor,
+    norm_weight: Tensor,
     *,
     eps: float = 1e-6,
     residual: Tensor | None = None,
     transpose_b: bool = False,
 ) -> Tensor:
-    """``matmul(rmsnorm(a, weight, eps=eps, residual=residual), b, transpose_b=transpose_b)`` as one op,
-    for a of at most RMSNORM_MATMUL_MAX_ROWS rows and b a 2-D weight (rmsnorm_linear picks it or the two
-    ops by the rows)."""
-    operands = [a, b, weight] + ([residual] if residual is not None else [])
+    """``matmul(rmsnorm(a, norm_weight, eps=eps, residual=residual), b, transpose_b=transpose_b)`` as one
+    op, for a of at most RMSNORM_MATMUL_MAX_ROWS rows (RMSNORM_MATMUL_MAX_BYTES of them normed) and b a
+    2-D weight (rmsnorm_linear picks it or the two ops)."""
+    operands = [a, b, norm_weight] + ([residual] if residual is not None else [])
     return apply(
         RMSNORM_MATMUL,
         operands,
@@ -138,11 +170,11 @@ def rmsnorm_matmul(
 
 
 def rmsnorm_linear(
-    x: Tensor, norm_weight: Tensor, weight: Tensor, *, eps: float = 1e-6, residual: Tensor | None = None
+    x: Tensor, norm_weight: Tensor | None, weight: Tensor, *, eps: float = 1e-6, residual: Tensor | None = None
 ) -> Tensor:
     """``linear(rmsnorm(x, norm_weight, eps=eps, residual=residual), weight)``: one op (rmsnorm_matmul)
-    where x has at most RMSNORM_MATMUL_MAX_ROWS rows (decode), else the two ops."""
-    rows = math.prod(x.shape[:-1]) if isinstance(x, Tensor) else 0
-    if not isinstance(x, Tensor) or x.ndim < 2 or rows > RMSNORM_MATMUL_MAX_ROWS:
+    where it applies (``fusable``: a decode step's few rows, a norm weight, a 2-D weight), else the two
+    ops, whose errors then name the arguments."""
+    if not fusable(x, norm_weight, weight):
         return linear(rmsnorm(x, norm_weight, eps=eps, residual=residual), weight)
     return rmsnorm_matmul(x, weight, norm_weight, eps=eps, residual=residual, transpose_b=True)
