@@ -50,6 +50,7 @@ MODULES = {
     "POLL_SLEEP_NS": kernel,
     "PREFETCH_B_BYTES": emit_norm_matmul,
     "NORM_BLOCK_PATH": emit_norm_matmul,
+    "NORM_UNDER_WEIGHTS": emit_norm_matmul,
     "FUSE_DECODE_NORMS": llama,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
@@ -75,6 +76,8 @@ VARIANTS = {
     # norm on rmsnorm's block path (its own layout) or a warp a row, and B's first 2 / 8 KB of each
     # column prefetched into L2 before the norm
     "fused_norms": {"FUSE_DECODE_NORMS": True},
+    # the norm, a barrier, then the matmul (before the first weights went out ahead of the norm)
+    "fused_serial": {"FUSE_DECODE_NORMS": True, "NORM_UNDER_WEIGHTS": False},
     "fused_warp_norms": {"FUSE_DECODE_NORMS": True, "NORM_BLOCK_PATH": False},
     "fused_prefetch2k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 2048},
     "fused_prefetch8k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 8192},

@@ -95,7 +95,7 @@ def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refuse
     ring = int(re.search(r"// .*?(\d+) rows streaming through shared memory", fn).group(1)) * 2048 * 2 * 2
     assert offset >= ring and offset % 128 == 0  # past the ring of x's and the residual's rows
     assert "rmsnorm of the tile's rows" in fn and "at most 8 rows: tensor cores" in fn
-    assert "ml::mma_skinny<ml::bf16, 64, 8, true>(in0 + ab, 2080, nr" in fn  # A from the rows, B streamed
+    assert "ml::mma_skinny_after<ml::bf16, 64, 8, 4, true>(in0 + ab, 2080, nr" in fn  # A from the rows, B streamed
     x = Operand(ml.bfloat16, (8, 1, 8192), (8192, 8192, 1))
     ins = [x, Operand(ml.bfloat16, (64, 8192), (8192, 1)), Operand(ml.bfloat16, (8192,), (1,)), x]
     hints = {"tile": (8, 64), "warps": 8, "skinny_mma": 1, "tensor_cores": 1, "shared_memory": 100 * 1024}

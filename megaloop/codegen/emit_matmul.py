@@ -261,10 +261,14 @@ def _tensor_cores(
     ]
 
 
-def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
+def _simt(
+    attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, prologue: list[str] | None = None
+) -> list[str]:
     """A warp per output element, lanes splitting K (coalesced for row-major A and for weights stored
     [out, in] as in checkpoints); float32 accumulation: decode's matrix-vector products, and any
-    layout or dtype the tensor-core path does not take."""
+    layout or dtype the tensor-core path does not take. ``prologue``: statements that make A, run by
+    every thread before the paths read it (inside the skinny tensor-core path, with its first weights in
+    flight)."""
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     nd = len(out.shape)
     k = a_.shape[-2] if ta else a_.shape[-1]
@@ -290,7 +294,8 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
             # a block of B of its own)
             once = rows >= math.prod(out.shape[:-1])  # (rows: the largest tile's, batch indices folded in)
             stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
-            body += _skinny_mma(a_, b_, out, k, skinny_warps, stream, attrs)
+            body += _skinny_mma(a_, b_, out, k, skinny_warps, stream, attrs, prologue)
+        body += prologue or []
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -316,6 +321,8 @@ def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list
             "    return;",
             "}",
         ]
+    else:
+        body += prologue or []
     body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
     body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
     body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
@@ -337,6 +344,9 @@ SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in fligh
 # policy (so it is the policy, not the order of the loads); the warp-per-element path, whose lanes read
 # a column's whole row of weights at once, 78 / 146 without it.
 SKINNY_MMA_STREAM_WEIGHTS = True
+# With a prologue (rmsnorm_matmul's norm), the units of B (in eighths of a round) a warp issues before it:
+# their registers are held across the prologue's own (all 8: the decode kernels spilled)
+SKINNY_EARLY_UNITS = 4
 
 
 def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -459,14 +469,23 @@ def stage_function(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> l
 
 
 def _skinny_mma(
-    a_: Operand, b_: Operand, out: Operand, k: int, warps: int, stream: bool, attrs: dict[str, Any]
+    a_: Operand,
+    b_: Operand,
+    out: Operand,
+    k: int,
+    warps: int,
+    stream: bool,
+    attrs: dict[str, Any],
+    prologue: list[str] | None = None,
 ) -> list[str]:
     """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): A's rows and B's columns loaded straight
     into mma fragments, the tile's groups of 8 columns x K slices shared evenly by the warps, their
     partial sums added in warp order through shared memory (the same bits every run). The SIMT path
     spends two instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s
     of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows). Where the op
-    stages its weights (stage_layout), B is read from shared memory once they have landed."""
+    stages its weights (stage_layout), B is read from shared memory once they have landed. With
+    ``prologue`` (statements every thread runs that make A, ending in a barrier), ml::mma_skinny_after
+    runs it with each warp's first weights in flight."""
     ct = a_.ctype
     slices = k // 32
     # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
@@ -491,7 +510,10 @@ def _skinny_mma(
             "    if (!ml::stage_wait(a, &ml_stage_bar, ml_stage_parity, proc, tid, t.op)) return;",
         ]
     done = ["    if (threadIdx.x == 0) { ml_stage_parity ^= 1u; ml_stage_pending = 0u; }"] if staged else []
-    call = f"ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {policy}>"
+    early = f"{max(1, slices_in_flight * SKINNY_EARLY_UNITS // 8)}, " if prologue else ""
+    call = f"ml::mma_skinny{'_after' if prologue else ''}<{ct}, {slices}, {slices_in_flight}, {early}{policy}>"
+    then = ", [&] {  // A's rows made while the first weights are on their way" if prologue else ""
+    after = [*("        " + line for line in prologue or []), "    });"] if prologue else []
     return [
         f["batches"],
         f"if ({f['guard']}) {{"
@@ -504,7 +526,8 @@ def _skinny_mma(
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
         *staged,
         f"    {call}(in0 + ab, {f['a_step']}, nr, {b_src}, {b_ld}, ncols, warp * units / {warps}, "
-        f"(warp + 1) * units / {warps}, partial, warp, {warps});",
+        f"(warp + 1) * units / {warps}, partial, warp, {warps}{then}{'' if prologue else ');'}",
+        *after,
         "    __syncthreads();",
         *done,
         f"    for (int group = warp; group < groups; group += {warps}) {{",

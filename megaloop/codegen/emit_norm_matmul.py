@@ -25,6 +25,11 @@ from megaloop.codegen.emit_matmul import (
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
 
+# True: the skinny tensor-core path issues each warp's first weights before the rows are normed
+# (ml::mma_skinny_after), so the norm runs while they come from DRAM; False: the norm, a barrier, then
+# the matmul (measured at 3a58a32 / 2cc241c: each tile ~2 us longer than the matmul alone)
+NORM_UNDER_WEIGHTS = True
+
 # True: the prologue norms long rows on rmsnorm's block path (the norm op's own layout: the same bits as
 # its output); False: a warp a row (rmsnorm's packed warp path: no ring, no block reductions)
 NORM_BLOCK_PATH = True
@@ -124,23 +129,40 @@ def rmsnorm_matmul(op: str, attrs: dict[str, Any], ins: list[Operand], out: Oper
     ] + [f"[[maybe_unused]] {x.ctype}* out0 = normed;"]
     nd = len(out.shape)
     ct = x.ctype
-    return [
+    lines = [
         *pointers([*ins, out], len(ins)),
         *_prefetch_b(attrs, rows_op, b, out),
         "extern __shared__ float4 ml_smem4[];",
         f"{ct}* const normed = reinterpret_cast<{ct}*>(reinterpret_cast<char*>(ml_smem4) + {offset});"
         f"  // x's rows normed, {rows_op.strides[-2]} elements apart",
-        "{  // rmsnorm of the tile's rows of x (+ residual) into shared memory: the rmsnorm op's tile code",
-        "    auto norm_rows = [&](const ml::Task& t) {",
-        *("        " + line for line in norm_ptrs + norm[n_ptrs:]),
-        "    };",
-        "    ml::Task nt = t;  // the same rows, all of K",
-        f"    nt.lo[{nd - 1}] = 0;",
-        f"    nt.hi[{nd - 1}] = {x.shape[-1]};",
-        "    norm_rows(nt);",
-        "}",
+        "// rmsnorm of the tile's rows of x (+ residual) into shared memory: the rmsnorm op's tile code",
+        "auto norm_rows = [&](const ml::Task& t) {",
+        *("    " + line for line in norm_ptrs + norm[n_ptrs:]),
+        "};",
+    ]
+    task = [
+        "ml::Task nt = t;  // the same rows, all of K",
+        f"nt.lo[{nd - 1}] = 0;",
+        f"nt.hi[{nd - 1}] = {x.shape[-1]};",
+    ]
+    norm_then_barrier = [
+        "norm_rows(nt);",
         "__syncthreads();  // every row normed (and the ring's last reads done before the partial sums)",
-        "{  // matmul's paths, A (in0) the normed rows",
+    ]
+    if NORM_UNDER_WEIGHTS:  # inside the matmul's paths: the skinny one issues its first weights first
+        return [
+            *lines,
+            *task,
+            "{  // matmul's paths, A (in0) the rows normed",
+            f"    [[maybe_unused]] const {ct}* in0 = normed;",
+            *("    " + line for line in _simt(attrs, rows_op, b, out, norm_then_barrier)),
+            "}",
+        ]
+    return [
+        *lines,
+        *task,
+        *norm_then_barrier,
+        "{  // matmul's paths, A (in0) the rows normed",
         f"    [[maybe_unused]] const {ct}* in0 = normed;",
         *("    " + line for line in _simt(attrs, rows_op, b, out)),
         "}",
