@@ -25,7 +25,9 @@ d8d9541: default 70.9, 69.4 / 143.3, 143.2; keys4 69.5 / 145.9; keys8 72.9 / 150
 3a58a32 / 2cc241c (the fused norms then the default; bench/results/decode_variants.json): fused_norms
 65.4, 67.0, 66.9, 65.7 / 140.7, 139.7, 140.8, 141.4 against the norms apart 65.8, 68.0 / 138.3, 137.6;
 4 sequences 81.1 / 158.9 against 79.8 / 148.2; fused_prefetch2k 66.5 / 140.9, fused_prefetch8k 66.3 /
-161.0, fused_warp_norms 71.4 / 148.2 (4 sequences 80.5 / 157.5): the norms stay apart by default."""
+161.0, fused_warp_norms 71.4 / 148.2 (4 sequences 80.5 / 157.5): the norms stay apart by default.
+51975fe: default 65.6, 64.6 / 139.4, 140.1; fused_norms (half a round of weights issued before the
+norm) 65.1 / 142.9; fused_serial 67.0 / 141.3."""
 
 import json
 import os

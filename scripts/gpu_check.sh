@@ -30,7 +30,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   gpu_files=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
   if [ -n "${TESTS:-}" ]; then selections=("$TESTS"); else selections=("-m gpu $gpu_files" "tests/test_readme.py"); fi
   for selection in "${selections[@]}"; do
-    timeout "$test_timeout" python3 -m pytest -q $selection -p no:cacheprovider -rA --durations=0 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
+    # eval: a selection may quote its arguments (TESTS="tests/test_gpu.py -m gpu -k 'not random_graphs'")
+    eval "timeout \"\$test_timeout\" python3 -m pytest -q $selection -p no:cacheprovider -rA --durations=0" 2>&1 \
+      | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

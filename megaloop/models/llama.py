@@ -122,7 +122,8 @@ def projection(x: Tensor | Projection) -> Projection:
 # apart, four sequences 81.1 / 158.9 against 79.8 / 148.2; bench/generate 1242 us a token against 1245.
 # The profile: 40 us a token fewer handoffs on the critical path (144 against 183), but each fused tile
 # 2 us longer (q 8.3 us against 6.3 + the norm's 1.3), every tile norming the row before its first
-# weights arrive (prefetching them into L2 meanwhile did not help). docs/runtime.md.
+# weights arrive (prefetching them into L2 meanwhile did not help, nor issuing half a round of them
+# before the norm: 65.1 / 142.9 against 65.6, 64.6 / 139.4, 140.1 apart at 51975fe). docs/runtime.md.
 FUSE_DECODE_NORMS = False
 
 
