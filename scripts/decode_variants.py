@@ -36,7 +36,7 @@ import sys
 import numpy as np
 
 import megaloop.codegen.emit_matmul as emit_matmul
-import megaloop.codegen.emit_norm_matmul as emit_norm_matmul
+import megaloop.codegen.emit_fused_matmul as emit_fused_matmul
 import megaloop.codegen.kernel as kernel
 import megaloop.models.llama as llama
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
@@ -50,10 +50,11 @@ MODULES = {
     "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
     "SLOT_WAITS": kernel,
     "POLL_SLEEP_NS": kernel,
-    "PREFETCH_B_BYTES": emit_norm_matmul,
-    "NORM_BLOCK_PATH": emit_norm_matmul,
-    "NORM_UNDER_WEIGHTS": emit_norm_matmul,
+    "PREFETCH_B_BYTES": emit_fused_matmul,
+    "NORM_BLOCK_PATH": emit_fused_matmul,
+    "NORM_UNDER_WEIGHTS": emit_fused_matmul,
     "FUSE_DECODE_NORMS": llama,
+    "FUSE_DECODE_SILU": llama,
 }
 SMALL_OPS = ("add", "mul", "silu", "silu_mul")
 DEFAULTS = {k: getattr(m, k) for k, m in MODULES.items()}
@@ -78,6 +79,10 @@ VARIANTS = {
     # norm on rmsnorm's block path (its own layout) or a warp a row, and B's first 2 / 8 KB of each
     # column prefetched into L2 before the norm
     "fused_norms": {"FUSE_DECODE_NORMS": True},
+    # the down projection making silu(gate) * up itself (silu_mul_matmul), with and without the norms
+    "fused_silu": {"FUSE_DECODE_SILU": True},
+    "fused_silu_serial": {"FUSE_DECODE_SILU": True, "NORM_UNDER_WEIGHTS": False},
+    "fused_both": {"FUSE_DECODE_SILU": True, "FUSE_DECODE_NORMS": True},
     # the norm, a barrier, then the matmul (before the first weights went out ahead of the norm)
     "fused_serial": {"FUSE_DECODE_NORMS": True, "NORM_UNDER_WEIGHTS": False},
     "fused_warp_norms": {"FUSE_DECODE_NORMS": True, "NORM_BLOCK_PATH": False},

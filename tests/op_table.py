@@ -609,6 +609,39 @@ row(
     cancels=True,
 )
 
+
+# silu_mul_matmul (through silu_mul_linear, and the op with b not transposed): silu_mul's rounding, then
+# the matmul; K 2048 (packed), 40 and 13 (per-element paths)
+def _silu_matmul_sample(k: int, transposed: bool = True) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        rows = [(1,), (3,), (2, 1), (4, 2), (8,)][int(rng.integers(0, 5))]
+        n = int(rng.integers(1, 40))
+        x = (*rows, k)
+        return Sample([x, x, (n, k) if transposed else (k, n)], {"k": k})
+
+    return sample
+
+
+for label, k in (("k2048", 2048), ("k40", 40)):
+    row(
+        "silu_mul_matmul",
+        label,
+        lambda g, a, u, b, k: ml.silu_mul_linear(a, u, b),
+        lambda a, u, b, k, dtype, **kw: F.linear(rnd(F.silu(a) * u, dtype), b),
+        _silu_matmul_sample(k),
+        reduce_len=lambda s: s.kw["k"],
+        cancels=True,
+    )
+row(
+    "silu_mul_matmul",
+    "k13-b-not-transposed",
+    lambda g, a, u, b, k: ml.silu_mul_matmul(a, b, u),
+    lambda a, u, b, k, dtype, **kw: rnd(F.silu(a) * u, dtype) @ b,
+    _silu_matmul_sample(13, transposed=False),
+    reduce_len=lambda s: s.kw["k"],
+    cancels=True,
+)
+
 # ---- embedding / rope --------------------------------------------------------------------------------
 
 

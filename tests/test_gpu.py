@@ -632,3 +632,30 @@ def test_rmsnorm_matmul_is_the_norm_then_the_matmul(rows: int, k: int, n: int, r
         _close(got[fused], ml.evaluate(g, feeds, params).outputs["y"], "fused" if fused else "apart")
     if rows == 1:
         assert np.array_equal(got[True].view(np.uint16), got[False].view(np.uint16))
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 8192, 2048), (4, 5504, 2048), (3, 40, 24)])
+def test_silu_mul_matmul_is_silu_mul_then_the_matmul(rows: int, k: int, n: int) -> None:
+    """silu_mul_matmul (the down projection making silu(gate) * up itself in shared memory) against
+    silu_mul then linear on the GPU, bit for bit (silu_mul's own elementwise code, then the same
+    products), and against the reference."""
+    rng = np.random.default_rng(rows * k + n)
+    shape = (rows, 1, k)
+
+    def graph(fused: bool) -> ml.Graph:
+        g = ml.Graph("fused" if fused else "apart")
+        gate, up = g.input("g", shape, "bfloat16"), g.input("u", shape, "bfloat16")
+        w = g.parameter("w", (n, k), "bfloat16")
+        g.output("y", ml.silu_mul_linear(gate, up, w) if fused else ml.linear(ml.silu_mul(gate, up), w))
+        return g
+
+    feeds = {name: ml.dtypes.round_to(rng.standard_normal(shape), ml.bfloat16) for name in ("g", "u")}
+    params = {"w": ml.dtypes.round_to(rng.standard_normal((n, k)) / np.sqrt(k), ml.bfloat16)}
+    got = {}
+    for fused in (True, False):
+        g = graph(fused)
+        assert ("silu_mul_matmul" in [nd.op.name for nd in g.nodes]) == fused
+        with loop_kernel(make_plan(g, processors=132), params) as kern:
+            got[fused] = kern.run(feeds)["y"]
+        _close(got[fused], ml.evaluate(g, feeds, params).outputs["y"], "fused" if fused else "apart")
+    assert np.array_equal(got[True].view(np.uint16), got[False].view(np.uint16))

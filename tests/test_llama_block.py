@@ -341,3 +341,34 @@ def test_decode_projections_norm_their_own_rows(monkeypatch) -> None:
     for seed in range(3):
         planned = run_plan(make_plan(fused, processors=7), feeds, params, state, seed=seed)
         assert planned.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
+
+
+def test_decode_down_projections_make_silu_mul_themselves(monkeypatch) -> None:
+    """With llama.FUSE_DECODE_SILU (off by default until measured), a decode step's down projections take
+    gate and up themselves (silu_mul_matmul: no silu_mul op); prefill keeps silu_mul. The same logits and
+    caches as the default graph, bit for bit, through the reference and a plan's random interleavings."""
+    import megaloop.models.llama as llama
+    from megaloop.plan import make_plan
+    from megaloop.reference.interpreter import run_plan
+
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=2, max_seq=16, vocab=40)
+    apart = build_llama(cfg, 2, 1)
+    monkeypatch.setattr(llama, "FUSE_DECODE_SILU", True)
+    fused = build_llama(cfg, 2, 1)
+    names = [n.op.name for n in fused.nodes]
+    assert "silu_mul" not in names and names.count("silu_mul_matmul") == cfg.layers
+    assert "silu_mul_matmul" not in [n.op.name for n in build_llama(cfg, 1, 3).nodes]  # prefill
+    params = random_parameters(cfg, seed=8)
+    rng = np.random.default_rng(8)
+    state = ml.evaluate(
+        build_llama(cfg, 2, 4),
+        {"tokens": rng.integers(0, 40, (2, 4)), "positions": np.tile(np.arange(4), (2, 1))},
+        params,
+    ).state
+    feeds = {"tokens": rng.integers(0, 40, (2, 1)), "positions": np.array([[4], [6]])}
+    want = ml.evaluate(apart, feeds, params, state)
+    got = ml.evaluate(fused, feeds, params, state)
+    assert got.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
+    for seed in range(3):
+        planned = run_plan(make_plan(fused, processors=7), feeds, params, state, seed=seed)
+        assert planned.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()

@@ -31,8 +31,8 @@ from megaloop.codegen.emit import (
     rope_kv_update,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
+from megaloop.codegen.emit_fused_matmul import fused_matmul, fused_matmul_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
-from megaloop.codegen.emit_norm_matmul import rmsnorm_matmul, rmsnorm_matmul_shared_bytes
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
@@ -104,8 +104,8 @@ def emit(
         return rows(op_name, attrs, ins, out)
     if template == "matmul":
         return matmul(op_name, attrs, ins[0], ins[1], out)
-    if template == "rmsnorm_matmul":
-        return rmsnorm_matmul(op_name, attrs, ins, out)
+    if template == "fused_matmul":
+        return fused_matmul(op_name, attrs, ins, out)
     if template == "embedding":
         return embedding(op_name, attrs, ins[0], ins[1], out)
     if template == "rope":
@@ -233,10 +233,10 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
             shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
-        if op.op == "rmsnorm_matmul" and op.tile.get("stage_weights"):
+        if op.op != "matmul" and op.op in MATMUL_OPS and op.tile.get("stage_weights"):
             raise GraphBuildError(
                 f"codegen: {op.op} {op.name}: tile switch stage_weights is matmul's only (this op's tiles use "
-                "that shared memory for their normed rows); set it to 0"
+                "that shared memory for the rows they make); set it to 0"
             )
         if op.op in MATMUL_OPS:  # what the tile template needs beyond the op: its switch, tile size, warps
             hints = {
@@ -253,8 +253,10 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
                 "b_parameter": rp.is_parameter(op.inputs[1]),
             }
             attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
-            room = rmsnorm_matmul_shared_bytes if op.op == "rmsnorm_matmul" else matmul_shared_bytes
-            shared = max(shared, room(attrs, ins, outs[0]))
+            if op.op == "matmul":
+                shared = max(shared, matmul_shared_bytes(attrs, ins, outs[0]))
+            else:
+                shared = max(shared, fused_matmul_shared_bytes(op.op, attrs, ins, outs[0]))
         body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
         _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
         staging = stage_function(attrs, ins, outs[0]) if op.op == "matmul" else None

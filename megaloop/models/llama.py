@@ -125,6 +125,10 @@ def projection(x: Tensor | Projection) -> Projection:
 # weights arrive (prefetching them into L2 meanwhile did not help, nor issuing half a round of them
 # before the norm: 65.1 / 142.9 against 65.6, 64.6 / 139.4, 140.1 apart at 51975fe). docs/runtime.md.
 FUSE_DECODE_NORMS = False
+# True: decode steps' down projections make silu(gate) * up themselves (silu_mul_linear: silu_mul_matmul
+# where it applies), one stage fewer a layer. Off until measured on a GPU (scripts/decode_variants.py
+# fused_silu; built at the session's end with no device time left).
+FUSE_DECODE_SILU = False
 
 
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
@@ -195,7 +199,10 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) ->
     # 77.0, 6a751a6); now both end together and one op is a stage fewer: 67.5 us against 70.1 apart,
     # 142.3 against 147.1 at 4096 (scripts/decode_variants.py, H200, 9cde193). Prefill at hidden 4096,
     # 512 tokens: 688 tasks fewer than apart.
-    return ops.linear(ops.silu_mul(project(gate), project(up)), down)
+    g_, u_ = project(gate), project(up)
+    if FUSE_DECODE_SILU and g_.shape[-2] == 1:  # decode: the down projection makes silu(gate) * up itself
+        return ops.silu_mul_linear(g_, u_, down)
+    return ops.linear(ops.silu_mul(g_, u_), down)
 
 
 def decoder_layer(

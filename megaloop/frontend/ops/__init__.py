@@ -74,6 +74,7 @@ from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm,
 from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
+from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
 
 __all__ = [
     "abs",
@@ -138,6 +139,8 @@ __all__ = [
     "sigmoid",
     "silu",
     "silu_mul",
+    "silu_mul_linear",
+    "silu_mul_matmul",
     "slice_",
     "softmax",
     "sources",

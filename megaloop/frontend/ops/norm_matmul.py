@@ -29,14 +29,14 @@ from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, TileContext, Tiling
 
 # Every tile holds all of x's rows in shared memory (the skinny paths' tiles are at most 8 rows), each
-# row padded to 64 bytes past a multiple of 128 (emit_norm_matmul): at most this many bytes of them, so
+# row padded to 64 bytes past a multiple of 128 (emit_fused_matmul): at most this many bytes of them, so
 # that they fit beside the partial sums and the kernel's static shared memory on every architecture
 # megaloop plans for (99 KB a block on sm_86 / sm_89)
 RMSNORM_MATMUL_MAX_ROWS = 8
 RMSNORM_MATMUL_MAX_BYTES = 80 * 1024
 
 
-def normed_rows_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+def a_rows_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     """Shared memory the normed rows of an x of ``shape`` take in each tile."""
     row = shape[-1] * itemsize
     return math.prod(shape[:-1]) * (row + (64 - row) % 128)
@@ -51,7 +51,7 @@ def fusable(x: Any, norm_weight: Any, weight: Any) -> bool:
         and x.ndim >= 2
         and weight.ndim == 2
         and math.prod(x.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS
-        and normed_rows_bytes(x.shape, x.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
+        and a_rows_bytes(x.shape, x.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
     )
 
 
@@ -73,10 +73,10 @@ def _infer(call: OpCall) -> list[OutSpec]:
             f"a has {rows} rows; the norm is fused into matmuls of at most {RMSNORM_MATMUL_MAX_ROWS} rows",
             hint="use rmsnorm_linear (it falls back to rmsnorm then linear) or the two ops",
         )
-    if normed_rows_bytes(x.shape, x.dtype.itemsize) > RMSNORM_MATMUL_MAX_BYTES:
+    if a_rows_bytes(x.shape, x.dtype.itemsize) > RMSNORM_MATMUL_MAX_BYTES:
         raise call.error(
             ShapeError,
-            f"a's rows take {normed_rows_bytes(x.shape, x.dtype.itemsize)} bytes of shared memory in every tile; "
+            f"a's rows take {a_rows_bytes(x.shape, x.dtype.itemsize)} bytes of shared memory in every tile; "
             f"at most {RMSNORM_MATMUL_MAX_BYTES}",
             hint="use rmsnorm_linear (it falls back to rmsnorm then linear) or the two ops",
         )
@@ -142,7 +142,7 @@ RMSNORM_MATMUL = register(
             flags=_tilings.MATMUL.flags,
             saved_without=_tilings.MATMUL.saved_without,
         ),
-        cuda=CudaTile("rmsnorm_matmul"),
+        cuda=CudaTile("fused_matmul"),
     )
 )
 

@@ -1,8 +1,10 @@
-"""rmsnorm_matmul without a GPU: what the builders accept and refuse, that the plan interpreter's random
-orders give the reference (the tiles declare the residual and the norm's weight), and what the generator
-emits: the rmsnorm op's own code into shared memory, past the partial sums and the norm's ring, then the
-skinny tensor-core path reading A there; decode-layer kernels compile without spills. The GPU checks
-are test_gpu.py's test_rmsnorm_matmul_is_the_norm_then_the_matmul and the every-op test's rows."""
+"""rmsnorm_matmul and silu_mul_matmul (matmuls making their own A) without a GPU: what the builders
+accept and refuse, that the plan interpreter's random orders give the reference bit for bit as the two
+ops do (the tiles declare what they read), and what the generator emits: the producing op's own code
+into shared memory, past the partial sums and the norm's ring, then the skinny tensor-core path reading
+A there; decode-layer kernels compile without spills. The GPU checks are test_gpu.py's
+test_rmsnorm_matmul_is_the_norm_then_the_matmul, test_silu_mul_matmul_is_silu_mul_then_the_matmul and
+the every-op test's rows."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import numpy as np
 import pytest
 
 import megaloop as ml
-import megaloop.codegen.emit_norm_matmul as emit_norm_matmul
+import megaloop.codegen.emit_fused_matmul as emit_fused_matmul
 import megaloop.models.llama as llama
 from bench.llama_layer import dependent_decode_graph, layer_config
 from megaloop.codegen import generate
 from megaloop.codegen.emit import Operand
-from megaloop.codegen.emit_norm_matmul import rmsnorm_matmul_shared_bytes
+from megaloop.codegen.emit_fused_matmul import fused_matmul_shared_bytes
 from megaloop.errors import GraphBuildError
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
@@ -91,7 +93,7 @@ def test_interpreter_orders_give_the_reference(rows: tuple[int, ...], k: int, re
 def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refused() -> None:
     src = generate(make_plan(_graph((4, 1), 2048, 512, True), processors=132)).source
     fn = src[src.index("// sig_0: rmsnorm_matmul") :]
-    offset = int(re.search(r"ml_smem4\) \+ (\d+)\);  // x's rows normed, 2080 elements apart", fn).group(1))
+    offset = int(re.search(r"ml_smem4\) \+ (\d+)\);  // A's rows, 2080 elements apart", fn).group(1))
     ring = int(re.search(r"// .*?(\d+) rows streaming through shared memory", fn).group(1)) * 2048 * 2 * 2
     assert offset >= ring and offset % 128 == 0  # past the ring of x's and the residual's rows
     assert "rmsnorm of the tile's rows" in fn and "at most 8 rows: tensor cores" in fn
@@ -100,8 +102,8 @@ def test_rows_lie_past_the_partial_sums_and_the_ring_and_a_full_budget_is_refuse
     ins = [x, Operand(ml.bfloat16, (64, 8192), (8192, 1)), Operand(ml.bfloat16, (8192,), (1,)), x]
     hints = {"tile": (8, 64), "warps": 8, "skinny_mma": 1, "tensor_cores": 1, "shared_memory": 100 * 1024}
     attrs = {"eps": 1e-5, "transpose_a": False, "transpose_b": True, "codegen": hints}
-    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: x's 8 rows of 8192 .* do not fit"):
-        rmsnorm_matmul_shared_bytes(attrs, ins, Operand(ml.bfloat16, (8, 1, 64), (64, 64, 1)))
+    with pytest.raises(GraphBuildError, match=r"rmsnorm_matmul: A's 8 rows of 8192 .* do not fit"):
+        fused_matmul_shared_bytes("rmsnorm_matmul", attrs, ins, Operand(ml.bfloat16, (8, 1, 64), (64, 64, 1)))
 
 
 def test_matmul_only_tile_switches_are_refused() -> None:
@@ -114,7 +116,7 @@ def test_decode_layers_compile_without_spills(monkeypatch, hidden: int, sequence
     """The decode layer with the norms fused (llama.FUSE_DECODE_NORMS, off by default) compiles without
     spills, also with the L2 prefetch variant (PREFETCH_B_BYTES), for sm_80 too (no prefetch there)."""
     monkeypatch.setattr(llama, "FUSE_DECODE_NORMS", True)
-    monkeypatch.setattr(emit_norm_matmul, "PREFETCH_B_BYTES", prefetch)
+    monkeypatch.setattr(emit_fused_matmul, "PREFETCH_B_BYTES", prefetch)
     g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
     src = generate(make_plan(g, processors=132)).source
     assert len(re.findall(r"// sig_\d+: rmsnorm_matmul", src)) >= 3  # q / k, v / gate, up
@@ -122,3 +124,66 @@ def test_decode_layers_compile_without_spills(monkeypatch, hidden: int, sequence
     assert spills(src, "sm_90a") == {}
     if prefetch:
         assert compile_cubin(src, "sm_80", use_cache=False)[:4] == b"\x7fELF"
+
+
+def _silu_graphs(rows: tuple[int, ...], k: int, n: int, dtype: str) -> tuple[ml.Graph, ml.Graph]:
+    graphs = []
+    for fused in (True, False):
+        g = ml.Graph("silu-matmul" if fused else "apart")
+        gate, up = g.input("g", (*rows, k), dtype), g.input("u", (*rows, k), dtype)
+        w = g.parameter("w", (n, k), dtype)
+        g.output("y", ml.silu_mul_linear(gate, up, w) if fused else ml.linear(ml.silu_mul(gate, up), w))
+        graphs.append(g)
+    return graphs[0], graphs[1]
+
+
+@pytest.mark.parametrize(
+    "rows,k,dtype",
+    [((1, 1), 8192, "bfloat16"), ((4, 1), 256, "float32"), ((3,), 40, "float16"), ((2,), 13, "bfloat16")],
+)
+def test_silu_mul_matmul_is_silu_mul_then_the_matmul(rows: tuple[int, ...], k: int, dtype: str) -> None:
+    """The reference and the interpreter's random orders equal silu_mul then linear bit for bit (silu_mul's
+    rounding, then the same products); the kernel compiles without spills for sm_90a and sm_80."""
+    fused, apart = _silu_graphs(rows, k, 24, dtype)
+    assert [nd.op.name for nd in fused.nodes][-1] == "silu_mul_matmul"
+    rng = np.random.default_rng(k)
+    feeds = {"g": rng.standard_normal((*rows, k)), "u": rng.standard_normal((*rows, k))}
+    params = {"w": rng.standard_normal((24, k)) / np.sqrt(k)}
+    want = ml.evaluate(apart, feeds, params).outputs["y"]
+    assert ml.evaluate(fused, feeds, params).outputs["y"].tobytes() == want.tobytes()
+    for seed in range(3):
+        assert (
+            run_plan(make_plan(fused, processors=5), feeds, params, seed=seed).outputs["y"].tobytes() == want.tobytes()
+        )
+    src = generate(make_plan(fused, processors=132)).source
+    assert "silu(gate) * up of the tile's rows: silu_mul's tile code" in src
+    assert spills(src, "sm_90a") == {}
+    assert compile_cubin(src, "sm_80", use_cache=False)[:4] == b"\x7fELF"
+
+
+def test_silu_builders_fall_back_and_refuse() -> None:
+    g = ml.Graph("silu-bad")
+    w = g.parameter("w", (16, 64), "bfloat16")
+    nine = ml.silu_mul_linear(g.input("a", (9, 64), "bfloat16"), g.input("b", (9, 64), "bfloat16"), w)
+    assert nine.node.op.name == "matmul"  # 9 rows: silu_mul then linear
+    x, u = g.input("x", (2, 64), "bfloat16"), g.input("u", (2, 64), "bfloat16")
+    assert ml.silu_mul_linear(x, u, g.parameter("w3", (2, 16, 64), "bfloat16")).node.op.name == "matmul"
+    with pytest.raises(GraphBuildError, match=r"(?s)silu_mul_matmul: gate has 9 rows.*silu_mul_linear"):
+        ml.silu_mul_matmul(g.input("a9", (9, 64), "bfloat16"), w, g.input("b9", (9, 64), "bfloat16"), transpose_b=True)
+    with pytest.raises(GraphBuildError, match=r"silu_mul_matmul: up is \[3,64\] but must be gate's \[2,64\]"):
+        ml.silu_mul_matmul(x, w, g.input("u3", (3, 64), "bfloat16"), transpose_b=True)
+    with pytest.raises(GraphBuildError, match=r"b's K is 16"):
+        ml.silu_mul_matmul(x, w, u)
+
+
+def test_decode_layer_with_silu_inside_down_compiles_without_spills(monkeypatch) -> None:
+    monkeypatch.setattr(llama, "FUSE_DECODE_SILU", True)
+    # (hidden 4096, 4 sequences: 4 rows of 11008, 88 KB, past RMSNORM_MATMUL_MAX_BYTES: silu_mul then down)
+    for hidden, sequences, fused in ((2048, 1, True), (2048, 4, True), (4096, 4, False)):
+        g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
+        assert ("silu_mul" not in [nd.op.name for nd in g.nodes]) == fused
+        if not fused:
+            continue
+        src = generate(make_plan(g, processors=132)).source
+        assert len(re.findall(r"// sig_\d+: silu_mul_matmul", src)) == 1
+        assert spills(src, "sm_90a") == {}
