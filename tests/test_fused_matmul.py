@@ -174,6 +174,12 @@ def test_silu_builders_fall_back_and_refuse() -> None:
         ml.silu_mul_matmul(x, w, g.input("u3", (3, 64), "bfloat16"), transpose_b=True)
     with pytest.raises(GraphBuildError, match=r"b's K is 16"):
         ml.silu_mul_matmul(x, w, u)
+    # arguments the fused op would refuse go to the two ops, whose errors name them (not the fused op's b)
+    for bad in (g.parameter("w_k", (16, 32), "bfloat16"), g.parameter("w_f16", (16, 64), "float16")):
+        with pytest.raises(GraphBuildError, match=r"^matmul: "):
+            ml.silu_mul_linear(x, u, bad)
+        with pytest.raises(GraphBuildError, match=r"^matmul: "):
+            ml.rmsnorm_linear(x, g.parameter(f"n_{bad.shape[1]}{bad.dtype.name}", (64,), "bfloat16"), bad)
 
 
 def test_decode_layer_with_silu_inside_down_compiles_without_spills(monkeypatch) -> None:

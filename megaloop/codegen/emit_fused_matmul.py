@@ -29,6 +29,7 @@ from megaloop.codegen.emit_matmul import (
 )
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
+from megaloop.frontend.opdef import REGISTRY
 
 # True: the skinny tensor-core path issues each warp's first weights before A's rows are made
 # (ml::mma_skinny_after), so that runs while they come from DRAM; False: the rows, a barrier, then the
@@ -88,7 +89,8 @@ def _producer(op: str, attrs: dict[str, Any], ins: list[Operand]) -> Producer:
     elif op == "silu_mul_matmul":  # gate, b, up
         ew_hints = {"shared_memory": hints.get("shared_memory", 0), "threads": 32 * hints["warps"]}
         ew_hints["elements"] = tile_rows * x.shape[-1]
-        body = elementwise("silu_mul", {"codegen": ew_hints}, "ml::silu(a) * b", [x, ins[2]], rows_op)
+        expr = REGISTRY["silu_mul"].cuda.expression({})  # silu_mul's own: the same bits as its output
+        body = elementwise("silu_mul", {"codegen": ew_hints}, expr, [x, ins[2]], rows_op)
         own, what, operands = 0, "silu(gate) * up of the tile's rows: silu_mul's tile code", [(x, 0), (ins[2], 2)]
     else:
         raise GraphBuildError(f"codegen: {op} makes no A of its own")
@@ -119,7 +121,7 @@ def fused_matmul_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand]
 
 def _prefetch_b(attrs: dict[str, Any], rows_op: Operand, b: Operand, out: Operand) -> list[str]:
     """Each warp's first PREFETCH_B_BYTES of B's columns its units start on, into L2, where the tile
-    takes the skinny tensor-core path (the same guard)."""
+    takes the skinny tensor-core path (its guard, but on x in global memory rather than A's rows)."""
     warps = skinny_mma_warps(attrs, rows_op, b)
     if not PREFETCH_B_BYTES or not warps:
         return []

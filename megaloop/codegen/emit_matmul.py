@@ -510,7 +510,7 @@ def _skinny_mma(
             "    if (!ml::stage_wait(a, &ml_stage_bar, ml_stage_parity, proc, tid, t.op)) return;",
         ]
     done = ["    if (threadIdx.x == 0) { ml_stage_parity ^= 1u; ml_stage_pending = 0u; }"] if staged else []
-    early = f"{max(1, slices_in_flight * SKINNY_EARLY_UNITS // 8)}, " if prologue else ""
+    early = f"{min(slices_in_flight, max(1, slices_in_flight * SKINNY_EARLY_UNITS // 8))}, " if prologue else ""
     call = f"ml::mma_skinny{'_after' if prologue else ''}<{ct}, {slices}, {slices_in_flight}, {early}{policy}>"
     then = ", [&] {  // A's rows made while the first weights are on their way" if prologue else ""
     after = [*("        " + line for line in prologue or []), "    });"] if prologue else []

@@ -43,13 +43,17 @@ def a_rows_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 def fusable(x: Any, norm_weight: Any, weight: Any) -> bool:
-    """Whether rmsnorm_linear(x, norm_weight, weight) is one rmsnorm_matmul: tensors, x of at most
-    RMSNORM_MATMUL_MAX_ROWS rows whose normed rows fit RMSNORM_MATMUL_MAX_BYTES, a norm weight, a 2-D
-    weight."""
+    """Whether rmsnorm_linear(x, norm_weight, weight) is one rmsnorm_matmul: float tensors of one dtype,
+    x of at most RMSNORM_MATMUL_MAX_ROWS rows whose normed rows fit RMSNORM_MATMUL_MAX_BYTES, a norm
+    weight of x's last axis, a 2-D weight [out, in] of it; otherwise the two ops report what is wrong."""
     return (
         all(isinstance(t, Tensor) for t in (x, norm_weight, weight))
+        and x.dtype.is_float
         and x.ndim >= 2
         and weight.ndim == 2
+        and weight.shape[1] == x.shape[-1]
+        and norm_weight.shape == (x.shape[-1],)
+        and x.dtype == weight.dtype == norm_weight.dtype
         and math.prod(x.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS
         and a_rows_bytes(x.shape, x.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
     )

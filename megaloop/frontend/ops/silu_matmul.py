@@ -65,10 +65,15 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 def _tiles(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     """matmul's tiles of gate against b; each also reads up where it reads gate (its rows, all of K)."""
-    gate, b, _ = node.inputs
+    gate, b, up = node.inputs
     tiles = _tilings.MATMUL.make(SimpleNamespace(inputs=[gate, b], outputs=node.outputs, attrs=node.attrs), params, ctx)
     return [
-        t._replace(reads=t.reads + (Read(2, t.reads[0].box),), flops=t.flops + 6 * t.reads[0].box.size) for t in tiles
+        t._replace(
+            reads=t.reads + (Read(2, t.reads[0].box),),
+            flops=t.flops + 6 * t.reads[0].box.size,
+            streamed=t.streamed + t.reads[0].box.size * up.dtype.itemsize,  # up's rows, beside gate's
+        )
+        for t in tiles
     ]
 
 
@@ -110,10 +115,12 @@ def silu_mul_linear(gate: Tensor, up: Tensor, weight: Tensor) -> Tensor:
     two ops, whose errors then name the arguments."""
     ok = (
         all(isinstance(t, Tensor) for t in (gate, up, weight))
+        and gate.dtype.is_float
         and gate.ndim >= 2
         and weight.ndim == 2
+        and weight.shape[1] == gate.shape[-1]
         and up.shape == gate.shape
-        and up.dtype == gate.dtype
+        and up.dtype == gate.dtype == weight.dtype
         and math.prod(gate.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS
         and a_rows_bytes(gate.shape, gate.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
     )

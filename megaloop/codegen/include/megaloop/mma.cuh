@@ -262,6 +262,7 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
 template <typename T, int S, int U, int EARLY, bool STREAM, typename F>
 __device__ __forceinline__ void mma_skinny_after(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols, int lo,
                                                  int hi, float* partial, int warp, int W, F&& prologue) {
+    static_assert(EARLY >= 1 && EARLY <= U, "mma_skinny_after: 1 <= EARLY <= U");
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const u64 policy = STREAM ? evict_first_policy() : 0;
     const T* ar = a + (i64)min(g, nr - 1) * lda + 8 * q;
