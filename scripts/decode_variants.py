@@ -35,8 +35,8 @@ import sys
 
 import numpy as np
 
-import megaloop.codegen.emit_matmul as emit_matmul
 import megaloop.codegen.emit_fused_matmul as emit_fused_matmul
+import megaloop.codegen.emit_matmul as emit_matmul
 import megaloop.codegen.kernel as kernel
 import megaloop.models.llama as llama
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
@@ -50,8 +50,6 @@ MODULES = {
     "SKINNY_MMA_STREAM_WEIGHTS": emit_matmul,
     "SLOT_WAITS": kernel,
     "POLL_SLEEP_NS": kernel,
-    "PREFETCH_B_BYTES": emit_fused_matmul,
-    "NORM_BLOCK_PATH": emit_fused_matmul,
     "NORM_UNDER_WEIGHTS": emit_fused_matmul,
     "FUSE_DECODE_NORMS": llama,
     "FUSE_DECODE_SILU": llama,
@@ -75,9 +73,8 @@ VARIANTS = {
     "poll64": {"POLL_SLEEP_NS": 64},
     "poll0": {"POLL_SLEEP_NS": 0},
     "poll0_slots128": {"POLL_SLEEP_NS": 0, "SLOT_WAITS": 128},
-    # q/k/v and gate/up norming their own rows (rmsnorm_matmul; llama.FUSE_DECODE_NORMS), with the
-    # norm on rmsnorm's block path (its own layout) or a warp a row, and B's first 2 / 8 KB of each
-    # column prefetched into L2 before the norm
+    # q/k/v and gate/up norming their own rows (rmsnorm_matmul; llama.FUSE_DECODE_NORMS); the
+    # fused_warp_norms and fused_prefetch variants measured in the docstring are taken out
     "fused_norms": {"FUSE_DECODE_NORMS": True},
     # the down projection making silu(gate) * up itself (silu_mul_matmul), with and without the norms
     "fused_silu": {"FUSE_DECODE_SILU": True},
@@ -85,9 +82,6 @@ VARIANTS = {
     "fused_both": {"FUSE_DECODE_SILU": True, "FUSE_DECODE_NORMS": True},
     # the norm, a barrier, then the matmul (before the first weights went out ahead of the norm)
     "fused_serial": {"FUSE_DECODE_NORMS": True, "NORM_UNDER_WEIGHTS": False},
-    "fused_warp_norms": {"FUSE_DECODE_NORMS": True, "NORM_BLOCK_PATH": False},
-    "fused_prefetch2k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 2048},
-    "fused_prefetch8k": {"FUSE_DECODE_NORMS": True, "PREFETCH_B_BYTES": 8192},
     "default_again": {},
 }
 

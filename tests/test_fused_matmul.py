@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import megaloop as ml
-import megaloop.codegen.emit_fused_matmul as emit_fused_matmul
 import megaloop.models.llama as llama
 from bench.llama_layer import dependent_decode_graph, layer_config
 from megaloop.codegen import generate
@@ -111,19 +110,16 @@ def test_matmul_only_tile_switches_are_refused() -> None:
         generate(make_plan(_graph((1, 1), 64, 16, True), processors=4, tiles={"rmsnorm_matmul": {"stage_weights": 1}}))
 
 
-@pytest.mark.parametrize("hidden,sequences,prefetch", [(2048, 1, 0), (4096, 4, 0), (2048, 1, 2048)])
-def test_decode_layers_compile_without_spills(monkeypatch, hidden: int, sequences: int, prefetch: int) -> None:
+@pytest.mark.parametrize("hidden,sequences", [(2048, 1), (4096, 4)])
+def test_decode_layers_compile_without_spills(monkeypatch, hidden: int, sequences: int) -> None:
     """The decode layer with the norms fused (llama.FUSE_DECODE_NORMS, off by default) compiles without
-    spills, also with the L2 prefetch variant (PREFETCH_B_BYTES), for sm_80 too (no prefetch there)."""
+    spills for sm_90a, and for sm_80."""
     monkeypatch.setattr(llama, "FUSE_DECODE_NORMS", True)
-    monkeypatch.setattr(emit_fused_matmul, "PREFETCH_B_BYTES", prefetch)
     g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
     src = generate(make_plan(g, processors=132)).source
     assert len(re.findall(r"// sig_\d+: rmsnorm_matmul", src)) >= 3  # q / k, v / gate, up
-    assert src.count("cp.async.bulk.prefetch.L2") == (3 if prefetch else 0)
     assert spills(src, "sm_90a") == {}
-    if prefetch:
-        assert compile_cubin(src, "sm_80", use_cache=False)[:4] == b"\x7fELF"
+    assert compile_cubin(src, "sm_80", use_cache=False)[:4] == b"\x7fELF"
 
 
 def _silu_graphs(rows: tuple[int, ...], k: int, n: int, dtype: str) -> tuple[ml.Graph, ml.Graph]:
@@ -184,7 +180,7 @@ def test_silu_builders_fall_back_and_refuse() -> None:
 
 def test_decode_layer_with_silu_inside_down_compiles_without_spills(monkeypatch) -> None:
     monkeypatch.setattr(llama, "FUSE_DECODE_SILU", True)
-    # (hidden 4096, 4 sequences: 4 rows of 11008, 88 KB, past RMSNORM_MATMUL_MAX_BYTES: silu_mul then down)
+    # (hidden 4096, 4 sequences: 4 rows of 11008, 88 KB, past FUSED_MATMUL_MAX_BYTES: silu_mul then down)
     for hidden, sequences, fused in ((2048, 1, True), (2048, 4, True), (4096, 4, False)):
         g = dependent_decode_graph(layer_config(hidden, 1), np.zeros((sequences, 1, hidden), np.float32), "auto")
         assert ("silu_mul" not in [nd.op.name for nd in g.nodes]) == fused

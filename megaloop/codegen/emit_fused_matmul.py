@@ -23,9 +23,7 @@ from megaloop.codegen.emit_matmul import (
     WGMMA_STATIC_RESERVE,
     _pad_row,
     _simt,
-    _skinny_frame,
     matmul_shared_bytes,
-    skinny_mma_warps,
 )
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.errors import GraphBuildError
@@ -37,14 +35,10 @@ from megaloop.frontend.opdef import REGISTRY
 # at 51975fe with this on, no faster either: docs/runtime.md)
 NORM_UNDER_WEIGHTS = True
 
-# True: rmsnorm_matmul norms long rows on rmsnorm's block path (the norm op's own layout: the same bits
-# as its output); False: a warp a row (rmsnorm's packed warp path: no ring, no block reductions)
-NORM_BLOCK_PATH = True
-
-# Bytes of each of its first 8 columns that a warp of a skinny tile asks the copy engine to bring into L2
-# (cp.async.bulk.prefetch, sm_90) from where its own units start, before the rows are made. 0: none
-# (2048 measured no faster, 8192 slower: docs/runtime.md).
-PREFETCH_B_BYTES = 0
+# Tried and taken out (docs/runtime.md, H200, 3a58a32 / 2cc241c, decode layer at hidden 2048 / 4096):
+# rmsnorm_matmul's rows normed a warp a row instead of on rmsnorm's block path, 71.4 / 148.2 us against
+# 65.4-67.0 / 139.7-141.4; each warp's first 2 KB (8 KB) of its columns of B prefetched into L2
+# (cp.async.bulk.prefetch) before the norm, 66.5 / 140.9 (66.3 / 161.0).
 
 
 def _rows_operand(x: Operand) -> Operand:
@@ -78,7 +72,7 @@ def _producer(op: str, attrs: dict[str, Any], ins: list[Operand]) -> Producer:
     tile_rows = max(1, hints.get("tile", (1, 0))[0])
     if op == "rmsnorm_matmul":  # a, b, norm_weight[, residual]
         room = hints.get("shared_memory", 0) - rows_bytes - WGMMA_STATIC_RESERVE
-        threads = 32 * hints["warps"] if NORM_BLOCK_PATH else 32  # (fewer than 256: the warp-per-row paths)
+        threads = 32 * hints["warps"]
         norm_hints = {"shared_memory": max(0, room), "threads": threads, "elements": tile_rows * x.shape[-1]}
         norm_attrs = {"eps": attrs["eps"], "codegen": norm_hints, **({} if len(ins) > 3 else {"absent": (2,)})}
         norm_ins = [x, ins[2], *ins[3:]]
@@ -119,33 +113,6 @@ def fused_matmul_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand]
     return total
 
 
-def _prefetch_b(attrs: dict[str, Any], rows_op: Operand, b: Operand, out: Operand) -> list[str]:
-    """Each warp's first PREFETCH_B_BYTES of B's columns its units start on, into L2, where the tile
-    takes the skinny tensor-core path (its guard, but on x in global memory rather than A's rows)."""
-    warps = skinny_mma_warps(attrs, rows_op, b)
-    if not PREFETCH_B_BYTES or not warps:
-        return []
-    f = _skinny_frame(rows_op, b, out, warps, attrs)
-    k = rows_op.shape[-1]
-    c_ = len(out.shape) - 1
-    size = b.dtype.itemsize
-    return [
-        "#if __CUDA_ARCH__ >= 900",
-        f["batches"],
-        f"if ({f['guard']}) {{  // B's first bytes on their way into L2 while A's rows are made",
-        f"    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ncols = t.hi[{c_}] - t.lo[{c_}];",
-        f"    const int units = (ncols + 7) / 8 * {k // 32}, first = warp * units / {warps};",
-        f"    if (lane < 8 && first < (warp + 1) * units / {warps}) {{",
-        f"        const int col = min(8 * (first / {k // 32}) + lane, ncols - 1), k0 = 32 * (first % {k // 32});",
-        f"        const unsigned bytes = min({PREFETCH_B_BYTES}, ({k} - k0) * {size});",
-        f"        const {b.ctype}* p = in1 + {f['bb']} + (ml::i64)col * {f['b_col']} + k0;",
-        '        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");',
-        "    }",
-        "}",
-        "#endif",
-    ]
-
-
 def fused_matmul(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     x, b = ins[0], ins[1]
     p = _producer(op, attrs, ins)
@@ -159,7 +126,6 @@ def fused_matmul(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operan
     ct = x.ctype
     lines = [
         *pointers([*ins, out], len(ins)),
-        *_prefetch_b(attrs, p.rows_op, b, out),
         "extern __shared__ float4 ml_smem4[];",
         f"{ct}* const a_rows = reinterpret_cast<{ct}*>(reinterpret_cast<char*>(ml_smem4) + {offset});"
         f"  // A's rows, {p.rows_op.strides[-2]} elements apart",

@@ -9,7 +9,6 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
-from megaloop.frontend.ops.norm_matmul import RMSNORM_MATMUL_MAX_ROWS
+from megaloop.frontend.ops._fused_matmul import rows_fit
 from megaloop.frontend.tensor import Tensor
 
 
@@ -115,7 +114,7 @@ def projection(x: Tensor | Projection) -> Projection:
     return x if callable(x) else (lambda w: ops.linear(x, w))
 
 
-# True: decode steps of at most RMSNORM_MATMUL_MAX_ROWS rows project the norms' inputs with
+# True: decode steps of at most FUSED_MATMUL_MAX_ROWS rows project the norms' inputs with
 # rmsnorm_linear (each q/k/v and gate/up tile norms its rows itself: no norm task and no handoff in front
 # of them, twice a layer). Off by default: measured no faster (H200, 2cc241c; scripts/decode_variants.py,
 # us at hidden 2048 / 4096): one sequence 65.4-67.0 / 139.7-141.4 fused against 65.8-68.0 / 137.6-138.3
@@ -134,9 +133,9 @@ FUSE_DECODE_SILU = False
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
     """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once
     and the projections of its output, or (FUSE_DECODE_NORMS, a decode step of at most
-    RMSNORM_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear: one op where its
+    FUSED_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear: one op where its
     rows fit a tile's shared memory, ``norm_matmul.fusable``)."""
-    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and math.prod(x.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS:
+    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and rows_fit(x):  # (else one norm for all the projections)
         return lambda w: ops.rmsnorm_linear(x, norm_weight, w, eps=cfg.rms_eps, residual=residual)
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 

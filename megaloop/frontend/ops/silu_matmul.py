@@ -1,6 +1,6 @@
 """SwiGLU's down projection making its own A: ``silu_mul_matmul(gate, b, up)`` is
 ``matmul(silu_mul(gate, up), b)`` with silu_mul's output never stored: each tile computes the rows it
-multiplies (at most RMSNORM_MATMUL_MAX_ROWS, a decode step's) into shared memory with silu_mul's own
+multiplies (at most FUSED_MATMUL_MAX_ROWS, a decode step's) into shared memory with silu_mul's own
 tile code, then multiplies them (megaloop/codegen/emit_fused_matmul.py). One dependent stage fewer
 between a layer's gate/up and down projections (silu_mul's task, 1.7-1.8 us on an H200, and its
 handoff), for each of the down projection's tiles reading gate and up (2 x 16 KB a row at
@@ -10,8 +10,6 @@ Unlike rmsnorm_matmul's rows these need no reduction: each element is silu(gate)
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,41 +17,24 @@ import numpy as np
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply, require_bool
-from megaloop.frontend.ops.elementwise import SILU_MUL, check_kinds, silu_mul, to_compute
+from megaloop.frontend.ops._fused_matmul import FUSED_MATMUL_MAX_ROWS, check_a_and_b, fused_tiling, rows_fit
+from megaloop.frontend.ops.elementwise import SILU_MUL, silu_mul, to_compute
 from megaloop.frontend.ops.matmul import _reference as _matmul_reference
 from megaloop.frontend.ops.matmul import linear
-from megaloop.frontend.ops.norm_matmul import RMSNORM_MATMUL_MAX_BYTES, RMSNORM_MATMUL_MAX_ROWS, a_rows_bytes
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
-from megaloop.frontend.tiling import Read, Tile, TileContext, Tiling
+from megaloop.frontend.tiling import Read, Tile
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
     gate, b, up = call.operands
-    check_kinds(call, gate.dtype, "f")
-    if call.attrs.setdefault("transpose_a", False):  # (matmul's tiling and paths read it)
-        raise call.error(ShapeError, "gate cannot be transposed (silu_mul's rows are along its last axis)")
-    if gate.ndim < 2 or b.ndim != 2:
-        raise call.error(ShapeError, "gate must be [..., rows, K] and b a 2-D weight", hint="use silu_mul, then matmul")
+    n = check_a_and_b(call, "use silu_mul_linear (it falls back to silu_mul then linear) or the two ops")
     if up.shape != gate.shape:
         raise call.error(ShapeError, f"up is {format_shape(up.shape)} but must be gate's {format_shape(gate.shape)}")
     for i, t in ((1, b), (2, up)):
         if t.dtype != gate.dtype:
             raise call.error(DtypeError, f"{call.name(i)} is {t.dtype.name} but gate is {gate.dtype.name}")
-    tb = call.attrs["transpose_b"]
-    k, n = (b.shape[1], b.shape[0]) if tb else b.shape
-    if gate.shape[-1] != k:
-        raise call.error(ShapeError, f"gate's last axis is {gate.shape[-1]} but b's K is {k} (transpose_b={tb})")
-    rows, nbytes = math.prod(gate.shape[:-1]), a_rows_bytes(gate.shape, gate.dtype.itemsize)
-    if rows > RMSNORM_MATMUL_MAX_ROWS or nbytes > RMSNORM_MATMUL_MAX_BYTES:
-        raise call.error(
-            ShapeError,
-            f"gate has {rows} rows ({nbytes} bytes in every tile's shared memory); the op takes at most "
-            f"{RMSNORM_MATMUL_MAX_ROWS} rows and {RMSNORM_MATMUL_MAX_BYTES} bytes",
-            hint="use silu_mul_linear (it falls back to silu_mul then linear) or the two ops",
-        )
     return [OutSpec(gate.shape[:-1] + (n,), gate.dtype)]
 
 
@@ -63,18 +44,15 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return _matmul_reference([a, b], {"transpose_a": False, "transpose_b": attrs["transpose_b"]})
 
 
-def _tiles(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
-    """matmul's tiles of gate against b; each also reads up where it reads gate (its rows, all of K)."""
-    gate, b, up = node.inputs
-    tiles = _tilings.MATMUL.make(SimpleNamespace(inputs=[gate, b], outputs=node.outputs, attrs=node.attrs), params, ctx)
-    return [
-        t._replace(
-            reads=t.reads + (Read(2, t.reads[0].box),),
-            flops=t.flops + 6 * t.reads[0].box.size,
-            streamed=t.streamed + t.reads[0].box.size * up.dtype.itemsize,  # up's rows, beside gate's
-        )
-        for t in tiles
-    ]
+def _tile_reads(node: Any, t: Tile) -> Tile:
+    """A tile also reads up where it reads gate (its rows, all of K)."""
+    box = t.reads[0].box
+    up = node.inputs[2]
+    return t._replace(
+        reads=t.reads + (Read(2, box),),
+        flops=t.flops + 6 * box.size,
+        streamed=t.streamed + box.size * up.dtype.itemsize,  # up's rows, beside gate's
+    )
 
 
 SILU_MUL_MATMUL = register(
@@ -83,20 +61,14 @@ SILU_MUL_MATMUL = register(
         kind="compute",
         category="matmul",
         doc="matmul(silu_mul(gate, up), b) for gate and up of at most "
-        f"{RMSNORM_MATMUL_MAX_ROWS} rows (a decode step's): each tile computes its rows (rounded to gate's "
+        f"{FUSED_MATMUL_MAX_ROWS} rows (a decode step's): each tile computes its rows (rounded to gate's "
         "dtype, as silu_mul stores them) in shared memory and multiplies them; b a 2-D weight (transpose_b: "
         "stored [N, K]).",
         operands=("gate", "b", "up"),
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=3.0, per_reduction=True),
-        tiling=Tiling(
-            _tilings.MATMUL.params,
-            _tiles,
-            "matmul's tiles (" + _tilings.MATMUL.doc + ")",
-            flags=_tilings.MATMUL.flags,
-            saved_without=_tilings.MATMUL.saved_without,
-        ),
+        tiling=fused_tiling(_tile_reads),
         cuda=CudaTile("fused_matmul"),
     )
 )
@@ -104,7 +76,7 @@ SILU_MUL_MATMUL = register(
 
 def silu_mul_matmul(gate: Tensor, b: Tensor, up: Tensor, *, transpose_b: bool = False) -> Tensor:
     """``matmul(silu_mul(gate, up), b, transpose_b=transpose_b)`` as one op, for gate and up of at most
-    RMSNORM_MATMUL_MAX_ROWS rows (RMSNORM_MATMUL_MAX_BYTES of them) and b a 2-D weight."""
+    FUSED_MATMUL_MAX_ROWS rows (FUSED_MATMUL_MAX_BYTES of them) and b a 2-D weight."""
     transpose_b = require_bool(SILU_MUL_MATMUL, "transpose_b", transpose_b)
     return apply(SILU_MUL_MATMUL, [gate, b, up], transpose_a=False, transpose_b=transpose_b)
 
@@ -116,13 +88,11 @@ def silu_mul_linear(gate: Tensor, up: Tensor, weight: Tensor) -> Tensor:
     ok = (
         all(isinstance(t, Tensor) for t in (gate, up, weight))
         and gate.dtype.is_float
-        and gate.ndim >= 2
+        and rows_fit(gate)
         and weight.ndim == 2
         and weight.shape[1] == gate.shape[-1]
         and up.shape == gate.shape
         and up.dtype == gate.dtype == weight.dtype
-        and math.prod(gate.shape[:-1]) <= RMSNORM_MATMUL_MAX_ROWS
-        and a_rows_bytes(gate.shape, gate.dtype.itemsize) <= RMSNORM_MATMUL_MAX_BYTES
     )
     if not ok:
         return linear(silu_mul(gate, up), weight)
