@@ -87,9 +87,11 @@ def assert_close(
     reduce_len: int = 1,
     what: str = "",
     scale: float | None = None,
+    atol: float = 0.0,
 ) -> None:
-    """Assert ``out`` (a megaloop result) matches the float64 ``ref`` within the op's accuracy contract;
-    exact ops (ulps == 0) and non-float results must match exactly. NaN must sit where ref has NaN."""
+    """Assert ``out`` (a megaloop result) matches the float64 ``ref`` within the op's accuracy contract
+    (plus ``atol``: e.g. partial results rounded before they are summed); exact ops (ulps == 0) and
+    non-float results must match exactly. NaN must sit where ref has NaN."""
     assert out.shape == tuple(ref.shape), f"{what}: shape {out.shape} != reference {tuple(ref.shape)}"
     o = to_f64(np.asarray(out))
     r = to_f64(np.asarray(ref))
@@ -115,7 +117,7 @@ def assert_close(
         raise AssertionError(f"{what}: infinity mismatch at {idx}: got {o[idx]!r}, expected {r[idx]!r}")
     ok = ~(nan_o | np.isinf(r))
     err = np.abs(np.where(ok, o, 0.0) - np.where(ok, r, 0.0))  # matching infinities compare as 0, no inf - inf
-    tol = tolerance(np.where(ok, r, 0.0), dtype, accuracy, reduce_len, scale)
+    tol = tolerance(np.where(ok, r, 0.0), dtype, accuracy, reduce_len, scale) + atol
     ratio = err / tol
     worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
     if ratio.size and ratio[worst] > 1.0:

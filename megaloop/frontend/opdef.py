@@ -29,6 +29,7 @@ import numpy as np
 
 from megaloop.dtypes import DType
 from megaloop.errors import AxisError, GraphBuildError
+from megaloop.frontend.placement import PlacementRule
 from megaloop.frontend.shapes import Shape, format_shape, normalize_axes, normalize_axis
 from megaloop.frontend.tiling import Tiling
 
@@ -93,6 +94,9 @@ class OpDef:
     inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
     tiling: Tiling | None = None  # how it splits into tile tasks; None: no tasks (sources, views, send)
     cuda: CudaTile | None = None  # how the loop kernel runs a tile (None: not on the GPU yet)
+    # how its operands' and outputs' placements over a group of devices go together (its strategies);
+    # None: the partitioner cannot split it (megaloop/frontend/placement.py)
+    placement: PlacementRule | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -20,7 +20,7 @@ import numpy as np
 from megaloop import dtypes
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.ops.reduce import ARGMAX, reduced_shape
@@ -52,6 +52,20 @@ def _check_ranges(call: OpCall, n: int) -> tuple[int, int]:
     return splits, chunk
 
 
+def _other_axes(node: Any) -> list[_placements.Dim]:
+    """Every axis but the one searched (x's, the partial indices' and the output's)."""
+    a, x = node.attrs["axis"], node.inputs[0]
+    keep = node.attrs.get("keepdims", True) or node.op.name == "argmax_partial"
+    dims = []
+    for i in range(x.ndim):
+        if i == a:
+            continue
+        j = i if keep or i < a else i - 1
+        axes = [(s, i, 1) for s in range(len(node.inputs))]
+        dims.append(_placements.Dim(x.shape[i], (*axes, (_placements.OUT, j, 1)), label=f"axis {i}"))
+    return dims
+
+
 def _partial_infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, call.dtype(0), "fi")
     shape = call.shape(0)
@@ -81,6 +95,7 @@ ARGMAX_PARTIAL = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_PARTIAL,
         cuda=CudaTile("argmax_partial"),
+        placement=_placements.rule(lambda node: _other_axes(node)),
     )
 )
 
@@ -127,6 +142,7 @@ ARGMAX_COMBINE = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_COMBINE,
         cuda=CudaTile("argmax_combine"),
+        placement=_placements.rule(lambda node: _other_axes(node)),
     )
 )
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
-from megaloop.frontend.ops import _tilings, sources
+from megaloop.frontend.ops import _placements, _tilings, sources
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -79,6 +79,39 @@ def _infer(call: OpCall) -> list[OutSpec]:
     if call.attrs["scale"] is None:
         call.attrs["scale"] = 1.0 / math.sqrt(d)
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
+
+
+def attention_dims(node: Any) -> list[_placements.Dim]:
+    """By sequences; by groups of heads (a kv head with its query heads: grouped-query attention keeps
+    each group on one member); by queries when their positions are given (or there is no mask)."""
+    out = _placements.OUT
+    present = [s for s in range(5) if s not in node.attrs.get("absent", ())]
+    q, k = node.inputs[0], node.inputs[1]
+    b, hq, tq, _ = q.shape
+    group = hq // k.shape[1]
+    extras = [(present.index(s), 0, 1) for s in (3, 4) if s in present]
+    dims = [
+        _placements.Dim(b, ((0, 0, 1), (1, 0, 1), (2, 0, 1), *extras, (out, 0, 1)), label="by sequences"),
+        _placements.Dim(k.shape[1], ((0, 1, group), (1, 1, 1), (2, 1, 1), (out, 1, group)), label="by heads"),
+    ]
+    if 3 in present or not node.attrs["causal"]:
+        qpos = ((present.index(3), 1, 1),) if 3 in present else ()
+        dims.append(_placements.Dim(tq, ((0, 2, 1), *qpos, (out, 2, 1)), label="by queries"))
+    return dims
+
+
+def _cache_dims(node: Any) -> list[_placements.Dim]:
+    """cache [batch, kv_heads, slots, dim], new [batch, kv_heads, tokens, dim], positions [batch, tokens]:
+    by sequences or by heads."""
+    out = _placements.OUT
+    b, h = node.inputs[0].shape[:2]
+    return [
+        _placements.Dim(b, ((0, 0, 1), (1, 0, 1), (2, 0, 1), (out, 0, 1)), label="by sequences"),
+        _placements.Dim(h, ((0, 1, 1), (1, 1, 1), (out, 1, 1)), label="by heads"),
+    ]
+
+
+CACHE_PLACEMENT = _placements.rule(_cache_dims)
 
 
 def visible_keys(
@@ -135,6 +168,7 @@ ATTENTION = register(
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
         cuda=CudaTile("attention"),
+        placement=_placements.rule(lambda node: attention_dims(node)),
     )
 )
 
@@ -247,6 +281,7 @@ KV_CACHE_UPDATE = register(
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,
         cuda=CudaTile("kv_update"),
+        placement=CACHE_PLACEMENT,
     )
 )
 

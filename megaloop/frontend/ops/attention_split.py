@@ -20,10 +20,10 @@ import numpy as np
 from megaloop.dtypes import float32
 from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.attention import _infer as _attention_infer
-from megaloop.frontend.ops.attention import visible_keys
+from megaloop.frontend.ops.attention import attention_dims, visible_keys
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -79,6 +79,7 @@ ATTENTION_PARTIAL = register(
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
         cuda=CudaTile("attention_partial"),
+        placement=_placements.rule(attention_dims),  # (its output's first three axes are attention's)
     )
 )
 
@@ -118,6 +119,12 @@ ATTENTION_COMBINE = register(
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_COMBINE,
         cuda=CudaTile("attention_combine"),
+        placement=_placements.rule(
+            lambda node: [
+                _placements.Dim(node.outputs[0].shape[a], ((0, a, 1), (_placements.OUT, a, 1)), label=f"axis {a}")
+                for a in range(3)
+            ]
+        ),
     )
 )
 

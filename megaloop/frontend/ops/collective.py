@@ -19,13 +19,34 @@ import numpy as np
 from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
+from megaloop.frontend.placement import REPLICATE, LocalCall, Strategy
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
 REDUCE_OPS = ("sum", "max")
+
+
+# A collective of a program already split over some ranks, split again (each rank's part over a group
+# of its own): every member takes part with its piece, with the same member of every other rank.
+def _again(call: LocalCall) -> Any:
+    return call.collectives.outer(call)
+
+
+def _collective_rule(dims: Any, linear: bool = False) -> Any:
+    def extra(node: Any, members: int, given: Any) -> list[Strategy]:
+        if linear and node.attrs.get("op") == "sum":
+            return _placements.partial_through(node, given, (0,))
+        return []
+
+    return _placements.rule(dims, extra, build=_again)
+
+
+def _p2p_rule(node: Any, members: int, given: Any) -> list[Strategy]:
+    """A transfer of a split program splits whole: every member sends (receives) the whole tensor."""
+    return [Strategy(tuple(REPLICATE for _ in node.inputs), tuple(REPLICATE for _ in node.outputs), "whole", _again)]
 
 
 def _group(call: OpCall) -> tuple[int, ...]:
@@ -91,6 +112,7 @@ ALL_REDUCE = register(
         reference=_all_reduce_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.ALL_REDUCE,
+        placement=_collective_rule(_placements.aligned_dims, linear=True),
     )
 )
 
@@ -148,6 +170,7 @@ ALL_GATHER = register(
         reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ALL_GATHER,
+        placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"])),
     )
 )
 
@@ -191,6 +214,7 @@ REDUCE_SCATTER = register(
         reference=_reduce_scatter_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.REDUCE_SCATTER,
+        placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), linear=True),
     )
 )
 
@@ -235,6 +259,7 @@ SEND = register(
         reference=None,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.SEND,  # planned only when the recv pushes (its tile parameter push)
+        placement=_p2p_rule,
     )
 )
 RECV = register(
@@ -249,6 +274,7 @@ RECV = register(
         reference=None,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.RECV,
+        placement=_p2p_rule,
     )
 )
 

@@ -20,7 +20,7 @@ import numpy as np
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -141,6 +141,14 @@ def _split_operands(
     return tensors, scalars
 
 
+# ---- placements: any axis of the output can be cut; partial sums pass the linear ops -------------
+
+ELEMENTWISE = _placements.rule(_placements.elementwise_dims)
+SUMS = _placements.rule(_placements.elementwise_dims, _placements.partial_sums)
+PRODUCT = _placements.rule(_placements.elementwise_dims, _placements.partial_each)
+QUOTIENT = _placements.rule(_placements.elementwise_dims, _placements.partial_dividend)
+LINEAR_UNARY = _placements.rule(_placements.elementwise_dims, _placements.partial_unary)
+
 # ---- binary ops --------------------------------------------------------------------------------
 
 _ARITH = Accuracy(ulps=1.0)
@@ -154,6 +162,7 @@ def _binary_op(
     result: str = "same",
     accuracy: Accuracy = _ARITH,
     cuda: str = "",
+    placement: Any = ELEMENTWISE,
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
@@ -179,14 +188,15 @@ def _binary_op(
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
             cuda=CudaTile("elementwise", cuda),
+            placement=placement,
         )
     )
 
 
-ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b")
-SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b")
-MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b")
-DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f", cuda="a / b")
+ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b", placement=SUMS)
+SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b", placement=SUMS)
+MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b", placement=PRODUCT)
+DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f", cuda="a / b", placement=QUOTIENT)
 MAXIMUM = _binary_op(
     "maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi", cuda="ml::maximum(a, b)"
 )
@@ -320,6 +330,7 @@ WHERE = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
         cuda=CudaTile("elementwise", "a ? b : c"),
+        placement=ELEMENTWISE,
     )
 )
 
@@ -361,6 +372,7 @@ def _unary_op(
     kinds: str = "f",
     accuracy: Accuracy = _TRANSCENDENTAL,
     cuda: str | Callable[[dict[str, Any]], str] = "",
+    placement: Any = ELEMENTWISE,
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
@@ -385,11 +397,12 @@ def _unary_op(
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
             cuda=CudaTile("elementwise", cuda),
+            placement=placement,
         )
     )
 
 
-NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0), cuda="-a")
+NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0), cuda="-a", placement=LINEAR_UNARY)
 ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0), cuda="ml::abs_(a)")
 EXP = _unary_op("exp", "Exponential e**x.", np.exp, cuda="expf(a)")
 LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log, cuda="logf(a)")
@@ -458,6 +471,7 @@ LOGICAL_NOT = register(
         accuracy=Accuracy(0.0),
         tiling=_tilings.ELEMENTWISE,
         cuda=CudaTile("elementwise", "!a"),
+        placement=ELEMENTWISE,
     )
 )
 
@@ -503,6 +517,7 @@ CAST = register(
         accuracy=Accuracy(ulps=0.5),
         tiling=_tilings.ELEMENTWISE,
         cuda=CudaTile("elementwise", "a"),
+        placement=ELEMENTWISE,
     )
 )
 

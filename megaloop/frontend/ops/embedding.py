@@ -8,8 +8,9 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
@@ -52,8 +53,49 @@ EMBEDDING = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.EMBEDDING,
         cuda=CudaTile("embedding"),
+        placement=_placements.rule(lambda node: _dims(node), lambda node, n, given: _by_vocabulary(node, n, given)),
     )
 )
+
+
+def _dims(node: Any) -> list[_placements.Dim]:
+    """The ids' axes (the table whole), or the table's columns (the ids whole)."""
+    table, ids = node.inputs
+    dims = [
+        _placements.Dim(s, ((1, a, 1), (_placements.OUT, a, 1)), label=f"ids axis {a}") for a, s in enumerate(ids.shape)
+    ]
+    dims.append(_placements.Dim(table.shape[1], ((0, 1, 1), (_placements.OUT, ids.ndim, 1)), label="by columns"))
+    return dims
+
+
+def _by_vocabulary(node: Any, members: int, given: Any) -> list[Strategy]:
+    """The table's rows cut over the members: each looks up the ids in its rows, zeros elsewhere, and
+    the output is their sum."""
+    vocab = node.inputs[0].shape[0]
+    options = [even_sizes(vocab, members)]
+    if isinstance(given[0], Shard) and given[0].axis == 0 and given[0].sizes:
+        options.append(given[0].sizes)
+    return [
+        Strategy((Shard(0, sizes), REPLICATE), (Partial(),), "by vocabulary", _vocabulary_part)
+        for sizes in dict.fromkeys(options)
+        if min(sizes) >= 1
+    ]
+
+
+def _vocabulary_part(call: LocalCall) -> tuple[Tensor, ...]:
+    """Ids in this member's rows are looked up (shifted), other valid ids read row 0 and are zeroed;
+    an id outside the whole table stays out of range, so the lookup still reports it."""
+    from megaloop.frontend.ops import elementwise as ew
+    from megaloop.frontend.ops.layout import reshape
+
+    table, ids = call.operands
+    lo, hi = bounds(call.strategy.inputs[0].sizes)[call.member]
+    vocab = call.node.inputs[0].shape[0]
+    mine = ew.logical_and(ew.greater_equal(ids, lo), ew.less(ids, hi))
+    valid = ew.logical_and(ew.greater_equal(ids, 0), ew.less(ids, vocab))
+    local = ew.where(ew.logical_and(valid, ew.logical_not(mine)), 0, ew.sub(ids, lo))
+    rows = embedding(table, local)
+    return (ew.where(reshape(mine, (*mine.shape, 1)), rows, 0.0),)
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:

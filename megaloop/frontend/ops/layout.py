@@ -15,8 +15,9 @@ import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, ViewSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, axes_arg, axis_arg, require_int, require_tensor
+from megaloop.frontend.placement import LocalCall, Shard
 from megaloop.frontend.shapes import (
     broadcast_shapes,
     format_shape,
@@ -28,19 +29,36 @@ from megaloop.frontend.tensor import Tensor
 _EXACT = Accuracy(ulps=0.0)
 
 
-def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[str, ...] = ("x",)) -> OpDef:
+def _view_op(name: str, doc: str, infer: Any, reference: Any, placement: Any) -> OpDef:
     return register(
         OpDef(
             name=name,
             kind="view",
             category="layout",
             doc=doc,
-            operands=operands,
+            operands=("x",),
             infer=infer,
             reference=reference,
             accuracy=_EXACT,
+            placement=placement,
         )
     )
+
+
+def _reshape_part(call: LocalCall) -> tuple[Tensor, ...]:
+    """A member's piece reshaped: a copy first if its layout needs one (as ``reshape`` does)."""
+    return (reshape(call.operands[0], call.out_shape()),)
+
+
+def _slice_part(call: LocalCall) -> tuple[Tensor, ...]:
+    """The slice of a member's piece: the axis it holds a piece of is whole in the slice."""
+    attrs = call.attrs()
+    p = call.strategy.inputs[0]
+    if isinstance(p, Shard):
+        starts, stops = list(attrs["starts"]), list(attrs["stops"])
+        starts[p.axis] = stops[p.axis] = None
+        attrs["starts"], attrs["stops"] = tuple(starts), tuple(stops)
+    return call.graph.apply(SLICE, call.operands, attrs)
 
 
 # ---- reshape ----------------------------------------------------------------------------------
@@ -85,6 +103,7 @@ RESHAPE = _view_op(
     "copy inserted first when the input's strides do not allow one.",
     _reshape_infer,
     lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]),
+    _placements.rule(_placements.reshape_dims, _placements.partial_unary, build=_reshape_part),
 )
 
 
@@ -138,6 +157,7 @@ PERMUTE = _view_op(
     "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].",
     _permute_infer,
     lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]),
+    _placements.rule(_placements.permute_dims, _placements.partial_unary),
 )
 
 
@@ -186,7 +206,11 @@ def _slice_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 
 SLICE = _view_op(
-    "slice", "Python slicing per axis, start:stop:step (negative steps too); a view.", _slice_infer, _slice_ref
+    "slice",
+    "Python slicing per axis, start:stop:step (negative steps too); a view.",
+    _slice_infer,
+    _slice_ref,
+    _placements.rule(_placements.slice_dims, _placements.partial_unary, build=_slice_part),
 )
 
 
@@ -272,6 +296,7 @@ BROADCAST_TO = _view_op(
     "Repeat size-1 (or missing leading) axes to a larger shape without copying (stride 0).",
     _broadcast_infer,
     lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]),
+    _placements.rule(_placements.broadcast_dims, _placements.partial_unary),
 )
 
 
@@ -306,7 +331,13 @@ def _split_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarr
     return np.split(arrays[0], np.cumsum(attrs["sizes"])[:-1], axis=attrs["axis"])
 
 
-SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given sizes (views).", _split_infer, _split_ref)
+SPLIT = _view_op(
+    "split",
+    "Cut one axis into consecutive pieces of the given sizes (views).",
+    _split_infer,
+    _split_ref,
+    _placements.rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_unary),
+)
 
 
 def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
@@ -359,6 +390,9 @@ CONCAT = register(
         accuracy=_EXACT,
         tiling=_tilings.CONCAT,
         cuda=CudaTile("concat"),
+        placement=_placements.rule(
+            lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_all
+        ),
     )
 )
 
@@ -386,6 +420,7 @@ COPY = register(
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
         cuda=CudaTile("elementwise", "a"),
+        placement=_placements.rule(_placements.elementwise_dims, _placements.partial_unary),
     )
 )
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -68,6 +68,7 @@ MATMUL = register(
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
         cuda=CudaTile("matmul"),
+        placement=_placements.rule(_placements.matmul_dims, _placements.partial_each),
     )
 )
 

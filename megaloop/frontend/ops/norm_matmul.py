@@ -16,6 +16,7 @@ import numpy as np
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops._fused_matmul import FUSED_MATMUL_MAX_ROWS, check_a_and_b, fused_tiling, rows_fit
 from megaloop.frontend.ops.elementwise import to_compute
@@ -82,6 +83,13 @@ def _tile_reads(node: Any, t: Tile) -> Tile:
     return t._replace(reads=t.reads + extra, flops=t.flops + 4 * a_box.size)
 
 
+def _dims(node: Any) -> list[_placements.Dim]:
+    """Rows (with the residual) and columns of b; K is normed over, so it stays whole."""
+    a = node.inputs[0]
+    residual = tuple(i for i in range(2, len(node.inputs)) if node.inputs[i].shape == a.shape and a.ndim > 1)
+    return _placements.matmul_dims(node, a_slots=(0, *residual), k=False)
+
+
 RMSNORM_MATMUL = register(
     OpDef(
         name="rmsnorm_matmul",
@@ -97,6 +105,7 @@ RMSNORM_MATMUL = register(
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=fused_tiling(_tile_reads),
         cuda=CudaTile("fused_matmul"),
+        placement=_placements.rule(_dims),
     )
 )
 

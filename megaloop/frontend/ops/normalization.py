@@ -9,7 +9,7 @@ import numpy as np
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -37,6 +37,10 @@ def _log_softmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndar
     return z - np.log(np.sum(np.exp(z), axis=attrs["axis"], keepdims=True))
 
 
+# rows along any axis but the normalised one can be cut; weights stay whole, a residual is cut with x
+_AXIS_ROWS = _placements.rule(lambda node: _placements.rows_dims(node, (node.attrs["axis"],)))
+_LAST_ROWS = _placements.rule(lambda node: _placements.rows_dims(node, (node.outputs[0].ndim - 1,)))
+
 SOFTMAX = register(
     OpDef(
         name="softmax",
@@ -50,6 +54,7 @@ SOFTMAX = register(
         accuracy=_ROW,
         tiling=_tilings.ROWS,
         cuda=CudaTile("rows"),
+        placement=_AXIS_ROWS,
     )
 )
 LOG_SOFTMAX = register(
@@ -64,6 +69,7 @@ LOG_SOFTMAX = register(
         accuracy=_ROW,
         tiling=_tilings.ROWS,
         cuda=CudaTile("rows"),
+        placement=_AXIS_ROWS,
     )
 )
 
@@ -164,6 +170,7 @@ LAYERNORM = register(
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_tilings.ROWS,
         cuda=CudaTile("rows"),
+        placement=_LAST_ROWS,
     )
 )
 RMSNORM = register(
@@ -180,6 +187,7 @@ RMSNORM = register(
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ROWS,
         cuda=CudaTile("rows"),
+        placement=_LAST_ROWS,
     )
 )
 

@@ -6,6 +6,9 @@ Integer sums accumulate in int64 and wrap to the input dtype.
 
 from __future__ import annotations
 
+import builtins
+import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,9 +16,10 @@ import numpy as np
 from megaloop import dtypes
 from megaloop.errors import AxisError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int
-from megaloop.frontend.ops.elementwise import check_kinds, to_compute
+from megaloop.frontend.ops.elementwise import check_kinds, mul, to_compute
+from megaloop.frontend.placement import REPLICATE, LocalCall, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import normalize_axes
 from megaloop.frontend.tensor import Tensor
 
@@ -26,7 +30,7 @@ def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool)
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> OpDef:
+def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, placement: Any) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
         axes = call.axes(call.attrs["axis"], len(call.shape(0)))
@@ -52,18 +56,59 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy) -> 
             accuracy=accuracy,
             tiling=_tilings.REDUCTION,
             cuda=CudaTile("reduction"),
+            placement=placement,
         )
     )
 
 
+def _mean_part(call: LocalCall) -> tuple[Tensor, ...]:
+    """A member's share of a mean over an axis it holds a piece of: its sum over the whole count."""
+    node = call.node
+    total = math.prod(node.inputs[0].shape[a] for a in node.attrs["axis"])
+    return (mul(sum(call.operands[0], node.attrs["axis"], keepdims=node.attrs["keepdims"]), 1.0 / total),)
+
+
+def _mean_dims(node: Any) -> list[_placements.Dim]:
+    dims = _placements.reduction_dims(node, "sum")
+    return [replace(d, build=_mean_part) if d.reduce else d for d in dims]
+
+
+def _partial_passes(op: str) -> Any:
+    return lambda node, members, given: _placements.partial_through(node, given, (0,), op)
+
+
 SUM = _reduction(
-    "sum", "Sum over axes (None: all), float32 accumulation.", np.sum, "fi", Accuracy(ulps=1.0, per_reduction=True)
+    "sum",
+    "Sum over axes (None: all), float32 accumulation.",
+    np.sum,
+    "fi",
+    Accuracy(ulps=1.0, per_reduction=True),
+    _placements.rule(lambda node: _placements.reduction_dims(node, "sum"), _partial_passes("sum")),
 )
 MEAN = _reduction(
-    "mean", "Mean over axes (None: all); floats only.", np.mean, "f", Accuracy(ulps=1.0, per_reduction=True)
+    "mean",
+    "Mean over axes (None: all); floats only.",
+    np.mean,
+    "f",
+    Accuracy(ulps=1.0, per_reduction=True),
+    _placements.rule(_mean_dims, _partial_passes("sum")),
 )
-MAX = _reduction("max", "Maximum over axes (None: all); NaN propagates.", np.max, "fi", Accuracy(ulps=0.0))
-MIN = _reduction("min", "Minimum over axes (None: all); NaN propagates.", np.min, "fi", Accuracy(ulps=0.0))
+MAX = _reduction(
+    "max",
+    "Maximum over axes (None: all); NaN propagates.",
+    np.max,
+    "fi",
+    Accuracy(ulps=0.0),
+    _placements.rule(lambda node: _placements.reduction_dims(node, "max"), _partial_passes("max")),
+)
+MIN = _reduction(
+    "min",
+    "Minimum over axes (None: all); NaN propagates.",
+    np.min,
+    "fi",
+    Accuracy(ulps=0.0),
+    _placements.rule(lambda node: _placements.reduction_dims(node, None)),
+)
 
 
 def _axis_arg(axis: Any) -> Any:
@@ -102,6 +147,38 @@ def _argmax_infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(reduced_shape(shape, (a,), keepdims), dtypes.int64)]
 
 
+def _argmax_split(node: Any, members: int, given: Any) -> list[Strategy]:
+    """The axis cut over the members: each finds its first largest value and that value's index along
+    the whole axis; the candidates are gathered and the first largest (or first NaN) wins."""
+    axis, x = node.attrs["axis"], node.inputs[0]
+    if axis is None:
+        return []
+    found = []
+    for sizes in {even_sizes(x.shape[axis], members), *_given_sizes(given[0], axis)}:
+        if builtins.min(sizes) >= 1:
+            found.append(Strategy((Shard(axis, sizes),), (REPLICATE,), "split argmax", _argmax_part, collective=True))
+    return found
+
+
+def _given_sizes(p: Any, axis: int) -> list[tuple[int, ...]]:
+    return [p.sizes] if isinstance(p, Shard) and p.axis == axis and p.sizes else []
+
+
+def _argmax_part(call: LocalCall) -> tuple[Tensor, ...]:
+    from megaloop.frontend.ops.elementwise import cast, equal, greater, not_equal, where
+
+    x, node = call.operands[0], call.node
+    a, keep = node.attrs["axis"], node.attrs["keepdims"]
+    lo = bounds(call.strategy.inputs[0].sizes)[call.member][0]
+    values = call.collectives.all_gather(max(x, a, keepdims=True), a)
+    index = call.collectives.all_gather(apply(ARGMAX, [x], axis=a, keepdims=True) + lo, a)
+    nan = not_equal(values, values)
+    best = where(
+        greater(max(cast(nan, "int32"), a, keepdims=True), 0), nan, equal(values, max(values, a, keepdims=True))
+    )
+    return (min(where(best, index, node.inputs[0].shape[a]), a, keepdims=keep),)
+
+
 def _argmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     x = to_compute(arrays[0])
     axis, keepdims = attrs["axis"], attrs["keepdims"]
@@ -124,6 +201,7 @@ ARGMAX = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.REDUCTION,
         cuda=CudaTile("reduction"),
+        placement=_placements.rule(lambda node: _placements.reduction_dims(node, None), _argmax_split),
     )
 )
 

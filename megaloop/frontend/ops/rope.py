@@ -14,7 +14,7 @@ import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
-from megaloop.frontend.ops import _tilings
+from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -61,6 +61,19 @@ def _infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(x.shape, x.dtype)]
 
 
+def positions_dims(node: Any) -> list[_placements.Dim]:
+    """Every axis of x but the rotated one; positions (broadcast to x's shape without that axis) are cut
+    along the axes they do not broadcast."""
+    x, pos = node.inputs[0], node.inputs[1]
+    lead = x.ndim - 1 - pos.ndim
+    dims = []
+    for a in range(x.ndim - 1):
+        b = a - lead
+        axes = ((1, b, 1),) if b >= 0 and pos.shape[b] == x.shape[a] else ()
+        dims.append(_placements.Dim(x.shape[a], ((0, a, 1), *axes, (_placements.OUT, a, 1)), label=f"axis {a}"))
+    return dims
+
+
 def check_rotary(call: OpCall, head_dim: int) -> None:
     """rotary_dim (None: the whole head_dim) and layout of a call with rope's attributes."""
     rd = call.attrs["rotary_dim"]
@@ -103,6 +116,7 @@ ROPE = register(
         accuracy=Accuracy(ulps=2.0),
         tiling=_tilings.ROPE,
         cuda=CudaTile("rope"),
+        placement=_placements.rule(lambda node: positions_dims(node)),
     )
 )
 

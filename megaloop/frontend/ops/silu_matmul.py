@@ -17,6 +17,7 @@ import numpy as np
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops._fused_matmul import FUSED_MATMUL_MAX_ROWS, check_a_and_b, fused_tiling, rows_fit
 from megaloop.frontend.ops.elementwise import SILU_MUL, silu_mul, to_compute
@@ -70,6 +71,8 @@ SILU_MUL_MATMUL = register(
         accuracy=Accuracy(ulps=3.0, per_reduction=True),
         tiling=fused_tiling(_tile_reads),
         cuda=CudaTile("fused_matmul"),
+        # gate and up are A: silu_mul is elementwise, so K can be cut too (partial sums)
+        placement=_placements.rule(lambda node: _placements.matmul_dims(node, a_slots=(0, 2))),
     )
 )
 

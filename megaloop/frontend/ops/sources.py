@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from megaloop.frontend.opdef import OpCall, OpDef, OutSpec, register
+from megaloop.frontend.placement import REPLICATE, Shard, Strategy, even_sizes
+
+
+def _anywhere(node: Any, members: int, given: Any) -> list[Strategy]:
+    """A source can be whole on every member or cut along any axis: the host (or the checkpoint) hands
+    each member its piece; the partitioner picks the pieces its consumers want."""
+    shape = node.outputs[0].shape
+    found = [Strategy((), (REPLICATE,), "replicated")]
+    for a, size in enumerate(shape):
+        if size >= members:
+            found.append(Strategy((), (Shard(a, even_sizes(size, members)),), f"axis {a}"))
+    return found
 
 
 def _declared(call: OpCall) -> list[OutSpec]:
@@ -21,6 +35,7 @@ def _source(name: str, doc: str) -> OpDef:
             operands=(),
             infer=_declared,
             reference=None,
+            placement=_anywhere,
         )
     )
 
