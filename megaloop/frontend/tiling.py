@@ -271,3 +271,43 @@ def project(box: Box, out_shape: Sequence[int], operand_shape: Sequence[int]) ->
             lo.append(box.lo[lead + d])
             hi.append(box.hi[lead + d])
     return Box(tuple(lo), tuple(hi))
+
+
+# ---- what a tile costs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rates:
+    hbm: float  # bytes/s, whole chip (device-to-device copy, read + write)
+    math: float  # flop/s, whole chip (dense bf16 tensor cores)
+    peer: float  # bytes/s to another GPU (NVLink), whole chip
+    l2: float  # bytes/s from L2 into the SMs, whole chip (operand blocks that tiles share)
+    # dependency check, barriers, signal and the next task's dispatch: in a profiled 512-token prefill
+    # on an H200 (commit 1818602) a processor's tasks started ~2.6 us after the previous one ended, and
+    # the 8192-element tasks of the row and elementwise ops ran ~1 us longer than their HBM share
+    task_overhead_ns: float = 2500.0
+
+
+# Measured on H200 for sm_90 (ARCHITECTURE.md; l2: the operand feed of 128 x 256 GEMM blocks,
+# bench/results/gemm_probe.json, which also puts a 512-token prefill's 128 x 128 x 4096 matmul tiles at
+# their measured 46 us where the HBM share gave 67); vendor figures and guesses for the others.
+RATES = {
+    "sm_90": Rates(hbm=4.2e12, math=790e12, peer=394e9, l2=5.8e12),
+    "sm_80": Rates(hbm=1.9e12, math=300e12, peer=250e9, l2=3.5e12),
+    "sm_86": Rates(hbm=0.9e12, math=140e12, peer=50e9, l2=1.8e12),
+    "sm_89": Rates(hbm=0.95e12, math=300e12, peer=30e9, l2=2.5e12),
+}
+
+
+def task_cost_ns(
+    arch: str, processors: int, local_bytes: int, remote_bytes: int, flops: int, streamed_bytes: int = 0
+) -> float:
+    r = RATES[arch]
+    share = 1.0 / processors
+    seconds = max(
+        local_bytes / (r.hbm * share),
+        remote_bytes / (r.peer * share),
+        flops / (r.math * share),
+        streamed_bytes / (r.l2 * share),
+    )
+    return r.task_overhead_ns + seconds * 1e9

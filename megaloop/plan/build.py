@@ -142,7 +142,7 @@ def lower_rank(
     owner = {tid: tid for tid in range(len(tensors))}  # root tensor -> tensor owning its storage
     for t, tid in tensor_of.items():
         if t.is_view:
-            owner[tid] = tensor_of[t.base]
+            owner[tid] = owner[tensor_of[t.base]]  # (the base may live in a state: an in-place result)
         elif t.node.op.inplace_operand is not None:
             owner[tid] = owner[tensor_of[t.node.inputs[t.node.op.inplace_operand].base]]
     ops: list[PlanOp] = []

@@ -16,8 +16,9 @@ are level and go first. Why not by estimated readiness: that follows the cost mo
 model is off (matmuls run at about half the math rate below) the order it gave interleaved ropes, cache
 updates and attention tiles badly: the same prefill took 856 us instead of 735 (commit 1818602).
 
-The cost model is deliberately simple: per task, a fixed overhead plus the larger of its memory time
-and its math time at a per-processor share of the chip's measured rates.
+The cost model is deliberately simple (megaloop.frontend.tiling.task_cost_ns): per task, a fixed
+overhead plus the larger of its memory time and its math time at a per-processor share of the chip's
+measured rates.
 """
 
 from __future__ import annotations
@@ -26,43 +27,9 @@ import heapq
 from dataclasses import dataclass
 
 from megaloop.errors import DeadlockError
+from megaloop.frontend.tiling import RATES, Rates, task_cost_ns
 
-
-@dataclass(frozen=True)
-class Rates:
-    hbm: float  # bytes/s, whole chip (device-to-device copy, read + write)
-    math: float  # flop/s, whole chip (dense bf16 tensor cores)
-    peer: float  # bytes/s to another GPU (NVLink), whole chip
-    l2: float  # bytes/s from L2 into the SMs, whole chip (operand blocks that tiles share)
-    # dependency check, barriers, signal and the next task's dispatch: in a profiled 512-token prefill
-    # on an H200 (commit 1818602) a processor's tasks started ~2.6 us after the previous one ended, and
-    # the 8192-element tasks of the row and elementwise ops ran ~1 us longer than their HBM share
-    task_overhead_ns: float = 2500.0
-
-
-# Measured on H200 for sm_90 (ARCHITECTURE.md; l2: the operand feed of 128 x 256 GEMM blocks,
-# bench/results/gemm_probe.json, which also puts a 512-token prefill's 128 x 128 x 4096 matmul tiles at
-# their measured 46 us where the HBM share gave 67); vendor figures and guesses for the others.
-RATES = {
-    "sm_90": Rates(hbm=4.2e12, math=790e12, peer=394e9, l2=5.8e12),
-    "sm_80": Rates(hbm=1.9e12, math=300e12, peer=250e9, l2=3.5e12),
-    "sm_86": Rates(hbm=0.9e12, math=140e12, peer=50e9, l2=1.8e12),
-    "sm_89": Rates(hbm=0.95e12, math=300e12, peer=30e9, l2=2.5e12),
-}
-
-
-def task_cost_ns(
-    arch: str, processors: int, local_bytes: int, remote_bytes: int, flops: int, streamed_bytes: int = 0
-) -> float:
-    r = RATES[arch]
-    share = 1.0 / processors
-    seconds = max(
-        local_bytes / (r.hbm * share),
-        remote_bytes / (r.peer * share),
-        flops / (r.math * share),
-        streamed_bytes / (r.l2 * share),
-    )
-    return r.task_overhead_ns + seconds * 1e9
+__all__ = ["RATES", "Rates", "Schedule", "list_schedule", "task_cost_ns"]
 
 
 @dataclass
