@@ -2,9 +2,10 @@
 are placed in order (``Placed``), which strategies are possible there, and two ways to choose: at
 random (tests) and by the cost model (``megaloop.parallel.search``).
 
-A source is free in any placement (its pieces are handed in by the host; a state keeps the first
-placement it is made in: its storage). Any other tensor is available in the placement its producer
-made and in those conversions made from it; a partial result can only come from an op.
+A source is free in any placement (its pieces are handed in by the host), unless it has a home: a
+state keeps the first placement it is made in (its storage), a pinned source its pin. Any other
+tensor is available in the placement its producer made and in those conversions made from it; a
+partial result can only come from an op.
 """
 
 from __future__ import annotations
@@ -61,15 +62,13 @@ class Placed:
         return have[0] if have else None
 
     def steps(self, t: Tensor, p: Placement) -> list | None:
-        """The conversion steps that give ``t`` in ``p`` ([] when free), None if impossible."""
+        """The conversion steps that give ``t`` in ``p`` ([] when free), None if impossible. A source
+        without a home (a state before its first use, a source nobody pinned) is free in any piece."""
         have = self.have.get(t, ())
         if p in have:
             return []
-        if t.node.op.kind == "source":
-            if t.node.op.name != "state":
-                return None if isinstance(p, Partial) else []
-            if not have:
-                return None if isinstance(p, Partial) else []
+        if t.node.op.kind == "source" and t not in self.home:
+            return None if isinstance(p, Partial) else []
         return conversion(have, p, t.shape)
 
     def feasible(self, node: Node, s: Strategy) -> bool:
@@ -84,6 +83,8 @@ class Placed:
 
     def apply(self, node: Node, s: Strategy) -> None:
         for t, p in zip(node.inputs, s.inputs):
+            if t.node.op.kind == "source" and t.node.op.name != "state" and t not in self.home:
+                continue  # free in any piece: nothing to remember
             have = self.have.get(t, ())
             if p not in have:
                 self.have[t] = (*have, p)

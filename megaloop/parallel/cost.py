@@ -179,7 +179,7 @@ class Pricer:
         key = (
             node.op.name,
             tuple((t.shape, t.dtype.name) for t in node.inputs),
-            _attrs_key(node.attrs),
+            attrs_key(node.attrs),
             s.inputs,
             s.outputs,
             s.label,
@@ -216,13 +216,13 @@ class Pricer:
         return steps_us(steps, t.shape, t.dtype.itemsize, self.members, self.link)
 
 
-def _attrs_key(attrs: dict[str, Any]) -> Any:
+def attrs_key(attrs: dict[str, Any]) -> Any:
     out = []
     for k, v in sorted(attrs.items()):
         if hasattr(v, "shape") and not isinstance(v, tuple):
             v = ("array", tuple(v.shape), hash(v.tobytes()) if v.size < 4096 else id(v))
         elif isinstance(v, dict):
-            v = _attrs_key(v)
+            v = attrs_key(v)
         elif isinstance(v, list):
             v = tuple(v)
         out.append((k, v))

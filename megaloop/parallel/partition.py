@@ -35,6 +35,8 @@ class Partition:
         self.mesh = mesh
         self.notes = list(notes)
         self.predicted: Prediction | None = None
+        self.plan: Any = None  # the candidate it is (megaloop.parallel.parallelize.Plan)
+        self.candidates: list[Any] = []  # what parallelize compared
 
     @property
     def world_size(self) -> int:

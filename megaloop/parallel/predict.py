@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from megaloop.frontend.graph import Graph, Node
-from megaloop.parallel.cost import Machine, exchange_us, tiles_us
+from megaloop.parallel.cost import Machine, attrs_key, exchange_us, tiles_us
 from megaloop.parallel.ranks import match_ranks
 
 Vertex = tuple[int, int]  # (rank, node id); a collective is the vertex of its first member
@@ -77,10 +77,18 @@ def _vertex_cost(mem: list[tuple[int, Node]], machine: Machine, tiles: dict) -> 
             nbytes = node.inputs[0].nbytes
         us = exchange_us(node.op.name, nbytes, len(ranks) if kind == "collective" else 2, machine.link(ranks))
         return 0.0, us, 0.0
-    if node not in tiles:
-        tiles[node] = tiles_us(node, replace(machine, tile_scale=1.0), len(mem))
-    work, span = tiles[node]
+    key = _signature(node)
+    if key not in tiles:
+        tiles[key] = tiles_us(node, replace(machine, tile_scale=1.0), len(mem))
+    work, span = tiles[key]
     return work * machine.tile_scale, span * machine.tile_scale, machine.stage_us
+
+
+def _signature(node: Node) -> Any:
+    """What a node's tiles depend on: its op, attributes and operand and output layouts (a model's
+    layers share them)."""
+    layouts = tuple((t.shape, t.dtype.name, t.strides, t.offset) for t in (*node.inputs, *node.outputs))
+    return node.op.name, layouts, attrs_key(node.attrs)
 
 
 def _simulate(preds: dict[Vertex, set[Vertex]], cost: dict, members: dict) -> tuple[dict, list[float]]:
@@ -131,9 +139,9 @@ def _exchanged(mem: list[tuple[int, Node]]) -> int:
 def memory_bytes(g: Graph) -> int:
     """Parameters, state, inputs and constants, plus the most intermediate bytes alive at once when the
     nodes run in program order (views hold none of their own)."""
-    held = sum(
-        t.nbytes for n in g.nodes if n.op.kind == "source" for t in n.outputs if n.op.name != "constant"
-    ) + sum(t.nbytes for t in g.constants)
+    held = sum(t.nbytes for n in g.nodes if n.op.kind == "source" for t in n.outputs if n.op.name != "constant") + sum(
+        t.nbytes for t in g.constants
+    )
     last: dict[Any, int] = {}
     for i, n in enumerate(g.nodes):
         for t in n.inputs:

@@ -59,9 +59,11 @@ def _full(shape: Sequence[int]) -> Box:
 
 @dataclass
 class Choice:
-    """How a part is split: a strategy per node (sources: their placement as a one-output strategy)."""
+    """How a part is split: a strategy per node, and the placement of the sources that have one fixed
+    (pinned by the user): those are made so first, and other placements of them are converted."""
 
     strategies: dict[Node, Strategy]
+    fixed: dict[Tensor, Placement] = field(default_factory=dict)
 
 
 class _Collectives:
@@ -122,7 +124,8 @@ class _Sharder:
     def _source(self, t: Tensor, p: Placement) -> list[Tensor]:
         """The members' pieces of a source of the part, in placement ``p`` (made now)."""
         node = t.node
-        kind, info = node.op.name, self.part.sources[node]
+        kind = node.op.name
+        info = self.part.sources.get(node) or SourceInfo(kind, node.attrs["name"], _full(t.shape))  # (made by a pass)
         pieces = []
         for i, g in enumerate(self.graphs):
             rng = _range(p, i)
@@ -159,7 +162,7 @@ class _Sharder:
         have = self.have.setdefault(t, {})
         if p in have:
             return have[p]
-        if t.node.op.kind == "source" and (t.node.op.name != "state" or not have):
+        if t.node.op.kind == "source" and t not in self.home:  # free: make this piece of it now
             pieces = self._source(t, p)
             if t.node.op.name == "state":
                 self.home[t] = p
@@ -172,8 +175,12 @@ class _Sharder:
                 f"it cannot become {p}"
             )
         start = steps[0].source if steps else p
+        before = [len(g.nodes) for g in self.graphs]
         with self._scope(t.node):
             pieces = self.combine.run(steps, have[start])
+        for i, g in enumerate(self.graphs):  # the conversion's nodes stand for the value's producer
+            for new in g.nodes[before[i] :]:
+                self._part_of(i).origin.setdefault(new, self.part.origin[t.node])
         have[p] = pieces
         return pieces
 
@@ -285,6 +292,9 @@ def shard(
     ``world_size``), or None for micro-batches that share one graph; ``remap(rank, member)``: the rank
     of member ``member`` of the part that was rank ``rank`` (collectives already in the part)."""
     sharder = _Sharder(part, members, ranks, world_size, remap or (lambda r, m: r), choice)
+    for t, p in choice.fixed.items():
+        sharder.have.setdefault(t, {})[p] = sharder._source(t, p)
+        sharder.home[t] = p
     for node in part.graph.nodes:
         if node.op.kind != "source":
             sharder.node(node)
