@@ -245,6 +245,9 @@ def build(
     notes: list[str] = []
     stride = {k: _stride(plan, k) for k in ("pp", "dp", "tp", "device")}
     parts = [Part.whole(graph)]
+    decisions: dict[str, dict[Node, Any]] = {}
+    exchanges: dict[str, list] = {}
+    stage_of: dict[Node, int] = {}
     if plan.micro_batches > 1:
         parts = _micro_batch(parts[0], plan.micro_batches, machine)
         notes.append(f"the batch runs as {plan.micro_batches} micro-batches (chains that pipeline stages overlap)")
@@ -260,9 +263,13 @@ def build(
             if kind == "dp":
                 part_pins.update(_dp_pins(part, n))
             found = search(part, n, Pricer(machine, n, tuple(ranks)), pins=part_pins, allow=allow, memory_limit=memory)
-            out += shard(
+            made = shard(
                 part, n, found.choice, ranks=ranks, world_size=world, remap=lambda r, j, s=stride[kind]: r + j * s
             )
+            if not out:  # (every part is split alike: the first one's account stands for all)
+                decisions[kind] = {part.origin[nd]: st for nd, st in found.choice.strategies.items()}
+                exchanges[kind] = made[0].exchanges
+            out += made
         parts = out
     for kind in ("pp", "device"):
         n = plan.size(kind)
@@ -272,18 +279,20 @@ def build(
         link = machine.link(range(0, world, max(stride[kind], 1)))
         link_us = lambda b, link=link: exchange_us("send", b, 2, link)
         if kind == "pp":
-            stage_of = pipeline_stages(graph, cost, n, link_us)
+            stages = pipeline_stages(graph, cost, n, link_us)
         else:
-            stage_of = device_stages(graph, cost, n, link_us)
-            used = len(set(stage_of.values()))
+            stages = device_stages(graph, cost, n, link_us)
+            used = len({stages[nd] for nd in graph.nodes if nd.op.kind not in ("source", "view")})
             notes.append(f"independent branches on {used} of {n} devices")
-        staged = split(parts, stage_of, n, stride[kind], world)
+        stage_of = stages
+        staged = split(parts, stages, n, stride[kind], world)
         parts = [p for stage in staged for p in stage]
     parts = sorted(parts, key=lambda p: p.graph.rank)
     if [p.graph.rank for p in parts] != list(range(world)):
         raise GraphBuildError(f"partition: internal error, ranks {[p.graph.rank for p in parts]} for {world}")
     partition = Partition(graph, parts, mesh=mesh, notes=notes)
-    partition.plan = plan
+    partition.plan, partition.decisions, partition.exchanges = plan, decisions, exchanges
+    partition.stage_of = stage_of
     step = predict_step(partition.graphs, machine)
     partition.predicted = Prediction(step["step_us"], step["exchanged_bytes"], step["memory_bytes"], step)
     return partition

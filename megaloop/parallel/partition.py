@@ -37,6 +37,15 @@ class Partition:
         self.predicted: Prediction | None = None
         self.plan: Any = None  # the candidate it is (megaloop.parallel.parallelize.Plan)
         self.candidates: list[Any] = []  # what parallelize compared
+        self.decisions: dict[str, dict[Any, Any]] = {}  # pass kind -> original node -> its strategy
+        self.exchanges: dict[str, list] = {}  # pass kind -> the conversions it inserted
+        self.stage_of: dict[Any, int] = {}  # original node -> pipeline stage or device
+
+    def describe(self) -> str:
+        """Where every parameter and op went and why, in words (megaloop.parallel.describe)."""
+        from megaloop.parallel.describe import describe
+
+        return describe(self)
 
     @property
     def world_size(self) -> int:

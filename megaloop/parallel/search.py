@@ -32,6 +32,7 @@ from megaloop.parallel.reshard import conversion
 from megaloop.parallel.shard import Choice, Part
 
 Allow = Callable[[Node, Strategy], bool]
+MEMORY_US_PER_BYTE = 1.0 / 2**28  # 1 us per 256 MiB a device holds: between equal times, less memory
 
 
 @dataclass
@@ -141,8 +142,8 @@ class _Search:
                         updates.append((t, (target,), target))
                 elif conv[1] != have[k]:
                     updates.append((t, conv[1], None))
-            if ok:
-                found.append((s, cost, memory, tuple(updates), sout))
+            if ok:  # (memory as a tie-break: equal times, the fewer bytes a device)
+                found.append((s, cost + memory * MEMORY_US_PER_BYTE, memory, tuple(updates), sout))
         self.options[key] = found
         return found
 

@@ -41,6 +41,8 @@ class Part:
     sources: dict[Node, SourceInfo] = field(default_factory=dict)
     outputs: dict[str, tuple[str, Box]] = field(default_factory=dict)  # name -> (original name, piece)
     origin: dict[Node, Node] = field(default_factory=dict)
+    # the conversions made for it: (original producer, step kind, from, to, original consumer or None)
+    exchanges: list[tuple[Node, str, Placement, Placement, Node | None]] = field(default_factory=list)
 
     @staticmethod
     def whole(graph: Graph) -> Part:
@@ -158,7 +160,7 @@ class _Sharder:
         return f"{name}@{k}"
 
     # ---- placements -----------------------------------------------------------------------------
-    def get(self, t: Tensor, p: Placement) -> list[Tensor]:
+    def get(self, t: Tensor, p: Placement, consumer: Node | None = None) -> list[Tensor]:
         have = self.have.setdefault(t, {})
         if p in have:
             return have[p]
@@ -181,6 +183,12 @@ class _Sharder:
         for i, g in enumerate(self.graphs):  # the conversion's nodes stand for the value's producer
             for new in g.nodes[before[i] :]:
                 self._part_of(i).origin.setdefault(new, self.part.origin[t.node])
+        made_for = None if consumer is None else self.part.origin.get(consumer)
+        for step in steps:
+            if step.kind != "slice":
+                self.parts[0].exchanges.append(
+                    (self.part.origin[t.node], step.kind, step.source, step.target, made_for)
+                )
         have[p] = pieces
         return pieces
 
@@ -196,7 +204,7 @@ class _Sharder:
     # ---- nodes ------------------------------------------------------------------------------------
     def node(self, node: Node) -> None:
         strategy = self.choice.strategies[node]
-        operands = [self.get(t, p) for t, p in zip(node.inputs, strategy.inputs)]
+        operands = [self.get(t, p, node) for t, p in zip(node.inputs, strategy.inputs)]
         if node.op.inplace_operand is not None:
             cache = node.inputs[node.op.inplace_operand]
             if self.home.get(cache) != strategy.inputs[node.op.inplace_operand]:

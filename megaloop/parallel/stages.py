@@ -211,6 +211,10 @@ def pipeline_stages(
     crossing = _crossing_bytes(original, nodes)
     least = min(crossing[1:-1] or [0])
     cuts = [i for i in range(1, len(nodes)) if crossing[i] <= 2 * least + 1]
+    layer = _layers(nodes)
+    between = [i for i in cuts if layer[i - 1] != layer[i]]  # between a model's layers
+    if len(between) >= stages - 1:
+        cuts = between
     if len(cuts) < stages - 1:
         cuts = list(range(1, len(nodes)))
     points = [0, *cuts, len(nodes)]
@@ -222,6 +226,16 @@ def pipeline_stages(
     for n in original.nodes:
         stage_of.setdefault(n, 0)
     return stage_of
+
+
+def _layers(nodes: list[Node]) -> list[str]:
+    """Each node's layer: the first two parts of its scope ("layers.3"); a residual add belongs to what
+    follows it (a layer's input is the previous one's output plus its update, summed as it starts)."""
+    out = [".".join(n.scope.split(".")[:2]) for n in nodes]
+    for i in range(len(nodes) - 2, -1, -1):
+        if nodes[i].op.name == "add":
+            out[i] = out[i + 1]
+    return out
 
 
 def _crossing_bytes(g: Graph, nodes: list[Node]) -> list[int]:
