@@ -29,7 +29,7 @@ from megaloop.errors import MegaloopError
 from megaloop.frontend import REGISTRY, Graph, OpDef, Tensor
 from megaloop.frontend.ops import *  # noqa: F403 - the op builders are the public API
 from megaloop.frontend.ops import __all__ as _ops_all
-from megaloop.parallel import match_ranks, spmd
+from megaloop.parallel import Mesh, OnDevice, Partial, Partition, Replicate, Shard, match_ranks, parallelize, spmd
 from megaloop.reference import Evaluation, evaluate
 
 __version__ = "0.1.0"
@@ -42,7 +42,13 @@ __all__ = [
     "Evaluation",
     "Graph",
     "MegaloopError",
+    "Mesh",
+    "OnDevice",
     "OpDef",
+    "Partial",
+    "Partition",
+    "Replicate",
+    "Shard",
     "Tensor",
     "as_dtype",
     "bfloat16",
@@ -54,6 +60,7 @@ __all__ = [
     "int32",
     "int64",
     "match_ranks",
+    "parallelize",
     "spmd",
     *_ops_all,
 ]

@@ -1,7 +1,30 @@
-"""Parallel: programs over several ranks. Today: building one graph per rank (``spmd``) and matching
-collectives and transfers across ranks (``match_ranks``). Next: splitting a single-device graph over
-a device mesh (tensor / pipeline / data parallel) with the collectives inserted."""
+"""Parallel: programs over several ranks. ``parallelize`` splits a single-device graph over a mesh of
+devices (tensor, pipeline, data and device parallelism, chosen by a cost model); ``spmd`` builds one
+graph per rank by hand; ``match_ranks`` pairs collectives and transfers across ranks."""
 
+from megaloop.frontend.placement import OnDevice, Partial, Placement, Replicate, Shard
+from megaloop.parallel.cost import H200, Link, Machine
+from megaloop.parallel.mesh import Mesh
+from megaloop.parallel.parallelize import parallelize
+from megaloop.parallel.partition import Partition, Prediction
 from megaloop.parallel.ranks import Collective, RankMatching, Transfer, match_ranks, spmd
 
-__all__ = ["Collective", "RankMatching", "Transfer", "match_ranks", "spmd"]
+__all__ = [
+    "H200",
+    "Collective",
+    "Link",
+    "Machine",
+    "Mesh",
+    "OnDevice",
+    "Partial",
+    "Partition",
+    "Placement",
+    "Prediction",
+    "RankMatching",
+    "Replicate",
+    "Shard",
+    "Transfer",
+    "match_ranks",
+    "parallelize",
+    "spmd",
+]

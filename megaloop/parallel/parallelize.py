@@ -95,9 +95,12 @@ def parallelize(
         try:
             partition = build(graph, plan, pins, machine, memory_per_device)
         except GraphBuildError as e:
-            if len(plans) == 1:
+            memory = "memory_per_device" in str(e)
+            if len(plans) == 1 and not memory:
                 raise
-            candidates.append(Candidate(plan, None, str(e).splitlines()[0]))
+            candidates.append(
+                Candidate(plan, None, "does not fit memory_per_device" if memory else str(e).splitlines()[0])
+            )
             continue
         candidates.append(Candidate(plan, partition.predicted))
         fits = memory_per_device is None or max(partition.predicted.memory_bytes) <= memory_per_device
@@ -109,10 +112,11 @@ def parallelize(
         if best is None or partition.predicted.step_us < best[0]:
             best = (partition.predicted.step_us, partition)
     if best is None:
-        fitting = [c for c in candidates if c.predicted is not None]
-        if memory_per_device is not None and fitting:
-            smallest = min(fitting, key=lambda c: max(c.predicted.memory_bytes))
-            raise _too_big(build(graph, smallest.plan, pins, machine, None), memory_per_device)
+        if memory_per_device is not None and any(c.error == "does not fit memory_per_device" for c in candidates):
+            unlimited = [
+                build(graph, c.plan, pins, machine, None) for c in candidates[:4] if c.error.startswith("does")
+            ]
+            raise _too_big(min(unlimited, key=lambda p: max(p.predicted.memory_bytes)), memory_per_device)
         reasons = "; ".join(f"{c.plan.label}: {c.error}" for c in candidates)
         raise GraphBuildError(f"parallelize: no way to split {graph.name!r} over {mesh}: {reasons}")
     partition = best[1]
@@ -343,9 +347,10 @@ def _dp_pins(part: Part, n: int) -> dict[Tensor, Placement]:
             pins[t] = Replicate()
         elif node.op.name == "input" and t.ndim and t.shape[0] >= n:
             pins[t] = Shard(0, even_sizes(t.shape[0], n))
-    if not any(isinstance(p, Shard) for p in pins.values()) and not part.graph.states:
+    if _batch(part.graph) < n:
         raise GraphBuildError(
-            f"parallelize: data parallelism over {n} devices needs a batch of at least {n} (axis 0 of the inputs)"
+            f"parallelize: data parallelism over {n} devices needs a batch of at least {n} (axis 0 of the inputs, "
+            f"or of the state for a graph fed by state); {part.graph.name!r} has {_batch(part.graph)}"
         )
     return pins
 

@@ -1,0 +1,235 @@
+"""ml.parallelize on whole programs: a tiny Llama (prefill, decode, the self-feeding generator) under
+every strategy, planned and run on the N-rank plan interpreter in random interleavings against the
+single-device program; device parallelism; dropped exchanges caught; bad input refused clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop.errors import CollectiveMismatchError, GraphBuildError
+from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
+from megaloop.plan import make_plan
+from megaloop.reference.interpreter import run_plan
+from tests.helpers import worst_error_text
+
+STRATEGIES = [
+    ("tp2", 2, "tp"),
+    ("tp4", 4, "tp"),
+    ("tp8", 8, "tp"),
+    ("pp2", 2, "pp"),
+    ("pp4", 4, "pp"),
+    ("dp2", 2, "dp"),
+    ("tp2xpp2", ml.Mesh((2, 2), ("pp", "tp")), {"pp": "pp", "tp": "tp"}),
+]
+INTERLEAVINGS = 20
+
+
+def _config(dtype: str) -> LlamaConfig:
+    return LlamaConfig(hidden=64, heads=8, kv_heads=4, intermediate=96, layers=2, vocab=50, max_seq=16, dtype=dtype)
+
+
+def _program(kind: str, dtype: str, seed: int):
+    cfg = _config(dtype)
+    rng = np.random.default_rng(seed)
+    if kind == "prefill":
+        feeds = {"tokens": rng.integers(0, 50, (2, 5)), "positions": np.tile(np.arange(5), (2, 1))}
+        return build_llama(cfg, 2, 5), feeds, {}, 1
+    if kind == "decode":
+        cache = {
+            f"model.layers.{i}.self_attn.{k}_cache": rng.standard_normal((2, 4, 16, 8)) for i in range(2) for k in "kv"
+        }
+        feeds = {"tokens": rng.integers(0, 50, (2, 1)), "positions": np.array([[6], [9]])}
+        return build_llama(cfg, 2, 1), feeds, cache, 1
+    state = {"token": rng.integers(0, 50, (2, 1)), "position": np.array([[0], [2]])}
+    return build_llama_generator(cfg, 2), {}, state, 3
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "generator"])
+@pytest.mark.parametrize("label,devices,strategy", STRATEGIES, ids=[s[0] for s in STRATEGIES])
+def test_llama_split_matches_one_device(label, devices, strategy, kind: str, dtype: str) -> None:
+    g, feeds, state, iterations = _program(kind, dtype, seed=len(label) + len(kind))
+    params = random_parameters(_config(dtype), seed=3)
+    ref = ml.evaluate(g, feeds, params, state, iterations=iterations)
+    split = ml.parallelize(g, devices, strategy)
+    assert split.world_size == (devices if isinstance(devices, int) else devices.size)
+    plan = make_plan(split.graphs, processors=2)  # (few processors: few tasks, a quick interpreter)
+    first = None
+    for seed in range(INTERLEAVINGS):
+        results = run_plan(
+            plan,
+            split.shard_inputs(feeds),
+            split.shard_parameters(params),
+            split.shard_state(state),
+            iterations=iterations,
+            seed=seed,
+        )
+        got = {**split.gather_outputs(results), **split.gather_state([r.state for r in results])}
+        if first is None:
+            first = got
+            _replicas_agree(split, results)
+            # fp32: the split only reorders sums (partial sums added in rank order); bf16: each rank's
+            # partial result is rounded once more before the sum, a few ulps of bf16 (docs/partition.md)
+            limit = 1e-5 if dtype == "float32" else 2e-2
+            for name, want in [*ref.outputs.items(), *ref.state.items()]:
+                if want.dtype.kind in "iu":
+                    continue
+                err = _relative(got[name], want)
+                assert err <= limit, f"{label} {kind} {dtype} {name}: relative error {err:.2e} > {limit}; " + (
+                    worst_error_text(got[name], want)
+                )
+            if kind == "generator" and dtype == "float32":
+                assert np.array_equal(got["token"], ref.state["token"]), f"{label}: greedy tokens differ"
+        else:
+            for name, value in got.items():
+                assert np.array_equal(value, first[name]), f"{label} {kind}: {name} differs between interleavings"
+
+
+def _replicas_agree(split, results) -> None:
+    """Every rank holding the same piece of an output holds bitwise the same values."""
+    seen: dict = {}
+    for part, res in zip(split.parts, results):
+        for local, (name, box) in part.outputs.items():
+            value = res.outputs[local]
+            if (name, box) in seen:
+                assert np.array_equal(seen[(name, box)], value), f"output {name} {box} differs between ranks"
+            seen[(name, box)] = value
+
+
+def test_tensor_parallel_is_the_megatron_pattern() -> None:
+    """Column- then row-parallel projections, heads split, one all-reduce per block, weights cut."""
+    cfg = LlamaConfig(hidden=256, heads=8, kv_heads=8, intermediate=512, layers=2, vocab=64, max_seq=32)
+    split = ml.parallelize(build_llama(cfg, 1, 1), 4, "tp")
+    g = split.graphs[0]
+    reduces = [n for n in g.nodes if n.op.name == "all_reduce"]
+    assert len(reduces) == 2 * cfg.layers, f"expected one all-reduce per block, got {[n.name for n in reduces]}"
+    q = g.parameters["model.layers.0.self_attn.q_proj.weight"]
+    o = g.parameters["model.layers.0.self_attn.o_proj.weight"]
+    assert q.shape == (cfg.hidden // 4, cfg.hidden) and o.shape == (cfg.hidden, cfg.hidden // 4)
+    text = split.describe()
+    assert "column-parallel" in text and "row-parallel" in text and "all_reduce" in text
+
+
+def test_parameters_are_views_of_the_checkpoint() -> None:
+    cfg = _config("float32")
+    params = random_parameters(cfg, 0)
+    split = ml.parallelize(build_llama(cfg, 1, 1), 2, "tp")
+    for rank_params in split.shard_parameters(params):
+        for name, value in rank_params.items():
+            original = params[name.split("@")[0]]
+            assert np.shares_memory(value, original), f"{name} was copied"
+
+
+def test_device_parallel_runs_the_branches_side_by_side() -> None:
+    """Luminal's example: b = op1(a); c = op2(a); d = b + c, op1 and op2 on two devices at once."""
+    g = ml.Graph("branches")
+    a = g.input("a", (64, 1024), ml.float32)
+    w1 = g.parameter("w1", (1024, 1024), ml.float32)
+    w2 = g.parameter("w2", (1024, 1024), ml.float32)
+    b = ml.tanh(a @ w1)
+    c = ml.sigmoid(a @ w2)
+    g.output("d", b + c)
+    split = ml.parallelize(g, 2, "device")
+    mm = [{n.name for n in gr.nodes if n.op.name == "matmul"} for gr in split.graphs]
+    assert all(len(m) == 1 for m in mm), f"each device should run one branch's matmul: {mm}"
+    plan = make_plan(split.graphs, processors=8)
+    from megaloop.plan.stats import estimated_times
+
+    times = estimated_times(plan)
+    spans = []
+    for r, rp in enumerate(plan.ranks):
+        ids = [t.id for t in rp.tasks if rp.ops[t.op].op == "matmul"]
+        spans.append((times[r][ids, 0].min(), times[r][ids, 1].max()))
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], f"the branches do not overlap: {spans}"
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((64, 1024))}
+    params = {"w1": rng.standard_normal((1024, 1024)) * 0.03, "w2": rng.standard_normal((1024, 1024)) * 0.03}
+    want = ml.evaluate(g, feeds, params).outputs["d"]
+    res = run_plan(plan, split.shard_inputs(feeds), split.shard_parameters(params), seed=1)
+    got = split.gather_outputs(res)["d"]
+    assert np.array_equal(got, want), worst_error_text(got, want)
+
+
+def _drop(graph: ml.Graph, node) -> None:
+    graph.replace_uses(node.outputs[0], node.inputs[0])
+    graph.nodes.remove(node)
+    for i, n in enumerate(graph.nodes):
+        n.id = i
+
+
+@pytest.mark.parametrize("strategy,devices", [("tp", 2), ("pp", 2)])
+def test_a_dropped_exchange_is_caught(strategy: str, devices: int) -> None:
+    """Every collective and transfer the partitioner inserted matters: dropping one on one rank is
+    refused (the ranks no longer match), dropping it everywhere changes the result."""
+    g, feeds, state, _ = _program("decode", "float32", seed=5)
+    params = random_parameters(_config("float32"), seed=3)
+    want = ml.evaluate(g, feeds, params, state).outputs["logits"]
+    count = len([n for n in ml.parallelize(g, devices, strategy).graphs[0].nodes if n.op.kind in ("collective", "p2p")])
+    assert count > 0
+    for k in range(count):
+        split = ml.parallelize(g, devices, strategy)
+        exchanges = [[n for n in gr.nodes if n.op.kind in ("collective", "p2p")] for gr in split.graphs]
+        victim = exchanges[0][k]
+        if victim.op.kind == "collective":
+            _drop(split.graphs[0], victim)
+            with pytest.raises(CollectiveMismatchError):
+                ml.parallel.match_ranks(split.graphs)
+            for gr, ex in zip(split.graphs[1:], exchanges[1:]):
+                _drop(gr, ex[k])
+            res = ml.evaluate(
+                split.graphs, split.shard_inputs(feeds), split.shard_parameters(params), split.shard_state(state)
+            )
+            got = split.gather_outputs(res)["logits"]
+            assert not np.allclose(got, want, rtol=1e-4, atol=1e-4), f"dropping {victim.name} changed nothing"
+        elif victim.op.name == "send":
+            split.graphs[0].nodes.remove(victim)
+            with pytest.raises(CollectiveMismatchError):
+                ml.parallel.match_ranks(split.graphs)
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, vocab=50, max_seq=16)
+    g = build_llama(cfg, 1, 1)
+    with pytest.raises(GraphBuildError, match=r"k_cache.*cannot hold"):
+        ml.parallelize(g, 4, "tp", layout={"model.layers.0.self_attn.k_cache": ml.Shard(1)})
+    norm = next(n for n in g.nodes if n.op.name == "rmsnorm")
+    with pytest.raises(GraphBuildError, match=rf"rmsnorm {norm.name}.*pinned to sharded on axis 2"):
+        ml.parallelize(g, 2, "tp", layout={norm.name: ml.Shard(2)})
+    with pytest.raises(GraphBuildError, match=r"largest: .*weight"):
+        ml.parallelize(g, 2, "tp", memory_per_device=1000)
+    with pytest.raises(GraphBuildError, match="axes"):
+        ml.parallelize(g, ml.Mesh((2, 2), ("a", "b")), {"pp": "pp"})
+    with pytest.raises(GraphBuildError, match="one kind per axis"):
+        ml.parallelize(g, ml.Mesh((2, 2), ("x", "y")), "tp")
+    with pytest.raises(GraphBuildError, match="no tensor"):
+        ml.parallelize(g, 2, "tp", layout={"no.such.weight": ml.Replicate()})
+    with pytest.raises(GraphBuildError, match="single-device"):
+        ml.parallelize(ml.spmd(lambda gr: gr.output("y", ml.all_reduce(gr.input("x", (4,), "float32"))), 2)[0], 2)
+    with pytest.raises(GraphBuildError, match="batch"):
+        ml.parallelize(g, 2, "dp")
+
+
+def test_a_pin_is_honoured() -> None:
+    cfg = _config("float32")
+    g = build_llama(cfg, 1, 1)
+    split = ml.parallelize(g, 2, "tp", layout={"lm_head.weight": ml.Replicate()})
+    assert split.graphs[0].parameters["lm_head.weight"].shape == (cfg.vocab, cfg.hidden)
+    split = ml.parallelize(g, 2, "tp", layout={"lm_head.weight": ml.Shard(1)})
+    assert split.graphs[1].parameters["lm_head.weight"].shape == (cfg.vocab, cfg.hidden // 2)
+
+
+def test_auto_compares_candidates_and_keeps_the_fastest() -> None:
+    cfg = LlamaConfig(hidden=512, heads=8, kv_heads=8, intermediate=1024, layers=4, vocab=1000, max_seq=64)
+    split = ml.parallelize(build_llama(cfg, 2, 1), 4)
+    labels = [c.plan.label for c in split.candidates]
+    assert {"tp4", "pp4 (2 micro-batches)", "dp2 x tp2", "device4"} <= set(labels), labels
+    best = min(c.predicted.step_us for c in split.candidates if c.predicted is not None and not c.error)
+    assert split.predicted.step_us == best
+    assert "(chosen)" in split.describe()
