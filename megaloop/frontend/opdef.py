@@ -19,9 +19,7 @@ Kinds of op, which decide how the reference backend and later the planner treat 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +91,11 @@ class OpDef:
     inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
     tiling: Tiling | None = None  # how it splits into tile tasks; None: no tasks (sources, views, send)
     cuda: CudaTile | None = None  # how the loop kernel runs a tile (None: not on the GPU yet)
+    # rules on the operands' values (ids, positions, lengths in range): check_data(arrays, attrs, known)
+    # raises DataError; known[i] is None (every value of operand i is real) or a bool mask of the values
+    # that are (the plan interpreter's tasks see only their declared boxes). The reference runs after it
+    # and clamps what it indexes with, so the poison outside a task's boxes stays harmless.
+    check_data: Callable[[list[np.ndarray], dict[str, Any], Sequence[np.ndarray | None]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -111,23 +114,14 @@ class OpDef:
 
 REGISTRY: dict[str, OpDef] = {}
 
-_DATA_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("megaloop_data_checks", default=True)
 
-
-def data_checks() -> bool:
-    """Whether references raise DataError on invalid values (ids, positions, lengths out of range)."""
-    return _DATA_CHECKS.get()
-
-
-@contextlib.contextmanager
-def without_data_checks() -> Iterator[None]:
-    """References clamp invalid indices instead of raising. The plan interpreter uses this: a tile's
-    operands are poisoned outside the boxes it declares, and indices there never reach its output."""
-    token = _DATA_CHECKS.set(False)
-    try:
-        yield
-    finally:
-        _DATA_CHECKS.reset(token)
+def first_bad(bad: np.ndarray, known: np.ndarray | None) -> tuple[int, ...] | None:
+    """Index of the first True of ``bad`` among the real values (``known``; None: all), or None."""
+    if known is not None:
+        bad = bad & known
+    if not np.any(bad):
+        return None
+    return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def register(op: OpDef) -> OpDef:

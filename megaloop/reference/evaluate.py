@@ -118,8 +118,11 @@ class _Rank:
         if op.kind == "source":
             self.store(node, [self._source_value(node)])
             return
+        operands = self.operands(node)
         try:
-            result = op.reference(self.operands(node), node.attrs)
+            if op.check_data is not None:
+                op.check_data(operands, node.attrs, [None] * len(operands))
+            result = op.reference(operands, node.attrs)
         except DataError as e:
             raise DataError(f"{op.name} {node.name} (graph {self.graph.name!r} rank {self.graph.rank}): {e}") from None
         self.store(node, result if isinstance(result, list) else [result])

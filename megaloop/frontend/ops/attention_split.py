@@ -23,7 +23,7 @@ from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, 
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.attention import _infer as _attention_infer
-from megaloop.frontend.ops.attention import visible_keys
+from megaloop.frontend.ops.attention import check_attention_data, visible_keys
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -76,6 +76,7 @@ ATTENTION_PARTIAL = register(
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
         infer=_partial_infer,
         reference=_partial_reference,
+        check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
         cuda=CudaTile("attention_partial"),
