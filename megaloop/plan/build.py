@@ -14,11 +14,17 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DeadlockError, GraphBuildError
-from megaloop.frontend.graph import Graph
+from megaloop.frontend.graph import Graph, require_results
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tensor import Tensor
-from megaloop.frontend.tiling import ARCHS, MAX_WARPS, SHARED_MEMORY_PER_BLOCK
+from megaloop.frontend.tiling import (
+    ARCHS,
+    LARGEST_SM_COUNT,
+    MAX_WARPS,
+    SHARED_MEMORY_PER_BLOCK,
+    max_resident_processors,
+)
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, derive_waits, hb_order
@@ -57,6 +63,9 @@ def make_plan(
     if isinstance(scratch_budget, bool) or not isinstance(scratch_budget, int) or scratch_budget < 0:
         raise GraphBuildError(f"plan: scratch_budget must be an int >= 0 (bytes), got {scratch_budget!r}")
     tiles = _check_tiles(tiles)
+    if not glist or not all(isinstance(g, Graph) for g in glist):
+        raise GraphBuildError(f"plan: expected a Graph or a list of rank Graphs, got {graphs!r:.80}")
+    require_results(glist, "plan")
     matching = match_ranks(glist)
     ranks = [lower_rank(g, r, matching, arch, tiles) for r, g in enumerate(glist)]
     number_ops(ranks)
@@ -82,16 +91,24 @@ def make_plan(
 
 def check_settings(arch: str, processors: Any, warps: Any, shared_memory: Any, error: type, where: str) -> None:
     """The plan-wide settings make_plan takes and a loaded plan carries."""
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise error(f"{where}: unknown architecture {arch!r}; megaloop plans for {', '.join(ARCHS)}")
     for name, value, low, high in (
-        ("processors", processors, 1, None),
         ("warps", warps, 1, MAX_WARPS),
         ("shared_memory", shared_memory, 0, SHARED_MEMORY_PER_BLOCK[arch]),
+        ("processors", processors, 1, None),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
             bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise error(f"{where}: {name} must be an int {bound} on {arch}, got {value!r}")
+    most = max_resident_processors(arch, warps)
+    if processors > most:
+        raise error(
+            f"{where}: processors is {processors}, but no {arch} GPU keeps more than {most} thread blocks of {warps} "
+            f"warps resident at once ({LARGEST_SM_COUNT[arch]} SMs x {most // LARGEST_SM_COUNT[arch]}), and every "
+            f"processor of a loop kernel must be resident; plan with processors <= {most} (one per SM is typical: "
+            "megaloop.runtime.gpus() gives the SM count)"
+        )
 
 
 def _check_tiles(tiles: Any) -> dict[str, dict[str, int]]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop.dtypes import round_to
 from megaloop.errors import DataError, EvaluationError, InternalError
-from megaloop.frontend.graph import Graph, Node
+from megaloop.frontend.graph import Graph, Node, require_results
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import RankMatching, match_ranks
@@ -234,6 +234,7 @@ def evaluate(
     ins, prs, sts = per_rank(inputs, "inputs"), per_rank(params, "params"), per_rank(state, "state")
     if not isinstance(iterations, int) or iterations < 1:
         raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
+    require_results(glist, "evaluate")
     matching = match_ranks(glist)
     states = []
     for g, i, p, s in zip(glist, ins, prs, sts):

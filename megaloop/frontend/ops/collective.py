@@ -20,10 +20,11 @@ from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
-from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
+from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_shape, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_ints
 
 REDUCE_OPS = ("sum", "max")
 
@@ -50,6 +51,16 @@ def _group(call: OpCall) -> tuple[int, ...]:
         )
     call.attrs["group"] = group
     return group
+
+
+def group_arg(op: OpDef, group: Any) -> tuple[int, ...] | None:
+    """A builder's ``group`` argument: None (every rank) or a tuple or list of integer ranks."""
+    if group is None:
+        return None
+    try:
+        return as_ints(group, f"{op.name}: group", error=RankError)
+    except RankError as e:
+        raise RankError(f"{e}; group must list integer ranks, e.g. group=(0, 1)") from None
 
 
 def _reduce_order(values: list[np.ndarray], op: str) -> np.ndarray:
@@ -108,6 +119,7 @@ def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None
     more than two members and at least TWO_STEP_MIN_BYTES). All give bitwise the same result: each
     element is combined in rank order and rounded once."""
     require_tensor(ALL_REDUCE, "x", x)
+    group = group_arg(ALL_REDUCE, group)
     if algorithm not in ALGORITHMS:
         raise GraphBuildError(f"all_reduce: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     members = len(group) if group is not None else x.graph.world_size
@@ -121,7 +133,7 @@ def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None
         algorithm == "auto" and members > 2 and fits and x.size * x.dtype.itemsize >= TWO_STEP_MIN_BYTES
     )
     if not two_step:
-        return apply(ALL_REDUCE, [x], op=op, group=None if group is None else tuple(group))
+        return apply(ALL_REDUCE, [x], op=op, group=group)
     part = reduce_scatter(x.reshape(-1), axis=0, op=op, group=group)
     return all_gather(part, axis=0, group=group).reshape(x.shape)
 
@@ -153,7 +165,7 @@ ALL_GATHER = register(
 
 
 def all_gather(x: Tensor, axis: int = 0, *, group: Sequence[int] | None = None) -> Tensor:
-    return apply(ALL_GATHER, [x], axis=axis, group=None if group is None else tuple(group))
+    return apply(ALL_GATHER, [x], axis=axis, group=group_arg(ALL_GATHER, group))
 
 
 # ---- reduce_scatter ------------------------------------------------------------------------------
@@ -196,7 +208,7 @@ REDUCE_SCATTER = register(
 
 
 def reduce_scatter(x: Tensor, axis: int = 0, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
-    return apply(REDUCE_SCATTER, [x], axis=axis, op=op, group=None if group is None else tuple(group))
+    return apply(REDUCE_SCATTER, [x], axis=axis, op=op, group=group_arg(REDUCE_SCATTER, group))
 
 
 # ---- send / recv ---------------------------------------------------------------------------------
@@ -267,10 +279,8 @@ def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag:
     attrs = {
         "src": require_int(RECV, "src", src),
         "tag": require_int(RECV, "tag", tag),
-        "shape": tuple(require_int(RECV, "shape[i]", d, minimum=1) for d in shape),
+        "shape": require_shape(RECV, "shape", shape),
         "dtype": as_dtype(dtype),
     }
-    if any(d < 1 for d in attrs["shape"]):
-        raise ShapeError(f"recv: shape {format_shape(attrs['shape'])} must have every dimension >= 1")
     (out,) = graph.apply(RECV, [], attrs)
     return out

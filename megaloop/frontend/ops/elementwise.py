@@ -124,6 +124,12 @@ def to_compute(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype == dtypes.bfloat16.np else a
 
 
+IDENTITY_HINT = (
+    "On megaloop tensors, x == y and x != y are Python's identity tests (tensors stay hashable); "
+    "compare values with megaloop.equal(x, y) or megaloop.not_equal(x, y)"
+)
+
+
 def _split_operands(
     op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int, ...] = ()
 ) -> tuple[list[Tensor], dict]:
@@ -325,6 +331,8 @@ WHERE = register(
 
 
 def where(cond: Tensor, a: Any, b: Any) -> Tensor:
+    if isinstance(cond, (bool, np.bool_)):
+        raise DtypeError(f"where: cond is the Python bool {cond}, not a tensor. {IDENTITY_HINT}")
     tensors, scalars = _split_operands(WHERE, (cond, a, b), tensor_slots=(0,))
     return apply(WHERE, tensors, **({"scalars": scalars} if scalars else {}))
 

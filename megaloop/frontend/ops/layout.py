@@ -16,7 +16,16 @@ import numpy as np
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, ViewSpec, register
 from megaloop.frontend.ops import _tilings
-from megaloop.frontend.ops._build import apply, apply_multi, axes_arg, axis_arg, require_int, require_tensor
+from megaloop.frontend.ops._build import (
+    apply,
+    apply_multi,
+    axes_arg,
+    axis_arg,
+    require_int,
+    require_ints,
+    require_shape,
+    require_tensor,
+)
 from megaloop.frontend.shapes import (
     broadcast_shapes,
     format_shape,
@@ -24,6 +33,7 @@ from megaloop.frontend.shapes import (
     reshape_strides,
 )
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_ints, is_int
 
 _EXACT = Accuracy(ulps=0.0)
 
@@ -48,9 +58,9 @@ def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[st
 
 def _resolve_shape(x: Tensor, shape: Sequence[Any]) -> tuple[int, ...]:
     """Replace one -1 by the size that keeps the element count; ShapeError naming the problem."""
-    dims = list(shape)
+    dims = list(as_ints(shape, f"reshape: {x!r} to {shape!r:.60}: shape", error=ShapeError))
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or (d < 1 and d != -1):
+        if d < 1 and d != -1:
             raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: sizes must be ints >= 1 (one may be -1)")
     if dims.count(-1) > 1:
         raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: only one size can be -1")
@@ -90,9 +100,9 @@ RESHAPE = _view_op(
 
 def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
     require_tensor(RESHAPE, "x", x)
-    if isinstance(shape, (int, np.integer)):
+    if is_int(shape):
         shape = (shape,)
-    new_shape = _resolve_shape(x, tuple(shape))
+    new_shape = _resolve_shape(x, shape)
     if new_shape == x.shape:
         return x
     if numel(new_shape) == x.size and reshape_strides(x.shape, x.strides, new_shape) is None:
@@ -142,7 +152,7 @@ PERMUTE = _view_op(
 
 
 def permute(x: Tensor, axes: Sequence[int]) -> Tensor:
-    return apply(PERMUTE, [x], axes=tuple(axes))
+    return apply(PERMUTE, [x], axes=require_ints(PERMUTE, "axes", axes))
 
 
 def transpose(x: Tensor, axis0: int = -2, axis1: int = -1) -> Tensor:
@@ -195,10 +205,10 @@ def slice_(
 ) -> Tensor:
     """x[starts[0]:stops[0]:steps[0], ...] with Python's rules for None and negative values."""
     require_tensor(SLICE, "x", x)
-    steps = steps if steps is not None else [1] * len(starts)
-    return apply(
-        SLICE, [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(1 if s is None else s for s in steps)
-    )
+    starts = require_ints(SLICE, "starts", starts, allow_none=True)
+    stops = require_ints(SLICE, "stops", stops, allow_none=True)
+    steps = (1,) * len(starts) if steps is None else require_ints(SLICE, "steps", steps, allow_none=True)
+    return apply(SLICE, [x], starts=starts, stops=stops, steps=tuple(1 if s is None else s for s in steps))
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
@@ -276,7 +286,7 @@ BROADCAST_TO = _view_op(
 
 
 def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
-    shape = tuple(require_int(BROADCAST_TO, "shape[i]", d, minimum=1) for d in shape)
+    shape = require_shape(BROADCAST_TO, "shape", shape)
     if isinstance(x, Tensor) and shape == x.shape:
         return x
     return apply(BROADCAST_TO, [x], shape=shape)
@@ -364,6 +374,11 @@ CONCAT = register(
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise GraphBuildError(
+            f"concat takes a list of tensors: concat([x, y], axis=0), not concat(x, y); its first argument is "
+            f"{type(tensors).__name__} {tensors!r:.60}"
+        )
     tensors = list(tensors)
     if not tensors:
         raise GraphBuildError("concat: needs at least one tensor")
