@@ -27,7 +27,7 @@ from megaloop.frontend.tiling import (
 )
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
-from megaloop.plan.deps import Layout, derive_waits, hb_order
+from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
 from megaloop.plan.hazards import build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
@@ -464,9 +464,18 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
     layout = Layout(proc, index, lists)
     order = hb_order(layout, req0)
     if order is None:
+        cycle = deadlock_cycle(layout, req0)
+        owner = np.searchsorted(base, cycle, side="right") - 1
+
+        def where(g: int, r: int) -> str:
+            return f"{plan.task_label(r, g - base[r])} (processor {proc[g] - proc_base[r]}, position {index[g]})"
+
+        steps = [where(g, int(r)) for g, r in zip(cycle, owner)]
         raise DeadlockError(
-            "plan: the processors' task orders deadlock: some task is placed before a task it "
-            "depends on, on the same processor or across a cycle of processors"
+            "plan: the processors' task orders deadlock: each of these tasks must wait for the one before it "
+            "(it comes later on the same processor or needs its result) and the first for the last: "
+            + " -> ".join(steps)
+            + "; move a task after what it depends on"
         )
     waits = derive_waits(layout, req0, req1, order)
     for r, rp in enumerate(plan.ranks):

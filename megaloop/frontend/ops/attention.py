@@ -140,6 +140,7 @@ ATTENTION = register(
         doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
         "see megaloop.frontend.ops.attention for the exact mask.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
         infer=_infer,
         reference=_reference,
         check_data=check_attention_data,

@@ -74,6 +74,7 @@ ATTENTION_PARTIAL = register(
         doc="attention over each of `splits` key ranges: unnormalised output, max score and exp-sum per "
         "range (float32); see megaloop.frontend.ops.attention_split.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        attrs={"splits": "count", "causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
         infer=_partial_infer,
         reference=_partial_reference,
         check_data=check_attention_data,
@@ -114,6 +115,7 @@ ATTENTION_COMBINE = register(
         category="attention",
         doc="merge attention_partial's key ranges into attention's output, rounded once to `dtype`.",
         operands=("partial",),
+        attrs={"dtype": "dtype"},
         infer=_combine_infer,
         reference=_combine_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),

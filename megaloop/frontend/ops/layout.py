@@ -38,7 +38,9 @@ from megaloop.frontend.validate import as_ints, is_int
 _EXACT = Accuracy(ulps=0.0)
 
 
-def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[str, ...] = ("x",)) -> OpDef:
+def _view_op(
+    name: str, doc: str, infer: Any, reference: Any, attrs: dict[str, Any], operands: tuple[str, ...] = ("x",)
+) -> OpDef:
     return register(
         OpDef(
             name=name,
@@ -46,6 +48,7 @@ def _view_op(name: str, doc: str, infer: Any, reference: Any, operands: tuple[st
             category="layout",
             doc=doc,
             operands=operands,
+            attrs=attrs,
             infer=infer,
             reference=reference,
             accuracy=_EXACT,
@@ -95,6 +98,7 @@ RESHAPE = _view_op(
     "copy inserted first when the input's strides do not allow one.",
     _reshape_infer,
     lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]),
+    {"shape": "shape"},
 )
 
 
@@ -148,6 +152,7 @@ PERMUTE = _view_op(
     "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].",
     _permute_infer,
     lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]),
+    {"axes": "ints"},
 )
 
 
@@ -196,7 +201,11 @@ def _slice_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 
 SLICE = _view_op(
-    "slice", "Python slicing per axis, start:stop:step (negative steps too); a view.", _slice_infer, _slice_ref
+    "slice",
+    "Python slicing per axis, start:stop:step (negative steps too); a view.",
+    _slice_infer,
+    _slice_ref,
+    {"starts": "bounds", "stops": "bounds", "steps": "ints"},
 )
 
 
@@ -282,6 +291,7 @@ BROADCAST_TO = _view_op(
     "Repeat size-1 (or missing leading) axes to a larger shape without copying (stride 0).",
     _broadcast_infer,
     lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]),
+    {"shape": "shape"},
 )
 
 
@@ -316,7 +326,13 @@ def _split_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarr
     return np.split(arrays[0], np.cumsum(attrs["sizes"])[:-1], axis=attrs["axis"])
 
 
-SPLIT = _view_op("split", "Cut one axis into consecutive pieces of the given sizes (views).", _split_infer, _split_ref)
+SPLIT = _view_op(
+    "split",
+    "Cut one axis into consecutive pieces of the given sizes (views).",
+    _split_infer,
+    _split_ref,
+    {"axis": "int", "sizes": "ints"},
+)
 
 
 def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
@@ -364,6 +380,7 @@ CONCAT = register(
         category="layout",
         doc="Join tensors of one dtype along an axis (all other sizes equal).",
         operands=("*tensors",),
+        attrs={"axis": "int"},
         infer=_concat_infer,
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
         accuracy=_EXACT,

@@ -22,6 +22,7 @@ from megaloop.frontend.tensor import Tensor
 
 LAYOUTS = ("neox", "interleaved")
 SCALING_TYPES = ("linear", "llama3")
+ROPE_ATTRS = {"theta": "number", "layout": LAYOUTS, "rotary_dim": "count?", "scaling": "scaling"}
 
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
@@ -98,6 +99,7 @@ ROPE = register(
         doc="Rotate pairs of the last axis by position * frequency: layout 'neox' pairs i with "
         "i + rotary_dim/2, 'interleaved' pairs 2i with 2i+1; dims past rotary_dim pass through.",
         operands=("x", "positions"),
+        attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0),
