@@ -256,7 +256,7 @@ PRESETS = {
 }
 
 
-def _tile_overrides(items: list[str]) -> dict[str, dict[str, int]]:
+def _tile_overrides(items: list[str], command: str = "plan") -> dict[str, dict[str, int]]:
     """``matmul:block_m=64`` (op or node name, then parameter=value) into the planner's overrides."""
     out: dict[str, dict[str, int]] = {}
     for item in items:
@@ -266,7 +266,7 @@ def _tile_overrides(items: list[str]) -> dict[str, dict[str, int]]:
             out.setdefault(name, {})[key] = int(value)
         except ValueError:
             raise SystemExit(
-                f"megaloop plan: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
+                f"megaloop {command}: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
             ) from None
     return out
 
@@ -325,7 +325,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     arch = found[0].plan_arch if found else "sm_90"
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t0 = time.perf_counter()
-    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile))
+    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile, "profile"))
     print(
         f"{args.preset}: planned {len(plan.ranks[0].tasks)} tasks on {processors} processors in "
         f"{time.perf_counter() - t0:.1f} s"

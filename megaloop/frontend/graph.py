@@ -148,9 +148,10 @@ class Graph:
         scope = "" if op.kind == "source" else ".".join(self._scope)  # a source keeps its given name
         for i, t in enumerate(operands):
             if t.graph is not self:
+                same = " (another Graph object of the same name)" if t.graph.name == self.name else ""
                 raise GraphBuildError(
                     f"{op.name}: operand {op.operand_name(i)} ({t!r}) belongs to graph {t.graph.name!r} "
-                    f"(rank {t.graph.rank}), not to {self.name!r} (rank {self.rank}); "
+                    f"(rank {t.graph.rank}){same}, not to {self.name!r} (rank {self.rank}); "
                     "tensors cannot cross graphs: use send/recv or a collective"
                 )
         call = OpCall(op, operands, attrs, scope, self)
@@ -193,6 +194,8 @@ class Graph:
         """A value baked into the graph. NaN/inf are refused unless ``allow_nonfinite=True``."""
         if dtype is None:
             arr = _as_array(value, "constant")
+            if arr.dtype.kind not in "biuf" and arr.dtype != bfloat16.np:
+                raise DtypeError(f"constant: values of numpy dtype {arr.dtype} cannot become a megaloop tensor")
             if arr.dtype == np.float64:
                 dtype = "float32"  # like torch, Python floats and float64 arrays become float32
             else:

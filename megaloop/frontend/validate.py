@@ -21,6 +21,7 @@ Shape = tuple[int, ...]
 
 MAX_DIM = 2**31 - 1  # a task's box bounds (lo, hi) are int32 in the loop kernel
 MAX_TENSOR_BYTES = 2**47  # 128 TiB, far beyond any GPU: byte offsets and arena sums stay exact in int64
+MAX_ARENA_BYTES = 2**48  # one rank's arena (all its buffers): the same reason
 
 
 def _show(value: Any) -> str:

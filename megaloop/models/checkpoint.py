@@ -113,7 +113,9 @@ def _entry(path: Path, name: str, info: Any, data_bytes: int) -> tuple[np.dtype,
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end] (ints >= 0), got {offsets!r:.60}")
     start, end = offsets
-    if not start <= end <= data_bytes:
+    if start > end:
+        raise CheckpointError(f"{where}: data_offsets [{start}, {end}] begin after they end: the file is damaged")
+    if end > data_bytes:
         raise CheckpointError(
             f"{where}: data_offsets [{start}, {end}] lie outside the {data_bytes} bytes of data "
             "(the file is damaged: truncated?)"

@@ -25,6 +25,7 @@ from megaloop.frontend.tiling import (
     SHARED_MEMORY_PER_BLOCK,
     max_resident_processors,
 )
+from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
@@ -366,6 +367,11 @@ def place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
             requests.append(memory.Request(b, kind, nbytes, first, last))
             buffers[own] = Buffer(b, t.name, kind, -1, nbytes, t.shape, own in remote[r])
         layout = memory.place(requests, reuse, budget)
+        if layout.arena_bytes > MAX_ARENA_BYTES:
+            raise GraphBuildError(
+                f"plan: rank {r} needs an arena of {layout.arena_bytes} bytes, above the 2^48 bytes a megaloop plan "
+                "addresses; shrink the model or split it over more ranks"
+            )
         for buf in buffers.values():
             buf.offset = layout.offsets[buf.id]
         rp.buffers = [buffers[own] for own in roots]

@@ -14,6 +14,7 @@ from megaloop.errors import MegaloopError, PlanError, PlanFormatError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.serialize import graph_from_dict, graph_to_dict
 from megaloop.frontend.tiling import Box
+from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import match_ranks
 from megaloop.plan.build import check_settings
 from megaloop.plan.model import (
@@ -401,7 +402,10 @@ def _rank_from(rr: _Reader, r: int) -> RankPlan:
         )
     lists = _Reader(rr.get("processors", list), f"{rr.path}.processors")
     processors = [lists.ints(p, minimum=0) for p in range(len(lists.obj))]
-    return RankPlan(r, graph, tensors, buffers, ops, tasks, counters, processors, rr.get("arena_bytes", int, minimum=0))
+    arena = rr.get("arena_bytes", int, minimum=0)
+    if arena > MAX_ARENA_BYTES:
+        raise PlanFormatError(f"{rr.path}.arena_bytes: {arena} is above the 2^48 bytes a megaloop plan addresses")
+    return RankPlan(r, graph, tensors, buffers, ops, tasks, counters, processors, arena)
 
 
 def _check_id(item: _Reader, expected: int) -> None:

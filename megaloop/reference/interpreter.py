@@ -42,9 +42,15 @@ class _Rank:
     def __init__(self, plan: Plan, r: int) -> None:
         rp = plan.ranks[r]
         self.rp = rp
-        self.arena = np.full(rp.arena_bytes, 0xFF, np.uint8)
-        self.iteration = np.full(rp.arena_bytes, NEVER, np.int32)
-        self.writer = np.full(rp.arena_bytes, -1, np.int32)  # op id; -1 for the host
+        try:
+            self.arena = np.full(rp.arena_bytes, 0xFF, np.uint8)
+            self.iteration = np.full(rp.arena_bytes, NEVER, np.int32)
+            self.writer = np.full(rp.arena_bytes, -1, np.int32)  # op id; -1 for the host
+        except (MemoryError, ValueError):
+            raise InterpreterError(
+                f"the plan interpreter cannot hold rank {r}'s arena of {rp.arena_bytes} bytes (and 8 bytes of "
+                "bookkeeping for each) in this machine's memory"
+            ) from None
         self.counters = np.zeros(len(rp.counters), np.int64)
         # which op produces each tensor's storage this iteration (None: host-written source)
         made_by: dict[int, int] = {}

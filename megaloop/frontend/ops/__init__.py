@@ -168,14 +168,33 @@ def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:
             bound = signature.bind(*args, **kwargs)
         except TypeError as e:
             raise _GraphBuildError(f"{name}: {e}; megaloop.{name} takes {name}{signature}") from None
+        graphs = _graphs_of(bound.arguments.values())
+        saved = [(g, len(g.nodes), dict(g.state_updates)) for g in graphs]
         try:
             return fn(*args, **kwargs)
-        except _MegaloopError:
-            raise
         except Exception as e:
+            for g, count, updates in saved:  # a builder that fails part-way leaves no node behind
+                del g.nodes[count:]
+                g.state_updates = updates
+            if isinstance(e, _MegaloopError):
+                raise
             raise _GraphBuildError(_argument_error(name, fn, signature, bound, e)) from e
 
     return guarded
+
+
+def _graphs_of(values: _Any) -> list[_Any]:
+    """The graphs a builder's arguments belong to (tensors, lists of them, a Graph itself)."""
+    from megaloop.frontend.graph import Graph
+    from megaloop.frontend.tensor import Tensor
+
+    found: dict[int, _Any] = {}
+    for v in values:
+        for item in v if isinstance(v, (list, tuple)) else (v,):
+            g = item.graph if isinstance(item, Tensor) else item if isinstance(item, Graph) else None
+            if g is not None:
+                found[id(g)] = g
+    return list(found.values())
 
 
 for _name in __all__:

@@ -63,7 +63,8 @@ def require_ints(op: OpDef, name: str, value: Any, *, minimum: int | None = None
 
 
 def require_shape(op: OpDef, name: str, value: Any) -> tuple[int, ...]:
-    return as_shape(value, f"{op.name}: {name}")
+    """A shape argument (``name`` is "shape" in every builder that takes one)."""
+    return as_shape(value, op.name)
 
 
 def require_bool(op: OpDef, name: str, value: Any) -> bool:

@@ -347,8 +347,13 @@ def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tens
                 "equally; pass a list of sizes"
             )
         sizes = (x.shape[a] // n,) * n
+    elif isinstance(sections, (list, tuple)):
+        sizes = tuple(require_int(SPLIT, f"sections[{i}]", s) for i, s in enumerate(sections))
     else:
-        sizes = tuple(require_int(SPLIT, "sizes[i]", s) for s in sections)
+        raise GraphBuildError(
+            f"split: sections must be an int (equal pieces) or a list of piece sizes, got "
+            f"{type(sections).__name__} {sections!r:.60}"
+        )
     return apply_multi(SPLIT, [x], axis=a, sizes=sizes)
 
 
@@ -393,8 +398,8 @@ CONCAT = register(
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
         raise GraphBuildError(
-            f"concat takes a list of tensors: concat([x, y], axis=0), not concat(x, y); its first argument is "
-            f"{type(tensors).__name__} {tensors!r:.60}"
+            "concat takes a list of tensors: concat([x, y], axis=0), not concat(x, y); its first argument is "
+            + (repr(tensors) if isinstance(tensors, Tensor) else f"{type(tensors).__name__} {tensors!r:.60}")
         )
     tensors = list(tensors)
     if not tensors:

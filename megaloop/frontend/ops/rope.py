@@ -19,6 +19,7 @@ from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import is_int
 
 LAYOUTS = ("neox", "interleaved")
 SCALING_TYPES = ("linear", "llama3")
@@ -27,6 +28,12 @@ ROPE_ATTRS = {"theta": "number", "layout": LAYOUTS, "rotary_dim": "count?", "sca
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
     """The rotary_dim/2 angular frequencies (float64), after Llama-3-style or linear scaling."""
+    number = isinstance(theta, (int, float, np.number)) and not isinstance(theta, bool)
+    if not (is_int(rotary_dim) and rotary_dim >= 2 and number and (scaling is None or isinstance(scaling, dict))):
+        raise GraphBuildError(
+            f"inv_frequencies: takes rotary_dim (an int >= 2), theta (a number) and scaling (None or a dict), "
+            f"got {rotary_dim!r:.40}, {theta!r:.40}, {scaling!r:.40}"
+        )
     inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     if scaling is None:
         return inv
