@@ -169,12 +169,12 @@ def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:
         except TypeError as e:
             raise _GraphBuildError(f"{name}: {e}; megaloop.{name} takes {name}{signature}") from None
         graphs = _graphs_of(bound.arguments.values())
-        saved = [(g, len(g.nodes), dict(g.state_updates)) for g in graphs]
+        saved = [(g, len(g.nodes), len(g.constants), dict(g.state_updates)) for g in graphs]
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            for g, count, updates in saved:  # a builder that fails part-way leaves no node behind
-                del g.nodes[count:]
+            for g, nodes, constants, updates in saved:  # a builder that fails part-way leaves no node behind
+                del g.nodes[nodes:], g.constants[constants:]
                 g.state_updates = updates
             if isinstance(e, _MegaloopError):
                 raise
