@@ -489,3 +489,31 @@ def test_bad_file(c: Case, tmp_path: Path) -> None:
 @pytest.mark.parametrize("c", params(COMMANDS))
 def test_bad_command_line(c: Case, tmp_path: Path) -> None:
     check_cli(_bind(c, tmp_path))
+
+
+def test_every_node_attribute_is_declared_by_its_op() -> None:
+    """Plan files check node attributes against OpDef.attrs: every attribute a builder makes must be
+    declared there (or plans of that op would not load). Op-table rows, Llama graphs, collectives."""
+    from megaloop.models import LlamaConfig, build_llama, build_llama_generator
+    from tests.op_table import ROWS, build_row
+
+    graphs = [build_row(row, row.dtypes[0], 0)[0] for row in ROWS]
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, vocab=300, max_seq=256,
+                      rope_scaling={"type": "linear", "factor": 2.0})  # fmt: skip
+    graphs += [build_llama(cfg, 1, 1), build_llama(cfg, 2, 4), build_llama_generator(cfg, 1)]
+
+    def ranks(g: ml.Graph) -> None:
+        x = g.input("x", (4, 8), ml.float32)
+        ml.send(x, 1 - g.rank)
+        s = g.state("s", (2,), ml.float32, init=[1.0, 2.0])
+        g.assign(s, s + g.constant([1.0, 2.0]))
+        y = ml.all_reduce(x) + ml.all_gather(x, 1)[:, :8] + ml.reduce_scatter(x, 1).reshape(8, 2).reshape(4, 4)[:, :1]
+        g.output("y", y + ml.recv(g, 1 - g.rank, (4, 8), ml.float32))
+
+    graphs += ml.spmd(ranks, 2)
+    seen = {n.op.name for g in graphs for n in g.nodes}
+    problems = {
+        f"{n.op.name}: {n.op.attr_problem(n.attrs)}" for g in graphs for n in g.nodes if n.op.attr_problem(n.attrs)
+    }
+    assert not problems, sorted(problems)
+    assert len(seen) >= len(ml.REGISTRY) - 2, sorted(set(ml.REGISTRY) - seen)  # all but a few helpers' ops
