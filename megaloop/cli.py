@@ -24,6 +24,35 @@ from megaloop.models import LlamaConfig, build_llama, build_llama_generator, ran
 from megaloop.runtime import gpus
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low``; a bad value ends as argparse's usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"  # what argparse calls the type in its messages
+    return parse
+
+
+COUNT = _at_least(1)
+
+
+def _writable_file(command: str, path: Path, force: bool) -> None:
+    """Refuse, before any work, a file that cannot be written or would replace one unasked."""
+    if not path.parent.is_dir():
+        raise SystemExit(f"megaloop {command}: cannot write {path}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise SystemExit(f"megaloop {command}: {path} is a folder; give a file name")
+    if path.exists() and not force:
+        raise SystemExit(f"megaloop {command}: {path} exists; pass --force to replace it")
+
+
 class _CpuSteps:
     """Prefill, then decode steps, on the CPU reference (the KV cache carried between graphs)."""
 
@@ -227,7 +256,7 @@ PRESETS = {
 }
 
 
-def _tile_overrides(items: list[str]) -> dict[str, dict[str, int]]:
+def _tile_overrides(items: list[str], command: str = "plan") -> dict[str, dict[str, int]]:
     """``matmul:block_m=64`` (op or node name, then parameter=value) into the planner's overrides."""
     out: dict[str, dict[str, int]] = {}
     for item in items:
@@ -237,7 +266,7 @@ def _tile_overrides(items: list[str]) -> dict[str, dict[str, int]]:
             out.setdefault(name, {})[key] = int(value)
         except ValueError:
             raise SystemExit(
-                f"megaloop plan: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
+                f"megaloop {command}: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
             ) from None
     return out
 
@@ -247,6 +276,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megaloop.plan.stats import format_stats
 
     cfg = PRESETS[args.preset]
+    if args.save:
+        _writable_file("plan", Path(args.save), args.force)
     t0 = time.perf_counter()
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t1 = time.perf_counter()
@@ -260,7 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(format_stats(plan, plan.stats()))
     if args.save:
-        plan.save(args.save)
+        plan.save(args.save, overwrite=args.force)
         print(f"saved {args.save}")
     return 0
 
@@ -282,13 +313,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from megaloop.runtime import trace
 
     cfg = PRESETS[args.preset]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"megaloop profile: --out {out} is a file; give a folder for trace.json and timeline.png")
+    for name in ("trace.json", "timeline.png"):
+        if (out / name).exists() and not args.force:
+            raise SystemExit(f"megaloop profile: {out / name} exists; pass --force to replace it, or another --out")
     found, reason = gpus()
     on_gpu = bool(found) and not args.estimate
     processors = args.processors or (found[0].sm_count if found else 132)
     arch = found[0].plan_arch if found else "sm_90"
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t0 = time.perf_counter()
-    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile))
+    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile, "profile"))
     print(
         f"{args.preset}: planned {len(plan.ranks[0].tasks)} tasks on {processors} processors in "
         f"{time.perf_counter() - t0:.1f} s"
@@ -309,7 +346,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not found:
             print(f"no GPU ({reason}): showing the cost model's estimate, not a measurement")
         tl = trace.estimated_timeline(plan, iterations=args.iterations)
-    out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -346,17 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megaloop", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build and run a small Llama-style transformer")
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--heads", type=int, default=8)
-    demo.add_argument("--kv-heads", type=int, default=2)
-    demo.add_argument("--intermediate", type=int, default=688)
-    demo.add_argument("--layers", type=int, default=2)
-    demo.add_argument("--vocab", type=int, default=1000)
-    demo.add_argument("--batch", type=int, default=2)
-    demo.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
-    demo.add_argument("--decode", type=int, default=8, help="tokens to generate")
+    demo.add_argument("--hidden", type=COUNT, default=256)
+    demo.add_argument("--heads", type=COUNT, default=8)
+    demo.add_argument("--kv-heads", type=COUNT, default=2)
+    demo.add_argument("--intermediate", type=COUNT, default=688)
+    demo.add_argument("--layers", type=COUNT, default=2)
+    demo.add_argument("--vocab", type=COUNT, default=1000)
+    demo.add_argument("--batch", type=COUNT, default=2)
+    demo.add_argument("--prompt", type=COUNT, default=16, help="prompt tokens per sequence")
+    demo.add_argument("--decode", type=COUNT, default=8, help="tokens to generate")
     demo.add_argument("--dtype", default="bfloat16", choices=[d.name for d in ml.FLOAT_DTYPES])
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_at_least(0), default=0)
     demo.add_argument("--summary", action="store_true", help="print the whole graph")
     demo.add_argument(
         "--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: the loop kernel when there is a GPU"
@@ -364,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(fn=cmd_demo)
     plan = sub.add_parser("plan", help="plan a Llama-family model and print statistics")
     plan.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--tokens", type=int, default=1, help="tokens per sequence in one step (1: decode)")
-    plan.add_argument("--processors", type=int, default=132, help="thread blocks (132 SMs on an H200)")
+    plan.add_argument("--batch", type=COUNT, default=1)
+    plan.add_argument("--tokens", type=COUNT, default=1, help="tokens per sequence in one step (1: decode)")
+    plan.add_argument("--processors", type=COUNT, default=132, help="thread blocks (132 SMs on an H200)")
     plan.add_argument("--arch", default="sm_90", choices=["sm_80", "sm_86", "sm_89", "sm_90"])
     plan.add_argument(
         "--tile",
@@ -377,16 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.add_argument("--no-reuse", action="store_true", help="give every intermediate its own memory")
     plan.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON")
+    plan.add_argument("--force", action="store_true", help="replace the --save file if it exists")
     plan.set_defaults(fn=cmd_plan)
     profile = sub.add_parser("profile", help="per-task timeline of a model's loop kernel (trace JSON + PNG)")
     profile.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    profile.add_argument("--batch", type=int, default=1)
-    profile.add_argument("--tokens", type=int, default=1, help="tokens per sequence in one step (1: decode)")
-    profile.add_argument("--processors", type=int, default=0, help="thread blocks (default: the GPU's SMs, or 132)")
-    profile.add_argument("--iterations", type=int, default=3, help="iterations to record")
+    profile.add_argument("--batch", type=COUNT, default=1)
+    profile.add_argument("--tokens", type=COUNT, default=1, help="tokens per sequence in one step (1: decode)")
+    profile.add_argument(
+        "--processors", type=COUNT, default=None, help="thread blocks (default: the GPU's SMs, or 132)"
+    )
+    profile.add_argument("--iterations", type=COUNT, default=3, help="iterations to record")
     profile.add_argument("--tile", action="append", default=[], metavar="NAME:PARAM=INT", help="as for plan")
     profile.add_argument("--estimate", action="store_true", help="the cost model's timeline even with a GPU")
     profile.add_argument("--out", default="megaloop-profile", help="folder for trace.json and timeline.png")
+    profile.add_argument("--force", action="store_true", help="replace trace.json and timeline.png in --out")
     profile.set_defaults(fn=cmd_profile)
     sub.add_parser("ops", help="list the op set").set_defaults(fn=cmd_ops)
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)

@@ -92,7 +92,7 @@ def as_dtype(value: object) -> DType:
         return as_dtype(str(value))
     try:
         npd = np.dtype(value)  # type: ignore[call-overload]
-    except TypeError:
+    except Exception:  # numpy refuses it (TypeError, or ValueError for objects with an odd .dtype)
         npd = None
     if npd is not None:
         for dt in ALL_DTYPES:

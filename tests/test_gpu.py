@@ -12,6 +12,7 @@ import torch
 
 import megaloop as ml
 from megaloop.codegen import generate
+from megaloop.frontend.tiling import max_resident_processors
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import compile_many
@@ -277,7 +278,9 @@ def test_more_processors_than_can_be_resident_is_refused() -> None:
     g = ml.Graph("wide")
     x = g.input("x", (5000, 64), ml.float32)
     g.output("y", x + 1.0)
-    plan = make_plan(g, processors=5000, tiles={"add": {"elements": 64}})
+    # the most any sm_90 GPU could hold (make_plan refuses more); this kernel's registers allow fewer
+    most = max_resident_processors("sm_90", 8)
+    plan = make_plan(g, processors=most, warps=8, tiles={"add": {"elements": 64}})
     with pytest.raises(LoopKernelError, match=r"resident at once .* processors <= \d+"):
         loop_kernel(plan)
 

@@ -36,6 +36,7 @@ from megaloop.frontend.opdef import OpCall, OpDef, OutSpec, attrs_repr
 from megaloop.frontend.ops import sources
 from megaloop.frontend.shapes import Shape, format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_shape
 
 
 class Node:
@@ -71,18 +72,8 @@ class Node:
         return f"Node(%{self.id} {self.op.name} {self.name!r})"
 
 
-def _check_shape(shape: Any, what: str) -> Shape:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        dims = (shape,)
-    for d in dims:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
-            raise ShapeError(
-                f"{what}: shape {shape!r} is invalid; every dimension must be an int >= 1 "
-                "(megaloop plans static shapes; use 1 for a placeholder dimension)"
-            )
-    return tuple(int(d) for d in dims)
+def _check_shape(shape: Any, what: str, dtype: DType | None = None) -> Shape:
+    return as_shape(shape, what, itemsize=None if dtype is None else dtype.itemsize)
 
 
 def _check_name(name: Any, what: str) -> str:
@@ -157,9 +148,10 @@ class Graph:
         scope = "" if op.kind == "source" else ".".join(self._scope)  # a source keeps its given name
         for i, t in enumerate(operands):
             if t.graph is not self:
+                same = " (another Graph object of the same name)" if t.graph.name == self.name else ""
                 raise GraphBuildError(
                     f"{op.name}: operand {op.operand_name(i)} ({t!r}) belongs to graph {t.graph.name!r} "
-                    f"(rank {t.graph.rank}), not to {self.name!r} (rank {self.rank}); "
+                    f"(rank {t.graph.rank}){same}, not to {self.name!r} (rank {self.rank}); "
                     "tensors cannot cross graphs: use send/recv or a collective"
                 )
         call = OpCall(op, operands, attrs, scope, self)
@@ -171,7 +163,7 @@ class Graph:
         return node.outputs
 
     def _make_tensor(self, node: Node, index: int, spec: OutSpec, call: OpCall) -> Tensor:
-        _check_shape(spec.shape, f"{node.op.name} output {index}")
+        _check_shape(spec.shape, f"{node.op.name} output {index}", spec.dtype)
         if spec.view is None:
             return Tensor(self, node, index, spec.shape, spec.dtype)
         owner = call.operands[0].base
@@ -192,7 +184,7 @@ class Graph:
         Give its next value with ``assign`` or an in-place op such as ``kv_cache_update``."""
         attrs = {}
         if init is not None:  # checked before the state exists, so a bad init leaves no trace
-            dims = _check_shape(shape, f"state {name!r}")
+            dims = _check_shape(shape, f"state {name!r}", as_dtype(dtype))
             attrs["init"] = _constant_array(init, as_dtype(dtype), f"state {name!r} init", False, dims, "")
         return self._source(sources.STATE, self.states, name, shape, dtype, attrs)
 
@@ -202,6 +194,8 @@ class Graph:
         """A value baked into the graph. NaN/inf are refused unless ``allow_nonfinite=True``."""
         if dtype is None:
             arr = _as_array(value, "constant")
+            if arr.dtype.kind not in "biuf" and arr.dtype != bfloat16.np:
+                raise DtypeError(f"constant: values of numpy dtype {arr.dtype} cannot become a megaloop tensor")
             if arr.dtype == np.float64:
                 dtype = "float32"  # like torch, Python floats and float64 arrays become float32
             else:
@@ -232,8 +226,8 @@ class Graph:
     ) -> Tensor:
         what = f"{op.name} {name!r}"
         _check_name(name, op.name)
-        shape = _check_shape(shape, what)
         dt = as_dtype(dtype)
+        shape = _check_shape(shape, what, dt)
         if name in table:
             raise GraphBuildError(f"{what}: the name is already used by another {op.name} of graph {self.name!r}")
         (t,) = self.apply(op, [], {"name": name, "shape": shape, "dtype": dt, **(extra or {})})
@@ -399,6 +393,18 @@ class Graph:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def require_results(graphs: Sequence[Graph], who: str) -> None:
+    """Refuse a program whose ranks name no output and update no state: it would run and give nothing."""
+    if any(g.outputs or g.state_updates for g in graphs):
+        return
+    names = ", ".join(repr(g.name) for g in graphs[:4])
+    raise GraphBuildError(
+        f"{who}: graph {names} has no outputs and updates no state, so it would compute nothing anyone can "
+        "read; name its results with graph.output(name, tensor) (or give a state its next value with "
+        "graph.assign)"
+    )
 
 
 def _kahn_by_id(nodes: list[Node]) -> list[Node]:

@@ -19,9 +19,8 @@ Kinds of op, which decide how the reference backend and later the planner treat 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,10 +96,37 @@ class OpDef:
     # how its operands' and outputs' placements over a group of devices go together (its strategies);
     # None: the partitioner cannot split it (megaloop/frontend/placement.py)
     placement: PlacementRule | None = None
+    # rules on the operands' values (ids, positions, lengths in range): check_data(arrays, attrs, known)
+    # raises DataError; known[i] is None (every value of operand i is real) or a bool mask of the values
+    # that are (the plan interpreter's tasks see only their declared boxes). The reference runs after it
+    # and clamps what it indexes with, so the poison outside a task's boxes stays harmless.
+    check_data: Callable[[list[np.ndarray], dict[str, Any], Sequence[np.ndarray | None]], None] | None = None
+    # the attributes a node of this op may carry: name -> a kind of ATTR_KINDS, or a tuple of the allowed
+    # values; what a graph read from a plan file is checked against before its shape rules run
+    attrs: Mapping[str, str | tuple[Any, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"op {self.name}: kind must be one of {KINDS}, got {self.kind!r}")
+        for key, kind in self.attrs.items():
+            if not isinstance(kind, tuple) and kind not in ATTR_KINDS:
+                raise ValueError(f"op {self.name}: attribute {key!r} has unknown kind {kind!r}")
+
+    def attr_problem(self, attrs: Mapping[str, Any]) -> str | None:
+        """What is wrong with a node's attributes (unknown names, values of the wrong kind), or None."""
+        for key, value in attrs.items():
+            kind = self.attrs.get(key)
+            if kind is None:
+                known = ", ".join(sorted(self.attrs)) or "none"
+                return f"{key}: {self.name} has no attribute {key!r} (its attributes: {known})"
+            if isinstance(kind, tuple):
+                if not any(type(value) is type(c) and value == c for c in kind):
+                    return f"{key}: expected one of {list(kind)}, got {value!r:.60}"
+                continue
+            check, expected = ATTR_KINDS[kind]
+            if not check(value):
+                return f"{key}: expected {expected}, got {type(value).__name__} {value!r:.60}"
+        return None
 
     def operand_name(self, index: int) -> str:
         if len(self.operands) == 1 and self.operands[0].startswith("*"):
@@ -115,23 +141,63 @@ class OpDef:
 
 REGISTRY: dict[str, OpDef] = {}
 
-_DATA_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("megaloop_data_checks", default=True)
+
+def _int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def data_checks() -> bool:
-    """Whether references raise DataError on invalid values (ids, positions, lengths out of range)."""
-    return _DATA_CHECKS.get()
+def _number(v: Any) -> bool:
+    return _int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
 
 
-@contextlib.contextmanager
-def without_data_checks() -> Iterator[None]:
-    """References clamp invalid indices instead of raising. The plan interpreter uses this: a tile's
-    operands are poisoned outside the boxes it declares, and indices there never reach its output."""
-    token = _DATA_CHECKS.set(False)
-    try:
-        yield
-    finally:
-        _DATA_CHECKS.reset(token)
+def _ints(v: Any, low: int | None = None) -> bool:
+    return isinstance(v, tuple) and all(_int(x) and (low is None or x >= low) for x in v)
+
+
+def _scaling(v: Any) -> bool:
+    if v is None:
+        return True
+    return isinstance(v, dict) and all(isinstance(k, str) and (_number(x) or isinstance(x, str)) for k, x in v.items())
+
+
+def _is_dtype(v: Any) -> bool:
+    from megaloop.dtypes import DType
+
+    return isinstance(v, DType)
+
+
+# kinds of attribute value: (check, what a wrong value is told it should be)
+ATTR_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bool": (lambda v: isinstance(v, (bool, np.bool_)), "true or false"),
+    "int": (_int, "an int"),
+    "count": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "count?": (lambda v: v is None or (_int(v) and v >= 1), "null or an int >= 1"),
+    "rank": (lambda v: _int(v) and v >= 0, "an int >= 0"),
+    "number": (_number, "a finite number"),
+    "number?": (lambda v: v is None or _number(v), "null or a finite number"),
+    "name": (lambda v: isinstance(v, str) and bool(v) and not any(c.isspace() for c in v), "a name (no spaces)"),
+    "ints": (_ints, "a tuple of ints"),
+    "shape": (lambda v: _ints(v, 1), "a tuple of ints >= 1"),
+    "axes": (lambda v: v is None or _int(v) or _ints(v), "null, an int or a tuple of ints"),
+    "ranks?": (lambda v: v is None or _ints(v, 0), "null or a tuple of ranks"),
+    "bounds": (lambda v: isinstance(v, tuple) and all(x is None or _int(x) for x in v), "a tuple of ints or nulls"),
+    "dtype": (_is_dtype, "a dtype"),
+    "array": (lambda v: isinstance(v, np.ndarray), "an array"),
+    "scalars": (
+        lambda v: isinstance(v, dict) and all(_int(k) and k >= 0 and _number(x) for k, x in v.items()),
+        "a dict from operand slots to finite numbers",
+    ),
+    "scaling": (_scaling, "null or a dict from names to numbers"),
+}
+
+
+def first_bad(bad: np.ndarray, known: np.ndarray | None) -> tuple[int, ...] | None:
+    """Index of the first True of ``bad`` among the real values (``known``; None: all), or None."""
+    if known is not None:
+        bad = bad & known
+    if not np.any(bad):
+        return None
+    return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def register(op: OpDef) -> OpDef:

@@ -27,6 +27,20 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 # the most dynamic shared memory one thread block may use (CUDA programming guide, compute capabilities)
 SHARED_MEMORY_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 MAX_WARPS = 32  # 1024 threads per block
+# What one GPU of an architecture can hold resident at once (the largest part of each: A100 108 SMs,
+# A40 84, L40S 142, H100/H200 132), with the guide's limits of blocks and warps per SM: every
+# processor of a loop kernel must be resident, so a plan for more processors could never start.
+LARGEST_SM_COUNT = {"sm_80": 108, "sm_86": 84, "sm_89": 142, "sm_90": 132}
+BLOCKS_PER_SM = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
+WARPS_PER_SM = {"sm_80": 64, "sm_86": 48, "sm_89": 48, "sm_90": 64}
+
+
+def max_resident_processors(arch: str, warps: int) -> int:
+    """The most thread blocks of ``warps`` warps any GPU of ``arch`` keeps resident at once (registers
+    and shared memory may allow fewer: the runtime checks the real kernel)."""
+    return LARGEST_SM_COUNT[arch] * min(BLOCKS_PER_SM[arch], WARPS_PER_SM[arch] // warps)
+
+
 PEER_SEND = -1  # operand index of a recv's read: the matched send's input on the source rank
 PEER_RECV = -2  # output index of a pushing send's write: the matched recv's output on the destination rank
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from megaloop.dtypes import DType, bfloat16, round_to, to_numpy
@@ -23,10 +24,8 @@ def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
         raise EvaluationError(f"{what}: expected shape {format_shape(t.shape)}, got {format_shape(arr.shape)}")
     kind = "f" if arr.dtype == bfloat16.np else arr.dtype.kind
     dt: DType = t.dtype
-    if dt.is_float and kind == "f":
-        return np.array(round_to(arr, dt), copy=True)
-    if dt.is_float and kind in "iu":
-        return np.array(round_to(arr.astype(np.float64), dt), copy=True)
+    if dt.is_float and kind in "fiu":
+        return _rounded(arr if kind == "f" else arr.astype(np.float64), dt, what)
     if dt.is_int and kind in "iu":
         info = np.iinfo(dt.np)
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
@@ -35,3 +34,20 @@ def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
     if dt.is_bool and kind == "b":
         return arr.copy()
     raise EvaluationError(f"{what}: expected {dt.name} values, got a {arr.dtype} array")
+
+
+def _rounded(arr: np.ndarray, dt: DType, what: str) -> np.ndarray:
+    """``arr`` rounded to float dtype ``dt`` (a copy); finite values that would become inf are refused,
+    as they are in a constant (non-finite values handed in stay what they are)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.array(round_to(arr, dt), copy=True)
+    if arr.dtype != dt.np and arr.size:
+        overflow = ~np.isfinite(out.astype(np.float32)) & np.isfinite(arr.astype(np.float64))
+        if np.any(overflow):
+            at = tuple(int(i) for i in np.argwhere(overflow)[0])
+            largest = float(ml_dtypes.finfo(dt.np).max)
+            raise EvaluationError(
+                f"{what}: value {arr[at]} at index {at} overflows {dt.name} (largest finite value {largest:g}; "
+                f"{np.count_nonzero(overflow)} values in all); scale it, or give the tensor a wider dtype"
+            )
+    return out

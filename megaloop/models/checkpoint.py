@@ -14,6 +14,7 @@ tables some exporters add.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,34 +28,144 @@ from megaloop.models.llama import LlamaConfig
 
 DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
 NAMES = {v: k for k, v in DTYPES.items()}
+# what read_safetensors reads besides the float parameters megaloop runs (the model refuses the rest by name)
+READ_DTYPES = {
+    **DTYPES,
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # tables some exporters store; megaloop computes them
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file, memory-mapped (read-only)."""
+    """Every tensor of one safetensors file, memory-mapped (read-only). A file that breaks the format
+    (absurd or truncated header, entries without dtype, shape or data_offsets, offsets outside the data,
+    overlapping or not matching the shape) is a CheckpointError naming the file and the field."""
     path = Path(path)
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-    data = np.memmap(path, np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} is {info.get('dtype')}; megaloop reads {sorted(DTYPES)}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - start != int(np.prod(shape)) * dtype.itemsize or end > data.size:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} {shape} has {end - start} bytes of data; the file is damaged"
-            )
-        out[name] = data[start:end].view(dtype).reshape(shape)
-    return out
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (the file is damaged)")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{path}: the header length field says {n} bytes, but the file has {size - 8} after it "
+                    f"(and the format allows at most {MAX_HEADER_BYTES}): not a safetensors file, or it is damaged"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e.strerror or e})") from None
+    header = _parse_header(path, raw)
+    data_bytes = size - 8 - n
+    entries = [(name, _entry(path, name, info, data_bytes)) for name, info in header.items() if name != "__metadata__"]
+    _check_overlaps(path, entries)
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + n) if data_bytes else np.zeros(0, np.uint8)
+    return {name: data[start:end].view(dtype).reshape(shape) for name, (dtype, shape, start, end) in entries}
+
+
+def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: header byte {e.start} is not UTF-8: not a safetensors file, or it is damaged"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path}: the header is not JSON ({e.msg} at byte {e.pos}): the file is damaged"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: the header is JSON nested too deeply: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is a JSON {type(header).__name__}, not an object of tensor entries")
+    meta = header.get("__metadata__")
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: __metadata__ must be an object, got {type(meta).__name__}")
+    return header
+
+
+def _entry(path: Path, name: str, info: Any, data_bytes: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, start, end) of one header entry, each field checked."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(
+            f"{where}: its entry is a {type(info).__name__}, not an object with dtype, shape and data_offsets"
+        )
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise CheckpointError(f"{where}: the entry has no {key!r} (it has {sorted(info)})")
+    dtype = READ_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(f"{where}: dtype {info['dtype']!r:.40}; megaloop reads {sorted(READ_DTYPES)}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of ints >= 0, got {shape!r:.60}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] (ints >= 0), got {offsets!r:.60}")
+    start, end = offsets
+    if start > end:
+        raise CheckpointError(f"{where}: data_offsets [{start}, {end}] begin after they end: the file is damaged")
+    if end > data_bytes:
+        raise CheckpointError(
+            f"{where}: data_offsets [{start}, {end}] lie outside the {data_bytes} bytes of data "
+            "(the file is damaged: truncated?)"
+        )
+    need = math.prod(shape) * dtype.itemsize
+    if end - start != need:
+        raise CheckpointError(
+            f"{where}: shape {shape} of {info['dtype']} needs {need} bytes, but data_offsets give {end - start}: "
+            "the file is damaged"
+        )
+    return dtype, tuple(shape), start, end
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_overlaps(path: Path, entries: list[tuple[str, tuple[np.dtype, tuple[int, ...], int, int]]]) -> None:
+    spans = sorted((start, end, name) for name, (_, _, start, end) in entries if end > start)
+    reach, holder = 0, ""  # the furthest end so far, and whose
+    for start, end, name in spans:
+        if start < reach:
+            raise CheckpointError(f"{path}: the data of tensors {holder!r} and {name!r} overlap: the file is damaged")
+        if end > reach:
+            reach, holder = end, name
+
+
+def read_index(path: str | Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` names (sorted, each once); CheckpointError
+    naming the index and the field when it is not JSON, has no weight_map, or names files that are not
+    in its folder."""
+    path = Path(path)
+    try:
+        index = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the index ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: the index is not JSON ({e})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        found = sorted(index) if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{path}: the index needs a 'weight_map' object (tensor name -> file); found {found}")
+    files = set()
+    for tensor, file in index["weight_map"].items():
+        name = Path(file) if isinstance(file, str) and file else None
+        if name is None or name.is_absolute() or ".." in name.parts:
+            raise CheckpointError(f"{path}: weight_map[{tensor!r}] must be a file name in the folder, got {file!r:.60}")
+        if not (path.parent / name).is_file():
+            raise CheckpointError(f"{path}: weight_map[{tensor!r}] names {file}, which is not in {path.parent}")
+        files.add(file)
+    return sorted(files)
 
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
@@ -126,7 +237,7 @@ def load_llama(
     cfg = llama_config(config, max_seq=max_seq, dtype=dtype)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = read_index(index)
     else:
         files = ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
         files = files or sorted(p.name for p in folder.glob("*.safetensors"))

@@ -21,6 +21,7 @@ from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.ops._fused_matmul import rows_fit
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_int
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,11 @@ def decoder_layer_parts(
             return h, mlp_block(g, cfg, project, layer)
 
 
+def _require_config(cfg: Any, who: str) -> None:
+    if not isinstance(cfg, LlamaConfig):
+        raise GraphBuildError(f"{who}: cfg must be a LlamaConfig, got {type(cfg).__name__} {cfg!r:.60}")
+
+
 def build_llama(
     cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama", *, kv_splits: int | str | None = "auto"
 ) -> Graph:
@@ -254,6 +260,9 @@ def build_llama(
     ``tokens`` int64 [batch, tokens] (when cfg.vocab is set) or ``hidden`` [batch, tokens, hidden].
     Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``.
     """
+    _require_config(cfg, "build_llama")
+    batch = as_int(batch, "build_llama: batch", minimum=1)
+    tokens = as_int(tokens, "build_llama: tokens", minimum=1)
     if tokens > cfg.max_seq:
         raise GraphBuildError(f"build_llama: {tokens} tokens do not fit a cache of max_seq={cfg.max_seq}")
     g = Graph(name)
@@ -303,8 +312,10 @@ def build_llama_generator(
     in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE logits);
     the same tokens whatever it is.
     """
+    _require_config(cfg, "build_llama_generator")
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_generator: the model needs a vocabulary (cfg.vocab) to pick tokens")
+    batch = as_int(batch, "build_llama_generator: batch", minimum=1)
     g = Graph(name)
     token = g.state("token", (batch, 1), "int64")
     position = g.state("position", (batch, 1), "int64")

@@ -14,14 +14,21 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DeadlockError, GraphBuildError
-from megaloop.frontend.graph import Graph
+from megaloop.frontend.graph import Graph, require_results
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tensor import Tensor
-from megaloop.frontend.tiling import ARCHS, MAX_WARPS, SHARED_MEMORY_PER_BLOCK
+from megaloop.frontend.tiling import (
+    ARCHS,
+    LARGEST_SM_COUNT,
+    MAX_WARPS,
+    SHARED_MEMORY_PER_BLOCK,
+    max_resident_processors,
+)
+from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
-from megaloop.plan.deps import Layout, derive_waits, hb_order
+from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
 from megaloop.plan.hazards import build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
@@ -57,6 +64,9 @@ def make_plan(
     if isinstance(scratch_budget, bool) or not isinstance(scratch_budget, int) or scratch_budget < 0:
         raise GraphBuildError(f"plan: scratch_budget must be an int >= 0 (bytes), got {scratch_budget!r}")
     tiles = _check_tiles(tiles)
+    if not glist or not all(isinstance(g, Graph) for g in glist):
+        raise GraphBuildError(f"plan: expected a Graph or a list of rank Graphs, got {graphs!r:.80}")
+    require_results(glist, "plan")
     matching = match_ranks(glist)
     ranks = [lower_rank(g, r, matching, arch, tiles) for r, g in enumerate(glist)]
     number_ops(ranks)
@@ -82,16 +92,24 @@ def make_plan(
 
 def check_settings(arch: str, processors: Any, warps: Any, shared_memory: Any, error: type, where: str) -> None:
     """The plan-wide settings make_plan takes and a loaded plan carries."""
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise error(f"{where}: unknown architecture {arch!r}; megaloop plans for {', '.join(ARCHS)}")
     for name, value, low, high in (
-        ("processors", processors, 1, None),
         ("warps", warps, 1, MAX_WARPS),
         ("shared_memory", shared_memory, 0, SHARED_MEMORY_PER_BLOCK[arch]),
+        ("processors", processors, 1, None),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
             bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise error(f"{where}: {name} must be an int {bound} on {arch}, got {value!r}")
+    most = max_resident_processors(arch, warps)
+    if processors > most:
+        raise error(
+            f"{where}: processors is {processors}, but no {arch} GPU keeps more than {most} thread blocks of {warps} "
+            f"warps resident at once ({LARGEST_SM_COUNT[arch]} SMs x {most // LARGEST_SM_COUNT[arch]}), and every "
+            f"processor of a loop kernel must be resident; plan with processors <= {most} (one per SM is typical: "
+            "megaloop.runtime.gpus() gives the SM count)"
+        )
 
 
 def _check_tiles(tiles: Any) -> dict[str, dict[str, int]]:
@@ -349,6 +367,11 @@ def place_buffers(plan: Plan, reuse: bool, budget: int) -> None:
             requests.append(memory.Request(b, kind, nbytes, first, last))
             buffers[own] = Buffer(b, t.name, kind, -1, nbytes, t.shape, own in remote[r])
         layout = memory.place(requests, reuse, budget)
+        if layout.arena_bytes > MAX_ARENA_BYTES:
+            raise GraphBuildError(
+                f"plan: rank {r} needs an arena of {layout.arena_bytes} bytes, above the 2^48 bytes a megaloop plan "
+                "addresses; shrink the model or split it over more ranks"
+            )
         for buf in buffers.values():
             buf.offset = layout.offsets[buf.id]
         rp.buffers = [buffers[own] for own in roots]
@@ -447,9 +470,18 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
     layout = Layout(proc, index, lists)
     order = hb_order(layout, req0)
     if order is None:
+        cycle = deadlock_cycle(layout, req0)
+        owner = np.searchsorted(base, cycle, side="right") - 1
+
+        def where(g: int, r: int) -> str:
+            return f"{plan.task_label(r, g - base[r])} (processor {proc[g] - proc_base[r]}, position {index[g]})"
+
+        steps = [where(g, int(r)) for g, r in zip(cycle, owner)]
         raise DeadlockError(
-            "plan: the processors' task orders deadlock: some task is placed before a task it "
-            "depends on, on the same processor or across a cycle of processors"
+            "plan: the processors' task orders deadlock: each of these tasks must wait for the one before it "
+            "(it comes later on the same processor or needs its result) and the first for the last: "
+            + " -> ".join(steps)
+            + "; move a task after what it depends on"
         )
     waits = derive_waits(layout, req0, req1, order)
     for r, rp in enumerate(plan.ranks):

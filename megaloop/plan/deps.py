@@ -76,6 +76,43 @@ def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
     return order if len(order) == n else None
 
 
+def deadlock_cycle(layout: Layout, req0: list[list[int]]) -> list[int]:
+    """Tasks that wait on each other in a loop (when ``hb_order`` found none): each needs the one
+    before it in the list to have run (program order or a requirement), the first needs the last."""
+    n = len(layout.proc)
+    pred = program_predecessors(layout)
+    needs = [([int(pred[c])] if pred[c] >= 0 else []) + list(req0[c]) for c in range(n)]
+    done = set(hb_order_partial(n, needs))
+    start = next(c for c in range(n) if c not in done)
+    path: list[int] = []
+    seen: dict[int, int] = {}
+    c = start
+    while c not in seen:
+        seen[c] = len(path)
+        path.append(c)
+        c = next(a for a in needs[c] if a not in done)  # a stuck task waits on another stuck task
+    return path[seen[c] :][::-1]
+
+
+def hb_order_partial(n: int, needs: list[list[int]]) -> list[int]:
+    """Kahn's order over ``needs`` (predecessor lists), as far as it goes."""
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [len(x) for x in needs]
+    for c, xs in enumerate(needs):
+        for a in xs:
+            succ[a].append(c)
+    ready = [c for c in range(n) if indeg[c] == 0]
+    order = []
+    while ready:
+        a = ready.pop()
+        order.append(a)
+        for c in succ[a]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    return order
+
+
 def derive_waits(
     layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int]
 ) -> list[list[tuple[int, int]]]:

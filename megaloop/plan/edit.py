@@ -87,9 +87,18 @@ def check_tasks_match_tiles(plan: Plan) -> None:
             if [_signature(t) for t in stored] != [_signature(t) for t in expected]:
                 raise PlanFormatError(
                     f"plan.ranks[{r}].ops[{op.id}] ({op.name}): its {len(stored)} tasks are not what tile {op.tile} "
-                    f"makes ({len(expected)} tasks): tile parameters edited, or the file made by a megaloop "
-                    "whose tilings differ; load with rederive=True to make them again"
+                    f"makes ({len(expected)} tasks; {_first_difference(stored, expected)}): tile parameters edited, "
+                    "or the file made by a megaloop whose tilings differ; load with rederive=True to make them again"
                 )
+
+
+def _first_difference(stored: list[Task], expected: list[Task]) -> str:
+    fields = ("coords", "reads", "writes", "flops", "bytes")
+    for got, want in zip(stored, expected):
+        for name, a, b in zip(fields, _signature(got), _signature(want)):
+            if a != b:
+                return f"task {got.id} has {name} {a!r:.80}, the tiling gives {b!r:.80}"
+    return "a different number of them"
 
 
 def rederive_plan(plan: Plan) -> Plan:

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from megaloop.dtypes import as_dtype
-from megaloop.errors import MegaloopError, PlanFormatError
+from megaloop.errors import MegaloopError, PlanError, PlanFormatError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.serialize import graph_from_dict, graph_to_dict
 from megaloop.frontend.tiling import Box
+from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import match_ranks
 from megaloop.plan.build import check_settings
 from megaloop.plan.model import (
@@ -113,18 +114,41 @@ def _rank_to_dict(rp: RankPlan) -> dict[str, Any]:
     }
 
 
-def save(plan: Plan, path: str | os.PathLike) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated plan behind."""
-    path = Path(path)
+def save(plan: Plan, path: str | os.PathLike, *, overwrite: bool = True) -> None:
+    """Write atomically: a crash mid-write never leaves a truncated plan behind. ``overwrite=False``
+    refuses to replace an existing file. Errors (PlanError) name the file and what to do."""
+    try:
+        path = Path(path)
+    except TypeError:
+        raise PlanError(f"plan.save: path must be a file name, got {type(path).__name__} {path!r:.60}") from None
+    if not path.parent.is_dir():
+        raise PlanError(f"plan.save: cannot write {path}: the folder {path.parent} does not exist; create it first")
+    if path.is_dir():
+        raise PlanError(f"plan.save: {path} is a folder; give a file name, e.g. {path / 'plan.json'}")
+    if not overwrite and path.exists():
+        raise PlanError(f"plan.save: {path} exists; pass overwrite=True to replace it")
     text = json.dumps(plan_to_dict(plan), indent=1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as e:
+        raise PlanError(f"plan.save: cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a plan is an ordinary file
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if the file appeared meanwhile: never replaces it
+            Path(tmp).unlink()
+    except FileExistsError:
+        Path(tmp).unlink(missing_ok=True)
+        raise PlanError(f"plan.save: {path} exists; pass overwrite=True to replace it") from None
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise PlanError(f"plan.save: cannot write {path}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -133,12 +157,38 @@ def save(plan: Plan, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike, *, rederive: bool = False, verify: bool = True) -> Plan:
     """Read a plan file. With ``rederive=True`` the tasks are regenerated from each op's (possibly
     edited) tile parameters and counters and waits are derived again for the (possibly edited)
-    processor lists; otherwise the file must already be consistent. Either way it is verified."""
+    processor lists; otherwise the file must already be consistent. Either way it is verified.
+    Every problem is a PlanError naming the file (and the field: ``plan.ranks[0].tasks[3].waits``)."""
+    data = _read_json(path)
     try:
-        data = json.loads(Path(path).read_text())
+        return plan_from_dict(data, rederive=rederive, verify=verify)
+    except PlanError as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
+def _read_json(path: Any) -> Any:
+    try:
+        raw = Path(path).read_bytes()
+    except TypeError:
+        raise PlanFormatError(f"Plan.load: path must be a file name, got {type(path).__name__} {path!r:.60}") from None
+    except FileNotFoundError:
+        raise PlanFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PlanFormatError(f"{path}: is a folder, not a plan file") from None
+    except OSError as e:
+        raise PlanFormatError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanFormatError(
+            f"{path}: not a plan file: byte {e.start} is not UTF-8 text (a plan is JSON written by plan.save)"
+        ) from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise PlanFormatError(f"{path}: not JSON ({e})") from None
-    return plan_from_dict(data, rederive=rederive, verify=verify)
+        raise PlanFormatError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise PlanFormatError(f"{path}: not a plan file: JSON nested too deeply") from None
 
 
 class _Reader:
@@ -195,6 +245,22 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def plan_from_dict(data: dict[str, Any], *, rederive: bool = False, verify: bool = True) -> Plan:
+    """A plan from its JSON form, checked field by field (PlanFormatError naming the field), then
+    structurally against its graphs, re-derived if asked, and verified."""
+    try:
+        return _plan_from_dict(data, rederive, verify)
+    except MegaloopError:
+        raise
+    except (RecursionError, MemoryError):
+        raise PlanFormatError("plan: too large or too deeply nested to be a plan") from None
+    except Exception as e:  # a combination of fields no check above anticipated: still the file's fault
+        raise PlanFormatError(
+            f"plan: its fields do not fit together ({type(e).__name__}: {e}); was it edited by hand? "
+            "(if megaloop wrote it as it is, this is a megaloop bug: please report it)"
+        ) from e
+
+
+def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
     if not isinstance(data, dict):
         raise PlanFormatError(f"plan: expected a JSON object, got {type(data).__name__}")
     root = _Reader(data, "plan")
@@ -242,8 +308,8 @@ def _rank_from(rr: _Reader, r: int) -> RankPlan:
         raise PlanFormatError(f"{rr.path}.rank: expected {r} (ranks are listed in order)")
     try:
         graph = graph_from_dict(rr.get("graph", dict))
-    except (MegaloopError, KeyError, TypeError, ValueError) as e:
-        raise PlanFormatError(f"{rr.path}.graph: {type(e).__name__}: {e}") from None
+    except MegaloopError as e:
+        raise PlanFormatError(f"{rr.path}.graph: {e}") from None
     buffers = []
     for i, b in enumerate(rr.items("buffers")):
         kind = b.get("kind", str)
@@ -336,7 +402,10 @@ def _rank_from(rr: _Reader, r: int) -> RankPlan:
         )
     lists = _Reader(rr.get("processors", list), f"{rr.path}.processors")
     processors = [lists.ints(p, minimum=0) for p in range(len(lists.obj))]
-    return RankPlan(r, graph, tensors, buffers, ops, tasks, counters, processors, rr.get("arena_bytes", int, minimum=0))
+    arena = rr.get("arena_bytes", int, minimum=0)
+    if arena > MAX_ARENA_BYTES:
+        raise PlanFormatError(f"{rr.path}.arena_bytes: {arena} is above the 2^48 bytes a megaloop plan addresses")
+    return RankPlan(r, graph, tensors, buffers, ops, tasks, counters, processors, arena)
 
 
 def _check_id(item: _Reader, expected: int) -> None:

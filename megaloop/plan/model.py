@@ -150,11 +150,11 @@ class Plan:
         return prefix + rp.task_name(rp.tasks[task_id])
 
     # conveniences over the plan modules (imported late: they all import this one)
-    def save(self, path: Any) -> None:
-        """Write the plan as JSON (docs/plan-format.md)."""
+    def save(self, path: Any, *, overwrite: bool = True) -> None:
+        """Write the plan as JSON (docs/plan-format.md); ``overwrite=False`` keeps an existing file."""
         from megaloop.plan.format import save
 
-        save(self, path)
+        save(self, path, overwrite=overwrite)
 
     @staticmethod
     def load(path: Any, *, rederive: bool = False, verify: bool = True) -> Plan:

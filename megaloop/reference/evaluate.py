@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop.dtypes import round_to
 from megaloop.errors import DataError, EvaluationError, InternalError
-from megaloop.frontend.graph import Graph, Node
+from megaloop.frontend.graph import Graph, Node, require_results
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import RankMatching, match_ranks
@@ -118,8 +118,11 @@ class _Rank:
         if op.kind == "source":
             self.store(node, [self._source_value(node)])
             return
+        operands = self.operands(node)
         try:
-            result = op.reference(self.operands(node), node.attrs)
+            if op.check_data is not None:
+                op.check_data(operands, node.attrs, [None] * len(operands))
+            result = op.reference(operands, node.attrs)
         except DataError as e:
             raise DataError(f"{op.name} {node.name} (graph {self.graph.name!r} rank {self.graph.rank}): {e}") from None
         self.store(node, result if isinstance(result, list) else [result])
@@ -231,6 +234,7 @@ def evaluate(
     ins, prs, sts = per_rank(inputs, "inputs"), per_rank(params, "params"), per_rank(state, "state")
     if not isinstance(iterations, int) or iterations < 1:
         raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
+    require_results(glist, "evaluate")
     matching = match_ranks(glist)
     states = []
     for g, i, p, s in zip(glist, ins, prs, sts):

@@ -8,7 +8,9 @@ weighted by a random speed per processor, so that a run explores an arbitrary le
 
 A task reads only the boxes it declares: its op's numpy reference sees operands that hold the
 arena's bytes inside those boxes and NaN elsewhere, and only the boxes it declares as written are
-stored back. Every byte remembers which op wrote it last and in which iteration; a read of bytes that
+stored back. Before the reference, the op's data rules (``OpDef.check_data``: ids, cache positions,
+lengths in range) run on the values inside the declared boxes and raise the DataError ``evaluate``
+raises, naming the task. Every byte remembers which op wrote it last and in which iteration; a read of bytes that
 hold the wrong version (not yet written this iteration, already overwritten by a later op or a later
 iteration, or never written) stops the run with an error naming the task, the tensor and the
 version found. Multi-rank plans run all ranks together; collectives read the peers' arenas.
@@ -23,7 +25,7 @@ import numpy as np
 
 from megaloop.dtypes import round_to
 from megaloop.errors import DataError, DeadlockError, EvaluationError, InterpreterError
-from megaloop.frontend.opdef import REGISTRY, without_data_checks
+from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.tiling import Box
 from megaloop.frontend.values import coerce
 from megaloop.plan.bytes import box_runs
@@ -40,9 +42,15 @@ class _Rank:
     def __init__(self, plan: Plan, r: int) -> None:
         rp = plan.ranks[r]
         self.rp = rp
-        self.arena = np.full(rp.arena_bytes, 0xFF, np.uint8)
-        self.iteration = np.full(rp.arena_bytes, NEVER, np.int32)
-        self.writer = np.full(rp.arena_bytes, -1, np.int32)  # op id; -1 for the host
+        try:
+            self.arena = np.full(rp.arena_bytes, 0xFF, np.uint8)
+            self.iteration = np.full(rp.arena_bytes, NEVER, np.int32)
+            self.writer = np.full(rp.arena_bytes, -1, np.int32)  # op id; -1 for the host
+        except (MemoryError, ValueError):
+            raise InterpreterError(
+                f"the plan interpreter cannot hold rank {r}'s arena of {rp.arena_bytes} bytes (and 8 bytes of "
+                "bookkeeping for each) in this machine's memory"
+            ) from None
         self.counters = np.zeros(len(rp.counters), np.int64)
         # which op produces each tensor's storage this iteration (None: host-written source)
         made_by: dict[int, int] = {}
@@ -110,8 +118,7 @@ def run_plan(
     ranks = [_Rank(plan, r) for r in range(n)]
     for r, rank in enumerate(ranks):
         _load_host_values(rank, ins[r], prs[r], sts[r])
-    with without_data_checks():
-        _Machine(plan, ranks, np.random.default_rng(seed)).run(iterations)
+    _Machine(plan, ranks, np.random.default_rng(seed)).run(iterations)
     results = []
     for rank in ranks:
         g = rank.rp.graph
@@ -247,7 +254,7 @@ class _Machine:
             try:
                 result = REGISTRY[op_m.op].reference(handed, op_m.attrs)[m]
             except DataError as e:
-                raise DataError(f"{self.plan.task_label(r_m, task_m.id)} (iteration {k}): {e}") from None
+                raise DataError(f"{op_m.op} task {self.plan.task_label(r_m, task_m.id)} (iteration {k}): {e}") from None
             self._store(r_m, task_m, k, [result])
             finished.append((i_m, task_m))
         return finished
@@ -310,10 +317,12 @@ class _Machine:
                 results = [self._operand(r, task, acc_rank=r, tensor=op.inputs[0])]
             else:
                 operands = [self._operand(r, task, acc_rank=r, tensor=t) for t in op.inputs]
+                if opdef.check_data is not None:  # on the values inside the declared boxes
+                    opdef.check_data(operands, op.attrs, [self._declared(r, task, t) for t in op.inputs])
                 out = opdef.reference(operands, op.attrs)
                 results = out if isinstance(out, list) else [out]
         except DataError as e:
-            raise DataError(f"{self.plan.task_label(r, task.id)} (iteration {k}): {e}") from None
+            raise DataError(f"{op.op} task {self.plan.task_label(r, task.id)} (iteration {k}): {e}") from None
         self._store(r, task, k, results)
 
     def _store(self, r: int, task: Task, k: int, results: list[Any]) -> None:
@@ -346,6 +355,15 @@ class _Machine:
             if acc.rank == acc_rank and acc.tensor == tensor:
                 out[acc.box.slices] = view[acc.box.slices]
         return out
+
+    def _declared(self, r: int, task: Task, tensor: int) -> np.ndarray:
+        """Which elements of this rank's ``tensor`` the task declares it reads (real values there)."""
+        t = self.ranks[r].rp.tensors[tensor]
+        mask = np.zeros(t.shape, bool)
+        for acc in task.reads:
+            if acc.rank == r and acc.tensor == tensor:
+                mask[acc.box.slices] = True
+        return mask
 
     def _check_read(self, r: int, task: Task, acc: Access, k: int) -> None:
         owner = self.ranks[acc.rank]

@@ -2,18 +2,21 @@
 registers all of them in ``megaloop.frontend.opdef.REGISTRY``.
 
 Builders are the public API (``megaloop.matmul``, ``megaloop.softmax``, ...). Each one exported here
-is wrapped by ``_guard``: the op rules check arguments and raise precise errors, and an argument of a
-kind no rule anticipated still fails as a megaloop error naming the builder (it can also turn a bug
-in a rule into such an error; the original exception stays attached as ``__cause__``).
+is wrapped by ``_guard``: the op rules check arguments and raise precise errors; arguments that do not
+fit the builder's signature, or of a kind no rule anticipated, still fail as a megaloop error naming
+the builder, the argument and the type its annotation asks for (``_arguments``); the original
+exception stays attached as ``__cause__``.
 """
 
 import functools as _functools
+import inspect as _inspect
 from collections.abc import Callable as _Callable
 from typing import Any as _Any
 
 from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
 from megaloop.frontend.ops import sources
+from megaloop.frontend.ops._arguments import argument_error as _argument_error
 from megaloop.frontend.ops.argmax_split import argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import attention, kv_cache_update
 from megaloop.frontend.ops.attention_split import attention_combine, attention_partial
@@ -157,18 +160,41 @@ __all__ = [
 
 
 def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:
+    signature = _inspect.signature(fn)
+
     @_functools.wraps(fn)
     def guarded(*args: _Any, **kwargs: _Any) -> _Any:
         try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise _GraphBuildError(f"{name}: {e}; megaloop.{name} takes {name}{signature}") from None
+        graphs = _graphs_of(bound.arguments.values())
+        saved = [(g, len(g.nodes), len(g.constants), dict(g.state_updates)) for g in graphs]
+        try:
             return fn(*args, **kwargs)
-        except _MegaloopError:
-            raise
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
-            raise _GraphBuildError(
-                f"{name}: invalid argument ({type(e).__name__}: {e}); see help(megaloop.{name})"
-            ) from e
+        except Exception as e:
+            for g, nodes, constants, updates in saved:  # a builder that fails part-way leaves no node behind
+                del g.nodes[nodes:], g.constants[constants:]
+                g.state_updates = updates
+            if isinstance(e, _MegaloopError):
+                raise
+            raise _GraphBuildError(_argument_error(name, fn, signature, bound, e)) from e
 
     return guarded
+
+
+def _graphs_of(values: _Any) -> list[_Any]:
+    """The graphs a builder's arguments belong to (tensors, lists of them, a Graph itself)."""
+    from megaloop.frontend.graph import Graph
+    from megaloop.frontend.tensor import Tensor
+
+    found: dict[int, _Any] = {}
+    for v in values:
+        for item in v if isinstance(v, (list, tuple)) else (v,):
+            g = item.graph if isinstance(item, Tensor) else item if isinstance(item, Graph) else None
+            if g is not None:
+                found[id(g)] = g
+    return list(found.values())
 
 
 for _name in __all__:

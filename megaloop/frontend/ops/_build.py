@@ -11,6 +11,7 @@ from megaloop.errors import AxisError, DtypeError, GraphBuildError, NonFiniteErr
 from megaloop.frontend.opdef import OpDef
 from megaloop.frontend.shapes import normalize_axes, normalize_axis
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_int, as_ints, as_shape
 
 
 def apply(op: OpDef, operands: list[Tensor], /, **attrs: Any) -> Tensor:
@@ -40,7 +41,12 @@ def require_scalar(op: OpDef, name: str, value: Any, *, allow_nonfinite: bool = 
     """A Python (or numpy scalar) int or float argument; bools refused; finite unless allowed."""
     if isinstance(value, np.generic) and value.dtype.kind in "iuf":
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)):
+        raise DtypeError(
+            f"{op.name}: {name} must be a Python int or float, got the bool {value}. On megaloop tensors, x == y "
+            "is Python's identity test: compare values with megaloop.equal(x, y)"
+        )
+    if not isinstance(value, (int, float)):
         raise DtypeError(f"{op.name}: {name} must be a Python int or float, got {type(value).__name__} {value!r:.80}")
     if isinstance(value, float) and not allow_nonfinite and not math.isfinite(value):
         raise NonFiniteError(f"{op.name}: {name} is {value}, but it must be finite")
@@ -48,13 +54,17 @@ def require_scalar(op: OpDef, name: str, value: Any, *, allow_nonfinite: bool = 
 
 
 def require_int(op: OpDef, name: str, value: Any, *, minimum: int | None = None) -> int:
-    if isinstance(value, np.integer):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise GraphBuildError(f"{op.name}: {name} must be an int, got {type(value).__name__} {value!r:.80}")
-    if minimum is not None and value < minimum:
-        raise GraphBuildError(f"{op.name}: {name} must be >= {minimum}, got {value}")
-    return value
+    return as_int(value, f"{op.name}: {name}", minimum=minimum)
+
+
+def require_ints(op: OpDef, name: str, value: Any, *, minimum: int | None = None, allow_none: bool = False) -> tuple:
+    """A tuple or list of ints (None allowed where ``allow_none``): slice bounds, ranks, axes."""
+    return as_ints(value, f"{op.name}: {name}", minimum=minimum, allow_none=allow_none)
+
+
+def require_shape(op: OpDef, name: str, value: Any) -> tuple[int, ...]:
+    """A shape argument (``name`` is "shape" in every builder that takes one)."""
+    return as_shape(value, op.name)
 
 
 def require_bool(op: OpDef, name: str, value: Any) -> bool:

@@ -90,6 +90,7 @@ ARGMAX_PARTIAL = register(
         doc="for each of `splits` ranges of `chunk` elements along `axis`, the index (along the whole axis) "
         "of the range's first largest value or first NaN, int64; see megaloop.frontend.ops.argmax_split.",
         operands=("x",),
+        attrs={"axis": "int", "splits": "count", "chunk": "count"},
         infer=_partial_infer,
         reference=_partial_reference,
         accuracy=Accuracy(ulps=0.0),
@@ -137,6 +138,7 @@ ARGMAX_COMBINE = register(
         doc="argmax along `axis` from argmax_partial's indices (x's values read at them); see "
         "megaloop.frontend.ops.argmax_split.",
         operands=("x", "partial"),
+        attrs={"axis": "int", "keepdims": "bool", "splits": "count", "chunk": "count"},
         infer=_combine_infer,
         reference=_combine_reference,
         accuracy=Accuracy(ulps=0.0),

@@ -19,12 +19,13 @@ keys/values at their positions and its result is the state's value for later ite
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings, sources
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
@@ -119,10 +120,7 @@ def visible_keys(
 ) -> np.ndarray:
     """The [batch, q_len, kv_len] bool mask of which key each query sees (module docstring)."""
     lengths = np.full((b,), tk, np.int64) if kv_lengths is None else kv_lengths.astype(np.int64)
-    if np.any((lengths < 0) | (lengths > tk)):
-        if data_checks():
-            raise DataError(f"kv_lengths {lengths.tolist()} must lie in [0, {tk}]")
-        lengths = np.clip(lengths, 0, tk)
+    lengths = np.clip(lengths, 0, tk)  # check_attention_data refused real lengths outside
     if q_positions is None:
         qpos = lengths[:, None] - tq + np.arange(tq)[None, :]
     else:
@@ -134,6 +132,18 @@ def visible_keys(
         if attrs["window"] is not None:
             mask &= j > qpos[:, :, None] - attrs["window"]
     return mask
+
+
+def check_attention_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
+    """kv_lengths (when given) must lie in [0, kv_len]."""
+    absent = attrs.get("absent", ())
+    if 4 in absent:
+        return
+    i = 3 if 3 in absent else 4
+    lengths, tk = arrays[i], arrays[1].shape[2]
+    where = first_bad((lengths < 0) | (lengths > tk), known[i])
+    if where is not None:
+        raise DataError(f"kv_lengths[{where[0]}] is {int(lengths[where])}; kv_lengths must lie in [0, {tk}]")
 
 
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -163,8 +173,10 @@ ATTENTION = register(
         doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
         "see megaloop.frontend.ops.attention for the exact mask.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
         infer=_infer,
         reference=_reference,
+        check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
         cuda=CudaTile("attention"),
@@ -250,17 +262,26 @@ def _update_infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(cache.shape, cache.dtype)]
 
 
+def check_update_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
+    """Positions must name slots of the cache, each at most once in a batch row (one write each)."""
+    cache, pos, real = arrays[0], arrays[2], known[2]
+    s = cache.shape[2]
+    where = first_bad((pos < 0) | (pos >= s), real)
+    if where is not None:
+        raise DataError(f"position {int(pos[where])} at index {where} is outside the cache of {s} slots")
+    for bi, row in enumerate(pos):
+        slots = row if real is None else row[real[bi]]
+        values, counts = np.unique(slots, return_counts=True)
+        if np.any(counts > 1):
+            raise DataError(
+                f"positions {row.tolist()} of batch row {bi} repeat slot {int(values[counts > 1][0])}: "
+                "one of the writes would be lost"
+            )
+
+
 def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     cache, new, pos = arrays
-    s = cache.shape[2]
-    if not data_checks():
-        pos = np.clip(pos, 0, s - 1)
-    if np.any((pos < 0) | (pos >= s)):
-        bad = tuple(int(i) for i in np.argwhere((pos < 0) | (pos >= s))[0])
-        raise DataError(f"position {int(pos[bad])} at index {bad} is outside the cache of {s} slots")
-    for row in pos:
-        if len(np.unique(row)) != len(row) and data_checks():
-            raise DataError(f"positions {row.tolist()} repeat a slot within one batch row")
+    pos = np.clip(pos, 0, cache.shape[2] - 1)  # check_update_data refused real positions outside
     out = cache.copy()
     for bi in range(cache.shape[0]):
         out[bi][:, pos[bi], :] = new[bi]
@@ -277,6 +298,7 @@ KV_CACHE_UPDATE = register(
         operands=("cache", "new", "positions"),
         infer=_update_infer,
         reference=_update_ref,
+        check_data=check_update_data,
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,

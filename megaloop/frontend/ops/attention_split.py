@@ -23,7 +23,7 @@ from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, 
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.attention import _infer as _attention_infer
-from megaloop.frontend.ops.attention import attention_dims, visible_keys
+from megaloop.frontend.ops.attention import attention_dims, check_attention_data, visible_keys
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -74,8 +74,10 @@ ATTENTION_PARTIAL = register(
         doc="attention over each of `splits` key ranges: unnormalised output, max score and exp-sum per "
         "range (float32); see megaloop.frontend.ops.attention_split.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
+        attrs={"splits": "count", "causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
         infer=_partial_infer,
         reference=_partial_reference,
+        check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
         cuda=CudaTile("attention_partial"),
@@ -114,6 +116,7 @@ ATTENTION_COMBINE = register(
         category="attention",
         doc="merge attention_partial's key ranges into attention's output, rounded once to `dtype`.",
         operands=("partial",),
+        attrs={"dtype": "dtype"},
         infer=_combine_infer,
         reference=_combine_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),

@@ -20,11 +20,12 @@ from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
-from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_tensor
+from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_shape, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.placement import REPLICATE, LocalCall, Strategy
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_ints
 
 REDUCE_OPS = ("sum", "max")
 
@@ -73,6 +74,16 @@ def _group(call: OpCall) -> tuple[int, ...]:
     return group
 
 
+def group_arg(op: OpDef, group: Any) -> tuple[int, ...] | None:
+    """A builder's ``group`` argument: None (every rank) or a tuple or list of integer ranks."""
+    if group is None:
+        return None
+    try:
+        return as_ints(group, f"{op.name}: group", error=RankError)
+    except RankError as e:
+        raise RankError(f"{e}; group must list integer ranks, e.g. group=(0, 1)") from None
+
+
 def _reduce_order(values: list[np.ndarray], op: str) -> np.ndarray:
     acc = values[0].astype(np.int64) if values[0].dtype.kind in "iu" else to_compute(values[0]).copy()
     for v in values[1:]:
@@ -108,6 +119,7 @@ ALL_REDUCE = register(
         category="collective",
         doc="Every member gets the elementwise sum (or max) of all members' x, combined in rank order.",
         operands=("x",),
+        attrs={"op": REDUCE_OPS, "group": "ranks?"},
         infer=_all_reduce_infer,
         reference=_all_reduce_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
@@ -130,6 +142,7 @@ def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None
     more than two members and at least TWO_STEP_MIN_BYTES). All give bitwise the same result: each
     element is combined in rank order and rounded once."""
     require_tensor(ALL_REDUCE, "x", x)
+    group = group_arg(ALL_REDUCE, group)
     if algorithm not in ALGORITHMS:
         raise GraphBuildError(f"all_reduce: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     members = len(group) if group is not None else x.graph.world_size
@@ -143,7 +156,7 @@ def all_reduce(x: Tensor, op: str = "sum", *, group: Sequence[int] | None = None
         algorithm == "auto" and members > 2 and fits and x.size * x.dtype.itemsize >= TWO_STEP_MIN_BYTES
     )
     if not two_step:
-        return apply(ALL_REDUCE, [x], op=op, group=None if group is None else tuple(group))
+        return apply(ALL_REDUCE, [x], op=op, group=group)
     part = reduce_scatter(x.reshape(-1), axis=0, op=op, group=group)
     return all_gather(part, axis=0, group=group).reshape(x.shape)
 
@@ -166,6 +179,7 @@ ALL_GATHER = register(
         category="collective",
         doc="Every member gets all members' x concatenated along axis, in rank order.",
         operands=("x",),
+        attrs={"axis": "int", "group": "ranks?"},
         infer=_all_gather_infer,
         reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
         accuracy=Accuracy(ulps=0.0),
@@ -176,7 +190,7 @@ ALL_GATHER = register(
 
 
 def all_gather(x: Tensor, axis: int = 0, *, group: Sequence[int] | None = None) -> Tensor:
-    return apply(ALL_GATHER, [x], axis=axis, group=None if group is None else tuple(group))
+    return apply(ALL_GATHER, [x], axis=axis, group=group_arg(ALL_GATHER, group))
 
 
 # ---- reduce_scatter ------------------------------------------------------------------------------
@@ -210,6 +224,7 @@ REDUCE_SCATTER = register(
         doc="Sum (or max) all members' x in rank order, cut it along axis into group-size "
         "pieces; the i-th member of the group gets piece i.",
         operands=("x",),
+        attrs={"axis": "int", "op": REDUCE_OPS, "group": "ranks?"},
         infer=_reduce_scatter_infer,
         reference=_reduce_scatter_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
@@ -220,7 +235,7 @@ REDUCE_SCATTER = register(
 
 
 def reduce_scatter(x: Tensor, axis: int = 0, op: str = "sum", *, group: Sequence[int] | None = None) -> Tensor:
-    return apply(REDUCE_SCATTER, [x], axis=axis, op=op, group=None if group is None else tuple(group))
+    return apply(REDUCE_SCATTER, [x], axis=axis, op=op, group=group_arg(REDUCE_SCATTER, group))
 
 
 # ---- send / recv ---------------------------------------------------------------------------------
@@ -255,6 +270,7 @@ SEND = register(
         category="collective",
         doc="Hand x to rank dst; matches the recv on dst with the same source and tag, in order.",
         operands=("x",),
+        attrs={"dst": "rank", "tag": "int"},
         infer=_send_infer,
         reference=None,
         accuracy=Accuracy(ulps=0.0),
@@ -270,6 +286,7 @@ RECV = register(
         doc="Receive the tensor that rank src sends with the same tag (shape and dtype declared "
         "here must match the send).",
         operands=(),
+        attrs={"src": "rank", "tag": "int", "shape": "shape", "dtype": "dtype"},
         infer=_recv_infer,
         reference=None,
         accuracy=Accuracy(ulps=0.0),
@@ -293,10 +310,8 @@ def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag:
     attrs = {
         "src": require_int(RECV, "src", src),
         "tag": require_int(RECV, "tag", tag),
-        "shape": tuple(require_int(RECV, "shape[i]", d, minimum=1) for d in shape),
+        "shape": require_shape(RECV, "shape", shape),
         "dtype": as_dtype(dtype),
     }
-    if any(d < 1 for d in attrs["shape"]):
-        raise ShapeError(f"recv: shape {format_shape(attrs['shape'])} must have every dimension >= 1")
     (out,) = graph.apply(RECV, [], attrs)
     return out

@@ -124,6 +124,12 @@ def to_compute(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.kind == "f" or a.dtype == dtypes.bfloat16.np else a
 
 
+IDENTITY_HINT = (
+    "On megaloop tensors, x == y and x != y are Python's identity tests (tensors stay hashable); "
+    "compare values with megaloop.equal(x, y) or megaloop.not_equal(x, y)"
+)
+
+
 def _split_operands(
     op: OpDef, values: tuple[Any, ...], tensor_slots: tuple[int, ...] = ()
 ) -> tuple[list[Tensor], dict]:
@@ -183,6 +189,7 @@ def _binary_op(
             category="elementwise",
             doc=doc,
             operands=("a", "b"),
+            attrs={"scalars": "scalars"},
             infer=infer,
             reference=reference,
             accuracy=accuracy,
@@ -325,6 +332,7 @@ WHERE = register(
         category="elementwise",
         doc="cond ? a : b elementwise, broadcasting all three; a or b may be a number.",
         operands=("cond", "a", "b"),
+        attrs={"scalars": "scalars"},
         infer=_where_infer,
         reference=_where_ref,
         accuracy=Accuracy(ulps=0.0),
@@ -336,6 +344,8 @@ WHERE = register(
 
 
 def where(cond: Tensor, a: Any, b: Any) -> Tensor:
+    if isinstance(cond, (bool, np.bool_)):
+        raise DtypeError(f"where: cond is the Python bool {cond}, not a tensor. {IDENTITY_HINT}")
     tensors, scalars = _split_operands(WHERE, (cond, a, b), tensor_slots=(0,))
     return apply(WHERE, tensors, **({"scalars": scalars} if scalars else {}))
 
@@ -392,6 +402,7 @@ def _unary_op(
             category="elementwise",
             doc=doc,
             operands=("x",),
+            attrs={"approximate": ("none", "tanh")} if name == "gelu" else {},
             infer=infer,
             reference=reference,
             accuracy=accuracy,
@@ -512,6 +523,7 @@ CAST = register(
         doc="Convert to another dtype: between floats (round to nearest even), int->float, int<->int "
         "(wrapping), bool<->numbers (nonzero is True). float->int is refused.",
         operands=("x",),
+        attrs={"dtype": "dtype"},
         infer=_cast_infer,
         reference=_cast_ref,
         accuracy=Accuracy(ulps=0.5),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, data_checks, register
+from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
@@ -26,18 +27,21 @@ def _infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec((*ids.shape, table.shape[1]), table.dtype)]
 
 
-def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+def _check_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
     table, ids = arrays
     bad = (ids < 0) | (ids >= table.shape[0])
-    if np.any(bad) and not data_checks():
-        ids = np.clip(ids, 0, table.shape[0] - 1)
-    elif np.any(bad):
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = first_bad(bad, known[1])
+    if where is not None:
+        count = np.count_nonzero(bad if known[1] is None else bad & known[1])
         raise DataError(
             f"id {int(ids[where])} at index {where} is outside the table of {table.shape[0]} rows "
-            f"({np.count_nonzero(bad)} bad ids in all)"
+            f"({count} bad ids in all)"
         )
-    return table[ids]
+
+
+def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    table, ids = arrays
+    return table[np.clip(ids, 0, table.shape[0] - 1)]  # check_data refused real ids outside
 
 
 EMBEDDING = register(
@@ -50,6 +54,7 @@ EMBEDDING = register(
         operands=("table", "ids"),
         infer=_infer,
         reference=_reference,
+        check_data=_check_data,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.EMBEDDING,
         cuda=CudaTile("embedding"),

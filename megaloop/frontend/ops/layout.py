@@ -16,7 +16,16 @@ import numpy as np
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, ViewSpec, register
 from megaloop.frontend.ops import _placements, _tilings
-from megaloop.frontend.ops._build import apply, apply_multi, axes_arg, axis_arg, require_int, require_tensor
+from megaloop.frontend.ops._build import (
+    apply,
+    apply_multi,
+    axes_arg,
+    axis_arg,
+    require_int,
+    require_ints,
+    require_shape,
+    require_tensor,
+)
 from megaloop.frontend.placement import LocalCall, Shard
 from megaloop.frontend.shapes import (
     broadcast_shapes,
@@ -25,18 +34,28 @@ from megaloop.frontend.shapes import (
     reshape_strides,
 )
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_ints, is_int
 
 _EXACT = Accuracy(ulps=0.0)
 
 
-def _view_op(name: str, doc: str, infer: Any, reference: Any, placement: Any) -> OpDef:
+def _view_op(
+    name: str,
+    doc: str,
+    infer: Any,
+    reference: Any,
+    attrs: dict[str, Any],
+    placement: Any,
+    operands: tuple[str, ...] = ("x",),
+) -> OpDef:
     return register(
         OpDef(
             name=name,
             kind="view",
             category="layout",
             doc=doc,
-            operands=("x",),
+            operands=operands,
+            attrs=attrs,
             infer=infer,
             reference=reference,
             accuracy=_EXACT,
@@ -66,9 +85,9 @@ def _slice_part(call: LocalCall) -> tuple[Tensor, ...]:
 
 def _resolve_shape(x: Tensor, shape: Sequence[Any]) -> tuple[int, ...]:
     """Replace one -1 by the size that keeps the element count; ShapeError naming the problem."""
-    dims = list(shape)
+    dims = list(as_ints(shape, f"reshape: {x!r} to {shape!r:.60}: shape", error=ShapeError))
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or (d < 1 and d != -1):
+        if d < 1 and d != -1:
             raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: sizes must be ints >= 1 (one may be -1)")
     if dims.count(-1) > 1:
         raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: only one size can be -1")
@@ -103,15 +122,16 @@ RESHAPE = _view_op(
     "copy inserted first when the input's strides do not allow one.",
     _reshape_infer,
     lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]),
+    {"shape": "shape"},
     _placements.rule(_placements.reshape_dims, _placements.partial_unary, build=_reshape_part),
 )
 
 
 def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
     require_tensor(RESHAPE, "x", x)
-    if isinstance(shape, (int, np.integer)):
+    if is_int(shape):
         shape = (shape,)
-    new_shape = _resolve_shape(x, tuple(shape))
+    new_shape = _resolve_shape(x, shape)
     if new_shape == x.shape:
         return x
     if numel(new_shape) == x.size and reshape_strides(x.shape, x.strides, new_shape) is None:
@@ -157,12 +177,13 @@ PERMUTE = _view_op(
     "Reorder axes (a view): out.shape[i] = x.shape[axes[i]].",
     _permute_infer,
     lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]),
+    {"axes": "ints"},
     _placements.rule(_placements.permute_dims, _placements.partial_unary),
 )
 
 
 def permute(x: Tensor, axes: Sequence[int]) -> Tensor:
-    return apply(PERMUTE, [x], axes=tuple(axes))
+    return apply(PERMUTE, [x], axes=require_ints(PERMUTE, "axes", axes))
 
 
 def transpose(x: Tensor, axis0: int = -2, axis1: int = -1) -> Tensor:
@@ -210,6 +231,7 @@ SLICE = _view_op(
     "Python slicing per axis, start:stop:step (negative steps too); a view.",
     _slice_infer,
     _slice_ref,
+    {"starts": "bounds", "stops": "bounds", "steps": "ints"},
     _placements.rule(_placements.slice_dims, _placements.partial_unary, build=_slice_part),
 )
 
@@ -219,10 +241,10 @@ def slice_(
 ) -> Tensor:
     """x[starts[0]:stops[0]:steps[0], ...] with Python's rules for None and negative values."""
     require_tensor(SLICE, "x", x)
-    steps = steps if steps is not None else [1] * len(starts)
-    return apply(
-        SLICE, [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(1 if s is None else s for s in steps)
-    )
+    starts = require_ints(SLICE, "starts", starts, allow_none=True)
+    stops = require_ints(SLICE, "stops", stops, allow_none=True)
+    steps = (1,) * len(starts) if steps is None else require_ints(SLICE, "steps", steps, allow_none=True)
+    return apply(SLICE, [x], starts=starts, stops=stops, steps=tuple(1 if s is None else s for s in steps))
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
@@ -296,12 +318,13 @@ BROADCAST_TO = _view_op(
     "Repeat size-1 (or missing leading) axes to a larger shape without copying (stride 0).",
     _broadcast_infer,
     lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]),
+    {"shape": "shape"},
     _placements.rule(_placements.broadcast_dims, _placements.partial_unary),
 )
 
 
 def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
-    shape = tuple(require_int(BROADCAST_TO, "shape[i]", d, minimum=1) for d in shape)
+    shape = require_shape(BROADCAST_TO, "shape", shape)
     if isinstance(x, Tensor) and shape == x.shape:
         return x
     return apply(BROADCAST_TO, [x], shape=shape)
@@ -336,6 +359,7 @@ SPLIT = _view_op(
     "Cut one axis into consecutive pieces of the given sizes (views).",
     _split_infer,
     _split_ref,
+    {"axis": "int", "sizes": "ints"},
     _placements.rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_unary),
 )
 
@@ -352,8 +376,13 @@ def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> tuple[Tens
                 "equally; pass a list of sizes"
             )
         sizes = (x.shape[a] // n,) * n
+    elif isinstance(sections, (list, tuple)):
+        sizes = tuple(require_int(SPLIT, f"sections[{i}]", s) for i, s in enumerate(sections))
     else:
-        sizes = tuple(require_int(SPLIT, "sizes[i]", s) for s in sections)
+        raise GraphBuildError(
+            f"split: sections must be an int (equal pieces) or a list of piece sizes, got "
+            f"{type(sections).__name__} {sections!r:.60}"
+        )
     return apply_multi(SPLIT, [x], axis=a, sizes=sizes)
 
 
@@ -385,6 +414,7 @@ CONCAT = register(
         category="layout",
         doc="Join tensors of one dtype along an axis (all other sizes equal).",
         operands=("*tensors",),
+        attrs={"axis": "int"},
         infer=_concat_infer,
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
         accuracy=_EXACT,
@@ -398,6 +428,11 @@ CONCAT = register(
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise GraphBuildError(
+            "concat takes a list of tensors: concat([x, y], axis=0), not concat(x, y); its first argument is "
+            + (repr(tensors) if isinstance(tensors, Tensor) else f"{type(tensors).__name__} {tensors!r:.60}")
+        )
     tensors = list(tensors)
     if not tensors:
         raise GraphBuildError("concat: needs at least one tensor")

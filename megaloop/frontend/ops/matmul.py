@@ -63,6 +63,7 @@ MATMUL = register(
         doc="a @ b over the last two axes (transpose_a/transpose_b swap them first); leading "
         "batch axes broadcast. Float inputs of one dtype, float32 accumulation.",
         operands=("a", "b"),
+        attrs={"transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),

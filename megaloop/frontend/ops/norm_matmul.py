@@ -100,6 +100,7 @@ RMSNORM_MATMUL = register(
         "as rmsnorm stores them) in shared memory and multiplies them; b a 2-D weight (transpose_b: "
         "stored [N, K]).",
         operands=("a", "b", "norm_weight", "residual"),
+        attrs={"eps": "number", "transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),

@@ -49,6 +49,7 @@ SOFTMAX = register(
         doc="exp(x - max) / sum(exp(x - max)) along one axis (numerically stable); "
         "a row of all -inf gives NaN, as in torch.",
         operands=("x",),
+        attrs={"axis": "int"},
         infer=_axis_infer,
         reference=_softmax_ref,
         accuracy=_ROW,
@@ -64,6 +65,7 @@ LOG_SOFTMAX = register(
         category="normalization",
         doc="x - max - log(sum(exp(x - max))) along one axis.",
         operands=("x",),
+        attrs={"axis": "int"},
         infer=_axis_infer,
         reference=_log_softmax_ref,
         accuracy=_ROW,
@@ -165,6 +167,7 @@ LAYERNORM = register(
         doc="(x - mean) / sqrt(var + eps) over the last axis (biased variance), then * weight + bias when given; "
         "with a residual, of x + residual rounded to x's dtype (what an add would store).",
         operands=("x", *LAYERNORM_OPERANDS),
+        attrs={"eps": "number", "absent": "ints"},
         infer=_norm_infer,
         reference=_layernorm_ref,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
@@ -182,6 +185,7 @@ RMSNORM = register(
         "(one rounding at the end; Llama's RMSNorm); with a residual, of x + residual rounded to x's "
         "dtype (what an add would store).",
         operands=("x", *RMSNORM_OPERANDS),
+        attrs={"eps": "number", "absent": "ints"},
         infer=_norm_infer,
         reference=_rmsnorm_ref,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),

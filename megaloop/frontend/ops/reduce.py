@@ -51,6 +51,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, pla
             category="reduction",
             doc=doc,
             operands=("x",),
+            attrs={"axis": "axes", "keepdims": "bool"},
             infer=infer,
             reference=reference,
             accuracy=accuracy,
@@ -196,6 +197,7 @@ ARGMAX = register(
         doc="Index of the largest value along one axis (None: of the flattened tensor), int64; "
         "ties and NaNs give the first index.",
         operands=("x",),
+        attrs={"axis": "axes", "keepdims": "bool"},
         infer=_argmax_infer,
         reference=_argmax_ref,
         accuracy=Accuracy(ulps=0.0),

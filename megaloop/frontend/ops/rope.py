@@ -19,13 +19,21 @@ from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import is_int
 
 LAYOUTS = ("neox", "interleaved")
 SCALING_TYPES = ("linear", "llama3")
+ROPE_ATTRS = {"theta": "number", "layout": LAYOUTS, "rotary_dim": "count?", "scaling": "scaling"}
 
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
     """The rotary_dim/2 angular frequencies (float64), after Llama-3-style or linear scaling."""
+    number = isinstance(theta, (int, float, np.number)) and not isinstance(theta, bool)
+    if not (is_int(rotary_dim) and rotary_dim >= 2 and number and (scaling is None or isinstance(scaling, dict))):
+        raise GraphBuildError(
+            f"inv_frequencies: takes rotary_dim (an int >= 2), theta (a number) and scaling (None or a dict), "
+            f"got {rotary_dim!r:.40}, {theta!r:.40}, {scaling!r:.40}"
+        )
     inv = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     if scaling is None:
         return inv
@@ -111,6 +119,7 @@ ROPE = register(
         doc="Rotate pairs of the last axis by position * frequency: layout 'neox' pairs i with "
         "i + rotary_dim/2, 'interleaved' pairs 2i with 2i+1; dims past rotary_dim pass through.",
         operands=("x", "positions"),
+        attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=2.0),

@@ -16,9 +16,9 @@ import numpy as np
 
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
-from megaloop.frontend.ops.attention import CACHE_PLACEMENT, _update_infer, _update_ref, cache_update
+from megaloop.frontend.ops.attention import CACHE_PLACEMENT, _update_infer, _update_ref, cache_update, check_update_data
+from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, rope_attrs
 from megaloop.frontend.ops.rope import _reference as _rope_reference
-from megaloop.frontend.ops.rope import check_rotary, rope_attrs
 from megaloop.frontend.tensor import Tensor
 
 
@@ -44,8 +44,10 @@ ROPE_KV_CACHE_UPDATE = register(
         "dim] rotated at its positions [batch, tokens] (rope's layout, rotary_dim, theta and scaling) and "
         "written into the cache state there, in place.",
         operands=("cache", "new", "positions"),
+        attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
+        check_data=check_update_data,
         accuracy=Accuracy(ulps=2.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,

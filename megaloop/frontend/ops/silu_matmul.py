@@ -66,6 +66,7 @@ SILU_MUL_MATMUL = register(
         "dtype, as silu_mul stores them) in shared memory and multiplies them; b a 2-D weight (transpose_b: "
         "stored [N, K]).",
         operands=("gate", "b", "up"),
+        attrs={"transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
         accuracy=Accuracy(ulps=3.0, per_reduction=True),
