@@ -281,13 +281,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t1 = time.perf_counter()
+    graphs = graph
+    if args.devices is not None or args.mesh is not None:
+        from megaloop.cli_parallel import partition_for_cli
+
+        graphs = partition_for_cli(graph, args)
+        t1 = time.perf_counter()
     plan = make_plan(
-        graph, processors=args.processors, arch=args.arch, tiles=_tile_overrides(args.tile), reuse=not args.no_reuse
+        graphs, processors=args.processors, arch=args.arch, tiles=_tile_overrides(args.tile), reuse=not args.no_reuse
     )
     t2 = time.perf_counter()
     print(
         f"{args.preset}: {cfg.layers} layers, hidden {cfg.hidden}, batch {args.batch} x {args.tokens} tokens; "
         f"graph {len(graph.nodes)} nodes built in {t1 - t0:.2f} s, planned and verified in {t2 - t1:.2f} s"
+        + (f" ({plan.world_size} ranks)" if plan.world_size > 1 else "")
     )
     print(format_stats(plan, plan.stats()))
     if args.save:
@@ -412,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         help="override a tile parameter, e.g. matmul:block_m=64 (repeatable)",
     )
     plan.add_argument("--no-reuse", action="store_true", help="give every intermediate its own memory")
+    plan.add_argument("--devices", type=COUNT, help="split the model over this many GPUs (ml.parallelize)")
+    plan.add_argument("--mesh", metavar="AxB", help="a device mesh, e.g. 2x8: two nodes of eight GPUs")
+    plan.add_argument(
+        "--strategy", default="auto", help="auto, tp, pp, dp, device, or a kind per mesh axis: node=pp,gpu=tp"
+    )
     plan.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON")
     plan.add_argument("--force", action="store_true", help="replace the --save file if it exists")
     plan.set_defaults(fn=cmd_plan)

@@ -30,7 +30,7 @@ from megaloop.frontend.tensor import Tensor
 from megaloop.parallel.cost import H200, Machine, Pricer, exchange_us
 from megaloop.parallel.mesh import Mesh, as_mesh
 from megaloop.parallel.partition import Partition, Prediction
-from megaloop.parallel.predict import predict_step
+from megaloop.parallel.predict import node_us, predict_step
 from megaloop.parallel.reshard import check_placement
 from megaloop.parallel.search import never_batch, only_batch, search
 from megaloop.parallel.shard import Part, shard
@@ -91,9 +91,10 @@ def parallelize(
     plans = _plans(graph, mesh, strategy, micro_batches)
     candidates: list[Candidate] = []
     best: tuple[float, Partition] | None = None
+    tiles: dict = {}
     for plan in plans:
         try:
-            partition = build(graph, plan, pins, machine, memory_per_device)
+            partition = build(graph, plan, pins, machine, memory_per_device, tiles)
         except GraphBuildError as e:
             memory = "memory_per_device" in str(e)
             if len(plans) == 1 and not memory:
@@ -242,9 +243,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def build(
-    graph: Graph, plan: Plan, pins: Mapping[Tensor, Placement], machine: Machine, memory: int | None
+    graph: Graph,
+    plan: Plan,
+    pins: Mapping[Tensor, Placement],
+    machine: Machine,
+    memory: int | None,
+    tiles: dict | None = None,
 ) -> Partition:
-    """The partition ``plan`` describes: the passes in order, then the cost model's prediction."""
+    """The partition ``plan`` describes: the passes in order, then the cost model's prediction.
+    ``tiles``: nodes' tile times by what they depend on, shared between candidates."""
+    tiles = {} if tiles is None else tiles
     mesh, world = plan.mesh, plan.mesh.size
     notes: list[str] = []
     stride = {k: _stride(plan, k) for k in ("pp", "dp", "tp", "device")}
@@ -279,7 +287,7 @@ def build(
         n = plan.size(kind)
         if n == 1:
             continue
-        cost = _origin_costs(parts[0], machine)
+        cost = _origin_costs(parts[0], machine, tiles)
         link = machine.link(range(0, world, max(stride[kind], 1)))
         link_us = lambda b, link=link: exchange_us("send", b, 2, link)
         if kind == "pp":
@@ -297,7 +305,7 @@ def build(
     partition = Partition(graph, parts, mesh=mesh, notes=notes)
     partition.plan, partition.decisions, partition.exchanges = plan, decisions, exchanges
     partition.stage_of = stage_of
-    step = predict_step(partition.graphs, machine)
+    step = predict_step(partition.graphs, machine, tiles)
     partition.predicted = Prediction(step["step_us"], step["exchanged_bytes"], step["memory_bytes"], step)
     return partition
 
@@ -381,15 +389,13 @@ def _local_pins(part: Part, pins: Mapping[Tensor, Placement], n: int) -> dict[Te
     return out
 
 
-def _origin_costs(part: Part, machine: Machine) -> dict[Node, float]:
+def _origin_costs(part: Part, machine: Machine, tiles: dict) -> dict[Node, float]:
     """Each original node's time on one rank: what its part's nodes made for it take."""
-    from megaloop.parallel.cost import op_us
-
     cost: dict[Node, float] = {}
     for node in part.graph.nodes:
         origin = part.origin.get(node)
         if origin is not None and node.op.kind not in ("source", "view"):
-            cost[origin] = cost.get(origin, 0.0) + op_us(node, machine)
+            cost[origin] = cost.get(origin, 0.0) + node_us(node, machine, tiles)
     return cost
 
 

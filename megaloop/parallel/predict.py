@@ -84,6 +84,12 @@ def _vertex_cost(mem: list[tuple[int, Node]], machine: Machine, tiles: dict) -> 
     return work * machine.tile_scale, span * machine.tile_scale, machine.stage_us
 
 
+def node_us(node: Node, machine: Machine, tiles: dict) -> float:
+    """A node's time on its rank (as cost.op_us), its tiles looked up in ``tiles`` first."""
+    work, span, fixed = _vertex_cost([(0, node)], machine, tiles)
+    return 0.0 if work == span == 0.0 else max(work, span) + fixed
+
+
 def _signature(node: Node) -> Any:
     """What a node's tiles depend on: its op, attributes and operand and output layouts (a model's
     layers share them)."""

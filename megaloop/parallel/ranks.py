@@ -17,6 +17,7 @@ from typing import Any
 from megaloop.errors import CollectiveMismatchError, CycleError, RankError
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import Tensor
 
 RankNode = tuple[int, Node]
 
@@ -165,15 +166,18 @@ def _inplace_readers(order: list[Node]) -> dict[Node, list[Node]]:
     read that storage's old value; they must run first. One that depends on the in-place op's result
     cannot, and is refused."""
     out: dict[Node, list[Node]] = {}
+    reading: dict[Tensor, list[Node]] = {}  # storage -> the nodes reading it, in order
+    for other in order:
+        for base in dict.fromkeys(t.base for t in other.inputs):
+            reading.setdefault(base, []).append(other)
     for node in order:
         if node.op.inplace_operand is None:
             continue
         storage = node.inputs[node.op.inplace_operand].base
-        after = _descendants(node, order)
+        others = [n for n in reading.get(storage, []) if n is not node]
+        after = _descendants(node, order) if others else set()
         readers = []
-        for other in order:
-            if other is node or not any(t.base is storage for t in other.inputs):
-                continue
+        for other in others:
             if other in after:
                 raise CycleError(
                     f"{other.op.name} {other.name} reads the old value of {storage.name!r} but runs after "

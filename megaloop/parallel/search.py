@@ -27,7 +27,7 @@ from megaloop.frontend.graph import Node
 from megaloop.frontend.placement import Partial, Placement, Replicate, Shard, Strategy
 from megaloop.frontend.tensor import Tensor
 from megaloop.parallel.choose import strategies_for
-from megaloop.parallel.cost import Pricer
+from megaloop.parallel.cost import Pricer, attrs_key
 from megaloop.parallel.reshard import conversion
 from megaloop.parallel.shard import Choice, Part
 
@@ -65,6 +65,7 @@ class _Search:
         self.placement_id: dict[Placement, int] = {}
         self.placements: list[Placement] = []
         self.strategies: dict[Any, list[tuple[Strategy, tuple[int, ...], tuple[int, ...]]]] = {}
+        self.raw: dict[Any, list] = {}
         self.options: dict[Any, list] = {}
         self.conversions: dict[Any, tuple[float, tuple[int, ...]] | None] = {}
 
@@ -86,11 +87,16 @@ class _Search:
         key = (node, given)
         found = self.strategies.get(key)
         if found is None:
-            gp = tuple(None if g is None else self.placements[g] for g in given)
+            sig = (node.op.name, _layouts(node), attrs_key(node.attrs), given)  # (a model's layers share it)
+            raw = self.raw.get(sig)
+            if raw is None:
+                gp = tuple(None if g is None else self.placements[g] for g in given)
+                raw = self.raw[sig] = [
+                    (s, tuple(self.pid(p) for p in s.inputs), tuple(self.pid(p) for p in s.outputs))
+                    for s in strategies_for(node, self.members, gp, self.shared)
+                ]
             found = self.strategies[key] = [
-                (s, tuple(self.pid(p) for p in s.inputs), tuple(self.pid(p) for p in s.outputs))
-                for s in strategies_for(node, self.members, gp, self.shared)
-                if (self.allow is None or self.allow(node, s)) and _agrees(node, s, self.pins)
+                x for x in raw if (self.allow is None or self.allow(node, x[0])) and _agrees(node, x[0], self.pins)
             ]
         return found
 
@@ -210,6 +216,10 @@ def search(
         st = st.parent
     fixed = {t: p for t, p in pins.items() if t.node.op.kind == "source"}
     return Searched(Choice(chosen, fixed), float(best_cost), best.memory)
+
+
+def _layouts(node: Node) -> tuple:
+    return tuple((t.shape, t.dtype.name, t.strides) for t in (*node.inputs, *node.outputs))
 
 
 def _agrees(node: Node, s: Strategy, pins: Mapping[Tensor, Placement]) -> bool:
