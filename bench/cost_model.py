@@ -52,7 +52,8 @@ def cases() -> list[Case]:
 
     base = PRESETS["llama3.2-1b"]
     cfg = replace(base, max_seq=gen["prompt"] + gen["new_tokens"])
-    out.append(("1B generate, a token", lambda: [build_llama_generator(cfg, 1, kv_splits=gen["kv_splits"])], gen["loop_us_per_token"]))
+    generator = lambda: [build_llama_generator(cfg, 1, kv_splits=gen["kv_splits"])]
+    out.append(("1B generate, a token", generator, gen["loop_us_per_token"]))
     out.append(("1B prefill, 128 tokens", lambda: [build_llama(cfg, 1, gen["prompt"])], gen["loop_prefill_ms"] * 1e3))
     gemm = _load("gemm")
     for size, m in gemm["sizes"].items():
@@ -67,7 +68,8 @@ def cases() -> list[Case]:
     coll = _load("collectives")
     for size, m in coll["all_reduce"].items():
         if "dependent_us" in m:
-            out.append((f"all_reduce 2 GPUs {int(size) // 1024} KiB", lambda s=int(size): _all_reduce(s), m["dependent_us"]))
+            name = f"all_reduce 2 GPUs {int(size) // 1024} KiB"
+            out.append((name, lambda s=int(size): _all_reduce(s), m["dependent_us"]))
     return out
 
 

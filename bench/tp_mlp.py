@@ -1,6 +1,7 @@
-"""Megatron-style tensor-parallel MLP (column-parallel W1, row-parallel W2, all-reduce) at hidden
-4096 on 2 GPUs, per step: the loop kernel (matmul tiles and all-reduce tiles overlapped: a tile of
-the all-reduce starts when the W2 tiles it needs are done, on each rank) with each step's input the
+"""The tensor-parallel MLP the partitioner makes of a single-device MLP (ml.parallelize: both weights
+cut, one all-reduce) at hidden 4096 on 2 GPUs, per step: the loop kernel (matmul tiles and all-reduce
+tiles overlapped: a tile of the all-reduce starts when the matmul tiles it needs are done, on each
+rank) with each step's input the
 previous step's output (``loop_dependent_us``: what a model's consecutive layers need, and what the
 PyTorch ratios use) and with a fixed input (``loop_overlapped_us``: consecutive steps may overlap in
 the resident kernel), the same work as two dependent loop kernels run one after the other (compute,
@@ -24,28 +25,55 @@ TILES = matmul_tiles()  # the defaults, or MEGALOOP_BENCH_MATMUL's settings
 
 
 def graphs(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):
-    """One step: "fused" (matmuls + all-reduce in one kernel), "compute" (the matmuls only) or "comm"
-    (the all-reduce only, twice: see below). Each step's input is the previous step's output (a state
+    """One step: "fused" (the partitioner's split of the single-device MLP: matmuls and the all-reduce
+    in one kernel), "compute" (the same ranks' graphs without their all-reduce) or "comm" (the
+    all-reduce alone, twice: see below). Each step's input is the previous step's output (a state
     starting at x0), so steps cannot overlap, as consecutive layers of a model; ``fixed_input`` gives
     "fused" the same input x0 every step instead (consecutive steps may then overlap)."""
+    if part == "comm":
 
-    def build(g: ml.Graph) -> None:
-        if fixed_input:
-            x = g.input("x", (tokens, HIDDEN), ml.bfloat16)
-        else:
-            x = g.state("x", (tokens, HIDDEN), ml.bfloat16, init=x0)
-        if part == "comm":  # two chained all-reduces: the second writes the state in place (one alone
-            y = ml.all_reduce(ml.all_reduce(x))  # reads it while writing, so it would need a copy)
-        else:
-            w1 = g.parameter("w1", (FFN // WORLD, HIDDEN), ml.bfloat16)
-            w2 = g.parameter("w2", (HIDDEN, FFN // WORLD), ml.bfloat16)
-            y = ml.linear(ml.silu(ml.linear(x, w1)), w2)
-            y = y if part == "compute" else ml.all_reduce(y)
-        g.output("y", y)
-        if not fixed_input:
+        def build(g: ml.Graph) -> None:  # two chained all-reduces: the second writes the state in place
+            x = g.state("x", (tokens, HIDDEN), ml.bfloat16, init=x0)  # (one alone reads it while writing)
+            y = ml.all_reduce(ml.all_reduce(x))
+            g.output("y", y)
             g.assign(x, y)
 
-    return ml.spmd(build, WORLD)
+        return ml.spmd(build, WORLD)
+    ranks = split(tokens, x0, fixed_input).graphs
+    if part == "compute":
+        for rank in ranks:
+            (reduce,) = [n for n in rank.nodes if n.op.name == "all_reduce"]
+            rank.replace_uses(reduce.outputs[0], reduce.inputs[0])
+            rank.nodes.remove(reduce)
+            for i, n in enumerate(rank.nodes):
+                n.id = i
+    return ranks
+
+
+def split(tokens: int, x0: np.ndarray, fixed_input: bool) -> ml.Partition:
+    """The single-device MLP step, tensor parallel over WORLD GPUs by ml.parallelize."""
+    g = ml.Graph("mlp")
+    if fixed_input:
+        x = g.input("x", (tokens, HIDDEN), ml.bfloat16)
+    else:
+        x = g.state("x", (tokens, HIDDEN), ml.bfloat16, init=x0)
+    w1 = g.parameter("w1", (FFN, HIDDEN), ml.bfloat16)
+    w2 = g.parameter("w2", (HIDDEN, FFN), ml.bfloat16)
+    y = ml.linear(ml.silu(ml.linear(x, w1)), w2)
+    g.output("y", y)
+    if not fixed_input:
+        g.assign(x, y)
+    return ml.parallelize(g, WORLD, "tp")
+
+
+def weights(rng: np.random.Generator) -> list[dict]:
+    """Each rank's pieces of the single-device MLP's weights (1/64: the step keeps the activations' scale
+    roughly, as the dependent variant feeds each step's output back in for a hundred steps)."""
+    full = {
+        "w1": rng.standard_normal((FFN, HIDDEN), dtype=np.float32) / 64,
+        "w2": rng.standard_normal((HIDDEN, FFN), dtype=np.float32) / 64,
+    }
+    return split(8, np.zeros((8, HIDDEN), np.float32), True).shard_parameters(full)
 
 
 def plan_of(tokens: int, part: str, x0: np.ndarray, fixed_input: bool = False):
@@ -65,15 +93,7 @@ def torch_side() -> dict:
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    params = [
-        {
-            # 1/64: the step keeps the activations' scale roughly (the dependent variant feeds each
-            # step's output back in for a hundred steps)
-            "w1": rng.standard_normal((FFN // WORLD, HIDDEN), dtype=np.float32) / 64,
-            "w2": rng.standard_normal((HIDDEN, FFN // WORLD), dtype=np.float32) / 64,
-        }
-        for _ in range(WORLD)
-    ]
+    params = weights(rng)
     results: dict = {"hidden": HIDDEN, "ffn": FFN, "world": WORLD, "tokens": {}}
     # PyTorch first, while this process has no loop kernel on the GPUs (a resident kernel holds every
     # SM: had one outlived its group, torchrun's kernels would never start). A failure there is

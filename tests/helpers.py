@@ -136,25 +136,22 @@ def worst_error_text(out: np.ndarray, ref: np.ndarray) -> str:
 
 
 def tp_mlp(world: int, tokens: int, hidden: int, ffn: int, scale: float, seed: int) -> tuple[list, np.ndarray, list]:
-    """A Megatron-style tensor-parallel MLP on ``world`` ranks (column-parallel W1, row-parallel W2,
-    all-reduce) with its input and each rank's weights: (graphs, x, params per rank)."""
-
-    def build(g: ml.Graph) -> None:
-        x = g.input("x", (tokens, hidden), ml.bfloat16)
-        w1 = g.parameter("w1", (ffn // world, hidden), ml.bfloat16)
-        w2 = g.parameter("w2", (hidden, ffn // world), ml.bfloat16)
-        g.output("y", ml.all_reduce(ml.linear(ml.silu(ml.linear(x, w1)), w2)))
-
+    """A tensor-parallel MLP on ``world`` ranks, from the partitioner (ml.parallelize of the single-device
+    MLP: both weights cut, one all-reduce), with its input and each rank's weights: (graphs, x, params
+    per rank)."""
+    g = ml.Graph("mlp")
+    x = g.input("x", (tokens, hidden), ml.bfloat16)
+    w1 = g.parameter("w1", (ffn, hidden), ml.bfloat16)
+    w2 = g.parameter("w2", (hidden, ffn), ml.bfloat16)
+    g.output("y", ml.linear(ml.silu(ml.linear(x, w1)), w2))
+    split = ml.parallelize(g, world, "tp")
+    first = split.graphs[0]
+    assert all(t.size * world == ffn * hidden for t in first.parameters.values()), "a weight is not cut"
+    assert [n.op.name for n in first.nodes if n.op.kind == "collective"] == ["all_reduce"], "not one all-reduce"
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((tokens, hidden))
-    params = [
-        {
-            "w1": rng.standard_normal((ffn // world, hidden)) * scale,
-            "w2": rng.standard_normal((hidden, ffn // world)) * scale,
-        }
-        for _ in range(world)
-    ]
-    return ml.spmd(build, world), x, params
+    x0 = rng.standard_normal((tokens, hidden))
+    full = {"w1": rng.standard_normal((ffn, hidden)) * scale, "w2": rng.standard_normal((hidden, ffn)) * scale}
+    return split.graphs, x0, split.shard_parameters(full)
 
 
 def sass(cubin: bytes) -> str:
