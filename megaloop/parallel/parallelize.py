@@ -190,6 +190,9 @@ def _checked(graph: Graph, plan: Plan, micro_batches: int | None) -> Plan:
     bad = [k for k in plan.kinds if k not in KINDS]
     if bad:
         raise GraphBuildError(f"parallelize: unknown kind(s) {bad}; each mesh axis is one of {KINDS}")
+    tp_axes = [i for i, k in enumerate(plan.kinds) if k == "tp"]
+    if tp_axes and tp_axes != list(range(tp_axes[0], tp_axes[-1] + 1)):
+        raise GraphBuildError(f"parallelize: the tp axes of {plan.mesh} must be next to each other (they act as one)")
     for kind in ("pp", "dp", "device"):
         if plan.kinds.count(kind) > 1:
             raise GraphBuildError(f"parallelize: at most one {kind} axis (the mesh {plan.mesh} has several)")
@@ -228,9 +231,12 @@ def _auto_plans(graph: Graph, mesh: Mesh, micro_batches: int | None) -> list[Pla
         if n > 1:
             out.append(Plan(Mesh((n,), ("device",)), ("device",)))
         return out
+    batch = _batch(graph)
     for kinds in itertools.product(("tp", "pp", "dp"), repeat=len(mesh.shape)):
         if kinds.count("pp") > 1 or kinds.count("dp") > 1:
             continue
+        if any(k == "dp" and s > batch for k, s in zip(kinds, mesh.shape)):
+            continue  # (no batch to cut that far)
         out.append(_checked(graph, Plan(Mesh(mesh.shape, mesh.names), kinds), micro_batches))
     return out
 
@@ -333,9 +339,11 @@ def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
 
 
 def _stride(plan: Plan, kind: str) -> int:
+    """Rank distance between neighbours along the kind's axes (several tp axes, adjacent, act as one)."""
     if kind not in plan.kinds:
         return 1
-    return plan.mesh.stride(plan.mesh.names[plan.kinds.index(kind)])
+    last = len(plan.kinds) - 1 - plan.kinds[::-1].index(kind)
+    return plan.mesh.stride(plan.mesh.names[last])
 
 
 def _micro_batch(part: Part, m: int, machine: Machine) -> list[Part]:
