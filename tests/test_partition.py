@@ -22,6 +22,7 @@ STRATEGIES = [
     ("pp4", 4, "pp"),
     ("dp2", 2, "dp"),
     ("tp2xpp2", ml.Mesh((2, 2), ("pp", "tp")), {"pp": "pp", "tp": "tp"}),
+    ("dp2xtp2", ml.Mesh((2, 2), ("dp", "tp")), {"dp": "dp", "tp": "tp"}),
 ]
 INTERLEAVINGS = 20
 
