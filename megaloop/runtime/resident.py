@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megaloop.errors import MegaloopError
+from megaloop.runtime.report import LoopKernelError
 
 
-class ResidencyError(MegaloopError, RuntimeError):
+class ResidencyError(LoopKernelError):
     """A loop kernel cannot become resident: its GPU is held, or its blocks do not all fit."""
 
 
