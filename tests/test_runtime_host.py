@@ -167,7 +167,7 @@ elif point == "write":
     c._write_temp = half
 elif point == "rename":
     os.replace = ready
-c.compile_cubin(source, "sm_80")
+c.compile_cubin(source, sys.argv[4] if len(sys.argv) > 4 else "sm_80")
 print("FINISHED", flush=True)
 """
 
