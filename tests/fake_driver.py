@@ -155,15 +155,16 @@ class FakeDriver:
 
     # ---- memory --------------------------------------------------------------------------------------
     def cuMemAlloc(self, n):
-        with self._lock:
+        with self._lock:  # the kernels' threads read the memory meanwhile
             address = self._next
             self._next += (int(n) + 0xFFFF) & ~0xFFFF
-        self.memory[address] = bytearray(int(n))
+            self.memory[address] = bytearray(int(n))
         return OK, address
 
     def cuMemFree(self, address):
         self._blocked("cuMemFree")
-        del self.memory[int(address)]
+        with self._lock:
+            del self.memory[int(address)]
         return (OK,)
 
     def cuMemHostAlloc(self, n, flags):
@@ -180,7 +181,9 @@ class FakeDriver:
         return (OK,)
 
     def _device(self, address: int, n: int) -> tuple[bytearray, int]:
-        for base, buf in self.memory.items():
+        with self._lock:
+            allocations = list(self.memory.items())
+        for base, buf in allocations:
             if base <= address and address + n <= base + len(buf):
                 return buf, address - base
         raise AssertionError(f"{n} bytes at {address:#x} are not in any allocation (out of bounds)")
@@ -261,13 +264,12 @@ class FakeDriver:
         """Report every iteration asked for as done, until stop (or the abort flag) is set."""
         words = CONTROL_WORDS + k.blocks
         control = np.ctypeslib.as_array((ctypes.c_uint64 * words).from_address(int(k.args["control"])))
-        while True:
-            abort = self.read(int(k.args["abort"]), 8) != bytes(8)
-            if control[STOP] or abort:
-                k.left.set()
-                return
-            control[CONTROL_WORDS:] = control[REQUESTED]
-            time.sleep(0.0005)
+        try:
+            while not (control[STOP] or self.read(int(k.args["abort"]), 8) != bytes(8)):
+                control[CONTROL_WORDS:] = control[REQUESTED]
+                time.sleep(0.0005)
+        finally:  # a fault in the fake itself ends the kernel too (the test then fails on what it checks)
+            k.left.set()
 
 
 def install(monkeypatch, fake: FakeDriver) -> FakeDriver:
