@@ -5,6 +5,10 @@
 # TESTS=... and BENCHES=... pick a subset; `gpu_check.sh profile` prints per-op windows and waits of the
 # benchmark cases (scripts/profile_cases.py; PROFILE_CASES=... picks them) and writes their traces;
 # `gpu_check.sh experiments` runs the open tuning comparisons (decode_variants, generate1b profiles).
+# `gpu_check.sh runtime` runs the runtime's GPU tests alone: ranks sharing one GPU (every collective on
+# 2-4 ranks, TP MLP, TP2 Llama, a silent peer named) and the fault tests (cache corruption, a second
+# kernel, exit and collection, a killed compile, leaks over 100 kernels and 10,000 runs, memmap upload);
+# `all` and `tests` run them too, as a selection of their own (RUNTIME_TIMEOUT bounds it, 540 s).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -27,13 +31,19 @@ status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   # TESTS, or the tests marked gpu (in the files that have them: collecting every file would need the CPU
   # test tools, e.g. hypothesis, on the GPU machine) and then the README's examples (on the GPU here)
-  gpu_files=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
+  gpu_files=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gpu_shared.py -e test_gpu_faults.py | tr '\n' ' ')
   if [ -n "${TESTS:-}" ]; then selections=("$TESTS"); else selections=("-m gpu $gpu_files" "tests/test_readme.py"); fi
   for selection in "${selections[@]}"; do
     # eval: a selection may quote its arguments (TESTS="tests/test_gpu.py -m gpu -k 'not random_graphs'")
     eval "timeout \"\$test_timeout\" python3 -m pytest -q $selection -p no:cacheprovider -rA --durations=0" 2>&1 \
       | tee -a "$OUT/gpu_check.log" || status=1
   done
+fi
+if { [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = runtime ]; } && [ -z "${TESTS:-}" ]; then
+  # the runtime's GPU tests (one-GPU groups, faults); their numbers are printed (-rA) into the logs
+  timeout "${RUNTIME_TIMEOUT:-540}" python3 -m pytest -q tests/test_gpu_shared.py tests/test_gpu_faults.py -m gpu \
+    -p no:cacheprovider -rA --durations=0 2>&1 | tee "$OUT/gpu_runtime.log" | tee -a "$OUT/gpu_check.log" \
+    || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in $benches; do

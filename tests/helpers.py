@@ -185,3 +185,75 @@ def decode_layer_case(sequences: int, positions=None) -> tuple[ml.Graph, dict, d
         "positions": np.full((sequences, 1), CONTEXT) if positions is None else np.asarray(positions),
     }
     return build_llama(cfg, sequences, 1), random_parameters(cfg, seed=0), feeds
+
+
+def tp_llama(cfg, world: int, batch: int, tokens: int, kv_splits=None) -> list:
+    """A Llama-family step hand-sharded Megatron-style over ``world`` ranks (until ml.parallelize):
+    each rank holds heads/world query heads with their kv heads, intermediate/world of the MLP, one
+    all-reduce after the attention's output projection and one after the MLP's down projection;
+    embedding, norms and LM head replicated. Parameter and state names are the single-device
+    model's (``shard_llama`` slices its parameters); inputs and outputs are build_llama's."""
+    import dataclasses
+
+    import megaloop.frontend.ops as ops
+    from megaloop.models.llama import attention_block, mlp_block
+
+    for name in ("heads", "kv_heads", "intermediate"):
+        if getattr(cfg, name) % world:
+            raise ValueError(f"tp_llama: {name} {getattr(cfg, name)} does not divide by {world} ranks")
+    local = dataclasses.replace(
+        cfg,
+        heads=cfg.heads // world,
+        kv_heads=cfg.kv_heads // world,
+        intermediate=cfg.intermediate // world,
+        head_dim=cfg.head_dim,
+    )
+
+    def build(g: ml.Graph) -> None:
+        d, dt = cfg.hidden, cfg.dtype
+        positions = g.input("positions", (batch, tokens), "int64")
+        if cfg.vocab is not None:
+            table = g.parameter("model.embed_tokens.weight", (cfg.vocab, d), dt)
+            x = ops.embedding(table, g.input("tokens", (batch, tokens), "int64"))
+        else:
+            x = g.input("hidden", (batch, tokens, d), dt)
+        for layer in range(cfg.layers):
+            p = f"model.layers.{layer}."
+            with g.scope(f"layers.{layer}"):
+                ln1 = g.parameter(p + "input_layernorm.weight", (d,), dt)
+                ln2 = g.parameter(p + "post_attention_layernorm.weight", (d,), dt)
+                normed = ops.rmsnorm(x, ln1, eps=cfg.rms_eps)
+                h = x + ml.all_reduce(attention_block(g, local, normed, positions, layer, kv_splits))
+                normed = ops.rmsnorm(h, ln2, eps=cfg.rms_eps)
+                x = h + ml.all_reduce(mlp_block(g, local, normed, layer))
+        x = ops.rmsnorm(x, g.parameter("model.norm.weight", (d,), dt), eps=cfg.rms_eps)
+        if cfg.vocab is None:
+            g.output("hidden", x)
+        else:
+            g.output("logits", ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, d), dt)))
+
+    return ml.spmd(build, world)
+
+
+def shard_llama(params: dict, cfg, world: int) -> list[dict]:
+    """Each rank's parameters for ``tp_llama``: views of the single-device ``params`` (q/k/v and
+    gate/up by rows, o and down by columns, the rest whole)."""
+    hd = cfg.head_dim
+    rows = {"q_proj": cfg.heads * hd, "k_proj": cfg.kv_heads * hd, "v_proj": cfg.kv_heads * hd}
+    rows |= {"gate_proj": cfg.intermediate, "up_proj": cfg.intermediate}
+    cols = {"o_proj": cfg.heads * hd, "down_proj": cfg.intermediate}
+    out = []
+    for r in range(world):
+        mine = {}
+        for name, value in params.items():
+            kind = name.split(".")[-2] if name.endswith("_proj.weight") else ""
+            if kind in rows:
+                n = rows[kind] // world
+                mine[name] = value[r * n : (r + 1) * n]
+            elif kind in cols:
+                n = cols[kind] // world
+                mine[name] = value[:, r * n : (r + 1) * n]
+            else:
+                mine[name] = value
+        out.append(mine)
+    return out

@@ -150,8 +150,10 @@ class DistributedLoopKernel:
         shared = [r for r, b in enumerate(bus_ids) if b == mine]
         if len(shared) > 1:
             raise LoopKernelError(
-                f"ranks {shared} would share GPU {mine}: each loop kernel holds its whole GPU, so two on one GPU "
-                "wait for each other forever; give each rank its own GPU (LOCAL_RANK or device=)"
+                f"ranks {shared} would share GPU {mine}: loop kernels of separate processes are time-sliced by the "
+                "driver, not run side by side, so ranks waiting on each other would stall; give each rank its own GPU "
+                "(LOCAL_RANK or device=), or run the ranks from one process, sharing the GPU's SMs: "
+                "LoopKernelGroup(plan, devices=[...])"
             )
         me = _check(d.cuDeviceGet(device))
         atomics = True

@@ -15,12 +15,19 @@ while the kernel idles), rings the doorbell (the number of iterations asked for,
 memory) and waits for the kernel to report them done. Errors the kernel records (watchdog timeouts,
 bad ids or positions) come back as Python exceptions that say what waited on what; the kernel has
 then left, and a new LoopKernel can be made in the same process.
+
+Parameters and initial state go up through pinned staging buffers piece by piece (megaloop/runtime/
+upload.py: a memory-mapped checkpoint is read straight into them, never copied whole); ``progress=True``
+draws tqdm bars for the compile and the upload, a callable ``(stage, done, total)`` gets the numbers.
+A resident kernel holds its GPU: a second LoopKernel there is refused at once (megaloop/runtime/
+resident.py says why), and kernels left running are stopped at exit and when collected.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,14 +36,17 @@ import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
 from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
-from megaloop.errors import DataError, EvaluationError, MegaloopError
+from megaloop.errors import EvaluationError
 from megaloop.frontend.shapes import is_contiguous
 from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import exchange_region
-from megaloop.runtime.compile import compile_cubin
+from megaloop.runtime import resident
+from megaloop.runtime.compile import CubinLoadError, compile_and_load
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
+from megaloop.runtime.report import LoopKernelError, kernel_error
+from megaloop.runtime.upload import CHUNK_BYTES, ProgressCallback, Staging, nbytes_of, progress_callback, upload
 
 ARGS_DTYPE = np.dtype(
     [
@@ -73,10 +83,6 @@ def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
     return static_bytes + dynamic_bytes > 48 * 1024
 
 
-class LoopKernelError(MegaloopError, RuntimeError):
-    """The loop kernel gave up (watchdog) or could not be run."""
-
-
 def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
     """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
     included), as a LoopKernel allocates them and as a peer-memory provider (megaloop/runtime/peers.py)
@@ -92,11 +98,41 @@ def _check(result: Any) -> Any:
     from cuda.bindings import driver
 
     if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise LoopKernelError(f"CUDA driver error {name.decode() if isinstance(name, bytes) else name}")
+        raise LoopKernelError(f"CUDA driver error {_error_name(err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def _error_name(err: Any) -> str:
+    from cuda.bindings import driver
+
+    _, name = driver.cuGetErrorName(err)
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# cuModuleLoadData's answers that mean "this image is not loadable here": the cache entry is rebuilt
+IMAGE_ERRORS = (
+    "CUDA_ERROR_INVALID_IMAGE",
+    "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    "CUDA_ERROR_INVALID_PTX",
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    "CUDA_ERROR_INVALID_SOURCE",
+    "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED",
+)
+
+
+def load_module(cubin: bytes) -> Any:
+    """cuModuleLoadData in the current context; CubinLoadError when the driver refuses the image."""
+    from cuda.bindings import driver
+
+    err, module = driver.cuModuleLoadData(cubin)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        return module
+    name = _error_name(err)
+    if name in IMAGE_ERRORS:
+        raise CubinLoadError(f"cuModuleLoadData: {name}")
+    raise LoopKernelError(f"loading the loop kernel's module failed: CUDA driver error {name}")
 
 
 class LoopKernel:
@@ -111,12 +147,19 @@ class LoopKernel:
         profile_iterations: int = 0,
         program: LoopProgram | None = None,
         rank: int = 0,
+        progress: bool | ProgressCallback | None = None,
         _in_group: bool = False,
         _memory: tuple[int, int] | None = None,
+        _defer_setup: bool = False,
+        _group: int | None = None,
+        _copies: Any = None,
     ) -> None:
-        """``_memory``: the device addresses of an arena and counters allocated elsewhere (at least as
-        large as this rank's; megaloop/runtime/peers.py), used instead of allocating them and never freed
-        here: their provider frees them."""
+        """``progress``: None (quiet), True (tqdm bars) or a callable ``(stage, done, total)``: "compile"
+        (kernels) and "upload" (bytes of parameters and state). ``_memory``: the device addresses of
+        an arena and counters allocated elsewhere (at least as large as this rank's; megaloop/runtime/
+        peers.py), used instead of allocating them and never freed here: their provider frees them.
+        ``_defer_setup``: stop after loading the module (the group checks residency, then calls
+        ``_setup``); ``_group``: the group launched with it; ``_copies``: a copy stream it lends."""
         from cuda.bindings import driver
 
         if plan.world_size > 1 and not _in_group:
@@ -130,25 +173,31 @@ class LoopKernel:
         if not 0 <= device < len(found):
             raise LoopKernelError(f"GPU {device} does not exist ({len(found)} visible)")
         self.plan, self.rank, self.rp = plan, rank, plan.ranks[rank]
-        self.device = device
+        self.device, self.gpu = device, found[device]
         self._in_place: set[str] = set()  # inputs handed out by tensor(): the caller writes them there
-        self.program = program or generate(plan, rank)
         self.timeout_s = timeout_s
         self.profile_iterations = profile_iterations
         self._d = driver
         self._allocations: list[int] = []
+        self._staged: list[np.ndarray] = []  # host arrays of copies in flight
         self._memory = _memory
         self._launched = False
         self._stuck = False
         self._requested = 0
+        self._group = _group
+        self._lent_copies = _copies is not None
         self.control = self.progress = None  # views of the mapped control page, once allocated
-        self.cubin = compile_cubin(self.program.source, found[device].arch)
+        self._progress = progress_callback(progress)
+        resident.refuse_if_occupied(device, self._what())  # before anything: loading would hang
+        self.program = program or generate(plan, rank)
         _check(driver.cuInit(0))
         dev = _check(driver.cuDeviceGet(device))
         self._ctx = _check(driver.cuDevicePrimaryCtxRetain(dev))
         _check(driver.cuCtxSetCurrent(self._ctx))
         try:
-            self._module = _check(driver.cuModuleLoadData(self.cubin))
+            self._report("compile", 0, 1)
+            self.cubin, self._module = compile_and_load(self.program.source, self.gpu.arch, self._load)
+            self._report("compile", 1, 1)
             self._function = _check(driver.cuModuleGetFunction(self._module, b"megaloop_loop"))
             static = self._static_shared = int(
                 _check(
@@ -180,15 +229,39 @@ class LoopKernel:
             self._check_resident(found[device])
             flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
             self._stream = _check(driver.cuStreamCreate(flags))
-            self._copies = _check(driver.cuStreamCreate(flags))
-            self._setup_memory()
-            self._load_host_values(params or {}, state or {})
+            self._copies = _copies if _copies is not None else _check(driver.cuStreamCreate(flags))
+            self._host_values = (params or {}, state or {})
+            if not _defer_setup:
+                self._setup()
             if not _in_group:  # alone: its own arena and counters are the whole world
                 self._connect([self.arena], [self.counters])
                 self._launch()
         except BaseException:
             self._free()  # whatever was allocated before the failure
             raise
+
+    def _setup(self) -> None:
+        """The arena, counters and control page, then parameters, constants and initial state."""
+        self._setup_memory()
+        params, state = self._host_values
+        self._host_values = ({}, {})  # not kept alive by the kernel
+        self._load_host_values(params, state)
+
+    def _what(self) -> str:
+        rank = f" (rank {self.rank} of {self.plan.world_size})" if self.plan.world_size > 1 else ""
+        return f"the loop kernel of graph {self.rp.graph.name!r}{rank}"
+
+    def _report(self, stage: str, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress(stage, done, total)
+
+    def _load(self, cubin: bytes) -> Any:
+        resident.refuse_if_occupied(self.device, self._what())  # a kernel launched meanwhile (a thread)
+        return load_module(cubin)
+
+    def launch_spec(self) -> resident.Launch:
+        """Its thread blocks and how many fit an SM, for the residency arithmetic."""
+        return resident.Launch(self.program.processors, self.blocks_per_sm, self._what())
 
     def _use(self) -> None:
         """Make this kernel's GPU current (one process may drive several)."""
@@ -202,21 +275,22 @@ class LoopKernel:
                 self._function, self.program.threads, self.program.shared_bytes
             )
         )
-        resident = int(per_sm) * gpu.sm_count
-        if resident == 0:
+        self.blocks_per_sm = int(per_sm)
+        fit = int(per_sm) * gpu.sm_count
+        if fit == 0:
             self._free()
             raise LoopKernelError(
                 f"no block of the loop kernel ({self.program.threads} threads, {self.program.shared_bytes} bytes of "
                 f"dynamic and {self._static_shared} of static shared memory) fits on a multiprocessor of {gpu.name}: "
                 "plan with fewer warps or smaller matmul tiles"
             )
-        if self.program.processors > resident:
+        if self.program.processors > fit:
             self._free()
             raise LoopKernelError(
                 f"the plan has {self.program.processors} processors (thread blocks of {self.program.threads} "
                 f"threads, {self.program.shared_bytes} bytes of dynamic shared memory), but {gpu.name} keeps at most "
-                f"{resident} of them resident at once ({gpu.sm_count} SMs x {per_sm}); make the plan with "
-                f"processors <= {resident}"
+                f"{fit} of them resident at once ({gpu.sm_count} SMs x {per_sm}); make the plan with "
+                f"processors <= {fit}"
             )
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -226,10 +300,13 @@ class LoopKernel:
         return ptr
 
     def _upload(self, array: np.ndarray) -> int:
+        """A new allocation holding ``array``, copied on the copy stream (every setup step is queued
+        there, in order, and waited for once: ``_sync`` before the launch)."""
         array = np.ascontiguousarray(array)
         ptr = self._alloc(array.nbytes)
         if array.nbytes:
-            _check(self._d.cuMemcpyHtoD(ptr, array, array.nbytes))
+            self._staged.append(array)  # alive until the copy stream is synchronised
+            _check(self._d.cuMemcpyHtoDAsync(ptr, array, array.nbytes, self._copies))
         return ptr
 
     def _setup_memory(self) -> None:
@@ -240,13 +317,16 @@ class LoopKernel:
             self.counters = self._alloc(counter_bytes)
         else:  # valid here: torch and the IPC provider work in this device's primary context, our self._ctx
             self.arena, self.counters = self._memory
-        _check(d.cuMemsetD8(self.arena, 0xFF, arena_bytes))  # poison: NaN in every float
+        # on the copy stream, as the uploads after them: a non-blocking stream is not ordered after
+        # the legacy default stream's memsets
+        copies = self._copies
+        _check(d.cuMemsetD8Async(self.arena, 0xFF, arena_bytes, copies))  # poison: NaN in every float
         inbox_at, inbox_bytes = exchange_region(self.plan, self.rank)
         if inbox_bytes:  # no flag or count of a pushed tile matches a zero
-            _check(d.cuMemsetD8(self.arena + inbox_at, 0, inbox_bytes))
-        _check(d.cuMemsetD8(self.counters, 0, counter_bytes))
+            _check(d.cuMemsetD8Async(self.arena + inbox_at, 0, inbox_bytes, copies))
+        _check(d.cuMemsetD8Async(self.counters, 0, counter_bytes, copies))
         self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
-        _check(d.cuMemsetD8(self.flags, 0, 24))
+        _check(d.cuMemsetD8Async(self.flags, 0, 24, copies))
         # mapped pinned memory: the doorbell and error report, then each block's finished iterations
         words = CONTROL_WORDS + prog.processors
         host = _check(d.cuMemHostAlloc(8 * words, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
@@ -258,7 +338,7 @@ class LoopKernel:
         self.profile = 0
         if self.profile_iterations:
             self.profile = self._alloc(16 * len(self.rp.tasks) * self.profile_iterations)
-            _check(d.cuMemsetD8(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations))
+            _check(d.cuMemsetD8Async(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations, copies))
         args = np.zeros(1, ARGS_DTYPE)
         args["arena"], args["counters"], args["control"] = self.arena, self.counters, control_dev
         args["abort"], args["doorbell"] = self.flags, self.flags + 8
@@ -274,6 +354,7 @@ class LoopKernel:
         args["profile_iterations"] = self.profile_iterations
         args["n_tasks"] = len(self.rp.tasks)
         self._args_host = args
+        self._sync_setup("setting up the arena and tables")
 
     def _connect(self, arenas: list[int], counters: list[int]) -> None:
         """Every rank's arena and counters (device addresses valid here: peer access is on), then the
@@ -284,33 +365,86 @@ class LoopKernel:
         args["rank_counters"] = self._upload(np.array(counters, np.uint64))
         args["rank"], args["world"] = self.rank, len(arenas)
         self._args = self._upload(args)
+        self._sync_setup("uploading the kernel's arguments")
+
+    def _sync_setup(self, what: str) -> None:
+        self._sync(self._copies, what)
+        self._staged.clear()
+
+    def _sync(self, stream: Any, what: str) -> None:
+        """Until the work queued on ``stream`` is done, polling with a deadline (a copy queued behind a
+        resident loop kernel in a shared hardware queue would otherwise block the host for good)."""
+        d = self._d
+        deadline, spins = None, 0
+        while True:
+            (err,) = d.cuStreamQuery(stream)
+            if err == d.CUresult.CUDA_SUCCESS:
+                return
+            if err != d.CUresult.CUDA_ERROR_NOT_READY:
+                _check((err,))
+            spins += 1
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s + 5.0
+            elif spins > 1000:  # a long copy (a big output): stop spinning
+                time.sleep(0.0001)
+            if time.monotonic() > deadline:
+                raise LoopKernelError(
+                    f"{self._who()}{what} has not finished after {self.timeout_s + 5:.0f} s. With several loop kernels "
+                    "on one GPU, a copy stream may share a hardware queue with a resident kernel: raise "
+                    "CUDA_DEVICE_MAX_CONNECTIONS (e.g. to 32) before CUDA starts in this process"
+                )
+
+    def _destination(self, tensor_id: int) -> int:
+        """The arena address tensor ``tensor_id`` is written at (whole buffers only)."""
+        t = self.rp.tensors[tensor_id]
+        if t.offset or t.strides != _contiguous(t.shape):
+            raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
+        return self.arena + self.rp.buffers[t.buffer].offset
 
     def _write(self, tensor_id: int, values: np.ndarray) -> None:
         self._use()
-        t = self.rp.tensors[tensor_id]
-        buf = self.rp.buffers[t.buffer]
-        if t.offset or t.strides != _contiguous(t.shape):
-            raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
+        at = self._destination(tensor_id)
         data = np.ascontiguousarray(values)
-        _check(self._d.cuMemcpyHtoDAsync(self.arena + buf.offset, data, data.nbytes, self._copies))
-        _check(self._d.cuStreamSynchronize(self._copies))
+        _check(self._d.cuMemcpyHtoDAsync(at, data, data.nbytes, self._copies))
+        self._sync(self._copies, f"writing {self.rp.tensors[tensor_id].name!r}")
 
-    def _put(self, gt: Any, value: Any, what: str) -> None:
-        """The value of graph tensor ``gt``: host data (converted, then copied up) or a GPU array
-        (copied device to device, no conversion)."""
+    def _zero(self, tensor_id: int) -> None:
+        """Zero bytes are 0 in every dtype: a state without an init needs no host array."""
+        self._use()
+        t = self.rp.tensors[tensor_id]
+        n = nbytes_of(t.shape, t.dtype)
+        if n:
+            _check(self._d.cuMemsetD8Async(self._destination(tensor_id), 0, n, self._copies))
+            self._sync(self._copies, f"zeroing {t.name!r}")
+
+    def _put(self, gt: Any, value: Any, what: str, staging: Staging | None = None) -> None:
+        """The value of graph tensor ``gt``: host data (converted, then copied up: piece by piece through
+        ``staging`` when given) or a GPU array (copied device to device, no conversion)."""
         tensor_id = self.rp.tensor_of[gt]
         t = self.rp.tensors[tensor_id]
         src = device_source(value, t.dtype, t.shape, what, self.device, self.timeout_s)
         if src is None:
-            self._write(tensor_id, coerce(value, gt, what))
+            if staging is None:
+                self._write(tensor_id, coerce(value, gt, what))
+                return
+            self._use()
+            upload(
+                staging.put,
+                self._destination(tensor_id),
+                value,
+                t.shape,
+                t.dtype,
+                what,
+                staging.chunk_bytes,
+                self._uploaded,
+            )
             return
-        buf = self.rp.buffers[t.buffer]
-        if t.offset or t.strides != _contiguous(t.shape):
-            raise LoopKernelError(f"cannot upload into the strided view {t.name!r}")
+        at = self._destination(tensor_id)
         if src.nbytes:
             self._use()
-            _check(self._d.cuMemcpyDtoDAsync(self.arena + buf.offset, src.ptr, src.nbytes, self._copies))
-            _check(self._d.cuStreamSynchronize(self._copies))
+            _check(self._d.cuMemcpyDtoDAsync(at, src.ptr, src.nbytes, self._copies))
+            self._sync(self._copies, f"copying {what} from its GPU array")
+            self._uploaded(src.nbytes)
 
     def _read(self, tensor_id: int) -> np.ndarray:
         self._use()
@@ -322,11 +456,11 @@ class LoopKernel:
             raw = np.empty(math.prod(t.shape) * item, np.uint8)
             at = self.arena + buf.offset + t.offset * item
             _check(self._d.cuMemcpyDtoHAsync(raw, at, raw.nbytes, self._copies))
-            _check(self._d.cuStreamSynchronize(self._copies))
+            self._sync(self._copies, f"reading {t.name!r}")
             return raw.view(t.dtype.np).reshape(t.shape)
         raw = np.empty(buf.nbytes, np.uint8)
         _check(self._d.cuMemcpyDtoHAsync(raw, self.arena + buf.offset, buf.nbytes, self._copies))
-        _check(self._d.cuStreamSynchronize(self._copies))
+        self._sync(self._copies, f"reading {t.name!r}")
         return np.array(
             np.ndarray(
                 t.shape, t.dtype.np, buffer=raw, offset=t.offset * item, strides=tuple(s * item for s in t.strides)
@@ -335,16 +469,48 @@ class LoopKernel:
         )
 
     def _load_host_values(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Parameters and given state through pinned staging buffers (nothing else is running yet), the
+        rest of the state from its init, or zeroed on the GPU."""
         g = self.rp.graph
         missing = [k for k in g.parameters if k not in params]
         unknown = [k for k in params if k not in g.parameters]
         if missing or unknown:
             raise EvaluationError(f"parameters missing {missing}, unknown {unknown}")
-        for name, t in g.parameters.items():
-            self._put(t, params[name], f"parameter {name!r}")
+        unknown = [k for k in state if k not in g.states]
+        if unknown:
+            raise EvaluationError(f"unknown state {unknown}")
+        values = [(t, params[n], f"parameter {n!r}") for n, t in g.parameters.items()]
+        values += [(t, state[n], f"state {n!r}") for n, t in g.states.items() if n in state]
+        self._upload_total = sum(nbytes_of(t.shape, t.dtype) for t, _, _ in values)
+        self._upload_done = 0
+        self._report("upload", 0, self._upload_total)
+        if values:
+            staging = Staging(
+                self._d, self._copies, _check, min(CHUNK_BYTES, max(self._upload_total, 8)), self.timeout_s
+            )
+            try:
+                for t, value, what in values:
+                    self._put(t, value, what, staging)
+                staging.finish()
+            finally:
+                staging.close()
         for t in g.constants:
             self._write(self.rp.tensor_of[t], t.node.attrs["value"])
-        self.set_state(state, all_states=True)
+        self._initial_state(exclude=set(state))
+
+    def _uploaded(self, nbytes: int) -> None:
+        self._upload_done = getattr(self, "_upload_done", 0) + nbytes
+        if self._upload_done <= getattr(self, "_upload_total", 0):
+            self._report("upload", self._upload_done, self._upload_total)
+
+    def _initial_state(self, exclude: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        for name, t in self.rp.graph.states.items():
+            if name in exclude:
+                continue
+            if "init" in t.node.attrs:
+                self._write(self.rp.tensor_of[t], t.node.attrs["init"])
+            else:
+                self._zero(self.rp.tensor_of[t])
 
     def set_state(self, state: Mapping[str, Any], *, all_states: bool = False) -> None:
         """Overwrite state buffers (between runs); with ``all_states``, the others get their init."""
@@ -355,12 +521,8 @@ class LoopKernel:
         for name, t in g.states.items():
             if name in state:
                 self._put(t, state[name], f"state {name!r}")
-                continue
-            if all_states:
-                values = t.node.attrs["init"] if "init" in t.node.attrs else np.zeros(t.shape, t.dtype.np)
-            else:
-                continue
-            self._write(self.rp.tensor_of[t], values)
+        if all_states:
+            self._initial_state(exclude=set(state))
 
     # ---- running ----------------------------------------------------------------------------------
     def _launch(self) -> None:
@@ -383,6 +545,9 @@ class LoopKernel:
             )
         )
         self._launched = True
+        resident.register(
+            self, resident.Resident(self.device, self.program.processors, self._what(), self._group, time.monotonic())
+        )
 
     def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
         """Write ``inputs``, run ``iterations`` iterations, return the outputs of the last one."""
@@ -465,42 +630,7 @@ class LoopKernel:
         code = int(self.control[ERROR])
         info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 8]]
         self._halt()  # every block leaves (a block stuck in a task is reported by stop())
-        if code == 1:
-            proc, task, op, counter, expected, seen, k, peer = info
-            rp = self.rp
-            waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
-            if counter == -3:  # inside a matmul tile: its weights, staged by the copy engine (megaloop/stage.cuh)
-                raise LoopKernelError(
-                    f"watchdog: rank {self.rank} processor {proc} waited more than {self.timeout_s:g} s in iteration "
-                    f"{k} in {waiting}: the weights copied into shared memory for it (tile switch stage_weights) "
-                    "never landed. The kernel has stopped; make a new LoopKernel to run again (set stage_weights "
-                    "to 0 on the matmul to load them without the copy engine)"
-                )
-            if counter < 0:  # inside a pushing all_reduce's tile: a member's data (megaloop/exchange.cuh)
-                what = "LL line flag" if counter == -1 else "arrival count"
-                raise LoopKernelError(
-                    f"watchdog: rank {self.rank} processor {proc} waited more than {self.timeout_s:g} s in iteration "
-                    f"{k} in {waiting}: the tile rank {peer} pushes to it never arrived (a peer GPU: is it running?); "
-                    f"its {what} stayed at {seen}, expected {expected}. The kernel has stopped; make a new LoopKernel "
-                    "to run again"
-                )
-            owner = self.plan.ranks[peer] if 0 <= peer < len(self.plan.ranks) else rp
-            signaler = owner.counters[counter].name if 0 <= counter < len(owner.counters) else f"counter {counter}"
-            where = f" of rank {peer} (a peer GPU: is it running?)" if peer != self.rank else ""
-            raise LoopKernelError(
-                f"watchdog: rank {self.rank} processor {proc} waited more than {self.timeout_s:g} s in iteration {k} "
-                f"before {waiting}: counter {counter}{where} ({signaler}) stayed at {seen}, expected {expected}. "
-                "The kernel has stopped; make a new LoopKernel to run again"
-            )
-        if code == 2:
-            proc, task, op, value, limit, kind, _, _ = info
-            what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
-            name = self.rp.ops[op].name if 0 <= op < len(self.rp.ops) else f"op {op}"
-            raise DataError(
-                f"{self.rp.ops[op].op if 0 <= op < len(self.rp.ops) else 'op'} {name}: {what} {value} is "
-                f"outside [0, {limit}) (found by task {task} on processor {proc}); the kernel has stopped"
-            )
-        raise LoopKernelError(f"the loop kernel reported error code {code}")
+        raise kernel_error(self.plan, self.rank, self.timeout_s, code, info, getattr(self, "_devices", None))
 
     def state(self) -> dict[str, np.ndarray]:
         g = self.rp.graph
@@ -546,15 +676,16 @@ class LoopKernel:
         d = self._d
         self._launched = False
         self.control[STOP] = 1
-        if self._left(self.timeout_s + 5.0):
-            return True
-        one = np.ones(1, np.uint64)
-        _check(d.cuMemcpyHtoDAsync(self.flags, one, 8, self._copies))
-        _check(d.cuStreamSynchronize(self._copies))
-        if self._left(5.0):
-            return True
-        self._stuck = True
-        return False
+        if not self._left(self.timeout_s + 5.0):
+            one = np.ones(1, np.uint64)
+            _check(d.cuMemcpyHtoDAsync(self.flags, one, 8, self._copies))
+            self._sync(self._copies, "raising the abort flag")
+            if not self._left(5.0):
+                self._stuck = True
+                resident.mark_stuck(self)  # its GPU stays refused: nothing can be loaded there now
+                return False
+        resident.unregister(self)
+        return True
 
     def _left(self, seconds: float) -> bool:
         """Whether the kernel finished within ``seconds`` (polling, never blocking without bound)."""
@@ -569,7 +700,7 @@ class LoopKernel:
         return False
 
     def stop(self) -> None:
-        """Tell the kernel to leave, wait for it, free everything."""
+        """Tell the kernel to leave, wait for it, free everything (the GPU is then free for another)."""
         try:
             if self._launched and not self._halt():
                 raise LoopKernelError(
@@ -581,6 +712,13 @@ class LoopKernel:
                 self._free()
 
     def _free(self) -> None:
+        """Free everything, once no loop kernel runs on this GPU or in this kernel's group (cuMemFree
+        would block meanwhile, or free memory a peer still reads): now, or when the last one leaves."""
+        if getattr(self, "_d", None) is None:
+            return  # never set up
+        resident.free_when_idle(self.device, self._group, self._free_now)
+
+    def _free_now(self) -> None:
         self._use()
         d = self._d
         for ptr in self._allocations:
@@ -590,13 +728,23 @@ class LoopKernel:
             self.control = self.progress = None  # views of the pinned page: gone with it
             d.cuMemFreeHost(self._control_host)
             self._control_host = 0
-        for s in ("_stream", "_copies"):
+        streams = ("_stream",) if self._lent_copies else ("_stream", "_copies")
+        for s in streams:
             if getattr(self, s, None) is not None:
                 d.cuStreamDestroy(getattr(self, s))
                 setattr(self, s, None)
         if getattr(self, "_module", None) is not None:
             d.cuModuleUnload(self._module)
             self._module = None
+
+    def __del__(self) -> None:
+        """A kernel dropped while running is stopped (and its memory freed once its GPU is idle)."""
+        if not getattr(self, "_launched", False) or sys.is_finalizing():
+            return
+        try:
+            self.stop()
+        except Exception:  # nowhere to report it; the registry keeps a stuck kernel's GPU refused
+            pass
 
     def __enter__(self) -> LoopKernel:
         return self

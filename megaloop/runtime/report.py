@@ -1,0 +1,57 @@
+"""What the loop kernel's error report (the control page's error word and info) means, in words:
+a watchdog timeout names the task, the counter or the pushed tile and the peer rank; a data error
+names the op and the value."""
+
+from __future__ import annotations
+
+from megaloop.errors import DataError, MegaloopError
+from megaloop.plan.model import Plan
+
+
+class LoopKernelError(MegaloopError, RuntimeError):
+    """The loop kernel gave up (watchdog) or could not be run."""
+
+
+def kernel_error(
+    plan: Plan, rank: int, timeout_s: float, code: int, info: list[int], devices: list[int] | None = None
+) -> MegaloopError:
+    """The exception for error ``code`` with ``info`` (megaloop/loop.cuh ``fail``) of rank ``rank``;
+    ``devices``: each rank's GPU, where known (a peer on this GPU is named as such)."""
+    rp = plan.ranks[rank]
+    if code == 1:
+        proc, task, op, counter, expected, seen, k, peer = info
+        same_gpu = devices is not None and 0 <= peer < len(devices) and devices[peer] == devices[rank]
+        running = "its loop kernel shares this GPU: is it running?" if same_gpu else "a peer GPU: is it running?"
+        waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
+        if counter == -3:  # inside a matmul tile: its weights, staged by the copy engine (megaloop/stage.cuh)
+            return LoopKernelError(
+                f"watchdog: rank {rank} processor {proc} waited more than {timeout_s:g} s in iteration "
+                f"{k} in {waiting}: the weights copied into shared memory for it (tile switch stage_weights) "
+                "never landed. The kernel has stopped; make a new LoopKernel to run again (set stage_weights "
+                "to 0 on the matmul to load them without the copy engine)"
+            )
+        if counter < 0:  # inside a pushing all_reduce's tile: a member's data (megaloop/exchange.cuh)
+            what = "LL line flag" if counter == -1 else "arrival count"
+            return LoopKernelError(
+                f"watchdog: rank {rank} processor {proc} waited more than {timeout_s:g} s in iteration "
+                f"{k} in {waiting}: the tile rank {peer} pushes to it never arrived ({running}); "
+                f"its {what} stayed at {seen}, expected {expected}. The kernel has stopped; make a new LoopKernel "
+                "to run again"
+            )
+        owner = plan.ranks[peer] if 0 <= peer < len(plan.ranks) else rp
+        signaler = owner.counters[counter].name if 0 <= counter < len(owner.counters) else f"counter {counter}"
+        where = f" of rank {peer} ({running})" if peer != rank else ""
+        return LoopKernelError(
+            f"watchdog: rank {rank} processor {proc} waited more than {timeout_s:g} s in iteration {k} "
+            f"before {waiting}: counter {counter}{where} ({signaler}) stayed at {seen}, expected {expected}. "
+            "The kernel has stopped; make a new LoopKernel to run again"
+        )
+    if code == 2:
+        proc, task, op, value, limit, kind, _, _ = info
+        what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
+        name = rp.ops[op].name if 0 <= op < len(rp.ops) else f"op {op}"
+        return DataError(
+            f"{rp.ops[op].op if 0 <= op < len(rp.ops) else 'op'} {name}: {what} {value} is "
+            f"outside [0, {limit}) (found by task {task} on processor {proc}); the kernel has stopped"
+        )
+    return LoopKernelError(f"the loop kernel reported error code {code}")
