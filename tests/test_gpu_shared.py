@@ -3,9 +3,9 @@ devices=[0] * world), each rank a loop kernel of processors = SMs // world), exc
 GPU's own memory (skipped without a GPU): every collective (all_reduce one-shot, two-step, pushed and
 pulled; all_gather; reduce_scatter; send/recv pulled and pushed) on 2, 3 and 4 ranks bitwise against
 the CPU reference, a state passed around the ring for 50 iterations, the TP MLP 100 runs bitwise,
-a hand-sharded TP2 Llama (tests/helpers.tp_llama: swap in ml.parallelize's graphs when it lands)
-against the reference, a rank that never sends named by its peer's watchdog, and processors that do
-not fit refused at once. The host side of the same paths runs in CI: tests/test_runtime_fake_gpu.py."""
+ml.parallelize's TP2, PP2 and DP2 of a Llama against the single-device reference, a rank that never
+sends named by its peer's watchdog, and processors that do not fit refused at once. The host side of
+the same paths runs in CI: tests/test_runtime_fake_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 
 import megaloop as ml
 from megaloop.codegen import generate
-from megaloop.models import LlamaConfig, random_parameters
+from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
 from megaloop.runtime.compile import compile_many
 from megaloop.runtime.device import gpus
-from tests.helpers import shard_llama, tp_llama, tp_mlp
+from tests.helpers import tp_mlp
 from tests.test_codegen import packed_exchange_graphs
 from tests.test_push_send_recv import chain
 
@@ -77,7 +77,7 @@ def compiled() -> None:
     plans = [case_plan(*c)[1] for c in CASES]
     plans += [make_plan(ml.spmd(chain, w), processors=sms() // w, tiles=t) for w in (2, 4) for t in (PULL, PUSH)]
     plans += [make_plan(tp_mlp(2, 8, 256, 1024, 0.05, 0)[0], processors=sms() // 2)]
-    plans += [make_plan(tp_llama(TP_LLAMA, 2, 1, t), processors=sms() // 2) for t in (12, 1)]
+    plans += [make_plan(split_llama(s, t).graphs, processors=sms() // 2) for _, s in SPLITS for t in (12, 1)]
     compile_many([generate(p, r).source for p in plans for r in range(p.world_size)], gpus()[0][0].arch)
 
 
@@ -159,39 +159,46 @@ def close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert rel < 1e-2, f"{what}: relative L2 difference {rel:.2e} between GPU and CPU reference"
 
 
-def tp_llama_graphs(tokens: int) -> list[ml.Graph]:
-    """The TP2 Llama's per-rank graphs: the hand-sharded helper until ml.parallelize lands."""
-    return tp_llama(TP_LLAMA, 2, 1, tokens)
+SPLITS = [("tp2", "tp"), ("pp2", "pp"), ("dp2", "dp")]
 
 
-def test_tp2_llama_on_one_gpu_against_the_reference() -> None:
-    """A 12-token prefill, then 3 decode steps on the GPU's own caches, against the CPU reference of
-    the same graphs; both ranks' logits bitwise equal; the decode step 100 times bitwise the same."""
-    params = shard_llama(random_parameters(TP_LLAMA, seed=3), TP_LLAMA, 2)
+def split_llama(strategy: str, tokens: int) -> ml.Partition:
+    """A 2-sequence Llama step split over 2 ranks by ml.parallelize."""
+    return ml.parallelize(build_llama(TP_LLAMA, 2, tokens), 2, strategy)
+
+
+@pytest.mark.parametrize(("label", "strategy"), SPLITS, ids=[s[0] for s in SPLITS])
+def test_split_llama_on_one_gpu_against_the_reference(label: str, strategy: str) -> None:
+    """ml.parallelize's TP2, PP2 and DP2 of a Llama on one GPU (two ranks of half its SMs): a 12-token
+    prefill, then 3 decode steps on the caches the prefill left (handed from one partition to the
+    other through the host), against the single-device model on the CPU reference; the decode step
+    100 times bitwise the same."""
+    full = random_parameters(TP_LLAMA, seed=3)
     rng = np.random.default_rng(4)
-    prefill, decode = tp_llama_graphs(12), tp_llama_graphs(1)
-    feed = {"tokens": rng.integers(0, 1000, (1, 12)), "positions": np.arange(12)[None]}
-    ref = ml.evaluate(prefill, [feed] * 2, params)
-    with one_gpu(make_plan(prefill, processors=sms() // 2), params) as gr:
-        out = gr.run([feed] * 2)
-        state = gr.state()
-    for r in range(2):
-        close(out[r]["logits"], ref[r].outputs["logits"], f"prefill rank {r}")
-        for name in ref[r].state:
-            close(state[r][name], ref[r].state[name], f"prefill rank {r} {name}")
-    assert out[0]["logits"].tobytes() == out[1]["logits"].tobytes(), "ranks disagree"
-    ref_state = [e.state for e in ref]
-    with one_gpu(make_plan(decode, processors=sms() // 2), params, state) as gr:
+    prefill, decode = split_llama(strategy, 12), split_llama(strategy, 1)
+    feed = {"tokens": rng.integers(0, 1000, (2, 12)), "positions": np.tile(np.arange(12), (2, 1))}
+    ref = ml.evaluate(prefill.original, feed, full)
+    plan = make_plan(prefill.graphs, processors=sms() // 2)
+    with one_gpu(plan, prefill.shard_parameters(full)) as gr:
+        out = prefill.gather_outputs(gr.run(prefill.shard_inputs(feed)))
+        state = prefill.gather_state(gr.state())
+    close(out["logits"], ref.outputs["logits"], f"{label} prefill")
+    for name, want in ref.state.items():
+        close(state[name], want, f"{label} prefill {name}")
+    ref_state = ref.state
+    plan = make_plan(decode.graphs, processors=sms() // 2)
+    with one_gpu(plan, decode.shard_parameters(full), decode.shard_state(state)) as gr:
         for step in range(3):
-            f = {"tokens": rng.integers(0, 1000, (1, 1)), "positions": np.array([[12 + step]])}
-            out = gr.run([f] * 2)
-            want = ml.evaluate(decode, [f] * 2, params, ref_state)
-            ref_state = [e.state for e in want]
-            close(out[0]["logits"], want[0].outputs["logits"], f"decode step {step}")
-            assert out[0]["logits"].tobytes() == out[1]["logits"].tobytes(), f"decode step {step}: ranks disagree"
-        first = out[0]["logits"].tobytes()
-        for _ in range(100):  # the same token at the same position: the caches rewritten with the same values
-            assert gr.run([f] * 2)[0]["logits"].tobytes() == first
+            f = {"tokens": rng.integers(0, 1000, (2, 1)), "positions": np.array([[12 + step], [12 + step]])}
+            raw = gr.run(decode.shard_inputs(f))
+            want = ml.evaluate(decode.original, f, full, ref_state)
+            ref_state = want.state
+            close(decode.gather_outputs(raw)["logits"], want.outputs["logits"], f"{label} decode step {step}")
+        first = decode.gather_outputs(raw)["logits"].tobytes()
+        start = time.perf_counter()
+        for _ in range(100):  # the same tokens at the same positions: the caches rewritten with the same values
+            assert decode.gather_outputs(gr.run(decode.shard_inputs(f)))["logits"].tobytes() == first
+        print(f"{label} Llama decode on one GPU: {(time.perf_counter() - start) * 1e4:.1f} us a run()")
 
 
 def ring(g: ml.Graph) -> None:
