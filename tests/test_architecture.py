@@ -34,7 +34,7 @@ def layer_of(module: str) -> str:
         return "api"
     if parts[1] in ("errors", "dtypes"):
         return "core"
-    if parts[1] == "cli":
+    if parts[1] == "cli" or parts[1].startswith("cli_"):  # the command line and its helper modules
         return "cli"
     return parts[1]
 

@@ -77,6 +77,8 @@ from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm,
 from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
+from megaloop.frontend.ops.sample import sample
+from megaloop.frontend.ops.sample_split import sample_combine, sample_partial
 from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
 
 __all__ = [
@@ -137,6 +139,9 @@ __all__ = [
     "rope",
     "rope_kv_cache_update",
     "rsqrt",
+    "sample",
+    "sample_combine",
+    "sample_partial",
     "scale",
     "send",
     "sigmoid",

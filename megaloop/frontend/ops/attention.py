@@ -266,6 +266,8 @@ def check_update_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Se
     """Positions must name slots of the cache, each at most once in a batch row (one write each)."""
     cache, pos, real = arrays[0], arrays[2], known[2]
     s = cache.shape[2]
+    if attrs.get("ignore_negative"):  # a negative position writes nothing: not a slot to check
+        real = (pos >= 0) if real is None else (real & (pos >= 0))
     where = first_bad((pos < 0) | (pos >= s), real)
     if where is not None:
         raise DataError(f"position {int(pos[where])} at index {where} is outside the cache of {s} slots")
@@ -281,10 +283,11 @@ def check_update_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Se
 
 def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     cache, new, pos = arrays
+    write = pos >= 0 if attrs.get("ignore_negative") else np.ones(pos.shape, bool)  # -1: a finished sequence
     pos = np.clip(pos, 0, cache.shape[2] - 1)  # check_update_data refused real positions outside
     out = cache.copy()
     for bi in range(cache.shape[0]):
-        out[bi][:, pos[bi], :] = new[bi]
+        out[bi][:, pos[bi][write[bi]], :] = new[bi][:, write[bi]]
     return out
 
 
@@ -299,6 +302,7 @@ KV_CACHE_UPDATE = register(
         infer=_update_infer,
         reference=_update_ref,
         check_data=check_update_data,
+        attrs={"ignore_negative": "bool"},
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,
@@ -308,8 +312,12 @@ KV_CACHE_UPDATE = register(
 )
 
 
-def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
-    """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value."""
+def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor, *, ignore_negative: bool = False) -> Tensor:
+    """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value.
+    ``ignore_negative``: a negative position writes nothing (a finished sequence's token, say); other
+    positions outside the cache are data errors all the same."""
+    if require_bool(KV_CACHE_UPDATE, "ignore_negative", ignore_negative):
+        return cache_update(KV_CACHE_UPDATE, cache, new, positions, ignore_negative=True)
     return cache_update(KV_CACHE_UPDATE, cache, new, positions)
 
 
