@@ -45,6 +45,10 @@ class NonFiniteError(GraphBuildError):
     """A constant or scalar argument holds NaN or infinity where the op forbids it."""
 
 
+class PartitionMemoryError(GraphBuildError):
+    """A partition needs more memory a device than memory_per_device allows."""
+
+
 class CollectiveMismatchError(GraphBuildError):
     """Ranks disagree about a collective or a send/recv pair (kind, shape, dtype, order)."""
 

@@ -270,3 +270,98 @@ def test_the_cost_model_predicts_the_committed_measurements() -> None:
         errors[name] = predict_step(make(), ml.parallel.H200)["step_us"] / measured - 1
     assert max(abs(e) for e in errors.values()) <= 0.25, errors
     assert np.mean([abs(e) for e in errors.values()]) <= 0.10, errors
+
+
+def _mlp(x_shape=(4, 8), reuse: bool = False) -> ml.Graph:
+    g = ml.Graph("mlp")
+    x = g.input("x", x_shape, ml.float32)
+    w = g.parameter("w", (x_shape[-1], x_shape[-1]), ml.float32)
+    y = ml.tanh(x @ w)
+    g.output("y", ml.tanh(ml.tanh(y @ w) @ w) if reuse else y)
+    return g
+
+
+def _run(split, feeds, params) -> dict:
+    return split.gather_outputs(ml.evaluate(split.graphs, split.shard_inputs(feeds), split.shard_parameters(params)))
+
+
+def test_review_fixes_pins() -> None:
+    """Pins that cannot be honoured are errors, never ignored nor silently wrong."""
+    g = _mlp()
+    with pytest.raises(GraphBuildError, match="never as partial sums"):
+        ml.parallelize(g, 2, "tp", layout={"w": ml.Partial()})
+    with pytest.raises(GraphBuildError, match="data parallelism keeps it"):
+        ml.parallelize(g, 2, "dp", layout={"w": ml.Shard(0)})
+    with pytest.raises(GraphBuildError, match="cuts no tensors"):
+        ml.parallelize(g, 2, "pp", layout={"w": ml.Shard(0)})
+    with pytest.raises(GraphBuildError, match="only device parallelism"):
+        ml.parallelize(g, 2, "tp", layout={"w": ml.OnDevice(1)})
+    split = ml.parallelize(g, 2, "device", layout={"w": ml.OnDevice(1)})
+    assert "w" in split.graphs[1].parameters and "w" not in split.graphs[0].parameters
+
+
+def test_review_fixes_micro_batches_share_the_weights() -> None:
+    cfg = LlamaConfig(hidden=64, heads=8, kv_heads=8, intermediate=128, layers=4, vocab=100, max_seq=16)
+    g = build_llama(cfg, 4, 1)
+    whole = sum(t.nbytes for t in g.parameters.values())
+    for m in (1, 2, 4):
+        split = ml.parallelize(g, 2, "pp", micro_batches=m)
+        held = sum(t.nbytes for gr in split.graphs for t in gr.parameters.values())
+        assert held == whole, f"{m} micro-batches: the ranks hold {held} bytes of parameters, the model {whole}"
+
+
+def test_review_fixes_uneven_data_parallel_times_tensor_parallel() -> None:
+    g = ml.Graph("odd")
+    x = g.input("x", (3, 256), ml.float32)
+    w = g.parameter("w", (256, 2048), ml.float32)
+    w2 = g.parameter("w2", (2048, 256), ml.float32)
+    h = ml.tanh(x @ w)
+    g.output("y", ml.tanh(ml.sum(h, axis=0, keepdims=True) @ w2))
+    g.output("z", h * 2.0)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((3, 256))}
+    params = {"w": rng.standard_normal((256, 2048)) * 0.05, "w2": rng.standard_normal((2048, 256)) * 0.02}
+    want = ml.evaluate(g, feeds, params).outputs
+    split = ml.parallelize(g, ml.Mesh((2, 2), ("dp", "tp")), {"dp": "dp", "tp": "tp"})
+    got = _run(split, feeds, params)
+    for name in want:
+        assert _relative(got[name], want[name]) < 1e-5, name
+
+
+def test_review_fixes_memory_counts_a_piece_once() -> None:
+    g = _mlp((4, 1024), reuse=True)  # a 4 MiB weight read three times
+    split = ml.parallelize(g, 2, "tp", memory_per_device=5 * 2**20)
+    assert max(split.predicted.memory_bytes) <= 5 * 2**20
+    with pytest.raises(ml.errors.PartitionMemoryError, match=r"MiB.*largest: w"):
+        ml.parallelize(g, 2, "tp", memory_per_device=2**20)
+
+
+def test_review_fixes_names_meshes_batches_and_arguments() -> None:
+    g = ml.Graph("names")
+    x = g.input("x", (4, 64), ml.float32)
+    w = g.parameter("w", (64, 64), ml.float32)
+    w1 = g.parameter("w@1", (64, 64), ml.float32)
+    g.output("y", ml.tanh(ml.tanh(ml.tanh(x @ w) @ w) @ w1))
+    ml.parallelize(g, 2, "tp")  # the partitioner's own names never collide with the program's
+    small = build_llama(_config("float32"), 2, 1)
+    assert ml.parallelize(small, ml.Mesh((2, 2, 2), ("a", "b", "c"))).world_size == 8
+    order = ml.Graph("order")
+    t = order.input("temperature", (1,), ml.float32)  # declared first: not the batch
+    x = order.input("x", (8, 64), ml.float32)
+    keys = order.input("keys", (16, 64), ml.float32)
+    order.output("y", ml.softmax((x @ ml.transpose(keys)) / t))
+    split = ml.parallelize(order, 2, "dp")
+    assert split.graphs[0].inputs["x"].shape == (4, 64) and split.graphs[0].inputs["keys"].shape == (16, 64)
+    for kw, words in [
+        ({"micro_batches": 2.5}, "micro_batches"),
+        ({"micro_batches": 0}, "micro_batches"),
+        ({"memory_per_device": "1G"}, "memory_per_device"),
+    ]:
+        with pytest.raises(GraphBuildError, match=words):
+            ml.parallelize(small, 2, "pp", **kw)
+    with pytest.raises(GraphBuildError, match="no pp axis"):
+        ml.parallelize(small, 2, "tp", micro_batches=2)
+    with pytest.raises(GraphBuildError, match="no kind for mesh axis 'gpu'"):
+        ml.parallelize(small, ml.Mesh((2, 2), ("node", "gpu")), {"node": "pp"})
+    with pytest.raises(GraphBuildError, match="never cuts the batch"):
+        ml.parallelize(small, 2, "tp", layout={"model.layers.0.self_attn.k_cache": ml.Shard(0)})

@@ -36,23 +36,43 @@ def _strategy_count(row, dtype: str, members: int, seed: int) -> int:
     return len(strategies_for(node, members, [None] * len(node.inputs), shared=False))
 
 
+def _through_views(t):
+    """The source a tensor is made of through views and copies, and those nodes."""
+    views = set()
+    while t.node.op.kind == "view" or t.node.op.name == "copy":
+        views.add(t.node)
+        t = t.node.inputs[0]
+    return t, views
+
+
 def run_split(row, dtype: str, members: int, seed: int, which: int) -> str:
     """The row's program with its op's ``which``-th strategy (others at random) on ``members`` ranks."""
     g, feeds, state, arrays, outs, sample = build_row(row, dtype, seed)
     part = Part.whole(g)
     picked: list[str] = []
-
-    def prefer(node, options):
-        if node.op.name != row.op or picked:
-            return options
+    node = next((n for n in g.nodes if n.op.name == row.op), None)
+    want, fixed, chain = None, {}, set()
+    if node is not None:
         mine = strategies_for(node, members, [None] * len(node.inputs), shared=False)
         want = mine[which % len(mine)]
+        for t, p in zip(node.inputs, want.inputs):
+            if isinstance(p, Partial):  # handed in as partial sums: the value on rank 0, zeros elsewhere
+                source, views = _through_views(t)
+                fixed[source] = p
+                chain |= views
+
+    def prefer(n, options):
+        if n in chain:  # the views between a partial source and the op keep it partial
+            return [s for s in options if all(isinstance(p, Partial) for p in s.outputs)]
+        if n is not node or picked:
+            return options
         found = [s for s in options if (s.inputs, s.outputs) == (want.inputs, want.outputs)]
         if found:
             picked.append(want.label)
         return found
 
-    choice = random_choice(part, members, np.random.default_rng(seed), prefer=prefer)
+    choice = random_choice(part, members, np.random.default_rng(seed), prefer=prefer, fixed=fixed)
+    assert node is None or picked, f"{row.id}: strategy {which} ({want.label}) never ran"
     partials = sum(isinstance(p, Partial) for s in choice.strategies.values() for p in s.outputs)
     split = Partition(g, shard(part, members, choice, ranks=list(range(members)), world_size=members))
     results = ml.evaluate(split.graphs, split.shard_inputs(feeds), None, split.shard_state(state))

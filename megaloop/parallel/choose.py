@@ -104,11 +104,20 @@ def pinned(node: Node, s: Strategy, pins: Pins) -> bool:
 
 
 def random_choice(
-    part: Part, members: int, rng: np.random.Generator, *, shared: bool = False, prefer: Any = None
+    part: Part,
+    members: int,
+    rng: np.random.Generator,
+    *,
+    shared: bool = False,
+    prefer: Any = None,
+    fixed: Mapping[Tensor, Placement] | None = None,
 ) -> Choice:
     """Any feasible strategy for every node, at random (``prefer(node, strategies)`` may narrow the
-    candidates first): the partitioned program must compute the same values whatever is chosen."""
+    candidates first): the partitioned program must compute the same values whatever is chosen.
+    ``fixed``: sources made in the placement given (a Partial one: tests of partial-sum strategies)."""
     placed = Placed()
+    for t, p in (fixed or {}).items():
+        placed.have[t], placed.home[t] = (p,), p
     chosen: dict[Node, Strategy] = {}
     for node in part.graph.nodes:
         if node.op.kind == "source":
@@ -122,4 +131,4 @@ def random_choice(
         s = options[int(rng.integers(len(options)))]
         placed.apply(node, s)
         chosen[node] = s
-    return Choice(chosen)
+    return Choice(chosen, dict(fixed or {}))

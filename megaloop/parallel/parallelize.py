@@ -18,45 +18,23 @@ step that fits ``memory_per_device``; ``Partition.candidates`` holds the table i
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megaloop.errors import GraphBuildError
-from megaloop.frontend.graph import Graph, Node
-from megaloop.frontend.placement import Placement, Replicate, Shard, even_sizes, resolve
+from megaloop.errors import GraphBuildError, PartitionMemoryError
+from megaloop.frontend.graph import Graph
+from megaloop.frontend.placement import OnDevice, Partial, Placement
 from megaloop.frontend.tensor import Tensor
-from megaloop.parallel.cost import H200, Machine, Pricer, exchange_us
+from megaloop.frontend.validate import as_int
+from megaloop.parallel.cost import H200, Machine
 from megaloop.parallel.mesh import Mesh, as_mesh
 from megaloop.parallel.partition import Partition, Prediction
-from megaloop.parallel.predict import node_us, predict_step
+from megaloop.parallel.passes import Plan, batch_size, build, too_big
 from megaloop.parallel.reshard import check_placement
-from megaloop.parallel.search import never_batch, only_batch, search
-from megaloop.parallel.shard import Part, shard
-from megaloop.parallel.stages import device_stages, pipeline_stages, split
 
 STRATEGIES = ("auto", "tp", "pp", "dp", "device")
 KINDS = ("tp", "pp", "dp", "device")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One candidate: a kind of parallelism per mesh axis (and micro-batches for a pipeline)."""
-
-    mesh: Mesh
-    kinds: tuple[str, ...]
-    micro_batches: int = 1
-    forced: bool = False  # the user asked for these kinds: tensor parallelism cuts every weight matrix
-
-    @property
-    def label(self) -> str:
-        parts = [f"{k}{s}" for k, s in zip(self.kinds, self.mesh.shape) if s > 1]
-        text = " x ".join(parts) or "1 device"
-        return text + (f" ({self.micro_batches} micro-batches)" if self.micro_batches > 1 else "")
-
-    def size(self, kind: str) -> int:
-        return math.prod(s for k, s in zip(self.kinds, self.mesh.shape) if k == kind)
 
 
 @dataclass
@@ -87,42 +65,44 @@ def parallelize(
     machine = machine or H200
     _check_single_device(graph)
     mesh = as_mesh(devices)
+    if memory_per_device is not None:
+        memory_per_device = as_int(memory_per_device, "parallelize: memory_per_device", minimum=1)
+    if micro_batches is not None:
+        micro_batches = as_int(micro_batches, "parallelize: micro_batches", minimum=1)
     pins = _pins(graph, layout)
     plans = _plans(graph, mesh, strategy, micro_batches)
     candidates: list[Candidate] = []
-    best: tuple[float, Partition] | None = None
+    best: Partition | None = None
     tiles: dict = {}
     for plan in plans:
         try:
             partition = build(graph, plan, pins, machine, memory_per_device, tiles)
+            if memory_per_device is not None and max(partition.predicted.memory_bytes) > memory_per_device:
+                raise PartitionMemoryError("does not fit memory_per_device")
         except GraphBuildError as e:
-            memory = "memory_per_device" in str(e)
-            if len(plans) == 1 and not memory:
+            if len(plans) == 1 and not isinstance(e, PartitionMemoryError):
                 raise
+            fit = isinstance(e, PartitionMemoryError)
             candidates.append(
-                Candidate(plan, None, "does not fit memory_per_device" if memory else str(e).splitlines()[0])
+                Candidate(plan, None, "does not fit memory_per_device" if fit else str(e).splitlines()[0])
             )
             continue
         candidates.append(Candidate(plan, partition.predicted))
-        fits = memory_per_device is None or max(partition.predicted.memory_bytes) <= memory_per_device
-        if not fits:
-            candidates[-1].error = "does not fit memory_per_device"
-            if len(plans) == 1:
-                raise _too_big(partition, memory_per_device)
-            continue
-        if best is None or partition.predicted.step_us < best[0]:
-            best = (partition.predicted.step_us, partition)
+        if best is None or partition.predicted.step_us < best.predicted.step_us:
+            best = partition
     if best is None:
-        if memory_per_device is not None and any(c.error == "does not fit memory_per_device" for c in candidates):
-            unlimited = [
-                build(graph, c.plan, pins, machine, None) for c in candidates[:4] if c.error.startswith("does")
-            ]
-            raise _too_big(min(unlimited, key=lambda p: max(p.predicted.memory_bytes)), memory_per_device)
+        unfit = [c.plan for c in candidates if c.error == "does not fit memory_per_device"][:4]
+        if unfit:
+            smallest = min((build(graph, p, pins, machine, None, tiles) for p in unfit), key=_peak)
+            raise too_big(smallest, memory_per_device)
         reasons = "; ".join(f"{c.plan.label}: {c.error}" for c in candidates)
         raise GraphBuildError(f"parallelize: no way to split {graph.name!r} over {mesh}: {reasons}")
-    partition = best[1]
-    partition.candidates = candidates
-    return partition
+    best.candidates = candidates
+    return best
+
+
+def _peak(p: Partition) -> int:
+    return max(p.predicted.memory_bytes)
 
 
 def _check_single_device(graph: Graph) -> None:
@@ -159,7 +139,16 @@ def _pins(graph: Graph, layout: Mapping[str, Placement] | None) -> dict[Tensor, 
                 f"parallelize: layout names {name!r}, which is no tensor of graph {graph.name!r}"
                 + (f" (did you mean {close}?)" if close else "")
             )
-        out[by_name[name]] = check_placement(p, f"parallelize: layout[{name!r}]")
+        t = by_name[name]
+        if isinstance(p, OnDevice):
+            out[t] = p
+            continue
+        out[t] = check_placement(p, f"parallelize: layout[{name!r}]")
+        if isinstance(p, Partial) and t.node.op.kind == "source":
+            raise GraphBuildError(
+                f"parallelize: layout[{name!r}] = {p}: a {t.node.op.name} is handed in whole or cut, never as "
+                "partial sums (only an op makes those); pin the op's output instead"
+            )
     return out
 
 
@@ -168,7 +157,13 @@ def _plans(graph: Graph, mesh: Mesh, strategy: Any, micro_batches: int | None) -
         unknown = sorted(set(strategy) - set(mesh.names))
         if unknown:
             raise GraphBuildError(f"parallelize: strategy names axes {unknown}; the mesh's axes are {list(mesh.names)}")
-        kinds = tuple(strategy.get(n, n) for n in mesh.names)
+        missing = [n for n in mesh.names if n not in strategy]
+        if missing:
+            raise GraphBuildError(
+                f"parallelize: strategy gives no kind for mesh axis {missing[0]!r} (e.g. {missing[0]}='tp'); "
+                f"give one for each of {list(mesh.names)}"
+            )
+        kinds = tuple(strategy[n] for n in mesh.names)
         return [_checked(graph, Plan(mesh, kinds, forced=True), micro_batches)]
     if strategy not in STRATEGIES:
         raise GraphBuildError(
@@ -199,20 +194,19 @@ def _checked(graph: Graph, plan: Plan, micro_batches: int | None) -> Plan:
     if "device" in plan.kinds and len([s for s in plan.mesh.shape if s > 1]) > 1:
         raise GraphBuildError("parallelize: device parallelism takes the whole mesh (one axis)")
     if plan.size("pp") > 1:
+        if micro_batches is not None and micro_batches > batch_size(graph):
+            raise GraphBuildError(
+                f"parallelize: {micro_batches} micro-batches of a batch of {batch_size(graph)}; at most one a sequence"
+            )
         return replace(plan, micro_batches=micro_batches or _micro_batches(graph, plan.size("pp")))
+    if micro_batches not in (None, 1) and plan.forced:
+        raise GraphBuildError(f"parallelize: micro_batches are for a pipeline; {plan.label} has no pp axis")
     return plan
-
-
-def _batch(graph: Graph) -> int:
-    first = next(iter(graph.inputs.values()), None)
-    if first is None:
-        first = next(iter(graph.states.values()), None)
-    return first.shape[0] if first is not None and first.ndim else 1
 
 
 def _micro_batches(graph: Graph, stages: int) -> int:
     """As many chains as stages, where the batch allows: each stage then has one to work on."""
-    batch = _batch(graph)
+    batch = batch_size(graph)
     return max(d for d in range(1, min(batch, stages) + 1) if batch % d == 0)
 
 
@@ -220,7 +214,7 @@ def _auto_plans(graph: Graph, mesh: Mesh, micro_batches: int | None) -> list[Pla
     out = []
     if len(mesh.shape) == 1:
         n = mesh.size
-        batch = _batch(graph)
+        batch = batch_size(graph)
         for pp, dp in itertools.product(_divisors(n), _divisors(n)):
             if n % (pp * dp) or dp > batch:
                 continue
@@ -231,190 +225,18 @@ def _auto_plans(graph: Graph, mesh: Mesh, micro_batches: int | None) -> list[Pla
         if n > 1:
             out.append(Plan(Mesh((n,), ("device",)), ("device",)))
         return out
-    batch = _batch(graph)
+    batch = batch_size(graph)
     for kinds in itertools.product(("tp", "pp", "dp"), repeat=len(mesh.shape)):
         if kinds.count("pp") > 1 or kinds.count("dp") > 1:
             continue
         if any(k == "dp" and s > batch for k, s in zip(kinds, mesh.shape)):
             continue  # (no batch to cut that far)
-        out.append(_checked(graph, Plan(Mesh(mesh.shape, mesh.names), kinds), micro_batches))
+        try:
+            out.append(_checked(graph, Plan(Mesh(mesh.shape, mesh.names), kinds), micro_batches))
+        except GraphBuildError:
+            continue  # (e.g. tp axes apart)
     return out
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# ---- building one candidate ---------------------------------------------------------------------
-
-
-def build(
-    graph: Graph,
-    plan: Plan,
-    pins: Mapping[Tensor, Placement],
-    machine: Machine,
-    memory: int | None,
-    tiles: dict | None = None,
-) -> Partition:
-    """The partition ``plan`` describes: the passes in order, then the cost model's prediction.
-    ``tiles``: nodes' tile times by what they depend on, shared between candidates."""
-    tiles = {} if tiles is None else tiles
-    mesh, world = plan.mesh, plan.mesh.size
-    notes: list[str] = []
-    stride = {k: _stride(plan, k) for k in ("pp", "dp", "tp", "device")}
-    parts = [Part.whole(graph)]
-    decisions: dict[str, dict[Node, Any]] = {}
-    exchanges: dict[str, list] = {}
-    stage_of: dict[Node, int] = {}
-    if plan.micro_batches > 1:
-        parts = _micro_batch(parts[0], plan.micro_batches, machine)
-        notes.append(f"the batch runs as {plan.micro_batches} micro-batches (chains that pipeline stages overlap)")
-    for kind in ("dp", "tp"):
-        n = plan.size(kind)
-        if n == 1:
-            continue
-        out = []
-        for part in parts:
-            ranks = [part.graph.rank + j * stride[kind] for j in range(n)]
-            allow = only_batch(part, n) if kind == "dp" else _tensor_parallel(part, n, plan.forced)
-            part_pins = _local_pins(part, pins, n) if kind == "tp" else {}
-            if kind == "dp":
-                part_pins.update(_dp_pins(part, n))
-            found = search(part, n, Pricer(machine, n, tuple(ranks)), pins=part_pins, allow=allow, memory_limit=memory)
-            made = shard(
-                part, n, found.choice, ranks=ranks, world_size=world, remap=lambda r, j, s=stride[kind]: r + j * s
-            )
-            if not out:  # (every part is split alike: the first one's account stands for all)
-                decisions[kind] = {part.origin[nd]: st for nd, st in found.choice.strategies.items()}
-                exchanges[kind] = made[0].exchanges
-            out += made
-        parts = out
-    for kind in ("pp", "device"):
-        n = plan.size(kind)
-        if n == 1:
-            continue
-        cost = _origin_costs(parts[0], machine, tiles)
-        link = machine.link(range(0, world, max(stride[kind], 1)))
-        link_us = lambda b, link=link: exchange_us("send", b, 2, link)
-        if kind == "pp":
-            stages = pipeline_stages(graph, cost, n, link_us)
-        else:
-            stages = device_stages(graph, cost, n, link_us)
-            used = len({stages[nd] for nd in graph.nodes if nd.op.kind not in ("source", "view")})
-            notes.append(f"independent branches on {used} of {n} devices")
-        stage_of = stages
-        staged = split(parts, stages, n, stride[kind], world)
-        parts = [p for stage in staged for p in stage]
-    parts = sorted(parts, key=lambda p: p.graph.rank)
-    if [p.graph.rank for p in parts] != list(range(world)):
-        raise GraphBuildError(f"partition: internal error, ranks {[p.graph.rank for p in parts]} for {world}")
-    partition = Partition(graph, parts, mesh=mesh, notes=notes)
-    partition.plan, partition.decisions, partition.exchanges = plan, decisions, exchanges
-    partition.stage_of = stage_of
-    step = predict_step(partition.graphs, machine, tiles)
-    partition.predicted = Prediction(step["step_us"], step["exchanged_bytes"], step["memory_bytes"], step)
-    return partition
-
-
-def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
-    """Strategies that never cut the batch; asked for by name, also none that keeps a weight matrix
-    (a parameter of two or more axes, one of them cut-able) whole on every device."""
-    base = never_batch(part, n)
-    if not forced:
-        return base
-
-    def allow(node: Node, s: Any) -> bool:
-        for t, p in zip(node.inputs, s.inputs):
-            if (
-                t.node.op.name == "parameter"
-                and t.ndim >= 2
-                and isinstance(p, Replicate)
-                and max(t.shape) >= n
-                and node.op.name not in ("embedding",)
-            ):
-                return False
-        return base(node, s)
-
-    return allow
-
-
-def _stride(plan: Plan, kind: str) -> int:
-    """Rank distance between neighbours along the kind's axes (several tp axes, adjacent, act as one)."""
-    if kind not in plan.kinds:
-        return 1
-    last = len(plan.kinds) - 1 - plan.kinds[::-1].index(kind)
-    return plan.mesh.stride(plan.mesh.names[last])
-
-
-def _micro_batch(part: Part, m: int, machine: Machine) -> list[Part]:
-    """The batch cut into ``m`` chains of one graph: data parallel onto members that share it."""
-    allow = only_batch(part, m)
-    pins = _dp_pins(part, m)
-    found = search(part, m, Pricer(replace(machine, same_gpu=None), m), pins=pins, allow=allow, shared=True)
-    return shard(part, m, found.choice, ranks=None, world_size=1)
-
-
-def _dp_pins(part: Part, n: int) -> dict[Tensor, Placement]:
-    """Data parallel: every input cut along its batch axis (axis 0), every parameter whole."""
-    pins: dict[Tensor, Placement] = {}
-    for node in part.graph.nodes:
-        t = node.outputs[0] if node.outputs else None
-        if node.op.name == "parameter":
-            pins[t] = Replicate()
-        elif node.op.name == "input" and t.ndim and t.shape[0] >= n:
-            pins[t] = Shard(0, even_sizes(t.shape[0], n))
-    if _batch(part.graph) < n:
-        raise GraphBuildError(
-            f"parallelize: data parallelism over {n} devices needs a batch of at least {n} (axis 0 of the inputs, "
-            f"or of the state for a graph fed by state); {part.graph.name!r} has {_batch(part.graph)}"
-        )
-    return pins
-
-
-def _local_pins(part: Part, pins: Mapping[Tensor, Placement], n: int) -> dict[Tensor, Placement]:
-    """The user's pins, on this part's tensors: sources by name, others through their origin node."""
-    if not pins:
-        return {}
-    wanted = {t.name: p for t, p in pins.items()}
-    out = {}
-    for node in part.graph.nodes:
-        if node.op.kind == "source":
-            name = part.sources[node].name
-        else:
-            origin = part.origin.get(node)
-            if origin is None or origin.op is not node.op:
-                continue
-            name = origin.outputs[0].name if origin.outputs else None
-        if name in wanted:
-            t = node.outputs[0]
-            p = resolve(wanted[name], t.shape, n)
-            if p is None:
-                raise GraphBuildError(
-                    f"parallelize: layout pins {name!r} (shape {t.shape}) to {wanted[name]}, which {n} devices "
-                    "cannot hold (an axis out of range, or pieces of less than one element)"
-                )
-            out[t] = p
-    return out
-
-
-def _origin_costs(part: Part, machine: Machine, tiles: dict) -> dict[Node, float]:
-    """Each original node's time on one rank: what its part's nodes made for it take."""
-    cost: dict[Node, float] = {}
-    for node in part.graph.nodes:
-        origin = part.origin.get(node)
-        if origin is not None and node.op.kind not in ("source", "view"):
-            cost[origin] = cost.get(origin, 0.0) + node_us(node, machine, tiles)
-    return cost
-
-
-def _too_big(partition: Partition, memory: int) -> GraphBuildError:
-    lines = []
-    for r, g in enumerate(partition.graphs):
-        biggest = sorted((t for t in [*g.parameters.values(), *g.states.values()]), key=lambda t: -t.nbytes)[:3]
-        names = ", ".join(f"{t.name} {t.nbytes / 2**20:.0f} MiB" for t in biggest)
-        lines.append(f"rank {r}: {partition.predicted.memory_bytes[r] / 2**30:.2f} GiB (largest: {names})")
-    return GraphBuildError(
-        f"parallelize: {partition.plan.label} needs more than memory_per_device = {memory / 2**30:.2f} GiB:\n  "
-        + "\n  ".join(lines[:8])
-        + "\n  give more devices, more memory, or a smaller model/cache (max_seq)"
-    )

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megaloop.errors import GraphBuildError
+from megaloop.errors import GraphBuildError, PartitionMemoryError
 from megaloop.frontend.graph import Node
 from megaloop.frontend.placement import Partial, Placement, Replicate, Shard, Strategy
 from megaloop.frontend.tensor import Tensor
@@ -140,12 +140,15 @@ class _Search:
                     ok = False
                     break
                 cost += conv[0]
-                is_state = tensor.node.op.name == "state"
+                kind = tensor.node.op.name
                 if tensor.node.op.kind == "source" and home[k] is None:
-                    if tensor.node.op.name != "input":
+                    made = have[k] or ()
+                    if kind != "input" and target not in made:  # (a piece held once, however many read it)
                         memory += _piece_bytes(tensor, self.placements[target], self.members)
-                    if is_state:
+                    if kind == "state":
                         updates.append((t, (target,), target))
+                    elif kind != "input" and target not in made:
+                        updates.append((t, (*made, target), None))
                 elif conv[1] != have[k]:
                     updates.append((t, conv[1], None))
             if ok:  # (memory as a tie-break: equal times, the fewer bytes a device)
@@ -299,19 +302,28 @@ def _no_strategy(node, st, dp, members, pins, memory_limit, shared) -> GraphBuil
     pinned = [f"{t.name} pinned to {p}" for t in (*node.inputs, *node.outputs) if (p := pins.get(t)) is not None]
     given = ", ".join(str(dp.placements[h[0]]) if (h := st.have.get(dp.tid(t))) else "free" for t in node.inputs)
     if pinned:
-        made = sorted({str(s.outputs[0]) for s in strategies_for(node, members, [None] * len(node.inputs), shared)})
+        every = strategies_for(node, members, [None] * len(node.inputs), shared)
+        allowed = [s for s in every if dp.allow is None or dp.allow(node, s)]
+        made = sorted({str(s.outputs[0]) for s in allowed}) or ["nothing"]
+        rule = " (tensor parallelism never cuts the batch: pin it under data parallelism)"
         return GraphBuildError(
             f"partition: {node.op.name} {node.name} cannot satisfy the layout: {'; '.join(pinned)}, but on "
-            f"{members} devices it makes its output {' or '.join(made)}; change or drop the pin"
+            f"{members} devices it can make its output only {' or '.join(made)}"
+            + (rule if len(allowed) < len(every) else "")
+            + "; change or drop the pin"
         )
     if memory_limit is not None:
-        return GraphBuildError(
-            f"partition: no way to run {node.op.name} {node.name} within {memory_limit / 2**30:.2f} GiB a device "
+        return PartitionMemoryError(
+            f"partition: no way to run {node.op.name} {node.name} within {_size(memory_limit)} a device "
             "(memory_per_device) for what comes before it; give more devices or more memory"
         )
     return GraphBuildError(
         f"partition: no strategy of {node.op.name} {node.name} on {members} devices fits its operands ({given})"
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 # ---- axes that go together ----------------------------------------------------------------------
@@ -340,13 +352,27 @@ def classes(part: Part, members: int) -> Callable[[Tensor, int], int]:
 
 
 def batch_class(part: Part, members: int) -> tuple[Callable[[Tensor, int], int], int | None]:
-    """The classes and the batch's: axis 0 of the first input (or state, for graphs fed by state)."""
+    """The classes and the batch's: of the axes 0 of the inputs and states, the class the outputs' axes 0
+    are in most (by bytes; then the inputs' and states' own bytes): results come per sequence, and an
+    input declared first (a temperature) or a large one read whole (keys) does not decide it."""
     cls = classes(part, members)
     g = part.graph
-    first = next(iter(g.inputs.values()), None)
-    if first is None:
-        first = next(iter(g.states.values()), None)
-    return cls, (None if first is None else cls(first, 0))
+    weight: dict[int, list[int]] = {}
+    for t in [*g.inputs.values(), *g.states.values()]:
+        if t.ndim:
+            weight.setdefault(cls(t, 0), [0, 0])[1] += t.nbytes
+    for t in g.outputs.values():
+        if t.ndim and cls(t, 0) in weight:
+            weight[cls(t, 0)][0] += t.nbytes
+    return cls, (max(weight, key=lambda c: tuple(weight[c])) if weight else None)
+
+
+def batch_tensors(part: Part) -> list[Tensor]:
+    """The inputs and states whose axis 0 is the batch's, largest first."""
+    cls, batch = batch_class(part, 2)
+    g = part.graph
+    found = [t for t in [*g.inputs.values(), *g.states.values()] if t.ndim and cls(t, 0) == batch]
+    return sorted(found, key=lambda t: -t.nbytes)
 
 
 def only_batch(part: Part, members: int) -> Allow:

@@ -18,7 +18,7 @@ from typing import Any
 
 from megaloop.errors import GraphBuildError, InternalError
 from megaloop.frontend.graph import Graph, Node
-from megaloop.frontend.placement import REPLICATE, LocalCall, Placement, Replicate, Shard, Strategy, bounds
+from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Placement, Replicate, Shard, Strategy, bounds
 from megaloop.frontend.tensor import Tensor
 from megaloop.parallel.reshard import Combine, conversion
 
@@ -117,22 +117,31 @@ class _Sharder:
         self.parts = [Part(x) for x in self.graphs] if ranks is not None else [Part(self.graphs[0])]
         self.have: dict[Tensor, dict[Placement, list[Tensor]]] = {}
         self.home: dict[Tensor, Placement] = {}  # states: the placement their storage has
-        self.names: dict[tuple[int, str, str], int] = {}
+        self.taken = {n.attrs["name"] for n in g.nodes if n.op.kind == "source" and n.op.name != "constant"}
 
     # ---- sources ----------------------------------------------------------------------------------
     def _part_of(self, member: int) -> Part:
         return self.parts[member if len(self.parts) > 1 else 0]
 
     def _source(self, t: Tensor, p: Placement) -> list[Tensor]:
-        """The members' pieces of a source of the part, in placement ``p`` (made now)."""
+        """The members' pieces of a source of the part, in placement ``p`` (made now). Members sharing a
+        graph share a whole piece (a state excepted: each chain updates its own). A Partial source (only
+        tests ask for one) is the value on member 0 and zeros (maxima: the value) on the others."""
         node = t.node
         kind = node.op.name
         info = self.part.sources.get(node) or SourceInfo(kind, node.attrs["name"], _full(t.shape))  # (made by a pass)
-        pieces = []
+        pieces: list[Tensor] = []
         for i, g in enumerate(self.graphs):
+            if pieces and self.ranks is None and not isinstance(p, Shard) and kind != "state":
+                pieces.append(pieces[0])
+                continue
+            if i and isinstance(p, Partial) and p.op == "sum":
+                zero = g.constant(0 if t.dtype.is_int else 0.0, t.dtype)
+                pieces.append(_ops().broadcast_to(_ops().reshape(zero, (1,) * t.ndim), t.shape) if t.ndim else zero)
+                continue
             rng = _range(p, i)
             box = _sub_box(info.box, rng)
-            name = self._name(i, kind, node.attrs["name"], p)
+            name = self._name(i, kind, node.attrs["name"])
             shape = tuple(hi - lo for lo, hi in _sub_box(_full(t.shape), rng))
             if kind == "input":
                 x = g.input(name, shape, t.dtype)
@@ -148,15 +157,17 @@ class _Sharder:
             pieces.append(x)
         return pieces
 
-    def _name(self, member: int, kind: str, name: str, p: Placement) -> str:
-        """The source's name, with ``@k`` for its k-th other piece on one member."""
-        key = (member if len(self.parts) > 1 else 0, kind, name)
-        k = self.names.get(key, 0)
-        self.names[key] = k + 1
-        if k == 0 and len(self.parts) > 1:
+    def _name(self, member: int, kind: str, name: str) -> str:
+        """The source's name, or ``name@k`` for another piece of it on one graph (a name the program does
+        not use already)."""
+        g = self.graphs[member]
+        table = {"input": g.inputs, "parameter": g.parameters, "state": g.states}.get(kind)
+        taken = (self.taken - {name}) | (set(table) if table is not None else set())
+        if name not in taken:
             return name
-        if len(self.parts) == 1:  # micro-batches share a graph: every piece needs its own name
-            return f"{name}@{k}" if self.n > 1 else name
+        k = 1
+        while f"{name}@{k}" in taken:
+            k += 1
         return f"{name}@{k}"
 
     # ---- placements -----------------------------------------------------------------------------

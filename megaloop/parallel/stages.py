@@ -286,10 +286,15 @@ def _cut_dp(points: list[int], prefix: list[float], crossing: list[int], stages:
 
 
 def device_stages(
-    original: Graph, cost: Mapping[Node, float], devices: int, link_us: Callable[[int], float]
+    original: Graph,
+    cost: Mapping[Node, float],
+    devices: int,
+    link_us: Callable[[int], float],
+    fixed: Mapping[Node, int] | None = None,
 ) -> dict[Node, int]:
-    """Each node on the device where it would finish first (list scheduling in program order),
-    views and small values with the device of what they read."""
+    """Each node on the device where it would finish first (list scheduling in program order), views
+    and small values with the device of what they read; ``fixed`` nodes on the device given."""
+    fixed = fixed or {}
     free = [0.0] * devices
     finish: dict[Node, float] = {}
     stage_of: dict[Node, int] = {}
@@ -297,12 +302,12 @@ def device_stages(
         if n.op.kind == "source":
             continue
         producers = [t.node for t in n.inputs if t.node.op.kind != "source"]
-        if n.op.kind == "view" or cost.get(n, 0.0) == 0.0:
+        if n not in fixed and (n.op.kind == "view" or cost.get(n, 0.0) == 0.0):
             stage_of[n] = stage_of[producers[0]] if producers else 0
             finish[n] = max((finish[p] for p in producers), default=0.0)
             continue
         options = []
-        for d in range(devices):
+        for d in [fixed[n]] if n in fixed else range(devices):
             ready = max(
                 (
                     finish[p] + (0.0 if stage_of[p] == d else link_us(t.nbytes))
@@ -311,7 +316,7 @@ def device_stages(
                 ),
                 default=0.0,
             )
-            options.append((max(ready, free[d]) + cost[n], d))
+            options.append((max(ready, free[d]) + cost.get(n, 0.0), d))
         end, d = min(options)
         stage_of[n], finish[n], free[d] = d, end, end
     for n in original.nodes:
