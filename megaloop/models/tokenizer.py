@@ -5,9 +5,10 @@
     stream = tok.stream()
     text = "".join(stream.push(i) for i in ids) + stream.flush()
 
-The vocabulary, normalizer, pre-tokenizer, post-processor and decoder come from ``tokenizer.json``
-through the Hugging Face ``tokenizers`` library; special tokens, ``add_bos_token``/``add_eos_token``
-and the chat template from ``tokenizer_config.json`` (and ``chat_template.jinja``,
+The vocabulary, normalizer, pre-tokenizer, post-processor (which special tokens an encoding gets)
+and decoder come from ``tokenizer.json`` through the Hugging Face ``tokenizers`` library; as in
+transformers 5, tokenizer_config.json's ``add_bos_token``/``add_eos_token`` do not override it. The
+special tokens and the chat template come from ``tokenizer_config.json`` (and ``chat_template.jinja``,
 ``additional_chat_templates/``, ``special_tokens_map.json``), rendered with jinja2 in the sandboxed
 environment transformers uses (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``,
 ``strftime_now``, its ``tojson``). The stop tokens add ``generation_config.json``'s (and
@@ -75,7 +76,6 @@ class Tokenizer:
         missing = [t for t in dict.fromkeys(wanted) if t not in added]
         if missing:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-        self._update_post_processor()
         eos = self.token_id(self.special_tokens.get("eos_token"))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*stop_ids, *([eos] if eos is not None else [])]))
         self.bos_token_id: int | None = self.token_id(self.special_tokens.get("bos_token"))
@@ -106,27 +106,6 @@ class Tokenizer:
 
     def _is_bpe(self) -> bool:
         return type(self.backend.model).__name__ == "BPE"
-
-    def _update_post_processor(self) -> None:
-        """As transformers: with add_bos_token/add_eos_token set (or no post-processor in
-        tokenizer.json), the post-processor adds exactly the tokens they ask for."""
-        from tokenizers import processors
-
-        explicit = "add_bos_token" in self.config or "add_eos_token" in self.config
-        if not explicit and self.backend.post_processor is not None:
-            return
-        parts, special = [], []
-        for key, side in (("bos", 0), ("eos", 1)):
-            token = self.special_tokens.get(f"{key}_token")
-            if self.config.get(f"add_{key}_token") and token is not None:
-                parts.append((side, token))
-                special.append((token, self.backend.token_to_id(token)))
-        def around(seq: str, n: int) -> list[str]:
-            return [*(f"{t}:{n}" for s, t in parts if s == 0), seq, *(f"{t}:{n}" for s, t in parts if s == 1)]
-
-        single = " ".join(around("$A:0", 0))
-        pair = " ".join([single, *around("$B:1", 1)])
-        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     # ---- text <-> ids ------------------------------------------------------------------------------
     def token_id(self, token: str | None) -> int | None:
