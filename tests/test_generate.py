@@ -20,7 +20,10 @@ from megaloop.generation import GenerationError
 from megaloop.models.tiny import make_tiny_checkpoint
 
 PROMPTS = ["Hi", "Once upon a loop, a kernel", "A loop kernel is one program that stays on the GPU and runs"]
-TIMING = r"prefill [\d.]+ ms; \d+ decode steps in [\d.]+ s: [\d.]+ ms/token, [\d.]+ tokens/s"
+TIMING = (
+    r"prefill [\d.]+ ms \(first token after [\d.]+ s\); \d+ decode steps in [\d.]+ s: [\d.]+ ms/token, "
+    r"[\d.]+ tokens/s"
+)
 
 
 @pytest.fixture(scope="module")

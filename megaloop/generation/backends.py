@@ -127,8 +127,9 @@ class GpuBackend:
             self.kernel.stop()
             self.kernel = None
         # The upload happens inside LoopKernel(); the bar can only mark it done (a per-tensor hook
-        # would belong to the runtime).
-        with self.progress.phase("upload", self.param_bytes, unit="B", unit_scale=True) as bar:
+        # would belong to the runtime). The generator's upload comes after the first token.
+        phase = "upload" if which == 0 else "upload generator"
+        with self.progress.phase(phase, self.param_bytes, unit="B", unit_scale=True) as bar:
             self.kernel = LoopKernel(self.plans[which], self.params, state, program=self.programs[which])
             bar.update(self.param_bytes)
         return self.kernel

@@ -58,6 +58,7 @@ class GenerationStats:
     batch: int
     prompt_tokens: list[int]
     prefill_s: float = 0.0
+    first_token_s: float = 0.0  # from the call (the first: from loading the folder) to the first tokens
     handoff_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
@@ -77,7 +78,7 @@ class GenerationStats:
     def summary(self) -> str:
         prompt = "+".join(map(str, self.prompt_tokens)) if self.batch <= 4 else f"{sum(self.prompt_tokens)} in all"
         parts = [f"{self.backend}: {self.batch} sequence{'s' * (self.batch > 1)}, prompt {prompt} tokens"]
-        parts.append(f"prefill {1e3 * self.prefill_s:.1f} ms")
+        parts.append(f"prefill {1e3 * self.prefill_s:.1f} ms (first token after {self.first_token_s:.2f} s)")
         if self.decode_steps:
             parts.append(
                 f"{self.decode_steps} decode steps in {self.decode_s:.2f} s: {1e3 * self.per_token_s:.2f} ms/token, "
@@ -256,6 +257,7 @@ class Generator:
     ) -> GenerationResult:
         batch, lengths = len(ids), [len(p) for p in ids]
         before = dict(self._setup_reported)  # setup phases since the last call (the first: the load too)
+        began = time.perf_counter() - (self.progress.seconds.get("load", 0.0) if not before else 0.0)
         backend, tokens, _ = self._backend_for(batch, lengths, new, sampling)
         stats = GenerationStats(backend.description, batch, lengths)
         run = _Sequences(ids, new, self.eos_token_ids, self.tokenizer, on_text)
@@ -270,6 +272,7 @@ class Generator:
             t0 = time.perf_counter()
             first = backend.prefill(feeds)
             stats.prefill_s = time.perf_counter() - t0
+            stats.first_token_s = time.perf_counter() - began
             run.add(first[:, None], np.ones(batch, np.int64))
             if not run.done():
                 t0 = time.perf_counter()
