@@ -171,3 +171,19 @@ def test_the_command_line_basics(tmp_path) -> None:
     assert bad.returncode == 2 and "expected an integer >= 1" in bad.stderr
     missing = run("generate", "--model", str(tmp_path), "--prompt", "x", "--backend", "cpu")
     assert missing.returncode == 2 and "config.json" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_sampling_settings(gen) -> None:
+    """temperature > 0 samples in the kernel where this build has the sampling op (the same seed,
+    the same tokens), and is refused with a clear error where it has not."""
+    from megaloop.errors import MegaloopError
+    from megaloop.generation.backends import SAMPLING
+
+    if not SAMPLING:
+        with pytest.raises(MegaloopError, match="in-kernel sampling op"):
+            gen.generate("Hi", temperature=0.7)
+        return
+    kw = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "max_new_tokens": 12}
+    first = gen.generate(PROMPTS, seed=7, **kw)
+    assert [c.tokens for c in gen.generate(PROMPTS, seed=7, **kw)] == [c.tokens for c in first]
+    assert [c.tokens for c in gen.generate(PROMPTS, seed=8, **kw)] != [c.tokens for c in first]

@@ -10,6 +10,7 @@ generator kernel), then ``advance(n)`` as often as needed, and ``close``.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,20 +24,32 @@ from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llam
 from megaloop.reference import evaluate
 
 HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
+# Whether this megaloop's generator graph samples in the kernel (temperature, top-k, top-p, seed states).
+SAMPLING = "sampling" in inspect.signature(build_llama_generator).parameters
 
 
 class SamplingUnavailable(MegaloopError, NotImplementedError):
     """Sampling (temperature > 0, top-k, top-p) asked of a generator graph that only picks greedily."""
 
 
-def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
-    """The self-feeding generator; with ``sampling``, the one with in-kernel sampling states."""
-    if sampling:
+def check_sampling(sampling: bool) -> None:
+    if sampling and not SAMPLING:
         raise SamplingUnavailable(
             "temperature > 0, top_k and top_p need the in-kernel sampling op, which this megaloop build does not "
             "have yet: generate greedily (temperature 0)"
         )
+
+
+def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
+    """The self-feeding generator; with ``sampling``, the one with in-kernel sampling states."""
+    check_sampling(sampling)
     return build_llama_generator(cfg, batch)
+
+
+def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The generator's first states: those of ``start`` the graph has (a graph without in-kernel
+    stopping has no ``stop``)."""
+    return {k: v for k, v in start.items() if k in graph.states}
 
 
 def first_tokens(logits: np.ndarray) -> np.ndarray:
@@ -68,7 +81,7 @@ class CpuBackend:
         return first_tokens(out.outputs["logits"])
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
-        self.state = {**self.state, **start}
+        self.state = {**self.state, **start_state(self.generator, start)}
 
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.state = evaluate(self.generator, {}, self.params, self.state, iterations=iterations).state
@@ -106,6 +119,7 @@ class GpuBackend:
         self.gpu, self.params, self.progress = gpu, params, progress
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
         graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
+        self.generator = graphs[1]
         self.plans = []
         with progress.phase("plan", len(graphs), unit="graph") as bar:
             for g in graphs:
@@ -143,7 +157,7 @@ class GpuBackend:
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         caches = self.kernel.state()  # the prefill graph's states are its KV caches
-        self._kernel(1, {**caches, **start})
+        self._kernel(1, {**caches, **start_state(self.generator, start)})
 
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.kernel.run(iterations=iterations)

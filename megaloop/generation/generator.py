@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.backends import CpuBackend, GpuBackend
+from megaloop.generation.backends import CpuBackend, GpuBackend, check_sampling
 from megaloop.generation.progress import Progress
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
@@ -217,6 +217,7 @@ class Generator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         sampling = _sampling(len(ids), temperature, top_k, top_p, seed)
+        check_sampling(sampling is not None)
         try:
             return self._run(ids, max_new_tokens, sampling, on_text)
         except _SetupFailed as e:  # the loop kernel could not be set up: say so, then the CPU reference
@@ -296,9 +297,11 @@ class Generator:
         return GenerationResult(completions, stats)
 
     def _start(self, first: np.ndarray, lengths: list[int], new: int, sampling: dict | None) -> dict[str, np.ndarray]:
-        """The generator's states after the prefill: each sequence's first token, at its position."""
+        """The generator's states after the prefill: each sequence's first token at its position, and
+        the position where it stops (its new-th token made: L + new - 1)."""
         b = len(lengths)
-        start = {"token": first.reshape(b, 1), "position": np.array(lengths, np.int64).reshape(b, 1)}
+        position = np.array(lengths, np.int64).reshape(b, 1)
+        start = {"token": first.reshape(b, 1), "position": position, "stop": position + new - 1}
         if sampling is not None:
             start.update(sampling)
         return start
