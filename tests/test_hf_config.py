@@ -171,3 +171,31 @@ def test_missing_and_malformed() -> None:
         llama_config(config(vocab_size=...))
     with pytest.raises(CheckpointError, match="JSON object"):
         llama_config(["hidden_size"])  # type: ignore[arg-type]
+
+
+def test_a_tied_checkpoint_may_store_the_head_only_as_the_embedding(tmp_path) -> None:
+    import json
+
+    import ml_dtypes
+
+    from megaloop.models import LlamaConfig, load_llama, random_parameters, write_safetensors
+
+    cfg = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1, vocab=40, tie_word_embeddings=True)
+    params = {n: v.astype(ml_dtypes.bfloat16) for n, v in random_parameters(cfg).items()}
+    (tmp_path / "config.json").write_text(json.dumps(config(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                            vocab_size=40, tie_word_embeddings=True)))  # fmt: skip
+    write_safetensors(tmp_path / "model.safetensors", {**params, "lm_head.weight": params["model.embed_tokens.weight"]})
+    loaded_cfg, loaded = load_llama(tmp_path)
+    assert loaded_cfg.tie_word_embeddings and "lm_head.weight" not in loaded
+    other = params["model.embed_tokens.weight"].copy()
+    other[0, 0] += 1
+    (tmp_path / "model.safetensors").unlink()  # a new file: the loaded one stays mapped
+    write_safetensors(tmp_path / "model.safetensors", {**params, "lm_head.weight": other})
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        load_llama(tmp_path)
+    untied = config(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40)
+    (tmp_path / "config.json").write_text(json.dumps(untied))
+    (tmp_path / "model.safetensors").unlink()
+    write_safetensors(tmp_path / "model.safetensors", params)
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is false"):
+        load_llama(tmp_path)

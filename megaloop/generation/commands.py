@@ -28,7 +28,7 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--model", required=True, metavar="DIR", help="the checkpoint folder")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt")
-    src.add_argument("--prompt-file", metavar="FILE", help="a file holding the prompt ('-': stdin)")
+    src.add_argument("--prompt-file", metavar="FILE", help="the prompt from a file ('-': stdin), less a last newline")
     src.add_argument(
         "--batch-file", metavar="FILE", help="one prompt per line, run as one batch; prints a JSON line per prompt"
     )
@@ -97,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise SystemExit(f"megaloop generate: {args.batch_file} holds no prompts (one a line)")
     else:
         prompts = args.prompt if args.prompt is not None else _read(args.prompt_file, "the prompt file")
+        prompts = prompts.removesuffix("\n")  # an editor's final newline is not part of the prompt
     progress = False if args.no_progress else None
     gen = Generator(args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress)
     print(f"megaloop generate: {args.model} on {_backend_line(gen)}", file=sys.stderr)
