@@ -96,6 +96,8 @@ def test_accepted_configs_build_these_models(cfg: dict, expected: dict) -> None:
 # (config, the field its error must name)
 REFUSED = [
     (config(model_type="gemma"), "model_type"),
+    (config(model_type=["llama"]), "model_type"),
+    (config(rope_scaling={"rope_type": ["llama3"]}), "rope_type"),
     (config(architectures=["GemmaForCausalLM"]), "architectures"),
     (config(architectures=["LlamaForSequenceClassification"]), "architectures"),
     (config("qwen2", architectures=["LlamaForCausalLM"]), "architectures"),
@@ -199,3 +201,27 @@ def test_a_tied_checkpoint_may_store_the_head_only_as_the_embedding(tmp_path) ->
     write_safetensors(tmp_path / "model.safetensors", params)
     with pytest.raises(CheckpointError, match="tie_word_embeddings is false"):
         load_llama(tmp_path)
+
+
+def test_any_config_gives_a_model_or_a_checkpoint_error() -> None:
+    """Hostile configs: every field of every family set to values of every JSON type; only
+    CheckpointError may come out (never a TypeError or KeyError from inside the reader)."""
+    import random
+
+    from megaloop.models.hf_config import FAMILIES, MODEL_FIELDS
+
+    values = [None, True, False, 0, -1, 1, 3, 7.5, float("inf"), "", "silu", "llama3", [], [1], ["x"], {},
+              {"rope_type": "llama3"}, {"type": "linear", "factor": 2}, {"a": {"b": 1}}]  # fmt: skip
+    fields = sorted(MODEL_FIELDS | set().union(*(f.fields for f in FAMILIES.values())) | {"model_type", "layer_types"})
+    rng = random.Random(0)
+    built = 0
+    for _ in range(3000):
+        cfg = config(rng.choice(sorted(FAMILY)))
+        for _ in range(rng.randint(1, 3)):
+            cfg[rng.choice(fields)] = rng.choice(values)
+        try:
+            llama_config(cfg)
+            built += 1
+        except CheckpointError:
+            pass
+    assert built > 100  # the fuzz also reaches configs that build

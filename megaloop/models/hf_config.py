@@ -137,7 +137,7 @@ def refuse(field: str, value: Any, why: str) -> CheckpointError:
 def family_of(config: Mapping[str, Any]) -> Family:
     """The family config.json describes, from ``model_type`` and ``architectures``."""
     kind = config.get("model_type")
-    if kind is not None and kind not in FAMILIES:
+    if kind is not None and (not isinstance(kind, str) or kind not in FAMILIES):
         raise refuse("model_type", kind, f"megaloop builds {sorted(FAMILIES)}")
     archs = config.get("architectures")
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
@@ -299,7 +299,7 @@ def rope_settings(config: Mapping[str, Any], max_positions: int) -> tuple[float,
     if any(isinstance(v, Mapping) for v in rope.values()):
         raise refuse(field, rope, "rope parameters per layer type are not part of the models megaloop builds")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
         raise refuse(f"{field}.rope_type", kind, f"megaloop implements rope types {sorted(ROPE_KEYS)}")
     theta_field = f"{field}.rope_theta" if "rope_theta" in rope else "rope_theta"
     theta = rope["rope_theta"] if "rope_theta" in rope else config.get("rope_theta", 10000.0)

@@ -69,7 +69,7 @@ class Tokenizer:
         self.chat_templates = dict(chat_templates or {})
         self.special_tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_text(self.config.get(k))) is not None}
         extra = self.config.get("extra_special_tokens") or self.config.get("additional_special_tokens") or []
-        extra = [*(extra.values() if isinstance(extra, Mapping) else extra)]
+        extra = [*(extra.values() if isinstance(extra, Mapping) else extra if isinstance(extra, list) else [])]
         # a model's own named tokens ("image_token": "<image>") are special tokens too
         named = (k for k in self.config if k.endswith("_token") and k not in SPECIAL_TOKENS)
         extra += [v for k in named if isinstance(v := self.config[k], str)]
