@@ -43,7 +43,9 @@ def check_sampling(sampling: bool) -> None:
 def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
     """The self-feeding generator; with ``sampling``, the one with in-kernel sampling states."""
     check_sampling(sampling)
-    return build_llama_generator(cfg, batch)
+    if not SAMPLING:  # a generator that only picks greedily, and stops nowhere
+        return build_llama_generator(cfg, batch)
+    return build_llama_generator(cfg, batch, sampling=sampling, eos_ids=tuple(eos_ids))
 
 
 def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -52,8 +54,14 @@ def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.n
     return {k: v for k, v in start.items() if k in graph.states}
 
 
-def first_tokens(logits: np.ndarray) -> np.ndarray:
-    """Greedy: the argmax of each sequence's [1, vocab] logits (first index on ties, as argmax)."""
+def first_tokens(logits: np.ndarray, sampling: bool) -> np.ndarray:
+    """Each sequence's first new token from its [1, vocab] prefill logits: greedy, the argmax (first
+    index on ties, as the generator's argmax)."""
+    if sampling:  # it must be drawn as the generator draws the others (same op, seed and counter)
+        raise SamplingUnavailable(
+            "sampling the prefill's first token is not wired to the sampling op yet "
+            "(megaloop/generation/backends.py first_tokens)"
+        )
     return logits[:, -1].astype(np.float32).argmax(-1).astype(np.int64)
 
 
@@ -67,7 +75,7 @@ class CpuBackend:
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True,
     ) -> None:  # fmt: skip
-        self.params = params
+        self.params, self.sampling = params, sampling
         self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
         self.generator = generator_graph(cfg, batch, sampling, eos_ids)
         self.state: dict[str, np.ndarray] = {}
@@ -78,7 +86,7 @@ class CpuBackend:
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         out = evaluate(self.prefill_graph, feeds, self.params)
         self.state = out.state
-        return first_tokens(out.outputs["logits"])
+        return first_tokens(out.outputs["logits"], self.sampling)
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         self.state = {**self.state, **start_state(self.generator, start)}
@@ -116,7 +124,7 @@ class GpuBackend:
             if not found:
                 raise MegaloopError(f"no GPU for the loop kernel: {reason}")
             gpu = found[0]
-        self.gpu, self.params, self.progress = gpu, params, progress
+        self.gpu, self.params, self.progress, self.sampling = gpu, params, progress, sampling
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
         graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
         self.generator = graphs[1]
@@ -153,7 +161,7 @@ class GpuBackend:
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         logits = self.kernel.run(feeds)["logits"]
-        return first_tokens(logits)
+        return first_tokens(logits, self.sampling)
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         caches = self.kernel.state()  # the prefill graph's states are its KV caches
