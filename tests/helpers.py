@@ -28,9 +28,12 @@ def random_values(
 ) -> np.ndarray:
     """Values of ``dtype`` (already rounded to it) drawn from ``domain``:
     "normal", "positive" (0.1..3), "ties" (small integers, to create equal elements), "unit" (-1..1),
-    "bool", ("int", lo, hi), or ("distinct", n): each last-axis row distinct ints below n."""
+    "bool", ("int", lo, hi), ("choice", v0, v1, ...): each element one of the values, or ("distinct", n):
+    each last-axis row distinct ints below n."""
     if domain == "bool" or dtype.is_bool:
         return rng.random(shape) < 0.5
+    if isinstance(domain, tuple) and domain[0] == "choice":
+        return ml.dtypes.round_to(rng.choice(np.array(domain[1:], np.float64), shape), dtype)
     if isinstance(domain, tuple) and domain[0] == "distinct":  # rows of distinct ints < domain[1]
         rows = [rng.permutation(domain[1])[: shape[-1]] for _ in range(int(np.prod(shape[:-1])))]
         return np.array(rows).reshape(shape).astype(dtype.np)

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
+from megaloop.frontend.ops import sample_split
 from tests.helpers import TORCH_DTYPES, random_values
+from tests.sample_ref import sample_partial_ref, sample_ref
 
 TD = TORCH_DTYPES
 FLOATS = ("float32", "float16", "bfloat16")
@@ -372,6 +374,65 @@ row(
     _split_sample,
     FLOATS + INTS,
     domains=("ties",),
+)
+
+# ---- sampling ------------------------------------------------------------------------------------------
+
+
+def _sample_sample(rng: np.random.Generator) -> Sample:
+    """Rows of logits (ties often: top-k/top-p boundaries inside tie groups) and per-row parameters, some
+    broadcast; one of seed and offset always per row (the builder refuses rows sharing both)."""
+    rows = rand_shape(rng, 0, 2)
+    n = int(rng.choice([1, 2, 7, 33, 300]))
+    full, per_row = rows, tuple(1 if rng.random() < 0.5 else d for d in rows)
+    seed_shape, offset_shape = (per_row, full) if rng.random() < 0.5 else (full, per_row)
+    shapes = [rows + (n,), seed_shape, offset_shape] + [per_row if rng.random() < 0.3 else full for _ in range(3)]
+    domains = (
+        "ties" if rng.random() < 0.5 else "normal",
+        ("int", -(2**62), 2**62),
+        ("int", 0, 10**6),
+        ("choice", 0.0, 0.25, 1.0, 3.0),
+        ("int", 0, n + 2),
+        ("choice", 1.0, 0.95, 0.5, 0.1, 1e-9),
+    )
+    return Sample(shapes, domains=domains)
+
+
+row(
+    "sample",
+    "temperature-top-k-top-p",
+    lambda g, x, s, o, t, k, p: ml.sample(x, s, o, t, k, p),
+    sample_ref,
+    _sample_sample,
+    fixed={1: "int64", 2: "int64", 3: "float32", 4: "int64", 5: "float32"},
+)
+
+
+def _split_sample_sample(rng: np.random.Generator) -> Sample:
+    """Rows long enough to split (ranges of 8 up to 4000 logits, some of more than their 32 candidates)."""
+    s = _sample_sample(rng)
+    n = int(rng.choice([20, 333, 4000]))
+    s.shapes[0] = s.shapes[0][:-1] + (n,)
+    s.domains = (*s.domains[:4], ("int", 0, n + 2), s.domains[5])
+    s.kw["splits"] = int(rng.integers(2, 9))
+    return s
+
+
+row(
+    "sample_combine",
+    "split",
+    lambda g, x, s, o, t, k, p, splits: ml.sample(x, s, o, t, k, p, splits=splits),
+    lambda *a, splits, **kw: sample_ref(*a, **kw),
+    _split_sample_sample,
+    fixed={1: "int64", 2: "int64", 3: "float32", 4: "int64", 5: "float32"},
+)
+row(
+    "sample_partial",
+    "ranges",
+    lambda g, x, s, o, t, k, p, splits: sample_split.sample_partial(x, t, splits=splits),
+    lambda x, s, o, t, k, p, splits, **kw: sample_partial_ref(x, t, splits=splits),
+    _split_sample_sample,
+    fixed={1: "int64", 2: "int64", 3: "float32", 4: "int64", 5: "float32"},
 )
 
 # ---- normalisations -------------------------------------------------------------------------------
@@ -967,6 +1028,31 @@ for label, sampler in [("scatter", _cache_sample), ("long-prefill", _cache_sampl
         fixed={2: "int64"},
         states=(0,),
     )
+
+
+def _masked_cache_sample(rng: np.random.Generator) -> Sample:
+    """Positions and a mask: the masked-out tokens' positions become -1 (finished sequences)."""
+    s = _cache_sample(rng) if rng.random() < 0.7 else _cache_sample_long(rng)
+    return Sample([*s.shapes, s.shapes[2]], domains=(*s.domains, "bool"))
+
+
+def _masked_cache_ref(cache, new, pos, mask, **k):
+    out = cache.clone()
+    for bi in range(cache.shape[0]):
+        keep = mask[bi]
+        out[bi].index_copy_(1, pos[bi][keep], new[bi][:, keep])
+    return out
+
+
+row(
+    "kv_cache_update",
+    "ignore-negative",
+    lambda g, c, n, p, m: ml.kv_cache_update(c, n, ml.where(m, p, -1), ignore_negative=True),
+    _masked_cache_ref,
+    _masked_cache_sample,
+    fixed={2: "int64", 3: "bool"},
+    states=(0,),
+)
 
 
 # the key rotated at its slot's position and written into the cache in one op: decode's one token, a

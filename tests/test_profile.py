@@ -167,9 +167,10 @@ def test_a_generators_path_starts_at_a_wait_on_the_last_iteration(tmp_path) -> N
     signalers: dict[int, list[int]] = {}
     for t in rp.tasks:
         signalers.setdefault(t.signal, []).append(t.id)
-    consumer, producer = next(
+    consumer, producer = next(  # the model's first task, waiting for the token (the history's cast waits too)
         (t.id, q)
         for t in rp.tasks
+        if rp.ops[t.op].op == "embedding"
         for w in t.waits
         if w.lag == 1
         for q in signalers[w.counter]

@@ -564,7 +564,8 @@ def _rope_pairs(attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand) -
 
 def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos: Operand, out: Operand) -> list[str]:
     """Rows of new into the cache slab of the task's (batch, head), at their positions (in place). A
-    position outside [0, max_len) is reported (ml::DATA) and never written."""
+    position outside [0, max_len) is reported (ml::DATA) and never written (a negative one skipped
+    where the op ignores negative positions)."""
     _, _, s, dim = cache.shape
     tokens = new.shape[2]
     body = pointers([cache, new, pos, out], 3)
@@ -575,6 +576,8 @@ def kv_update(op: str, attrs: dict[str, Any], cache: Operand, new: Operand, pos:
     body.append(
         f"    const ml::i64 p = ml::load(in2 + (ml::i64)b * {pos.strides[0]} + (ml::i64)tok * {pos.strides[1]});"
     )
+    if attrs.get("ignore_negative"):
+        body.append("    if (p < 0) continue;  // a negative position writes nothing")
     body.append(f"    if (p < 0 || p >= {s}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p, {s}, 1, 0); break; }}")
     body.append(
         f"    ml::store(out0 + (ml::i64)b * {out.strides[0]} + (ml::i64)h * {out.strides[1]} + p * {out.strides[2]}"
@@ -701,6 +704,11 @@ def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Op
         "#pragma unroll",
         f"        for (int u = 0; u < {unroll}; ++u) {{",
         f"            if (e0 + u * blockDim.x >= {total}u) break;",
+        *(
+            ["            if (p[u] < 0) continue;  // a negative position writes nothing"]
+            if attrs.get("ignore_negative")
+            else []
+        ),
         f"            if (p[u] < 0 || p[u] >= {s}) {{",
         f"                ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, p[u], {s}, 1, 0);",
         "                return;  // as the per-element loop: reported, never written",

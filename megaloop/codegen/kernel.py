@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.codegen import emit_collective
+from megaloop.codegen import emit_collective, emit_sample
 from megaloop.codegen.emit import (
     Operand,
     concat,
@@ -122,6 +122,8 @@ def emit(
         return attention_partial(op_name, attrs, ins, out)
     if template == "attention_combine":
         return attention_combine(op_name, attrs, ins, out)
+    if template in emit_sample.TEMPLATES:
+        return emit_sample.tile(template, attrs, ins, out)
     raise GraphBuildError(f"{op_name}: no CUDA template {template!r}")
 
 
@@ -233,6 +235,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             attrs = {**attrs, "codegen": hints}
         if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
             shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
+        if opdef.cuda.template in emit_sample.TEMPLATES:  # histograms, chunk sums, candidates
+            shared = max(shared, emit_sample.shared_bytes(opdef.cuda.template, attrs))
         if op.op != "matmul" and op.op in MATMUL_OPS and op.tile.get("stage_weights"):
             raise GraphBuildError(
                 f"codegen: {op.op} {op.name}: tile switch stage_weights is matmul's only (this op's tiles use "
@@ -430,6 +434,8 @@ POLL_SLEEP_NS = 256
 def _source(functions: list[str], threads: int, name: str, n_tasks: int, stages: dict[int, list[str]]) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
     st = _stage_parts(stages)
+    if any("ml::smp::" in f for f in functions):  # (only then: other kernels keep their text)
+        st["include"] += '#include "megaloop/sample.cuh"\n'
     slot = "" if SLOT_WAITS == 16 else f"#define ML_SLOT_WAITS {SLOT_WAITS}\n"
     slot += "" if POLL_SLEEP_NS == 256 else f"#define ML_POLL_SLEEP_NS {POLL_SLEEP_NS}\n"
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.

@@ -9,7 +9,7 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,32 +368,57 @@ def build_llama_generator(
     *,
     kv_splits: int | str | None = "auto",
     argmax_splits: int | str | None = "auto",
+    sampling: bool = False,
+    eos_ids: Sequence[int] = (),
 ) -> Graph:
-    """Greedy decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
+    """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
-    argmax of the logits and position + 1 the next iteration's token and position. One
-    ``run(iterations=n)`` then generates n tokens with no host work between them.
+    next token (the argmax of the logits, or with ``sampling`` a draw of ``ml.sample``) and position + 1
+    the next iteration's token and position. One ``run(iterations=n)`` then generates n tokens with no
+    host work between them.
 
     States (besides the KV caches, named as in ``build_llama``): ``token`` int64 [batch, 1] (set it to
     the first token to feed, e.g. the argmax of the prefill's last logits), ``position`` int64
     [batch, 1] (where that token goes: the prompt length), ``generated`` float32
-    [batch, 1, max_seq, 1] (token ids by position; float32 holds ids below 2^24 exactly).
+    [batch, 1, max_seq, 1] (token ids by position; float32 holds ids below 2^24 exactly), ``stop``
+    int64 [batch, 1] (initially max_seq): a sequence whose position has reached its stop, or whose
+    token is one of ``eos_ids``, is finished: its token and position no longer change and nothing more
+    is written to ``generated`` (its decode step still runs, at min(position, max_seq - 1), rewriting
+    its own last cache slot). So ``generated[b, 0, p, 0]`` for prompt length <= p < final position are
+    the tokens fed, an end-of-sequence token stays in ``token`` unwritten.
+    With ``sampling``, also ``temperature`` float32 (initially 1.0; 0: the argmax), ``top_k`` int64
+    (0: off), ``top_p`` float32 (1.0: off) and ``seed`` int64 (0), all [batch, 1]: the next token is
+    ``ml.sample(logits, seed, position, temperature, top_k, top_p)`` (the offset is the position of
+    the token whose logits are sampled; sample the prefill's last logits with offset prompt length - 1
+    to continue the scheme). Rows draw independently only if their seeds differ (a sequence's draws
+    depend on its seed and positions alone, not on its batch slot).
     Output: ``logits`` [batch, 1, vocab] of the last step. ``argmax_splits``: the next token's argmax
-    in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE logits);
-    the same tokens whatever it is.
+    (or draw) in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE
+    logits); the same tokens whatever it is.
     """
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_generator: the model needs a vocabulary (cfg.vocab) to pick tokens")
+    eos = _eos_ids(cfg, eos_ids)
     g = Graph(name)
     token = g.state("token", (batch, 1), "int64")
     position = g.state("position", (batch, 1), "int64")
     history = g.state("generated", (batch, 1, cfg.max_seq, 1), "float32")
-    ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), position)
-    logits = _model(g, cfg, token, position, kv_splits)
+    stop = g.state("stop", (batch, 1), "int64", init=np.full((batch, 1), cfg.max_seq, np.int64))
+    active = _still_generating(g, token, position, stop, eos)
+    # the token a finished sequence keeps, read at the start: the last op then reads no state (a state
+    # read by the op that makes its next value costs a copy after it, on the path to the next step)
+    kept = ops.where(active, 0, token)
+    written = ops.where(active, position, -1)  # a finished sequence writes nothing
+    ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), written, ignore_negative=True)
+    logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits)
     if argmax_splits == "auto":
         argmax_splits = auto_argmax_splits(cfg)
-    g.assign(token, ops.argmax(logits, axis=-1, splits=argmax_splits))
-    g.assign(position, position + 1)
+    if sampling:
+        chosen = _sampled_token(g, batch, logits, position, argmax_splits)
+    else:
+        chosen = ops.argmax(logits, axis=-1, splits=argmax_splits)
+    g.assign(token, ops.where(active, chosen, kept))
+    g.assign(position, ops.where(active, position + 1, position))
     g.output("logits", logits)
     return g
 
@@ -425,3 +450,36 @@ def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tenso
     if cfg.tie_word_embeddings:
         return ops.linear(x, g.parameters["model.embed_tokens.weight"])
     return ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
+
+
+def _eos_ids(cfg: LlamaConfig, eos_ids: Sequence[int]) -> tuple[int, ...]:
+    """The end-of-sequence ids, checked against the vocabulary."""
+    ids = tuple(eos_ids)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= int(i) < (cfg.vocab or 0):
+            raise GraphBuildError(
+                f"build_llama_generator: eos_ids must be token ids in [0, {cfg.vocab}), got {i!r} in {list(ids)}"
+            )
+    return tuple(sorted({int(i) for i in ids}))
+
+
+def _still_generating(g: Graph, token: Tensor, position: Tensor, stop: Tensor, eos: tuple[int, ...]) -> Tensor:
+    """bool [batch, 1]: the sequence has not reached its stop position and its token is no end-of-sequence."""
+    active = ops.less(position, stop)
+    if len(eos) == 1:
+        active = ops.logical_and(active, ops.not_equal(token, eos[0]))
+    elif eos:  # every id in one comparison: [batch, ids] hits summed
+        hits = ops.equal(token, g.constant(np.array(eos, np.int64), name="eos_ids"))
+        active = ops.logical_and(active, ops.equal(ops.sum(hits.astype("int64"), -1, keepdims=True), 0))
+    return active
+
+
+def _sampled_token(g: Graph, batch: int, logits: Tensor, position: Tensor, splits: int | None) -> Tensor:
+    """The next token drawn by ``ml.sample`` (in ``splits`` ranges of the vocabulary) from the per-sequence
+    sampling states: int64 [batch, 1]."""
+    rows = (batch, 1)
+    temperature = g.state("temperature", rows, "float32", init=np.ones(rows, np.float32))
+    top_k = g.state("top_k", rows, "int64")
+    top_p = g.state("top_p", rows, "float32", init=np.ones(rows, np.float32))
+    seed = g.state("seed", rows, "int64")
+    return ops.sample(logits, seed, position, temperature, top_k, top_p, splits=splits)

@@ -496,6 +496,12 @@ class LoopKernel:
             proc, task, op, value, limit, kind, _, _ = info
             what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
             name = self.rp.ops[op].name if 0 <= op < len(self.rp.ops) else f"op {op}"
+            if kind == 3:  # megaloop.codegen.emit_sample.DATA_KIND: value is the row
+                raise DataError(
+                    f"sample {name}: row {value} (counted in the rows' row-major order) has a temperature, top_k or "
+                    "top_p out of range: temperature must be finite and >= 0, top_k >= 0, top_p in (0, 1] (found by "
+                    f"task {task} on processor {proc}); the kernel has stopped"
+                )
             raise DataError(
                 f"{self.rp.ops[op].op if 0 <= op < len(self.rp.ops) else 'op'} {name}: {what} {value} is "
                 f"outside [0, {limit}) (found by task {task} on processor {proc}); the kernel has stopped"

@@ -219,17 +219,18 @@ def _update_infer(call: OpCall) -> list[OutSpec]:
 def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     cache, new, pos = arrays
     s = cache.shape[2]
+    write = pos >= 0 if attrs.get("ignore_negative") else np.ones(pos.shape, bool)  # -1: a finished sequence
     if not data_checks():
         pos = np.clip(pos, 0, s - 1)
-    if np.any((pos < 0) | (pos >= s)):
-        bad = tuple(int(i) for i in np.argwhere((pos < 0) | (pos >= s))[0])
+    if np.any(write & ((pos < 0) | (pos >= s))):
+        bad = tuple(int(i) for i in np.argwhere(write & ((pos < 0) | (pos >= s)))[0])
         raise DataError(f"position {int(pos[bad])} at index {bad} is outside the cache of {s} slots")
-    for row in pos:
-        if len(np.unique(row)) != len(row) and data_checks():
+    for row, w in zip(pos, write):
+        if len(np.unique(row[w])) != int(w.sum()) and data_checks():
             raise DataError(f"positions {row.tolist()} repeat a slot within one batch row")
     out = cache.copy()
     for bi in range(cache.shape[0]):
-        out[bi][:, pos[bi], :] = new[bi]
+        out[bi][:, pos[bi][write[bi]], :] = new[bi][:, write[bi]]
     return out
 
 
@@ -251,8 +252,12 @@ KV_CACHE_UPDATE = register(
 )
 
 
-def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
-    """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value."""
+def kv_cache_update(cache: Tensor, new: Tensor, positions: Tensor, *, ignore_negative: bool = False) -> Tensor:
+    """Write ``new`` into ``cache`` at ``positions`` and make the result the cache's next value.
+    ``ignore_negative``: a negative position writes nothing (a finished sequence's token, say); other
+    positions outside the cache are data errors all the same."""
+    if require_bool(KV_CACHE_UPDATE, "ignore_negative", ignore_negative):
+        return cache_update(KV_CACHE_UPDATE, cache, new, positions, ignore_negative=True)
     return cache_update(KV_CACHE_UPDATE, cache, new, positions)
 
 
