@@ -5,12 +5,14 @@ giving each the tokens it gets alone; and the tiny checkpoint as transformers re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import megaloop as ml
@@ -174,16 +176,21 @@ def test_the_command_line_basics(tmp_path) -> None:
 
 
 def test_sampling_settings(gen) -> None:
-    """temperature > 0 samples in the kernel where this build has the sampling op (the same seed,
-    the same tokens), and is refused with a clear error where it has not."""
-    from megaloop.errors import MegaloopError
-    from megaloop.generation.backends import SAMPLING
+    """temperature > 0 samples in the kernel: the same seed gives the same tokens, another seed
+    others; each sequence's draws depend on its seed and positions, not on its batch slot; the first
+    token is drawn from the prefill's logits as the generator draws the next ones."""
+    from megaloop.frontend.ops.sample import sample_tokens
+    from megaloop.models.llama import build_llama_prefill
 
-    if not SAMPLING:
-        with pytest.raises(MegaloopError, match="in-kernel sampling op"):
-            gen.generate("Hi", temperature=0.7)
-        return
     kw = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "max_new_tokens": 12}
     first = gen.generate(PROMPTS, seed=7, **kw)
     assert [c.tokens for c in gen.generate(PROMPTS, seed=7, **kw)] == [c.tokens for c in first]
     assert [c.tokens for c in gen.generate(PROMPTS, seed=8, **kw)] != [c.tokens for c in first]
+    assert [gen.generate(p, seed=7, **kw)[0].tokens for p in PROMPTS] == [c.tokens for c in first]
+    ids = gen.encode(PROMPTS[1])
+    cfg = dataclasses.replace(gen.cfg, max_seq=len(ids))
+    feeds = {"tokens": np.array([ids]), "positions": np.arange(len(ids))[None], "last": np.array([len(ids) - 1])}
+    logits = ml.evaluate(build_llama_prefill(cfg, 1, len(ids)), feeds, gen.params).outputs["logits"]
+    assert first[1].tokens[0] == int(sample_tokens(logits[0, 0], 7, len(ids) - 1, 0.8, 20, 0.9))
+    greedy = gen.generate(PROMPTS[0], max_new_tokens=6)[0].tokens
+    assert gen.generate(PROMPTS[0], temperature=1e-39, max_new_tokens=6, seed=3)[0].tokens == greedy  # T < 2^-126

@@ -40,6 +40,15 @@ def test_the_loop_kernel_generates_the_cpu_references_tokens(tiny) -> None:
     assert batch.stats.decode_steps == 39 and batch.stats.per_token_s > 0
 
 
+def test_sampling_on_the_loop_kernel_draws_the_cpu_references_tokens(tiny) -> None:
+    """The same seed, the same tokens on the GPU as on the CPU reference (float32: the logits agree
+    to rounding, a draw parts only if it falls within that of a boundary)."""
+    kw = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11, "max_new_tokens": 32}
+    gpu = ml.Generator(tiny, backend="gpu", dtype="float32").generate(PROMPTS, **kw)
+    cpu = ml.Generator(tiny, backend="cpu", dtype="float32").generate(PROMPTS, **kw)
+    assert [c.tokens for c in gpu] == [c.tokens for c in cpu]
+
+
 def test_bfloat16_on_the_loop_kernel_stays_close_to_float32(tiny) -> None:
     """bfloat16 tokens may part from float32's after a near tie; the first ones agree."""
     bf16 = ml.Generator(tiny, backend="gpu").generate(PROMPTS[2], max_new_tokens=8)[0].tokens

@@ -4,13 +4,12 @@ logits (``build_llama_prefill``), then the self-feeding generator (``build_llama
 KV caches handed over from the prefill.
 
 A backend's steps, in order: ``setup_prefill`` (GPU: upload the weights into the prefill kernel),
-``prefill`` (the prompts' first new tokens), ``setup_generator`` (the caches handed over; GPU: the
+``prefill`` (each prompt's next-token logits), ``setup_generator`` (the caches handed over; GPU: the
 generator kernel), then ``advance(n)`` as often as needed, and ``close``.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,27 +23,11 @@ from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llam
 from megaloop.reference import evaluate
 
 HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
-# Whether this megaloop's generator graph samples in the kernel (temperature, top-k, top-p, seed states).
-SAMPLING = "sampling" in inspect.signature(build_llama_generator).parameters
-
-
-class SamplingUnavailable(MegaloopError, NotImplementedError):
-    """Sampling (temperature > 0, top-k, top-p) asked of a generator graph that only picks greedily."""
-
-
-def check_sampling(sampling: bool) -> None:
-    if sampling and not SAMPLING:
-        raise SamplingUnavailable(
-            "temperature > 0, top_k and top_p need the in-kernel sampling op, which this megaloop build does not "
-            "have yet: generate greedily (temperature 0)"
-        )
 
 
 def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
-    """The self-feeding generator; with ``sampling``, the one with in-kernel sampling states."""
-    check_sampling(sampling)
-    if not SAMPLING:  # a generator that only picks greedily, and stops nowhere
-        return build_llama_generator(cfg, batch)
+    """The self-feeding generator, stopping each sequence in the kernel at its stop position or at one
+    of ``eos_ids``; with ``sampling``, drawing the tokens (temperature, top-k, top-p, seed states)."""
     return build_llama_generator(cfg, batch, sampling=sampling, eos_ids=tuple(eos_ids))
 
 
@@ -54,15 +37,21 @@ def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.n
     return {k: v for k, v in start.items() if k in graph.states}
 
 
-def first_tokens(logits: np.ndarray, sampling: bool) -> np.ndarray:
+def first_tokens(logits: np.ndarray, lengths: Sequence[int], sampling: Mapping[str, np.ndarray] | None) -> np.ndarray:
     """Each sequence's first new token from its [1, vocab] prefill logits: greedy, the argmax (first
-    index on ties, as the generator's argmax)."""
-    if sampling:  # it must be drawn as the generator draws the others (same op, seed and counter)
-        raise SamplingUnavailable(
-            "sampling the prefill's first token is not wired to the sampling op yet "
-            "(megaloop/generation/backends.py first_tokens)"
-        )
-    return logits[:, -1].astype(np.float32).argmax(-1).astype(np.int64)
+    index on ties, as the generator's); sampled, drawn as the generator draws the next ones (the same
+    op's definition, seed, and the offset of the logits' position, prompt length - 1)."""
+    rows = logits[:, -1]
+    if sampling is None:
+        return rows.astype(np.float32).argmax(-1).astype(np.int64)
+    from megaloop.frontend.ops.sample import sample_tokens
+
+    offset = np.asarray(lengths, np.int64) - 1
+    picked = sample_tokens(
+        rows, sampling["seed"][:, 0], offset, sampling["temperature"][:, 0], sampling["top_k"][:, 0],
+        sampling["top_p"][:, 0],
+    )  # fmt: skip
+    return np.asarray(picked, np.int64)
 
 
 class CpuBackend:
@@ -75,7 +64,7 @@ class CpuBackend:
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True,
     ) -> None:  # fmt: skip
-        self.params, self.sampling = params, sampling
+        self.params = params
         self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
         self.generator = generator_graph(cfg, batch, sampling, eos_ids)
         self.state: dict[str, np.ndarray] = {}
@@ -86,7 +75,7 @@ class CpuBackend:
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         out = evaluate(self.prefill_graph, feeds, self.params)
         self.state = out.state
-        return first_tokens(out.outputs["logits"], self.sampling)
+        return out.outputs["logits"]
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         self.state = {**self.state, **start_state(self.generator, start)}
@@ -124,7 +113,7 @@ class GpuBackend:
             if not found:
                 raise MegaloopError(f"no GPU for the loop kernel: {reason}")
             gpu = found[0]
-        self.gpu, self.params, self.progress, self.sampling = gpu, params, progress, sampling
+        self.gpu, self.params, self.progress = gpu, params, progress
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
         graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
         self.generator = graphs[1]
@@ -160,8 +149,7 @@ class GpuBackend:
         self._kernel(0)
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
-        logits = self.kernel.run(feeds)["logits"]
-        return first_tokens(logits, self.sampling)
+        return self.kernel.run(feeds)["logits"]
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         caches = self.kernel.state()  # the prefill graph's states are its KV caches

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.backends import CpuBackend, GpuBackend, check_sampling
+from megaloop.generation.backends import CpuBackend, GpuBackend, first_tokens
 from megaloop.generation.progress import Progress
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
@@ -138,11 +138,13 @@ class Generator:
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
         if eos_token_ids is not None:
-            self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+            stops = [int(i) for i in eos_token_ids]
         elif self.tokenizer is not None:
-            self.eos_token_ids = self.tokenizer.eos_token_ids
+            stops = list(self.tokenizer.eos_token_ids)
         else:
-            self.eos_token_ids = tuple(checkpoint_stop_ids(self.folder))
+            stops = checkpoint_stop_ids(self.folder)
+        # (a tokenizer's stop token past the model's vocabulary can never be generated)
+        self.eos_token_ids = tuple(i for i in stops if 0 <= i < self.cfg.vocab)
         self.requested, self.plan_cache = backend, plan_cache
         self.backend, self.reason = self._choose(backend)
         self._backends: dict[tuple, Any] = {}
@@ -217,7 +219,6 @@ class Generator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         sampling = _sampling(len(ids), temperature, top_k, top_p, seed)
-        check_sampling(sampling is not None)
         try:
             return self._run(ids, max_new_tokens, sampling, on_text)
         except _SetupFailed as e:  # the loop kernel could not be set up: say so, then the CPU reference
@@ -271,7 +272,7 @@ class Generator:
                 raise
             feeds = _prefill_feeds(ids, tokens)
             t0 = time.perf_counter()
-            first = backend.prefill(feeds)
+            first = first_tokens(backend.prefill(feeds), lengths, sampling)
             stats.prefill_s = time.perf_counter() - t0
             stats.first_token_s = time.perf_counter() - began
             run.add(first[:, None], np.ones(batch, np.int64))
