@@ -1,7 +1,8 @@
 """End-to-end greedy generation with a Llama-3.2-1B-shaped model (random weights, bf16, batch 1):
 a 128-token prompt, then 128 new tokens. megaloop: the prefill kernel, then the self-feeding
 generator (megaloop.models.build_llama_generator), all 128 tokens in ONE run of the resident loop
-kernel. PyTorch: the same model, one decode step per token, eager and CUDA-graphed
+kernel; then the same with sampling (ml.sample in the generator's ranges of the vocabulary; SAMPLING's
+variants). PyTorch: the same model, one decode step per token, eager and CUDA-graphed
 (torch.compile mode="reduce-overhead") at the same context length. Per-token latency, same run."""
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
 PROMPT, NEW = 128, 128
+# sampling variants (one plan: the parameters are states): a random-weight model's logits are nearly
+# flat, so top-p alone keeps most of the vocabulary and the combine computes each row whole (its slow
+# path), while temperature alone, or top-k before top-p, are settled by the ranges' candidates
+SAMPLING = {
+    "temperature": {"temperature": 0.7, "top_k": 0, "top_p": 1.0},
+    "top_k_top_p": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+    "top_p": {"temperature": 0.7, "top_k": 0, "top_p": 0.9},
+}
 KV_SPLITS = os.environ.get("GENERATE_KV_SPLITS", "auto")  # a number, "auto" or "none"
 
 
@@ -96,6 +105,7 @@ def main() -> None:
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
     gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits()), processors=132)
     results["plan_s"] = time.perf_counter() - t0
+    sampling_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True), processors=132)
     with LoopKernel(prefill_plan, params) as k:
         feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
         logits = k.run(feeds)["logits"]
@@ -113,6 +123,21 @@ def main() -> None:
         k.run(iterations=NEW)
         seconds = time.perf_counter() - t0
         tokens = k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
+    with LoopKernel(sampling_plan, params, start) as k:
+        for variant, values in SAMPLING.items():
+            dtypes = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32}
+            sampled = {**start, **{n: np.full((1, 1), v, dtypes[n]) for n, v in values.items()}}
+            sampled["seed"] = np.ones((1, 1), np.int64)
+            k.set_state(sampled)
+            k.run(iterations=1)
+            k.set_state(sampled)
+            t0 = time.perf_counter()
+            k.run(iterations=NEW)
+            results[f"loop_sampling_{variant}_us_per_token"] = (time.perf_counter() - t0) / NEW * 1e6
+            results[f"sampled_{variant}_first_tokens"] = (
+                k.state()["generated"][0, 0, PROMPT : PROMPT + 16, 0].astype(int).tolist()
+            )
+        results["sampling"] = SAMPLING
     results["loop_us_per_token"] = seconds / NEW * 1e6
     results["loop_tokens_per_s"] = NEW / seconds
     results["speedup_vs_torch_eager"] = results["torch_eager_us_per_token"] / results["loop_us_per_token"]

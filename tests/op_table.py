@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
-from megaloop.frontend.ops import sample_split
 from tests.helpers import TORCH_DTYPES, random_values
 from tests.sample_ref import sample_partial_ref, sample_ref
 
@@ -429,7 +428,7 @@ row(
 row(
     "sample_partial",
     "ranges",
-    lambda g, x, s, o, t, k, p, splits: sample_split.sample_partial(x, t, splits=splits),
+    lambda g, x, s, o, t, k, p, splits: ml.sample_partial(x, t, splits=splits),
     lambda x, s, o, t, k, p, splits, **kw: sample_partial_ref(x, t, splits=splits),
     _split_sample_sample,
     fixed={1: "int64", 2: "int64", 3: "float32", 4: "int64", 5: "float32"},

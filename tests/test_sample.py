@@ -385,3 +385,67 @@ def test_sample_tokens_on_host_arrays_is_the_op() -> None:
     assert sample_tokens(np.array([0.0, 5.0, 1.0]), 0, 0, 0.0).item() == 1  # numbers broadcast; 0-d rows
     with pytest.raises(DataError, match="top_p"):
         sample_tokens(np.zeros((2, 4)), [0, 1], 0, 1.0, 0, 2.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_split_sample_is_sample_in_any_order(dtype: str, monkeypatch) -> None:
+    """ml.sample(..., splits=S) (argmax_partial, sample_partial, sample_combine) gives sample's tokens,
+    through the reference and the plan interpreter's random orders, where the candidates settle the
+    thresholds and where the combine computes the row whole (both taken here)."""
+    from megaloop.frontend.ops import sample_split
+
+    paths = [0, 0]
+    real = sample_split.combine_row
+
+    def counted(*a):
+        token = real(*a)
+        paths[token is None] += 1
+        return token
+
+    monkeypatch.setattr(sample_split, "combine_row", counted)
+    rng = np.random.default_rng(21)
+    for case in range(16):
+        n = int(rng.choice([40, 700, 3000]))
+        shape = (int(rng.integers(1, 4)), n)
+        feeds = random_feeds(rng, shape, dtype)
+        if case % 4 == 0:  # a language model's: a few likely tokens over a long tail
+            feeds["x"] = ml.dtypes.round_to(
+                rng.standard_normal(shape) * 2 + (rng.random(shape) < 0.01) * 8, ml.as_dtype(dtype)
+            )
+        g = ml.Graph("split")
+        x = g.input("x", shape, dtype)
+        ins = [g.input(k, feeds[k].shape, feeds[k].dtype.name) for k in ("seed", "offset", "t", "k", "p")]
+        splits = int(rng.integers(2, 12))
+        g.output("token", ml.sample(x, *ins, splits=splits))
+        assert [n.op.name for n in g.nodes][-3:] == ["argmax_partial", "sample_partial", "sample_combine"]
+        want = ml.evaluate(graph_of(shape, dtype), feeds).outputs["token"]
+        assert np.array_equal(ml.evaluate(g, feeds).outputs["token"], want), (case, splits)
+        planned = run_plan(make_plan(g, processors=int(rng.integers(2, 9))), feeds, seed=case)
+        assert np.array_equal(planned.outputs["token"], want), (case, splits)
+    assert paths[0] and paths[1], f"settled by the candidates / computed whole: {paths}"
+
+
+def test_the_split_halves_build_on_their_own() -> None:
+    g = ml.Graph("halves")
+    x = g.input("x", (2, 300), "float32")
+    s, o, t = g.input("s", (2,), "int64"), g.input("o", (2,), "int64"), g.input("t", (2,), "float32")
+    k, p = g.input("k", (2,), "int64"), g.input("p", (2,), "float32")
+    summary = ml.sample_partial(x, t, splits=4)
+    assert summary.shape == (2, 4, 66) and summary.dtype == ml.int64
+    g.output("halves", ml.sample_combine(x, summary, s, o, t, k, p))
+    g.output("whole", ml.sample(x, s, o, t, k, p, splits=4))
+    feeds = random_feeds(np.random.default_rng(4), (2, 300), "float32")
+    feeds = {
+        "x": feeds["x"],
+        "s": feeds["seed"],
+        "o": feeds["offset"],
+        "t": feeds["t"],
+        "k": feeds["k"],
+        "p": feeds["p"],
+    }
+    out = ml.evaluate(g, feeds).outputs
+    assert np.array_equal(out["halves"], out["whole"])
+    with pytest.raises(GraphBuildError, match="summary must be sample_partial's output"):
+        ml.sample_combine(g.input("y", (2, 300), "float32"), summary, s, o, t, k, p)
+    with pytest.raises(GraphBuildError, match="splits must be an int >= 1"):
+        ml.sample(x, s, o, splits=0)

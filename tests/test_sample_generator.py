@@ -133,8 +133,9 @@ def test_the_interface_states() -> None:
     for name, (dtype, shape) in want.items():
         t = gen.states[name]
         assert (t.dtype.name, t.shape) == (dtype, shape), name
-    init = {n: gen.states[n].node.attrs.get("init") for n in ("stop", "temperature", "top_p")}
+    init = {n: gen.states[n].node.attrs.get("init") for n in ("stop", "temperature", "top_p", "seed")}
     assert (init["stop"] == CFG.max_seq).all() and (init["temperature"] == 1).all() and (init["top_p"] == 1).all()
+    assert init["seed"].ravel().tolist() == [0, 1]  # rows draw apart until the host sets their seeds
     greedy = build_llama_generator(CFG, 2)
     assert "stop" in greedy.states and "seed" not in greedy.states
     assert not any(n.op.name == "sample" for n in greedy.nodes)
@@ -172,3 +173,18 @@ def test_generated_history_update_skips_negative_positions(misalign: int, tmp_pa
         expected = before.copy()
         arena.write(3, got, expected)
         assert np.array_equal(arena.bytes, expected), "a write outside the cache's elements"
+
+
+def test_stopping_costs_the_greedy_generator_six_small_tasks_and_no_copy() -> None:
+    """sampling=False without eos ids: the stop state adds less, minimum and four wheres (one a [batch, 1]
+    tile after the argmax, on the path to the next step) and no plan-made copy on the token's way."""
+    from collections import Counter
+
+    gen = build_llama_generator(CFG, 2, argmax_splits=3)
+    counts = Counter(n.op.name for n in gen.nodes)
+    assert (counts["less"], counts["minimum"], counts["where"]) == (1, 1, 4)
+    assert "sample" not in counts and "sample_combine" not in counts
+    plan = make_plan(gen, processors=8)
+    assert [op.name for op in plan.ranks[0].ops if op.op == "copy"] == ["assign:position"]  # as before the stop
+    token = gen.state_updates["token"]
+    assert token.node.op.name == "where" and token.node.inputs[1].node.op.name == "argmax_combine"

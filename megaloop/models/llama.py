@@ -387,11 +387,11 @@ def build_llama_generator(
     its own last cache slot). So ``generated[b, 0, p, 0]`` for prompt length <= p < final position are
     the tokens fed, an end-of-sequence token stays in ``token`` unwritten.
     With ``sampling``, also ``temperature`` float32 (initially 1.0; 0: the argmax), ``top_k`` int64
-    (0: off), ``top_p`` float32 (1.0: off) and ``seed`` int64 (0), all [batch, 1]: the next token is
-    ``ml.sample(logits, seed, position, temperature, top_k, top_p)`` (the offset is the position of
-    the token whose logits are sampled; sample the prefill's last logits with offset prompt length - 1
-    to continue the scheme). Rows draw independently only if their seeds differ (a sequence's draws
-    depend on its seed and positions alone, not on its batch slot).
+    (0: off), ``top_p`` float32 (1.0: off) and ``seed`` int64 (initially the row: 0, 1, ...), all
+    [batch, 1]: the next token is ``ml.sample(logits, seed, position, temperature, top_k, top_p)`` (the
+    offset is the position of the token whose logits are sampled; sample the prefill's last logits with
+    offset prompt length - 1 to continue the scheme). Rows draw independently only if their seeds
+    differ: a sequence's draws depend on its seed and positions alone, not on its batch slot.
     Output: ``logits`` [batch, 1, vocab] of the last step. ``argmax_splits``: the next token's argmax
     (or draw) in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE
     logits); the same tokens whatever it is.
@@ -481,5 +481,5 @@ def _sampled_token(g: Graph, batch: int, logits: Tensor, position: Tensor, split
     temperature = g.state("temperature", rows, "float32", init=np.ones(rows, np.float32))
     top_k = g.state("top_k", rows, "int64")
     top_p = g.state("top_p", rows, "float32", init=np.ones(rows, np.float32))
-    seed = g.state("seed", rows, "int64")
+    seed = g.state("seed", rows, "int64", init=np.arange(batch, dtype=np.int64)[:, None])  # rows apart
     return ops.sample(logits, seed, position, temperature, top_k, top_p, splits=splits)

@@ -13,7 +13,6 @@ from typing import Any as _Any
 
 from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
-from megaloop.frontend.ops import sample_split as _sample_split  # noqa: F401 - its ops registered
 from megaloop.frontend.ops import sources
 from megaloop.frontend.ops.argmax_split import argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import attention, kv_cache_update
@@ -76,6 +75,7 @@ from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 from megaloop.frontend.ops.sample import sample
+from megaloop.frontend.ops.sample_split import sample_combine, sample_partial
 from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
 
 __all__ = [
@@ -137,6 +137,8 @@ __all__ = [
     "rope_kv_cache_update",
     "rsqrt",
     "sample",
+    "sample_combine",
+    "sample_partial",
     "scale",
     "send",
     "sigmoid",

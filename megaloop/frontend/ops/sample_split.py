@@ -331,3 +331,21 @@ def sample_partial(logits: Tensor, temperature: Tensor, *, splits: int) -> Tenso
     partial = apply(ARGMAX_PARTIAL, [logits], axis=logits.ndim - 1, splits=ranges, chunk=chunk)
     attrs = {"splits": ranges, "chunk": chunk, "candidates": candidates_for(ranges)}
     return apply(SAMPLE_PARTIAL, [logits, partial, temperature], **attrs)
+
+
+def sample_combine(
+    logits: Tensor,
+    summary: Tensor,
+    seed: Tensor,
+    offset: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+) -> Tensor:
+    """The tokens of ``logits`` from ``summary``, sample_partial's output for the same logits (the second
+    half on its own: tests, and graphs that make the summaries themselves)."""
+    node = summary.node
+    if node.op is not SAMPLE_PARTIAL or node.inputs[0] is not logits:
+        raise GraphBuildError(f"sample_combine: summary must be sample_partial's output for {logits!r}")
+    attrs = {k: node.attrs[k] for k in ("splits", "chunk", "candidates")}
+    return apply(SAMPLE_COMBINE, [logits, node.inputs[1], summary, seed, offset, temperature, top_k, top_p], **attrs)
