@@ -177,8 +177,8 @@ def test_the_command_line_basics(tmp_path) -> None:
 
 def test_sampling_settings(gen) -> None:
     """temperature > 0 samples in the kernel: the same seed gives the same tokens, another seed
-    others; each sequence's draws depend on its seed and positions, not on its batch slot; the first
-    token is drawn from the prefill's logits as the generator draws the next ones."""
+    others; each sequence's draws depend on its seed and positions, not on the rest of the batch; the
+    first token is drawn from the prefill's logits as the generator draws the next ones."""
     from megaloop.frontend.ops.sample import sample_tokens
     from megaloop.models.llama import build_llama_prefill
 
@@ -186,11 +186,16 @@ def test_sampling_settings(gen) -> None:
     first = gen.generate(PROMPTS, seed=7, **kw)
     assert [c.tokens for c in gen.generate(PROMPTS, seed=7, **kw)] == [c.tokens for c in first]
     assert [c.tokens for c in gen.generate(PROMPTS, seed=8, **kw)] != [c.tokens for c in first]
-    assert [gen.generate(p, seed=7, **kw)[0].tokens for p in PROMPTS] == [c.tokens for c in first]
+    assert [gen.generate(p, seed=7 + i, **kw)[0].tokens for i, p in enumerate(PROMPTS)] == [c.tokens for c in first]
+    copies = gen.generate([PROMPTS[0]] * 2, seed=7, **kw)  # prompt i draws with seed + i: copies differ
+    assert copies[0].tokens == first[0].tokens and copies[1].tokens != copies[0].tokens
+    assert gen.generate([PROMPTS[0]] * 2, seed=[5, 5], **kw).completions[1].tokens == gen.generate(
+        PROMPTS[0], seed=5, **kw
+    )[0].tokens
     ids = gen.encode(PROMPTS[1])
     cfg = dataclasses.replace(gen.cfg, max_seq=len(ids))
     feeds = {"tokens": np.array([ids]), "positions": np.arange(len(ids))[None], "last": np.array([len(ids) - 1])}
     logits = ml.evaluate(build_llama_prefill(cfg, 1, len(ids)), feeds, gen.params).outputs["logits"]
-    assert first[1].tokens[0] == int(sample_tokens(logits[0, 0], 7, len(ids) - 1, 0.8, 20, 0.9))
+    assert first[1].tokens[0] == int(sample_tokens(logits[0, 0], 7 + 1, len(ids) - 1, 0.8, 20, 0.9))
     greedy = gen.generate(PROMPTS[0], max_new_tokens=6)[0].tokens
     assert gen.generate(PROMPTS[0], temperature=1e-39, max_new_tokens=6, seed=3)[0].tokens == greedy  # T < 2^-126

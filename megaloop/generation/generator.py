@@ -209,9 +209,10 @@ class Generator:
         on_text: Callable[[int, str], None] | None = None,
     ) -> GenerationResult:
         """Complete one prompt or a batch of them (``Prompt``: text, token ids or a conversation).
-        ``temperature`` 0 is greedy; top_k 0 and top_p 1 are off; the same ``seed`` (one, or one per
-        prompt) gives the same tokens. ``on_text(index, text)`` receives each sequence's text as it is
-        generated."""
+        ``temperature`` 0 is greedy; top_k 0 and top_p 1 are off. ``seed``: one per prompt, or one
+        for the batch, prompt i then drawing with seed + i (so that copies of a prompt differ); a
+        sequence's tokens depend on its seed alone, not on the rest of the batch. ``on_text(index,
+        text)`` receives each sequence's text as it is generated."""
         items = [prompts] if _is_single(prompts) else list(prompts)
         if not items:
             raise GenerationError("generate: no prompts")
@@ -393,7 +394,8 @@ def _sampling(batch: int, temperature: Any, top_k: Any, top_p: Any, seed: Any) -
         raise GenerationError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise GenerationError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
-    seeds = [seed] * batch if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) else list(seed)
+    one = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
+    seeds = [int(seed) + i for i in range(batch)] if one else list(seed)  # rows apart: a batch's copies differ
     if len(seeds) != batch or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seeds):
         raise GenerationError(f"seed must be an int or one int per prompt ({batch}), got {seed!r}")
     if temperature == 0:
