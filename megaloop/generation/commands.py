@@ -37,7 +37,7 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--temperature", type=_non_negative, default=0.0, help="0 (the default): greedy")
     gen.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="0 (the default): off")
     gen.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="1 (the default): off")
-    gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
+    gen.add_argument("--seed", type=int, default=0, help="the same seed, the same tokens (batch prompt i: seed + i)")
     gen.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
