@@ -34,6 +34,17 @@ from megaloop.reference import Evaluation, evaluate
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``megaloop.Generator`` (and its result types), imported when first used: they bring in the
+    runtime, the tokenizer and jinja2, which building and evaluating graphs do not need."""
+    if name in ("Generator", "GenerationResult", "Completion"):
+        import megaloop.generation
+
+        return getattr(megaloop.generation, name)
+    raise AttributeError(f"module 'megaloop' has no attribute {name!r}")
+
+
 __all__ = [
     "ALL_DTYPES",
     "FLOAT_DTYPES",

@@ -5,11 +5,14 @@ megaloop plan     plan a Llama-family model for the loop kernel and print the pl
 megaloop profile  per-task timeline of a model's loop kernel: Chrome trace JSON, PNG, summary by op
 megaloop ops      list the op set with each op's documentation
 megaloop info     versions, GPUs, and which backend ``demo`` would use
+megaloop generate              text from a Hugging Face checkpoint folder (megaloop/generation/commands.py)
+megaloop make-tiny-checkpoint  a small random Llama with a real tokenizer, to try generate on
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -20,6 +23,7 @@ import numpy as np
 import megaloop as ml
 from megaloop.errors import MegaloopError
 from megaloop.frontend.opdef import REGISTRY
+from megaloop.generation.commands import add_commands
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
 
@@ -387,6 +391,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megaloop", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"megaloop {ml.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build and run a small Llama-style transformer")
     demo.add_argument("--hidden", type=COUNT, default=256)
@@ -442,12 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     profile.set_defaults(fn=cmd_profile)
     sub.add_parser("ops", help="list the op set").set_defaults(fn=cmd_ops)
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
+    add_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except ml.MegaloopError as e:
         print(f"megaloop: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed early (megaloop ops | head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
 
 
 if __name__ == "__main__":

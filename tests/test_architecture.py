@@ -21,8 +21,9 @@ ALLOWED = {
     "codegen": {"core", "frontend", "parallel", "plan"},
     "reference": {"core", "frontend", "parallel", "plan"},
     "runtime": {"core", "frontend", "parallel", "plan", "codegen"},
-    "cli": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "api"},
-    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"},
+    "generation": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"},
+    "cli": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "api"},
+    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation"},
 }
 
 
@@ -34,7 +35,7 @@ def layer_of(module: str) -> str:
         return "api"
     if parts[1] in ("errors", "dtypes"):
         return "core"
-    if parts[1] == "cli" or parts[1].startswith("cli_"):  # the command line and its helper modules
+    if parts[1] in ("cli", "__main__") or parts[1].startswith("cli_"):  # the command line and its helpers
         return "cli"
     return parts[1]
 

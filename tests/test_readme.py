@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from megaloop.runtime import gpus
@@ -21,3 +25,23 @@ def test_readme_examples_run() -> None:
     assert scope["result"].outputs["y"].shape == (8, 512)
     assert len(scope["results"]) == 4
     assert scope["decode"].outputs["logits"].shape == (1, 1, 128256)
+
+
+def test_the_first_command_runs(tmp_path) -> None:
+    """The README's first command, as a newcomer runs it in a fresh clone (the install skipped: the
+    suite runs from one; `megaloop` as `python -m megaloop` of this tree)."""
+    first = re.search(r"```bash\n(.*?)\n", README.read_text()).group(1)
+    steps = [shlex.split(step) for step in first.split("&&")]
+    assert steps[0][:4] == ["python", "-m", "pip", "install"]
+    assert [s[:2] for s in steps[1:]] == [["megaloop", "make-tiny-checkpoint"], ["megaloop", "generate"]]
+    env = {**os.environ, "PYTHONPATH": str(README.parent), "MEGALOOP_CACHE": str(tmp_path / "cache")}
+    for step in steps[1:]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megaloop", *step[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "no text generated"
+    assert re.search(r"on the (CPU reference|loop kernel)", proc.stderr), proc.stderr
+    timing = r"prefill [\d.]+ ms \(first token after [\d.]+ s\); \d+ decode steps in [\d.]+ s: [\d.]+ ms/token"
+    assert re.search(timing + r", [\d.]+ tokens/s", proc.stderr), proc.stderr

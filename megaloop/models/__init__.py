@@ -1,13 +1,25 @@
-"""Models built with the graph API (Llama-family today), and their Hugging Face checkpoints."""
+"""Models built with the graph API (Llama-family today), their Hugging Face checkpoints (configs of
+the Llama, Mistral, Qwen2 and Qwen3 families), tokenizers and chat templates."""
 
 from megaloop.models.checkpoint import load_llama, read_safetensors, write_safetensors
-from megaloop.models.llama import LlamaConfig, build_llama, build_llama_generator, random_parameters
+from megaloop.models.llama import (
+    LlamaConfig,
+    build_llama,
+    build_llama_generator,
+    build_llama_prefill,
+    random_parameters,
+)
+from megaloop.models.tiny import make_tiny_checkpoint
+from megaloop.models.tokenizer import Tokenizer
 
 __all__ = [
     "LlamaConfig",
+    "Tokenizer",
     "build_llama",
     "build_llama_generator",
+    "build_llama_prefill",
     "load_llama",
+    "make_tiny_checkpoint",
     "random_parameters",
     "read_safetensors",
     "write_safetensors",

@@ -22,8 +22,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from megaloop.dtypes import as_dtype
 from megaloop.errors import CheckpointError
+from megaloop.models.hf_config import llama_config
 from megaloop.models.llama import LlamaConfig
 
 DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
@@ -189,40 +189,6 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> No
             f.write(a.tobytes())
 
 
-def llama_config(config: Mapping[str, Any], *, max_seq: int | None = None, dtype: Any = None) -> LlamaConfig:
-    """A LlamaConfig from a Hugging Face ``config.json`` dict."""
-    need = ["hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size"]
-    missing = [k for k in need if k not in config]
-    if missing:
-        raise CheckpointError(f"config.json lacks {missing}; is this a Llama-family model?")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise CheckpointError("config.json: attention or MLP biases are not part of the Llama model megaloop builds")
-    scaling = config.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("llama3", "linear"):
-            raise CheckpointError(f"config.json: rope_scaling type {kind!r}; megaloop implements 'llama3' and 'linear'")
-        scaling = {**scaling, "type": kind}
-    if dtype is None:
-        dtype = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(
-            str(config.get("torch_dtype", "bfloat16")), "bfloat16"
-        )
-    return LlamaConfig(
-        hidden=config["hidden_size"],
-        heads=config["num_attention_heads"],
-        kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        intermediate=config["intermediate_size"],
-        layers=config["num_hidden_layers"],
-        vocab=config["vocab_size"],
-        head_dim=config.get("head_dim"),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-        rope_scaling=scaling,
-        rms_eps=float(config.get("rms_norm_eps", 1e-5)),
-        max_seq=max_seq or int(config.get("max_position_embeddings", 4096)),
-        dtype=as_dtype(dtype),
-    )
-
-
 def load_llama(
     path: str | Path, *, max_seq: int | None = None, dtype: Any = None
 ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
@@ -247,11 +213,12 @@ def load_llama(
     for name in files:
         tensors.update(read_safetensors(folder / name))
     shapes = cfg.parameter_shapes()
-    if "lm_head.weight" not in tensors and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: one matrix, two uses
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        _check_tied(folder, tensors)
     missing = [n for n in shapes if n not in tensors]
     if missing:
-        raise CheckpointError(f"{folder}: {len(missing)} parameters missing, e.g. {missing[:3]}")
+        hint = " (config.json's tie_word_embeddings is false)" if missing == ["lm_head.weight"] else ""
+        raise CheckpointError(f"{folder}: {len(missing)} parameters missing, e.g. {missing[:3]}{hint}")
     wrong = [f"{n} {tensors[n].shape} (expected {shapes[n]})" for n in shapes if tensors[n].shape != shapes[n]]
     if wrong:
         raise CheckpointError(f"{folder}: parameters of the wrong shape, e.g. {wrong[:3]}")
@@ -261,3 +228,14 @@ def load_llama(
             f"{folder}: tensors the Llama model does not use, e.g. {unknown[:3]}: a checkpoint of another architecture?"
         )
     return cfg, {n: tensors[n] for n in shapes}
+
+
+def _check_tied(folder: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A tied checkpoint may store the LM head too, as long as it is the embedding (the model uses
+    the embedding for both, as transformers does)."""
+    head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
+        raise CheckpointError(
+            f"{folder}: config.json ties the LM head to the embedding (tie_word_embeddings), but lm_head.weight "
+            "differs from model.embed_tokens.weight; set tie_word_embeddings to false to use it"
+        )

@@ -38,6 +38,16 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     rms_eps: float = 1e-5
     dtype: DType = bfloat16
+    # Variants of the families megaloop loads (megaloop.models.hf_config): Qwen2's q/k/v biases, Llama's
+    # attention_bias (q/k/v and o) and mlp_bias, Qwen3's RMSNorm of each head's q and k before rope, a
+    # sliding attention window (Mistral; Qwen2/3 on some layers), the LM head sharing the embedding.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers with the window (None: all of them)
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -55,27 +65,66 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.heads % self.kv_heads:
             raise GraphBuildError(f"LlamaConfig: heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise GraphBuildError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise GraphBuildError(f"LlamaConfig: sliding_window must be None or an int >= 1, got {window!r}")
+        if self.sliding_layers is not None:
+            layers = tuple(self.sliding_layers)
+            if window is None or any(not isinstance(i, int) or not 0 <= i < self.layers for i in layers):
+                raise GraphBuildError(
+                    f"LlamaConfig: sliding_layers {self.sliding_layers!r} must be layer indices below {self.layers}, "
+                    "with a sliding_window set"
+                )
+            object.__setattr__(self, "sliding_layers", tuple(sorted(set(layers))))
+
+    def window(self, layer: int) -> int | None:
+        """The sliding attention window of ``layer`` (None: it attends to every earlier position)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name and shape, in checkpoint naming."""
-        d, hd = self.hidden, self.head_dim
+        d = self.hidden
         shapes: dict[str, tuple[int, ...]] = {}
         if self.vocab is not None:
             shapes["model.embed_tokens.weight"] = (self.vocab, d)
         for i in range(self.layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (d,)
-            shapes[p + "self_attn.q_proj.weight"] = (self.heads * hd, d)
-            shapes[p + "self_attn.k_proj.weight"] = (self.kv_heads * hd, d)
-            shapes[p + "self_attn.v_proj.weight"] = (self.kv_heads * hd, d)
-            shapes[p + "self_attn.o_proj.weight"] = (d, self.heads * hd)
+            for name, shape in self.attention_shapes().items():
+                shapes[p + "self_attn." + name] = shape
             shapes[p + "post_attention_layernorm.weight"] = (d,)
-            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate, d)
-            shapes[p + "mlp.up_proj.weight"] = (self.intermediate, d)
-            shapes[p + "mlp.down_proj.weight"] = (d, self.intermediate)
+            for name, shape in self.mlp_shapes().items():
+                shapes[p + "mlp." + name] = shape
         shapes["model.norm.weight"] = (d,)
-        if self.vocab is not None:
+        if self.vocab is not None and not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab, d)
+        return shapes
+
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A layer's attention parameters (names under ``self_attn.``) and shapes."""
+        d, hd = self.hidden, self.head_dim
+        out = {n: (self.kv_heads * hd if n in "kv" else self.heads * hd, d) for n in "qkv"}
+        shapes = {f"{n}_proj.weight": s for n, s in out.items()}
+        shapes["o_proj.weight"] = (d, self.heads * hd)
+        if self.qkv_bias:
+            shapes.update({f"{n}_proj.bias": (s[0],) for n, s in out.items()})
+        if self.o_bias:
+            shapes["o_proj.bias"] = (d,)
+        if self.qk_norm:
+            shapes.update({"q_norm.weight": (hd,), "k_norm.weight": (hd,)})
+        return shapes
+
+    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A layer's MLP parameters (names under ``mlp.``) and shapes."""
+        d, f = self.hidden, self.intermediate
+        shapes = {"gate_proj.weight": (f, d), "up_proj.weight": (f, d), "down_proj.weight": (d, f)}
+        if self.mlp_bias:
+            shapes.update({"gate_proj.bias": (f,), "up_proj.bias": (f,), "down_proj.bias": (d,)})
         return shapes
 
 
@@ -86,6 +135,8 @@ def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     for name, shape in cfg.parameter_shapes().items():
         if name.endswith("norm.weight"):
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name.endswith(".bias"):
+            out[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             out[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     return out
@@ -155,24 +206,22 @@ def attention_block(
     if kv_splits == "auto":
         kv_splits = auto_kv_splits(cfg, b, t)
     hd, p = cfg.head_dim, f"model.layers.{layer}.self_attn."
-    w = {
-        n: g.parameter(p + f"{n}_proj.weight", s, cfg.dtype)
-        for n, s in (
-            ("q", (cfg.heads * hd, cfg.hidden)),
-            ("k", (cfg.kv_heads * hd, cfg.hidden)),
-            ("v", (cfg.kv_heads * hd, cfg.hidden)),
-            ("o", (cfg.hidden, cfg.heads * hd)),
-        )
-    }
+    w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.attention_shapes().items()}
 
-    def heads(y: Tensor, n: int) -> Tensor:  # [b, t, n*hd] -> [b, n, t, hd] (a view)
-        return y.reshape(b, t, n, hd).transpose(1, 2)
+    def heads(n: str, count: int) -> Tensor:  # the n projection, [b, t, count*hd] -> [b, count, t, hd] (a view)
+        y = project(w[f"{n}_proj.weight"])
+        if f"{n}_proj.bias" in w:
+            y = y + w[f"{n}_proj.bias"]
+        y = y.reshape(b, t, count, hd)
+        if f"{n}_norm.weight" in w:  # Qwen3: each head's q and k normed over head_dim before rope
+            y = ops.rmsnorm(y, w[f"{n}_norm.weight"], eps=cfg.rms_eps)
+        return y.transpose(1, 2)
 
     rope_pos = positions.reshape(b, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
-    q = ops.rope(heads(project(w["q"]), cfg.heads), rope_pos, **rope_args)
-    k = heads(project(w["k"]), cfg.kv_heads)
-    v = heads(project(w["v"]), cfg.kv_heads)
+    q = ops.rope(heads("q", cfg.heads), rope_pos, **rope_args)
+    k = heads("k", cfg.kv_heads)
+    v = heads("v", cfg.kv_heads)
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
     if t == 1:  # decode: the key rotated on its way into the cache, one stage fewer before attention
@@ -180,18 +229,19 @@ def attention_block(
     else:  # prefill: rope's packed tiles over every token, then the cache's (one task a head for both)
         k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
-    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, kv_splits=kv_splits)
+    o = ops.attention(
+        q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits
+    )
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
-    return ops.linear(o, w["o"])
+    return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) -> Tensor:
     """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input."""
     project = projection(x)
     p = f"model.layers.{layer}.mlp."
-    gate = g.parameter(p + "gate_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
-    up = g.parameter(p + "up_proj.weight", (cfg.intermediate, cfg.hidden), cfg.dtype)
-    down = g.parameter(p + "down_proj.weight", (cfg.hidden, cfg.intermediate), cfg.dtype)
+    w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
+    gate, up, down = w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"]
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
     # dtype before the product, so results differ by that rounding). Decode (few rows) kept them apart
     # until the gate and up projections shared the processors (matmul tile switch share): silu(gate)
@@ -200,6 +250,9 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) ->
     # 142.3 against 147.1 at 4096 (scripts/decode_variants.py, H200, 9cde193). Prefill at hidden 4096,
     # 512 tokens: 688 tasks fewer than apart.
     g_, u_ = project(gate), project(up)
+    if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
+        g_, u_ = g_ + w["gate_proj.bias"], u_ + w["up_proj.bias"]
+        return ops.linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"])
     if FUSE_DECODE_SILU and g_.shape[-2] == 1:  # decode: the down projection makes silu(gate) * up itself
         return ops.silu_mul_linear(g_, u_, down)
     return ops.linear(ops.silu_mul(g_, u_), down)
@@ -273,6 +326,32 @@ def build_llama(
         x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
     out = _model(g, cfg, x, positions, kv_splits)
     g.output("hidden" if cfg.vocab is None else "logits", out)
+    return g
+
+
+def build_llama_prefill(
+    cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama-prefill", *, kv_splits: int | str | None = "auto"
+) -> Graph:
+    """A prompt step (``build_llama``'s inputs and KV caches) that returns only the logits each
+    sequence's next token is chosen from: those of its last prompt token, ``last`` int64 [batch]
+    (an index into the step's tokens), so that prompts of different lengths share one padded step.
+    That row of the residual stream is gathered (an embedding lookup in the stream seen as a table
+    of batch * tokens rows) before the final norm and the LM head, which then run on one row a
+    sequence. Output: ``logits`` [batch, 1, vocab]; ``last`` outside [0, tokens) is the caller's error."""
+    if cfg.vocab is None:
+        raise GraphBuildError("build_llama_prefill: the model needs a vocabulary (cfg.vocab)")
+    if tokens > cfg.max_seq:
+        raise GraphBuildError(f"build_llama_prefill: {tokens} tokens do not fit a cache of max_seq={cfg.max_seq}")
+    g = Graph(name)
+    positions = g.input("positions", (batch, tokens), "int64")
+    ids = g.input("tokens", (batch, tokens), "int64")
+    last = g.input("last", (batch,), "int64")
+    x, update = _decoder(g, cfg, ids, positions, kv_splits)
+    with g.scope("head"):
+        stream = x if update is None else x + update
+        rows = last + g.constant(np.arange(batch, dtype=np.int64) * tokens, "int64", name="row_starts")
+        picked = ops.embedding(stream.reshape(batch * tokens, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
+    g.output("logits", _head(g, cfg, picked, None))
     return g
 
 
@@ -357,14 +436,30 @@ def build_llama_generator(
 
 def _model(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None) -> Tensor:
     """Embedding (when ``x`` holds token ids), the decoder layers, the final norm and the LM head."""
+    x, update = _decoder(g, cfg, x, positions, kv_splits)
+    return _head(g, cfg, x, update)
+
+
+def _decoder(
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None
+) -> tuple[Tensor, Tensor | None]:
+    """Embedding (when ``x`` holds token ids) and the decoder layers: the residual stream as
+    ``(x, update)``, whose sum it is (decoder_layer_parts)."""
     if cfg.vocab is not None:
         x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), x)
-    update = None  # the residual stream is x + update (decoder_layer_parts)
+    update = None
     for layer in range(cfg.layers):
         x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits)
+    return x, update
+
+
+def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tensor:
+    """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
     x = ops.rmsnorm(x, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps, residual=update)
     if cfg.vocab is None:
         return x
+    if cfg.tie_word_embeddings:
+        return ops.linear(x, g.parameters["model.embed_tokens.weight"])
     return ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
 
 

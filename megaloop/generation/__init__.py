@@ -1,0 +1,7 @@
+"""Text generation from a Hugging Face checkpoint folder (``Generator``) and the commands that wrap
+it (``megaloop generate``, ``megaloop make-tiny-checkpoint``). Uses models (checkpoint, tokenizer),
+plan, codegen, reference and runtime: it is the last layer before the command line."""
+
+from megaloop.generation.generator import Completion, GenerationError, GenerationResult, GenerationStats, Generator
+
+__all__ = ["Completion", "GenerationError", "GenerationResult", "GenerationStats", "Generator"]

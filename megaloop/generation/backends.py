@@ -1,0 +1,187 @@
+"""Where generation runs: the CPU reference (numpy evaluation of the graphs) or the GPU's loop
+kernels. Both run the same two graphs: a padded prefill that returns each sequence's next-token
+logits (``build_llama_prefill``), then the self-feeding generator (``build_llama_generator``), its
+KV caches handed over from the prefill.
+
+A backend's steps, in order: ``setup_prefill`` (GPU: upload the weights into the prefill kernel),
+``prefill`` (each prompt's next-token logits), ``setup_generator`` (the caches handed over; GPU: the
+generator kernel), then ``advance(n)`` as often as needed, and ``close``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import MegaloopError
+from megaloop.frontend.graph import Graph
+from megaloop.generation.progress import Progress
+from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
+from megaloop.reference import evaluate
+
+HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
+
+
+def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
+    """The self-feeding generator, stopping each sequence in the kernel at its stop position or at one
+    of ``eos_ids``; with ``sampling``, drawing the tokens (temperature, top-k, top-p, seed states)."""
+    return build_llama_generator(cfg, batch, sampling=sampling, eos_ids=tuple(eos_ids))
+
+
+def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The generator's first states: those of ``start`` the graph has (a graph without in-kernel
+    stopping has no ``stop``)."""
+    return {k: v for k, v in start.items() if k in graph.states}
+
+
+def first_tokens(logits: np.ndarray, lengths: Sequence[int], sampling: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    """Each sequence's first new token from its [1, vocab] prefill logits: greedy, the argmax (first
+    index on ties, as the generator's); sampled, drawn as the generator draws the next ones (the same
+    op's definition, seed, and the offset of the logits' position, prompt length - 1)."""
+    rows = logits[:, -1]
+    if sampling is None:
+        return rows.astype(np.float32).argmax(-1).astype(np.int64)
+    from megaloop.frontend.ops.sample import sample_tokens
+
+    offset = np.asarray(lengths, np.int64) - 1
+    picked = sample_tokens(
+        rows, sampling["seed"][:, 0], offset, sampling["temperature"][:, 0], sampling["top_k"][:, 0],
+        sampling["top_p"][:, 0],
+    )  # fmt: skip
+    return np.asarray(picked, np.int64)
+
+
+class CpuBackend:
+    """The numpy reference: ``ml.evaluate`` of the prefill, then of the generator for n iterations."""
+
+    name = "cpu"
+    description = "the CPU reference (numpy)"
+
+    def __init__(
+        self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
+        eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True,
+    ) -> None:  # fmt: skip
+        self.params = params
+        self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
+        self.generator = generator_graph(cfg, batch, sampling, eos_ids)
+        self.state: dict[str, np.ndarray] = {}
+
+    def setup_prefill(self) -> None:
+        pass
+
+    def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        out = evaluate(self.prefill_graph, feeds, self.params)
+        self.state = out.state
+        return out.outputs["logits"]
+
+    def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
+        self.state = {**self.state, **start_state(self.generator, start)}
+
+    def advance(self, iterations: int) -> dict[str, np.ndarray]:
+        self.state = evaluate(self.generator, {}, self.params, self.state, iterations=iterations).state
+        return {n: self.state[n] for n in HISTORY}
+
+    def chunk(self, step: int) -> int:
+        """Iterations per advance: one, so that text streams token by token."""
+        return 1
+
+    def close(self) -> None:
+        self.state = {}
+
+
+class GpuBackend:
+    """The loop kernels: one for the prefill, then one for the generator that runs ``advance(n)``'s
+    n tokens with no host work between them (the prefill's caches copied over through the host:
+    two loop kernels cannot be resident at once)."""
+
+    name = "gpu"
+
+    def __init__(
+        self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
+        eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, gpu: Any = None,
+    ) -> None:  # fmt: skip
+        from megaloop.codegen import generate
+        from megaloop.plan.cache import load_or_make_plan
+        from megaloop.runtime import gpus
+        from megaloop.runtime.compile import compile_many
+
+        if gpu is None:
+            found, reason = gpus()
+            if not found:
+                raise MegaloopError(f"no GPU for the loop kernel: {reason}")
+            gpu = found[0]
+        self.gpu, self.params, self.progress = gpu, params, progress
+        self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
+        graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
+        self.generator = graphs[1]
+        self.plans = []
+        with progress.phase("plan", len(graphs), unit="graph") as bar:
+            for g in graphs:
+                plan, _ = load_or_make_plan(g, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
+                self.plans.append(plan)
+                bar.update(1)
+        with progress.phase("compile", len(graphs), unit="kernel") as bar:
+            self.programs = [generate(p) for p in self.plans]
+            compile_many([p.source for p in self.programs], gpu.arch)  # both at once, cached on disk
+            bar.update(len(graphs))
+        self.param_bytes = sum(int(np.asarray(v).nbytes) for v in params.values())
+        self.kernel: Any = None
+        self.state: dict[str, np.ndarray] = {}
+
+    def _kernel(self, which: int, state: Mapping[str, Any] | None = None) -> Any:
+        from megaloop.runtime.loop import LoopKernel
+
+        if self.kernel is not None:
+            self.kernel.stop()
+            self.kernel = None
+        # The upload happens inside LoopKernel(); the bar can only mark it done (a per-tensor hook
+        # would belong to the runtime). The generator's upload comes after the first token.
+        phase = "upload" if which == 0 else "upload generator"
+        with self.progress.phase(phase, self.param_bytes, unit="B", unit_scale=True) as bar:
+            self.kernel = LoopKernel(self.plans[which], self.params, state, program=self.programs[which])
+            bar.update(self.param_bytes)
+        return self.kernel
+
+    def setup_prefill(self) -> None:
+        self._kernel(0)
+
+    def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        return self.kernel.run(feeds)["logits"]
+
+    def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
+        caches = self.kernel.state()  # the prefill graph's states are its KV caches
+        self._kernel(1, {**caches, **start_state(self.generator, start)})
+
+    def advance(self, iterations: int) -> dict[str, np.ndarray]:
+        self.kernel.run(iterations=iterations)
+        return read_states(self.kernel, HISTORY)
+
+    def chunk(self, step: int) -> int:
+        """Iterations per advance: 1, 2, 4, ... up to 16, so that the first tokens show at once and
+        later ones cost one doorbell and one read of the history per 16 tokens."""
+        return min(16, 1 << min(step, 4))
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.stop()
+            self.kernel = None
+
+
+def read_states(kernel: Any, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Some states of a loop kernel, without reading the others (the KV caches are most of its
+    memory): through torch views of the kernel's memory when torch is there, else every state."""
+    try:
+        import torch  # noqa: F401 - only to know whether kernel.tensor() can work
+    except ImportError:
+        state = kernel.state()
+        return {n: state[n] for n in names}
+    return {n: kernel.tensor(n).cpu().numpy() for n in names}
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,351 @@
+"""Hugging Face ``config.json`` -> LlamaConfig, for the families megaloop builds: Llama 1/2/3/3.1/3.2,
+Mistral, Qwen2/2.5 and Qwen3.
+
+Both layouts transformers writes are read: 4.x (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and
+5.x (``rope_parameters``, ``dtype``). Every field that changes the model is checked against what
+megaloop builds; a field megaloop does not know, or a value it does not implement (another model
+type or activation, a rope type, MoE or quantization settings), is a CheckpointError naming the field
+and the value: a model megaloop cannot build exactly is refused, never approximated. Absent fields
+take the defaults of the family's transformers configuration class (5.x), as transformers would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megaloop.dtypes import as_dtype
+from megaloop.errors import CheckpointError, MegaloopError
+from megaloop.models.llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its transformers class, the config fields it adds to the common ones, the
+    defaults transformers gives absent fields, and the parameters its architecture always has."""
+
+    model_type: str
+    architecture: str
+    fields: frozenset[str]
+    defaults: Mapping[str, Any]
+    qkv_bias: bool = False  # Qwen2: q/k/v biases, no o bias, whatever the config says
+    qk_norm: bool = False  # Qwen3: RMSNorm of each head's q and k
+    windows: str = "none"  # "all": sliding_window on every layer (Mistral); "qwen": use_sliding_window etc.
+
+
+_QWEN_WINDOW = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+_QWEN_DEFAULTS = {
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            frozenset({"attention_bias", "mlp_bias", "pretraining_tp"}),
+            {"max_position_embeddings": 2048},
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            frozenset({"sliding_window"}),
+            {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+            windows="all",
+        ),
+        Family("qwen2", "Qwen2ForCausalLM", _QWEN_WINDOW, _QWEN_DEFAULTS, qkv_bias=True, windows="qwen"),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            _QWEN_WINDOW | {"attention_bias"},
+            {**_QWEN_DEFAULTS, "head_dim": 128},
+            qk_norm=True,
+            windows="qwen",
+        ),
+    )
+}
+ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
+
+# Fields every family reads (besides the family's own).
+MODEL_FIELDS = frozenset(
+    {
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "hidden_act",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "dtype",
+        "torch_dtype",
+    }
+)
+REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+# Fields that leave the computation alone: names, token ids, training and generation settings that
+# transformers' PretrainedConfig writes (4.x wrote them all).
+IGNORED = frozenset(
+    {
+        "architectures", "model_type", "transformers_version", "_name_or_path", "name_or_path",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        "use_cache", "initializer_range", "attention_dropout", "max_sequence_length",
+        "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
+        "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward", "tokenizer_class", "prefix",
+        "task_specific_params", "problem_type", "id2label", "label2id", "finetuning_task",
+        "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+        "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+        "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+        "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+        "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+        "suppress_tokens", "begin_suppress_tokens", "_attn_implementation_autoset",
+    }
+)  # fmt: skip
+# Ignored only while they hold these values (anything else changes what the model is).
+OFF_VALUES = {
+    "is_encoder_decoder": (False,),
+    "is_decoder": (False,),
+    "add_cross_attention": (False,),
+    "cross_attention_hidden_size": (None,),
+    "tie_encoder_decoder": (False,),
+    "pruned_heads": ({},),
+}
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16", "float": "float32"}
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def refuse(field: str, value: Any, why: str) -> CheckpointError:
+    return CheckpointError(f"config.json: {field} = {value!r:.200}: {why}")
+
+
+def family_of(config: Mapping[str, Any]) -> Family:
+    """The family config.json describes, from ``model_type`` and ``architectures``."""
+    kind = config.get("model_type")
+    if kind is not None and (not isinstance(kind, str) or kind not in FAMILIES):
+        raise refuse("model_type", kind, f"megaloop builds {sorted(FAMILIES)}")
+    archs = config.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise refuse("architectures", archs, "expected a list of class names")
+    for arch in archs or ():
+        family = ARCHITECTURES.get(arch)
+        if family is None or (kind is not None and family.model_type != kind):
+            want = FAMILIES[kind].architecture if kind else sorted(ARCHITECTURES)
+            raise refuse("architectures", archs, f"megaloop builds causal language models: {want}")
+        kind = family.model_type
+    if kind is None:
+        raise CheckpointError(
+            "config.json names no model_type or architectures; megaloop needs one of "
+            f"{sorted(FAMILIES)} (model_type) to know which model it is"
+        )
+    return FAMILIES[kind]
+
+
+def llama_config(config: Mapping[str, Any], *, max_seq: int | None = None, dtype: Any = None) -> LlamaConfig:
+    """A LlamaConfig from a Hugging Face ``config.json`` dict; ``max_seq`` sizes the KV cache
+    (default: max_position_embeddings), ``dtype`` the compute dtype (default: the config's)."""
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"config.json: expected a JSON object, got {type(config).__name__}")
+    missing = [k for k in REQUIRED if k not in config]
+    if missing:
+        raise CheckpointError(f"config.json lacks {missing}; is this a Llama-family model?")
+    family = family_of(config)
+    _check_fields(config, family)
+    c = _Reader(config, family)
+    if "pretraining_tp" in family.fields:
+        c.int("pretraining_tp", none=1)  # how training split the matmuls: the same model whatever it is
+    heads = c.int("num_attention_heads")
+    hidden = c.int("hidden_size")
+    kv_heads = c.int("num_key_value_heads", none=heads)
+    if heads % kv_heads:
+        raise refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
+    head_dim = c.int("head_dim", none=None)
+    if head_dim is None:
+        if hidden % heads:
+            raise refuse("hidden_size", hidden, f"not divisible by num_attention_heads = {heads}; give head_dim")
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise refuse("head_dim", head_dim, "rotary embeddings need an even head_dim")
+    act = c.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise refuse("hidden_act", act, "megaloop builds SwiGLU MLPs (silu)")
+    layers = c.int("num_hidden_layers")
+    positions = c.int("max_position_embeddings")
+    max_seq = positions if max_seq is None else max_seq
+    theta, scaling = rope_settings(config, positions)
+    attention_bias = c.bool("attention_bias") if "attention_bias" in family.fields else False
+    window, sliding = _windows(c, family, layers)
+    if window is not None and window >= max_seq:  # the window never drops a key of this cache
+        window = sliding = None
+    settings = dict(
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=c.int("intermediate_size"),
+        layers=layers,
+        vocab=c.int("vocab_size"),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_eps=c.number("rms_norm_eps", 1e-6),
+        max_seq=max_seq,
+        dtype=as_dtype(dtype) if dtype is not None else as_dtype(_dtype(config)),
+        qkv_bias=family.qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=c.bool("mlp_bias") if "mlp_bias" in family.fields else False,
+        qk_norm=family.qk_norm,
+        sliding_window=window,
+        sliding_layers=sliding,
+        tie_word_embeddings=c.bool("tie_word_embeddings"),
+    )
+    try:
+        return LlamaConfig(**settings)
+    except MegaloopError as e:
+        raise CheckpointError(f"config.json: {e}") from None
+
+
+def _check_fields(config: Mapping[str, Any], family: Family) -> None:
+    if config.get("quantization_config") is not None:
+        raise refuse("quantization_config", config["quantization_config"], "megaloop reads unquantized weights only")
+    if config.get("auto_map") is not None:
+        raise refuse("auto_map", config["auto_map"], "the model comes with its own code, which megaloop does not run")
+    for key, value in config.items():
+        if key in MODEL_FIELDS or key in family.fields or key in IGNORED:
+            continue
+        if value is None and key not in OFF_VALUES:  # transformers reads null as "not set"
+            continue
+        if key in OFF_VALUES:
+            if value not in OFF_VALUES[key]:
+                raise refuse(key, value, f"megaloop builds the model with {key} = {OFF_VALUES[key][0]!r} only")
+            continue
+        if key in FAMILIES["qwen3"].fields | FAMILIES["llama"].fields | FAMILIES["mistral"].fields:
+            if value in (None, False):  # another family's switch, off
+                continue
+            raise refuse(key, value, f"{family.model_type} models have no such setting")
+        raise refuse(key, value, f"megaloop does not know what this field does to a {family.model_type} model")
+
+
+class _Reader:
+    """Typed reads of config fields, absent ones from the family's defaults."""
+
+    def __init__(self, config: Mapping[str, Any], family: Family) -> None:
+        self.config, self.family = config, family
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.config[key] if key in self.config else self.family.defaults.get(key, default)
+
+    def int(self, key: str, *, none: Any = "required", minimum: int = 1) -> Any:
+        value = self.get(key, none if none != "required" else None)
+        if value is None and none != "required":
+            return none
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise refuse(key, value, f"expected an integer >= {minimum}")
+        return value
+
+    def bool(self, key: str) -> bool:
+        value = self.get(key, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise refuse(key, value, "expected true or false")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        return positive_number(key, self.get(key, default))
+
+
+def positive_number(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise refuse(field, value, "expected a finite number > 0")
+    return float(value)
+
+
+def _dtype(config: Mapping[str, Any]) -> str:
+    field = "dtype" if config.get("dtype") is not None else "torch_dtype"
+    value = config.get(field)
+    if value is None:
+        return "bfloat16"
+    name = value.removeprefix("torch.") if isinstance(value, str) else None
+    if name not in DTYPES:
+        raise refuse(field, value, f"megaloop computes in {sorted(set(DTYPES.values()))} (or pass dtype=...)")
+    return DTYPES[name]
+
+
+def rope_settings(config: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
+    """Rope's theta and scaling (rope's ``scaling`` argument, or None) from either layout: 4.x's
+    ``rope_theta`` + ``rope_scaling``, 5.x's ``rope_parameters`` (which holds the theta)."""
+    params, scaling = config.get("rope_parameters"), config.get("rope_scaling")
+    if params is not None and scaling is not None and params != scaling:
+        raise refuse("rope_scaling", scaling, f"config.json also has rope_parameters = {params!r}; give one")
+    field = "rope_scaling" if scaling is not None else "rope_parameters"
+    rope = scaling if scaling is not None else params if params is not None else {}
+    if not isinstance(rope, Mapping):
+        raise refuse(field, rope, "expected an object such as {'rope_type': 'llama3', 'factor': 8.0, ...}")
+    if any(isinstance(v, Mapping) for v in rope.values()):
+        raise refuse(field, rope, "rope parameters per layer type are not part of the models megaloop builds")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
+        raise refuse(f"{field}.rope_type", kind, f"megaloop implements rope types {sorted(ROPE_KEYS)}")
+    theta_field = f"{field}.rope_theta" if "rope_theta" in rope else "rope_theta"
+    theta = rope["rope_theta"] if "rope_theta" in rope else config.get("rope_theta", 10000.0)
+    if positive_number(theta_field, theta) <= 1.0:
+        raise refuse(theta_field, theta, "expected a number > 1")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial not in (1, 1.0, None):
+        raise refuse("partial_rotary_factor", partial, "megaloop's Llama-family models rotate the whole head")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[kind]}
+    for key, value in rope.items():
+        if key not in known:
+            raise refuse(f"{field}.{key}", value, f"not a setting of rope type {kind!r} that megaloop implements")
+    if kind == "default":
+        return float(theta), None
+    out: dict[str, Any] = {"type": kind}
+    for key in ROPE_KEYS[kind]:
+        value = rope.get(key, max_positions if key == "original_max_position_embeddings" else None)
+        if value is None:
+            raise refuse(f"{field}.{key}", None, f"rope type {kind!r} needs it")
+        out[key] = positive_number(f"{field}.{key}", value)
+    if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise refuse(f"{field}.high_freq_factor", out["high_freq_factor"], "must exceed low_freq_factor")
+    return float(theta), out
+
+
+def _windows(c: _Reader, family: Family, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """The sliding window and the layers it applies to (None: all), as transformers 5 applies them:
+    Mistral on every layer; Qwen2/3 only with use_sliding_window, on the layers ``layer_types`` names
+    sliding_attention (by default those from max_window_layers on)."""
+    if family.windows == "none":
+        return None, None
+    window = c.int("sliding_window", none=None)
+    if family.windows == "all":
+        return window, None
+    if not c.bool("use_sliding_window"):
+        window = None
+    start = c.int("max_window_layers", minimum=0)
+    types = c.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise refuse("layer_types", types, f"expected a list of {layers} layer types")
+    for t in types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise refuse("layer_types", types, f"layer type {t!r}: megaloop builds full_attention, sliding_attention")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if window is None or not sliding:
+        return None, None
+    return window, (None if len(sliding) == layers else sliding)

@@ -1,0 +1,138 @@
+"""Plans of identical graphs, cached on disk as compiled kernels are (megaloop/runtime/compile.py).
+
+Planning a Llama-3.1-8B-sized generator takes tens of seconds; the plan of the same graph with the
+same settings is the same plan, so it is kept. An entry's key hashes the graph's content (its JSON,
+the one plan files embed: ops, shapes, attributes, names), the planning settings, the plan format's
+version, megaloop's version and the source of the code that makes plans (frontend, parallel, plan):
+a change to the planner makes new entries rather than reusing stale ones. Entries are written
+atomically and carry a digest of their bytes; one that is unreadable or damaged is planned again
+and overwritten. They are pickles, not plan JSON: reading back an 8B model's prefill plan took 18 s
+from JSON (its schema checks and tiling re-derivation) against 1 s pickled; like the kernel cache,
+the folder holds what this user's megaloop wrote and runs.
+
+    plan, hit = load_or_make_plan(graph, processors=132, arch="sm_90")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import tempfile
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from megaloop.dtypes import DType, as_dtype
+from megaloop.frontend.graph import Graph
+from megaloop.frontend.opdef import REGISTRY, OpDef
+from megaloop.frontend.serialize import graph_to_dict
+from megaloop.plan.build import make_plan
+from megaloop.plan.model import FORMAT, VERSION, Plan
+
+PACKAGE = Path(__file__).resolve().parent.parent
+PLANNER_SOURCES = ("frontend", "parallel", "plan", "dtypes.py", "errors.py", "__init__.py")
+HEADER = b"megaloop plan cache, sha256 "
+
+
+def plan_cache_dir() -> Path:
+    """``$MEGALOOP_CACHE/plans`` (default ``~/.cache/megaloop/plans``), beside the kernel cache."""
+    root = os.environ.get("MEGALOOP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megaloop"
+    )
+    return Path(root) / "plans"
+
+
+@cache
+def planner_digest() -> str:
+    """A hash of megaloop's version and of the source files plans are made by."""
+    h = hashlib.sha256()
+    for name in PLANNER_SOURCES:
+        path = PACKAGE / name
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(file.relative_to(PACKAGE)).encode())
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def plan_key(graphs: Graph | Sequence[Graph], settings: dict[str, Any]) -> str:
+    """The cache key of planning ``graphs`` with ``make_plan``'s keyword ``settings``."""
+    glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
+    h = hashlib.sha256()
+    h.update(f"{FORMAT} {VERSION} {planner_digest()}\0".encode())
+    h.update(json.dumps(settings, sort_keys=True, default=repr).encode() + b"\0")
+    for g in glist:
+        h.update(json.dumps(graph_to_dict(g), sort_keys=True, separators=(",", ":")).encode() + b"\0")
+    return h.hexdigest()
+
+
+def load_or_make_plan(
+    graphs: Graph | Sequence[Graph], *, use_cache: bool = True, **settings: Any
+) -> tuple[Plan, bool]:
+    """``make_plan(graphs, **settings)``, or the same plan from the cache; and whether it was."""
+    if not use_cache:
+        return make_plan(graphs, **settings), False
+    path = plan_cache_dir() / f"{plan_key(graphs, {k: v for k, v in settings.items() if k != 'verify'})}.plan"
+    plan = _read(path)
+    if plan is not None:
+        return plan, True
+    plan = make_plan(graphs, **settings)
+    _write(path, plan)
+    return plan, False
+
+
+class _Pickler(pickle.Pickler):
+    """Ops and dtypes by name: the loaded plan's nodes refer to the registry's own OpDefs (code
+    compares them by identity), never to copies."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, OpDef):
+            return ("op", obj.name)
+        if isinstance(obj, DType):
+            return ("dtype", obj.name)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        kind, name = pid
+        return REGISTRY[name] if kind == "op" else as_dtype(name)
+
+
+def _read(path: Path) -> Plan | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head, _, body = data.partition(b"\n")
+    if head != HEADER + hashlib.sha256(body).hexdigest().encode():
+        path.unlink(missing_ok=True)  # damaged or not ours: plan again
+        return None
+    try:
+        plan = _Unpickler(io.BytesIO(body)).load()
+    except Exception:  # anything unpickling can raise: the entry is of no use
+        path.unlink(missing_ok=True)
+        return None
+    return plan if isinstance(plan, Plan) else None
+
+
+def _write(path: Path, plan: Plan) -> None:
+    """Atomically (temporary file + rename); a cache that cannot be written is no error."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(plan)
+    body = buffer.getvalue()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(HEADER + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass

@@ -1,0 +1,78 @@
+"""Tiny random models of each family megaloop loads, made and saved by transformers itself (the
+installed version's layout), for tests that compare megaloop with transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SIZE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# name: (config class, settings)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-tied": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "llama-linear-bias": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, "attention_bias": True,
+         "mlp_bias": True},
+    ),
+    "mistral-window": ("MistralConfig", {"sliding_window": 5, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
+}  # fmt: skip
+
+
+def make_model(name: str, folder: Path, seed: int = 0):
+    """The family's tiny model with weights of a trained model's scale (transformers' init is 0.02,
+    whose logits are all but flat), saved to ``folder``; returns the model (float32, eval mode)."""
+    cls_name, settings = FAMILIES[name]
+    config = getattr(transformers, cls_name)(**SIZE, **settings, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    model.save_pretrained(folder)
+    return model
+
+
+def to_4x_layout(folder: Path) -> dict:
+    """Rewrite config.json the way transformers 4.x wrote it (rope_theta + rope_scaling, torch_dtype)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
+    config["torch_dtype"] = config.pop("dtype")
+    config["transformers_version"] = "4.46.0"
+    path.write_text(json.dumps(config, indent=2))
+    return config

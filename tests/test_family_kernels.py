@@ -1,0 +1,69 @@
+"""The graphs of the checkpoint families (biases, Qwen3's q/k norms, a sliding window on some layers,
+tied embeddings) and the gathering prefill, as the loop kernel runs them: planned, run by the plan
+interpreter in random legal orders bit-equal to the graph's evaluation, and their generated CUDA
+compiled by NVRTC (no GPU needed). The GPU run itself: tests/test_gpu_generate.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop.codegen import generate
+from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
+from megaloop.models.llama import build_llama_prefill
+from megaloop.plan import make_plan
+from megaloop.reference.interpreter import run_plan
+
+CFG = LlamaConfig(
+    hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, vocab=96, max_seq=32, head_dim=32, qkv_bias=True,
+    o_bias=True, mlp_bias=True, qk_norm=True, sliding_window=5, sliding_layers=(1,), tie_word_embeddings=True,
+)  # fmt: skip
+PREFILL_FEEDS = {
+    "tokens": np.arange(16).reshape(2, 8),
+    "positions": np.broadcast_to(np.arange(8), (2, 8)),
+    "last": np.array([7, 3]),
+}
+START = {"token": np.array([[3], [4]]), "position": np.array([[9], [5]])}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    graphs = [build_llama_prefill(CFG, 2, 8), build_llama_generator(CFG, 2)]
+    return [make_plan(g, processors=16) for g in graphs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_interpreter_agrees_with_the_graph(dtype) -> None:
+    cfg = LlamaConfig(**{**CFG.__dict__, "dtype": dtype})
+    params = random_parameters(cfg, seed=3)
+    for graph, feeds, state, iterations in [
+        (build_llama_prefill(cfg, 2, 8), PREFILL_FEEDS, None, 1),
+        (build_llama_generator(cfg, 2), {}, START, 6),
+    ]:
+        plan = make_plan(graph, processors=16)
+        want = ml.evaluate(graph, feeds, params, state, iterations=iterations)
+        for seed in (0, 1):
+            got = run_plan(plan, feeds, params, state, iterations=iterations, seed=seed)
+            assert got.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
+            if state:
+                assert np.array_equal(got.state["generated"], want.state["generated"])
+    assert cfg.window(0) is None and cfg.window(1) == 5
+
+
+def test_the_gathered_prefill_is_the_last_rows_of_the_full_one() -> None:
+    cfg = LlamaConfig(**{**CFG.__dict__, "dtype": "float32"})
+    params = random_parameters(cfg, seed=4)
+    full = ml.evaluate(build_llama(cfg, 2, 8), {k: PREFILL_FEEDS[k] for k in ("tokens", "positions")}, params)
+    last = ml.evaluate(build_llama_prefill(cfg, 2, 8), PREFILL_FEEDS, params)
+    want = full.outputs["logits"][np.arange(2), PREFILL_FEEDS["last"]]
+    assert np.abs(last.outputs["logits"][:, 0] - want).max() <= 1e-5 * np.abs(want).max()
+    for name, cache in full.state.items():  # the same KV caches
+        assert np.array_equal(cache, last.state[name]), name
+
+
+def test_their_kernels_compile(plans) -> None:
+    from megaloop.runtime.compile import compile_many
+
+    cubins = compile_many([generate(p).source for p in plans], "sm_90a")
+    assert all(c[:4] == b"\x7fELF" for c in cubins)

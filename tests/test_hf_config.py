@@ -1,0 +1,227 @@
+"""config.json -> LlamaConfig: what each family's fields build, and every refused field named in
+its CheckpointError (table-driven; the tables are what megaloop promises about configs)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megaloop.errors import CheckpointError
+from megaloop.models.hf_config import llama_config
+
+BASE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "vocab_size": 100,
+    "max_position_embeddings": 256,
+}
+FAMILY = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+}
+
+
+def config(family: str = "llama", **fields) -> dict:
+    out = {**BASE, **FAMILY[family], **fields}
+    return {k: v for k, v in out.items() if v is not Ellipsis}  # ...: leave the field out
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+# (config, the LlamaConfig fields it must give)
+ACCEPTED = [
+    pytest.param(config(rope_theta=500000.0, rope_scaling=LLAMA3, tie_word_embeddings=True, torch_dtype="bfloat16",
+                        head_dim=16, attention_bias=False, mlp_bias=False, pretraining_tp=1),
+                 {"rope_theta": 500000.0, "tie_word_embeddings": True, "dtype": "bfloat16", "head_dim": 16,
+                  "rope_scaling": {"type": "llama3", **{k: float(v) for k, v in LLAMA3.items() if k != "rope_type"}}},
+                 id="llama3.2-4.x"),
+    pytest.param(config(rope_parameters={"rope_theta": 500000.0, **LLAMA3}, dtype="float32"),
+                 {"rope_theta": 500000.0, "dtype": "float32", "rope_scaling": {"type": "llama3", "factor": 32.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}},
+                 id="llama3.2-5.x"),
+    pytest.param(config(rope_scaling={"type": "linear", "factor": 2.0}),
+                 {"rope_scaling": {"type": "linear", "factor": 2.0}}, id="llama-linear-4.x"),
+    pytest.param(config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0}),
+                 {"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 256.0}},
+                 id="llama3-default-original-length"),
+    pytest.param(config(rope_scaling={"rope_type": "default"}, max_sequence_length=2048, pad_token_id=0),
+                 {"rope_scaling": None, "rope_theta": 10000.0, "rms_eps": 1e-6}, id="llama1"),
+    pytest.param(config(attention_bias=True, mlp_bias=True),
+                 {"qkv_bias": True, "o_bias": True, "mlp_bias": True}, id="llama-biases"),
+    pytest.param(config(num_key_value_heads=None, head_dim=None), {"kv_heads": 4, "head_dim": 16}, id="llama-nulls"),
+    pytest.param(config("mistral", sliding_window=32), {"sliding_window": 32, "sliding_layers": None}, id="mistral"),
+    pytest.param(config("mistral", sliding_window=None), {"sliding_window": None}, id="mistral-v0.3"),
+    pytest.param(config("mistral", sliding_window=...), {"sliding_window": None}, id="mistral-4096-over-256"),
+    pytest.param(config("mistral", sliding_window=..., max_position_embeddings=8192), {"sliding_window": 4096},
+                 id="mistral-default-window"),
+    pytest.param(config("qwen2", use_sliding_window=False, sliding_window=32768, max_window_layers=21,
+                        rope_theta=1000000.0, tie_word_embeddings=True),
+                 {"qkv_bias": True, "o_bias": False, "sliding_window": None, "rope_theta": 1e6,
+                  "tie_word_embeddings": True}, id="qwen2.5"),
+    pytest.param(config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2),
+                 {"sliding_window": 16, "sliding_layers": (2, 3)}, id="qwen2-window-layers"),
+    pytest.param(config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                        layer_types=["sliding_attention"] * 4), {"sliding_window": 16, "sliding_layers": None},
+                 id="qwen2-all-sliding"),
+    pytest.param(config("qwen2", use_sliding_window=False, layer_types=["full_attention"] * 4, num_key_value_heads=...,
+                        num_attention_heads=32, hidden_size=256, rms_norm_eps=...),
+                 {"sliding_window": None, "kv_heads": 32, "rms_eps": 1e-6}, id="qwen2-defaults"),
+    pytest.param(config("qwen3", head_dim=32, rope_scaling=None, rope_theta=1000000, attention_bias=False),
+                 {"qk_norm": True, "head_dim": 32, "qkv_bias": False, "rope_theta": 1e6}, id="qwen3"),
+    pytest.param(config("qwen3", head_dim=...), {"head_dim": 128}, id="qwen3-default-head-dim"),
+    pytest.param(config("qwen3", attention_bias=True), {"qkv_bias": True, "o_bias": True}, id="qwen3-bias"),
+    pytest.param({**config(), "model_type": ...}, {"hidden": 64}, id="architectures-only"),
+    pytest.param(config(hidden_act="swish", quantization_config=None, sliding_window=None), {"hidden": 64},
+                 id="harmless-nulls"),
+]
+
+
+@pytest.mark.parametrize("cfg, expected", ACCEPTED)
+def test_accepted_configs_build_these_models(cfg: dict, expected: dict) -> None:
+    got = llama_config({k: v for k, v in cfg.items() if v is not Ellipsis})
+    for field, value in expected.items():
+        have = getattr(got, field)
+        assert (have.name if field == "dtype" else have) == value, field
+
+
+# (config, the field its error must name)
+REFUSED = [
+    (config(model_type="gemma"), "model_type"),
+    (config(model_type=["llama"]), "model_type"),
+    (config(rope_scaling={"rope_type": ["llama3"]}), "rope_type"),
+    (config(architectures=["GemmaForCausalLM"]), "architectures"),
+    (config(architectures=["LlamaForSequenceClassification"]), "architectures"),
+    (config("qwen2", architectures=["LlamaForCausalLM"]), "architectures"),
+    ({**config(), "model_type": ..., "architectures": ...}, "model_type"),
+    (config(hidden_act="gelu"), "hidden_act"),
+    (config(hidden_act="relu"), "hidden_act"),
+    (config(rope_scaling="linear"), "rope_scaling"),
+    (config(rope_parameters=["default"]), "rope_parameters"),
+    (config(rope_theta="10000"), "rope_theta"),
+    (config(rope_theta=0.5), "rope_theta"),
+    (config(rope_theta=float("nan")), "rope_theta"),
+    (config(rope_parameters={"rope_type": "default", "rope_theta": True}), "rope_parameters.rope_theta"),
+    (config(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), "rope_type"),
+    (config(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type"),
+    (config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}), "rope_type"),
+    (config(rope_scaling={"type": "linear"}), "rope_scaling.factor"),
+    (config(rope_scaling={"type": "linear", "factor": "2"}), "rope_scaling.factor"),
+    (config(rope_scaling={**LLAMA3, "high_freq_factor": 1.0}), "high_freq_factor"),
+    (config(rope_scaling={**LLAMA3, "attention_factor": 2.0}), "rope_scaling.attention_factor"),
+    (config(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {}}), "rope_parameters"),
+    (config(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters={"rope_type": "default"}), "rope_scaling"),
+    (config(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (config(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25}), "partial_rotary_factor"),
+    (config(num_experts=8, num_experts_per_tok=2), "num_experts"),
+    (config("mistral", num_local_experts=8), "num_local_experts"),
+    (config("qwen2", moe_intermediate_size=64), "moe_intermediate_size"),
+    (config(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config"),
+    (config(auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}), "auto_map"),
+    (config(sliding_window=4096), "sliding_window"),
+    (config("mistral", attention_bias=True), "attention_bias"),
+    (config("qwen2", mlp_bias=True), "mlp_bias"),
+    (config("mistral", layer_types=["full_attention"] * 4), "layer_types"),
+    (config("qwen2", layer_types=["chunked_attention"] * 4), "layer_types"),
+    (config("qwen2", layer_types=["full_attention"] * 3), "layer_types"),
+    (config("mistral", sliding_window=0), "sliding_window"),
+    (config("qwen2", use_sliding_window="yes"), "use_sliding_window"),
+    (config("qwen2", max_window_layers=-1, use_sliding_window=True), "max_window_layers"),
+    (config(num_key_value_heads=3), "num_key_value_heads"),
+    (config(hidden_size=-64), "hidden_size"),
+    (config(hidden_size="64"), "hidden_size"),
+    (config(hidden_size=62), "hidden_size"),  # not divisible by 4 heads, no head_dim
+    (config(num_hidden_layers=2.0), "num_hidden_layers"),
+    (config(vocab_size=0), "vocab_size"),
+    (config(intermediate_size=True), "intermediate_size"),
+    (config(max_position_embeddings=0), "max_position_embeddings"),
+    (config(rms_norm_eps="1e-5"), "rms_norm_eps"),
+    (config(rms_norm_eps=-1e-5), "rms_norm_eps"),
+    (config(rms_norm_eps=None), "rms_norm_eps"),
+    (config(head_dim=15), "head_dim"),
+    (config(dtype="float8_e4m3fn"), "dtype"),
+    (config(torch_dtype="int8"), "torch_dtype"),
+    (config(torch_dtype=["bfloat16"]), "torch_dtype"),
+    (config(tie_word_embeddings="yes"), "tie_word_embeddings"),
+    (config(mlp_bias="true"), "mlp_bias"),
+    (config(attention_bias=1), "attention_bias"),
+    (config(pretraining_tp=0), "pretraining_tp"),
+    (config(is_encoder_decoder=True), "is_encoder_decoder"),
+    (config(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (config("qwen3", use_qk_norm=False), "use_qk_norm"),
+    (config(embedding_multiplier=12.0), "embedding_multiplier"),
+]
+
+
+@pytest.mark.parametrize("cfg, field", REFUSED, ids=[f"{i}-{f}" for i, (_, f) in enumerate(REFUSED)])
+def test_refused_fields_are_named(cfg: dict, field: str) -> None:
+    with pytest.raises(CheckpointError, match=rf"config\.json.*\b{re.escape(field)}\b") as info:
+        llama_config({k: v for k, v in cfg.items() if v is not Ellipsis})
+    print(info.value)
+
+
+def test_missing_and_malformed() -> None:
+    with pytest.raises(CheckpointError, match=r"lacks \['vocab_size'\]"):
+        llama_config(config(vocab_size=...))
+    with pytest.raises(CheckpointError, match="JSON object"):
+        llama_config(["hidden_size"])  # type: ignore[arg-type]
+
+
+def test_a_tied_checkpoint_may_store_the_head_only_as_the_embedding(tmp_path) -> None:
+    import json
+
+    import ml_dtypes
+
+    from megaloop.models import LlamaConfig, load_llama, random_parameters, write_safetensors
+
+    cfg = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1, vocab=40, tie_word_embeddings=True)
+    params = {n: v.astype(ml_dtypes.bfloat16) for n, v in random_parameters(cfg).items()}
+    (tmp_path / "config.json").write_text(json.dumps(config(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                            vocab_size=40, tie_word_embeddings=True)))  # fmt: skip
+    write_safetensors(tmp_path / "model.safetensors", {**params, "lm_head.weight": params["model.embed_tokens.weight"]})
+    loaded_cfg, loaded = load_llama(tmp_path)
+    assert loaded_cfg.tie_word_embeddings and "lm_head.weight" not in loaded
+    other = params["model.embed_tokens.weight"].copy()
+    other[0, 0] += 1
+    (tmp_path / "model.safetensors").unlink()  # a new file: the loaded one stays mapped
+    write_safetensors(tmp_path / "model.safetensors", {**params, "lm_head.weight": other})
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        load_llama(tmp_path)
+    untied = config(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40)
+    (tmp_path / "config.json").write_text(json.dumps(untied))
+    (tmp_path / "model.safetensors").unlink()
+    write_safetensors(tmp_path / "model.safetensors", params)
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is false"):
+        load_llama(tmp_path)
+
+
+def test_any_config_gives_a_model_or_a_checkpoint_error() -> None:
+    """Hostile configs: every field of every family set to values of every JSON type; only
+    CheckpointError may come out (never a TypeError or KeyError from inside the reader)."""
+    import random
+
+    from megaloop.models.hf_config import FAMILIES, MODEL_FIELDS
+
+    values = [None, True, False, 0, -1, 1, 3, 7.5, float("inf"), "", "silu", "llama3", [], [1], ["x"], {},
+              {"rope_type": "llama3"}, {"type": "linear", "factor": 2}, {"a": {"b": 1}}]  # fmt: skip
+    fields = sorted(MODEL_FIELDS | set().union(*(f.fields for f in FAMILIES.values())) | {"model_type", "layer_types"})
+    rng = random.Random(0)
+    built = 0
+    for _ in range(3000):
+        cfg = config(rng.choice(sorted(FAMILY)))
+        for _ in range(rng.randint(1, 3)):
+            cfg[rng.choice(fields)] = rng.choice(values)
+        try:
+            llama_config(cfg)
+            built += 1
+        except CheckpointError:
+            pass
+    assert built > 100  # the fuzz also reaches configs that build

@@ -1,0 +1,110 @@
+"""Checkpoints that transformers itself saved (the installed version's layout), one tiny random model
+per family megaloop loads, against transformers as the reference (float32, CPU): the logits of a
+prefill and of teacher-forced decode steps within 1e-5 (relative to the logits' scale, the worst
+element printed), and greedy generation equal to transformers' ``generate`` for 32 tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import megaloop as ml
+from megaloop.models import build_llama, load_llama
+from tests.hf_models import FAMILIES, make_model, to_4x_layout, torch
+
+TOL = 1e-5  # float32 through a few layers: megaloop's rope is float64, torch's float32 (~1e-6 seen)
+PROMPT, DECODE = 8, 6
+
+
+def worst(got: np.ndarray, ref: np.ndarray, what: str) -> float:
+    """max |got - ref| / max |ref|, printed with the worst element."""
+    err = np.abs(got.astype(np.float64) - ref)
+    at = np.unravel_index(int(err.argmax()), err.shape)
+    rel = float(err[at] / np.abs(ref).max())
+    print(f"{what}: worst {rel:.2e} at {at} (megaloop {got[at]:.6g}, transformers {ref[at]:.6g})")
+    return rel
+
+
+def megaloop_logits(cfg, params, seq: np.ndarray) -> list[np.ndarray]:
+    """The prefill's logits over the first PROMPT tokens, then each decode step's, fed seq's tokens."""
+    feeds = {"tokens": seq[:, :PROMPT], "positions": np.arange(PROMPT)[None]}
+    out = ml.evaluate(build_llama(cfg, 1, PROMPT), feeds, params)
+    logits, state = [out.outputs["logits"][0]], out.state
+    step = build_llama(cfg, 1, 1)
+    for i in range(PROMPT, seq.shape[1]):
+        out = ml.evaluate(step, {"tokens": seq[:, i : i + 1], "positions": np.array([[i]])}, params, state)
+        logits.append(out.outputs["logits"][0])
+        state = out.state
+    return logits
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, make_model(request.param, folder)
+
+
+def test_logits_match_transformers(family) -> None:
+    name, folder, model = family
+    cfg, params = load_llama(folder, dtype="float32")
+    seq = np.random.default_rng(0).integers(0, cfg.vocab, (1, PROMPT + DECODE))
+    with torch.no_grad():
+        ref = model(torch.tensor(seq)).logits[0].double().numpy()
+    got = megaloop_logits(cfg, params, seq)
+    assert worst(got[0], ref[:PROMPT], f"{name} prefill") < TOL
+    for i, step in enumerate(got[1:]):
+        assert worst(step[0], ref[PROMPT + i], f"{name} decode step {i}") < TOL
+
+
+def test_greedy_tokens_match_transformers_generate(family) -> None:
+    name, folder, model = family
+    prompt = np.random.default_rng(1).integers(0, 96, 7).tolist()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    want = out[0, len(prompt) :].tolist()
+    result = ml.Generator(folder, backend="cpu", dtype="float32", eos_token_ids=()).generate(prompt, max_new_tokens=32)
+    print(name, result.stats.summary())
+    assert result[0].tokens == want
+    assert result[0].finish_reason == "length" and len(want) == 32
+
+
+def test_features_are_what_the_logits_depend_on(tmp_path) -> None:
+    """The comparisons can fail: without the window, the q/k norms, the biases or llama3 scaling the
+    logits are far from transformers'."""
+    checks = {
+        "mistral-window": {"sliding_window": None},
+        "qwen2-window": {"sliding_layers": None},  # the window on every layer instead of layer 1's
+        "qwen3": {"qk_norm": False},
+        "llama-linear-bias": {"mlp_bias": False},
+        "llama3-tied": {"rope_scaling": None},
+    }
+    for name, change in checks.items():
+        model = make_model(name, tmp_path / name)
+        cfg, params = load_llama(tmp_path / name, dtype="float32")
+        seq = np.random.default_rng(0).integers(0, cfg.vocab, (1, PROMPT + DECODE))
+        with torch.no_grad():
+            ref = model(torch.tensor(seq)).logits[0].double().numpy()
+        wrong = dataclasses.replace(cfg, **change)
+        kept = {n: params[n] for n in wrong.parameter_shapes()}
+        logits = megaloop_logits(wrong, kept, seq)
+        assert worst(logits[-1][0], ref[-1], f"{name} with {change}") > 1e-3
+
+
+def test_a_4x_layout_config_loads_the_same_model(tmp_path) -> None:
+    """The same checkpoint with its config.json as transformers 4.x wrote it (rope_theta, rope_scaling,
+    torch_dtype): the same LlamaConfig and bit-identical logits."""
+    for name in ("llama3-tied", "llama-linear-bias", "qwen2"):
+        folder = tmp_path / name
+        make_model(name, folder)
+        cfg5, params = load_llama(folder, dtype="float32")
+        old = to_4x_layout(folder)
+        assert "rope_parameters" not in old and "torch_dtype" in old
+        cfg4, params4 = load_llama(folder, dtype="float32")
+        assert cfg4 == cfg5 and cfg4.rope_scaling == cfg5.rope_scaling
+        seq = np.random.default_rng(2).integers(0, cfg5.vocab, (1, PROMPT + 2))
+        a, b = megaloop_logits(cfg5, params, seq), megaloop_logits(cfg4, params4, seq)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
