@@ -307,6 +307,7 @@ def _load_folder(tmp: Path, index: bytes) -> None:
     (tmp / "config.json").write_text(
         json.dumps(
             {
+                "model_type": "llama",
                 "hidden_size": 8,
                 "num_attention_heads": 2,
                 "intermediate_size": 16,

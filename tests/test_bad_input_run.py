@@ -87,12 +87,14 @@ def _decode_past():
     _run(build_llama(cfg, 1, 1), {"tokens": [[3]], "positions": [[8]]}, p)
 
 
-@case("run-plan-generator-runs-past-max-seq", DataError, "iteration 2", "position 8")
+@case("run-plan-generator-stop-past-max-seq", DataError, "iteration 2", "position 8")
 def _generator_past():
+    # the default stop (max_seq) finishes a sequence in time; a stop the user set beyond it must not
     from megaloop.models import build_llama_generator
 
     cfg, p = _llama()
-    _run(build_llama_generator(cfg, 1), {}, p, {"token": [[1]], "position": [[6]]}, iterations=3)
+    state = {"token": [[1]], "position": [[6]], "stop": [[100]]}
+    _run(build_llama_generator(cfg, 1), {}, p, state, iterations=3)
 
 
 def _evaluate(g, inputs=None, params_=None, state=None, **kw):

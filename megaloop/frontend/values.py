@@ -40,9 +40,13 @@ def _rounded(arr: np.ndarray, dt: DType, what: str) -> np.ndarray:
     """``arr`` rounded to float dtype ``dt`` (a copy); finite values that would become inf are refused,
     as they are in a constant (non-finite values handed in stay what they are)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out = np.array(round_to(arr, dt), copy=True)
-    if arr.dtype != dt.np and arr.size:
-        overflow = ~np.isfinite(out.astype(np.float32)) & np.isfinite(arr.astype(np.float64))
+        out = round_to(arr, dt)
+    if np.may_share_memory(out, arr):
+        out = out.copy()
+    # no wider temporaries: an upload converts a memory-mapped checkpoint piece by piece
+    inf = np.isinf(out) if arr.dtype != dt.np and arr.size else None
+    if inf is not None and inf.any():
+        overflow = inf & np.isfinite(arr)
         if np.any(overflow):
             at = tuple(int(i) for i in np.argwhere(overflow)[0])
             largest = float(ml_dtypes.finfo(dt.np).max)
