@@ -203,7 +203,7 @@ def test_split_llama_on_one_gpu_against_the_reference(label: str, strategy: str)
 
 def ring(g: ml.Graph) -> None:
     r, n = g.rank, g.world_size
-    y = ml.exp(g.input("x", (6, 250), ml.float32) * 0.1)
+    y = g.input("x", (6, 250), ml.float32) * 0.5  # exact: the check after the watchdog is bitwise
     ml.send(y * 2.0, (r + 1) % n)
     g.output("z", ml.recv(g, (r - 1) % n, (6, 250), ml.float32) + y)
 

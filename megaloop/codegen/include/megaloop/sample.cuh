@@ -245,6 +245,39 @@ struct Candidates {  // sample_combine's: range q's slot j of the summary, for j
 
 // ---- the thresholds ------------------------------------------------------------------------------------
 
+// What selections and the combine hand a visit: functors, as NVRTC 13.0 makes a generic lambda in a
+// device template a host function.
+template <bool MASS>
+struct Tally {  // select's histogram pass: elements with lo <= d <= min(hi, limit) into buckets of 2^shift
+    u32 lo, hi, limit;
+    int shift;
+    u64& last;  // the last bucket, summed in registers
+    Shared& s;
+    template <class W>
+    __device__ __forceinline__ void operator()(u32 d, W weight) const {
+        if (d < lo || d > hi || d > limit) return;
+        const u64 val = MASS ? weight() : 1ull;
+        const u32 b = (d - lo) >> shift;
+        if (b >= BUCKETS - 1) {
+            last += val;
+        } else if (val) {
+            atomicAdd(&s.hist[b], val);
+        }
+    }
+};
+struct KeyBits {  // the union of the visited keys' bits
+    u32 keymax;
+    u32& bits;
+    template <class W>
+    __device__ __forceinline__ void operator()(u32 d, W) const { bits |= keymax - d; }
+};
+struct KeptWeight {  // the weight of the visited elements with d <= limit
+    u32 limit;
+    u64& kept;
+    template <class W>
+    __device__ __forceinline__ void operator()(u32 d, W weight) const { kept += d <= limit ? weight() : 0ull; }
+};
+
 // Radix select over the visited elements with d <= limit: the smallest d* whose elements at or below it
 // count (MASS false: 1 each) or weigh (MASS true) at least need. With from_total, need is instead
 // top_p_target(the elements' total weight, p24), the first pass's total. Every d is a multiple of
@@ -258,16 +291,7 @@ __device__ u32 select(const V& visit, u32 limit, u64 need, bool from_total, u64 
         for (int b = threadIdx.x; b < BUCKETS; b += blockDim.x) s.hist[b] = 0;
         __syncthreads();
         u64 last = 0;  // the last bucket (the first pass's: everything beyond) summed in registers
-        visit([&](u32 d, auto weight) {
-            if (d < lo || d > hi || d > limit) return;
-            const u64 val = MASS ? weight() : 1ull;
-            const u32 b = (d - lo) >> shift;
-            if (b >= BUCKETS - 1) {
-                last += val;
-            } else if (val) {
-                atomicAdd(&s.hist[b], val);
-            }
-        });
+        visit(Tally<MASS>{lo, hi, limit, shift, last, s});
         const u64 beyond = block_sum(last, s);  // (its barriers also order the atomics before the reads)
         if (threadIdx.x == 0) s.hist[BUCKETS - 1] = beyond;
         __syncthreads();
@@ -506,7 +530,7 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
     }
     const Candidates cand{summary, qstride, jstride, cs.count, R, L, keymax};
     u32 bits = keymax;
-    cand([&](u32 d, auto) { bits |= keymax - d; });
+    cand(KeyBits{keymax, bits});
     const int zeros = __ffs((int)block_or(bits, s)) - 1;
     const u32 above = keymax - bound;  // every element with d < above is a candidate
     // the thresholds from the candidates, where they settle them
@@ -518,7 +542,7 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
     const u64 p24 = (u64)__float2ll_rn(__fmul_rn(top_p, 16777216.0f));
     if (settled && p24 < (1ull << 24)) {
         u64 kept = 0;
-        cand([&](u32 d, auto weight) { kept += d <= limit ? weight() : 0ull; });
+        cand(KeptWeight{limit, kept});
         kept = block_sum(kept, s);
         const u64 target = top_p_target(limit == FULL ? all : kept, p24);
         settled = kept >= target && (limit = select<true>(cand, limit, target, false, 0, zeros, s)) < above;
