@@ -129,9 +129,10 @@ def check_tokens(folder: Path, cache: Path, count: int = 16) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=count, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    prompt = torch.tensor([ids], device="cuda")
+    with torch.no_grad():  # the mask given: else generate masks every id equal to pad_token_id (BOS here)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=count,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
     want = out[0, len(ids) :].tolist()
     del model
     torch.cuda.empty_cache()  # before the loop kernels take the GPU

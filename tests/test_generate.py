@@ -158,7 +158,10 @@ def test_transformers_reads_the_tiny_checkpoint(tiny, gen) -> None:
     ids = gen.encode(chat)
     assert ids == tok(text, add_special_tokens=False).input_ids
     with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        prompt = torch.tensor([ids])
+        want = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False, eos_token_id=None
+        )
     got = ml.Generator(tiny, backend="cpu", dtype="float32", eos_token_ids=()).generate(chat, max_new_tokens=24)
     assert got[0].tokens == want[0, len(ids) :].tolist()
 

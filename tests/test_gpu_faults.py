@@ -123,7 +123,7 @@ def test_a_watchdog_then_a_hundred_kernels_leak_nothing() -> None:
     program.waits["per_iteration"][first] = 1_000_000  # a target no counter reaches
     with pytest.raises(LoopKernelError, match=r"watchdog: rank 0 processor \d+ waited more than 0.5 s"):
         with LoopKernel(plan, params, timeout_s=0.5, program=program) as k:
-            k.run({"x": np.ones(256)})
+            k.run({"x": np.ones((8, 256))})
     assert not resident.resident()
     samples = []
     start = time.monotonic()

@@ -61,10 +61,11 @@ def test_every_family_on_the_loop_kernel_matches_transformers(name, tmp_path) ->
     from tests.hf_models import make_model, torch
 
     model = make_model(name, tmp_path)
-    prompt = np.random.default_rng(1).integers(0, 96, 7).tolist()
+    prompt = [0, *np.random.default_rng(1).integers(1, 96, 6).tolist()]
+    ids = torch.tensor([prompt])  # id 0 is pad_token_id: the mask keeps generate from hiding it
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
     got = ml.Generator(tmp_path, backend="gpu", dtype="float32", eos_token_ids=()).generate(prompt, max_new_tokens=16)
     assert got[0].tokens == out[0, len(prompt) :].tolist()
 

@@ -61,10 +61,13 @@ def test_logits_match_transformers(family) -> None:
 def test_greedy_tokens_match_transformers_generate(family) -> None:
     name, folder, model = family
     prompt = np.random.default_rng(1).integers(0, 96, 7).tolist()
+    ids = torch.tensor([[0, *prompt[1:]]])  # id 0 is pad_token_id: the mask keeps generate from hiding it
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
         )
+    prompt = ids[0].tolist()
     want = out[0, len(prompt) :].tolist()
     result = ml.Generator(folder, backend="cpu", dtype="float32", eos_token_ids=()).generate(prompt, max_new_tokens=32)
     print(name, result.stats.summary())

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import megaloop as ml
+from megaloop import errors
 from megaloop.frontend.values import coerce
 from megaloop.plan import make_plan
 from megaloop.runtime import resident, upload
@@ -91,6 +92,20 @@ def test_parameters_and_state_land_in_the_arena(fake, tmp_path, monkeypatch) -> 
     assert uploads == sorted(uploads) and uploads[-1] == total and len(uploads) > 6, uploads
     assert ("compile", 1, 1) in seen
     assert not resident.resident() and allocated(fake) == (0, 0), "everything freed"
+
+
+def test_named_states_are_read_alone(fake, monkeypatch) -> None:
+    """state(names) copies only those states off the GPU (the generator reads its tokens this way,
+    leaving the KV caches there); an unknown name is refused with the states there are."""
+    reads = []
+    with LoopKernel(make_plan(graph(), processors=4), {"w": np.eye(40), "b": np.zeros(40)}, {"c": [1.0, 2, 3]}) as k:
+        real = fake.cuMemcpyDtoHAsync
+        monkeypatch.setattr(fake, "cuMemcpyDtoHAsync", lambda dst, src, n, s: reads.append(n) or real(dst, src, n, s))
+        got = k.state(["c", "z"])
+        assert sorted(got) == ["c", "z"] and reads == [3 * 4, 2 * 8 * 8], reads
+        assert got["c"].tolist() == [1.0, 2.0, 3.0] and got["z"].tolist() == [[0] * 8] * 2
+        with pytest.raises(errors.EvaluationError, match=r"no state named \['kv'\]; the states are \['c', 's', 'z'\]"):
+            k.state(["kv"])
 
 
 def test_a_second_kernel_on_a_held_gpu_is_refused_at_once(fake) -> None:

@@ -29,7 +29,7 @@ import ctypes
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -632,9 +632,13 @@ class LoopKernel:
         self._halt()  # every block leaves (a block stuck in a task is reported by stop())
         raise kernel_error(self.plan, self.rank, self.timeout_s, code, info, getattr(self, "_devices", None))
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """The states' values (``names``: only those, e.g. to leave the KV caches on the GPU)."""
         g = self.rp.graph
-        return {name: self._read(self.rp.tensor_of[t]) for name, t in g.states.items()}
+        unknown = sorted(set(names or ()) - set(g.states))
+        if unknown:
+            raise EvaluationError(f"no state named {unknown}; the states are {sorted(g.states)}")
+        return {n: self._read(self.rp.tensor_of[g.states[n]]) for n in (g.states if names is None else names)}
 
     def tensor(self, name: str):
         """A torch tensor that IS the kernel's memory for output, input or state ``name`` (looked up in
