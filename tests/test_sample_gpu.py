@@ -6,6 +6,7 @@ function through g++: tests/test_sample_codegen.py.)"""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -85,7 +86,7 @@ def test_a_bad_parameter_stops_the_kernel_with_a_data_error() -> None:
 def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
     """A Llama-shaped generator with the vocabulary split over tiles, four sequences (greedy, temperature,
     top-k, top-p, an end-of-sequence id and a stop position), 24 steps. Each step from the GPU's state is
-    also run by the reference: the logits agree within float32 noise, and each token is the reference's
+    also run by the reference: the logits agree within the model dtype's rounding, and each token is the reference's
     or, where that noise moved a draw across a boundary, the sampler's bit for bit on the GPU's logits."""
     import torch
 
@@ -106,6 +107,7 @@ def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
     }
     same = moved = 0
     worst = 0.0
+    tol = 4 * float(ml_dtypes.finfo(cfg.dtype.np).eps)  # a few roundings of the model's dtype, of the largest logit
     with LoopKernel(make_plan(gen, processors=132), params, state) as k:
         for step in range(24):
             before = k.state()
@@ -114,7 +116,7 @@ def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
             ref = ml.evaluate(gen, {}, params, before, iterations=1)
             want = ref.outputs["logits"].astype(np.float64)
             worst = max(worst, float(np.abs(logits - want).max() / np.abs(want).max()))
-            assert worst <= 1e-4, f"step {step}: the logits are {worst:.2e} (relative) from the reference's"
+            assert worst <= tol, f"step {step}: the logits are {worst:.2e} (relative) from the reference's"
             for name in ("generated", "position"):
                 assert np.array_equal(after[name], ref.state[name]), (step, name)
             changed = after["token"] != ref.state["token"]
@@ -126,5 +128,5 @@ def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
                 )
                 assert int(drawn) == int(after["token"][b, 0]), (step, b, int(drawn), after["token"][b, 0])
                 moved += 1
-    print(f"24 steps x 4 sequences: {same} tokens the reference's, {moved} moved by logit noise {worst:.1e}")
-    assert moved <= 4, f"{moved} of 96 draws moved by float32 noise: more than noise explains"
+    print(f"24 steps x 4 rows: {same} tokens the reference's, {moved} moved by logit noise {worst:.1e} of {tol:.1e}")
+    assert moved <= 24, f"{moved} of 96 draws moved by rounding noise: more than noise explains"
