@@ -123,7 +123,8 @@ def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
             same += int(np.count_nonzero(~changed))
             for b in np.flatnonzero(changed):
                 drawn = sample_ref(
-                    *(torch.as_tensor(v[b, 0]) for v in (logits, before["seed"], before["position"])),
+                    torch.as_tensor(logits[b, 0].astype(np.float32)),  # bfloat16 to float32: exact
+                    *(torch.as_tensor(before[n][b, 0]) for n in ("seed", "position")),
                     *(torch.as_tensor(before[n][b, 0]) for n in ("temperature", "top_k", "top_p")),
                 )
                 assert int(drawn) == int(after["token"][b, 0]), (step, b, int(drawn), after["token"][b, 0])
