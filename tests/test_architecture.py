@@ -4,6 +4,7 @@ small. (the architecture notes: 'A layer imports only layers above it in this pi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import megaloop
@@ -160,3 +161,15 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state and (cycle := visit(m)):
             raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_what_lower_modules_are_handed_is_the_public_api() -> None:
+    """Tensor's operators call megaloop's (guarded) builders; Plan's conveniences the plan functions."""
+    from megaloop.frontend.tensor import BUILDERS
+    from megaloop.plan import format, model, stats, verify
+
+    used = set(re.findall(r"BUILDERS\.(\w+)", (ROOT / "frontend" / "tensor.py").read_text()))
+    assert used and all(getattr(BUILDERS, name) is getattr(megaloop, name) for name in used)
+    used = set(re.findall(r"CONVENIENCES\.(\w+)", (ROOT / "plan" / "model.py").read_text()))
+    handed = {"save": format.save, "load": format.load, "verify": verify.verify_plan, "stats": stats.plan_stats}
+    assert used == set(handed) and all(getattr(model.CONVENIENCES, k) is f for k, f in handed.items())
