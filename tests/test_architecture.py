@@ -4,6 +4,7 @@ small. (the architecture notes: 'A layer imports only layers above it in this pi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import megaloop
@@ -81,3 +82,94 @@ def test_files_stay_small() -> None:
     for path in ROOT.rglob("*.py"):
         n = len(path.read_text().splitlines())
         assert n <= 800, f"{path.relative_to(ROOT)} has {n} lines; split it (STYLE.md: under ~800)"
+
+
+# Packages whose modules import each other at the top only, in one direction: a lower module that needs
+# something of a higher one is handed it (tensor.BUILDERS, plan.model.CONVENIENCES), never imports it.
+ONE_WAY = ("megaloop.frontend", "megaloop.plan")
+
+
+def module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name | ast.Attribute) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+
+
+def runtime_imports(path: Path) -> tuple[set[str], list[str]]:
+    """The megaloop modules ``path`` imports when it is imported (not those under ``if TYPE_CHECKING:``),
+    each package whose __init__ that runs included; and "line: module" of each import inside a function."""
+    modules = {module_of(p) for p in ROOT.rglob("*.py")}
+    me = module_of(path)
+    running = {".".join(me.split(".")[:i]) for i in range(1, me.count(".") + 2)}  # me and my packages
+    found: set[str] = set()
+    late: list[str] = []
+
+    def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if not node.module or node.level:
+            return []
+        subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+        return subs if len(subs) == len(node.names) else [*subs, node.module]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                for t in targets(child):
+                    if t.split(".")[0] != "megaloop":
+                        continue
+                    if in_function:
+                        late.append(f"{child.lineno}: {t}")
+                    parts = t.split(".")
+                    found.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p not in running)
+            visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
+
+    visit(ast.parse(path.read_text()), False)
+    return found & modules, late
+
+
+def test_no_function_level_imports_in_one_way_packages() -> None:
+    """frontend/ and plan/ import megaloop modules at the top only (no imports late to dodge a cycle)."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        if module_of(path).startswith(ONE_WAY):
+            bad += [f"{path.relative_to(ROOT.parent)}:{line}" for line in runtime_imports(path)[1]]
+    assert not bad, "imports inside functions (import at the top, one way):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    graph = {module_of(p): runtime_imports(p)[0] for p in ROOT.rglob("*.py")}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n) :] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_what_lower_modules_are_handed_is_the_public_api() -> None:
+    """Tensor's operators call megaloop's (guarded) builders; Plan's conveniences the plan functions."""
+    from megaloop.frontend.tensor import BUILDERS
+    from megaloop.plan import format, model, stats, verify
+
+    used = set(re.findall(r"BUILDERS\.(\w+)", (ROOT / "frontend" / "tensor.py").read_text()))
+    assert used and all(getattr(BUILDERS, name) is getattr(megaloop, name) for name in used)
+    used = set(re.findall(r"CONVENIENCES\.(\w+)", (ROOT / "plan" / "model.py").read_text()))
+    handed = {"save": format.save, "load": format.load, "verify": verify.verify_plan, "stats": stats.plan_stats}
+    assert used == set(handed) and all(getattr(model.CONVENIENCES, k) is f for k, f in handed.items())

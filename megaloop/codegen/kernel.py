@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen import emit_collective, emit_sample
+from megaloop.codegen.abi import MAX_DIMS, MAX_OPERANDS, MIRROR_DTYPE, TASK_DTYPE, WAIT_DTYPE
 from megaloop.codegen.emit import (
     Operand,
     concat,
@@ -45,27 +46,6 @@ from megaloop.plan.model import Plan, RankPlan
 from megaloop.plan.rendezvous import inboxes
 from megaloop.plan.tasks import peer_operand, peer_output
 
-MAX_DIMS = 6
-MAX_OPERANDS = 16  # a collective reads one operand per member: up to 15 ranks in a group
-TASK_DTYPE = np.dtype(
-    [
-        ("sig", np.int32),
-        ("op", np.int32),
-        ("wait_begin", np.int32),
-        ("wait_count", np.int32),
-        ("counter", np.int32),
-        ("remote", np.int32),
-        ("mirror_begin", np.int32),
-        ("mirror_count", np.int32),
-        ("tile", np.int32),
-        ("lo", np.int32, MAX_DIMS),
-        ("hi", np.int32, MAX_DIMS),
-    ]
-)
-WAIT_DTYPE = np.dtype(
-    [("counter", np.int32), ("per_iteration", np.int32), ("lag", np.int32), ("rank", np.int32), ("mirror", np.int32)]
-)
-MIRROR_DTYPE = np.dtype([("rank", np.int32), ("counter", np.int32)])
 EXCHANGES = ("all_reduce", "all_gather", "reduce_scatter", "recv")  # tiles that read other ranks' memory
 
 

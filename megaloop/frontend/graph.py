@@ -32,8 +32,8 @@ from megaloop.errors import (
     RankError,
     ShapeError,
 )
+from megaloop.frontend import sources
 from megaloop.frontend.opdef import OpCall, OpDef, OutSpec, attrs_repr
-from megaloop.frontend.ops import sources
 from megaloop.frontend.shapes import Shape, format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_shape

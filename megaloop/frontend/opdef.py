@@ -161,8 +161,6 @@ def _scaling(v: Any) -> bool:
 
 
 def _is_dtype(v: Any) -> bool:
-    from megaloop.dtypes import DType
-
     return isinstance(v, DType)
 
 

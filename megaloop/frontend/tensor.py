@@ -10,6 +10,7 @@ storage of the tensor it was made from (``base``) with its own strides and offse
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from megaloop.dtypes import DType
@@ -20,11 +21,10 @@ if TYPE_CHECKING:
     from megaloop.frontend.graph import Graph, Node
 
 
-def _ops() -> Any:
-    # The op modules build on Tensor, so they are imported when first needed.
-    from megaloop.frontend import ops
-
-    return ops
+# The op builders Tensor's operators and methods call (x + y is megaloop.add(x, y)), by name. The op
+# modules build on Tensor, so megaloop/frontend/ops/__init__.py fills this in rather than this module
+# importing them.
+BUILDERS = SimpleNamespace()
 
 
 class Tensor:
@@ -122,118 +122,118 @@ class Tensor:
 
     # ---- arithmetic (each one is an op from megaloop.frontend.ops) ----------------------------
     def __add__(self, other: Any) -> Tensor:
-        return _ops().add(self, other)
+        return BUILDERS.add(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return _ops().add(other, self)
+        return BUILDERS.add(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
-        return _ops().sub(self, other)
+        return BUILDERS.sub(self, other)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return _ops().sub(other, self)
+        return BUILDERS.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return _ops().mul(self, other)
+        return BUILDERS.mul(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return _ops().mul(other, self)
+        return BUILDERS.mul(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return _ops().div(self, other)
+        return BUILDERS.div(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return _ops().div(other, self)
+        return BUILDERS.div(other, self)
 
     def __pow__(self, other: Any) -> Tensor:
-        return _ops().pow(self, other)
+        return BUILDERS.pow(self, other)
 
     def __rpow__(self, other: Any) -> Tensor:
-        return _ops().pow(other, self)
+        return BUILDERS.pow(other, self)
 
     def __matmul__(self, other: Tensor) -> Tensor:
-        return _ops().matmul(self, other)
+        return BUILDERS.matmul(self, other)
 
     def __neg__(self) -> Tensor:
-        return _ops().neg(self)
+        return BUILDERS.neg(self)
 
     def __abs__(self) -> Tensor:
-        return _ops().abs(self)
+        return BUILDERS.abs(self)
 
     def __lt__(self, other: Any) -> Tensor:
-        return _ops().less(self, other)
+        return BUILDERS.less(self, other)
 
     def __le__(self, other: Any) -> Tensor:
-        return _ops().less_equal(self, other)
+        return BUILDERS.less_equal(self, other)
 
     def __gt__(self, other: Any) -> Tensor:
-        return _ops().greater(self, other)
+        return BUILDERS.greater(self, other)
 
     def __ge__(self, other: Any) -> Tensor:
-        return _ops().greater_equal(self, other)
+        return BUILDERS.greater_equal(self, other)
 
     def __and__(self, other: Any) -> Tensor:
-        return _ops().logical_and(self, other)
+        return BUILDERS.logical_and(self, other)
 
     def __or__(self, other: Any) -> Tensor:
-        return _ops().logical_or(self, other)
+        return BUILDERS.logical_or(self, other)
 
     def __invert__(self) -> Tensor:
-        return _ops().logical_not(self)
+        return BUILDERS.logical_not(self)
 
     def __getitem__(self, index: Any) -> Tensor:
-        return _ops().getitem(self, index)
+        return BUILDERS.getitem(self, index)
 
     # ---- methods mirroring the free functions --------------------------------------------------
     def astype(self, dtype: Any) -> Tensor:
-        return _ops().cast(self, dtype)
+        return BUILDERS.cast(self, dtype)
 
     def reshape(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return _ops().reshape(self, shape)
+        return BUILDERS.reshape(self, shape)
 
     def transpose(self, axis0: int = -2, axis1: int = -1) -> Tensor:
-        return _ops().transpose(self, axis0, axis1)
+        return BUILDERS.transpose(self, axis0, axis1)
 
     def permute(self, *axes: Any) -> Tensor:
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
-        return _ops().permute(self, axes)
+        return BUILDERS.permute(self, axes)
 
     @property
     def T(self) -> Tensor:
         """All axes reversed, as in numpy."""
-        return _ops().permute(self, tuple(range(self.ndim - 1, -1, -1)))
+        return BUILDERS.permute(self, tuple(range(self.ndim - 1, -1, -1)))
 
     @property
     def mT(self) -> Tensor:
         """The last two axes swapped (matrix transpose of a batch)."""
-        return _ops().transpose(self, -2, -1)
+        return BUILDERS.transpose(self, -2, -1)
 
     def unsqueeze(self, axis: int) -> Tensor:
-        return _ops().unsqueeze(self, axis)
+        return BUILDERS.unsqueeze(self, axis)
 
     def squeeze(self, axis: int | tuple[int, ...] | None = None) -> Tensor:
-        return _ops().squeeze(self, axis)
+        return BUILDERS.squeeze(self, axis)
 
     def broadcast_to(self, shape: Shape) -> Tensor:
-        return _ops().broadcast_to(self, shape)
+        return BUILDERS.broadcast_to(self, shape)
 
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().sum(self, axis, keepdims=keepdims)
+        return BUILDERS.sum(self, axis, keepdims=keepdims)
 
     def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().mean(self, axis, keepdims=keepdims)
+        return BUILDERS.mean(self, axis, keepdims=keepdims)
 
     def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().max(self, axis, keepdims=keepdims)
+        return BUILDERS.max(self, axis, keepdims=keepdims)
 
     def min(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().min(self, axis, keepdims=keepdims)
+        return BUILDERS.min(self, axis, keepdims=keepdims)
 
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
-        return _ops().argmax(self, axis, keepdims=keepdims)
+        return BUILDERS.argmax(self, axis, keepdims=keepdims)
 
     def copy(self) -> Tensor:
-        return _ops().copy(self)
+        return BUILDERS.copy(self)

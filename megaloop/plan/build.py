@@ -34,6 +34,7 @@ from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankP
 from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
 from megaloop.plan.tasks import make_tasks, peer_operand, peer_output
+from megaloop.plan.verify import verify_plan
 
 SOURCE_KINDS = {"input": "input", "parameter": "parameter", "constant": "constant", "state": "state"}
 
@@ -84,8 +85,6 @@ def make_plan(
     make_tasks(plan)
     schedule_and_link(plan)
     if verify:
-        from megaloop.plan.verify import verify_plan
-
         verify_plan(plan)
     return plan
 

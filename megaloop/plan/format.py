@@ -17,6 +17,7 @@ from megaloop.frontend.tiling import Box
 from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import match_ranks
 from megaloop.plan.build import check_settings
+from megaloop.plan.edit import check_structure, check_tasks_match_tiles, rederive_plan
 from megaloop.plan.model import (
     BUFFER_KINDS,
     FORMAT,
@@ -31,6 +32,7 @@ from megaloop.plan.model import (
     Task,
     Wait,
 )
+from megaloop.plan.verify import verify_plan
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -289,16 +291,12 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
     except MegaloopError as e:
         raise PlanFormatError(f"plan.ranks[*].graph: the graphs do not fit together: {e}") from None
     _link_graph_tensors(plan)
-    from megaloop.plan.edit import check_structure, check_tasks_match_tiles, rederive_plan
-
     check_structure(plan)
     if rederive:
         plan = rederive_plan(plan)
     else:
         check_tasks_match_tiles(plan)
     if verify:
-        from megaloop.plan.verify import verify_plan
-
         verify_plan(plan)
     return plan
 

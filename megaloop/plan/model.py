@@ -14,11 +14,16 @@ only reach n·m once every signaler has finished iterations 0..m-1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from megaloop.dtypes import DType
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.tiling import Box
+
+# What Plan's conveniences call (save, load: megaloop.plan.format; verify: verify_plan; stats:
+# plan_stats). Those modules build on this one, so megaloop/plan/__init__.py hands them over.
+CONVENIENCES = SimpleNamespace()
 
 FORMAT = "megaloop-plan"
 VERSION = 1
@@ -149,27 +154,20 @@ class Plan:
         prefix = f"rank {rank} " if self.world_size > 1 else ""
         return prefix + rp.task_name(rp.tasks[task_id])
 
-    # conveniences over the plan modules (imported late: they all import this one)
+    # conveniences over the plan modules, for users (megaloop's own code calls the functions)
     def save(self, path: Any, *, overwrite: bool = True) -> None:
         """Write the plan as JSON (docs/plan-format.md); ``overwrite=False`` keeps an existing file."""
-        from megaloop.plan.format import save
-
-        save(self, path, overwrite=overwrite)
+        CONVENIENCES.save(self, path, overwrite=overwrite)
 
     @staticmethod
     def load(path: Any, *, rederive: bool = False, verify: bool = True) -> Plan:
         """Read a plan file; ``rederive=True`` after editing tile parameters or task orders."""
-        from megaloop.plan.format import load
-
-        return load(path, rederive=rederive, verify=verify)
+        return CONVENIENCES.load(path, rederive=rederive, verify=verify)
 
     def verify(self) -> Any:
         """Check races, deadlocks and structure; raises a PlanError naming the problem."""
-        from megaloop.plan.verify import verify_plan
-
-        return verify_plan(self)
+        return CONVENIENCES.verify(self)
 
     def stats(self) -> Any:
-        from megaloop.plan.stats import plan_stats
-
-        return plan_stats(self)
+        """Per rank: ops, tasks, waits, bytes (megaloop.plan.stats.RankStats)."""
+        return CONVENIENCES.stats(self)

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
-from megaloop.codegen.kernel import MAX_OPERANDS, counter_slots
+from megaloop.codegen.abi import ARGS_DTYPE, CONTROL, MAX_OPERANDS, word
+from megaloop.codegen.kernel import counter_slots
 from megaloop.errors import EvaluationError
 from megaloop.frontend.shapes import is_contiguous
 from megaloop.frontend.values import coerce
@@ -48,31 +49,9 @@ from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_f
 from megaloop.runtime.report import LoopKernelError, kernel_error
 from megaloop.runtime.upload import CHUNK_BYTES, ProgressCallback, Staging, nbytes_of, progress_callback, upload
 
-ARGS_DTYPE = np.dtype(
-    [
-        (name, np.uint64)
-        for name in (
-            "arena",
-            "tasks",
-            "waits",
-            "list_begin",
-            "lists",
-            "operand_offsets",
-            "counters",
-            "abort",
-            "doorbell",
-            "progress",
-            "control",
-            "profile",
-            "timeout_ns",
-        )
-    ]
-    + [("profile_iterations", np.int32), ("n_tasks", np.int32)]
-    + [("arenas", np.uint64), ("rank_counters", np.uint64), ("rank", np.int32), ("world", np.int32)]
-    + [("mirrors", np.uint64)]
-)
-CONTROL_WORDS = 3 + 8  # requested, stop, error, info[8]
-REQUESTED, STOP, ERROR, INFO = 0, 1, 2, 3
+# the mapped control block (ml::Control) as u64 words: the doorbell, the error report, then each block's progress
+CONTROL_WORDS = CONTROL.dtype.itemsize // 8
+REQUESTED, STOP, ERROR, INFO = (word(CONTROL, name) for name in ("requested", "stop", "error", "info"))
 
 
 def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:

@@ -4,6 +4,7 @@ names the op and the value."""
 
 from __future__ import annotations
 
+from megaloop.codegen.abi import DATA, WATCHDOG
 from megaloop.errors import DataError, MegaloopError
 from megaloop.plan.model import Plan
 
@@ -18,7 +19,7 @@ def kernel_error(
     """The exception for error ``code`` with ``info`` (megaloop/loop.cuh ``fail``) of rank ``rank``;
     ``devices``: each rank's GPU, where known (a peer on this GPU is named as such)."""
     rp = plan.ranks[rank]
-    if code == 1:
+    if code == WATCHDOG:
         proc, task, op, counter, expected, seen, k, peer = info
         same_gpu = devices is not None and 0 <= peer < len(devices) and devices[peer] == devices[rank]
         running = "its loop kernel shares this GPU: is it running?" if same_gpu else "a peer GPU: is it running?"
@@ -46,7 +47,7 @@ def kernel_error(
             f"before {waiting}: counter {counter}{where} ({signaler}) stayed at {seen}, expected {expected}. "
             "The kernel has stopped; make a new LoopKernel to run again"
         )
-    if code == 2:
+    if code == DATA:
         proc, task, op, value, limit, kind, _, _ = info
         what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
         name = rp.ops[op].name if 0 <= op < len(rp.ops) else f"op {op}"

@@ -15,11 +15,12 @@ from typing import Any as _Any
 
 from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
-from megaloop.frontend.ops import sources
+from megaloop.frontend import sources
+from megaloop.frontend.graph import Graph as _Graph
 from megaloop.frontend.ops._arguments import argument_error as _argument_error
-from megaloop.frontend.ops.argmax_split import argmax_combine, argmax_partial
-from megaloop.frontend.ops.attention import attention, kv_cache_update
-from megaloop.frontend.ops.attention_split import attention_combine, attention_partial
+from megaloop.frontend.ops.argmax_split import argmax, argmax_combine, argmax_partial
+from megaloop.frontend.ops.attention import kv_cache_update
+from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import (
     abs,
@@ -74,12 +75,13 @@ from megaloop.frontend.ops.layout import (
 from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.norm_matmul import rmsnorm_linear, rmsnorm_matmul
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
-from megaloop.frontend.ops.reduce import argmax, max, mean, min, sum
+from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
-from megaloop.frontend.ops.sample import sample
-from megaloop.frontend.ops.sample_split import sample_combine, sample_partial
+from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
 from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
+from megaloop.frontend.tensor import BUILDERS as _BUILDERS
+from megaloop.frontend.tensor import Tensor as _Tensor
 
 __all__ = [
     "abs",
@@ -190,13 +192,10 @@ def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:
 
 def _graphs_of(values: _Any) -> list[_Any]:
     """The graphs a builder's arguments belong to (tensors, lists of them, a Graph itself)."""
-    from megaloop.frontend.graph import Graph
-    from megaloop.frontend.tensor import Tensor
-
     found: dict[int, _Any] = {}
     for v in values:
         for item in v if isinstance(v, (list, tuple)) else (v,):
-            g = item.graph if isinstance(item, Tensor) else item if isinstance(item, Graph) else None
+            g = item.graph if isinstance(item, _Tensor) else item if isinstance(item, _Graph) else None
             if g is not None:
                 found[id(g)] = g
     return list(found.values())
@@ -205,3 +204,5 @@ def _graphs_of(values: _Any) -> list[_Any]:
 for _name in __all__:
     if _name != "sources":
         globals()[_name] = _guard(_name, globals()[_name])
+# Tensor's operators and methods (x + y, x.reshape(...)) call the guarded builders
+vars(_BUILDERS).update({_name: globals()[_name] for _name in __all__ if _name != "sources"})

@@ -258,13 +258,13 @@ def on_first(call: LocalCall) -> Any:
     partial and b whole is a + b on member 0 and a elsewhere (-a for b - a)."""
     if call.member == 0:
         return call.default()
-    node, ops = call.node, _ops()
+    node = call.node
     slot = next(i for i, p in enumerate(call.strategy.inputs) if isinstance(p, Partial))
     x = call.operands[slot]
     if node.op.name == "sub" and _operand_slot(node, slot) == 1:
-        x = ops.neg(x)
+        x = -x
     shape = call.out_shape(0)
-    return (x if x.shape == shape else ops.broadcast_to(x, shape),)
+    return (x if x.shape == shape else x.broadcast_to(shape),)
 
 
 def _operand_slot(node: Any, index: int) -> int:
@@ -289,12 +289,6 @@ def partial_sums(node: Any, members: int, given: Sequence[Placement | None]) -> 
         s = partial_through(node, given, (i,), label="partial sums")[0]
         found.append(Strategy(s.inputs, s.outputs, s.label, on_first))
     return found
-
-
-def _ops() -> Any:
-    from megaloop.frontend import ops
-
-    return ops
 
 
 def local_range_of(call: LocalCall, slot: int) -> tuple[int, int]:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from megaloop import dtypes
-from megaloop.errors import DtypeError, GraphBuildError, ShapeError
+from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
-from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._build import apply, require_bool, require_int
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.ops.reduce import ARGMAX, reduced_shape
 from megaloop.frontend.shapes import format_shape
@@ -156,8 +156,21 @@ def _ranges(x: Tensor, axis: int, splits: int) -> tuple[int, tuple[int, int]]:
     return a, split_ranges(x.shape[a], splits) if 0 <= a < x.ndim else (splits, 1)
 
 
-def split_argmax(x: Tensor, axis: int, keepdims: bool, splits: int) -> Tensor:
-    """argmax_partial then argmax_combine (called by ``ml.argmax(..., splits=)``)."""
+def argmax(x: Tensor, axis: int | None = None, *, keepdims: bool = False, splits: int | None = None) -> Tensor:
+    """``splits``: split the axis into that many ranges (at most; whole 16-byte packs each) whose
+    argmaxes separate tiles find, then one combine (this module's two ops): the same result,
+    for an argmax of few outputs over a long axis (a language model's next token)."""
+    keepdims = require_bool(ARGMAX, "keepdims", keepdims)
+    if splits is not None:
+        splits = require_int(ARGMAX, "splits", splits, minimum=1)
+    if splits is None or splits == 1:
+        return apply(ARGMAX, [x], axis=axis, keepdims=keepdims)
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise AxisError(
+            f"argmax: splits needs one int axis, got axis={axis!r}; for the flattened tensor, "
+            "reshape x to one axis (x.reshape(-1)) and pass axis=0"
+        )
+    axis = int(axis)
     _, (ranges, chunk) = _ranges(x, axis, splits)
     if ranges == 1:  # the axis is one range: the plain argmax
         return apply(ARGMAX, [x], axis=axis, keepdims=keepdims)

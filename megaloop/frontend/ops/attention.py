@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
+from megaloop.frontend import sources
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
-from megaloop.frontend.ops import _placements, _tilings, sources
-from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
+from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -185,39 +186,7 @@ ATTENTION = register(
 )
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    q_positions: Tensor | None = None,
-    kv_lengths: Tensor | None = None,
-    window: int | None = None,
-    scale: float | None = None,
-    kv_splits: int | None = None,
-) -> Tensor:
-    """``kv_splits``: split the keys into that many ranges computed by separate tiles and merged
-    after (megaloop/frontend/ops/attention_split.py): for few queries over many keys (decode)."""
-    optional = {3: q_positions, 4: kv_lengths}
-    operands = [q, k, v] + [t for t in optional.values() if t is not None]
-    absent = tuple(s for s, t in optional.items() if t is None)
-    if window is not None:
-        window = require_int(ATTENTION, "window", window, minimum=1)
-    if scale is not None:
-        scale = float(require_scalar(ATTENTION, "scale", scale))
-    causal = require_bool(ATTENTION, "causal", causal)
-    attrs = {"causal": causal, "window": window, "scale": scale, **({"absent": absent} if absent else {})}
-    if kv_splits is not None:
-        kv_splits = require_int(ATTENTION, "kv_splits", kv_splits, minimum=1)
-        tk = k.shape[2] if isinstance(k, Tensor) and k.ndim == 4 else 1
-        chunk = -(-tk // kv_splits)
-        splits = -(-tk // chunk)  # no empty range: tk = 9 in 4 splits is 3 ranges of 3
-        if splits > 1:
-            from megaloop.frontend.ops.attention_split import split_attention
-
-            return split_attention(operands, splits, **attrs)
-    return apply(ATTENTION, operands, **attrs)
+# ``ml.attention``, the builder, is in attention_split.py: with kv_splits it builds that module's two ops.
 
 
 # ---- KV cache ----------------------------------------------------------------------------------

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.dtypes import float32
+from megaloop.dtypes import as_dtype, float32
 from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
-from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
+from megaloop.frontend.ops.attention import ATTENTION, attention_dims, check_attention_data, visible_keys
 from megaloop.frontend.ops.attention import _infer as _attention_infer
-from megaloop.frontend.ops.attention import attention_dims, check_attention_data, visible_keys
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -140,12 +140,39 @@ def attention_partial(
 
 
 def attention_combine(partial: Tensor, dtype: Any) -> Tensor:
-    from megaloop.dtypes import as_dtype
-
     return apply(ATTENTION_COMBINE, [partial], dtype=as_dtype(dtype))
 
 
-def split_attention(operands: list[Tensor], splits: int, **attrs: Any) -> Tensor:
-    """attention_partial then attention_combine (called by ``ml.attention(..., kv_splits=)``)."""
-    partial = apply(ATTENTION_PARTIAL, operands, splits=splits, **attrs)
-    return apply(ATTENTION_COMBINE, [partial], dtype=operands[0].dtype)
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    q_positions: Tensor | None = None,
+    kv_lengths: Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    kv_splits: int | None = None,
+) -> Tensor:
+    """Attention (megaloop/frontend/ops/attention.py). ``kv_splits``: split the keys into that many ranges
+    computed by separate tiles and merged after (this module's two ops): for few queries over many keys
+    (decode)."""
+    optional = {3: q_positions, 4: kv_lengths}
+    operands = [q, k, v] + [t for t in optional.values() if t is not None]
+    absent = tuple(s for s, t in optional.items() if t is None)
+    if window is not None:
+        window = require_int(ATTENTION, "window", window, minimum=1)
+    if scale is not None:
+        scale = float(require_scalar(ATTENTION, "scale", scale))
+    causal = require_bool(ATTENTION, "causal", causal)
+    attrs = {"causal": causal, "window": window, "scale": scale, **({"absent": absent} if absent else {})}
+    if kv_splits is not None:
+        kv_splits = require_int(ATTENTION, "kv_splits", kv_splits, minimum=1)
+        tk = k.shape[2] if isinstance(k, Tensor) and k.ndim == 4 else 1
+        chunk = -(-tk // kv_splits)
+        splits = -(-tk // chunk)  # no empty range: tk = 9 in 4 splits is 3 ranges of 3
+        if splits > 1:  # attention_partial then attention_combine
+            partial = apply(ATTENTION_PARTIAL, operands, splits=splits, **attrs)
+            return apply(ATTENTION_COMBINE, [partial], dtype=operands[0].dtype)
+    return apply(ATTENTION, operands, **attrs)

@@ -18,6 +18,7 @@ import numpy as np
 
 from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
+from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_shape, require_tensor
@@ -303,8 +304,6 @@ def send(x: Tensor, dst: int, *, tag: int = 0) -> None:
 
 def recv(graph: Any, src: int, shape: Sequence[int], dtype: DType | str, *, tag: int = 0) -> Tensor:
     """Receive from rank ``src`` into a new tensor of this ``graph``."""
-    from megaloop.frontend.graph import Graph  # the graph module imports the ops, so import late
-
     if not isinstance(graph, Graph):
         raise GraphBuildError(f"recv: first argument must be the receiving Graph, got {type(graph).__name__}")
     attrs = {

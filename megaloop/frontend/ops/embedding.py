@@ -10,7 +10,9 @@ import numpy as np
 from megaloop.errors import DataError, DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import elementwise as ew
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops.layout import reshape
 from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -90,9 +92,6 @@ def _by_vocabulary(node: Any, members: int, given: Any) -> list[Strategy]:
 def _vocabulary_part(call: LocalCall) -> tuple[Tensor, ...]:
     """Ids in this member's rows are looked up (shifted), other valid ids read row 0 and are zeroed;
     an id outside the whole table stays out of range, so the lookup still reports it."""
-    from megaloop.frontend.ops import elementwise as ew
-    from megaloop.frontend.ops.layout import reshape
-
     table, ids = call.operands
     lo, hi = bounds(call.strategy.inputs[0].sizes)[call.member]
     vocab = call.node.inputs[0].shape[0]

@@ -17,8 +17,8 @@ from megaloop import dtypes
 from megaloop.errors import AxisError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
-from megaloop.frontend.ops._build import apply, require_bool, require_int
-from megaloop.frontend.ops.elementwise import check_kinds, mul, to_compute
+from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops.elementwise import cast, check_kinds, equal, greater, mul, not_equal, to_compute, where
 from megaloop.frontend.placement import REPLICATE, LocalCall, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import normalize_axes
 from megaloop.frontend.tensor import Tensor
@@ -166,8 +166,6 @@ def _given_sizes(p: Any, axis: int) -> list[tuple[int, ...]]:
 
 
 def _argmax_part(call: LocalCall) -> tuple[Tensor, ...]:
-    from megaloop.frontend.ops.elementwise import cast, equal, greater, not_equal, where
-
     x, node = call.operands[0], call.node
     a, keep = node.attrs["axis"], node.attrs["keepdims"]
     lo = bounds(call.strategy.inputs[0].sizes)[call.member][0]
@@ -208,20 +206,4 @@ ARGMAX = register(
 )
 
 
-def argmax(x: Tensor, axis: int | None = None, *, keepdims: bool = False, splits: int | None = None) -> Tensor:
-    """``splits``: split the axis into that many ranges (at most; whole 16-byte packs each) whose
-    argmaxes separate tiles find, then one combine: the same result (megaloop.frontend.ops.argmax_split),
-    for an argmax of few outputs over a long axis (a language model's next token)."""
-    keepdims = require_bool(ARGMAX, "keepdims", keepdims)
-    if splits is not None:
-        splits = require_int(ARGMAX, "splits", splits, minimum=1)
-    if splits is None or splits == 1:
-        return apply(ARGMAX, [x], axis=axis, keepdims=keepdims)
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise AxisError(
-            f"argmax: splits needs one int axis, got axis={axis!r}; for the flattened tensor, "
-            "reshape x to one axis (x.reshape(-1)) and pass axis=0"
-        )
-    from megaloop.frontend.ops.argmax_split import split_argmax  # (it builds on this module)
-
-    return split_argmax(x, int(axis), keepdims, splits)
+# ``ml.argmax``, the builder, is in argmax_split.py: with splits it builds that module's two ops.

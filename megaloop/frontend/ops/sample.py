@@ -48,7 +48,6 @@ from megaloop import dtypes
 from megaloop.errors import DataError, DtypeError, GraphBuildError, NonFiniteError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
-from megaloop.frontend.ops._build import apply, require_tensor
 from megaloop.frontend.ops._sampling import MAX_VOCAB, sample_rows
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -254,28 +253,4 @@ def param_tensor(op: OpDef, logits: Tensor, name: str, dtype: str, value: Any) -
     return logits.graph.constant(value, dtype)
 
 
-def sample(
-    logits: Tensor,
-    seed: Tensor | int,
-    offset: Tensor | int,
-    temperature: Tensor | float = 1.0,
-    top_k: Tensor | int = 0,
-    top_p: Tensor | float = 1.0,
-    *,
-    splits: int | None = None,
-) -> Tensor:
-    """A token id drawn from each row of ``logits`` [..., n]: int64 [...]. Each parameter is a tensor of
-    the rows' shape (or broadcastable to it) or a Python number: seed, offset (int64; the same seed,
-    offset and logits give the same token), temperature (float32; 0: the argmax), top_k (int64; 0:
-    off), top_p (float32; 1: off). The exact definition: megaloop.frontend.ops.sample. ``splits``: the
-    rows' logits in that many ranges (at most; whole 16-byte packs each), a tile each, then a tile a
-    row (megaloop.frontend.ops.sample_split): the same tokens, for few rows of a long vocabulary."""
-    from megaloop.frontend.ops.sample_split import check_splits, split_sample  # (it builds on this module)
-
-    require_tensor(SAMPLE, "logits", logits)
-    splits = check_splits(splits)
-    values = (seed, offset, temperature, top_k, top_p)
-    params = [param_tensor(SAMPLE, logits, name, dt, v) for (name, dt), v in zip(PARAMS, values)]
-    if splits is None or splits == 1:
-        return apply(SAMPLE, [logits, *params])
-    return split_sample(logits, params, splits)
+# ``ml.sample``, the builder, is in sample_split.py: with splits it builds that module's ops.

@@ -30,7 +30,7 @@ from megaloop import dtypes
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
-from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._build import apply, require_tensor
 from megaloop.frontend.ops._sampling import (
     FLT_MIN,
     LOG2E,
@@ -48,7 +48,9 @@ from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.ops.sample import (
     FLOPS_PER_LOGIT,
     PARAMS,
+    SAMPLE,
     check_params,
+    param_tensor,
     params_data,
     row_dims,
     row_params,
@@ -312,8 +314,6 @@ SAMPLE_COMBINE = register(
 def split_sample(logits: Tensor, params: list[Tensor], splits: int) -> Tensor:
     """argmax_partial, sample_partial and sample_combine for ``ml.sample(..., splits=)``, or the plain op
     where the row is one range."""
-    from megaloop.frontend.ops.sample import SAMPLE
-
     n = logits.shape[-1] if logits.ndim else 1
     ranges, chunk = split_ranges(n, splits)
     if ranges < 2 or logits.ndim < 1:
@@ -363,3 +363,28 @@ def sample_combine(
         raise GraphBuildError(f"sample_combine: summary must be sample_partial's output for {logits!r}")
     attrs = {k: node.attrs[k] for k in ("splits", "chunk", "candidates")}
     return apply(SAMPLE_COMBINE, [logits, node.inputs[1], summary, seed, offset, temperature, top_k, top_p], **attrs)
+
+
+def sample(
+    logits: Tensor,
+    seed: Tensor | int,
+    offset: Tensor | int,
+    temperature: Tensor | float = 1.0,
+    top_k: Tensor | int = 0,
+    top_p: Tensor | float = 1.0,
+    *,
+    splits: int | None = None,
+) -> Tensor:
+    """A token id drawn from each row of ``logits`` [..., n]: int64 [...]. Each parameter is a tensor of
+    the rows' shape (or broadcastable to it) or a Python number: seed, offset (int64; the same seed,
+    offset and logits give the same token), temperature (float32; 0: the argmax), top_k (int64; 0:
+    off), top_p (float32; 1: off). The exact definition: megaloop.frontend.ops.sample. ``splits``: the
+    rows' logits in that many ranges (at most; whole 16-byte packs each), a tile each, then a tile a
+    row (this module's ops): the same tokens, for few rows of a long vocabulary."""
+    require_tensor(SAMPLE, "logits", logits)
+    splits = check_splits(splits)
+    values = (seed, offset, temperature, top_k, top_p)
+    params = [param_tensor(SAMPLE, logits, name, dt, v) for (name, dt), v in zip(PARAMS, values)]
+    if splits is None or splits == 1:
+        return apply(SAMPLE, [logits, *params])
+    return split_sample(logits, params, splits)

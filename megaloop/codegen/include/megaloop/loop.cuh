@@ -8,72 +8,9 @@
 // the abort flag that makes every other block leave too. The host asks for iterations through a
 // doorbell in mapped pinned memory and learns of progress and errors through the same block.
 #pragma once
-#include "megaloop/types.cuh"
+#include "megaloop/abi.cuh"  // Task, Wait, Mirror, Control, Args: the host reads and writes them too
 
 namespace ml {
-
-constexpr int MAX_DIMS = 6;
-constexpr int MAX_OPERANDS = 16;
-
-struct Task {
-    int sig;  // which generated tile function runs it
-    int op;  // plan op id (operand offsets, profiler names)
-    int wait_begin, wait_count;  // its waits: waits[wait_begin .. wait_begin + wait_count)
-    int counter;  // incremented when it finishes
-    int remote;  // 1: other ranks wait on that counter, so it is released at system scope
-    int mirror_begin, mirror_count;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
-    int tile;  // a pushing all_reduce's tile: its slot in the inbox (megaloop/exchange.cuh)
-    int lo[MAX_DIMS], hi[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
-};
-
-struct Wait {
-    int counter;
-    int per_iteration;  // how many tasks signal the counter each iteration
-    int lag;  // 0: this iteration's work; 1: the previous iteration's
-    int rank;  // whose counter (another rank's: released at system scope)
-    int mirror;  // another rank's counter: the slot of this rank's counters that mirrors it (polled here);
-                 // -1: polled in the other rank's memory (GPUs without native peer atomics)
-};
-
-// A peer's mirror of a counter: slot `counter` of rank `rank`'s counters (megaloop/codegen/kernel.py
-// mirror_counters): the task that bumps the counter bumps the mirror too, and the peer polls its own
-// memory instead of this rank's across NVLink.
-struct Mirror {
-    int rank;
-    int counter;
-};
-
-// Host <-> kernel: lives in mapped pinned host memory.
-struct Control {
-    volatile u64 requested;  // host: iterations asked for so far (only ever grows)
-    volatile u64 stop;  // host: 1 = leave the loop
-    volatile u64 error;  // kernel: 0, or an error code below
-    volatile i64 info[8];  // kernel: what went wrong (read by megaloop/runtime/loop.py)
-};
-
-enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
-
-struct Args {
-    char* arena;
-    const Task* tasks;
-    const Wait* waits;
-    const int* list_begin;  // processor p runs lists[list_begin[p] .. list_begin[p + 1])
-    const int* lists;
-    const i64* operand_offsets;  // per op: MAX_OPERANDS byte offsets into the arena
-    u64* counters;
-    u64* abort;  // device flag: nonzero once any block gave up
-    u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)
-    volatile u64* progress;  // mapped host memory: iterations each block has finished
-    Control* control;
-    u64* profile;  // null, or (start, end) globaltimer pairs per task for the first profile_iterations
-    u64 timeout_ns;
-    int profile_iterations;
-    int n_tasks;
-    char* const* arenas;  // every rank's arena (peer memory), indexed by rank; arenas[rank] == arena
-    u64* const* rank_counters;  // every rank's counters, indexed by rank
-    int rank, world;
-    const Mirror* mirrors;  // the peers' mirror counters the tasks bump (Task::mirror_begin)
-};
 
 __device__ __forceinline__ u64 now_ns() {
     u64 t;
