@@ -483,10 +483,9 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
             + "; move a task after what it depends on"
         )
     waits = derive_waits(layout, req0, req1, order)
+    owner = np.repeat(np.arange(plan.world_size), [len(rp.tasks) for rp in plan.ranks]).tolist()
     for r, rp in enumerate(plan.ranks):
         rp.counters = [Counter(t.id, f"done {rp.task_name(t)}") for t in rp.tasks]
         for t in rp.tasks:
             t.signal = t.id
-            gw = waits[base[r] + t.id]
-            owners = np.searchsorted(base, [a for a, _ in gw], side="right") - 1 if gw else []
-            t.waits = [Wait(int(o), a - base[o], lag) for (a, lag), o in zip(gw, owners)]
+            t.waits = [Wait(owner[a], a - base[owner[a]], lag) for a, lag in waits[base[r] + t.id]]
