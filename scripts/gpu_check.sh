@@ -9,6 +9,7 @@
 # 2-4 ranks, TP MLP, TP2 Llama, a silent peer named) and the fault tests (cache corruption, a second
 # kernel, exit and collection, a killed compile, leaks over 100 kernels and 10,000 runs, memmap upload);
 # `all` and `tests` run them too, as a selection of their own (RUNTIME_TIMEOUT bounds it, 540 s).
+# `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE SLOTS DELAYS" ...).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -60,6 +61,13 @@ if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md
     echo "== generate1b ${constants:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
     PROFILE_CONSTANTS="$constants" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \
       python3 scripts/profile_cases.py generate1b 2>&1 | grep -v 'layers\.[1-9]' | tee -a "$OUT/gpu_check.log" || status=1
+  done
+fi
+if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's design (docs/runtime.md)
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/decode_stream_probe.bin scripts/decode_stream_probe.cu \
+    || status=1
+  for config in ${PROBE_CONFIGS:-"direct 0 today" "gated 8 today" "ahead 8 today" "direct 0 fused" "ahead 8 fused" "stream 8 none"}; do
+    timeout 60 /tmp/decode_stream_probe.bin $config 2>&1 | tee -a "$OUT/decode_stream_probe.jsonl" || status=1
   done
 fi
 if [ "$what" = profile ]; then

@@ -1,0 +1,529 @@
+// Decode-stream probe: can a processor's weights stream ahead of its dependencies? A persistent kernel
+// (one block per SM) runs a Llama-3.2-1B-shaped decode step as the loop kernel does: a chain of stages
+// linked by counters, each matrix-vector product cut into one tile per processor (a run of output rows
+// with all K, weights [N, K] row-major), each small op (norm, rope, attention, ...) one task whose
+// duration is given (a spin on %globaltimer), so the step's time is what the weight stream and the
+// chain of handoffs make of it. Modes, per block of 8 consumer warps + 1 loader warp:
+//   direct: the consumers wait for the task's producers, then load its weights from global memory
+//           (16-byte loads, U in flight a thread): the loop kernel's design today.
+//   gated:  the loader warp copies each task's weights with cp.async.bulk into a ring of shared-memory
+//           slots, but only once the task's producers are done (a task's own weights behind its wait).
+//   ahead:  the same ring, the loader walking the processor's task list without waiting for anything
+//           but free slots: weights are in flight while the consumers wait for activations.
+//   stream: ahead with no waits at all (wrong results): what the ring alone can stream.
+// Checks layer 0's products and a sample of the LM head's against float64 on the host.
+// Measures the design docs/runtime.md proposes for loop kernel v2; not part of the package.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o scripts/decode_stream_probe.bin scripts/decode_stream_probe.cu
+//   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD]]  (DELAYS: today | fused | none;
+//   LEAD: chunks of 16 KB the loader also prefetches into L2 ahead of its copies)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                           \
+    do {                                                                                \
+        cudaError_t e = (x);                                                            \
+        if (e != cudaSuccess) {                                                         \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));    \
+            exit(1);                                                                    \
+        }                                                                               \
+    } while (0)
+
+typedef uint32_t u32;
+typedef uint64_t u64;
+
+constexpr int CONSUMERS = 256;  // 8 warps
+constexpr int THREADS = CONSUMERS + 32;
+constexpr int SLOT_BYTES = 16384;
+constexpr int MAX_K = 8192;
+constexpr int MAX_ROWS = 1024;
+enum Mode { DIRECT = 0, GATED = 1, AHEAD = 2, STREAM = 3 };
+
+struct Task {
+    int gemv;         // 1: matrix-vector tile, 0: small op
+    int stage;        // counter index (the stage this task belongs to)
+    int dep;          // counter waited on (-1: none)
+    int dep_per_iter; // tasks of the producer stage
+    int first;        // 1 for the step's first stage: waits on the previous iteration's last
+    int k, row0, rows;
+    long long w_off;  // element offset of the tile's weights
+    int in_buf, out_buf, n_in, n_out;
+    int delay_ns;
+};
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release(u32* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ u64 evict_first() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(evict_first())
+        : "memory");
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(policy));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_cg(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float dot8(uint4 w, const uint4 x) {
+    float s = 0.f;
+    const u32 a[4] = {w.x, w.y, w.z, w.w}, b[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        s = fmaf(__uint_as_float(a[i] << 16), __uint_as_float(b[i] << 16), s);
+        s = fmaf(__uint_as_float(a[i] & 0xffff0000u), __uint_as_float(b[i] & 0xffff0000u), s);
+    }
+    return s;
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+
+__device__ bool wait_counter(const u32* c, u32 target, u32* abort_flag) {
+    u64 start = now_ns();
+    while (ld_acquire(c) < target) {
+        if (*(volatile u32*)abort_flag) return false;
+        if (now_ns() - start > 2000000000ull) {
+            atomicExch(abort_flag, 1u);
+            printf("probe watchdog: block %d counter %p wants %u has %u\n", blockIdx.x, c, target, *(volatile u32*)c);
+            return false;
+        }
+    }
+    return true;
+}
+
+struct Ring {
+    u32 data, full, empty;  // shared addresses: slots, SLOTS full barriers, SLOTS empty barriers
+    int slots;
+};
+
+// rows of one chunk: whole rows of the tile; the ring's chunks are one slot, direct loads 4 slots
+__device__ __forceinline__ int rows_per_chunk(int k, bool direct) { return (direct ? 4 : 1) * max(1, SLOT_BYTES / (k * 2)); }
+
+// one chunk of rows (at most N / UPR of them): each thread takes UPR 16-byte pieces of every row
+// (K = 256 x 8 x UPR), all N loads issued before the first product; a warp's partial sums meet in acc
+template <int UPR, int N, bool GLOBAL>
+__device__ __forceinline__ void gemv_chunk(const uint4* w, const uint4* xs, float* acc, int r0, int rows) {
+    constexpr int R = N / UPR, WIDTH = UPR * CONSUMERS;
+    const int t = threadIdx.x;
+    uint4 v[N];
+#pragma unroll
+    for (int u = 0; u < N; u++) {
+        const uint4* p = w + (u / UPR) * WIDTH + (u % UPR) * CONSUMERS + t;
+        v[u] = u / UPR >= rows ? make_uint4(0, 0, 0, 0) : GLOBAL ? ld_stream(p) : *p;
+    }
+    float part[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        part[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < UPR; c++) part[r] += dot8(v[r * UPR + c], xs[c * CONSUMERS + t]);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < R; r++) part[r] += __shfl_xor_sync(0xffffffffu, part[r], o);
+    if ((t & 31) == 0)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (r < rows) atomicAdd(acc + r0 + r, part[r]);
+}
+
+// one slot's rows by one warp: each lane takes every 32nd 16-byte piece of a row, so a row's sum meets
+// in one shuffle reduction and its result is this warp's alone
+template <int UPR>
+__device__ __forceinline__ void gemv_warp(const uint4* w, const uint4* xs, float* acc, int r0, int rows) {
+    constexpr int PIECES = UPR * CONSUMERS / 32;  // per lane and row: 8 (K = 2048) or 32 (K = 8192)
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < rows; r++) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < PIECES; i++) part[i & 3] += dot8(w[r * PIECES * 32 + i * 32 + lane], xs[i * 32 + lane]);
+        float sum = (part[0] + part[1]) + (part[2] + part[3]);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) acc[r0 + r] = sum;
+    }
+}
+
+template <bool GLOBAL>
+__device__ __forceinline__ void gemv_rows(const void* w, const uint4* xs, float* acc, int r0, int rows, int k) {
+    constexpr int N = GLOBAL ? 16 : 4;
+    if (k == 2048) gemv_chunk<1, N, GLOBAL>((const uint4*)w, xs, acc, r0, rows);
+    else gemv_chunk<4, N, GLOBAL>((const uint4*)w, xs, acc, r0, rows);
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __nv_bfloat16* const* bufs, u32* counters,
+      u64* stamps, int iterations, int mode, int slots, int lead, u32* abort_flag) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint4* xs = (uint4*)smem;                                   // MAX_K bf16
+    float* acc = (float*)(smem + MAX_K * 2);                    // MAX_ROWS floats
+    unsigned char* ring_base = smem + MAX_K * 2 + MAX_ROWS * 4; // slots x SLOT_BYTES
+    u64* bars = (u64*)(ring_base + (size_t)slots * SLOT_BYTES);
+    Ring ring{(u32)__cvta_generic_to_shared(ring_base), (u32)__cvta_generic_to_shared(bars),
+              (u32)__cvta_generic_to_shared(bars + slots), slots};
+    const int t = threadIdx.x, first = task_start[blockIdx.x], end = task_start[blockIdx.x + 1];
+    if (t == 0) {
+        for (int s = 0; s < slots; s++) {
+            mbar_init(ring.full + 8 * s, 1);
+            mbar_init(ring.empty + 8 * s, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (int i = t; i < MAX_ROWS; i += THREADS) acc[i] = 0.f;
+    __syncthreads();
+    const bool use_ring = mode != DIRECT;
+    if (t >= CONSUMERS) {  // the loader warp
+        if (!use_ring || t != CONSUMERS) return;
+        // a second cursor `lead` chunks ahead of the copies prefetches into L2 (wrapping into the next step)
+        int ahead_i = first, ahead_r = 0;
+        auto prefetch_next = [&]() {
+            for (int n = 0; n <= end - first && !tasks[ahead_i].gemv; n++) ahead_i = ahead_i + 1 < end ? ahead_i + 1 : first;
+            const Task& a = tasks[ahead_i];
+            if (!a.gemv) return;
+            const int per = rows_per_chunk(a.k, false), rows = min(per, a.rows - ahead_r);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(weights + a.w_off + (long long)ahead_r * a.k),
+                         "r"(rows * a.k * 2)
+                         : "memory");
+            ahead_r += per;
+            if (ahead_r >= a.rows) ahead_r = 0, ahead_i = ahead_i + 1 < end ? ahead_i + 1 : first;
+        };
+        for (int n = 0; n < lead; n++) prefetch_next();
+        u32 g = 0;
+        for (int it = 0; it < iterations; it++)
+            for (int i = first; i < end; i++) {
+                const Task& task = tasks[i];
+                if (!task.gemv) continue;
+                if (mode == GATED && task.dep >= 0) {
+                    u32 target = task.first ? (u32)it * task.dep_per_iter : (u32)(it + 1) * task.dep_per_iter;
+                    if (!wait_counter(counters + task.dep, target, abort_flag)) return;
+                }
+                const int per = rows_per_chunk(task.k, false);
+                for (int r = 0; r < task.rows; r += per, g++) {
+                    const int rows = min(per, task.rows - r), slot = g % slots;
+                    const u32 use = g / slots;
+                    if (use > 0) mbar_wait(ring.empty + 8 * slot, (use - 1) & 1);
+                    const u32 bytes = rows * task.k * 2;
+                    mbar_expect_tx(ring.full + 8 * slot, bytes);
+                    bulk_copy(ring.data + slot * SLOT_BYTES, weights + task.w_off + (long long)r * task.k, bytes,
+                              ring.full + 8 * slot);
+                    if (lead > 0) prefetch_next();
+                }
+            }
+        return;
+    }
+    u32 g = 0;
+    for (int it = 0; it < iterations; it++)
+        for (int i = first; i < end; i++) {
+            const Task& task = tasks[i];
+            if (t == 0 && task.dep >= 0 && mode != STREAM) {
+                u32 target = task.first ? (u32)it * task.dep_per_iter : (u32)(it + 1) * task.dep_per_iter;
+                if (!wait_counter(counters + task.dep, target, abort_flag)) atomicExch(abort_flag, 1u);
+            }
+            consumers_sync();
+            if (*(volatile u32*)abort_flag) return;
+            const u64 start = now_ns();
+            if (t == 0 && it == iterations - 1) atomicMin((unsigned long long*)stamps + 2 * task.stage, start);
+            const __nv_bfloat16* in = bufs[task.in_buf];
+            __nv_bfloat16* out = bufs[task.out_buf];
+            if (task.gemv) {
+                for (int j = t; j < task.k / 8; j += CONSUMERS) xs[j] = ld_cg((const uint4*)in + j);
+                consumers_sync();
+                const int per = rows_per_chunk(task.k, !use_ring);
+                for (int r = 0; r < task.rows; r += per) {
+                    const int rows = min(per, task.rows - r);
+                    if (use_ring) {  // slot s is always warp s % 8's, so its phases are waited for in order
+                        const int slot = g % slots;
+                        if (slot % (CONSUMERS / 32) == t / 32) {
+                            mbar_wait(ring.full + 8 * slot, (g / slots) & 1);
+                            const uint4* w = (const uint4*)(ring_base + (size_t)slot * SLOT_BYTES);
+                            if (task.k == 2048) gemv_warp<1>(w, xs, acc, r, rows);
+                            else gemv_warp<4>(w, xs, acc, r, rows);
+                            __syncwarp();
+                            if ((t & 31) == 0) mbar_arrive(ring.empty + 8 * slot);
+                        }
+                        g++;
+                    } else {
+                        gemv_rows<true>(weights + task.w_off + (long long)r * task.k, xs, acc, r, rows, task.k);
+                    }
+                }
+                consumers_sync();
+                for (int r = t; r < task.rows; r += CONSUMERS) {
+                    out[task.row0 + r] = __float2bfloat16(acc[r]);
+                    acc[r] = 0.f;
+                }
+            } else {
+                uint4 v[8];  // n_out <= 16384: all loads in flight before the first store
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int j = t + u * CONSUMERS;
+                    if (j < task.n_out / 8) v[u] = ld_cg((const uint4*)in + j % (task.n_in / 8));
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int j = t + u * CONSUMERS;
+                    if (j < task.n_out / 8) ((uint4*)out)[j] = v[u];
+                }
+                if (t == 0)
+                    while (now_ns() - start < (u64)task.delay_ns) {
+                    }
+            }
+            consumers_sync();
+            if (t == 0) {
+                if (it == iterations - 1) atomicMax((unsigned long long*)stamps + 2 * task.stage + 1, now_ns());
+                __threadfence();
+                red_release(counters + task.stage);
+            }
+        }
+}
+
+__global__ void fill(__nv_bfloat16* w, long long n, float scale, long long seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        u64 h = (u64)(i + seed) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 32;
+        float u = ((h & 0xffffff) / 16777216.0f) * 2.f - 1.f;
+        w[i] = __float2bfloat16(u * scale);
+    }
+}
+
+struct Stage {
+    bool gemv;
+    int n, k, delay_ns;
+};
+
+static float bf2f(__nv_bfloat16 b) {
+    uint16_t s;
+    memcpy(&s, &b, 2);
+    u32 u = (u32)s << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int main(int argc, char** argv) {
+    const std::string mode_s = argc > 1 ? argv[1] : "ahead";
+    const int slots = argc > 2 ? atoi(argv[2]) : 8;
+    const std::string delays = argc > 3 ? argv[3] : "today";
+    const int iterations = argc > 4 ? atoi(argv[4]) : 20;
+    const int lead = argc > 5 ? atoi(argv[5]) : 0;  // chunks prefetched into L2 ahead of the ring
+    const int mode = mode_s == "direct" ? DIRECT : mode_s == "gated" ? GATED : mode_s == "stream" ? STREAM : AHEAD;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int P = prop.multiProcessorCount;
+    const int H = 2048, I = 8192, V = 128256, L = 16, QKV = 2048 + 512 + 512;
+    // small stages: today's loop kernel (docs/runtime.md, profile at 2ae6b15 / 27d035c), or v2's fused
+    // instructions (norms inside q/k/v and gate/up, rope into the cache inside q/k/v, silu_mul inside down)
+    std::vector<Stage> st;
+    auto small = [&](int n, int us10) {
+        if (delays == "none") us10 = 0;
+        st.push_back({false, n, 0, us10 * 100});
+    };
+    for (int l = 0; l < L; l++) {
+        if (delays != "fused") small(H, 13);                      // input norm
+        st.push_back({true, QKV, H, 0});
+        if (delays != "fused") small(QKV, 20);                    // rope(q) | rope k into the cache, v
+        small(QKV, 48);                                           // attention partial
+        small(H, 15);                                             // attention combine
+        st.push_back({true, H, H, 0});                            // o
+        if (delays != "fused") small(H, 16);                      // post-attention norm
+        st.push_back({true, 2 * I, H, 0});                        // gate | up
+        if (delays != "fused") small(I, 18);                      // silu_mul
+        st.push_back({true, H, I, 0});                            // down
+    }
+    small(H, 13);  // final norm
+    st.push_back({true, V, H, 0});
+    small(H, 30);  // argmax partials + combine, then the embedding
+    // buffers: buffer s is stage s's output; stage s reads s - 1's (stage 0 the last's)
+    const int S = st.size();
+    std::vector<__nv_bfloat16*> bufs(S);
+    long long weight_elems = 0;
+    for (int s = 0; s < S; s++) {
+        CK(cudaMalloc(&bufs[s], (size_t)st[s].n * 2));
+        CK(cudaMemset(bufs[s], 0, (size_t)st[s].n * 2));
+        if (st[s].gemv) weight_elems += (long long)st[s].n * st[s].k;
+    }
+    {  // a non-zero start vector for stage 0's input
+        std::vector<__nv_bfloat16> x(st[S - 1].n);
+        for (size_t i = 0; i < x.size(); i++) x[i] = __float2bfloat16(0.5f * sinf(0.37f * i));
+        CK(cudaMemcpy(bufs[S - 1], x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+    }
+    __nv_bfloat16* weights;
+    CK(cudaMalloc(&weights, weight_elems * 2));
+    // tasks, per processor in stage order; small stage s runs on processor (7 s) % P
+    std::vector<std::vector<Task>> per(P);
+    std::vector<long long> w_off(S, -1);
+    std::vector<int> tiles(S);
+    long long off = 0;
+    for (int s = 0; s < S; s++) {
+        const int prev = (s + S - 1) % S;
+        if (st[s].gemv) {
+            w_off[s] = off;
+            const int n = st[s].n;
+            tiles[s] = std::min(P, n);
+            for (int p = 0; p < tiles[s]; p++) {
+                const int r0 = (long long)n * p / tiles[s], r1 = (long long)n * (p + 1) / tiles[s];
+                Task tk{1, s, -1, 0, s == 0, st[s].k, r0, r1 - r0, off + (long long)r0 * st[s].k, prev, s, st[prev].n, n, 0};
+                per[p].push_back(tk);
+            }
+            fill<<<1024, 256>>>(weights + off, (long long)n * st[s].k, sqrtf(3.f / st[s].k), off);
+            CK(cudaGetLastError());
+            off += (long long)n * st[s].k;
+        } else {
+            tiles[s] = 1;
+            Task tk{0, s, -1, 0, s == 0, 0, 0, 0, 0, prev, s, st[prev].n, st[s].n, st[s].delay_ns};
+            per[(7 * s) % P].push_back(tk);
+        }
+    }
+    std::vector<Task> all;
+    std::vector<int> start(P + 1);
+    for (int p = 0; p < P; p++) {
+        start[p] = all.size();
+        for (Task tk : per[p]) {
+            const int prev = (tk.stage + S - 1) % S;
+            tk.dep = prev;
+            tk.dep_per_iter = tiles[prev];
+            all.push_back(tk);
+        }
+    }
+    start[P] = all.size();
+    for (const Task& tk : all)
+        if (tk.gemv && (tk.rows > MAX_ROWS || tk.k > MAX_K)) {
+            printf("tile of %d rows x %d is beyond the probe's shared memory\n", tk.rows, tk.k);
+            return 1;
+        }
+    Task* d_tasks;
+    int* d_start;
+    __nv_bfloat16** d_bufs;
+    u32 *counters, *abort_flag;
+    u64* stamps;
+    CK(cudaMalloc(&stamps, S * 16));
+    CK(cudaMalloc(&d_tasks, all.size() * sizeof(Task)));
+    CK(cudaMemcpy(d_tasks, all.data(), all.size() * sizeof(Task), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&d_start, start.size() * 4));
+    CK(cudaMemcpy(d_start, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&d_bufs, S * sizeof(void*)));
+    CK(cudaMemcpy(d_bufs, bufs.data(), S * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&counters, S * 4));
+    CK(cudaMalloc(&abort_flag, 4));
+    const int ring_slots = mode == DIRECT ? 0 : slots;
+    const size_t shm = MAX_K * 2 + MAX_ROWS * 4 + (size_t)ring_slots * SLOT_BYTES + 2 * std::max(ring_slots, 1) * 8;
+    CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> times;
+    for (int rep = 0; rep < 4; rep++) {
+        CK(cudaMemset(counters, 0, S * 4));
+        CK(cudaMemset(abort_flag, 0, 4));
+        std::vector<u64> init(2 * S, 0);
+        for (int s = 0; s < S; s++) init[2 * s] = ~0ull;
+        CK(cudaMemcpy(stamps, init.data(), S * 16, cudaMemcpyHostToDevice));
+        CK(cudaEventRecord(e0));
+        probe<<<P, THREADS, shm>>>(d_tasks, d_start, weights, d_bufs, counters, stamps, iterations, mode,
+                                   ring_slots, lead, abort_flag);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaGetLastError());
+        u32 aborted;
+        CK(cudaMemcpy(&aborted, abort_flag, 4, cudaMemcpyDeviceToHost));
+        if (aborted) {
+            printf("aborted\n");
+            return 1;
+        }
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (rep > 0) times.push_back(ms * 1000.f / iterations);
+    }
+    std::sort(times.begin(), times.end());
+    // the last iteration of the last run: each stage from its first task's start (after its waits) to its
+    // last task's end; a handoff from the previous stage's end to this one's start
+    std::vector<u64> stamp(2 * S);
+    CK(cudaMemcpy(stamp.data(), stamps, S * 16, cudaMemcpyDeviceToHost));
+    double gemv_us = 0, small_us = 0, handoff_us = 0, step_us = (stamp[2 * S - 1] - stamp[0]) * 1e-3;
+    for (int s = 0; s < S; s++) {
+        (st[s].gemv ? gemv_us : small_us) += (stamp[2 * s + 1] - stamp[2 * s]) * 1e-3;
+        if (s > 0) handoff_us += ((double)stamp[2 * s] - (double)stamp[2 * s - 1]) * 1e-3;
+    }
+    // check every product of layer 0 and 4096 rows of the LM head: the last iteration's input and output
+    double worst = 0.0;
+    int worst_stage = -1, worst_row = -1;
+    for (int s = 0; s < S; s++) {
+        // stage 0 read the previous iteration's last output, which the last iteration overwrote
+        if (!st[s].gemv || s == 0 || (s > 10 && s != S - 2)) continue;
+        const int prev = (s + S - 1) % S, n = st[s].n, k = st[s].k;
+        std::vector<__nv_bfloat16> x(k), y(n);
+        CK(cudaMemcpy(x.data(), bufs[prev], k * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(y.data(), bufs[s], n * 2, cudaMemcpyDeviceToHost));
+        const int rows = s == S - 2 ? 4096 : n;
+        std::vector<__nv_bfloat16> w((size_t)rows * k);
+        CK(cudaMemcpy(w.data(), weights + w_off[s], w.size() * 2, cudaMemcpyDeviceToHost));
+        for (int r = 0; r < rows; r++) {
+            double ref = 0.0, mag = 0.0;
+            for (int j = 0; j < k; j++) {
+                const double p = (double)bf2f(w[(size_t)r * k + j]) * bf2f(x[j]);
+                ref += p;
+                mag += fabs(p);
+            }
+            // bf16 rounding of the output plus float32 accumulation over k terms
+            const double err = fabs(bf2f(y[r]) - ref) / (fabs(ref) * 0.0079 + mag * k * 1.2e-7 + 1e-30);
+            if (err > worst) worst = err, worst_stage = s, worst_row = r;
+        }
+    }
+    const double gb = weight_elems * 2 / 1e9;
+    printf("{\"mode\": \"%s\", \"l2_lead_kb\": %d, \"slots\": %d, \"ring_kb\": %d, \"delays\": \"%s\", \"stages\": %d, \"weights_gb\": %.3f, "
+           "\"us_per_token_median\": %.1f, \"us_per_token_min\": %.1f, \"tb_per_s\": %.2f, \"worst_error_over_bound\": %.3f, "
+           "\"worst_at\": [%d, %d], \"last_step_us\": %.1f, \"gemv_stages_us\": %.1f, \"small_stages_us\": %.1f, "
+           "\"handoffs_us\": %.1f}\n",
+           mode_s.c_str(), lead * SLOT_BYTES / 1024, ring_slots, ring_slots * SLOT_BYTES / 1024, delays.c_str(), S, gb, times[times.size() / 2],
+           times[0], gb * 1e3 / times[times.size() / 2], worst, worst_stage, worst_row, step_us, gemv_us,
+           small_us, handoff_us);
+    return mode != STREAM && worst > 1.0 ? 2 : 0;
+}
