@@ -1,7 +1,7 @@
 """The partitioner's cost model (megaloop/parallel/cost.py) against the committed H200 measurements in
 bench/results: every case rebuilt as the benchmark built it, its step predicted, the ratio printed.
-Runs on the CPU (no GPU: it reads the measurements). ``--fit`` searches the two constants the model
-takes from measurements (Machine.tile_scale, Machine.stage_us) for the smallest worst error.
+Runs on the CPU (no GPU: it reads the measurements). ``--fit`` searches the three constants the model
+takes from measurements (Machine.tile_scale, stage_us, l2_scale) for the least squares of the log ratios.
 
     python -m bench.cost_model          # the table (docs/partition.md holds a copy)
     python -m bench.cost_model --fit
@@ -115,23 +115,28 @@ def worst(rows: list[tuple[str, float, float]]) -> float:
     return max(abs(p / m - 1) for _, p, m in rows)
 
 
+def _misfit(machine: Machine, built: list, tiles: dict) -> float:
+    return sum(math.log(p / m) ** 2 for _, p, m in table(machine, built, tiles))
+
+
+def fit(built: list, tiles: dict) -> Machine:
+    """The grid point of least squared log error (tile times are cached per l2_scale)."""
+    grid = itertools.product(np.arange(1.0, 1.21, 0.04), np.arange(0.90, 1.21, 0.02), np.arange(0.0, 1.61, 0.1))
+    machines = [replace(H200, l2_scale=float(l2), tile_scale=float(t), stage_us=float(s)) for l2, t, s in grid]
+    return min(machines, key=lambda m: _misfit(m, built, tiles))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fit", action="store_true", help="search tile_scale and stage_us")
+    ap.add_argument("--fit", action="store_true", help="search tile_scale, stage_us and l2_scale")
     args = ap.parse_args()
     built = [(name, make(), us) for name, make, us in cases()]
     machine = H200
     tiles: dict = {}
     if args.fit:
-        grid = itertools.product(np.arange(0.70, 1.31, 0.02), np.arange(0.0, 2.01, 0.1))
-        best = min(
-            grid,
-            key=lambda c: sum(
-                math.log(p / m) ** 2 for _, p, m in table(replace(H200, tile_scale=c[0], stage_us=c[1]), built, tiles)
-            ),
-        )
-        machine = replace(H200, tile_scale=float(best[0]), stage_us=float(best[1]))
-        print(f"fitted: tile_scale={machine.tile_scale:.2f} stage_us={machine.stage_us:.1f}")
+        machine = fit(built, tiles)
+        m = machine
+        print(f"fitted: tile_scale={m.tile_scale:.2f} stage_us={m.stage_us:.1f} l2_scale={m.l2_scale:.2f}")
     rows = table(machine, built, tiles)
     print("| case | measured (us) | predicted (us) | error |\n|---|---|---|---|")
     for name, p, m in rows:

@@ -259,7 +259,7 @@ def test_sixteen_ranks_over_two_nodes() -> None:
 def test_the_cost_model_predicts_the_committed_measurements() -> None:
     """bench/cost_model.py's cases (the single-GPU layers, GEMMs, memory-bound ops, all-reduces on two
     GPUs, as measured on an H200 and committed in bench/results) within the errors docs/partition.md
-    reports: none beyond 25%, the mean within 10%."""
+    reports: the single-GPU ones within 15% (issue 21's target), none beyond 25%, the mean within 10%."""
     from bench import cost_model
     from megaloop.parallel.predict import predict_step
 
@@ -268,6 +268,8 @@ def test_the_cost_model_predicts_the_committed_measurements() -> None:
         if name.startswith("1B") or name.startswith("TP MLP"):
             continue  # (16-layer graphs: slow to build here; the benchmark's table has them)
         errors[name] = predict_step(make(), ml.parallel.H200)["step_us"] / measured - 1
+    one_gpu = {name: e for name, e in errors.items() if "GPUs" not in name}
+    assert len(one_gpu) >= 10 and max(abs(e) for e in one_gpu.values()) <= 0.15, one_gpu
     assert max(abs(e) for e in errors.values()) <= 0.25, errors
     assert np.mean([abs(e) for e in errors.values()]) <= 0.10, errors
 

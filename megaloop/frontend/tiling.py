@@ -314,9 +314,16 @@ RATES = {
 
 
 def task_cost_ns(
-    arch: str, processors: int, local_bytes: int, remote_bytes: int, flops: int, streamed_bytes: int = 0
+    arch: str,
+    processors: int,
+    local_bytes: int,
+    remote_bytes: int,
+    flops: int,
+    streamed_bytes: int = 0,
+    rates: Rates | None = None,
 ) -> float:
-    r = RATES[arch]
+    """A tile's time in ns on one of ``processors``: the task overhead plus its slowest feed."""
+    r = RATES[arch] if rates is None else rates
     share = 1.0 / processors
     seconds = max(
         local_bytes / (r.hbm * share),

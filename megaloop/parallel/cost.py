@@ -19,7 +19,7 @@ from typing import Any
 
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.placement import LocalCall, Strategy, local_shape
-from megaloop.frontend.tiling import PEER_SEND, TileContext, task_cost_ns
+from megaloop.frontend.tiling import PEER_SEND, RATES, Rates, TileContext, task_cost_ns
 from megaloop.parallel.reshard import Step
 
 
@@ -54,8 +54,16 @@ class Machine:
     same_gpu: Link | None = None  # set: every rank is a share of one GPU (split processors)
     # fitted to bench/results (docs/partition.md): the plan's tile estimates run this much longer,
     # and each op hands over to the next after this long
-    tile_scale: float = 1.04
-    stage_us: float = 1.1
+    # and the matmul tiles' operand blocks come from L2 this much faster than the plan's rate says
+    tile_scale: float = 1.10
+    stage_us: float = 0.7
+    l2_scale: float = 1.12
+
+    @property
+    def rates(self) -> Rates:
+        """The plan's per-tile rates for this device, with the fitted L2 feed."""
+        base = RATES[self.arch]
+        return replace(base, l2=base.l2 * self.l2_scale)
 
     def link(self, ranks: Sequence[int]) -> Link:
         """The link a group of ranks exchanges over: the slowest between any two of them."""
@@ -110,7 +118,7 @@ def tiles_us(node: Any, machine: Machine, world: int = 1) -> tuple[float, float]
         if tile.moved is not None:
             local = tile.moved
         hbm = local - tile.streamed + tile.streamed_once
-        ns = task_cost_ns(machine.arch, machine.processors, hbm, 0, tile.flops, tile.streamed)
+        ns = task_cost_ns(machine.arch, machine.processors, hbm, 0, tile.flops, tile.streamed, machine.rates)
         total += ns
         longest = max(longest, ns)
     scale = machine.tile_scale / 1e3

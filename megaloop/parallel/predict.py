@@ -77,7 +77,7 @@ def _vertex_cost(mem: list[tuple[int, Node]], machine: Machine, tiles: dict) -> 
             nbytes = node.inputs[0].nbytes
         us = exchange_us(node.op.name, nbytes, len(ranks) if kind == "collective" else 2, machine.link(ranks))
         return 0.0, us, 0.0
-    key = _signature(node)
+    key = _signature(node), machine.l2_scale
     if key not in tiles:
         tiles[key] = tiles_us(node, replace(machine, tile_scale=1.0), len(mem))
     work, span = tiles[key]
