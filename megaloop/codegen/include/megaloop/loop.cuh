@@ -221,18 +221,19 @@ __device__ __forceinline__ void store_release_gpu(u64* p, u64 v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ inline u64 wait_requested(const Args& a, u64 k) {
-    unsigned backoff = 32;
-    const unsigned most = blockIdx.x == 0 ? 1024 : 256;
+    unsigned backoff = 32, polls = 0;
     for (;;) {
         if (aborted(a)) return 0;
         if (blockIdx.x == 0) {
-            // stop first: the host writes requested, then stop, so a stop seen here comes with the
-            // last request (read the other way round, a stale request could lose iterations)
-            const bool stop = load_acquire_sys(&a.control->stop) != 0;
+            // one PCIe read a poll; stop (rare) every 8th. The host writes requested, then stop, so
+            // requested read again after a stop is the last request
             const u64 requested = load_acquire_sys(&a.control->requested);
             if (requested > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], requested);
             if (requested > k) return requested;
-            if (stop) {
+            if ((++polls & 7) == 0 && load_acquire_sys(&a.control->stop) != 0) {
+                const u64 last = load_acquire_sys(&a.control->requested);
+                if (last > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], last);
+                if (last > k) return last;
                 store_release_gpu(&a.doorbell[1], 1);
                 return 0;
             }
@@ -246,7 +247,7 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
             }
         }
         __nanosleep(backoff);
-        backoff = backoff < most ? backoff * 2 : most;
+        backoff = backoff < 256 ? backoff * 2 : 256;
     }
 }
 
