@@ -3,7 +3,8 @@ a 128-token prompt, then 128 new tokens. megaloop: the prefill kernel, then the 
 generator (megaloop.models.build_llama_generator), all 128 tokens in ONE run of the resident loop
 kernel; then the same with sampling (ml.sample in the generator's ranges of the vocabulary; SAMPLING's
 variants). PyTorch: the same model, one decode step per token, eager and CUDA-graphed
-(torch.compile mode="reduce-overhead") at the same context length. Per-token latency, same run."""
+(torch.compile mode="reduce-overhead") at the same context length; and transformers' own generate
+with a static cache and the compiled forward, the same weights. Per-token latency, same run."""
 
 from __future__ import annotations
 
@@ -90,6 +91,44 @@ def torch_side(cfg, params: dict) -> dict:
     return {"torch_eager_us_per_token": eager, "torch_compile_us_per_token": graphed}
 
 
+def transformers_side(cfg, params: dict) -> dict:
+    """transformers' greedy generate, static cache, forward compiled (its documented fast path), the
+    same weights: (time for NEW tokens - time for 1) / (NEW - 1), medians of 3 after 2 warm-ups."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=PROMPT + NEW, tie_word_embeddings=False, dtype="bfloat16",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    missing, unexpected = model.load_state_dict({k: torch.tensor(v, dtype=torch.bfloat16) for k, v in params.items()})
+    assert not unexpected and not missing, (missing, unexpected)
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab, (1, PROMPT), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def seconds(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        for _ in range(2):
+            seconds(NEW)
+        full, one = np.median([seconds(NEW) for _ in range(3)]), np.median([seconds(1) for _ in range(3)])
+    return {
+        "transformers_version": transformers.__version__,
+        "transformers_static_compiled_us_per_token": float((full - one) / (NEW - 1) * 1e6),
+    }
+
+
 def main() -> None:
     base = PRESETS["llama3.2-1b"]
     cfg = type(base)(**{**base.__dict__, "max_seq": PROMPT + NEW})
@@ -99,6 +138,10 @@ def main() -> None:
     results: dict = {"model": "llama3.2-1b shape, random weights, bf16", "prompt": PROMPT, "new_tokens": NEW}
 
     results.update(torch_side(cfg, params))
+    try:
+        results.update(transformers_side(cfg, params))
+    except Exception as e:  # the loop kernel's numbers still count; say why this one is missing
+        results["transformers_error"] = f"{type(e).__name__}: {e}"[:500]
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()
@@ -142,6 +185,9 @@ def main() -> None:
     results["loop_tokens_per_s"] = NEW / seconds
     results["speedup_vs_torch_eager"] = results["torch_eager_us_per_token"] / results["loop_us_per_token"]
     results["speedup_vs_torch_compile"] = results["torch_compile_us_per_token"] / results["loop_us_per_token"]
+    if "transformers_static_compiled_us_per_token" in results:
+        ratio = results["transformers_static_compiled_us_per_token"] / results["loop_us_per_token"]
+        results["speedup_vs_transformers_static_compiled"] = ratio
     results["first_tokens"] = tokens[:16].tolist()
     results["kv_splits"] = auto_kv_splits(cfg, 1, 1) if _splits() == "auto" else _splits()
     print(results, flush=True)
