@@ -172,12 +172,20 @@ class LoopKernelGroup:
         last = [k.completed() for k in self.kernels]
         spins = 0
         while True:
+            # each rank's slowest block first (one word); the minimum over its blocks only then
+            if all(int(k.progress[k._slowest]) >= k._requested for k in self.kernels):
+                now = [k.completed() for k in self.kernels]
+                if all(c >= k._requested for c, k in zip(now, self.kernels)):
+                    # an error recorded by a task of the last iteration arrives with its progress
+                    self._raise_first_error()
+                    return
+                for k in self.kernels:
+                    k._slowest = int(k.progress.argmin())
+            spins += 1
+            if spins & 15:
+                continue
             self._raise_first_error()
             now = [k.completed() for k in self.kernels]
-            if all(c >= k._requested for c, k in zip(now, self.kernels)):
-                # an error recorded by a task of the last iteration arrives with its progress
-                self._raise_first_error()
-                return
             if now != last:
                 last, deadline = now, time.monotonic() + grace
             if time.monotonic() > deadline:
@@ -188,7 +196,6 @@ class LoopKernelGroup:
                     "please report it with the plan). "
                     + ("Every rank has been stopped" if all(left) else "Some did not stop: restart the process")
                 )
-            spins += 1
             if spins > 1000:
                 time.sleep(0.0002)
 
