@@ -48,7 +48,8 @@ PHASES = [
     ("megaloop.plan.verify", "find_orderings", "  orderings"),
     ("megaloop.plan.verify", "_check_structure", "  structure"),
     ("megaloop.plan.verify", "_check_memory", "  memory"),
-    ("megaloop.plan.verify", "_acyclic", "  acyclic"),
+    ("megaloop.plan.verify", "_flat_waits", "  waits"),
+    ("megaloop.plan.verify", "_levels", "  levels"),
     ("megaloop.plan.verify", "_clocks", "  clocks"),
 ]
 

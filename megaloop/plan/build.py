@@ -455,18 +455,9 @@ def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list
 def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
     """Counters (one per task) and the irredundant waits that cover the requirements."""
     base = task_bases(plan)
-    n = base[-1] + len(plan.ranks[-1].tasks)
     proc_base = [r * plan.processors for r in range(plan.world_size)]
-    proc = np.zeros(n, np.int64)
-    index = np.zeros(n, np.int64)
-    lists: list[list[int]] = []
-    for r, rp in enumerate(plan.ranks):
-        for p, lst in enumerate(rp.processors):
-            lists.append([base[r] + t for t in lst])
-            for i, t in enumerate(lst):
-                proc[base[r] + t] = proc_base[r] + p
-                index[base[r] + t] = i
-    layout = Layout(proc, index, lists)
+    layout = plan_layout(plan)
+    proc, index = layout.proc, layout.index
     order = hb_order(layout, req0)
     if order is None:
         cycle = deadlock_cycle(layout, req0)
@@ -483,9 +474,28 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
             + "; move a task after what it depends on"
         )
     waits = derive_waits(layout, req0, req1, order)
-    owner = np.repeat(np.arange(plan.world_size), [len(rp.tasks) for rp in plan.ranks]).tolist()
+    owner = np.searchsorted(np.asarray(base), waits.producer, side="right") - 1
+    flat = list(map(Wait, owner.tolist(), (waits.producer - np.asarray(base)[owner]).tolist(), waits.lag.tolist()))
+    start = waits.start.tolist()
     for r, rp in enumerate(plan.ranks):
         rp.counters = [Counter(t.id, f"done {rp.task_name(t)}") for t in rp.tasks]
         for t in rp.tasks:
             t.signal = t.id
-            t.waits = [Wait(owner[a], a - base[owner[a]], lag) for a, lag in waits[base[r] + t.id]]
+            t.waits = flat[start[base[r] + t.id] : start[base[r] + t.id + 1]]
+
+
+def plan_layout(plan: Plan) -> Layout:
+    """The processor lists of all ranks as one ``Layout`` of global tasks (rank r's processors
+    numbered from ``r * plan.processors``)."""
+    base = task_bases(plan)
+    n = base[-1] + len(plan.ranks[-1].tasks)
+    proc = np.zeros(n, np.int64)
+    index = np.zeros(n, np.int64)
+    lists: list[list[int]] = []
+    for r, rp in enumerate(plan.ranks):
+        for p, lst in enumerate(rp.processors):
+            lists.append([base[r] + t for t in lst])
+            gids = np.asarray(lists[-1], np.int64)
+            proc[gids] = r * plan.processors + p
+            index[gids] = np.arange(len(lst))
+    return Layout(proc, index, lists)
