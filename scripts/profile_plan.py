@@ -38,6 +38,8 @@ ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq
 PHASES = [
     ("megaloop.plan.build", "place_buffers", "place buffers"),
     ("megaloop.plan.build", "make_tasks", "tasks"),
+    ("megaloop.plan.build", "build_access_table", "access table"),
+    ("megaloop.plan.build", "find_orderings", "orderings"),
     ("megaloop.plan.build", "requirements", "requirements"),
     ("megaloop.plan.build", "list_schedule", "schedule"),
     ("megaloop.plan.build", "link", "link"),

@@ -69,9 +69,7 @@ def plan_key(graphs: Graph | Sequence[Graph], settings: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def load_or_make_plan(
-    graphs: Graph | Sequence[Graph], *, use_cache: bool = True, **settings: Any
-) -> tuple[Plan, bool]:
+def load_or_make_plan(graphs: Graph | Sequence[Graph], *, use_cache: bool = True, **settings: Any) -> tuple[Plan, bool]:
     """``make_plan(graphs, **settings)``, or the same plan from the cache; and whether it was."""
     if not use_cache:
         return make_plan(graphs, **settings), False

@@ -64,25 +64,24 @@ def program_predecessors(layout: Layout) -> np.ndarray:
 
 
 def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
-    """A topological order of program order plus same-iteration requirements (None on a cycle)."""
+    """The least topological order (smallest task first among those ready) of program order plus
+    same-iteration requirements (None on a cycle)."""
     n = len(layout.proc)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = np.zeros(n, np.int64)
     pred = program_predecessors(layout)
-    for c in range(n):
-        if pred[c] >= 0:
-            succ[pred[c]].append(c)
-            indeg[c] += 1
-        for a in req0[c]:
-            succ[a].append(c)
-            indeg[c] += 1
+    before, start = _grouped(req0)
+    has_pred = pred >= 0
+    src = np.concatenate([pred[has_pred], before])
+    dst = np.concatenate([np.flatnonzero(has_pred), np.repeat(np.arange(n), np.diff(start))])
+    by = np.argsort(src, kind="stable")
+    succ, first = dst[by].tolist(), np.searchsorted(src[by], np.arange(n + 1)).tolist()
+    indeg = np.bincount(dst, minlength=n).tolist()
     heap = [c for c in range(n) if indeg[c] == 0]
     heapq.heapify(heap)
     order = []
     while heap:
         a = heapq.heappop(heap)
         order.append(a)
-        for c in succ[a]:
+        for c in succ[first[a] : first[a + 1]]:
             indeg[c] -= 1
             if indeg[c] == 0:
                 heapq.heappush(heap, c)

@@ -28,7 +28,7 @@ import numpy as np
 
 from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
-from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases, task_name
+from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import meetings
 
@@ -40,14 +40,17 @@ class Report:
     orderings: int  # required orderings checked
 
 
-def verify_plan(plan: Plan) -> Report:
+def verify_plan(plan: Plan, hazards: Hazards | None = None) -> Report:
+    """Check ``plan`` (see the module's docstring). ``hazards``: its access table and orderings when
+    the caller has just found them from these very tasks' accesses and ops (make_plan, whose linking
+    sets only processors, counters and waits); else they are found here."""
     base = task_bases(plan)
     n = base[-1] + len(plan.ranks[-1].tasks) if plan.ranks else 0
     proc, index, lists = _placement(plan, base, n)
     last_signaler = _counters(plan, base, proc, index)
     waits = _flat_waits(plan, base)
     _check_structure(plan, waits, base)
-    table = build_access_table(plan)
+    table = hazards.table if hazards is not None else build_access_table(plan)
     if table.read_only_writes:
         gid, owner, buf = table.read_only_writes[0]
         b = plan.ranks[owner].buffers[buf]
@@ -60,7 +63,7 @@ def verify_plan(plan: Plan) -> Report:
     # meetings only for progress: races are checked on waits and program order alone, as planned
     level = _levels(plan, base, lists, _with_meetings(plan, base, lists, proc, index, edges), n)
     _, vc1 = _clocks(level, proc, index, lists, edges, n)
-    orderings = find_orderings(plan, table, seq)
+    orderings = hazards.orderings if hazards is not None else find_orderings(plan, table, seq)
     if orderings.overlapping_writers:
         a, b, owner, buf = orderings.overlapping_writers[0]
         raise RaceError(
