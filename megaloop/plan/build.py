@@ -60,15 +60,15 @@ def make_plan(
     memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
     never); see ``megaloop.plan.memory``. ``shared_memory`` (bytes per processor) defaults to the
     architecture's limit."""
-    with _collector_paused():
+    with collector_paused():
         return _make_plan(graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector off while planning: the millions of tuples and tasks a large plan
-    allocates would trigger full collections over the whole heap (seconds on an 8B model); what
-    planning leaves in cycles is collected once it is back on."""
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while planning (or reading a plan): the millions of tuples and
+    tasks a large plan allocates would trigger full collections over the whole heap (seconds on an 8B
+    model); what is left in cycles is collected once it is back on."""
     was_on = gc.isenabled()
     gc.disable()
     try:
