@@ -10,6 +10,7 @@ import pytest
 from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama_generator
 from megaloop.plan.cache import HEADER, load_or_make_plan, plan_cache_dir, plan_key
+from megaloop.plan.model import Wait
 
 CFG = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=128, layers=1, vocab=50, max_seq=32)
 
@@ -33,6 +34,10 @@ def test_a_cached_plan_is_the_same_plan(cache) -> None:
     assert again.stats()[0].tasks == plan.stats()[0].tasks and again.estimated_ns == plan.estimated_ns
     state = again.ranks[0].graph.states["token"]
     assert state.node.op is plan.ranks[0].graph.states["token"].node.op  # the registry's OpDef, not a copy
+    # tasks travel with their waits packed into bytes: every field and wait comes back as it was
+    assert [t.__dict__ for t in again.ranks[0].tasks] == [t.__dict__ for t in plan.ranks[0].tasks]
+    waits = [w for t in again.ranks[0].tasks for w in t.waits]
+    assert len(waits) > 50 and all(type(w) is Wait and all(type(x) is int for x in w) for w in waits)
 
 
 def test_other_graphs_or_settings_plan_anew(cache) -> None:

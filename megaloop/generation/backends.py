@@ -10,6 +10,7 @@ generator kernel), then ``advance(n)`` as often as needed, and ``close``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -106,7 +107,7 @@ class GpuBackend:
         from megaloop.codegen import generate
         from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime import gpus
-        from megaloop.runtime.compile import compile_many
+        from megaloop.runtime.compile import compile_cubin
 
         if gpu is None:
             found, reason = gpus()
@@ -117,16 +118,25 @@ class GpuBackend:
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
         graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
         self.generator = graphs[1]
-        self.plans = []
-        with progress.phase("plan", len(graphs), unit="graph") as bar:
-            for g in graphs:
-                plan, _ = load_or_make_plan(g, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
-                self.plans.append(plan)
-                bar.update(1)
-        with progress.phase("compile", len(graphs), unit="kernel") as bar:
-            self.programs = [generate(p) for p in self.plans]
-            compile_many([p.source for p in self.programs], gpu.arch)  # both at once, cached on disk
-            bar.update(len(graphs))
+        self.plans, self.programs = [], []
+        # NVRTC releases the GIL: the prefill kernel (the slower to compile) compiles in a thread
+        # while the generator is planned; "compile" is then what is left to wait for
+        pool = concurrent.futures.ThreadPoolExecutor(len(graphs), thread_name_prefix="megaloop-nvrtc")
+        try:
+            compiling = []
+            with progress.phase("plan", len(graphs), unit="graph") as bar:
+                for g in graphs:
+                    plan, _ = load_or_make_plan(g, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
+                    self.plans.append(plan)
+                    self.programs.append(generate(plan))
+                    compiling.append(pool.submit(compile_cubin, self.programs[-1].source, gpu.arch))  # cached on disk
+                    bar.update(1)
+            with progress.phase("compile", len(graphs), unit="kernel") as bar:
+                for future in compiling:
+                    future.result()
+                    bar.update(1)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # an error need not wait for a compile
         self.param_bytes = sum(int(np.asarray(v).nbytes) for v in params.values())
         self.kernel: Any = None
         self.state: dict[str, np.ndarray] = {}

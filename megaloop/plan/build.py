@@ -8,7 +8,9 @@ tile tasks (``tasks``), find conflicting accesses (``hazards``), schedule tasks 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
-from megaloop.plan.hazards import build_access_table, find_orderings, task_bases, task_name
+from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
@@ -58,6 +60,35 @@ def make_plan(
     memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
     never); see ``megaloop.plan.memory``. ``shared_memory`` (bytes per processor) defaults to the
     architecture's limit."""
+    with collector_paused():
+        return _make_plan(graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while planning (or reading a plan): the millions of tuples and
+    tasks a large plan allocates would trigger full collections over the whole heap (seconds on an 8B
+    model); what is left in cycles is collected once it is back on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _make_plan(
+    graphs: Graph | Sequence[Graph],
+    processors: int,
+    arch: str,
+    tiles: dict[str, dict[str, int]] | None,
+    warps: int,
+    shared_memory: int | None,
+    reuse: bool,
+    scratch_budget: int,
+    verify: bool,
+) -> Plan:
     glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
     if shared_memory is None and arch in SHARED_MEMORY_PER_BLOCK:
         shared_memory = SHARED_MEMORY_PER_BLOCK[arch]
@@ -83,9 +114,9 @@ def make_plan(
     _check_overrides(plan, tiles)
     place_buffers(plan, reuse, scratch_budget)
     make_tasks(plan)
-    schedule_and_link(plan)
+    hazards = schedule_and_link(plan)
     if verify:
-        verify_plan(plan)
+        verify_plan(plan, hazards)  # linking changed no access: the orderings still hold
     return plan
 
 
@@ -403,12 +434,14 @@ def _remote_reads(plan: Plan, rank: int, op: PlanOp) -> list[tuple[int, int]]:
     return out
 
 
-def schedule_and_link(plan: Plan) -> None:
-    """Place tasks on processors and give them counters and waits (used by make_plan and rederive)."""
+def schedule_and_link(plan: Plan) -> Hazards:
+    """Place tasks on processors and give them counters and waits (used by make_plan and rederive);
+    returns the access table and orderings they were derived from."""
     base = task_bases(plan)
     flat = [(r, t) for r, rp in enumerate(plan.ranks) for t in rp.tasks]
     seq = [plan.ranks[r].ops[t.op].seq for r, t in flat]
-    req0, req1 = requirements(plan, base, seq)
+    hazards = Hazards(table := build_access_table(plan), find_orderings(plan, table, np.asarray(seq, np.int64)))
+    req0, req1 = requirements(plan, base, seq, hazards.orderings)
     key = [(s, g, 0) for g, s in enumerate(seq)]
     met = [[base[r] + t for r, t in group] for group in meetings(plan)]
     for gids in met:  # a meeting's tiles next to each other (megaloop.plan.rendezvous)
@@ -429,12 +462,16 @@ def schedule_and_link(plan: Plan) -> None:
         rp.processors = [[flat[order[i]][1].id for i in lst] for lst in sched.lists[r]]
     plan.estimated_ns = sched.makespan_ns
     link(plan, req0, req1)
+    return hazards
 
 
-def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+def requirements(
+    plan: Plan, base: list[int], seq: list[int], orderings: Orderings | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """req0[c]: tasks that must finish before c in the same iteration; req1[c]: tasks whose previous
-    iteration must finish before c (see ``hazards``)."""
-    orderings = find_orderings(plan, build_access_table(plan), np.asarray(seq, np.int64))
+    iteration must finish before c (see ``hazards``), from ``orderings`` when they were found."""
+    if orderings is None:
+        orderings = find_orderings(plan, build_access_table(plan), np.asarray(seq, np.int64))
     if orderings.overlapping_writers:
         a, b, owner, buf = orderings.overlapping_writers[0]
         raise GraphBuildError(
@@ -455,18 +492,9 @@ def requirements(plan: Plan, base: list[int], seq: list[int]) -> tuple[list[list
 def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
     """Counters (one per task) and the irredundant waits that cover the requirements."""
     base = task_bases(plan)
-    n = base[-1] + len(plan.ranks[-1].tasks)
     proc_base = [r * plan.processors for r in range(plan.world_size)]
-    proc = np.zeros(n, np.int64)
-    index = np.zeros(n, np.int64)
-    lists: list[list[int]] = []
-    for r, rp in enumerate(plan.ranks):
-        for p, lst in enumerate(rp.processors):
-            lists.append([base[r] + t for t in lst])
-            for i, t in enumerate(lst):
-                proc[base[r] + t] = proc_base[r] + p
-                index[base[r] + t] = i
-    layout = Layout(proc, index, lists)
+    layout = plan_layout(plan)
+    proc, index = layout.proc, layout.index
     order = hb_order(layout, req0)
     if order is None:
         cycle = deadlock_cycle(layout, req0)
@@ -483,9 +511,28 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
             + "; move a task after what it depends on"
         )
     waits = derive_waits(layout, req0, req1, order)
-    owner = np.repeat(np.arange(plan.world_size), [len(rp.tasks) for rp in plan.ranks]).tolist()
+    owner = np.searchsorted(np.asarray(base), waits.producer, side="right") - 1
+    flat = list(map(Wait, owner.tolist(), (waits.producer - np.asarray(base)[owner]).tolist(), waits.lag.tolist()))
+    start = waits.start.tolist()
     for r, rp in enumerate(plan.ranks):
         rp.counters = [Counter(t.id, f"done {rp.task_name(t)}") for t in rp.tasks]
         for t in rp.tasks:
             t.signal = t.id
-            t.waits = [Wait(owner[a], a - base[owner[a]], lag) for a, lag in waits[base[r] + t.id]]
+            t.waits = flat[start[base[r] + t.id] : start[base[r] + t.id + 1]]
+
+
+def plan_layout(plan: Plan) -> Layout:
+    """The processor lists of all ranks as one ``Layout`` of global tasks (rank r's processors
+    numbered from ``r * plan.processors``)."""
+    base = task_bases(plan)
+    n = base[-1] + len(plan.ranks[-1].tasks)
+    proc = np.zeros(n, np.int64)
+    index = np.zeros(n, np.int64)
+    lists: list[list[int]] = []
+    for r, rp in enumerate(plan.ranks):
+        for p, lst in enumerate(rp.processors):
+            lists.append([base[r] + t for t in lst])
+            gids = np.asarray(lists[-1], np.int64)
+            proc[gids] = r * plan.processors + p
+            index[gids] = np.arange(len(lst))
+    return Layout(proc, index, lists)

@@ -42,6 +42,19 @@ class Layout:
         return len(self.lists)
 
 
+@dataclass
+class Waits:
+    """Task c waits on ``producer[start[c]:start[c + 1]]`` (global tasks) with those ``lag``s."""
+
+    start: np.ndarray
+    producer: np.ndarray
+    lag: np.ndarray
+
+    def of(self, c: int) -> list[tuple[int, int]]:
+        lo, hi = int(self.start[c]), int(self.start[c + 1])
+        return list(zip(self.producer[lo:hi].tolist(), self.lag[lo:hi].tolist()))
+
+
 def program_predecessors(layout: Layout) -> np.ndarray:
     pred = np.full(len(layout.proc), -1, np.int64)
     for lst in layout.lists:
@@ -51,25 +64,24 @@ def program_predecessors(layout: Layout) -> np.ndarray:
 
 
 def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
-    """A topological order of program order plus same-iteration requirements (None on a cycle)."""
+    """The least topological order (smallest task first among those ready) of program order plus
+    same-iteration requirements (None on a cycle)."""
     n = len(layout.proc)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = np.zeros(n, np.int64)
     pred = program_predecessors(layout)
-    for c in range(n):
-        if pred[c] >= 0:
-            succ[pred[c]].append(c)
-            indeg[c] += 1
-        for a in req0[c]:
-            succ[a].append(c)
-            indeg[c] += 1
+    before, start = _grouped(req0)
+    has_pred = pred >= 0
+    src = np.concatenate([pred[has_pred], before])
+    dst = np.concatenate([np.flatnonzero(has_pred), np.repeat(np.arange(n), np.diff(start))])
+    by = np.argsort(src, kind="stable")
+    succ, first = dst[by].tolist(), np.searchsorted(src[by], np.arange(n + 1)).tolist()
+    indeg = np.bincount(dst, minlength=n).tolist()
     heap = [c for c in range(n) if indeg[c] == 0]
     heapq.heapify(heap)
     order = []
     while heap:
         a = heapq.heappop(heap)
         order.append(a)
-        for c in succ[a]:
+        for c in succ[first[a] : first[a + 1]]:
             indeg[c] -= 1
             if indeg[c] == 0:
                 heapq.heappush(heap, c)
@@ -113,81 +125,144 @@ def hb_order_partial(n: int, needs: list[list[int]]) -> list[int]:
     return order
 
 
-def derive_waits(
-    layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int]
-) -> list[list[tuple[int, int]]]:
-    """Waits per task as (producer task, lag); ``order`` must be consistent with program order and req0."""
+def _ranges(start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """The concatenation of ``range(start[i], stop[i])`` for every i."""
+    sizes = stop - start
+    ends = np.cumsum(sizes)
+    return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - ends + sizes, sizes)
+
+
+def _grouped(reqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Requirements as arrays: ``before`` (the producers, each task's in its list's order) and
+    ``start`` (task c's producers are ``before[start[c]:start[c + 1]]``)."""
+    sizes = np.fromiter(map(len, reqs), np.int64, len(reqs))
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    before = np.fromiter(itertools.chain.from_iterable(reqs), np.int64, int(start[-1]))
+    return before, start
+
+
+def levels(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Each node's longest-path depth over the edges ``src -> dst`` (-1 for nodes on or after a
+    cycle): nodes of one level have no edges between them, so their clocks can be found together."""
+    by_src = np.argsort(src, kind="stable")
+    out_dst = dst[by_src]
+    out_start = np.searchsorted(src[by_src], np.arange(n + 1))
+    indeg = np.bincount(dst, minlength=n)
+    level = np.full(n, -1, np.int64)
+    frontier, depth = np.flatnonzero(indeg == 0), 0
+    while len(frontier):
+        level[frontier] = depth
+        reached, count = np.unique(out_dst[_ranges(out_start[frontier], out_start[frontier + 1])], return_counts=True)
+        indeg[reached] -= count
+        frontier, depth = reached[indeg[reached] == 0], depth + 1
+    return level
+
+
+def derive_waits(layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int]) -> Waits:
+    """Waits per task, latest producer (in ``order``) first; ``order`` must
+    be consistent with program order and req0. Tasks are handled a level (``levels``) at a time."""
     n, g = len(layout.proc), layout.processors
     proc, index = layout.proc, layout.index
     lengths = np.array([len(lst) for lst in layout.lists], np.int64)
     pred = program_predecessors(layout)
-    last = {p: lst[-1] for p, lst in enumerate(layout.lists) if lst}
+    has_pred = pred >= 0
+    before0, start0 = _grouped(req0)
+    before1, start1 = _grouped(req1)
+    after0 = np.repeat(np.arange(n), np.diff(start0))
+    level = levels(n, np.concatenate([pred[has_pred], before0]), np.concatenate([np.flatnonzero(has_pred), after0]))
+    if np.any(level < 0):
+        raise InternalError("derive_waits: program order and requirements form a cycle (hb_order found none)")
+    by_level = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[by_level], np.arange(int(level.max(initial=-1)) + 2))
+    # clocks hold positions of two iterations; row n is "no clock" (before a list's first task)
+    dtype = np.int16 if 2 * int(lengths.max(initial=0)) < np.iinfo(np.int16).max else np.int32
+    vc0 = np.full((n + 1, g), -1, dtype)
+    vc1 = np.full((n + 1, g), -1, dtype)
+    pred_row = np.where(has_pred, pred, n)
+    last = np.array([lst[-1] if lst else n for lst in layout.lists], np.int64)
+    chosen: list[tuple[np.ndarray, np.ndarray, int]] = [(np.empty(0, np.int64), np.empty(0, np.int64), 0)]
+    lag0: list[tuple[np.ndarray, np.ndarray]] = []
+    for k in range(len(bounds) - 1):  # iteration 0: same-iteration requirements
+        tasks = by_level[bounds[k] : bounds[k + 1]]
+        row = vc0[pred_row[tasks]]
+        row[np.arange(len(tasks)), proc[tasks]] = index[tasks]
+        local, a = _cover(row, tasks, before0, start0, vc0, proc, index)
+        vc0[tasks] = row
+        lag0.append((local, a))
+        chosen.append((tasks[local], a, 0))
+    for k in range(len(bounds) - 1):  # iteration 1: positions of iteration 1 count as length + index
+        tasks = by_level[bounds[k] : bounds[k + 1]]
+        row = vc1[pred_row[tasks]]
+        first = ~has_pred[tasks]
+        row[first] = vc0[last[proc[tasks[first]]]]
+        row[np.arange(len(tasks)), proc[tasks]] = lengths[proc[tasks]] + index[tasks]
+        local, a = lag0[k]
+        if len(a):
+            _merge(row, local, vc1[a])
+        local, a = _cover(row, tasks, before1, start1, vc0, proc, index)
+        vc1[tasks] = row
+        chosen.append((tasks[local], a, 1))
+    _self_check(lengths, layout, (before0, start0), (before1, start1), vc1)
+    c = np.concatenate([x[0] for x in chosen])
+    a = np.concatenate([x[1] for x in chosen])
+    lag = np.concatenate([np.full(len(x[0]), x[2], np.int64) for x in chosen])
     rank_in_order = np.empty(n, np.int64)
     rank_in_order[np.asarray(order, np.int64)] = np.arange(n)
-    vc0 = np.full((n, g), -1, np.int64)
-    vc1 = np.full((n, g), -1, np.int64)
-    waits: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    by = np.lexsort((-rank_in_order[a], lag, c))
+    return Waits(np.searchsorted(c[by], np.arange(n + 1)), a[by], lag[by])
 
-    def cover(base: np.ndarray, need: np.ndarray, clocks: np.ndarray) -> list[int]:
-        """Waits for the producers in ``need`` not yet covered by ``base``: greedily, latest first,
-        then only those no other chosen wait already happens after (an antichain: irredundant)."""
-        chosen: list[int] = []
-        cur = base.copy()
-        for a in need[np.argsort(-rank_in_order[need], kind="stable")].tolist():
-            if index[a] > cur[proc[a]]:
-                chosen.append(a)
-                np.maximum(cur, clocks[a], out=cur)
-        if len(chosen) > 1:
-            ch = np.asarray(chosen)
-            seen = clocks[ch][:, proc[ch]]  # seen[x, j]: how far chosen x's clock reaches on chosen j's processor
-            np.fill_diagonal(seen, -1)
-            chosen = ch[~(seen.max(axis=0) >= index[ch])].tolist()
-        return chosen
 
-    req0_arr = [np.asarray(r, np.int64) for r in req0]
-    req1_arr = [np.asarray(r, np.int64) for r in req1]
-    no_clock = np.full(g, -1, np.int64)
-    proc_l, index_l, pred_l = proc.tolist(), index.tolist(), pred.tolist()
+def _merge(row: np.ndarray, local: np.ndarray, clocks: np.ndarray) -> None:
+    """``row[local[j]] = max(row[local[j]], clocks[j])`` for every j; ``local`` is sorted."""
+    first = np.flatnonzero(np.concatenate([[True], local[1:] != local[:-1]]))
+    seg = local[first]
+    row[seg] = np.maximum(row[seg], np.maximum.reduceat(clocks, first, axis=0))
 
-    for c in order:  # iteration 0: same-iteration requirements
-        row = vc0[c]  # filled in place
-        row[:] = vc0[pred_l[c]] if pred_l[c] >= 0 else no_clock
-        row[proc_l[c]] = index_l[c]
-        need = req0_arr[c]
-        if len(need):
-            need = need[index[need] > row[proc[need]]]
-            if len(need):
-                chosen = cover(row, need, vc0)
-                for a in chosen:
-                    np.maximum(row, vc0[a], out=row)
-                waits[c] = [(a, 0) for a in chosen]
-    for c in order:  # iteration 1: clocks count positions of iteration 1 as length + index
-        row = vc1[c]
-        row[:] = vc1[pred_l[c]] if pred_l[c] >= 0 else vc0[last[proc_l[c]]]
-        row[proc_l[c]] = lengths[proc_l[c]] + index_l[c]
-        for a, _ in waits[c]:
-            np.maximum(row, vc1[a], out=row)
-        need = req1_arr[c]
-        if len(need):
-            need = need[index[need] > row[proc[need]]]
-            if len(need):
-                chosen = cover(row, need, vc0)
-                for a in chosen:
-                    np.maximum(row, vc0[a], out=row)
-                waits[c] = waits[c] + [(a, 1) for a in chosen]
-    _self_check(layout, req0, req1, vc0, vc1, order)
-    return waits
+
+def _cover(
+    row: np.ndarray,
+    tasks: np.ndarray,
+    before: np.ndarray,
+    start: np.ndarray,
+    clocks: np.ndarray,
+    proc: np.ndarray,
+    index: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The waits that cover the producers of ``tasks`` (one level) not already covered by their
+    clocks ``row``: the producers no other producer of the task happens after, i.e. the maximal ones
+    (an antichain: irredundant). ``row`` becomes the clocks with the waits; returns (row index, producer).
+
+    Maximal, because clocks are closed downwards: a producer x happens before another, y, iff y's
+    clock without y itself reaches x's position, so a producer is covered by the others exactly when
+    the max of their strict clocks (own entry one less) reaches it; its own strict clock never does."""
+    sizes = start[tasks + 1] - start[tasks]
+    a = before[_ranges(start[tasks], start[tasks + 1])]
+    local = np.repeat(np.arange(len(tasks)), sizes)
+    p, i = proc[a], index[a]
+    keep = i > row[local, p]
+    a, local, p, i = a[keep], local[keep], p[keep], i[keep]
+    if not len(a):
+        return local, a
+    strict = clocks[a]
+    strict[np.arange(len(a)), p] = i - 1
+    _merge(row, local, strict)
+    keep = i > row[local, p]
+    a, local, p, i = a[keep], local[keep], p[keep], i[keep]
+    row[local, p] = i  # the chosen are on distinct processors (a later one would cover an earlier)
+    return local, a
 
 
 def _self_check(
-    layout: Layout, req0: list[list[int]], req1: list[list[int]], vc0: np.ndarray, vc1: np.ndarray, order: list[int]
+    lengths: np.ndarray,
+    layout: Layout,
+    req0: tuple[np.ndarray, np.ndarray],
+    req1: tuple[np.ndarray, np.ndarray],
+    vc1: np.ndarray,
 ) -> None:
     """Every requirement is covered in the steady state (iteration 1); the verifier checks the plan
     independently, this only guards the derivation itself."""
-    lengths = np.array([len(lst) for lst in layout.lists], np.int64)
-    for reqs, shift in ((req0, True), (req1, False)):
-        after = np.repeat(np.arange(len(reqs)), [len(r) for r in reqs])
-        before = np.fromiter((a for r in reqs for a in r), np.int64, len(after))
+    for (before, start), shift in ((req0, True), (req1, False)):
+        after = np.repeat(np.arange(len(start) - 1), np.diff(start))
         p = layout.proc[before]
         pos = layout.index[before] + (lengths[p] if shift else 0)
         bad = np.flatnonzero(pos > vc1[after, p])

@@ -186,8 +186,16 @@ class Orderings:
     buffer: np.ndarray
     before_writes: np.ndarray
     after_writes: np.ndarray
-    witness: list[str]  # per row: where in the buffer (a box, or "the whole buffer")
+    witness: np.ndarray  # per row (str objects): where in the buffer (a box, or "the whole buffer"), or ""
     overlapping_writers: list[tuple[int, int, int, int]]  # (gid, gid, owner, buffer): one op's tiles overlap
+
+
+@dataclass
+class Hazards:
+    """A plan's access table and the orderings found from it, for its tasks' current accesses."""
+
+    table: AccessTable
+    orderings: Orderings
 
 
 def _pairs(
@@ -241,7 +249,7 @@ def _cells(table: AccessTable, r: int) -> tuple[np.ndarray, np.ndarray]:
 def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderings:
     """``seq_of[gid]`` is the sequential position of each task's op."""
     cols: list[list[np.ndarray]] = [[] for _ in range(7)]
-    witness: list[str] = []
+    witness: list[np.ndarray] = []
     overlapping: list[tuple[int, int, int, int]] = []
     for r in range(len(table.task)):
         if not len(table.task[r]):
@@ -292,21 +300,21 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
                 )
             ):
                 cols[i].append(v)
-            witness += [""] * len(left)
+            witness.append(np.full(len(left), "", object))
         _reuse_orderings(plan, table, r, seq_of, cols, witness)
     if not cols[0] or not sum(len(c) for c in cols[0]):
         empty = np.empty(0, np.int64)
-        return Orderings(*(empty,) * 5, empty.astype(bool), empty.astype(bool), [], overlapping)
+        return Orderings(*(empty,) * 5, empty.astype(bool), empty.astype(bool), np.empty(0, object), overlapping)
     data = [np.concatenate(c) for c in cols]
     n_tasks = int(max(data[0].max(), data[1].max())) + 1
     key = (data[0] * n_tasks + data[1]) * 2 + data[2]
     _, keep = np.unique(key, return_index=True)
     keep.sort()
-    return Orderings(*(d[keep] for d in data), [witness[i] for i in keep.tolist()], overlapping)
+    return Orderings(*(d[keep] for d in data), np.concatenate(witness)[keep], overlapping)
 
 
 def _reuse_orderings(
-    plan: Plan, table: AccessTable, r: int, seq_of: np.ndarray, cols: list[list[np.ndarray]], witness: list[str]
+    plan: Plan, table: AccessTable, r: int, seq_of: np.ndarray, cols: list[list[np.ndarray]], witness: list[np.ndarray]
 ) -> None:
     """Buffers sharing bytes (scratch reuse), ordered as wholes by their lifetimes."""
     rp = plan.ranks[r]
@@ -349,4 +357,4 @@ def _reuse_orderings(
                 )
             ):
                 cols[k].append(v)
-            witness += [f"bytes shared with buffer {rp.buffers[a].name!r}"] * len(left)
+            witness.append(np.full(len(left), f"bytes shared with buffer {rp.buffers[a].name!r}", object))

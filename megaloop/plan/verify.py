@@ -28,7 +28,7 @@ import numpy as np
 
 from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
-from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases, task_name
+from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import meetings
 
@@ -40,13 +40,17 @@ class Report:
     orderings: int  # required orderings checked
 
 
-def verify_plan(plan: Plan) -> Report:
+def verify_plan(plan: Plan, hazards: Hazards | None = None) -> Report:
+    """Check ``plan`` (see the module's docstring). ``hazards``: its access table and orderings when
+    the caller has just found them from these very tasks' accesses and ops (make_plan, whose linking
+    sets only processors, counters and waits); else they are found here."""
     base = task_bases(plan)
     n = base[-1] + len(plan.ranks[-1].tasks) if plan.ranks else 0
     proc, index, lists = _placement(plan, base, n)
     last_signaler = _counters(plan, base, proc, index)
-    _check_structure(plan)
-    table = build_access_table(plan)
+    waits = _flat_waits(plan, base)
+    _check_structure(plan, waits, base)
+    table = hazards.table if hazards is not None else build_access_table(plan)
     if table.read_only_writes:
         gid, owner, buf = table.read_only_writes[0]
         b = plan.ranks[owner].buffers[buf]
@@ -55,11 +59,11 @@ def verify_plan(plan: Plan) -> Report:
         )
     seq = _sequence(plan, base, n)
     _check_memory(plan, seq, base)
-    edges = _wait_edges(plan, base, last_signaler)
+    edges = _wait_edges(plan, base, last_signaler, waits)
     # meetings only for progress: races are checked on waits and program order alone, as planned
-    order = _acyclic(plan, base, lists, _with_meetings(plan, base, lists, proc, index, edges), n)
-    _, vc1 = _clocks(order, proc, index, lists, edges, n)
-    orderings = find_orderings(plan, table, seq)
+    level = _levels(plan, base, lists, _with_meetings(plan, base, lists, proc, index, edges), n)
+    _, vc1 = _clocks(level, proc, index, lists, edges, n)
+    orderings = hazards.orderings if hazards is not None else find_orderings(plan, table, seq)
     if orderings.overlapping_writers:
         a, b, owner, buf = orderings.overlapping_writers[0]
         raise RaceError(
@@ -73,8 +77,7 @@ def verify_plan(plan: Plan) -> Report:
     unordered = np.flatnonzero(pos > vc1[after, proc[before]])
     if len(unordered):
         _race(plan, base, orderings, int(unordered[0]))
-    waits = sum(len(t.waits) for rp in plan.ranks for t in rp.tasks)
-    return Report(n, waits, len(orderings.before))
+    return Report(n, len(waits[0]), len(orderings.before))
 
 
 def _placement(plan: Plan, base: list[int], n: int) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
@@ -128,33 +131,53 @@ def _counters(
     return out
 
 
-def _check_structure(plan: Plan) -> None:
+def _flat_waits(plan: Plan, base: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every wait of the plan: the waiting task's gid and (rank, counter, lag), in task order."""
+    dst, waits = [np.empty(0, np.int64)], [np.empty((0, 3), np.int64)]
+    for r, rp in enumerate(plan.ranks):
+        ids = np.fromiter((t.id for t in rp.tasks), np.int64, len(rp.tasks))
+        dst.append(np.repeat(base[r] + ids, np.fromiter((len(t.waits) for t in rp.tasks), np.int64, len(rp.tasks))))
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(t.waits for t in rp.tasks))
+        waits.append(np.fromiter(flat, np.int64).reshape(-1, 3))
+    return np.concatenate(dst), np.concatenate(waits)
+
+
+def _check_waits(plan: Plan, waits: tuple[np.ndarray, np.ndarray], base: list[int]) -> None:
+    dst, w = waits
+    counters = np.array([len(rp.counters) for rp in plan.ranks] + [0], np.int64)
+    rank_ok = (w[:, 0] >= 0) & (w[:, 0] < plan.world_size)
+    bad = ~rank_ok | (w[:, 1] < 0) | (w[:, 1] >= counters[np.where(rank_ok, w[:, 0], -1)]) | (w[:, 2] < 0)
+    if np.any(bad):
+        k = int(np.argmax(bad))
+        r = int(np.searchsorted(base, dst[k], side="right") - 1)
+        label, (wr, wc, lag) = plan.task_label(r, int(dst[k]) - base[r]), w[k].tolist()
+        if lag >= 0 or not rank_ok[k] or not 0 <= wc < counters[wr]:
+            raise PlanError(f"{label} waits on counter {wc} of rank {wr}, which does not exist")
+        raise PlanError(f"{label} waits with lag {lag}; lags are >= 0")
+
+
+def _check_structure(plan: Plan, waits: tuple[np.ndarray, np.ndarray], base: list[int]) -> None:
+    world = plan.world_size
     for r, rp in enumerate(plan.ranks):
         for t in rp.tasks:
             for kind, accesses in (("reads", t.reads), ("writes", t.writes)):
                 for acc in accesses:
-                    if not 0 <= acc.rank < plan.world_size or not 0 <= acc.tensor < len(plan.ranks[acc.rank].tensors):
+                    if not 0 <= acc.rank < world or not 0 <= acc.tensor < len(plan.ranks[acc.rank].tensors):
                         raise PlanError(
                             f"{plan.task_label(r, t.id)} {kind} tensor {acc.tensor} of rank {acc.rank}, "
                             "which does not exist"
                         )
-                    tensor = plan.ranks[acc.rank].tensors[acc.tensor]
+                    shape = plan.ranks[acc.rank].tensors[acc.tensor].shape
                     box = acc.box
-                    if len(box.lo) != len(tensor.shape) or any(
-                        not 0 <= lo < hi <= d for lo, hi, d in zip(box.lo, box.hi, tensor.shape)
+                    if len(box.lo) != len(shape) or any(
+                        not 0 <= lo < hi <= d for lo, hi, d in zip(box.lo, box.hi, shape)
                     ):
                         raise PlanError(
-                            f"{plan.task_label(r, t.id)} {kind} box {box} outside tensor {tensor.name!r} "
-                            f"of shape {list(tensor.shape)}"
+                            f"{plan.task_label(r, t.id)} {kind} box {box} outside tensor "
+                            f"{plan.ranks[acc.rank].tensors[acc.tensor].name!r} of shape {list(shape)}"
                         )
-            for w in t.waits:
-                if not 0 <= w.rank < plan.world_size or not 0 <= w.counter < len(plan.ranks[w.rank].counters):
-                    raise PlanError(
-                        f"{plan.task_label(r, t.id)} waits on counter {w.counter} of rank {w.rank}, "
-                        "which does not exist"
-                    )
-                if w.lag < 0:
-                    raise PlanError(f"{plan.task_label(r, t.id)} waits with lag {w.lag}; lags are >= 0")
+    _check_waits(plan, waits, base)
+    for r, rp in enumerate(plan.ranks):
         for b in rp.buffers:
             if b.offset < 0 or b.offset + b.nbytes > rp.arena_bytes:
                 raise PlanError(
@@ -219,39 +242,60 @@ def _check_memory(plan: Plan, seq: np.ndarray, base: list[int]) -> None:
                 )
 
 
-def _wait_edges(plan: Plan, base: list[int], last_signaler: dict) -> list[list[tuple[int, int]]]:
-    """For each task: (source gid, lag) edges its waits create (source: last signaler of the counter)."""
-    edges: list[list[tuple[int, int]]] = []
-    for r, rp in enumerate(plan.ranks):
-        for t in rp.tasks:
-            row = []
-            for w in t.waits:
-                src = last_signaler.get((w.rank, w.counter))
-                if src is None:
-                    raise DeadlockError(
-                        f"{plan.task_label(r, t.id)} waits on counter {w.counter} of rank {w.rank}, "
-                        "which no task signals: its target is never reached"
-                    )
-                row.append((src[0], w.lag))
-            edges.append(row)
-    return edges
+@dataclass
+class _Edges:
+    """Happens-before edges ``src -> dst`` with their lags, grouped by ``dst`` (``dst`` sorted,
+    each task's in the order of its waits)."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    lag: np.ndarray
+
+    @staticmethod
+    def of(dst: np.ndarray, src: np.ndarray, lag: np.ndarray) -> _Edges:
+        by = np.argsort(dst, kind="stable")
+        return _Edges(dst[by], src[by], lag[by])
+
+    def select(self, keep: np.ndarray) -> _Edges:
+        return _Edges(self.dst[keep], self.src[keep], self.lag[keep])
+
+    def into(self, tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(position in ``tasks``, source) of the edges into ``tasks`` (sorted, distinct)."""
+        lo, hi = np.searchsorted(self.dst, tasks), np.searchsorted(self.dst, tasks, side="right")
+        sizes = hi - lo
+        ends = np.cumsum(sizes)
+        k = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(lo - ends + sizes, sizes)
+        return np.repeat(np.arange(len(tasks)), sizes), self.src[k]
+
+
+def _wait_edges(plan: Plan, base: list[int], last_signaler: dict, waits: tuple[np.ndarray, np.ndarray]) -> _Edges:
+    """The edges the waits create (source: the last signaler of the counter waited on)."""
+    counter_base = np.cumsum([0] + [len(rp.counters) for rp in plan.ranks])
+    signaler = np.full(int(counter_base[-1]), -1, np.int64)
+    for (r, counter), (gid, _) in last_signaler.items():
+        signaler[counter_base[r] + counter] = gid
+    d, w = waits
+    src = signaler[counter_base[w[:, 0]] + w[:, 1]]
+    if np.any(src < 0):
+        k = int(np.argmax(src < 0))
+        r = int(np.searchsorted(base, d[k], side="right") - 1)
+        raise DeadlockError(
+            f"{plan.task_label(r, int(d[k]) - base[r])} waits on counter {w[k, 1]} of rank {w[k, 0]}, "
+            "which no task signals: its target is never reached"
+        )
+    return _Edges.of(d, src, w[:, 2])
 
 
 def _with_meetings(
-    plan: Plan,
-    base: list[int],
-    lists: list[list[int]],
-    proc: np.ndarray,
-    index: np.ndarray,
-    edges: list[list[tuple[int, int]]],
-) -> list[list[tuple[int, int]]]:
+    plan: Plan, base: list[int], lists: list[list[int]], proc: np.ndarray, index: np.ndarray, edges: _Edges
+) -> _Edges:
     """``edges`` plus the meetings': a meeting's tile finishes after every other member's tile
     started, i.e. after that tile's program predecessor (in the previous iteration for a list's first
     task) and its waits."""
     groups = meetings(plan)
     if not groups:
         return edges
-    out = [list(e) for e in edges]
+    dst, src, lag = [edges.dst], [edges.src], [edges.lag]
     for group in groups:
         gids = [base[r] + t for r, t in group]
         for c in gids:
@@ -259,38 +303,51 @@ def _with_meetings(
                 if other == c:
                     continue
                 i, lst = int(index[other]), lists[int(proc[other])]
-                out[c].append((lst[i - 1], 0) if i > 0 else (lst[-1], 1))
-                out[c].extend(edges[other])
-    return out
+                _, s = edges.into(np.array([other]))
+                lo = np.searchsorted(edges.dst, other)
+                dst.append(np.full(len(s) + 1, c))
+                src.append(np.concatenate([[lst[i - 1] if i > 0 else lst[-1]], s]))
+                lag.append(np.concatenate([[0 if i > 0 else 1], edges.lag[lo : lo + len(s)]]))
+    return _Edges.of(np.concatenate(dst), np.concatenate(src), np.concatenate(lag))
 
 
-def _acyclic(
-    plan: Plan, base: list[int], lists: list[list[int]], edges: list[list[tuple[int, int]]], n: int
-) -> list[int]:
-    preds: list[list[int]] = [[] for _ in range(n)]
+def _predecessors(lists: list[list[int]], n: int) -> np.ndarray:
+    pred = np.full(n, -1, np.int64)
     for lst in lists:
-        for a, b in itertools.pairwise(lst):
-            preds[b].append(a)
-    for c in range(n):
-        preds[c].extend(src for src, lag in edges[c] if lag == 0)
-    succs: list[list[int]] = [[] for _ in range(n)]
-    indeg = np.zeros(n, np.int64)
-    for c in range(n):
-        for a in preds[c]:
-            succs[a].append(c)
-            indeg[c] += 1
-    stack = [c for c in range(n) if indeg[c] == 0]
-    order = []
-    while stack:
-        a = stack.pop()
-        order.append(a)
-        for c in succs[a]:
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                stack.append(c)
-    if len(order) == n:
-        return order
-    stuck = {c for c in range(n) if indeg[c] > 0}
+        if len(lst) > 1:
+            pred[lst[1:]] = lst[:-1]
+    return pred
+
+
+def _levels(plan: Plan, base: list[int], lists: list[list[int]], edges: _Edges, n: int) -> np.ndarray:
+    """Each task's longest-path depth over program order and same-iteration edges (tasks of one level
+    have no edges between them); a DeadlockError naming a cycle when there is one."""
+    pred = _predecessors(lists, n)
+    same = edges.lag == 0
+    has = pred >= 0
+    src = np.concatenate([pred[has], edges.src[same]])
+    dst = np.concatenate([np.flatnonzero(has), edges.dst[same]])
+    by = np.argsort(src, kind="stable")
+    out_dst, out_start = dst[by], np.searchsorted(src[by], np.arange(n + 1))
+    indeg = np.bincount(dst, minlength=n)
+    level = np.full(n, -1, np.int64)
+    frontier, depth = np.flatnonzero(indeg == 0), 0
+    while len(frontier):
+        level[frontier] = depth
+        lo, hi = out_start[frontier], out_start[frontier + 1]
+        sizes = hi - lo
+        ends = np.cumsum(sizes)
+        k = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(lo - ends + sizes, sizes)
+        reached, count = np.unique(out_dst[k], return_counts=True)
+        indeg[reached] -= count
+        frontier, depth = reached[indeg[reached] == 0], depth + 1
+    if np.all(level >= 0):
+        return level
+    stuck = set(np.flatnonzero(level < 0).tolist())
+    preds: dict[int, list[int]] = {c: [int(pred[c])] if pred[c] >= 0 else [] for c in stuck}
+    for c, a in zip(edges.dst[same].tolist(), edges.src[same].tolist()):
+        if c in stuck:
+            preds[c].append(a)
     c = min(stuck)
     path, seen = [], {}
     while c not in seen:
@@ -306,41 +363,47 @@ def _acyclic(
 
 
 def _clocks(
-    order: list[int],
-    proc: np.ndarray,
-    index: np.ndarray,
-    lists: list[list[int]],
-    edges: list[list[tuple[int, int]]],
-    n: int,
+    level: np.ndarray, proc: np.ndarray, index: np.ndarray, lists: list[list[int]], edges: _Edges, n: int
 ) -> tuple[np.ndarray, np.ndarray]:
+    """Vector clocks of every task in iterations 0 and 1 (positions of iteration 1 count as list
+    length + index), a level at a time: a task's clock is the max of its program predecessor's and
+    its wait sources' (of iteration 0 for a lag-1 wait), with its own position."""
     g = len(lists)
     lengths = np.array([len(lst) for lst in lists], np.int64)
-    pred = np.full(n, -1, np.int64)
-    for lst in lists:
-        for a, b in itertools.pairwise(lst):
-            pred[b] = a
-    vc0 = np.full((n, g), -1, np.int64)
-    vc1 = np.full((n, g), -1, np.int64)
-    for c in order:
-        v = vc0[pred[c]].copy() if pred[c] >= 0 else np.full(g, -1, np.int64)
-        v[proc[c]] = index[c]
-        for src, lag in edges[c]:
-            if lag == 0:
-                np.maximum(v, vc0[src], out=v)
-        vc0[c] = v
-    for c in order:
-        if pred[c] >= 0:
-            v = vc1[pred[c]].copy()
-        else:
-            v = vc0[lists[proc[c]][-1]].copy()
-        v[proc[c]] = lengths[proc[c]] + index[c]
-        for src, lag in edges[c]:
-            if lag == 0:
-                np.maximum(v, vc1[src], out=v)
-            elif lag == 1:
-                np.maximum(v, vc0[src], out=v)
-        vc1[c] = v
-    return vc0, vc1
+    pred = _predecessors(lists, n)
+    pred_row = np.where(pred >= 0, pred, n)  # row n: no clock
+    last = np.array([lst[-1] if lst else n for lst in lists], np.int64)
+    dtype = np.int16 if 2 * int(lengths.max(initial=0)) < np.iinfo(np.int16).max else np.int32
+    vc0 = np.full((n + 1, g), -1, dtype)
+    vc1 = np.full((n + 1, g), -1, dtype)
+    same, previous = edges.select(edges.lag == 0), edges.select(edges.lag == 1)
+    by_level = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[by_level], np.arange(int(level.max(initial=-1)) + 2))
+    for k in range(len(bounds) - 1):
+        tasks = by_level[bounds[k] : bounds[k + 1]]
+        row = vc0[pred_row[tasks]]
+        row[np.arange(len(tasks)), proc[tasks]] = index[tasks]
+        _join(row, *same.into(tasks), vc0)
+        vc0[tasks] = row
+    for k in range(len(bounds) - 1):
+        tasks = by_level[bounds[k] : bounds[k + 1]]
+        row = vc1[pred_row[tasks]]
+        first = pred[tasks] < 0
+        row[first] = vc0[last[proc[tasks[first]]]]
+        row[np.arange(len(tasks)), proc[tasks]] = lengths[proc[tasks]] + index[tasks]
+        _join(row, *same.into(tasks), vc1)
+        _join(row, *previous.into(tasks), vc0)
+        vc1[tasks] = row
+    return vc0[:n], vc1[:n]
+
+
+def _join(row: np.ndarray, local: np.ndarray, src: np.ndarray, clocks: np.ndarray) -> None:
+    """``row[local[j]] = max(row[local[j]], clocks[src[j]])`` for every j (``local`` sorted)."""
+    if not len(local):
+        return
+    first = np.flatnonzero(np.concatenate([[True], local[1:] != local[:-1]]))
+    at = local[first]
+    row[at] = np.maximum(row[at], np.maximum.reduceat(clocks[src], first, axis=0))
 
 
 def _race(plan: Plan, base: list[int], o: Orderings, k: int) -> None:

@@ -15,6 +15,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -148,12 +149,16 @@ def _check_arch(source: str, arch: str) -> None:
         )
 
 
+_IMPORTING = threading.Lock()
+
+
 def _extra(max_registers: int | None) -> tuple[str, ...]:
     return () if max_registers is None else (f"maxrregcount={max_registers}",)
 
 
 def _nvrtc(source: str, arch: str, max_registers: int | None) -> bytes:
-    from cuda.core import Program, ProgramOptions
+    with _IMPORTING:  # two threads' first imports of cuda.core at once can see it half made
+        from cuda.core import Program, ProgramOptions
 
     opts = ProgramOptions(
         arch=arch,
