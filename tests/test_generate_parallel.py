@@ -81,14 +81,19 @@ def draw_fragile(row: np.ndarray, seed: int, offset: int, tol: float) -> bool:
     return len(picks) > 1
 
 
-def check_tokens(got: list[int], want: list[int], prompt: list[int], ref: np.ndarray, fragile, what: str) -> None:
-    """``got`` equals ``want`` up to the first token whose logits (``ref``, along prompt + want)
-    leave no margin (``fragile(row, offset)``); there the sequences may part."""
+def check_tokens(
+    got: list[int], want: list[int], prompt: list[int], ref: np.ndarray, what: str, seed: int | None = None
+) -> None:
+    """``got`` equals ``want`` up to the first token whose logits (``ref``, along prompt + want) leave
+    no margin of MARGIN (greedy; or, with ``seed``, for the draw); there the sequences may part."""
     assert len(got) == len(want), f"{what}: {len(got)} tokens against {len(want)}"
+    tol = MARGIN * float(np.abs(ref).max())
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
             offset = len(prompt) - 1 + i
-            assert fragile(ref[offset], offset), (
+            row = ref[offset]
+            fragile = greedy_fragile(row, tol) if seed is None else draw_fragile(row, seed, offset, tol)
+            assert fragile, (
                 f"{what}: token {i} is {a}, one device made {b}, though the logits leave a margin larger than the "
                 "split's difference"
             )
@@ -120,8 +125,7 @@ def test_split_greedy_tokens_match_one_device(tiny, one, strategy: str, batch: i
         if strategy in ("pp", "dp"):
             assert np.array_equal(mine, ref), f"{strategy}: the reference's logits should be bitwise one device's"
             assert g.tokens == w.tokens, f"{strategy} prompt {b}: {g.tokens} against one device's {w.tokens}"
-        tol = MARGIN * float(np.abs(ref).max())
-        check_tokens(g.tokens, w.tokens, w.prompt_tokens, ref, lambda row, _: greedy_fragile(row, tol), strategy)
+        check_tokens(g.tokens, w.tokens, w.prompt_tokens, ref, f"{strategy} prompt {b}")
         assert g.finish_reason == w.finish_reason == "length"
 
 
@@ -138,9 +142,7 @@ def test_seeded_sampling_matches_one_device(tiny, one, strategy: str) -> None:
             assert g.tokens == w.tokens, f"{strategy} prompt {b}: sampled {g.tokens}, one device {w.tokens}"
             continue
         ref = logits_along(one.cfg, one.params, w.prompt_tokens + w.tokens)
-        tol = MARGIN * float(np.abs(ref).max())
-        fragile = lambda row, offset, b=b: draw_fragile(row, 11 + b, offset, tol)
-        check_tokens(g.tokens, w.tokens, w.prompt_tokens, ref, fragile, f"{strategy} sampled prompt {b}")
+        check_tokens(g.tokens, w.tokens, w.prompt_tokens, ref, f"{strategy} sampled prompt {b}", seed=11 + b)
 
 
 def test_transformers_saved_llama_split_matches_transformers(tmp_path) -> None:
@@ -165,8 +167,7 @@ def test_transformers_saved_llama_split_matches_transformers(tmp_path) -> None:
         print(got.stats.split)
         mine = logits_along(gen.cfg, gen.params, prompt + want, "tp")
         assert relative(mine[:-1], ref, f"{strategy} against transformers") <= SPLIT_TOL
-        tol = MARGIN * float(np.abs(ref).max())
-        check_tokens(got[0].tokens, want, prompt, ref, lambda row, _: greedy_fragile(row, tol), f"{strategy} vs hf")
+        check_tokens(got[0].tokens, want, prompt, ref, f"{strategy} against transformers")
 
 
 def test_bad_devices_are_named(tiny, one) -> None:
@@ -239,5 +240,61 @@ def test_two_ranks_on_one_gpu_match_one_device(tiny, one, strategy: str) -> None
     assert "2 loop kernels" in got.stats.backend
     for b, (a, g) in enumerate(zip(alone, got)):
         ref = logits_along(one.cfg, one.params, a.prompt_tokens + a.tokens)
-        tol = MARGIN * float(np.abs(ref).max())
-        check_tokens(g.tokens, a.tokens, a.prompt_tokens, ref, lambda row, _: greedy_fragile(row, tol), strategy)
+        check_tokens(g.tokens, a.tokens, a.prompt_tokens, ref, f"{strategy} on one GPU, prompt {b}")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """One fake GPU (tests/fake_driver.py: the runtime's host code runs, the kernels compute nothing),
+    the kernels generated but not compiled (NVRTC's part is other tests')."""
+    from megaloop.runtime import group, loop, resident
+    from tests.fake_driver import FakeDriver, install
+
+    image = b"\x7fELF not compiled"
+    monkeypatch.setattr(group, "compile_many", lambda sources, arch, **kw: [image] * len(sources))
+    monkeypatch.setattr(loop, "compile_and_load", lambda source, arch, load: (image, load(image)))
+    monkeypatch.setenv("MEGALOOP_CACHE", str(tmp_path))
+    monkeypatch.setattr(resident, "_entries", {})
+    monkeypatch.setattr(resident, "_deferred", [])
+    yield install(monkeypatch, FakeDriver(gpus=1))
+    resident.stop_everything()
+
+
+def test_the_gpu_backend_hands_each_rank_its_pieces(one, fake_gpu) -> None:
+    """The GPU path's host side on a fake driver: two ranks on the one GPU, 66 SMs each, every rank's
+    parameters and start state in its arena, and the history put back together from both ranks (the
+    fake computes nothing, so it reads back what was handed in)."""
+    from megaloop.generation.progress import Progress
+    from megaloop.generation.split import SplitGpuBackend
+
+    cfg, params = dataclasses.replace(one.cfg, max_seq=16), one.params
+    backend = SplitGpuBackend(
+        cfg, params, 2, 4, sampling=False, eos_ids=(), progress=Progress(False), plan_cache=False, devices=2,
+        strategy="tp",
+    )  # fmt: skip
+    assert backend.gpus == [0, 0] and all(p.processors == 66 for p in backend.plans)
+    assert "2 loop kernels on 1 GPU (Fake H200, 2 ranks a GPU of 66 SMs each)" == backend.description
+    try:
+        backend.setup_prefill()
+        feeds = {
+            "tokens": np.ones((2, 4), np.int64),
+            "positions": np.tile(np.arange(4), (2, 1)),
+            "last": np.array([3, 1]),
+        }
+        assert backend.prefill(feeds).shape == (2, 1, cfg.vocab)
+        start = {"token": np.array([[7], [9]]), "position": np.array([[4], [2]]), "stop": np.array([[9], [7]])}
+        backend.setup_generator(start)
+        assert [k.device for k in backend.group.kernels] == [0, 0] and len(fake_gpu.kernels) == 4
+        whole = sum(v.nbytes for v in one.params.values())
+        for k, mine in zip(backend.group.kernels, backend.split.params[1]):
+            assert sum(v.nbytes for v in mine.values()) < whole  # tp: the rank holds pieces
+            for name, value in mine.items():
+                got = k._read(k.rp.tensor_of[k.rp.graph.parameters[name]])
+                assert np.array_equal(got, value), f"rank {k.rank}: parameter {name} is not its piece"
+        history = backend.advance(2)
+        assert np.array_equal(history["token"], start["token"]) and np.array_equal(
+            history["position"], start["position"]
+        )
+    finally:
+        backend.close()
+    assert backend.group is None and all(k.left.is_set() for k in fake_gpu.kernels)
