@@ -19,7 +19,8 @@ import megaloop as ml
 from megaloop.cli import main
 from megaloop.frontend.ops.sample import sample_tokens
 from megaloop.generation import GenerationError
-from megaloop.models import build_llama
+from megaloop.generation.backends import first_tokens
+from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.runtime.device import gpus
 
@@ -143,6 +144,45 @@ def test_seeded_sampling_matches_one_device(tiny, one, strategy: str) -> None:
             continue
         ref = logits_along(one.cfg, one.params, w.prompt_tokens + w.tokens)
         check_tokens(g.tokens, w.tokens, w.prompt_tokens, ref, f"{strategy} sampled prompt {b}", seed=11 + b)
+
+
+def split_tokens(backend, prompt: list[int], new: int, sampling: dict | None) -> list[int]:
+    """A backend's tokens for one prompt, driven as Generator drives it (prefill, first token, generator)."""
+    n = len(prompt)
+    logits = backend.prefill({"tokens": np.array([prompt]), "positions": np.arange(n)[None], "last": np.array([n - 1])})
+    first = first_tokens(logits, [n], sampling)
+    backend.setup_generator({"token": first[:, None], "position": np.array([[n]]), "stop": np.array([[n + new - 1]]),
+                             **(sampling or {})})  # fmt: skip
+    history = backend.advance(new - 1)
+    made = history["generated"][0, 0, n : int(history["position"][0, 0]), 0].astype(np.int64).tolist()
+    return [*made, int(history["token"][0, 0])]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_vocabulary_cut_lm_head_picks_what_one_device_picks(sampled: bool) -> None:
+    """A head wide enough for tp to cut by vocabulary (4096 rows, column-parallel: each logit made
+    whole on one rank, then gathered for the split argmax or the draw): the tokens one device's."""
+    from megaloop.generation.backends import CpuBackend
+    from megaloop.generation.progress import Progress
+    from megaloop.generation.split import SplitCpuBackend
+
+    cfg = LlamaConfig(
+        hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, vocab=4096, max_seq=20, dtype="float32"
+    )
+    params = random_parameters(cfg, seed=5)
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab, 6).tolist()
+    sampling = {k: np.array([[v]], np.float32 if k != "top_k" else np.int64) for k, v in SAMPLING.items()}
+    sampling = {**sampling, "seed": np.array([[11]])} if sampled else None
+    kw = {"sampling": sampled, "eos_ids": (), "progress": Progress(False)}
+    split = SplitCpuBackend(cfg, params, 1, len(prompt), devices=2, strategy="tp", **kw)
+    head = [line for line in split.split.generator.describe().splitlines() if "lm_head.weight: f32" in line]
+    assert head and "cut along axis 0" in head[0] and "column-parallel" in head[0], head
+    want = split_tokens(CpuBackend(cfg, params, 1, len(prompt), **kw), prompt, 12, sampling)
+    got = split_tokens(split, prompt, 12, sampling)
+    ref = logits_along(cfg, params, prompt + want)
+    check_tokens(
+        got, want, prompt, ref, f"vocabulary-cut head, {'sampled' if sampled else 'greedy'}", 11 if sampled else None
+    )
 
 
 def test_transformers_saved_llama_split_matches_transformers(tmp_path) -> None:

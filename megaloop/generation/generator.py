@@ -143,8 +143,8 @@ class Generator:
             self.cfg, self.params = load_llama(self.folder, max_seq=max_seq, dtype=dtype)
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
-        if problem(devices, strategy, self.cfg):
-            raise GenerationError(f"Generator: {problem(devices, strategy, self.cfg)}")
+        if (why := problem(devices, strategy, self.cfg)) is not None:
+            raise GenerationError(f"Generator: {why}")
         if eos_token_ids is not None:
             stops = [int(i) for i in eos_token_ids]
         elif self.tokenizer is not None:
@@ -240,8 +240,8 @@ class Generator:
         split = {"devices": self.devices, "strategy": self.strategy} if self.devices > 1 else {}
         if split:
             cls = SplitGpuBackend if self.backend == "gpu" else SplitCpuBackend
-            if problem(self.devices, self.strategy, self.cfg, batch):
-                raise GenerationError(f"generate: {problem(self.devices, self.strategy, self.cfg, batch)}")
+            if (why := problem(self.devices, self.strategy, self.cfg, batch)) is not None:
+                raise GenerationError(f"generate: {why}")
         need = max(lengths) + new
         if need > self.cfg.max_seq:
             raise GenerationError(
