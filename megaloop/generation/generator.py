@@ -136,6 +136,8 @@ class Generator:
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
+        if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
+            raise GenerationError(f"Generator: {why}")
         self.devices, self.strategy = devices, strategy
         self.folder = Path(model_dir)
         self.progress = Progress(progress)

@@ -31,14 +31,14 @@ from megaloop.reference import evaluate
 STRATEGIES = ("auto", "tp", "pp", "dp")
 
 
-def problem(devices: Any, strategy: Any, cfg: LlamaConfig, batch: int | None = None) -> str | None:
+def problem(devices: Any, strategy: Any, cfg: LlamaConfig | None, batch: int | None = None) -> str | None:
     """Why ``devices`` and ``strategy`` cannot split ``cfg``'s generation (a batch of ``batch``
-    prompts, where known), in words; None when they can."""
+    prompts, where known; without ``cfg``, the arguments alone), in words; None when they can."""
     if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
         return f"devices must be an int >= 1 (the number of devices to split the model over), got {devices!r}"
     if strategy not in STRATEGIES:
         return f"strategy must be one of {STRATEGIES}, got {strategy!r}"
-    if devices > 1 and strategy == "tp" and devices > cfg.kv_heads:
+    if cfg is not None and devices > 1 and strategy == "tp" and devices > cfg.kv_heads:
         return (
             f"devices {devices} with strategy 'tp': tensor parallelism splits attention by key/value heads (each "
             f"with its query heads) and this model has {cfg.kv_heads}, so at most {cfg.kv_heads} devices; use "
