@@ -41,6 +41,13 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
+    gen.add_argument(
+        "--devices", type=_positive, default=1, metavar="N", help="split the model over N devices (default 1)"
+    )
+    gen.add_argument(
+        "--strategy", default="auto", choices=["auto", "tp", "pp", "dp"],
+        help="how --devices splits it: tensor, pipeline or data (the prompts) parallel; auto: the cost model picks",
+    )  # fmt: skip
     gen.add_argument("--no-progress", action="store_true", help="no progress bars")
     gen.set_defaults(fn=cmd_generate)
     tiny = sub.add_parser(
@@ -99,7 +106,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = args.prompt if args.prompt is not None else _read(args.prompt_file, "the prompt file")
         prompts = prompts.removesuffix("\n")  # an editor's final newline is not part of the prompt
     progress = False if args.no_progress else None
-    gen = Generator(args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress)
+    gen = Generator(
+        args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress,
+        devices=args.devices, strategy=args.strategy,
+    )  # fmt: skip
     print(f"megaloop generate: {args.model} on {_backend_line(gen)}", file=sys.stderr)
     batch = args.batch_file is not None
 
@@ -124,6 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print()
     print(f"megaloop generate: {result.stats.summary()}", file=sys.stderr)
+    if result.stats.split:
+        print(f"megaloop generate: {result.stats.split}", file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from megaloop.errors import MegaloopError
 from megaloop.generation.backends import CpuBackend, GpuBackend, first_tokens
 from megaloop.generation.progress import Progress
+from megaloop.generation.split import SplitCpuBackend, SplitGpuBackend, problem
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
 from megaloop.models.tokenizer import Tokenizer, checkpoint_stop_ids
@@ -64,6 +65,7 @@ class GenerationStats:
     decode_steps: int = 0
     new_tokens: int = 0
     setup: dict[str, float] = field(default_factory=dict)
+    split: str = ""  # how the graphs were split over devices (one line of Partition.describe)
 
     @property
     def per_token_s(self) -> float | None:
@@ -116,7 +118,8 @@ class Generator:
     kernel where there is a GPU). ``dtype`` overrides the config's; ``max_seq`` caps the context
     (default: the model's max_position_embeddings); ``eos_token_ids`` replaces the checkpoint's stop
     tokens; ``progress`` shows setup bars on stderr (None: when it is a terminal); ``plan_cache``
-    keeps plans on disk (megaloop.plan.cache)."""
+    keeps plans on disk (megaloop.plan.cache). ``devices`` > 1 splits both graphs over that many
+    devices with ``ml.parallelize``'s ``strategy`` ("auto", "tp", "pp", "dp"; megaloop.generation.split)."""
 
     def __init__(
         self,
@@ -128,15 +131,22 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         progress: bool | None = None,
         plan_cache: bool = True,
+        devices: int = 1,
+        strategy: str = "auto",
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
+        if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
+            raise GenerationError(f"Generator: {why}")
+        self.devices, self.strategy = devices, strategy
         self.folder = Path(model_dir)
         self.progress = Progress(progress)
         with self.progress.phase("load", 1, unit="model"):
             self.cfg, self.params = load_llama(self.folder, max_seq=max_seq, dtype=dtype)
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
+        if (why := problem(devices, strategy, self.cfg)) is not None:
+            raise GenerationError(f"Generator: {why}")
         if eos_token_ids is not None:
             stops = [int(i) for i in eos_token_ids]
         elif self.tokenizer is not None:
@@ -229,13 +239,18 @@ class Generator:
 
     def _backend_for(self, batch: int, lengths: list[int], new: int, sampling: dict | None) -> tuple[Any, int, int]:
         cls = GpuBackend if self.backend == "gpu" else CpuBackend
+        split = {"devices": self.devices, "strategy": self.strategy} if self.devices > 1 else {}
+        if split:
+            cls = SplitGpuBackend if self.backend == "gpu" else SplitCpuBackend
+            if (why := problem(self.devices, self.strategy, self.cfg, batch)) is not None:
+                raise GenerationError(f"generate: {why}")
         need = max(lengths) + new
         if need > self.cfg.max_seq:
             raise GenerationError(
                 f"a prompt of {max(lengths)} tokens and max_new_tokens {new} need {need} positions; the context is "
                 f"{self.cfg.max_seq} (max_position_embeddings or max_seq): shorten the prompt or generate fewer tokens"
             )
-        if cls is GpuBackend:  # sizes rounded up, so that plans and kernels serve many requests
+        if cls.name == "gpu":  # sizes rounded up, so that plans and kernels serve many requests
             max_seq = min(self.cfg.max_seq, _pow2(max(need, 64)))
             tokens = min(max_seq, _pow2(max(max(lengths), 8)))
         else:  # the reference computes what it is given: no padding beyond the batch's longest prompt
@@ -246,10 +261,10 @@ class Generator:
             try:
                 backend = cls(
                     cfg, self.params, batch, tokens, sampling=sampling is not None, eos_ids=self.eos_token_ids,
-                    progress=self.progress, plan_cache=self.plan_cache,
+                    progress=self.progress, plan_cache=self.plan_cache, **split,
                 )  # fmt: skip
             except MegaloopError as e:
-                if cls is GpuBackend and self.requested == "auto" and not isinstance(e, GenerationError):
+                if cls.name == "gpu" and self.requested == "auto" and not isinstance(e, GenerationError):
                     raise _SetupFailed(f"{type(e).__name__}: {e}") from e
                 raise
             self._backends = {key: backend}  # one at a time: a GPU backend holds its plans and kernels
@@ -263,6 +278,7 @@ class Generator:
         began = time.perf_counter() - (self.progress.seconds.get("load", 0.0) if not before else 0.0)
         backend, tokens, _ = self._backend_for(batch, lengths, new, sampling)
         stats = GenerationStats(backend.description, batch, lengths)
+        stats.split = backend.split.summary() if hasattr(backend, "split") else ""
         run = _Sequences(ids, new, self.eos_token_ids, self.tokenizer, on_text)
         try:
             try:
