@@ -31,7 +31,7 @@ ROW_RING_BYTES = 96 * 1024
 # at most, ring slots a group at least. Why: with the whole block on one row, every warp is in the same
 # phase at once (all loading, all waiting on shuffles, all on the exponentials' MUFU pipe), at 2 warps
 # a scheduler: rmsnorm and softmax issued ~30 % of the time (0.79 and 0.47 of copy bandwidth at 8192
-# bf16 a row on an H200). Measured there (scripts/row_variants.py, 764330b): rmsnorm 0.80 -> 0.83-0.86
+# bf16 a row on an H200). Measured there (docs/experiments.md, 764330b): rmsnorm 0.80 -> 0.83-0.86
 # with 2 groups of 8 packs (4 groups of 16 packs: 0.80, its weight no longer fits in registers);
 # softmax 0.67 (one group) -> 0.78-0.80 (2 groups of 8 packs, exps kept) -> 0.85 (4 groups of 16
 # packs, one slot each, exps recomputed: more rows in flight beats fewer exponentials).
@@ -39,9 +39,6 @@ ROW_GROUPS = 4
 ROW_GROUP_LIMITS = {"softmax": (16, 1), "log_softmax": (16, 1)}  # (max packs a thread, min slots a group)
 ROW_GROUP_DEFAULT_LIMITS = (8, 2)  # norms keep their weight's packs in registers beside the row's
 ROW_GROUP_MIN_WARPS = 2
-# the ring's slot loop is unrolled (a slot's address a constant): not unrolling it (one copy of the
-# row code for the groups to share) measured 0.5-2 % slower
-ROW_SLOTS_UNROLLED = True
 SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store passes
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
 
@@ -247,9 +244,8 @@ def _row_program(
             "#pragma unroll",
             f"for (int d = 0; d < {S}; ++d) fetch(g + {G} * d, g * {S} + d);",
             f"for (int i0 = 0; g + {G} * i0 < nrows; i0 += {S}) {{",
-            # not unrolled over the slots: one copy of the row's code (~1-2K instructions), which the
-            # groups run in different phases at once
-            "#pragma unroll" if ROW_SLOTS_UNROLLED else "#pragma unroll 1",
+            # unrolled over the slots: a slot's address a constant (docs/experiments.md)
+            "#pragma unroll",
             f"for (int d = 0; d < {S}; ++d) {{",
             f"    const int e = g + {G} * (i0 + d);",
             "    if (e >= nrows) break;  // (the same for the whole group: its barriers stay matched)",

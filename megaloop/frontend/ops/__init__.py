@@ -73,13 +73,11 @@ from megaloop.frontend.ops.layout import (
     unsqueeze,
 )
 from megaloop.frontend.ops.matmul import linear, matmul
-from megaloop.frontend.ops.norm_matmul import rmsnorm_linear, rmsnorm_matmul
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
-from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
 from megaloop.frontend.tensor import Tensor as _Tensor
 
@@ -136,8 +134,6 @@ __all__ = [
     "relu",
     "reshape",
     "rmsnorm",
-    "rmsnorm_linear",
-    "rmsnorm_matmul",
     "rope",
     "rope_kv_cache_update",
     "rsqrt",
@@ -149,8 +145,6 @@ __all__ = [
     "sigmoid",
     "silu",
     "silu_mul",
-    "silu_mul_linear",
-    "silu_mul_matmul",
     "slice_",
     "softmax",
     "sources",

@@ -74,11 +74,6 @@ MATMUL = register(
 )
 
 
-# the ops whose tiles are matmul's (the tile switches, the skinny paths, processor shares): matmul and
-# those that make their A first (megaloop/frontend/ops/norm_matmul.py)
-MATMUL_OPS = ("matmul", "rmsnorm_matmul", "silu_mul_matmul")
-
-
 def matmul(a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
     return apply(
         MATMUL,
