@@ -23,7 +23,7 @@ from tests.random_graphs import random_graph
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
 
-GPU_ROWS = [row for row in ROWS if ml.REGISTRY[row.op].cuda is not None]
+GPU_ROWS = [row for row in ROWS if ml.REGISTRY[row.op].lowering is not None]
 
 
 def loop_kernel(plan, params=None, state=None, **kw):

@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -194,7 +194,7 @@ def _binary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
-            cuda=CudaTile("elementwise", cuda),
+            lowering=Lowering("elementwise", cuda),
             placement=placement,
         )
     )
@@ -337,7 +337,7 @@ WHERE = register(
         reference=_where_ref,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "a ? b : c"),
+        lowering=Lowering("elementwise", "a ? b : c"),
         placement=ELEMENTWISE,
     )
 )
@@ -407,7 +407,7 @@ def _unary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
-            cuda=CudaTile("elementwise", cuda),
+            lowering=Lowering("elementwise", cuda),
             placement=placement,
         )
     )
@@ -481,7 +481,7 @@ LOGICAL_NOT = register(
         reference=lambda arrays, attrs: np.logical_not(arrays[0]),
         accuracy=Accuracy(0.0),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "!a"),
+        lowering=Lowering("elementwise", "!a"),
         placement=ELEMENTWISE,
     )
 )
@@ -528,7 +528,7 @@ CAST = register(
         reference=_cast_ref,
         accuracy=Accuracy(ulps=0.5),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "a"),
+        lowering=Lowering("elementwise", "a"),
         placement=ELEMENTWISE,
     )
 )

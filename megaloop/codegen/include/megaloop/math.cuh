@@ -1,4 +1,4 @@
-// megaloop/math.cuh: the scalar functions op expressions are written with (see OpDef.cuda).
+// megaloop/math.cuh: the scalar functions op expressions are written with (see OpDef.lowering).
 //
 // Each matches the numpy reference's rule where IEEE leaves a choice: maximum/minimum propagate
 // NaN, relu keeps NaN, sigmoid never overflows.
