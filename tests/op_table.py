@@ -228,6 +228,10 @@ for name, tfn, domain, kinds in [
 row("gelu", "erf", lambda g, a: ml.gelu(a), lambda a, **k: F.gelu(a), one())
 row("gelu", "tanh", lambda g, a: ml.gelu(a, approximate="tanh"), lambda a, **k: F.gelu(a, approximate="tanh"), one())
 row("sigmoid", "large", lambda g, a: ml.sigmoid(a * 40.0), lambda a, dtype: torch.sigmoid(rnd(a * 40.0, dtype)), one())
+KINKS = ("choice", -5.0, -3.0, -2.75, -1.5, -0.25, 0.0, 0.5, 1.25, 2.75, 3.0, 4.5)  # both sides of -3 and 3
+row("hardswish", "kinks", lambda g, a: ml.hardswish(a), lambda a, **k: F.hardswish(a), one(), domains=(KINKS,))
+row("hardsigmoid", "kinks", lambda g, a: ml.hardsigmoid(a), lambda a, **k: F.hardsigmoid(a), one(), domains=(KINKS,))
+row("clip", "both", lambda g, a: ml.clip(a, -1, 2), lambda a, **k: torch.clamp(a, -1, 2), one(), FLOATS + INTS)
 
 
 def _cast_ref(a: torch.Tensor, dtype: str, to: str) -> torch.Tensor:

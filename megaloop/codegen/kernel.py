@@ -98,11 +98,10 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
     for t in rp.tasks:
         if t.writes:
-            largest[t.op] = max(largest.get(t.op, 0), t.writes[0].box.size)
-        if t.writes:
             box = t.writes[0].box
+            largest[t.op] = max(largest.get(t.op, 0), box.size)
             rows, cols = extent.get(t.op, (0, 0))
-            width = box.hi[-1] - box.lo[-1]
+            width = box.hi[-1] - box.lo[-1] if box.hi else 1
             extent[t.op] = (max(rows, box.size // max(width, 1)), max(cols, width))
     pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
     for op in rp.ops:
