@@ -4,6 +4,7 @@ each on rows of its own) for long ones, rows streaming through a ring in shared 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,11 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
 def rows_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     layout = block_rows(op, attrs, ins, out)
     return layout.ring * layout.packs * 16 * (2 if _residual(op, attrs, ins) else 1) if layout else 0
+
+
+def _index_j(value: str, statement: str) -> str:
+    """The element index j's declaration, where the statement reads j."""
+    return f"const int j = {value}; " if re.search(r"\bj\b", statement) else ""
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -344,7 +350,7 @@ def _row_program(
         if held:
             return held_packs(
                 "#pragma unroll",
-                f"for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; (void)j; "
+                f"for (int q = 0; q < {width}; ++q) {{ {_index_j(f'pk * {width} + q', statement)}"
                 f"{'const float v = ml::get(px[u], q); ' if need_v else ''}{statement} }}",
             )
         if width == 1:
@@ -355,7 +361,7 @@ def _row_program(
             out_lines.append(f"        const ml::Pack<{x.ctype}, {width}> px = {packed_row_value()};")
         out_lines.append("#pragma unroll")
         out_lines.append(
-            f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; (void)j; "
+            f"        for (int q = 0; q < {width}; ++q) {{ {_index_j('j0 + q', statement)}"
             f"{'const float v = ml::get(px, q); ' if need_v else ''}{statement} }}"
         )
         out_lines.append("    }")

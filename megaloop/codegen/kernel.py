@@ -24,6 +24,7 @@ from megaloop.codegen.abi import MAX_DIMS, MAX_OPERANDS, MIRROR_DTYPE, TASK_DTYP
 from megaloop.codegen.emit import Operand
 from megaloop.codegen.exchange import member_inbox_offsets
 from megaloop.codegen.templates import TEMPLATES, TileCall
+from megaloop.codegen.tidy import tidy
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import format_shape
@@ -205,7 +206,7 @@ def _add_function(
     signature_of_op: list[int],
 ) -> None:
     """One tile function per distinct body: ops of one signature share it."""
-    text = "\n".join("    " + line for line in body)
+    text = "\n".join("    " + line for line in tidy(body))
     if text not in bodies:
         bodies[text] = len(functions)
         sig = len(functions)
