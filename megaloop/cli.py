@@ -276,12 +276,15 @@ def _tile_overrides(items: list[str], command: str = "plan") -> dict[str, dict[s
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from megaloop.codegen.dump import check_folder, dump
     from megaloop.plan import make_plan
     from megaloop.plan.stats import format_stats
 
     cfg = PRESETS[args.preset]
     if args.save:
         _writable_file("plan", Path(args.save), args.force)
+    if args.dump:
+        check_folder(args.dump, args.force)
     t0 = time.perf_counter()
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t1 = time.perf_counter()
@@ -304,6 +307,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.save:
         plan.save(args.save, overwrite=args.force)
         print(f"saved {args.save}")
+    if args.dump:
+        print("dumped " + ", ".join(str(p) for p in dump(plan, args.dump, force=args.force)))
     return 0
 
 
@@ -430,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         "--strategy", default="auto", help="auto, tp, pp, dp, device, or a kind per mesh axis: node=pp,gpu=tp"
     )
     plan.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON")
-    plan.add_argument("--force", action="store_true", help="replace the --save file if it exists")
+    plan.add_argument(
+        "--dump", metavar="DIR", help="write each rank's kernel source and task table (op, node, tile) there"
+    )
+    plan.add_argument("--force", action="store_true", help="replace the --save file or --dump files if they exist")
     plan.set_defaults(fn=cmd_plan)
     profile = sub.add_parser("profile", help="per-task timeline of a model's loop kernel (trace JSON + PNG)")
     profile.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -56,10 +56,10 @@ if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md
   timeout "$bench_timeout" python3 scripts/decode_matmuls.py 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
   timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default default_again} 2>&1 | tee -a "$OUT/gpu_check.log" || status=1
   n=0
-  for constants in ${PROFILE_CONSTANT_SETS:-""}; do
+  for options in ${PROFILE_OPTION_SETS:-""}; do
     n=$((n + 1))
-    echo "== generate1b ${constants:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
-    PROFILE_CONSTANTS="$constants" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \
+    echo "== generate1b ${options:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
+    PROFILE_OPTIONS="$options" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \
       python3 scripts/profile_cases.py generate1b 2>&1 | grep -v 'layers\.[1-9]' | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi

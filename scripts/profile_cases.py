@@ -8,9 +8,9 @@ it prints the cost model's estimate instead (marked as such). Traces and PNGs go
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ import megaloop as ml
 from bench.common import matmul_tiles
 from bench.llama_layer import CONTEXT, layer_config
 from megaloop.models import build_llama, random_parameters
-from megaloop.plan import make_plan
+from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime import gpus, trace
 
 
@@ -140,18 +140,18 @@ def main() -> None:
         key, _, value = item.partition("=")
         op, _, param = key.strip().partition(".")
         tiles.setdefault(op, {})[param] = int(value)
-    # PROFILE_CONSTANTS="emit_reduce.BLOCK_REDUCTION_PACKS=8,kernel.POLL_SLEEP_NS=0": the
-    # code generator's experiment constants (megaloop.codegen.<module>.<NAME>), to compare without edits
-    for item in filter(None, os.environ.get("PROFILE_CONSTANTS", "").split(",")):
+    # PROFILE_OPTIONS="slot_waits=128,poll_sleep_ns=0": the plan's kernel options (KernelOptions)
+    options = {}
+    for item in filter(None, os.environ.get("PROFILE_OPTIONS", "").split(",")):
         key, _, value = item.partition("=")
-        module, _, name = key.strip().partition(".")
-        target = importlib.import_module(f"megaloop.codegen.{module}")
-        if not hasattr(target, name):
-            raise SystemExit(f"PROFILE_CONSTANTS: megaloop.codegen.{module} has no {name}")
-        setattr(target, name, int(value))
+        options[key.strip()] = int(value)
+    try:
+        kernel_options = KernelOptions(**options)
+    except TypeError as e:
+        raise SystemExit(f"PROFILE_OPTIONS: {e}; the options are {[f.name for f in fields(KernelOptions)]}") from None
     for name in sys.argv[1:] or list(CASES):
         g, params, feeds, *state = CASES[name]()  # (a case that starts from a state gives it fourth)
-        plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles)
+        plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles, options=kernel_options)
         if found:
             from megaloop.runtime.loop import LoopKernel
 

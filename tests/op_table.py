@@ -228,6 +228,10 @@ for name, tfn, domain, kinds in [
 row("gelu", "erf", lambda g, a: ml.gelu(a), lambda a, **k: F.gelu(a), one())
 row("gelu", "tanh", lambda g, a: ml.gelu(a, approximate="tanh"), lambda a, **k: F.gelu(a, approximate="tanh"), one())
 row("sigmoid", "large", lambda g, a: ml.sigmoid(a * 40.0), lambda a, dtype: torch.sigmoid(rnd(a * 40.0, dtype)), one())
+KINKS = ("choice", -5.0, -3.0, -2.75, -1.5, -0.25, 0.0, 0.5, 1.25, 2.75, 3.0, 4.5)  # both sides of -3 and 3
+row("hardswish", "kinks", lambda g, a: ml.hardswish(a), lambda a, **k: F.hardswish(a), one(), domains=(KINKS,))
+row("hardsigmoid", "kinks", lambda g, a: ml.hardsigmoid(a), lambda a, **k: F.hardsigmoid(a), one(), domains=(KINKS,))
+row("clip", "both", lambda g, a: ml.clip(a, -1, 2), lambda a, **k: torch.clamp(a, -1, 2), one(), FLOATS + INTS)
 
 
 def _cast_ref(a: torch.Tensor, dtype: str, to: str) -> torch.Tensor:
@@ -632,75 +636,6 @@ row(
     cancels=True,
 )
 
-
-# rmsnorm_matmul (through rmsnorm_linear, and the op with b not transposed): the norm of x (+ residual)
-# rounded as rmsnorm stores it, then linear; at most 8 rows (a decode step's). A row each for the
-# prologue's paths: long rows (the norm's block path and its ring), short ones (a warp a row), K not a
-# multiple of 32 (the matmul's SIMT paths) or of 8 (element by element)
-def _norm_matmul_sample(k: int, residual: bool, transposed: bool = True) -> Callable[[np.random.Generator], Sample]:
-    def sample(rng: np.random.Generator) -> Sample:
-        rows = [(1,), (3,), (2, 1), (4, 2), (8,)][int(rng.integers(0, 5))]
-        n = int(rng.integers(1, 40))
-        x = (*rows, k)
-        return Sample([x, (n, k) if transposed else (k, n), (k,)] + ([x] if residual else []), {"k": k})
-
-    return sample
-
-
-for label, k, residual in (("residual-long", 2048, True), ("residual-short", 64, True), ("plain-k40", 40, False)):
-    row(
-        "rmsnorm_matmul",
-        label,
-        lambda g, x, b, w, *r, k: ml.rmsnorm_linear(x, w, b, eps=1e-6, residual=r[0] if r else None),
-        lambda x, b, w, *r, k, dtype, **kw: F.linear(
-            rnd(F.rms_norm(rnd(x + r[0], dtype) if r else x, (k,), w, eps=1e-6), dtype), b
-        ),
-        _norm_matmul_sample(k, residual),
-        reduce_len=lambda s: s.kw["k"],
-        cancels=True,
-    )
-row(
-    "rmsnorm_matmul",
-    "k13-b-not-transposed",
-    lambda g, x, b, w, r, k: ml.rmsnorm_matmul(x, b, w, eps=1e-5, residual=r),
-    lambda x, b, w, r, k, dtype, **kw: rnd(F.rms_norm(rnd(x + r, dtype), (k,), w, eps=1e-5), dtype) @ b,
-    _norm_matmul_sample(13, True, transposed=False),
-    reduce_len=lambda s: s.kw["k"],
-    cancels=True,
-)
-
-
-# silu_mul_matmul (through silu_mul_linear, and the op with b not transposed): silu_mul's rounding, then
-# the matmul; K 2048 (packed), 40 and 13 (per-element paths)
-def _silu_matmul_sample(k: int, transposed: bool = True) -> Callable[[np.random.Generator], Sample]:
-    def sample(rng: np.random.Generator) -> Sample:
-        rows = [(1,), (3,), (2, 1), (4, 2), (8,)][int(rng.integers(0, 5))]
-        n = int(rng.integers(1, 40))
-        x = (*rows, k)
-        return Sample([x, x, (n, k) if transposed else (k, n)], {"k": k})
-
-    return sample
-
-
-for label, k in (("k2048", 2048), ("k40", 40)):
-    row(
-        "silu_mul_matmul",
-        label,
-        lambda g, a, u, b, k: ml.silu_mul_linear(a, u, b),
-        lambda a, u, b, k, dtype, **kw: F.linear(rnd(F.silu(a) * u, dtype), b),
-        _silu_matmul_sample(k),
-        reduce_len=lambda s: s.kw["k"],
-        cancels=True,
-    )
-row(
-    "silu_mul_matmul",
-    "k13-b-not-transposed",
-    lambda g, a, u, b, k: ml.silu_mul_matmul(a, b, u),
-    lambda a, u, b, k, dtype, **kw: rnd(F.silu(a) * u, dtype) @ b,
-    _silu_matmul_sample(13, transposed=False),
-    reduce_len=lambda s: s.kw["k"],
-    cancels=True,
-)
 
 # ---- embedding / rope --------------------------------------------------------------------------------
 

@@ -173,3 +173,16 @@ def test_what_lower_modules_are_handed_is_the_public_api() -> None:
     used = set(re.findall(r"CONVENIENCES\.(\w+)", (ROOT / "plan" / "model.py").read_text()))
     handed = {"save": format.save, "load": format.load, "verify": verify.verify_plan, "stats": stats.plan_stats}
     assert used == set(handed) and all(getattr(model.CONVENIENCES, k) is f for k, f in handed.items())
+
+
+def test_codegen_lowers_ops_by_their_opdef_alone() -> None:
+    """Every op the loop kernel runs names its tile template in its OpDef (``lowering``), every such
+    name is a template of megaloop.codegen.templates, and the kernel generator names no op."""
+    from megaloop.codegen.templates import TEMPLATES
+
+    lowered = {n: op.lowering.template for n, op in REGISTRY.items() if op.lowering is not None}
+    missing = {n: t for n, t in lowered.items() if t not in TEMPLATES}
+    assert not missing, f"lowerings naming no template: {missing}"
+    tree = ast.parse((ROOT / "codegen" / "kernel.py").read_text())
+    named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not named & set(REGISTRY), f"codegen/kernel.py names ops: {sorted(named & set(REGISTRY))}"

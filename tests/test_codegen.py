@@ -4,6 +4,7 @@ The generated source is also checked for what a human reader relies on."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tests.op_table import ROWS, build_row
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GPU_OPS = [row for row in ROWS if ml.REGISTRY[row.op].cuda is not None]
+GPU_OPS = [row for row in ROWS if ml.REGISTRY[row.op].lowering is not None]
 
 
 def all_ops_graph(dtype: str) -> ml.Graph:
@@ -685,29 +686,52 @@ def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
     assert "ml::attention_mma<" not in generate(make_plan(split, processors=132)).source
 
 
-def test_more_waits_in_the_slot_compile_and_leave_default_kernels_alone(monkeypatch) -> None:
-    """kernel.SLOT_WAITS (an experiment for scripts/decode_variants.py): 128 waits copied into each task
-    slot ahead instead of 16; kernel.POLL_SLEEP_NS: shorter sleeps between polls, or none; kernels at the
-    defaults are the same text as before."""
-    import megaloop.codegen.kernel as kernel
+def test_kernel_options_are_the_plans_and_change_only_their_defines() -> None:
+    """KernelOptions (saved in the plan): 128 waits copied into each task slot ahead instead of 16,
+    shorter sleeps between polls or none; the kernel differs from the default's only in its defines,
+    compiles without spills, and the plan file carries the options back."""
+    import dataclasses
+
     from bench.llama_layer import dependent_decode_graph, layer_config
+    from megaloop.plan import KernelOptions
     from megaloop.runtime.compile import spills
 
     cfg = layer_config(2048, 1)
-    plan = make_plan(dependent_decode_graph(cfg, np.zeros((1, 1, 2048), np.float32), "auto"), processors=132)
+    g = dependent_decode_graph(cfg, np.zeros((1, 1, 2048), np.float32), "auto")
+    plan = make_plan(g, processors=132)
     default = generate(plan).source
-    assert "ML_SLOT_WAITS" not in default
-    monkeypatch.setattr(kernel, "SLOT_WAITS", 128)
-    src = generate(plan).source
-    assert "#define ML_SLOT_WAITS 128\n" in src
-    assert src.replace("#define ML_SLOT_WAITS 128\n", "") == default
-    assert spills(src) == {}
-    monkeypatch.setattr(kernel, "SLOT_WAITS", 16)
-    for sleep in (0, 64):  # kernel.POLL_SLEEP_NS: the longest sleep between polls (0: none)
-        monkeypatch.setattr(kernel, "POLL_SLEEP_NS", sleep)
-        src = generate(plan).source
-        assert src.replace(f"#define ML_POLL_SLEEP_NS {sleep}\n", "") == default
+    assert "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 256\n" in default
+    for options in (KernelOptions(slot_waits=128), KernelOptions(poll_sleep_ns=0), KernelOptions(poll_sleep_ns=64)):
+        other = dataclasses.replace(plan, options=options)
+        src = generate(other).source
+        defines = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
+        assert defines in src
+        assert src.replace(defines, "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 256\n") == default
         assert spills(src) == {}
+
+
+def test_kernel_options_round_trip_and_bad_ones_name_the_field(tmp_path) -> None:
+    from megaloop.plan import KernelOptions, Plan
+
+    g = ml.Graph("opts")
+    x = g.input("x", (4, 64), "float32")
+    g.output("y", ml.relu(x))
+    plan = make_plan(g, processors=4, options=KernelOptions(slot_waits=32, poll_sleep_ns=0))
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.options == KernelOptions(slot_waits=32, poll_sleep_ns=0)
+    assert generate(loaded).source == generate(plan).source
+    with pytest.raises(errors.GraphBuildError, match=r"options\.slot_waits: must be an int in \[1, 128\], got 0"):
+        make_plan(g, processors=4, options=KernelOptions(slot_waits=0))
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["options"]["poll_sleep"] = 3
+    (tmp_path / "q.json").write_text(json.dumps(data))
+    with pytest.raises(errors.PlanFormatError, match=r"plan\.options: unknown option 'poll_sleep'"):
+        Plan.load(tmp_path / "q.json")
+    data["version"] = 1
+    (tmp_path / "q.json").write_text(json.dumps(data))
+    with pytest.raises(errors.PlanFormatError, match=r"version 1 \(made before the plan's kernel options"):
+        Plan.load(tmp_path / "q.json")
 
 
 @pytest.mark.parametrize(

@@ -169,3 +169,34 @@ def test_config_and_evaluate_arguments() -> None:
         ml.evaluate(g, 5)
     with pytest.raises(errors.EvaluationError, match="not an array"):
         ml.evaluate(g, {"x": [[1, 2], [3]]})
+
+
+def test_clip_and_hard_activations_follow_torch_at_the_edges() -> None:
+    """clip with min > max gives max everywhere, one bound alone, NaN kept; hardswish / hardsigmoid keep
+    NaN and are exact at their kinks; bounds of the wrong kind are refused naming the op."""
+    g = ml.Graph("edges")
+    x = g.input("x", (6,), "float32")
+    g.output("swapped", ml.clip(x, 1.0, -1.0))
+    g.output("low", ml.clip(x, min=0))
+    g.output("high", ml.clip(x, max=0.5))
+    g.output("swish", ml.hardswish(x))
+    g.output("hsig", ml.hardsigmoid(x))
+    xs = np.array([np.nan, -4.0, -3.0, 0.25, 3.0, 7.0], np.float32)
+    got = ml.evaluate(g, {"x": xs}).outputs
+    t = torch.tensor(xs)
+    want = {
+        "swapped": torch.clamp(t, 1.0, -1.0),
+        "low": torch.clamp(t, min=0),
+        "high": torch.clamp(t, max=0.5),
+        "swish": torch.nn.functional.hardswish(t),
+        "hsig": torch.nn.functional.hardsigmoid(t),
+    }
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w.numpy(), err_msg=name)
+    i = g.input("i", (3,), "int32")
+    with pytest.raises(errors.DtypeError, match=r"clip.*min must be an int for int32 x, got 0.5"):
+        ml.clip(i, 0.5)
+    with pytest.raises(errors.GraphBuildError, match=r"clip.*give min, max or both"):
+        ml.clip(x)
+    with pytest.raises(errors.DtypeError, match=r"clip.*max 3000000000 does not fit in int32"):
+        ml.clip(i, max=3_000_000_000)

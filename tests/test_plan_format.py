@@ -64,7 +64,6 @@ def test_edited_tile_size(setup, tmp_path) -> None:
         "skinny_mma": 1,
         "fold_batch": 0,
         "share": 0,
-        "stage_weights": 0,
         "wgmma": 1,
     }  # left out: defaults, but the switches that change the tasks as plans were made before them
     assert sum(1 for t in edited.ranks[0].tasks if t.op == op["id"]) > sum(
@@ -110,7 +109,7 @@ def test_impossible_order_is_refused(setup) -> None:
     "edit, field",
     [
         (lambda d: d.pop("version"), r"plan\.version: missing"),
-        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 1"),
+        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 2"),
         (lambda d: d.update(format="other"), r"plan\.format"),
         (lambda d: d.update(processors="many"), r"plan\.processors: expected an int, got str"),
         (lambda d: d["ranks"][0]["buffers"][0].update(kind="heap"), r"plan\.ranks\[0\]\.buffers\[0\]\.kind"),

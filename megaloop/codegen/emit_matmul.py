@@ -52,8 +52,7 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
 
 def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     """Dynamic shared memory the op's tiles need: the tensor-core path's stages, or the skinny
-    tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs), then
-    its staged weights (stage_weights) if any."""
+    tensor-core path's partial sums (4 bytes, 2 a lane, for groups of 8 columns + warps - 1 runs)."""
     warps = skinny_mma_warps(attrs, ins[0], ins[1])
     config = mma_config(attrs, ins[0], ins[1])
     wg = wgmma_config(attrs, ins[0], ins[1])
@@ -61,9 +60,6 @@ def matmul_shared_bytes(attrs: dict[str, Any], ins: list[Operand], out: Operand)
         bn, groups, stages = wg
         return stages * (64 * groups + bn) * 64 * 2 + 1024  # wgmma.cuh's wgmma_shared_bytes
     if config is None:
-        layout = stage_layout(attrs, ins[0], ins[1], out)
-        if layout is not None:  # the partial sums, then the staged block of the widest tile
-            return layout[0] + attrs["codegen"]["tile"][1] * layout[1]
         return _partial_bytes(attrs, warps) if warps else 0
     bm, bn, _, _ = config
     return MMA_STAGES * (bm + bn) * MMA_LD * 2
@@ -261,14 +257,10 @@ def _tensor_cores(
     ]
 
 
-def _simt(
-    attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, prologue: list[str] | None = None
-) -> list[str]:
+def _simt(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
     """A warp per output element, lanes splitting K (coalesced for row-major A and for weights stored
     [out, in] as in checkpoints); float32 accumulation: decode's matrix-vector products, and any
-    layout or dtype the tensor-core path does not take. ``prologue``: statements that make A, run by
-    every thread before the paths read it (inside the skinny tensor-core path, with its first weights in
-    flight)."""
+    layout or dtype the tensor-core path does not take."""
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     nd = len(out.shape)
     k = a_.shape[-2] if ta else a_.shape[-1]
@@ -293,9 +285,8 @@ def _simt(
             # weights read once a step: a parameter, and a single row block (every tile of the op reads
             # a block of B of its own)
             once = rows >= math.prod(out.shape[:-1])  # (rows: the largest tile's, batch indices folded in)
-            stream = SKINNY_MMA_STREAM_WEIGHTS and attrs["codegen"].get("b_parameter", False) and once
-            body += _skinny_mma(a_, b_, out, k, skinny_warps, stream, attrs, prologue)
-        body += prologue or []
+            stream = attrs["codegen"].get("b_parameter", False) and once
+            body += _skinny_mma(a_, b_, out, k, skinny_warps, stream, attrs)
         if 2 <= rows <= SKINNY_MAX_ROWS:
             body += _skinny(a_, b_, out, k, width, rows, abatch, bbatch, a_row, b_col)
         # packed dot products: each lane GEMV_PACKS packs of A and of B in flight per step (Little's law:
@@ -321,8 +312,6 @@ def _simt(
             "    return;",
             "}",
         ]
-    else:
-        body += prologue or []
     body.append(f"ml::for_box_warps<{nd}>(t, [&](const int* o, int lane) {{")
     body.append(f"    const ml::i64 ab = {index_expr(a_.strides[:-2], abatch)} + (ml::i64)o[{nd - 2}] * {a_row};")
     body.append(f"    const ml::i64 bb = {index_expr(b_.strides[:-2], bbatch)} + (ml::i64)o[{nd - 1}] * {b_col};")
@@ -338,21 +327,13 @@ def _simt(
 
 
 SKINNY_MMA_SLICES = 8  # 32-element K slices of each operand a lane has in flight (twice: double-buffered)
-# Weights read once a step (B a parameter, one row block) are loaded under L2's evict_first policy.
-# Measured on an H200 (scripts/decode_variants.py, dependent Llama decode step at hidden 2048 / 4096):
-# 76 / 148 us with it, 99-100 / 161-164 without it and with the same loads as asm volatile without the
-# policy (so it is the policy, not the order of the loads); the warp-per-element path, whose lanes read
-# a column's whole row of weights at once, 78 / 146 without it.
-SKINNY_MMA_STREAM_WEIGHTS = True
-# With a prologue (rmsnorm_matmul's norm), the units of B (in eighths of a round) a warp issues before it:
-# their registers are held across the prologue's own (all 8: the decode kernels spilled)
-SKINNY_EARLY_UNITS = 4
+# Weights read once a step (B a parameter, one row block) are loaded under L2's evict_first policy
+# (without it the decode step took 99 us instead of 76 on an H200: docs/experiments.md).
 
 
 def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dict[str, Any]) -> dict[str, Any]:
-    """What the skinny tile and its stage function (stage_function) share: the guard under which the
-    tile takes the skinny path (the stage function copies weights under exactly the same one, so that
-    every staged copy has a waiting tile), its B block's offset, and how its rows are walked."""
+    """The skinny tile's frame: the guard under which it takes the skinny path, its B block's offset,
+    and how its rows are walked."""
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     nd = len(out.shape)
     batch = nd - 2
@@ -406,68 +387,6 @@ def _partial_bytes(attrs: dict[str, Any], warps: int) -> int:
     return 4 * 64 * (skinny_mma_groups(attrs) + warps - 1)
 
 
-def _pad_row(row_bytes: int) -> int:
-    """A row pitch 64 bytes past a multiple of 128: the two rows (or columns) that the 8 lanes of a 16-byte
-    load phase read fall in different banks."""
-    return row_bytes + (64 - row_bytes) % 128
-
-
-# Decode tiles whose whole block of weights fits in shared memory may have it copied there by the copy
-# engine while the task waits for its producers (matmul tile switch stage_weights, 0 by default;
-# megaloop/stage.cuh). Rows are padded to 64 bytes past a multiple of 128, so that the 8 lanes of a
-# 16-byte load phase (two columns, four K offsets) fall in different banks.
-STAGE_ARCHS = ("sm_90",)
-
-
-def stage_layout(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> tuple[int, int] | None:
-    """(byte offset in dynamic shared memory, row pitch in bytes) of the op's staged weights, or None
-    where its tiles do not stage them: the switch off, not sm_90, fewer than 3 warps (warp 2 issues the
-    copies), not the skinny path, B not a parameter read once a step, or the widest tile's block (with
-    the partial sums before it) past the plan's shared memory."""
-    hints = attrs.get("codegen", {})
-    warps = skinny_mma_warps(attrs, a_, b_)
-    if not (hints.get("stage_weights") and hints.get("arch") in STAGE_ARCHS and warps >= 3):
-        return None
-    rows, cols = hints.get("tile", (0, 0))
-    if not hints.get("b_parameter") or rows < math.prod(out.shape[:-1]):
-        return None
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    k = a_.shape[-2] if ta else a_.shape[-1]
-    b_col = b_.strides[-2] if tb else b_.strides[-1]
-    row_bytes = k * b_.dtype.itemsize
-    if row_bytes % 16 or (b_col * b_.dtype.itemsize) % 16:
-        return None
-    pitch = _pad_row(row_bytes)
-    offset = -(-_partial_bytes(attrs, warps) // 128) * 128
-    if offset + cols * pitch + WGMMA_STATIC_RESERVE > hints.get("shared_memory", 0):
-        return None
-    return offset, pitch
-
-
-def stage_function(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str] | None:
-    """The body of the op's stage function (warp 2, before the task's wait: megaloop/codegen/kernel.py),
-    or None where its tiles do not stage their weights."""
-    a_, b_ = ins
-    layout = stage_layout(attrs, a_, b_, out)
-    if layout is None:
-        return None
-    offset, pitch = layout
-    f = _skinny_frame(a_, b_, out, skinny_mma_warps(attrs, a_, b_), attrs)
-    nd = len(out.shape)
-    k = a_.shape[-2] if attrs["transpose_a"] else a_.shape[-1]
-    return pointers([a_, b_, out], 2) + [
-        f["batches"],
-        f"if ({f['guard']}) {{  // the tile takes the skinny path: copy its block of weights",
-        f"    const ml::i64 bb = {f['bb']};",
-        "    extern __shared__ float4 ml_smem4[];",
-        f"    ml::stage_rows(&ml_stage_bar, reinterpret_cast<char*>(ml_smem4) + {offset}, {pitch}, "
-        f"reinterpret_cast<const char*>(in1 + bb), {f['b_col'] * b_.dtype.itemsize}, t.hi[{nd - 1}] - t.lo[{nd - 1}], "
-        f"{k * b_.dtype.itemsize});",
-        "    if ((threadIdx.x & 31) == 0) ml_stage_pending = 1u;",
-        "}",
-    ]
-
-
 def _skinny_mma(
     a_: Operand,
     b_: Operand,
@@ -476,16 +395,12 @@ def _skinny_mma(
     warps: int,
     stream: bool,
     attrs: dict[str, Any],
-    prologue: list[str] | None = None,
 ) -> list[str]:
     """Tiles of at most 8 rows on tensor cores (ml::mma_skinny): A's rows and B's columns loaded straight
     into mma fragments, the tile's groups of 8 columns x K slices shared evenly by the warps, their
     partial sums added in warp order through shared memory (the same bits every run). The SIMT path
     spends two instructions a multiply-add at 8 rows (unpacking A, the FMA), at or above what 4.8 TB/s
-    of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows). Where the op
-    stages its weights (stage_layout), B is read from shared memory once they have landed. With
-    ``prologue`` (statements every thread runs that make A, ending in a barrier), ml::mma_skinny_after
-    runs it with each warp's first weights in flight."""
+    of weights leaves an SM; an mma does 16 x 8 x 16 of them (half of them on zero rows)."""
     ct = a_.ctype
     slices = k // 32
     # 16 U registers of packs a lane (A and B, double-buffered): at 12 warps (168 registers a thread)
@@ -497,23 +412,8 @@ def _skinny_mma(
     at_lo = [f"t.lo[{d}]" for d in range(nd)]
     o_base = index_expr(out.strides[:-2], at_lo[:-2])
     f = _skinny_frame(a_, b_, out, warps, attrs)
-    layout = stage_layout(attrs, a_, b_, out)
-    if layout is None:
-        b_src, b_ld, staged = "in1 + bb", str(f["b_col"]), []
-        policy = "true" if stream else "false"
-    else:
-        offset, pitch = layout
-        b_src = f"reinterpret_cast<const {ct}*>(reinterpret_cast<const char*>(ml_smem4) + {offset})"
-        b_ld, policy = str(pitch // b_.dtype.itemsize), "false"
-        staged = [
-            "    // its weights, copied into shared memory by warp 2 while the task waited (megaloop/stage.cuh)",
-            "    if (!ml::stage_wait(a, &ml_stage_bar, ml_stage_parity, proc, tid, t.op)) return;",
-        ]
-    done = ["    if (threadIdx.x == 0) { ml_stage_parity ^= 1u; ml_stage_pending = 0u; }"] if staged else []
-    early = f"{min(slices_in_flight, max(1, slices_in_flight * SKINNY_EARLY_UNITS // 8))}, " if prologue else ""
-    call = f"ml::mma_skinny{'_after' if prologue else ''}<{ct}, {slices}, {slices_in_flight}, {early}{policy}>"
-    then = ", [&] {  // A's rows made while the first weights are on their way" if prologue else ""
-    after = [*("        " + line for line in prologue or []), "    });"] if prologue else []
+    policy = "true" if stream else "false"
+    call = f"ml::mma_skinny<{ct}, {slices}, {slices_in_flight}, {policy}>"
     return [
         f["batches"],
         f"if ({f['guard']}) {{"
@@ -524,12 +424,9 @@ def _skinny_mma(
         f"    const int units = groups * {slices}, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
         "    extern __shared__ float4 ml_smem4[];",
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
-        *staged,
-        f"    {call}(in0 + ab, {f['a_step']}, nr, {b_src}, {b_ld}, ncols, warp * units / {warps}, "
-        f"(warp + 1) * units / {warps}, partial, warp, {warps}{then}{'' if prologue else ');'}",
-        *after,
+        f"    {call}(in0 + ab, {f['a_step']}, nr, in1 + bb, {f['b_col']}, ncols, warp * units / {warps}, "
+        f"(warp + 1) * units / {warps}, partial, warp, {warps});",
         "    __syncthreads();",
-        *done,
         f"    for (int group = warp; group < groups; group += {warps}) {{",
         "        float c0, c1;",
         f"        ml::skinny_sums(partial, group, {slices}, units, {warps}, c0, c1);",

@@ -4,6 +4,7 @@ each on rows of its own) for long ones, rows streaming through a ring in shared 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ ROW_RING_BYTES = 96 * 1024
 # at most, ring slots a group at least. Why: with the whole block on one row, every warp is in the same
 # phase at once (all loading, all waiting on shuffles, all on the exponentials' MUFU pipe), at 2 warps
 # a scheduler: rmsnorm and softmax issued ~30 % of the time (0.79 and 0.47 of copy bandwidth at 8192
-# bf16 a row on an H200). Measured there (scripts/row_variants.py, 764330b): rmsnorm 0.80 -> 0.83-0.86
+# bf16 a row on an H200). Measured there (docs/experiments.md, 764330b): rmsnorm 0.80 -> 0.83-0.86
 # with 2 groups of 8 packs (4 groups of 16 packs: 0.80, its weight no longer fits in registers);
 # softmax 0.67 (one group) -> 0.78-0.80 (2 groups of 8 packs, exps kept) -> 0.85 (4 groups of 16
 # packs, one slot each, exps recomputed: more rows in flight beats fewer exponentials).
@@ -39,9 +40,6 @@ ROW_GROUPS = 4
 ROW_GROUP_LIMITS = {"softmax": (16, 1), "log_softmax": (16, 1)}  # (max packs a thread, min slots a group)
 ROW_GROUP_DEFAULT_LIMITS = (8, 2)  # norms keep their weight's packs in registers beside the row's
 ROW_GROUP_MIN_WARPS = 2
-# the ring's slot loop is unrolled (a slot's address a constant): not unrolling it (one copy of the
-# row code for the groups to share) measured 0.5-2 % slower
-ROW_SLOTS_UNROLLED = True
 SOFTMAX_KEPT_EXPS = 64  # floats a thread keeps between softmax's sum and store passes
 ROW_ACCUMULATORS = 4  # independent partial maxima / sums a thread keeps over its packs of a row
 
@@ -127,6 +125,11 @@ def block_rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
 def rows_shared_bytes(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> int:
     layout = block_rows(op, attrs, ins, out)
     return layout.ring * layout.packs * 16 * (2 if _residual(op, attrs, ins) else 1) if layout else 0
+
+
+def _index_j(value: str, statement: str) -> str:
+    """The element index j's declaration, where the statement reads j."""
+    return f"const int j = {value}; " if re.search(r"\bj\b", statement) else ""
 
 
 def rows(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
@@ -247,9 +250,8 @@ def _row_program(
             "#pragma unroll",
             f"for (int d = 0; d < {S}; ++d) fetch(g + {G} * d, g * {S} + d);",
             f"for (int i0 = 0; g + {G} * i0 < nrows; i0 += {S}) {{",
-            # not unrolled over the slots: one copy of the row's code (~1-2K instructions), which the
-            # groups run in different phases at once
-            "#pragma unroll" if ROW_SLOTS_UNROLLED else "#pragma unroll 1",
+            # unrolled over the slots: a slot's address a constant (docs/experiments.md)
+            "#pragma unroll",
             f"for (int d = 0; d < {S}; ++d) {{",
             f"    const int e = g + {G} * (i0 + d);",
             "    if (e >= nrows) break;  // (the same for the whole group: its barriers stay matched)",
@@ -348,7 +350,7 @@ def _row_program(
         if held:
             return held_packs(
                 "#pragma unroll",
-                f"for (int q = 0; q < {width}; ++q) {{ const int j = pk * {width} + q; (void)j; "
+                f"for (int q = 0; q < {width}; ++q) {{ {_index_j(f'pk * {width} + q', statement)}"
                 f"{'const float v = ml::get(px[u], q); ' if need_v else ''}{statement} }}",
             )
         if width == 1:
@@ -359,7 +361,7 @@ def _row_program(
             out_lines.append(f"        const ml::Pack<{x.ctype}, {width}> px = {packed_row_value()};")
         out_lines.append("#pragma unroll")
         out_lines.append(
-            f"        for (int q = 0; q < {width}; ++q) {{ const int j = j0 + q; (void)j; "
+            f"        for (int q = 0; q < {width}; ++q) {{ {_index_j('j0 + q', statement)}"
             f"{'const float v = ml::get(px, q); ' if need_v else ''}{statement} }}"
         )
         out_lines.append("    }")

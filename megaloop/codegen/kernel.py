@@ -1,6 +1,7 @@
 """One rank's plan -> the loop kernel's CUDA C++ source and the tables it walks.
 
-The source has one function per distinct op signature (megaloop/codegen/emit*.py), a dispatch switch,
+The source has one function per distinct op signature (each op's template: megaloop/codegen/templates.py,
+named by its OpDef's ``lowering``), a dispatch switch,
 and the loop itself; everything that differs between ops of one signature (where their operands
 live) and everything per task (its box, its waits, its counter) is data, uploaded with the plan:
 
@@ -16,37 +17,19 @@ the compile cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from megaloop.codegen import emit_collective, emit_sample
 from megaloop.codegen.abi import MAX_DIMS, MAX_OPERANDS, MIRROR_DTYPE, TASK_DTYPE, WAIT_DTYPE
-from megaloop.codegen.emit import (
-    Operand,
-    concat,
-    elementwise,
-    embedding,
-    kv_update,
-    rope,
-    rope_kv_update,
-)
-from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
-from megaloop.codegen.emit_fused_matmul import fused_matmul, fused_matmul_shared_bytes
-from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, stage_function
-from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
-from megaloop.codegen.emit_rows import rows, rows_shared_bytes
-from megaloop.codegen.exchange import all_reduce_push, member_inbox_offsets
+from megaloop.codegen.emit import Operand
+from megaloop.codegen.exchange import member_inbox_offsets
+from megaloop.codegen.templates import TEMPLATES, TileCall
+from megaloop.codegen.tidy import tidy
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
-from megaloop.frontend.ops.matmul import MATMUL_OPS
 from megaloop.frontend.shapes import format_shape
-from megaloop.frontend.tiling import PEER_SEND
-from megaloop.plan.model import Plan, RankPlan
+from megaloop.plan.model import KernelOptions, Plan, RankPlan
 from megaloop.plan.rendezvous import inboxes
-from megaloop.plan.tasks import peer_operand, peer_output
-
-EXCHANGES = ("all_reduce", "all_gather", "reduce_scatter", "recv")  # tiles that read other ranks' memory
 
 
 @dataclass
@@ -66,45 +49,6 @@ class LoopProgram:
     processors: int
     op_names: list[str]
     signatures: list[str]  # one comment line per signature
-
-
-def emit(
-    op_name: str, template: str, expr: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]
-) -> list[str]:
-    out = outs[0]
-    if template == "elementwise":
-        return elementwise(op_name, attrs, expr, ins, out)
-    if template == "reduction":
-        return reduction(op_name, attrs, ins[0], out)
-    if template == "argmax_partial":
-        return argmax_partial(attrs, ins[0], out)
-    if template == "argmax_combine":
-        return argmax_combine(attrs, ins[0], ins[1], out)
-    if template == "rows":
-        return rows(op_name, attrs, ins, out)
-    if template == "matmul":
-        return matmul(op_name, attrs, ins[0], ins[1], out)
-    if template == "fused_matmul":
-        return fused_matmul(op_name, attrs, ins, out)
-    if template == "embedding":
-        return embedding(op_name, attrs, ins[0], ins[1], out)
-    if template == "rope":
-        return rope(op_name, attrs, ins[0], ins[1], out)
-    if template == "kv_update":
-        return kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
-    if template == "rope_kv_update":
-        return rope_kv_update(op_name, attrs, ins[0], ins[1], ins[2], out)
-    if template == "concat":
-        return concat(op_name, attrs, ins, out)
-    if template == "attention":
-        return attention(op_name, attrs, ins, out)
-    if template == "attention_partial":
-        return attention_partial(op_name, attrs, ins, out)
-    if template == "attention_combine":
-        return attention_combine(op_name, attrs, ins, out)
-    if template in emit_sample.TEMPLATES:
-        return emit_sample.tile(template, attrs, ins, out)
-    raise GraphBuildError(f"{op_name}: no CUDA template {template!r}")
 
 
 def _operand(rp: RankPlan, tid: int) -> Operand:
@@ -150,102 +94,36 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     signature_of_op: list[int] = []
     comments: list[str] = []
     shared = 0
-    exchange_operands: dict[int, list[tuple[int, int]]] = {}  # op -> (member rank, its tensor id)
-    stages: dict[int, list[str]] = {}  # signature -> its stage function's body (ops staging their weights)
-    sends: dict[int, list[tuple[int, int]]] = {}  # pushing send -> (rank, tensor id) of x and of the recv's output
-    extent: dict[int, tuple[int, int]] = {}  # matmul op -> its largest tile (rows of all its batch indices, cols)
+    slots_of: dict[int, list[tuple[int, int]]] = {}  # op reading other ranks -> (rank, tensor id) per slot
+    extent: dict[int, tuple[int, int]] = {}  # op -> its largest tile (rows of all its batch indices, cols)
     largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
     for t in rp.tasks:
         if t.writes:
-            largest[t.op] = max(largest.get(t.op, 0), t.writes[0].box.size)
-        if rp.ops[t.op].op in MATMUL_OPS and t.writes:
             box = t.writes[0].box
+            largest[t.op] = max(largest.get(t.op, 0), box.size)
             rows, cols = extent.get(t.op, (0, 0))
-            width = box.hi[-1] - box.lo[-1]
+            width = box.hi[-1] - box.lo[-1] if box.hi else 1
             extent[t.op] = (max(rows, box.size // max(width, 1)), max(cols, width))
     pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
     for op in rp.ops:
         opdef = REGISTRY[op.op]
-        if op.id in pushed:
-            x, out = _operand(rp, op.inputs[0]), _operand(rp, op.outputs[0])
-            group = tuple(op.attrs["group"])
-            if len(group) + 2 > MAX_OPERANDS:
-                raise GraphBuildError(
-                    f"codegen: all_reduce {op.name} pushes to {len(group)} ranks; the loop kernel takes at most "
-                    f"{MAX_OPERANDS - 2} members per pushing all_reduce (set its tile parameter push to 0)"
-                )
-            body = all_reduce_push(op.attrs, group, rank, x, out, pushed[op.id])
-            _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
-            continue
-        if op.op == "send":  # a pushing recv's send: stores its tiles into the recv's output on dst
-            dst, out_tid = peer_output(plan, rp.graph.nodes[op.node])  # type: ignore[index]
-            x, out = _operand(rp, op.inputs[0]), _operand(plan.ranks[dst], out_tid)
-            body = emit_collective.send(op.attrs, x, out, dst)
-            _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
-            sends[op.id] = [(rank, op.inputs[0]), (dst, out_tid)]
-            continue
-        if op.op in EXCHANGES:
-            members = _members(plan, rank, op)
-            if len(members) + 1 > MAX_OPERANDS:
-                raise GraphBuildError(
-                    f"codegen: {op.op} {op.name} reads {len(members)} ranks; the loop kernel takes at most "
-                    f"{MAX_OPERANDS - 1} members per collective"
-                )
-            out = _operand(rp, op.outputs[0])
-            operands = [(m, _operand(plan.ranks[m], tid)) for m, tid in members]
-            body = _exchange(op.op, op.attrs, operands, out, rank)
-            _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
-            exchange_operands[op.id] = members
-            continue
-        if opdef.cuda is None:
+        if opdef.lowering is None or opdef.lowering.template not in TEMPLATES:
             raise GraphBuildError(
                 f"codegen: {op.op} {op.name} cannot run in the loop kernel yet (it has no CUDA tile "
-                "template); collectives come with the communication layer"
+                "template: OpDef.lowering names one of megaloop.codegen.templates.TEMPLATES)"
             )
         if len(op.inputs) + len(op.outputs) > MAX_OPERANDS:
             raise GraphBuildError(f"codegen: {op.op} {op.name} has more than {MAX_OPERANDS} operands")
         ins = [_operand(rp, t) for t in op.inputs]
         outs = [_operand(rp, t) for t in op.outputs]
-        attrs = op.attrs
-        if op.op in ("attention", "attention_partial"):  # the tensor-core path's limits
-            attrs = {**attrs, "codegen": {"warps": plan.warps, "shared_memory": plan.shared_memory or 0}}
-            shared = max(shared, attention_shared_bytes(attrs, ins, plan.warps))
-        if opdef.cuda.template in ("rows", "elementwise", "rope", "kv_update"):  # sized to the tiles and block
-            hints = {"shared_memory": plan.shared_memory, "threads": 32 * plan.warps, "elements": largest.get(op.id, 0)}
-            attrs = {**attrs, "codegen": hints}
-        if opdef.cuda.template == "rows":  # the block-per-row path's ring of rows in shared memory
-            shared = max(shared, rows_shared_bytes(op.op, attrs, ins, outs[0]))
-        if opdef.cuda.template in emit_sample.TEMPLATES:  # histograms, chunk sums, candidates
-            shared = max(shared, emit_sample.shared_bytes(opdef.cuda.template, attrs))
-        if op.op != "matmul" and op.op in MATMUL_OPS and op.tile.get("stage_weights"):
-            raise GraphBuildError(
-                f"codegen: {op.op} {op.name}: tile switch stage_weights is matmul's only (this op's tiles use "
-                "that shared memory for the rows they make); set it to 0"
-            )
-        if op.op in MATMUL_OPS:  # what the tile template needs beyond the op: its switch, tile size, warps
-            hints = {
-                "tensor_cores": op.tile.get("tensor_cores", 0),
-                "skinny_mma": op.tile.get("skinny_mma", 0),
-                "fold_batch": op.tile.get("fold_batch", 0),
-                # (rmsnorm_matmul's tiles use that shared memory for the norm while the weights would land)
-                "stage_weights": op.tile.get("stage_weights", 0) if op.op == "matmul" else 0,
-                "wgmma": op.tile.get("wgmma", 0),
-                "tile": extent.get(op.id, (0, 0)),
-                "arch": plan.arch,
-                "shared_memory": plan.shared_memory or 0,
-                # B a parameter: weights, read once a step (streamed past L2's other contents)
-                "b_parameter": rp.is_parameter(op.inputs[1]),
-            }
-            attrs = {**attrs, "codegen": {**hints, "warps": plan.warps}}
-            if op.op == "matmul":
-                shared = max(shared, matmul_shared_bytes(attrs, ins, outs[0]))
-            else:
-                shared = max(shared, fused_matmul_shared_bytes(op.op, attrs, ins, outs[0]))
-        body = emit(op.op, opdef.cuda.template, opdef.cuda.expression(op.attrs), attrs, ins, outs)
-        _add_function(body, rp, op.id, bodies, functions, comments, signature_of_op)
-        staging = stage_function(attrs, ins, outs[0]) if op.op == "matmul" else None
-        if staging is not None:  # its weights copied into shared memory before its wait (megaloop/stage.cuh)
-            stages[signature_of_op[-1]] = staging
+        call = TileCall(
+            plan, rank, op, opdef, ins, outs, largest.get(op.id, 0), extent.get(op.id, (0, 0)), pushed.get(op.id)
+        )
+        lowered = TEMPLATES[opdef.lowering.template](call)
+        shared = max(shared, lowered.shared_bytes)
+        _add_function(lowered.body, rp, op.id, bodies, functions, comments, signature_of_op)
+        if lowered.slots is not None:
+            slots_of[op.id] = lowered.slots
     tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
     waits: list[tuple[int, int, int, int, int]] = []
     signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
@@ -283,11 +161,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     offsets = np.zeros((max(len(rp.ops), 1), MAX_OPERANDS), np.int64)
     member_boxes: list[dict] | None = None  # every rank's inboxes, once a pushing op needs its members'
     for op in rp.ops:
-        if op.id in sends:  # x here, the recv's output in the destination's arena
-            slots = [(m, plan.ranks[m], tid) for m, tid in sends[op.id]]
-        else:
-            slots = [(m, plan.ranks[m], tid) for m, tid in exchange_operands.get(op.id, [])]
-            slots += [(rank, rp, tid) for tid in (op.outputs if slots else op.inputs + op.outputs)]
+        ranked = slots_of.get(op.id, [(rank, tid) for tid in op.inputs + op.outputs])
+        slots = [(m, plan.ranks[m], tid) for m, tid in ranked]
         for k, (_, owner, tid) in enumerate(slots):
             t = owner.tensors[tid]
             offsets[op.id, k] = owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
@@ -303,7 +178,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         lists.extend(lst)
         list_begin[p + 1] = len(lists)
     threads = plan.warps * 32
-    source = _source(functions, threads, rp.graph.name, len(rp.tasks), stages)
+    source = _source(functions, threads, rp.graph.name, len(rp.tasks), plan.options)
     return LoopProgram(
         source,
         tasks,
@@ -331,7 +206,7 @@ def _add_function(
     signature_of_op: list[int],
 ) -> None:
     """One tile function per distinct body: ops of one signature share it."""
-    text = "\n".join("    " + line for line in body)
+    text = "\n".join("    " + line for line in tidy(body))
     if text not in bodies:
         bodies[text] = len(functions)
         sig = len(functions)
@@ -346,78 +221,11 @@ def _add_function(
     signature_of_op.append(bodies[text])
 
 
-def _members(plan: Plan, rank: int, op) -> list[tuple[int, int]]:
-    """(rank, tensor id on that rank) of every operand an exchange reads, in group order."""
-    node = plan.ranks[rank].graph.nodes[op.node]
-    if op.op == "recv":
-        return [(op.attrs["src"], peer_operand(plan, rank, node, PEER_SEND, op.attrs["src"]))]
-    return [(m, peer_operand(plan, rank, node, 0, m)) for m in op.attrs["group"]]
-
-
-def _exchange(kind: str, attrs: dict[str, Any], members: list, out: Operand, rank: int) -> list[str]:
-    if kind == "all_reduce":
-        return emit_collective.all_reduce(attrs, members, out)
-    if kind == "reduce_scatter":
-        return emit_collective.reduce_scatter(attrs, members, out, rank)
-    if kind == "all_gather":
-        return emit_collective.all_gather(attrs, members, out)
-    return emit_collective.recv(attrs, members, out)
-
-
-def _stage_parts(stages: dict[int, list[str]]) -> dict[str, str]:
-    """The pieces of the loop kernel that stage weights (megaloop/stage.cuh), empty where no op does so:
-    such kernels are the same text as before the switch existed."""
-    if not stages:
-        return {"include": "", "functions": "", "init": "", "issue": "", "drain": "", "fence": ""}
-    functions = [
-        "// the block's staged-weights barrier (megaloop/stage.cuh): the phase parity the next staged tile\n"
-        "// waits on, and whether copies are in flight (a block leaving early lets them land first)\n"
-        "__shared__ ml::u64 ml_stage_bar;\n__shared__ unsigned ml_stage_parity, ml_stage_pending;\n"
-    ]
-    for sig, body in sorted(stages.items()):
-        text = "\n".join("    " + line for line in body)
-        functions.append(
-            f"// stage_{sig}: sig_{sig}'s block of weights into shared memory, warp 2, before the task's wait\n"
-            f"__device__ __noinline__ void stage_{sig}(const ml::Args& a, const ml::Task& t, const ml::i64* off) {{\n"
-            f"{text}\n}}\n"
-        )
-    cases = "\n".join(f"        case {sig}: stage_{sig}(a, s.task, s.offsets); break;" for sig in sorted(stages))
-    functions.append(
-        "__device__ __forceinline__ void stage_task(const ml::Args& a, const ml::TaskSlot& s) {\n"
-        "    // copies of a tile that left without them (the block is giving up): no new phase over them\n"
-        "    if (ml_stage_pending) return;\n"
-        f"    switch (s.task.sig) {{\n{cases}\n        default: break;\n    }}\n}}\n"
-    )
-    return {
-        "include": '#include "megaloop/stage.cuh"\n',
-        "functions": "\n".join(functions) + "\n",
-        "init": "        ml::stage_init(&ml_stage_bar);\n        ml_stage_parity = ml_stage_pending = 0u;\n",
-        "issue": "            if ((int)(threadIdx.x >> 5) == 2) stage_task(a, s);  // its weights, during the wait\n",
-        "drain": "            if (!go && threadIdx.x == 0 && ml_stage_pending)\n"
-        "                ml::stage_drain(&ml_stage_bar, ml_stage_parity);  // copies in flight: let them land\n",
-        "fence": "            ml::stage_fence();  // this task's shared-memory stores before the next one's copies\n",
-    }
-
-
-# Waits of a task warp 1 copies into its slot ahead (megaloop/loop.cuh SLOT_WAITS; the rest are read
-# from global memory when the task waits, one more dependent round trip). 16 is the header's own; a
-# decode step's consumers of a whole matmul wait on 22-128 tiles. Not yet measured above 16
-# (scripts/decode_variants.py slot_waits128): 128 takes the kernel's static shared memory from 3.4 to
-# 10 KB, past the 8 KB that wgmma and attention tiles leave it (WGMMA_STATIC_RESERVE): raise that too
-# before making it the default.
-SLOT_WAITS = 16
-# The longest sleep between polls of a wait's counters (megaloop/loop.cuh ML_POLL_SLEEP_NS; 0: none).
-# 256 is the header's own; scripts/decode_variants.py poll64 / poll0 measure shorter ones.
-POLL_SLEEP_NS = 256
-
-
-def _source(functions: list[str], threads: int, name: str, n_tasks: int, stages: dict[int, list[str]]) -> str:
+def _source(functions: list[str], threads: int, name: str, n_tasks: int, options: KernelOptions) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
-    st = _stage_parts(stages)
-    if any("ml::smp::" in f for f in functions):  # (only then: other kernels keep their text)
-        st["include"] += '#include "megaloop/sample.cuh"\n'
-    slot = "" if SLOT_WAITS == 16 else f"#define ML_SLOT_WAITS {SLOT_WAITS}\n"
-    slot += "" if POLL_SLEEP_NS == 256 else f"#define ML_POLL_SLEEP_NS {POLL_SLEEP_NS}\n"
+    # (only where a tile uses it: other kernels keep their text)
+    include = '#include "megaloop/sample.cuh"\n' if any("ml::smp::" in f for f in functions) else ""
+    slot = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.
 // Generated by megaloop.codegen.kernel; the header library is megaloop/codegen/include/megaloop.
 {slot}#include "megaloop/loop.cuh"
@@ -427,8 +235,8 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int, stages:
 #include "megaloop/wgmma.cuh"
 #include "megaloop/attention.cuh"
 #include "megaloop/exchange.cuh"
-{st["include"]}
-{st["functions"]}{chr(10).join(functions)}
+{include}
+{chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::TaskSlot& s, ml::u64 k, int proc) {{
     const ml::Task& t = s.task;
     const ml::i64* off = s.offsets;
@@ -448,7 +256,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
         a = *args;
         granted = 0;
         reported = ml::now_ns();
-{st["init"]}    }}
+    }}
     __syncthreads();
     const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
@@ -469,7 +277,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             const ml::Task& t = s.task;
             const int tid = s.id;
             ml::u64 start = 0;
-{st["issue"]}            if (threadIdx.x < 32) {{
+            if (threadIdx.x < 32) {{
                 const bool ready = ml::wait_task(a, s, k, proc);
                 if (threadIdx.x == 0) {{
                     go = ready;
@@ -479,9 +287,9 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
                 ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
             __syncthreads();
-{st["drain"]}            if (!go) return;
+            if (!go) return;
             run_task(a, s, k, proc);
-{st["fence"]}            __syncthreads();
+            __syncthreads();
             if (threadIdx.x == 0) {{
                 if (a.profile != nullptr && k < (ml::u64)a.profile_iterations) {{
                     // stamped before the signal, so that a task waiting on this one starts after this end

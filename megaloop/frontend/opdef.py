@@ -67,11 +67,12 @@ class Accuracy:
 
 
 @dataclass(frozen=True)
-class CudaTile:
-    """How the loop kernel runs one tile of the op: a template of megaloop/codegen (``elementwise``,
-    ``reduction``, ``rows``, ``matmul``, ``attention``, ``rope``, ``embedding``, ``kv_update``,
-    ``concat``) and, for elementwise ops, the C++ expression over the operands ``a``, ``b``, ``c`` in
-    their compute type (float, long long or bool); a callable gets the node's attributes."""
+class Lowering:
+    """How the loop kernel runs one tile of the op: the name of its tile template (a key of
+    megaloop.codegen.templates.TEMPLATES, which emits the tile function, says what shared memory it
+    needs and which plan facts it reads) and, for elementwise ops, the C++ expression over the operands
+    ``a``, ``b``, ``c`` in their compute type (float, long long or bool), written with megaloop/math.cuh;
+    a callable gets the node's attributes. The op's tiling (processors, cost) is ``OpDef.tiling``."""
 
     template: str
     expr: str | Callable[[dict[str, Any]], str] = ""
@@ -92,7 +93,7 @@ class OpDef:
     accuracy: Accuracy = field(default_factory=Accuracy)
     inplace_operand: int | None = None  # output 0 overwrites this operand's storage (state updates)
     tiling: Tiling | None = None  # how it splits into tile tasks; None: no tasks (sources, views, send)
-    cuda: CudaTile | None = None  # how the loop kernel runs a tile (None: not on the GPU yet)
+    lowering: Lowering | None = None  # how the loop kernel runs a tile (None: not on the GPU yet)
     # how its operands' and outputs' placements over a group of devices go together (its strategies);
     # None: the partitioner cannot split it (megaloop/frontend/placement.py)
     placement: PlacementRule | None = None

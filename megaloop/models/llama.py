@@ -19,7 +19,6 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
-from megaloop.frontend.ops._fused_matmul import rows_fit
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
 
@@ -166,29 +165,9 @@ def projection(x: Tensor | Projection) -> Projection:
     return x if callable(x) else (lambda w: ops.linear(x, w))
 
 
-# True: decode steps of at most FUSED_MATMUL_MAX_ROWS rows project the norms' inputs with
-# rmsnorm_linear (each q/k/v and gate/up tile norms its rows itself: no norm task and no handoff in front
-# of them, twice a layer). Off by default: measured no faster (H200, 2cc241c; scripts/decode_variants.py,
-# us at hidden 2048 / 4096): one sequence 65.4-67.0 / 139.7-141.4 fused against 65.8-68.0 / 137.6-138.3
-# apart, four sequences 81.1 / 158.9 against 79.8 / 148.2; bench/generate 1242 us a token against 1245.
-# The profile: 40 us a token fewer handoffs on the critical path (144 against 183), but each fused tile
-# 2 us longer (q 8.3 us against 6.3 + the norm's 1.3), every tile norming the row before its first
-# weights arrive (prefetching them into L2 meanwhile did not help, nor issuing half a round of them
-# before the norm: 65.1 / 142.9 against 65.6, 64.6 / 139.4, 140.1 apart at 51975fe). docs/runtime.md.
-FUSE_DECODE_NORMS = False
-# True: decode steps' down projections make silu(gate) * up themselves (silu_mul_linear: silu_mul_matmul
-# where it applies), one stage fewer a layer. Off until measured on a GPU (scripts/decode_variants.py
-# fused_silu; built at the session's end with no device time left).
-FUSE_DECODE_SILU = False
-
-
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
     """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once
-    and the projections of its output, or (FUSE_DECODE_NORMS, a decode step of at most
-    FUSED_MATMUL_MAX_ROWS rows) each projection norming its own rows (rmsnorm_linear: one op where its
-    rows fit a tile's shared memory, ``norm_matmul.fusable``)."""
-    if FUSE_DECODE_NORMS and x.shape[-2] == 1 and rows_fit(x):  # (else one norm for all the projections)
-        return lambda w: ops.rmsnorm_linear(x, norm_weight, w, eps=cfg.rms_eps, residual=residual)
+    and the projections of its output (norms inside the matmuls measured no faster: docs/experiments.md)."""
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 
 
@@ -253,8 +232,6 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) ->
     if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
         g_, u_ = g_ + w["gate_proj.bias"], u_ + w["up_proj.bias"]
         return ops.linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"])
-    if FUSE_DECODE_SILU and g_.shape[-2] == 1:  # decode: the down projection makes silu(gate) * up itself
-        return ops.silu_mul_linear(g_, u_, down)
     return ops.linear(ops.silu_mul(g_, u_), down)
 
 

@@ -32,7 +32,7 @@ from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
 from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
-from megaloop.plan.model import Buffer, Counter, Plan, PlanOp, PlanTensor, RankPlan, Wait
+from megaloop.plan.model import Buffer, Counter, KernelOptions, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
 from megaloop.plan.tasks import make_tasks, peer_operand, peer_output
@@ -52,6 +52,7 @@ def make_plan(
     reuse: bool = True,
     scratch_budget: int = memory.SCRATCH_BUDGET,
     verify: bool = True,
+    options: KernelOptions | None = None,
 ) -> Plan:
     """Plan one graph, or one graph per rank (rank order), for ``processors`` thread blocks per GPU.
 
@@ -59,9 +60,11 @@ def make_plan(
     (``"matmul"``), the node name winning: ``tiles={"matmul": {"block_m": 64}}``. Intermediates share
     memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
     never); see ``megaloop.plan.memory``. ``shared_memory`` (bytes per processor) defaults to the
-    architecture's limit."""
+    architecture's limit. ``options`` (megaloop.plan.KernelOptions) say how the loop kernel is built."""
     with collector_paused():
-        return _make_plan(graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify)
+        return _make_plan(
+            graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify, options
+        )
 
 
 @contextlib.contextmanager
@@ -88,6 +91,7 @@ def _make_plan(
     reuse: bool,
     scratch_budget: int,
     verify: bool,
+    options: KernelOptions | None,
 ) -> Plan:
     glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
     if shared_memory is None and arch in SHARED_MEMORY_PER_BLOCK:
@@ -95,6 +99,10 @@ def _make_plan(
     check_settings(arch, processors, warps, shared_memory, GraphBuildError, "plan")
     if isinstance(scratch_budget, bool) or not isinstance(scratch_budget, int) or scratch_budget < 0:
         raise GraphBuildError(f"plan: scratch_budget must be an int >= 0 (bytes), got {scratch_budget!r}")
+    options = KernelOptions() if options is None else options
+    if not isinstance(options, KernelOptions):
+        raise GraphBuildError(f"plan: options must be a megaloop.plan.KernelOptions, got {type(options).__name__}")
+    options.check(GraphBuildError, "plan: options")
     tiles = _check_tiles(tiles)
     if not glist or not all(isinstance(g, Graph) for g in glist):
         raise GraphBuildError(f"plan: expected a Graph or a list of rank Graphs, got {graphs!r:.80}")
@@ -109,6 +117,7 @@ def _make_plan(
         shared_memory=shared_memory,
         ranks=ranks,
         overrides=tiles,
+        options=options,
         matching=matching,
     )
     _check_overrides(plan, tiles)

@@ -3,6 +3,7 @@ offending field, and ``rederive`` after hand edits (new tile sizes, reordered ta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -25,6 +26,7 @@ from megaloop.plan.model import (
     Access,
     Buffer,
     Counter,
+    KernelOptions,
     Plan,
     PlanOp,
     PlanTensor,
@@ -44,6 +46,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "warps": plan.warps,
         "shared_memory": plan.shared_memory,
         "overrides": plan.overrides,
+        "options": dataclasses.asdict(plan.options),
         "estimated_ns": plan.estimated_ns,
         "ranks": [_rank_to_dict(rp) for rp in plan.ranks],
     }
@@ -270,7 +273,10 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
         raise PlanFormatError(f"plan.format: expected {FORMAT!r}, got {data.get('format')!r}")
     version = root.get("version", int)
     if version != VERSION:
-        raise PlanFormatError(f"plan.version: this megaloop reads version {VERSION}, the file is version {version}")
+        raise PlanFormatError(
+            f"plan.version: this megaloop reads version {VERSION}, the file is version {version}"
+            + (" (made before the plan's kernel options; plan its graph again)" if version < VERSION else "")
+        )
     plan = Plan(
         arch=root.get("arch", str),
         processors=root.get("processors", int, minimum=1),
@@ -278,6 +284,7 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
         shared_memory=root.get("shared_memory", int, minimum=0),
         ranks=[],
         overrides=root.get("overrides", dict),
+        options=_options(root.at("options")),
         estimated_ns=float(root.get("estimated_ns", (int, float))),
     )
     check_settings(plan.arch, plan.processors, plan.warps, plan.shared_memory, PlanFormatError, "plan")
@@ -299,6 +306,16 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
     if verify:
         verify_plan(plan)
     return plan
+
+
+def _options(r: _Reader) -> KernelOptions:
+    fields = [f.name for f in dataclasses.fields(KernelOptions)]
+    unknown = sorted(set(r.obj) - set(fields))
+    if unknown:
+        raise PlanFormatError(f"{r.path}: unknown option {unknown[0]!r}; the options are {fields}")
+    options = KernelOptions(**{name: r.get(name, int) for name in fields})
+    options.check(PlanFormatError, r.path)
+    return options
 
 
 def _rank_from(rr: _Reader, r: int) -> RankPlan:

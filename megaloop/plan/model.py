@@ -26,7 +26,7 @@ from megaloop.frontend.tiling import Box
 CONVENIENCES = SimpleNamespace()
 
 FORMAT = "megaloop-plan"
-VERSION = 1
+VERSION = 2  # 2: "options" (KernelOptions); matmul's tile switch stage_weights gone
 
 # buffer kinds: read-only while a run is in flight (written by the host between runs) ...
 READ_ONLY_KINDS = ("parameter", "constant", "input")
@@ -134,6 +134,24 @@ class RankPlan:
         return out
 
 
+@dataclass(frozen=True)
+class KernelOptions:
+    """How the loop kernel is built beyond each op's tile parameters; saved in the plan as "options",
+    so a plan file says how its kernel was built. Experiments pass these; nothing else switches code."""
+
+    # waits warp 1 copies into a task's slot ahead (the rest are read when it waits); above 16 the
+    # kernel's static shared memory grows past the 8 KB that wgmma and attention tiles leave it
+    slot_waits: int = 16
+    poll_sleep_ns: int = 256  # the longest sleep between two polls of a wait's counters (0: none)
+
+    def check(self, error: type, where: str) -> None:
+        """Raise ``error`` naming the field unless every field is in range."""
+        limits = (("slot_waits", self.slot_waits, 1, 128), ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20))
+        for name, value, low, high in limits:
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise error(f"{where}.{name}: must be an int in [{low}, {high}], got {value!r}")
+
+
 @dataclass
 class Plan:
     arch: str
@@ -143,6 +161,7 @@ class Plan:
     ranks: list[RankPlan]
     overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # tile overrides it was made with
     estimated_ns: float = 0.0  # the scheduler's estimate of one iteration
+    options: KernelOptions = field(default_factory=KernelOptions)
     matching: Any = None  # megaloop.parallel.RankMatching of the graphs (derived, not saved)
 
     @property

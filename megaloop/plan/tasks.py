@@ -10,7 +10,6 @@ from typing import Any
 from megaloop.errors import InternalError
 from megaloop.frontend.graph import Node
 from megaloop.frontend.opdef import REGISTRY
-from megaloop.frontend.ops.matmul import MATMUL_OPS
 from megaloop.frontend.tiling import PEER_RECV, PEER_SEND, TileContext
 from megaloop.plan.model import Access, Plan, PlanOp, RankPlan, Task
 from megaloop.plan.schedule import task_cost_ns
@@ -57,18 +56,23 @@ def processor_share(rp: RankPlan, op: PlanOp) -> float:
     would make two rounds of tasks between them (a decode step's q, k, v: 128 + 64 + 64 tiles on 132
     processors) where one would do. The matmul tile switch ``share`` (1 by default) decides whether its
     tiling uses it."""
-    if op.op not in MATMUL_OPS or len(op.inputs) < 2 or not rp.is_parameter(op.inputs[1]):
+    if not _shares(op) or len(op.inputs) < 2 or not rp.is_parameter(op.inputs[1]):
         return 1.0
     # against weights: none can wait for another (a B computed from a sibling's output would)
     siblings = [
         o
         for o in rp.ops
-        if o.op in MATMUL_OPS and len(o.inputs) > 1 and o.inputs[0] == op.inputs[0] and rp.is_parameter(o.inputs[1])
+        if _shares(o) and len(o.inputs) > 1 and o.inputs[0] == op.inputs[0] and rp.is_parameter(o.inputs[1])
     ]
     if len(siblings) < 2:
         return 1.0
     size = {o.id: math.prod(rp.tensors[o.outputs[0]].shape) for o in siblings}
     return size[op.id] / sum(size.values())
+
+
+def _shares(op: PlanOp) -> bool:
+    """Whether the op's tiling sizes its tiles by a share of the processors (it has the switch ``share``)."""
+    return "share" in REGISTRY[op.op].tiling.params
 
 
 def make_tasks(plan: Plan) -> None:

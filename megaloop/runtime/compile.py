@@ -141,12 +141,6 @@ def _check_arch(source: str, arch: str) -> None:
             f"does not have; make the plan for this GPU (make_plan(..., arch={arch!r})) or switch the path off "
             "(tiles={'matmul': {'wgmma': 0}})"
         )
-    if arch not in ("sm_90a", "sm_100a") and "ml::stage_rows(" in source:
-        raise CompileError(
-            f"this loop kernel copies weights with Hopper's bulk copy engine (tile switch stage_weights: its plan "
-            f"was made for sm_90), which a {arch} GPU does not have; make the plan for this GPU "
-            f"(make_plan(..., arch={arch!r})) or switch it off (tiles={{'matmul': {{'stage_weights': 0}}}})"
-        )
 
 
 _IMPORTING = threading.Lock()

@@ -196,7 +196,7 @@ class LoopKernel:
                     raise LoopKernelError(
                         f"the loop kernel needs {self.program.shared_bytes} bytes of dynamic shared memory per "
                         f"block (split-key attention for {self.program.threads // 32} warps, tensor-core matmul "
-                        f"stages, rmsnorm_matmul's normed rows) besides its {static} static ones; this GPU allows "
+                        f"stages, the row ops' rings of rows) besides its {static} static ones; this GPU allows "
                         f"{limit}: plan with fewer warps or smaller matmul tiles"
                     )
                 _check(

@@ -17,47 +17,13 @@ from megaloop.errors import GraphBuildError as _GraphBuildError
 from megaloop.errors import MegaloopError as _MegaloopError
 from megaloop.frontend import sources
 from megaloop.frontend.graph import Graph as _Graph
+from megaloop.frontend.ops import elementwise as _elementwise
 from megaloop.frontend.ops._arguments import argument_error as _argument_error
 from megaloop.frontend.ops.argmax_split import argmax, argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import kv_cache_update
 from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
-from megaloop.frontend.ops.elementwise import (
-    abs,
-    add,
-    add_scalar,
-    cast,
-    div,
-    equal,
-    erf,
-    exp,
-    gelu,
-    greater,
-    greater_equal,
-    less,
-    less_equal,
-    log,
-    logical_and,
-    logical_not,
-    logical_or,
-    maximum,
-    minimum,
-    mul,
-    neg,
-    not_equal,
-    pow,
-    reciprocal,
-    relu,
-    rsqrt,
-    scale,
-    sigmoid,
-    silu,
-    silu_mul,
-    sqrt,
-    sub,
-    tanh,
-    where,
-)
+from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
 from megaloop.frontend.ops.embedding import embedding
 from megaloop.frontend.ops.layout import (
     broadcast_to,
@@ -73,20 +39,15 @@ from megaloop.frontend.ops.layout import (
     unsqueeze,
 )
 from megaloop.frontend.ops.matmul import linear, matmul
-from megaloop.frontend.ops.norm_matmul import rmsnorm_linear, rmsnorm_matmul
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
-from megaloop.frontend.ops.silu_matmul import silu_mul_linear, silu_mul_matmul
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
 from megaloop.frontend.tensor import Tensor as _Tensor
 
 __all__ = [
-    "abs",
-    "add",
-    "add_scalar",
     "all_gather",
     "all_reduce",
     "argmax",
@@ -96,74 +57,40 @@ __all__ = [
     "attention_combine",
     "attention_partial",
     "broadcast_to",
-    "cast",
     "concat",
     "copy",
-    "div",
     "embedding",
-    "equal",
-    "erf",
-    "exp",
-    "gelu",
     "getitem",
-    "greater",
-    "greater_equal",
     "inv_frequencies",
     "kv_cache_update",
     "layernorm",
-    "less",
-    "less_equal",
     "linear",
-    "log",
     "log_softmax",
-    "logical_and",
-    "logical_not",
-    "logical_or",
     "matmul",
     "max",
-    "maximum",
     "mean",
     "min",
-    "minimum",
-    "mul",
-    "neg",
-    "not_equal",
     "permute",
-    "pow",
-    "reciprocal",
     "recv",
     "reduce_scatter",
-    "relu",
     "reshape",
     "rmsnorm",
-    "rmsnorm_linear",
-    "rmsnorm_matmul",
     "rope",
     "rope_kv_cache_update",
-    "rsqrt",
     "sample",
     "sample_combine",
     "sample_partial",
-    "scale",
     "send",
-    "sigmoid",
-    "silu",
-    "silu_mul",
-    "silu_mul_linear",
-    "silu_mul_matmul",
     "slice_",
     "softmax",
     "sources",
     "split",
-    "sqrt",
     "squeeze",
-    "sub",
     "sum",
-    "tanh",
     "transpose",
     "unsqueeze",
-    "where",
 ]
+__all__ += _elementwise.__all__  # (its builders: an op added there needs no line here)
 
 
 def _guard(name: str, fn: _Callable[..., _Any]) -> _Callable[..., _Any]:

@@ -185,8 +185,8 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 
 
 # Row ops stream each task's rows through a ring in shared memory that fills at the task's start and
-# drains at its end: fewer, longer tasks for big ops. H200, 32768 rows of 8192 bf16 (scripts/
-# row_variants.py, 460653c/26ae4ea, balanced tiles, fractions of copy bandwidth over 2-3 runs each):
+# drains at its end: fewer, longer tasks for big ops. H200, 32768 rows of 8192 bf16 (docs/experiments.md,
+# 460653c/26ae4ea, balanced tiles, fractions of copy bandwidth over 2-3 runs each):
 # 8 tasks a processor rmsnorm 0.815-0.834 / softmax 0.82-0.857, 4: 0.831-0.864 / 0.842-0.887, 3:
 # 0.839-0.887 / 0.849-0.857 (run-to-run spread 2-3 %).
 ROW_WAVES = same(4)
@@ -307,19 +307,14 @@ MATMUL = Tiling(
         # took 75.4 us against 75.8 without, 145.9 against 147.9 at 4096 (with split_small on the
         # elementwise ops: 70.1 against 75.4; H200, 9cde193); 0: each sized for all the processors
         "share": same(1),
-        # 1 (sm_90): decode tiles whose whole block of weights fits in shared memory have it copied there
-        # by the copy engine while the task waits for its producers (warp 2; megaloop/stage.cuh); 0: loaded
-        # by the warps once the task runs. Off: correct but slower on an H200 (hidden-2048 decode step 77.0
-        # us against 67.5-68.7; the room it takes from L1 slows the other ops: docs/runtime.md)
-        "stage_weights": same(0),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
         "wgmma": {"sm_80": 0, "sm_86": 0, "sm_89": 0, "sm_90": 1},
     },
     _matmul,
     "output tiles of block_m x block_n per batch index, full K; narrower when few; tensor_cores, skinny_mma, "
-    "fold_batch, share, stage_weights, wgmma: 0 or 1",
-    flags=("tensor_cores", "skinny_mma", "fold_batch", "share", "stage_weights", "wgmma"),
+    "fold_batch, share, wgmma: 0 or 1",
+    flags=("tensor_cores", "skinny_mma", "fold_batch", "share", "wgmma"),
     # plan files made before these switches: a tile per batch index, tiles sized for every processor
     saved_without={"fold_batch": 0, "share": 0},
 )

@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -95,7 +95,7 @@ ARGMAX_PARTIAL = register(
         reference=_partial_reference,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_PARTIAL,
-        cuda=CudaTile("argmax_partial"),
+        lowering=Lowering("argmax_partial"),
         placement=_placements.rule(lambda node: _other_axes(node)),
     )
 )
@@ -143,7 +143,7 @@ ARGMAX_COMBINE = register(
         reference=_combine_reference,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_COMBINE,
-        cuda=CudaTile("argmax_combine"),
+        lowering=Lowering("argmax_combine"),
         placement=_placements.rule(lambda node: _other_axes(node)),
     )
 )

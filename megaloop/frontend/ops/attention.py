@@ -26,7 +26,7 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend import sources
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
@@ -180,7 +180,7 @@ ATTENTION = register(
         check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
-        cuda=CudaTile("attention"),
+        lowering=Lowering("attention"),
         placement=_placements.rule(lambda node: attention_dims(node)),
     )
 )
@@ -275,7 +275,7 @@ KV_CACHE_UPDATE = register(
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,
-        cuda=CudaTile("kv_update"),
+        lowering=Lowering("kv_update"),
         placement=CACHE_PLACEMENT,
     )
 )

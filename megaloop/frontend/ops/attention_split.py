@@ -19,7 +19,7 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, float32
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.attention import ATTENTION, attention_dims, check_attention_data, visible_keys
@@ -80,7 +80,7 @@ ATTENTION_PARTIAL = register(
         check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
-        cuda=CudaTile("attention_partial"),
+        lowering=Lowering("attention_partial"),
         placement=_placements.rule(attention_dims),  # (its output's first three axes are attention's)
     )
 )
@@ -121,7 +121,7 @@ ATTENTION_COMBINE = register(
         reference=_combine_reference,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_COMBINE,
-        cuda=CudaTile("attention_combine"),
+        lowering=Lowering("attention_combine"),
         placement=_placements.rule(
             lambda node: [
                 _placements.Dim(node.outputs[0].shape[a], ((0, a, 1), (_placements.OUT, a, 1)), label=f"axis {a}")

@@ -19,7 +19,7 @@ import numpy as np
 from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.graph import Graph
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_shape, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -125,6 +125,7 @@ ALL_REDUCE = register(
         reference=_all_reduce_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.ALL_REDUCE,
+        lowering=Lowering("all_reduce"),
         placement=_collective_rule(_placements.aligned_dims, linear=True),
     )
 )
@@ -185,6 +186,7 @@ ALL_GATHER = register(
         reference=lambda members, attrs: [np.concatenate(members, axis=attrs["axis"])] * len(members),
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ALL_GATHER,
+        lowering=Lowering("all_gather"),
         placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"])),
     )
 )
@@ -230,6 +232,7 @@ REDUCE_SCATTER = register(
         reference=_reduce_scatter_ref,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.REDUCE_SCATTER,
+        lowering=Lowering("reduce_scatter"),
         placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), linear=True),
     )
 )
@@ -276,6 +279,7 @@ SEND = register(
         reference=None,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.SEND,  # planned only when the recv pushes (its tile parameter push)
+        lowering=Lowering("send"),
         placement=_p2p_rule,
     )
 )
@@ -292,6 +296,7 @@ RECV = register(
         reference=None,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.RECV,
+        lowering=Lowering("recv"),
         placement=_p2p_rule,
     )
 )

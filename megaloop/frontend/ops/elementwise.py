@@ -19,11 +19,52 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
+
+# the builders (megaloop.frontend.ops exports them): an op added here is exported by adding it here
+__all__ = [
+    "abs",
+    "add",
+    "add_scalar",
+    "cast",
+    "clip",
+    "div",
+    "equal",
+    "erf",
+    "exp",
+    "gelu",
+    "greater",
+    "greater_equal",
+    "hardsigmoid",
+    "hardswish",
+    "less",
+    "less_equal",
+    "log",
+    "logical_and",
+    "logical_not",
+    "logical_or",
+    "maximum",
+    "minimum",
+    "mul",
+    "neg",
+    "not_equal",
+    "pow",
+    "reciprocal",
+    "relu",
+    "rsqrt",
+    "scale",
+    "sigmoid",
+    "silu",
+    "silu_mul",
+    "sqrt",
+    "sub",
+    "tanh",
+    "where",
+]
 
 # ---- shared rules ------------------------------------------------------------------------------
 
@@ -194,7 +235,7 @@ def _binary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
-            cuda=CudaTile("elementwise", cuda),
+            lowering=Lowering("elementwise", cuda),
             placement=placement,
         )
     )
@@ -337,7 +378,7 @@ WHERE = register(
         reference=_where_ref,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "a ? b : c"),
+        lowering=Lowering("elementwise", "a ? b : c"),
         placement=ELEMENTWISE,
     )
 )
@@ -407,7 +448,7 @@ def _unary_op(
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
-            cuda=CudaTile("elementwise", cuda),
+            lowering=Lowering("elementwise", cuda),
             placement=placement,
         )
     )
@@ -465,6 +506,100 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return apply(GELU, [x], approximate=approximate)
 
 
+# PyTorch's hard activations: relu6(x + 3) / 6 and x times it, NaN kept (as torch's min/max keep it)
+def _relu6_plus_3(x: np.ndarray) -> np.ndarray:
+    return np.minimum(np.maximum(x + 3.0, 0.0), 6.0)
+
+
+HARDSIGMOID = _unary_op(
+    "hardsigmoid",
+    "relu6(x + 3) / 6: 0 below -3, 1 above 3, linear between (PyTorch's hardsigmoid).",
+    lambda x: _relu6_plus_3(x) / 6.0,
+    accuracy=Accuracy(ulps=1.0),
+    cuda="ml::hardsigmoid(a)",
+)
+HARDSWISH = _unary_op(
+    "hardswish",
+    "x * relu6(x + 3) / 6 (PyTorch's hardswish).",
+    lambda x: x * _relu6_plus_3(x) / 6.0,
+    accuracy=Accuracy(ulps=1.0),
+    cuda="ml::hardswish(a)",
+)
+hardsigmoid = _unary_builder(HARDSIGMOID)
+hardswish = _unary_builder(HARDSWISH)
+
+
+def _bound_literal(value: float | int) -> str:
+    """A bound of clip in the compute type: ints as 64-bit, floats as their exact float32 value."""
+    if isinstance(value, int):
+        return f"(ml::i64){value}LL"
+    return f"((float){float(np.float32(value)).hex()})"
+
+
+def _clip_cuda(attrs: dict[str, Any]) -> str:
+    expr = "a"
+    if attrs.get("min") is not None:
+        expr = f"ml::maximum({expr}, {_bound_literal(attrs['min'])})"
+    if attrs.get("max") is not None:
+        expr = f"ml::minimum({expr}, {_bound_literal(attrs['max'])})"
+    return expr
+
+
+def _clip_infer(call: OpCall) -> list[OutSpec]:
+    dtype = call.dtype(0)
+    check_kinds(call, dtype, "fi")
+    bounds = {k: call.attrs.get(k) for k in ("min", "max")}
+    if all(v is None for v in bounds.values()):
+        raise call.error(GraphBuildError, "give min, max or both (as torch.clamp asks)")
+    for key, value in bounds.items():
+        if value is not None and isinstance(value, int) != dtype.is_int:
+            want = "an int" if dtype.is_int else "a float"
+            raise call.error(DtypeError, f"{key} must be {want} for {dtype.name} x, got {value!r}")
+        if value is not None and dtype.is_int and not np.iinfo(dtype.np).min <= value <= np.iinfo(dtype.np).max:
+            raise call.error(DtypeError, f"{key} {value} does not fit in {dtype.name}")
+    return [OutSpec(call.shape(0), dtype)]
+
+
+def _clip_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    x = to_compute(arrays[0])
+    if attrs.get("min") is not None:
+        x = np.maximum(x, np.asarray(attrs["min"], x.dtype))
+    if attrs.get("max") is not None:
+        x = np.minimum(x, np.asarray(attrs["max"], x.dtype))
+    return x
+
+
+CLIP = register(
+    OpDef(
+        name="clip",
+        kind="compute",
+        category="elementwise",
+        doc="min(max(x, min), max) with scalar bounds, either left out (None); NaN kept; where min > max, "
+        "every element is max (PyTorch's clamp).",
+        operands=("x",),
+        attrs={"min": "number?", "max": "number?"},
+        infer=_clip_infer,
+        reference=_clip_ref,
+        accuracy=Accuracy(ulps=0.0),
+        tiling=_tilings.ELEMENTWISE,
+        lowering=Lowering("elementwise", _clip_cuda),
+        placement=ELEMENTWISE,
+    )
+)
+
+
+def clip(x: Tensor, min: float | int | None = None, max: float | int | None = None) -> Tensor:
+    """min(max(x, min), max) with Python numbers as bounds (torch.clamp); floats for float x, ints for
+    int x (no promotion)."""
+    x = require_tensor(CLIP, "x", x)
+    bounds = {}
+    for key, value in (("min", min), ("max", max)):
+        if value is not None:
+            value = require_scalar(CLIP, key, value)
+            bounds[key] = float(value) if x.dtype.is_float and isinstance(value, int) else value
+    return apply(CLIP, [x], **bounds)
+
+
 def _logical_not_infer(call: OpCall) -> list[OutSpec]:
     check_kinds(call, call.dtype(0), "b")
     return [OutSpec(call.shape(0), dtypes.bool_)]
@@ -481,7 +616,7 @@ LOGICAL_NOT = register(
         reference=lambda arrays, attrs: np.logical_not(arrays[0]),
         accuracy=Accuracy(0.0),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "!a"),
+        lowering=Lowering("elementwise", "!a"),
         placement=ELEMENTWISE,
     )
 )
@@ -528,7 +663,7 @@ CAST = register(
         reference=_cast_ref,
         accuracy=Accuracy(ulps=0.5),
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "a"),
+        lowering=Lowering("elementwise", "a"),
         placement=ELEMENTWISE,
     )
 )

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import elementwise as ew
 from megaloop.frontend.ops._build import apply
@@ -59,7 +59,7 @@ EMBEDDING = register(
         check_data=_check_data,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.EMBEDDING,
-        cuda=CudaTile("embedding"),
+        lowering=Lowering("embedding"),
         placement=_placements.rule(lambda node: _dims(node), lambda node, n, given: _by_vocabulary(node, n, given)),
     )
 )

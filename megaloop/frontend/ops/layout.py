@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, ViewSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, ViewSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import (
     apply,
@@ -419,7 +419,7 @@ CONCAT = register(
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
         accuracy=_EXACT,
         tiling=_tilings.CONCAT,
-        cuda=CudaTile("concat"),
+        lowering=Lowering("concat"),
         placement=_placements.rule(
             lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_all
         ),
@@ -454,7 +454,7 @@ COPY = register(
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
-        cuda=CudaTile("elementwise", "a"),
+        lowering=Lowering("elementwise", "a"),
         placement=_placements.rule(_placements.elementwise_dims, _placements.partial_unary),
     )
 )

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
@@ -68,15 +68,10 @@ MATMUL = register(
         reference=_reference,
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
-        cuda=CudaTile("matmul"),
+        lowering=Lowering("matmul"),
         placement=_placements.rule(_placements.matmul_dims, _placements.partial_each),
     )
 )
-
-
-# the ops whose tiles are matmul's (the tile switches, the skinny paths, processor shares): matmul and
-# those that make their A first (megaloop/frontend/ops/norm_matmul.py)
-MATMUL_OPS = ("matmul", "rmsnorm_matmul", "silu_mul_matmul")
 
 
 def matmul(a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:

@@ -8,7 +8,7 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -54,7 +54,7 @@ SOFTMAX = register(
         reference=_softmax_ref,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
-        cuda=CudaTile("rows"),
+        lowering=Lowering("rows"),
         placement=_AXIS_ROWS,
     )
 )
@@ -70,7 +70,7 @@ LOG_SOFTMAX = register(
         reference=_log_softmax_ref,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
-        cuda=CudaTile("rows"),
+        lowering=Lowering("rows"),
         placement=_AXIS_ROWS,
     )
 )
@@ -172,7 +172,7 @@ LAYERNORM = register(
         reference=_layernorm_ref,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_tilings.ROWS,
-        cuda=CudaTile("rows"),
+        lowering=Lowering("rows"),
         placement=_LAST_ROWS,
     )
 )
@@ -190,7 +190,7 @@ RMSNORM = register(
         reference=_rmsnorm_ref,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ROWS,
-        cuda=CudaTile("rows"),
+        lowering=Lowering("rows"),
         placement=_LAST_ROWS,
     )
 )

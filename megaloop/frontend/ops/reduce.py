@@ -15,7 +15,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import AxisError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import cast, check_kinds, equal, greater, mul, not_equal, to_compute, where
@@ -56,7 +56,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, pla
             reference=reference,
             accuracy=accuracy,
             tiling=_tilings.REDUCTION,
-            cuda=CudaTile("reduction"),
+            lowering=Lowering("reduction"),
             placement=placement,
         )
     )
@@ -200,7 +200,7 @@ ARGMAX = register(
         reference=_argmax_ref,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.REDUCTION,
-        cuda=CudaTile("reduction"),
+        lowering=Lowering("reduction"),
         placement=_placements.rule(lambda node: _placements.reduction_dims(node, None), _argmax_split),
     )
 )

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
@@ -124,7 +124,7 @@ ROPE = register(
         reference=_reference,
         accuracy=Accuracy(ulps=2.0),
         tiling=_tilings.ROPE,
-        cuda=CudaTile("rope"),
+        lowering=Lowering("rope"),
         placement=_placements.rule(lambda node: positions_dims(node)),
     )
 )

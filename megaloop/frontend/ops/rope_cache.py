@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
 from megaloop.frontend.ops.attention import CACHE_PLACEMENT, _update_infer, _update_ref, cache_update, check_update_data
 from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, rope_attrs
@@ -51,7 +51,7 @@ ROPE_KV_CACHE_UPDATE = register(
         accuracy=Accuracy(ulps=2.0),
         inplace_operand=0,
         tiling=_tilings.KV_UPDATE,
-        cuda=CudaTile("rope_kv_update"),
+        lowering=Lowering("rope_kv_update"),
         placement=CACHE_PLACEMENT,
     )
 )

@@ -46,7 +46,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import DataError, DtypeError, GraphBuildError, NonFiniteError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._sampling import MAX_VOCAB, sample_rows
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -217,7 +217,7 @@ SAMPLE = register(
         check_data=params_data(1, "sample"),
         accuracy=Accuracy(ulps=0.0),
         tiling=Tiling({}, _tiles, "a few whole rows a tile: one round over the processors"),
-        cuda=CudaTile("sample"),
+        lowering=Lowering("sample"),
         placement=_placements.rule(lambda node: row_dims(node, (0,), (1, 2, 3, 4, 5))),
     )
 )

@@ -28,7 +28,7 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, CudaTile, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_tensor
 from megaloop.frontend.ops._sampling import (
@@ -187,7 +187,7 @@ SAMPLE_PARTIAL = register(
         accuracy=Accuracy(ulps=0.0),
         placement=_placements.rule(lambda node: row_dims(node, (0, 1), (2,))),
         tiling=Tiling({}, _partial_tiles, "one round of tasks over the processors, each a few ranges"),
-        cuda=CudaTile("sample_partial"),
+        lowering=Lowering("sample_partial"),
     )
 )
 
@@ -306,7 +306,7 @@ SAMPLE_COMBINE = register(
         accuracy=Accuracy(ulps=0.0),
         placement=_placements.rule(lambda node: row_dims(node, (0, 1, 2), (3, 4, 5, 6, 7))),
         tiling=Tiling({}, _combine_tiles, "a row a tile, reading the row's candidates (and logits, when needed)"),
-        cuda=CudaTile("sample_combine"),
+        lowering=Lowering("sample_combine"),
     )
 )
 

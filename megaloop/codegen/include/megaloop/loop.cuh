@@ -86,7 +86,7 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 // (list entry -> descriptor -> waits -> counters, and operand offsets -> data), each an L2 round trip
 // (~0.6 us) or worse where a decode step's weights pushed them out of L2. An L1 prefetch would not
 // do: warp 0's acquire fence invalidates L1.
-#ifndef ML_SLOT_WAITS  // a generated kernel may ask for more (megaloop/codegen/kernel.py SLOT_WAITS)
+#ifndef ML_SLOT_WAITS  // a generated kernel sets it from its plan's options (KernelOptions.slot_waits)
 #define ML_SLOT_WAITS 16
 #endif
 constexpr int SLOT_WAITS = ML_SLOT_WAITS;
@@ -129,7 +129,7 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
 // 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
 constexpr int WAIT_BATCH = 4;
 // The longest sleep between two polls of a wait's counters, in ns (the sleeps double from 32 up to it);
-// 0: no sleep, the polls back to back. A generated kernel may ask for another (kernel.py POLL_SLEEP_NS).
+// 0: no sleep, the polls back to back (set from the plan's options: KernelOptions.poll_sleep_ns).
 #ifndef ML_POLL_SLEEP_NS
 #define ML_POLL_SLEEP_NS 256
 #endif

@@ -1,4 +1,4 @@
-// megaloop/math.cuh: the scalar functions op expressions are written with (see OpDef.cuda).
+// megaloop/math.cuh: the scalar functions op expressions are written with (see OpDef.lowering).
 //
 // Each matches the numpy reference's rule where IEEE leaves a choice: maximum/minimum propagate
 // NaN, relu keeps NaN, sigmoid never overflows.
@@ -23,6 +23,9 @@ __device__ __forceinline__ float sigmoid(float x) {
     return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 __device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
+// PyTorch's hard activations: relu6(x + 3) / 6 (NaN kept by maximum/minimum) and x times it
+__device__ __forceinline__ float hardsigmoid(float x) { return minimum(maximum(x + 3.0f, 0.0f), 6.0f) / 6.0f; }
+__device__ __forceinline__ float hardswish(float x) { return x * minimum(maximum(x + 3.0f, 0.0f), 6.0f) / 6.0f; }
 __device__ __forceinline__ float gelu_erf(float x) {
     return (float)(0.5 * (double)x * (1.0 + erf((double)x * 0.70710678118654752440)));
 }

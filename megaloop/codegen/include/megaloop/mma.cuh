@@ -254,58 +254,6 @@ __device__ __forceinline__ void mma_skinny(const T* a, i64 lda, int nr, const T*
     }
 }
 
-// mma_skinny where A is made by `prologue` (every thread of the block calls this: rmsnorm_matmul's norm
-// of the tile's rows into shared memory, ending in a barrier): each warp's first U units of B are issued
-// before the prologue (the first EARLY units: those registers are held across it) and its A words
-// loaded after it, so that the prologue runs while those weights come from DRAM instead of ahead of
-// them. The rounds are mma_skinny's.
-template <typename T, int S, int U, int EARLY, bool STREAM, typename F>
-__device__ __forceinline__ void mma_skinny_after(const T* a, i64 lda, int nr, const T* b, i64 ldb, int ncols, int lo,
-                                                 int hi, float* partial, int warp, int W, F&& prologue) {
-    static_assert(EARLY >= 1 && EARLY <= U, "mma_skinny_after: 1 <= EARLY <= U");
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const u64 policy = STREAM ? evict_first_policy() : 0;
-    const T* ar = a + (i64)min(g, nr - 1) * lda + 8 * q;
-    const int last = hi - 1;
-    auto load_b = [&](u32 (&wb)[4], int i) {  // unit i's B (past the last unit: the last again)
-        i = min(i, last);
-        const T* p = b + (i64)min(8 * (i / S) + g, ncols - 1) * ldb + 8 * q + 32 * (i % S);
-        if constexpr (STREAM)
-            load_words_policy(wb, p, policy);
-        else
-            load_words(wb, p);
-    };
-    auto load = [&](u32 (&wa)[4], u32 (&wb)[4], int i) {
-        load_words(wa, ar + 32 * (min(i, last) % S));
-        load_b(wb, i);
-    };
-    u32 a0[U][4], b0[U][4], a1[U][4], b1[U][4];
-    if (lo < hi) {
-#pragma unroll
-        for (int u = 0; u < EARLY; ++u) load_b(b0[u], lo + u);
-    }
-    prologue();
-    if (lo >= hi) return;  // (fewer units than warps)
-#pragma unroll
-    for (int u = EARLY; u < U; ++u) load_b(b0[u], lo + u);
-#pragma unroll
-    for (int u = 0; u < U; ++u) load_words(a0[u], ar + 32 * (min(lo + u, last) % S));
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i0 = lo; i0 < hi; i0 += 2 * U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) load(a1[u], b1[u], i0 + U + u);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (i0 + u < hi) skinny_unit<T, S>(c, a0[u], b0[u], i0 + u, last, partial, warp, lane);
-        if (i0 + U >= hi) break;
-#pragma unroll
-        for (int u = 0; u < U; ++u) load(a0[u], b0[u], i0 + 2 * U + u);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (i0 + U + u < hi) skinny_unit<T, S>(c, a1[u], b1[u], i0 + U + u, last, partial, warp, lane);
-    }
-}
-
 // After a barrier over the warps that ran mma_skinny on a task of L = G S units: this lane's two sums
 // of group `group` (row lane / 4, columns 2 (lane % 4) + 0/1): the partial sums of the warps whose
 // units meet the group, added in warp order (the same bits every run).
