@@ -13,7 +13,7 @@
 //   stream: ahead with no waits at all (wrong results): what the ring alone can stream.
 // Checks layer 0's products and a sample of the LM head's against float64 on the host.
 // Measures the design docs/runtime.md proposes for loop kernel v2; not part of the package.
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o scripts/decode_stream_probe.bin scripts/decode_stream_probe.cu
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I megaloop/codegen/include -o scripts/decode_stream_probe.bin scripts/decode_stream_probe.cu
 //   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD]]  (DELAYS: today | fused | none;
 //   LEAD: chunks of 16 KB the loader also prefetches into L2 ahead of its copies)
 #include <cuda_bf16.h>
@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "megaloop/vec.cuh"
+
 #define CK(x)                                                                           \
     do {                                                                                \
         cudaError_t e = (x);                                                            \
@@ -37,8 +39,8 @@
         }                                                                               \
     } while (0)
 
-typedef uint32_t u32;
-typedef uint64_t u64;
+using ml::u32;
+using ml::u64;
 
 constexpr int CONSUMERS = 256;  // 8 warps
 constexpr int THREADS = CONSUMERS + 32;
@@ -87,24 +89,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         "r"(parity)
         : "memory");
 }
-__device__ __forceinline__ u64 evict_first() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar), "l"(evict_first())
+        "l"(src), "r"(bytes), "r"(bar), "l"(ml::evict_first_policy())
         : "memory");
 }
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 v;
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(policy));
+                 : "l"(p), "l"(ml::evict_first_policy()));
     return v;
 }
 __device__ __forceinline__ uint4 ld_cg(const uint4* p) {
@@ -138,16 +133,15 @@ __device__ bool wait_counter(const u32* c, u32 target, u32* abort_flag) {
 }
 
 struct Ring {
-    u32 data, full, empty;  // shared addresses: slots, SLOTS full barriers, SLOTS empty barriers
-    int slots;
+    u32 data, full, empty;  // shared addresses: the slots, their full barriers, their empty barriers
 };
 
 // rows of one chunk: whole rows of the tile; the ring's chunks are one slot, direct loads 4 slots
 __device__ __forceinline__ int rows_per_chunk(int k, bool direct) { return (direct ? 4 : 1) * max(1, SLOT_BYTES / (k * 2)); }
 
-// one chunk of rows (at most N / UPR of them): each thread takes UPR 16-byte pieces of every row
+// one chunk of rows from global memory (at most N / UPR of them): each thread takes UPR 16-byte pieces of every row
 // (K = 256 x 8 x UPR), all N loads issued before the first product; a warp's partial sums meet in acc
-template <int UPR, int N, bool GLOBAL>
+template <int UPR, int N>
 __device__ __forceinline__ void gemv_chunk(const uint4* w, const uint4* xs, float* acc, int r0, int rows) {
     constexpr int R = N / UPR, WIDTH = UPR * CONSUMERS;
     const int t = threadIdx.x;
@@ -155,7 +149,7 @@ __device__ __forceinline__ void gemv_chunk(const uint4* w, const uint4* xs, floa
 #pragma unroll
     for (int u = 0; u < N; u++) {
         const uint4* p = w + (u / UPR) * WIDTH + (u % UPR) * CONSUMERS + t;
-        v[u] = u / UPR >= rows ? make_uint4(0, 0, 0, 0) : GLOBAL ? ld_stream(p) : *p;
+        v[u] = u / UPR >= rows ? make_uint4(0, 0, 0, 0) : ld_stream(p);
     }
     float part[R];
 #pragma unroll
@@ -191,11 +185,10 @@ __device__ __forceinline__ void gemv_warp(const uint4* w, const uint4* xs, float
     }
 }
 
-template <bool GLOBAL>
+// direct mode: a chunk of 64 KB of rows straight from global memory
 __device__ __forceinline__ void gemv_rows(const void* w, const uint4* xs, float* acc, int r0, int rows, int k) {
-    constexpr int N = GLOBAL ? 16 : 4;
-    if (k == 2048) gemv_chunk<1, N, GLOBAL>((const uint4*)w, xs, acc, r0, rows);
-    else gemv_chunk<4, N, GLOBAL>((const uint4*)w, xs, acc, r0, rows);
+    if (k == 2048) gemv_chunk<1, 16>((const uint4*)w, xs, acc, r0, rows);
+    else gemv_chunk<4, 16>((const uint4*)w, xs, acc, r0, rows);
 }
 
 __global__ void __launch_bounds__(THREADS, 1)
@@ -207,7 +200,7 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
     unsigned char* ring_base = smem + MAX_K * 2 + MAX_ROWS * 4; // slots x SLOT_BYTES
     u64* bars = (u64*)(ring_base + (size_t)slots * SLOT_BYTES);
     Ring ring{(u32)__cvta_generic_to_shared(ring_base), (u32)__cvta_generic_to_shared(bars),
-              (u32)__cvta_generic_to_shared(bars + slots), slots};
+              (u32)__cvta_generic_to_shared(bars + slots)};
     const int t = threadIdx.x, first = task_start[blockIdx.x], end = task_start[blockIdx.x + 1];
     if (t == 0) {
         for (int s = 0; s < slots; s++) {
@@ -290,7 +283,7 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                         }
                         g++;
                     } else {
-                        gemv_rows<true>(weights + task.w_off + (long long)r * task.k, xs, acc, r, rows, task.k);
+                        gemv_rows(weights + task.w_off + (long long)r * task.k, xs, acc, r, rows, task.k);
                     }
                 }
                 consumers_sync();

@@ -9,7 +9,8 @@
 # 2-4 ranks, TP MLP, TP2 Llama, a silent peer named) and the fault tests (cache corruption, a second
 # kernel, exit and collection, a killed compile, leaks over 100 kernels and 10,000 runs, memmap upload);
 # `all` and `tests` run them too, as a selection of their own (RUNTIME_TIMEOUT bounds it, 540 s).
-# `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE SLOTS DELAYS" ...).
+# `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE_SLOTS_DELAYS ...",
+# e.g. "ahead_8_fused": the probe's arguments joined by underscores).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -64,10 +65,10 @@ if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md
   done
 fi
 if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's design (docs/runtime.md)
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/decode_stream_probe.bin scripts/decode_stream_probe.cu \
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I megaloop/codegen/include -o /tmp/decode_stream_probe.bin scripts/decode_stream_probe.cu \
     || status=1
-  for config in ${PROBE_CONFIGS:-"direct 0 today" "gated 8 today" "ahead 8 today" "direct 0 fused" "ahead 8 fused" "stream 8 none"}; do
-    timeout 60 /tmp/decode_stream_probe.bin $config 2>&1 | tee -a "$OUT/decode_stream_probe.jsonl" || status=1
+  for config in ${PROBE_CONFIGS:-direct_0_today gated_8_today ahead_8_today direct_0_fused ahead_8_fused stream_8_none}; do
+    timeout 60 /tmp/decode_stream_probe.bin ${config//_/ } 2>&1 | tee -a "$OUT/decode_stream_probe.jsonl" || status=1
   done
 fi
 if [ "$what" = profile ]; then

@@ -106,6 +106,7 @@ def tiles_us(node: Any, machine: Machine, world: int = 1) -> tuple[float, float]
     params = op.tiling.defaults(machine.arch)
     ctx = TileContext(0, max(world, 1), machine.processors, machine.warps, 1.0)
     total = longest = 0.0
+    rates = machine.rates
     for tile in op.tiling.make(node, params, ctx):
         local = 0
         for rd in tile.reads:
@@ -118,7 +119,7 @@ def tiles_us(node: Any, machine: Machine, world: int = 1) -> tuple[float, float]
         if tile.moved is not None:
             local = tile.moved
         hbm = local - tile.streamed + tile.streamed_once
-        ns = task_cost_ns(machine.arch, machine.processors, hbm, 0, tile.flops, tile.streamed, machine.rates)
+        ns = task_cost_ns(machine.arch, machine.processors, hbm, 0, tile.flops, tile.streamed, rates)
         total += ns
         longest = max(longest, ns)
     scale = machine.tile_scale / 1e3

@@ -172,15 +172,10 @@ class LoopKernelGroup:
         last = [k.completed() for k in self.kernels]
         spins = 0
         while True:
-            # each rank's slowest block first (one word); the minimum over its blocks only then
-            if all(int(k.progress[k._slowest]) >= k._requested for k in self.kernels):
-                now = [k.completed() for k in self.kernels]
-                if all(c >= k._requested for c, k in zip(now, self.kernels)):
-                    # an error recorded by a task of the last iteration arrives with its progress
-                    self._raise_first_error()
-                    return
-                for k in self.kernels:
-                    k._slowest = int(k.progress.argmin())
+            if all([k.finished() for k in self.kernels]):  # a list: every rank updates its slowest block
+                # an error recorded by a task of the last iteration arrives with its progress
+                self._raise_first_error()
+                return
             spins += 1
             if spins & 15:
                 continue

@@ -578,13 +578,7 @@ class LoopKernel:
         deadline = time.monotonic() + self.timeout_s + 5.0
         last = self.completed()
         spins = 0
-        # poll the block that finished last the previous time (one word) and take the minimum over all
-        # blocks only once it is there: a minimum over 132 words is a few us of Python a poll
-        while True:
-            if int(self.progress[self._slowest]) >= self._requested:
-                if self.completed() >= self._requested:
-                    break
-                self._slowest = int(self.progress.argmin())
+        while not self.finished():
             spins += 1
             if spins & 15:
                 continue
@@ -612,6 +606,17 @@ class LoopKernel:
                 "to use the GPU again"
             )
         )
+
+    def finished(self) -> bool:
+        """Whether every block finished what was asked. Polls the block that finished last the previous
+        time (one word) and takes the minimum over all blocks only once it is there: a minimum over 132
+        words is a few us of Python a poll."""
+        if int(self.progress[self._slowest]) < self._requested:
+            return False
+        if self.completed() >= self._requested:
+            return True
+        self._slowest = int(self.progress.argmin())
+        return False
 
     def completed(self) -> int:
         """Iterations every block has finished."""
