@@ -92,106 +92,68 @@ def box_var(n: int) -> str:
 
 
 def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], out: Operand) -> list[str]:
-    """Any op of one expression over broadcast operands (and Python numbers). A vectorised path (16-byte
-    packs along the last axis, several packs in flight per thread) runs when strides and the tile allow it;
-    the per-element path is the fallback and the definition."""
+    """Any op of one expression over broadcast operands (and Python numbers): ``ml::elementwise``
+    (megaloop/elementwise.cuh) with the expression as a lambda over the tensors' compute values (the
+    numbers are constants in it), each operand's strides in the output's index space, and the packed
+    path's width and packs in flight where the layout allows it (width 0: element by element only)."""
     scalars = attrs.get("scalars", {})
     slots = len(ins) + len(scalars)
     tensor_slots = [s for s in range(slots) if s not in scalars]
     compare = out.dtype.is_bool and not all(o.dtype.is_bool for o in ins)
     value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
     names = "abc"
-    body = pointers(ins + [out], len(ins))
-    fast = _elementwise_fast(
-        expr, ins, out, scalars, tensor_slots, slots, compare, value_dtype, attrs.get("codegen", {})
+    params = ", ".join(f"const {compute_type(o.dtype)} {names[s]}" for s, o in zip(tensor_slots, ins))
+    consts = "".join(
+        f"const {compute_type(value_dtype)} {names[s]} = {_scalar(v, value_dtype, compare)}; "
+        for s, v in sorted(scalars.items())
     )
-    body += fast
-    body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
-    for s in range(slots):
-        if s in scalars:
-            body.append(
-                f"    const {compute_type(value_dtype)} {names[s]} = {_scalar(scalars[s], value_dtype, compare)};"
-            )
-        else:
-            k = tensor_slots.index(s)
-            o = ins[k]
-            body.append(
-                f"    const {compute_type(o.dtype)} {names[s]} = ml::load(in{k} + "
-                f"{index_expr(o.strides, broadcast_dims(len(out.shape), o))});"
-            )
-    dims = [f"i[{d}]" for d in range(len(out.shape))]
-    body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, {converter(out.dtype)}({expr}));")
-    body.append("});")
-    return body
+    nd = len(out.shape)
+    width, unroll = _elementwise_packs(ins, out, attrs.get("codegen", {}))
+    operands = [_at(out.strides, "out0")] + [
+        _at([0 if d is None else o.strides[k] for k, d in enumerate(broadcast_dims(nd, o))], f"in{k}", nd)
+        for k, o in enumerate(ins)
+    ]
+    return [
+        *pointers(ins + [out], len(ins)),
+        f"const auto f = []({params}) {{ {consts}return {converter(out.dtype)}({expr}); }};",
+        *([f"// packed path: {width} elements a load, {unroll} per operand in flight"] if width else []),
+        f"ml::elementwise<{width}, {unroll}>(t, f, {', '.join(operands)});",
+    ]
 
 
-def _elementwise_fast(
-    expr: str,
-    ins: list[Operand],
-    out: Operand,
-    scalars: dict,
-    tensor_slots: list[int],
-    slots: int,
-    compare: bool,
-    value_dtype: DType,
-    hints: dict[str, int],
-) -> list[str]:
-    """The packed path, or nothing when the layout rules it out at compile time. ``hints``: the op's
-    largest tile (``elements``) and the block's ``threads``, where the generator knows them."""
+def _at(strides: Sequence[int], pointer: str, nd: int | None = None) -> str:
+    """``ml::at<strides...>(pointer)``: an operand's strides right-aligned to the output's ``nd`` axes."""
+    full = [0] * ((nd or len(strides)) - len(strides)) + list(strides)
+    return f"ml::at<{', '.join(str(s) for s in full)}>({pointer})"
+
+
+def _elementwise_packs(ins: list[Operand], out: Operand, hints: dict[str, int]) -> tuple[int, int]:
+    """(elements a pack, packs an operand in flight) of the packed path, or (0, 1) when the layout rules
+    it out at compile time. ``hints``: the op's largest tile (``elements``) and the block's ``threads``,
+    where the generator knows them."""
     nd = len(out.shape)
     if nd == 0 or out.strides[-1] != 1:
-        return []
+        return 0, 1
     width = 16 // max([o.dtype.itemsize for o in ins] + [out.dtype.itemsize])
     if width < 2:
-        return []
-    kinds = []
+        return 0, 1
+    vectors = 0
     for o in ins:
-        if not o.shape or o.shape[-1] == 1:
-            kinds.append("row")  # one value per row of the tile
-        elif o.strides[-1] == 1 and all(s % width == 0 for s in o.strides[:-1]):
-            kinds.append("vec")
-        else:
-            return []
+        if o.shape and o.shape[-1] != 1:  # (else one value per row of the tile)
+            if not (o.strides[-1] == 1 and all(s % width == 0 for s in o.strides[:-1])):
+                return 0, 1
+            vectors += 1
     if not all(s % width == 0 for s in out.strides[:-1]):
-        return []
+        return 0, 1
     # packs in flight per thread: 8 of each operand for up to two vector operands (4 reached 0.76 of copy
     # bandwidth on an H200 at one 256-thread block per SM), 4 with more (registers)
-    unroll = 8 if kinds.count("vec") <= 2 else 4
+    unroll = 8 if vectors <= 2 else 4
     if hints.get("elements") and hints.get("threads"):
         # no more packs a thread than the largest tile has: a decode-sized op (one tile of a few thousand
         # elements) ran 8 unrolled copies of its body, most of them on clamped duplicates, and its code
         # (up to 46 KB for a silu) is fetched into the instruction cache afresh every iteration
         unroll = max(1, min(unroll, -(-hints["elements"] // (width * hints["threads"]))))
-    declare, loads = [], []
-    for k, (o, kd) in enumerate(zip(ins, kinds)):
-        offset = index_expr(o.strides, broadcast_dims(nd, o))
-        if kd == "vec":
-            declare.append(f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}];")
-            loads.append(f"p{k}[u] = ml::load_pack<{o.ctype}, {width}>(in{k} + {offset});")
-        else:
-            declare.append(f"{compute_type(o.dtype)} r{k}[{unroll}];")
-            loads.append(f"r{k}[u] = ml::load(in{k} + {offset});")
-    values = []
-    for s in range(slots):
-        if s in scalars:
-            values.append(
-                f"const {compute_type(value_dtype)} {'abc'[s]} = {_scalar(scalars[s], value_dtype, compare)};"
-            )
-        else:
-            k = tensor_slots.index(s)
-            src = f"ml::get(p{k}[u], j)" if kinds[k] == "vec" else f"r{k}[u]"
-            values.append(f"const {compute_type(ins[k].dtype)} {'abc'[s]} = {src};")
-    stores = [
-        f"ml::Pack<{out.ctype}, {width}> po;",
-        "#pragma unroll",
-        f"for (int j = 0; j < {width}; ++j) {{",
-        *["    " + v for v in values],
-        f"    ml::set(po, j, {converter(out.dtype)}({expr}));",
-        "}",
-        f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], po);",
-    ]
-    vec_in = [(f"in{k}", o) for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"]
-    return packed_loop(out, width, unroll, vec_in, declare, loads, stores)
+    return width, unroll
 
 
 def packed_loop(
