@@ -227,53 +227,29 @@ EMBEDDING_UNROLL = 4
 
 
 def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:
-    """out[..., d] = table[ids[...], d]: rows copied in 16-byte packs where table and out hold whole
-    packs (a generation step's one row of 2048 bf16 values took a thread 8 dependent trips to memory
-    element by element, 6 us on the critical path of every token on an H200; a pack a thread is one
-    trip), else element by element. An id outside the table is a data error naming it."""
-    nd = len(out.shape)
+    """out[..., d] = table[ids[...], d] (``ml::embedding``, megaloop/gather.cuh): rows copied in 16-byte
+    packs where table and out hold whole packs (a generation step's one row of 2048 bf16 values took a
+    thread 8 dependent trips to memory element by element, 6 us on the critical path of every token
+    on an H200; a pack a thread is one trip), else element by element. An id outside the table is a
+    data error naming it."""
     vocab = table.shape[0]
-    body = pointers([table, ids, out], 2)
     width = 16 // out.dtype.itemsize
-    ids_at = index_expr(ids.strides, [f"i[{d}]" for d in range(nd - 1)])
-    fail = f"ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id[u], {vocab}, 0, 0)"
-    if (
+    packed = (
         table.dtype == out.dtype
         and table.strides[1] == 1
         and table.strides[0] % width == 0
         and out.strides[-1] == 1
         and all(st % width == 0 for st in out.strides[:-1])
-    ):
-        body += packed_loop(
-            out,
-            width,
-            EMBEDDING_UNROLL,
-            [("in0", table)],
-            [f"ml::Pack<{out.ctype}, {width}> row[{EMBEDDING_UNROLL}];", f"ml::i64 id[{EMBEDDING_UNROLL}];"],
-            [
-                f"id[u] = ml::load(in1 + {ids_at});",
-                f"const ml::i64 at_id = id[u] < 0 || id[u] >= {vocab} ? 0 : id[u];  // (a bad id: reported below)",
-                f"row[u] = ml::load_pack<{out.ctype}, {width}>(in0 + at_id * {table.strides[0]} + (ml::i64)i[{nd - 1}]);",
-            ],
-            [
-                f"if (id[u] < 0 || id[u] >= {vocab}) {{ {fail}; continue; }}",
-                f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], row[u]);",
-            ],
-        )
-    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
-    body.append(
-        f"    const ml::i64 id = ml::load(in1 + {index_expr(ids.strides, [f'i[{d}]' for d in range(nd - 1)])});"
     )
-    body.append(
-        f"    if (id < 0 || id >= {vocab}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id, {vocab}, 0, 0); "
-        "return; }"
-    )
-    body.append(
-        f"    ml::store(out0 + {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])}, "
-        f"ml::load(in0 + id * {table.strides[0]} + (ml::i64)i[{nd - 1}] * {table.strides[1]}));"
-    )
-    body.append("});")
-    return body
+    if not packed:
+        width = 0
+    return [
+        *pointers([table, ids, out], 2),
+        f"const auto bad = [&](ml::i64 id) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id, {vocab}, 0, 0); }};",
+        *([f"// packed path: a row in packs of {width}, {EMBEDDING_UNROLL} a thread in flight"] if packed else []),
+        f"ml::embedding<{vocab}, {width}, {EMBEDDING_UNROLL}>(t, bad, {_at(out.strides, 'out0')}, "
+        f"{_at(table.strides, 'in0')}, {_at(ids.strides, 'in1')});",
+    ]
 
 
 # ---- rope ---------------------------------------------------------------------------------------------
@@ -685,19 +661,7 @@ def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Op
 
 
 def concat(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
-    axis = attrs["axis"]
-    nd = len(out.shape)
-    body = pointers(ins + [out], len(ins))
-    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
-    body.append(f"    const ml::i64 o = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};")
-    body.append(f"    const int c = i[{axis}];")
-    start = 0
-    for k, t in enumerate(ins):
-        dims = [f"i[{d}]" if d != axis else f"(c - {start})" for d in range(nd)]
-        cond = f"c < {start + t.shape[axis]}"
-        body.append(
-            f"    {'if' if k == 0 else 'else if'} ({cond}) ml::store(out0 + o, ml::load(in{k} + {index_expr(t.strides, dims)}));"
-        )
-        start += t.shape[axis]
-    body.append("});")
-    return body
+    """The inputs one after another along the axis (``ml::concat``, megaloop/gather.cuh)."""
+    sizes = ", ".join(str(t.shape[attrs["axis"]]) for t in ins)
+    operands = ", ".join([_at(out.strides, "out0")] + [_at(t.strides, f"in{k}") for k, t in enumerate(ins)])
+    return [*pointers(ins + [out], len(ins)), f"ml::concat<{attrs['axis']}, {sizes}>(t, {operands});"]

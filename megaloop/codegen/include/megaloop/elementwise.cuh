@@ -13,6 +13,8 @@ namespace ml {
 
 template <class T> struct unconst { using type = T; };
 template <class T> struct unconst<const T> { using type = T; };
+template <i64... S> struct first_of { static constexpr i64 value = 0; };
+template <i64 A, i64... R> struct first_of<A, R...> { static constexpr i64 value = A; };
 template <i64... S> struct last_of { static constexpr i64 value = 0; };
 template <i64 A> struct last_of<A> { static constexpr i64 value = A; };
 template <i64 A, i64 B, i64... R> struct last_of<A, B, R...> : last_of<B, R...> {};
@@ -22,6 +24,7 @@ template <class T, i64... S>
 struct At {
     using type = typename unconst<T>::type;
     static constexpr int rank = sizeof...(S);
+    static constexpr i64 outer = first_of<S...>::value;  // the first axis's stride
     static constexpr i64 inner = last_of<S...>::value;  // the last axis's stride
     T* p;
     // sum(i[d] * stride[d]) over the axes that move
@@ -68,35 +71,38 @@ struct InFlight<A, W, U, false> {
 template <int N, int W, int U, class Aligned, class Load, class Store>
 __device__ __forceinline__ bool packed_box(const Task& t, Aligned aligned, Load load, Store store) {
     constexpr int last = N - 1;
-    if (!(t.lo[last] % W == 0 && (t.hi[last] - t.lo[last]) % W == 0 && aligned())) return false;
-    const int c0 = t.lo[last];
-    const i64 vpr = (t.hi[last] - c0) / W;
-    i64 rows = 1;
-    for (int d = 0; d < last; ++d) rows *= t.hi[d] - t.lo[d];
-    if (rows * vpr > 0x7fffffff) return false;
-    const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);
-    for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * blockDim.x) {
-        i64 at[U];
+    if (t.lo[last] % W == 0 && (t.hi[last] - t.lo[last]) % W == 0 && aligned()) {
+        const int c0 = t.lo[last];
+        const i64 vpr = (t.hi[last] - c0) / W;
+        i64 rows = 1;
+        for (int d = 0; d < last; ++d) rows *= t.hi[d] - t.lo[d];
+        if (rows * vpr <= 0x7fffffff) {
+            const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);
+            for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * blockDim.x) {
+                i64 at[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const unsigned e = min(e0 + u * blockDim.x, total - 1);
-            int i[N];
-            i[last] = c0 + (int)(e % vpr32) * W;
-            unsigned r = e / vpr32;
-            for (int d = last - 1; d >= 0; --d) {
-                const unsigned ext = t.hi[d] - t.lo[d];
-                i[d] = t.lo[d] + (int)(r % ext);
-                r /= ext;
+                for (int u = 0; u < U; ++u) {
+                    const unsigned e = min(e0 + u * blockDim.x, total - 1);
+                    int i[N];
+                    i[last] = c0 + (int)(e % vpr32) * W;
+                    unsigned r = e / vpr32;
+                    for (int d = last - 1; d >= 0; --d) {
+                        const unsigned ext = t.hi[d] - t.lo[d];
+                        i[d] = t.lo[d] + (int)(r % ext);
+                        r /= ext;
+                    }
+                    load(u, i, at[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (e0 + u * blockDim.x >= total) break;
+                    store(u, at[u]);
+                }
             }
-            load(u, i, at[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (e0 + u * blockDim.x >= total) break;
-            store(u, at[u]);
+            return true;
         }
     }
-    return true;
+    return false;
 }
 
 // out[i] = f(in[i]...) over the task's box: the packed path (W > 0: W elements a load, U packs an
@@ -106,9 +112,8 @@ __device__ __forceinline__ void elementwise(const Task& t, F f, O out, I... in) 
     constexpr int N = O::rank;
     using TO = typename O::type;
     if constexpr (W > 0) {
-        bool done = false;
-        [&](InFlight<I, W, U>... h) {
-            done = packed_box<N, W, U>(
+        const bool done = [&](InFlight<I, W, U>... h) {
+            return packed_box<N, W, U>(
                 t,
                 [&] { return (aligned(out.p, W * (int)sizeof(TO)) && ... && h.aligned_()); },
                 [&](int u, const int* i, i64& at_u) {
