@@ -1,7 +1,7 @@
 // megaloop/elementwise.cuh: one tile of an elementwise op (megaloop/codegen/emit.py instantiates it).
 //
 // An operand is a pointer with its strides in the output's index space (At<T, S...>: 0 on an axis it
-// is broadcast along); the op is a functor from the inputs' compute values to the output's. The
+// is broadcast along); the op is a lambda from the inputs' compute values to the output's. The
 // per-element path is the definition; the packed path (W elements a 16-byte load along the last axis,
 // U packs a thread in flight) runs where the generator proved the layout allows it and the tile's
 // box and pointers are aligned.
@@ -111,6 +111,8 @@ template <int W, int U, class F, class O, class... I>
 __device__ __forceinline__ void elementwise(const Task& t, F f, O out, I... in) {
     constexpr int N = O::rank;
     using TO = typename O::type;
+    static_assert(((I::rank == N) && ...), "elementwise: every operand's strides are in the output's index space");
+    static_assert(W == 0 || W * sizeof(TO) <= 16, "elementwise: a pack is at most 16 bytes");
     if constexpr (W > 0) {
         const bool done = [&](InFlight<I, W, U>... h) {
             return packed_box<N, W, U>(

@@ -12,6 +12,7 @@ template <i64 V, int W, int U, class Bad, class O, class Table, class Ids>
 __device__ __forceinline__ void embedding(const Task& t, Bad bad, O out, Table table, Ids ids) {
     constexpr int N = O::rank;
     using T = typename O::type;
+    static_assert(Table::rank == 2 && Ids::rank == N - 1, "embedding: a 2-D table, ids of the output's leading axes");
     if constexpr (W > 0) {
         Pack<T, W> row[U];
         i64 id[U];
@@ -61,6 +62,7 @@ __device__ __forceinline__ void concat_part(int* i, i64 o, O out, I in, R... res
 template <int Axis, int... Sizes, class O, class... I>
 __device__ __forceinline__ void concat(const Task& t, O out, I... in) {
     static_assert(sizeof...(Sizes) == sizeof...(I), "concat: one size along the axis per input");
+    static_assert(((I::rank == O::rank) && ...), "concat: the inputs have the output's rank");
     constexpr int N = O::rank;
     for_box<N>(t, [&](const int* i) {
         int j[N + 1];
