@@ -63,11 +63,11 @@ struct InFlight<A, W, U, false> {
 };
 
 // The tile's box in packs of W along the last axis, U packs a thread in flight, where ``aligned()``:
-// each pack u's ``load(u, i, at_u)`` (its index i[]; at_u gets its output offset) runs before any pack's
-// ``store(u, at_u)``. Packs past the box's end load its last pack again (never stored), so every pack
-// is defined without a branch (undefined tail packs made ptxas spill). False, having done nothing,
-// where the box is not whole packs or has 2^31 packs or more (32-bit index arithmetic: a 64-bit
-// division costs ~4x): the caller's per-element path then runs.
+// each pack u's ``load(u, i, at_u)`` (its index i[]; at_u gets its output offset) runs before any
+// pack's ``store(u, at_u)``. Packs past the box's end load its last pack again (never stored), so
+// every pack is defined without a branch (undefined tail packs made ptxas spill). False, having done
+// nothing, where the box is not whole packs or has 2^31 packs or more (32-bit index arithmetic: a
+// 64-bit division costs ~4x): the caller's per-element path then runs.
 template <int N, int W, int U, class Aligned, class Load, class Store>
 __device__ __forceinline__ bool packed_box(const Task& t, Aligned aligned, Load load, Store store) {
     constexpr int last = N - 1;
