@@ -111,7 +111,7 @@ template <int W, int U, class F, class O, class... I>
 __device__ __forceinline__ void elementwise(const Task& t, F f, O out, I... in) {
     constexpr int N = O::rank;
     using TO = typename O::type;
-    static_assert(((I::rank == N) && ...), "elementwise: every operand's strides are in the output's index space");
+    static_assert(((I::rank == N) && ...), "elementwise: operands in the output's index space");
     static_assert(W == 0 || W * sizeof(TO) <= 16, "elementwise: a pack is at most 16 bytes");
     if constexpr (W > 0) {
         const bool done = [&](InFlight<I, W, U>... h) {

@@ -12,7 +12,7 @@ template <i64 V, int W, int U, class Bad, class O, class Table, class Ids>
 __device__ __forceinline__ void embedding(const Task& t, Bad bad, O out, Table table, Ids ids) {
     constexpr int N = O::rank;
     using T = typename O::type;
-    static_assert(Table::rank == 2 && Ids::rank == N - 1, "embedding: a 2-D table, ids of the output's leading axes");
+    static_assert(Table::rank == 2 && Ids::rank == N - 1, "embedding: a 2-D table, ids of out's leading axes");
     if constexpr (W > 0) {
         Pack<T, W> row[U];
         i64 id[U];
