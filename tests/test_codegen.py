@@ -749,7 +749,7 @@ def test_embedding_copies_rows_in_packs(dtype: str, hidden: int, packed: bool) -
     src = generate(make_plan(g, processors=8)).source
     body = src[src.index("// sig_0") : src.index("\n}\n", src.index("// sig_0"))]
     assert ("packed path" in body) == packed
-    assert body.count("ml::fail(a, ml::DATA") == 1 + packed
+    assert body.count("ml::fail(a, ml::DATA") == 1  # (the one both paths of ml::embedding report with)
     assert spills(src) == {}
 
 

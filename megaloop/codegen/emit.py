@@ -92,106 +92,68 @@ def box_var(n: int) -> str:
 
 
 def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], out: Operand) -> list[str]:
-    """Any op of one expression over broadcast operands (and Python numbers). A vectorised path (16-byte
-    packs along the last axis, several packs in flight per thread) runs when strides and the tile allow it;
-    the per-element path is the fallback and the definition."""
+    """Any op of one expression over broadcast operands (and Python numbers): ``ml::elementwise``
+    (megaloop/elementwise.cuh) with the expression as a lambda over the tensors' compute values (the
+    numbers are constants in it), each operand's strides in the output's index space, and the packed
+    path's width and packs in flight where the layout allows it (width 0: element by element only)."""
     scalars = attrs.get("scalars", {})
     slots = len(ins) + len(scalars)
     tensor_slots = [s for s in range(slots) if s not in scalars]
     compare = out.dtype.is_bool and not all(o.dtype.is_bool for o in ins)
     value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
     names = "abc"
-    body = pointers(ins + [out], len(ins))
-    fast = _elementwise_fast(
-        expr, ins, out, scalars, tensor_slots, slots, compare, value_dtype, attrs.get("codegen", {})
+    params = ", ".join(f"const {compute_type(o.dtype)} {names[s]}" for s, o in zip(tensor_slots, ins))
+    consts = "".join(
+        f"const {compute_type(value_dtype)} {names[s]} = {_scalar(v, value_dtype, compare)}; "
+        for s, v in sorted(scalars.items())
     )
-    body += fast
-    body.append(f"ml::for_box<{box_var(len(out.shape))}>(t, [&](const int* i) {{")
-    for s in range(slots):
-        if s in scalars:
-            body.append(
-                f"    const {compute_type(value_dtype)} {names[s]} = {_scalar(scalars[s], value_dtype, compare)};"
-            )
-        else:
-            k = tensor_slots.index(s)
-            o = ins[k]
-            body.append(
-                f"    const {compute_type(o.dtype)} {names[s]} = ml::load(in{k} + "
-                f"{index_expr(o.strides, broadcast_dims(len(out.shape), o))});"
-            )
-    dims = [f"i[{d}]" for d in range(len(out.shape))]
-    body.append(f"    ml::store(out0 + {index_expr(out.strides, dims)}, {converter(out.dtype)}({expr}));")
-    body.append("});")
-    return body
+    nd = len(out.shape)
+    width, unroll = _elementwise_packs(ins, out, attrs.get("codegen", {}))
+    operands = [_at(out.strides, "out0")] + [
+        _at([0 if d is None else o.strides[k] for k, d in enumerate(broadcast_dims(nd, o))], f"in{k}", nd)
+        for k, o in enumerate(ins)
+    ]
+    return [
+        *pointers(ins + [out], len(ins)),
+        f"const auto f = []({params}) {{ {consts}return {converter(out.dtype)}({expr}); }};",
+        *([f"// packed path: {width} elements a load, {unroll} per operand in flight"] if width else []),
+        f"ml::elementwise<{width}, {unroll}>(t, f, {', '.join(operands)});",
+    ]
 
 
-def _elementwise_fast(
-    expr: str,
-    ins: list[Operand],
-    out: Operand,
-    scalars: dict,
-    tensor_slots: list[int],
-    slots: int,
-    compare: bool,
-    value_dtype: DType,
-    hints: dict[str, int],
-) -> list[str]:
-    """The packed path, or nothing when the layout rules it out at compile time. ``hints``: the op's
-    largest tile (``elements``) and the block's ``threads``, where the generator knows them."""
+def _at(strides: Sequence[int], pointer: str, nd: int | None = None) -> str:
+    """``ml::at<strides...>(pointer)``: an operand's strides right-aligned to the output's ``nd`` axes."""
+    full = [0] * ((nd or len(strides)) - len(strides)) + list(strides)
+    return f"ml::at<{', '.join(str(s) for s in full)}>({pointer})"
+
+
+def _elementwise_packs(ins: list[Operand], out: Operand, hints: dict[str, int]) -> tuple[int, int]:
+    """(elements a pack, packs an operand in flight) of the packed path, or (0, 1) when the layout rules
+    it out at compile time. ``hints``: the op's largest tile (``elements``) and the block's ``threads``,
+    where the generator knows them."""
     nd = len(out.shape)
     if nd == 0 or out.strides[-1] != 1:
-        return []
+        return 0, 1
     width = 16 // max([o.dtype.itemsize for o in ins] + [out.dtype.itemsize])
     if width < 2:
-        return []
-    kinds = []
+        return 0, 1
+    vectors = 0
     for o in ins:
-        if not o.shape or o.shape[-1] == 1:
-            kinds.append("row")  # one value per row of the tile
-        elif o.strides[-1] == 1 and all(s % width == 0 for s in o.strides[:-1]):
-            kinds.append("vec")
-        else:
-            return []
+        if o.shape and o.shape[-1] != 1:  # (else one value per row of the tile)
+            if not (o.strides[-1] == 1 and all(s % width == 0 for s in o.strides[:-1])):
+                return 0, 1
+            vectors += 1
     if not all(s % width == 0 for s in out.strides[:-1]):
-        return []
+        return 0, 1
     # packs in flight per thread: 8 of each operand for up to two vector operands (4 reached 0.76 of copy
     # bandwidth on an H200 at one 256-thread block per SM), 4 with more (registers)
-    unroll = 8 if kinds.count("vec") <= 2 else 4
+    unroll = 8 if vectors <= 2 else 4
     if hints.get("elements") and hints.get("threads"):
         # no more packs a thread than the largest tile has: a decode-sized op (one tile of a few thousand
         # elements) ran 8 unrolled copies of its body, most of them on clamped duplicates, and its code
         # (up to 46 KB for a silu) is fetched into the instruction cache afresh every iteration
         unroll = max(1, min(unroll, -(-hints["elements"] // (width * hints["threads"]))))
-    declare, loads = [], []
-    for k, (o, kd) in enumerate(zip(ins, kinds)):
-        offset = index_expr(o.strides, broadcast_dims(nd, o))
-        if kd == "vec":
-            declare.append(f"ml::Pack<{o.ctype}, {width}> p{k}[{unroll}];")
-            loads.append(f"p{k}[u] = ml::load_pack<{o.ctype}, {width}>(in{k} + {offset});")
-        else:
-            declare.append(f"{compute_type(o.dtype)} r{k}[{unroll}];")
-            loads.append(f"r{k}[u] = ml::load(in{k} + {offset});")
-    values = []
-    for s in range(slots):
-        if s in scalars:
-            values.append(
-                f"const {compute_type(value_dtype)} {'abc'[s]} = {_scalar(scalars[s], value_dtype, compare)};"
-            )
-        else:
-            k = tensor_slots.index(s)
-            src = f"ml::get(p{k}[u], j)" if kinds[k] == "vec" else f"r{k}[u]"
-            values.append(f"const {compute_type(ins[k].dtype)} {'abc'[s]} = {src};")
-    stores = [
-        f"ml::Pack<{out.ctype}, {width}> po;",
-        "#pragma unroll",
-        f"for (int j = 0; j < {width}; ++j) {{",
-        *["    " + v for v in values],
-        f"    ml::set(po, j, {converter(out.dtype)}({expr}));",
-        "}",
-        f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], po);",
-    ]
-    vec_in = [(f"in{k}", o) for k, (o, kd) in enumerate(zip(ins, kinds)) if kd == "vec"]
-    return packed_loop(out, width, unroll, vec_in, declare, loads, stores)
+    return width, unroll
 
 
 def packed_loop(
@@ -265,53 +227,29 @@ EMBEDDING_UNROLL = 4
 
 
 def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:
-    """out[..., d] = table[ids[...], d]: rows copied in 16-byte packs where table and out hold whole
-    packs (a generation step's one row of 2048 bf16 values took a thread 8 dependent trips to memory
-    element by element, 6 us on the critical path of every token on an H200; a pack a thread is one
-    trip), else element by element. An id outside the table is a data error naming it."""
-    nd = len(out.shape)
+    """out[..., d] = table[ids[...], d] (``ml::embedding``, megaloop/gather.cuh): rows copied in 16-byte
+    packs where table and out hold whole packs (a generation step's one row of 2048 bf16 values took a
+    thread 8 dependent trips to memory element by element, 6 us on the critical path of every token
+    on an H200; a pack a thread is one trip), else element by element. An id outside the table is a
+    data error naming it."""
     vocab = table.shape[0]
-    body = pointers([table, ids, out], 2)
     width = 16 // out.dtype.itemsize
-    ids_at = index_expr(ids.strides, [f"i[{d}]" for d in range(nd - 1)])
-    fail = f"ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id[u], {vocab}, 0, 0)"
-    if (
+    packed = (
         table.dtype == out.dtype
         and table.strides[1] == 1
         and table.strides[0] % width == 0
         and out.strides[-1] == 1
         and all(st % width == 0 for st in out.strides[:-1])
-    ):
-        body += packed_loop(
-            out,
-            width,
-            EMBEDDING_UNROLL,
-            [("in0", table)],
-            [f"ml::Pack<{out.ctype}, {width}> row[{EMBEDDING_UNROLL}];", f"ml::i64 id[{EMBEDDING_UNROLL}];"],
-            [
-                f"id[u] = ml::load(in1 + {ids_at});",
-                f"const ml::i64 at_id = id[u] < 0 || id[u] >= {vocab} ? 0 : id[u];  // (a bad id: reported below)",
-                f"row[u] = ml::load_pack<{out.ctype}, {width}>(in0 + at_id * {table.strides[0]} + (ml::i64)i[{nd - 1}]);",
-            ],
-            [
-                f"if (id[u] < 0 || id[u] >= {vocab}) {{ {fail}; continue; }}",
-                f"ml::store_pack<{out.ctype}, {width}>(out0 + at[u], row[u]);",
-            ],
-        )
-    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
-    body.append(
-        f"    const ml::i64 id = ml::load(in1 + {index_expr(ids.strides, [f'i[{d}]' for d in range(nd - 1)])});"
     )
-    body.append(
-        f"    if (id < 0 || id >= {vocab}) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id, {vocab}, 0, 0); "
-        "return; }"
-    )
-    body.append(
-        f"    ml::store(out0 + {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])}, "
-        f"ml::load(in0 + id * {table.strides[0]} + (ml::i64)i[{nd - 1}] * {table.strides[1]}));"
-    )
-    body.append("});")
-    return body
+    if not packed:
+        width = 0
+    return [
+        *pointers([table, ids, out], 2),
+        f"const auto bad = [&](ml::i64 id) {{ ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, id, {vocab}, 0, 0); }};",
+        *([f"// packed path: a row in packs of {width}, {EMBEDDING_UNROLL} a thread in flight"] if packed else []),
+        f"ml::embedding<{vocab}, {width}, {EMBEDDING_UNROLL}>(t, bad, {_at(out.strides, 'out0')}, "
+        f"{_at(table.strides, 'in0')}, {_at(ids.strides, 'in1')});",
+    ]
 
 
 # ---- rope ---------------------------------------------------------------------------------------------
@@ -723,19 +661,7 @@ def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Op
 
 
 def concat(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
-    axis = attrs["axis"]
-    nd = len(out.shape)
-    body = pointers(ins + [out], len(ins))
-    body.append(f"ml::for_box<{nd}>(t, [&](const int* i) {{")
-    body.append(f"    const ml::i64 o = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};")
-    body.append(f"    const int c = i[{axis}];")
-    start = 0
-    for k, t in enumerate(ins):
-        dims = [f"i[{d}]" if d != axis else f"(c - {start})" for d in range(nd)]
-        cond = f"c < {start + t.shape[axis]}"
-        body.append(
-            f"    {'if' if k == 0 else 'else if'} ({cond}) ml::store(out0 + o, ml::load(in{k} + {index_expr(t.strides, dims)}));"
-        )
-        start += t.shape[axis]
-    body.append("});")
-    return body
+    """The inputs one after another along the axis (``ml::concat``, megaloop/gather.cuh)."""
+    sizes = ", ".join(str(t.shape[attrs["axis"]]) for t in ins)
+    operands = ", ".join([_at(out.strides, "out0")] + [_at(t.strides, f"in{k}") for k, t in enumerate(ins)])
+    return [*pointers(ins + [out], len(ins)), f"ml::concat<{attrs['axis']}, {sizes}>(t, {operands});"]

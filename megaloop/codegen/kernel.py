@@ -235,6 +235,7 @@ def _source(functions: list[str], threads: int, name: str, n_tasks: int, options
 #include "megaloop/wgmma.cuh"
 #include "megaloop/attention.cuh"
 #include "megaloop/exchange.cuh"
+#include "megaloop/tiles.cuh"
 {include}
 {chr(10).join(functions)}
 __device__ __forceinline__ void run_task(const ml::Args& a, const ml::TaskSlot& s, ml::u64 k, int proc) {{

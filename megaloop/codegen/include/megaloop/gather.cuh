@@ -1,0 +1,75 @@
+// megaloop/gather.cuh: tiles that copy elements from where an index says (embedding, concat);
+// megaloop/codegen/emit.py instantiates them with the operands' layouts (At, elementwise.cuh).
+#pragma once
+#include "megaloop/elementwise.cuh"
+
+namespace ml {
+
+// out[..., d] = table[ids[...], d]: the table's rows in packs of W (U a thread in flight, each with
+// its id) where W > 0 and the box and pointers are aligned, else element by element. An id outside
+// [0, V) is passed to ``bad`` (a data error) and its elements are not written.
+template <i64 V, int W, int U, class Bad, class O, class Table, class Ids>
+__device__ __forceinline__ void embedding(const Task& t, Bad bad, O out, Table table, Ids ids) {
+    constexpr int N = O::rank;
+    using T = typename O::type;
+    static_assert(Table::rank == 2 && Ids::rank == N - 1, "embedding: a 2-D table, ids of out's leading axes");
+    if constexpr (W > 0) {
+        Pack<T, W> row[U];
+        i64 id[U];
+        const bool done = packed_box<N, W, U>(
+            t,
+            [&] { return aligned(out.p, W * (int)sizeof(T)) && aligned(table.p, W * (int)sizeof(T)); },
+            [&](int u, const int* i, i64& at_u) {
+                id[u] = load(ids.p + ids.offset(i));
+                const i64 at_id = id[u] < 0 || id[u] >= V ? 0 : id[u];  // (a bad id: reported at the store)
+                row[u] = load_pack<T, W>(table.p + at_id * Table::outer + (i64)i[N - 1]);
+                at_u = out.offset(i);
+            },
+            [&](int u, i64 at_u) {
+                if (id[u] < 0 || id[u] >= V) {
+                    bad(id[u]);
+                    return;
+                }
+                store_pack<T, W>(out.p + at_u, row[u]);
+            });
+        if (done) return;
+    }
+    for_box<N>(t, [&](const int* i) {
+        const i64 id = load(ids.p + ids.offset(i));
+        if (id < 0 || id >= V) {
+            bad(id);
+            return;
+        }
+        store(out.p + out.offset(i), load(table.p + id * Table::outer + (i64)i[N - 1] * Table::inner));
+    });
+}
+
+// concat's element i from the input whose part of the axis holds i[Axis] (parts of Sizes... in order)
+template <int Axis, int Start, class O>
+__device__ __forceinline__ void concat_part(int*, i64, O) {}
+template <int Axis, int Start, int Size, int... Sizes, class O, class I, class... R>
+__device__ __forceinline__ void concat_part(int* i, i64 o, O out, I in, R... rest) {
+    const int c = i[Axis];
+    if (c < Start + Size) {
+        i[Axis] = c - Start;
+        store(out.p + o, load(in.p + in.offset(i)));
+    } else {
+        concat_part<Axis, Start + Size, Sizes...>(i, o, out, rest...);
+    }
+}
+
+// out = the inputs one after another along Axis, of Sizes... elements there each
+template <int Axis, int... Sizes, class O, class... I>
+__device__ __forceinline__ void concat(const Task& t, O out, I... in) {
+    static_assert(sizeof...(Sizes) == sizeof...(I), "concat: one size along the axis per input");
+    static_assert(((I::rank == O::rank) && ...), "concat: the inputs have the output's rank");
+    constexpr int N = O::rank;
+    for_box<N>(t, [&](const int* i) {
+        int j[N + 1];
+#pragma unroll
+        for (int d = 0; d < N; ++d) j[d] = i[d];
+        concat_part<Axis, 0, Sizes...>(j, out.offset(i), out, in...);
+    });
+}
+
+}  // namespace ml

@@ -1,0 +1,4 @@
+// megaloop/tiles.cuh: the tile templates the generated tile functions instantiate (emit*.py).
+#pragma once
+#include "megaloop/elementwise.cuh"
+#include "megaloop/gather.cuh"
