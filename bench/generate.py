@@ -9,6 +9,8 @@ with a static cache and the compiled forward, the same weights. Per-token latenc
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import time
 
@@ -20,7 +22,7 @@ from bench.common import resident_seconds, time_torch, write
 from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
 from megaloop.models.llama import auto_kv_splits
-from megaloop.plan import make_plan
+from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
 PROMPT, NEW = 128, 128
@@ -138,7 +140,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
+    ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
     args = ap.parse_args()
+    options = KernelOptions(**json.loads(args.options))
     preset, name = SHAPES[args.shape]
     base = PRESETS[preset]
     cfg = type(base)(**{**base.__dict__, "max_seq": PROMPT + NEW})
@@ -146,15 +150,17 @@ def main() -> None:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, cfg.vocab, (1, PROMPT))
     results: dict = {"model": f"{preset} shape, random weights, bf16", "prompt": PROMPT, "new_tokens": NEW}
+    results["options"] = dataclasses.asdict(options)
 
     results.update(torch_side(cfg, params))
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits()), processors=132)
+    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits()), processors=132, options=options)
     results["plan_s"] = time.perf_counter() - t0
-    sampling_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True), processors=132)
+    sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True)
+    sampling_plan = make_plan(sampling, processors=132, options=options)
     with LoopKernel(prefill_plan, params) as k:
         feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
         logits = k.run(feeds)["logits"]

@@ -34,6 +34,9 @@ VARIANTS = {
     "poll64": {"options": {"poll_sleep_ns": 64}},
     "poll0": {"options": {"poll_sleep_ns": 0}},
     "poll0_slots128": {"options": {"poll_sleep_ns": 0, "slot_waits": 128}},
+    # decode matmul weights through global loads, not the weight ring (KernelOptions.weight_ring_slots)
+    "no_ring": {"options": {"weight_ring_slots": 0}},
+    "ring16": {"options": {"weight_ring_slots": 16}},
     "default_again": {},
 }
 

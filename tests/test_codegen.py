@@ -730,7 +730,7 @@ def test_kernel_options_round_trip_and_bad_ones_name_the_field(tmp_path) -> None
         Plan.load(tmp_path / "q.json")
     data["version"] = 1
     (tmp_path / "q.json").write_text(json.dumps(data))
-    with pytest.raises(errors.PlanFormatError, match=r"version 1 \(made before the plan's kernel options"):
+    with pytest.raises(errors.PlanFormatError, match=r"version 1 \(made by an older megaloop"):
         Plan.load(tmp_path / "q.json")
 
 

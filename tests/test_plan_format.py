@@ -109,7 +109,7 @@ def test_impossible_order_is_refused(setup) -> None:
     "edit, field",
     [
         (lambda d: d.pop("version"), r"plan\.version: missing"),
-        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 2"),
+        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 3"),
         (lambda d: d.update(format="other"), r"plan\.format"),
         (lambda d: d.update(processors="many"), r"plan\.processors: expected an int, got str"),
         (lambda d: d["ranks"][0]["buffers"][0].update(kind="heap"), r"plan\.ranks\[0\]\.buffers\[0\]\.kind"),

@@ -77,6 +77,7 @@ TASK = Struct(
         i32("mirror_begin", "... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too"),
         i32("mirror_count"),
         i32("tile", "a pushing all_reduce's tile: its slot in the inbox (megaloop/exchange.cuh)"),
+        i32("ring_first", "a weight-ring tile: its first chunk in its processor's ring list; -1: none"),
         i32("lo", "the box it writes (its tile), in its op's output index space", MAX_DIMS, "MAX_DIMS"),
         i32("hi", "", MAX_DIMS, "MAX_DIMS"),
     ),
@@ -98,6 +99,12 @@ MIRROR = Struct(
     "mirror_counters): the task that bumps the counter bumps the mirror too, and the peer polls its own\n"
     "memory instead of this rank's across NVLink.",
     (i32("rank"), i32("counter")),
+)
+RING_CHUNK = Struct(
+    "RingChunk",
+    "Whole rows of a parameter that the weight ring copies into one shared-memory slot\n"
+    "(megaloop/ring.cuh): `rows` rows of `row_bytes`, `stride` bytes apart, from arena byte `src`.",
+    (i64("src"), i64("stride"), i32("rows"), i32("row_bytes")),
 )
 CONTROL = Struct(
     "Control",
@@ -133,10 +140,13 @@ ARGS = Struct(
         i32("rank"),
         i32("world"),
         ptr("mirrors", "const Mirror*", "the peers' mirror counters the tasks bump (Task::mirror_begin)"),
+        ptr("ring_chunks", "const RingChunk*", "processor p's weight ring copies ring_chunks[ring_begin[p] ..]"),
+        ptr("ring_begin", "const int*", "... up to ring_begin[p + 1], in task order, every iteration"),
     ),
 )
-STRUCTS = (TASK, WAIT, MIRROR, CONTROL, ARGS)
+STRUCTS = (TASK, WAIT, MIRROR, RING_CHUNK, CONTROL, ARGS)
 TASK_DTYPE, WAIT_DTYPE, MIRROR_DTYPE, ARGS_DTYPE = TASK.dtype, WAIT.dtype, MIRROR.dtype, ARGS.dtype
+RING_CHUNK_DTYPE = RING_CHUNK.dtype
 # Control.error's values (megaloop/runtime/report.py reads them)
 ERRORS = {"OK": 0, "WATCHDOG": 1, "DATA": 2}
 OK, WATCHDOG, DATA = ERRORS["OK"], ERRORS["WATCHDOG"], ERRORS["DATA"]

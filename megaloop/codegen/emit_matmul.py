@@ -42,9 +42,15 @@ SKINNY_MAX_ROWS = 16
 # the next tasks' weights ahead (a schedule per processor, addbeac) did no better: docs/runtime.md.
 
 
+RING_MAX_ROWS = 4  # weight-ring tiles: one warp's sums a column, so each row of A costs its FMAs again
+
+
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
     config = mma_config(attrs, a_, b_)
     body = pointers([a_, b_, out], 2)
+    ring = ring_stream(attrs, a_, b_, out)
+    if ring is not None:
+        return body + _ring(attrs, a_, b_, out, ring)
     if config:
         body += _tensor_cores(attrs, a_, b_, out, config)
     return body + _simt(attrs, a_, b_, out)
@@ -197,6 +203,50 @@ def wgmma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, 
                 return bn, groups, stages
         bn //= 2
     return None
+
+
+def ring_stream(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> tuple[int, int, int] | None:
+    """(row bytes, stride bytes, rows a chunk) of the weight rows a ring tile streams (megaloop/ring.cuh),
+    or None where the op's tiles stay as they are: the ring on (its slot bytes in the hints), the skinny
+    path's layout, B a parameter, both operands 16-byte aligned in the arena (a ring tile has no other
+    path to fall back on), no batch axes, at most RING_MAX_ROWS rows, and a weight row fitting a slot."""
+    hints = attrs.get("codegen", {})
+    slot = hints.get("ring_slot_bytes", 0)
+    k = a_.shape[-2] if attrs["transpose_a"] else a_.shape[-1]
+    row_bytes = k * b_.dtype.itemsize
+    if not (
+        slot
+        and skinny_mma_warps(attrs, a_, b_)
+        and hints.get("b_parameter")
+        and hints.get("aligned")
+        and math.prod(out.shape[:-2]) == 1
+        and math.prod(a_.shape[:-2]) == 1
+        and 1 <= hints.get("tile", (0, 0))[0] <= RING_MAX_ROWS
+        and row_bytes <= slot
+    ):
+        return None
+    b_col = b_.strides[-2] if attrs["transpose_b"] else b_.strides[-1]
+    stride = b_col * b_.dtype.itemsize if b_.shape[-2 if attrs["transpose_b"] else -1] > 1 else row_bytes
+    return row_bytes, stride, slot // row_bytes
+
+
+def _ring(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, ring: tuple[int, int, int]) -> list[str]:
+    """A tile whose weight rows come from the ring (ml::ring_matvec), every chunk of it consumed."""
+    row_bytes, _, per_chunk = ring
+    nd = len(out.shape)
+    r_, c_ = nd - 2, nd - 1
+    f = _skinny_frame(a_, b_, out, attrs["codegen"]["warps"], attrs)
+    o_row, o_col = out.strides[-2:]
+    call = f"ml::ring_matvec<{a_.ctype}, {row_bytes // 16}, {RING_MAX_ROWS}>"
+    return [
+        f"// the weight ring: {per_chunk} weight row(s) a chunk, each read by one warp",
+        f"const ml::i64 ab = {f['ab']};",
+        f"const ml::i64 ob = (ml::i64)t.lo[{r_}] * {o_row};",
+        f"{call}(a, t, tid, k, proc, t.hi[{c_}] - t.lo[{c_}], {per_chunk}, in0 + ab, {f['a_step']}, "
+        f"t.hi[{r_}] - t.lo[{r_}], [&](int r, int c, float v) {{",
+        f"    ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)(t.lo[{c_}] + c) * {o_col}, v);",
+        "});",
+    ]
 
 
 def _walked(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:

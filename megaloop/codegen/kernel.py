@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megaloop.codegen.abi import MAX_DIMS, MAX_OPERANDS, MIRROR_DTYPE, TASK_DTYPE, WAIT_DTYPE
+from megaloop.codegen.abi import MAX_DIMS, MAX_OPERANDS, MIRROR_DTYPE, RING_CHUNK_DTYPE, TASK_DTYPE, WAIT_DTYPE
 from megaloop.codegen.emit import Operand
 from megaloop.codegen.exchange import member_inbox_offsets
-from megaloop.codegen.templates import TEMPLATES, TileCall
+from megaloop.codegen.templates import TEMPLATES, Lowered, RingStream, TileCall
 from megaloop.codegen.tidy import tidy
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import REGISTRY
@@ -49,6 +49,8 @@ class LoopProgram:
     processors: int
     op_names: list[str]
     signatures: list[str]  # one comment line per signature
+    ring_chunks: np.ndarray  # RING_CHUNK_DTYPE: the weight ring's copies, processor by processor
+    ring_begin: np.ndarray  # int32, processors + 1
 
 
 def _operand(rp: RankPlan, tid: int) -> Operand:
@@ -89,41 +91,31 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     across the peer link instead of a mirror here (for GPUs without native peer atomics, where the
     producers' remote increments of the mirrors could be lost); every rank of a job must agree."""
     rp = plan.ranks[rank]
+    pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
+    options = plan.options
+    ring_bytes = options.weight_ring_slot_bytes if options.weight_ring_slots and plan.arch == "sm_90" else 0
+    lowered = _lower(plan, rank, pushed, ring_bytes)
+    rings = {op: low.ring for op, low in enumerate(lowered) if low.ring is not None}
+    shared = max((low.shared_bytes for low in lowered), default=0)
+    ring_layout = None
+    if rings:
+        offset = -(-shared // 128) * 128
+        total = offset + options.weight_ring_slots * (ring_bytes + 12)
+        if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
+            ring_layout = (options.weight_ring_slots, ring_bytes, offset)
+            shared = total
+        else:  # no room beside the other tiles' shared memory: the ring stays out of this kernel
+            lowered, rings = _lower(plan, rank, pushed, 0), {}
+            shared = max((low.shared_bytes for low in lowered), default=0)
     bodies: dict[str, int] = {}
     functions: list[str] = []
     signature_of_op: list[int] = []
     comments: list[str] = []
-    shared = 0
     slots_of: dict[int, list[tuple[int, int]]] = {}  # op reading other ranks -> (rank, tensor id) per slot
-    extent: dict[int, tuple[int, int]] = {}  # op -> its largest tile (rows of all its batch indices, cols)
-    largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
-    for t in rp.tasks:
-        if t.writes:
-            box = t.writes[0].box
-            largest[t.op] = max(largest.get(t.op, 0), box.size)
-            rows, cols = extent.get(t.op, (0, 0))
-            width = box.hi[-1] - box.lo[-1] if box.hi else 1
-            extent[t.op] = (max(rows, box.size // max(width, 1)), max(cols, width))
-    pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
-    for op in rp.ops:
-        opdef = REGISTRY[op.op]
-        if opdef.lowering is None or opdef.lowering.template not in TEMPLATES:
-            raise GraphBuildError(
-                f"codegen: {op.op} {op.name} cannot run in the loop kernel yet (it has no CUDA tile "
-                "template: OpDef.lowering names one of megaloop.codegen.templates.TEMPLATES)"
-            )
-        if len(op.inputs) + len(op.outputs) > MAX_OPERANDS:
-            raise GraphBuildError(f"codegen: {op.op} {op.name} has more than {MAX_OPERANDS} operands")
-        ins = [_operand(rp, t) for t in op.inputs]
-        outs = [_operand(rp, t) for t in op.outputs]
-        call = TileCall(
-            plan, rank, op, opdef, ins, outs, largest.get(op.id, 0), extent.get(op.id, (0, 0)), pushed.get(op.id)
-        )
-        lowered = TEMPLATES[opdef.lowering.template](call)
-        shared = max(shared, lowered.shared_bytes)
-        _add_function(lowered.body, rp, op.id, bodies, functions, comments, signature_of_op)
-        if lowered.slots is not None:
-            slots_of[op.id] = lowered.slots
+    for op, low in zip(rp.ops, lowered):
+        _add_function(low.body, rp, op.id, bodies, functions, comments, signature_of_op)
+        if low.slots is not None:
+            slots_of[op.id] = low.slots
     tasks = np.zeros(len(rp.tasks), TASK_DTYPE)
     waits: list[tuple[int, int, int, int, int]] = []
     signalers = [{c: len(ts) for c, ts in r.signalers().items()} for r in plan.ranks]
@@ -155,6 +147,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
             mirror = mine.get((w.rank, w.counter), -1) if w.rank != rank else -1
             waits.append((w.counter, signalers[w.rank][w.counter], w.lag, w.rank, mirror))
         row["tile"] = t.coords[0] if t.op in pushed and t.coords else 0  # its slot in the inbox
+        row["ring_first"] = -1
         row["lo"][: len(box.lo)] = box.lo
         row["hi"][: len(box.hi)] = box.hi
         row["hi"][len(box.hi) :] = 1
@@ -177,8 +170,9 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         lst = rp.processors[p] if p < len(rp.processors) else []
         lists.extend(lst)
         list_begin[p + 1] = len(lists)
+    ring_chunks, ring_begin = _ring_chunks(rp, plan.processors, tasks, offsets, rings)
     threads = plan.warps * 32
-    source = _source(functions, threads, rp.graph.name, len(rp.tasks), plan.options)
+    source = _source(functions, threads, rp.graph.name, len(rp.tasks), plan.options, ring_layout)
     return LoopProgram(
         source,
         tasks,
@@ -193,7 +187,67 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         plan.processors,
         [op.name for op in rp.ops],
         comments,
+        ring_chunks,
+        ring_begin,
     )
+
+
+RING_STATIC_RESERVE = 8 * 1024  # the loop kernel's static shared memory, beside the ring
+
+
+def _lower(plan: Plan, rank: int, pushed: dict, ring_bytes: int) -> list[Lowered]:
+    """Each op's template applied (megaloop/codegen/templates.py), in op order."""
+    rp = plan.ranks[rank]
+    extent: dict[int, tuple[int, int]] = {}  # op -> its largest tile (rows of all its batch indices, cols)
+    largest: dict[int, int] = {}  # op -> elements of its largest tile (the box it writes)
+    for t in rp.tasks:
+        if t.writes:
+            box = t.writes[0].box
+            largest[t.op] = max(largest.get(t.op, 0), box.size)
+            rows, cols = extent.get(t.op, (0, 0))
+            width = box.hi[-1] - box.lo[-1] if box.hi else 1
+            extent[t.op] = (max(rows, box.size // max(width, 1)), max(cols, width))
+    lowered = []
+    for op in rp.ops:
+        opdef = REGISTRY[op.op]
+        if opdef.lowering is None or opdef.lowering.template not in TEMPLATES:
+            raise GraphBuildError(
+                f"codegen: {op.op} {op.name} cannot run in the loop kernel yet (it has no CUDA tile "
+                "template: OpDef.lowering names one of megaloop.codegen.templates.TEMPLATES)"
+            )
+        if len(op.inputs) + len(op.outputs) > MAX_OPERANDS:
+            raise GraphBuildError(f"codegen: {op.op} {op.name} has more than {MAX_OPERANDS} operands")
+        ins = [_operand(rp, t) for t in op.inputs]
+        outs = [_operand(rp, t) for t in op.outputs]
+        call = TileCall(
+            plan, rank, op, opdef, ins, outs, largest.get(op.id, 0), extent.get(op.id, (0, 0)), pushed.get(op.id),
+            ring_bytes,
+        )
+        lowered.append(TEMPLATES[opdef.lowering.template](call))
+    return lowered
+
+
+def _ring_chunks(
+    rp: RankPlan, processors: int, tasks: np.ndarray, offsets: np.ndarray, rings: dict[int, RingStream]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The weight ring's copies (megaloop/ring.cuh): each processor's ring tiles in list order, each
+    tile's rows (its box's columns) in chunks of ``per_chunk``; sets each ring tile's ``ring_first``."""
+    chunks: list[tuple[int, int, int, int]] = []
+    begin = np.zeros(processors + 1, np.int32)
+    for p in range(processors):
+        first = len(chunks)
+        for tid in rp.processors[p] if p < len(rp.processors) else []:
+            ring = rings.get(int(tasks[tid]["op"]))
+            if ring is None:
+                continue
+            box = rp.tasks[tid].writes[0].box
+            lo, hi = box.lo[-1], box.hi[-1]
+            tasks[tid]["ring_first"] = len(chunks) - first
+            base = int(offsets[tasks[tid]["op"], ring.operand]) + lo * ring.stride
+            for c in range(lo, hi, ring.per_chunk):
+                chunks.append((base + (c - lo) * ring.stride, ring.stride, min(ring.per_chunk, hi - c), ring.row_bytes))
+        begin[p + 1] = len(chunks)
+    return np.array(chunks, RING_CHUNK_DTYPE), begin
 
 
 def _add_function(
@@ -221,11 +275,24 @@ def _add_function(
     signature_of_op.append(bodies[text])
 
 
-def _source(functions: list[str], threads: int, name: str, n_tasks: int, options: KernelOptions) -> str:
+def _source(
+    functions: list[str],
+    threads: int,
+    name: str,
+    n_tasks: int,
+    options: KernelOptions,
+    ring: tuple[int, int, int] | None,
+) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
     # (only where a tile uses it: other kernels keep their text)
     include = '#include "megaloop/sample.cuh"\n' if any("ml::smp::" in f for f in functions) else ""
     slot = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
+    init = start = drain = ""
+    if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes and offset
+        slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))
+        include += '#include "megaloop/ring.cuh"\n'
+        init, start = "\n        ml::ring_init();", "\n        ml::ring_start(a, k, proc);"
+        drain = "ml::ring_drain(a, k, proc); "
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.
 // Generated by megaloop.codegen.kernel; the header library is megaloop/codegen/include/megaloop.
 {slot}#include "megaloop/loop.cuh"
@@ -256,7 +323,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
     if (threadIdx.x == 0) {{
         a = *args;
         granted = 0;
-        reported = ml::now_ns();
+        reported = ml::now_ns();{init}
     }}
     __syncthreads();
     const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
@@ -272,7 +339,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             go = k < granted;
         }}
         __syncthreads();
-        if (!go) return;
+        if (!go) return;{start}
         for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {{
             const ml::TaskSlot& s = slots[q];
             const ml::Task& t = s.task;
@@ -288,7 +355,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1) megaloop_loop(const m
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
                 ml::fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
             __syncthreads();
-            if (!go) return;
+            if (!go) {{ {drain}return; }}
             run_task(a, s, k, proc);
             __syncthreads();
             if (threadIdx.x == 0) {{

@@ -15,7 +15,7 @@ from megaloop.codegen import emit_collective, emit_sample
 from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
-from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes
+from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push
@@ -40,6 +40,7 @@ class TileCall:
     largest: int  # elements of its largest tile (the box a task writes)
     extent: tuple[int, int]  # its largest tile's rows (all its batch indices) and columns
     inbox: Any  # the pushing all_reduce's inboxes (megaloop/plan/rendezvous.py), or None
+    ring_slot_bytes: int = 0  # the weight ring's slot (megaloop/ring.cuh); 0: no ring in this kernel
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -60,6 +61,18 @@ class Lowered:
     body: list[str]
     shared_bytes: int = 0
     slots: list[tuple[int, int]] | None = None
+    ring: RingStream | None = None
+
+
+@dataclass(frozen=True)
+class RingStream:
+    """What a weight-ring tile streams: operand ``operand``'s rows for the columns of its box (the
+    output's last axis), ``row_bytes`` each, ``stride`` bytes apart, ``per_chunk`` rows a slot."""
+
+    operand: int
+    row_bytes: int
+    stride: int
+    per_chunk: int
 
 
 Template = Callable[[TileCall], Lowered]
@@ -93,10 +106,21 @@ def _matmul(call: TileCall) -> Lowered:
         # B a parameter: weights, read once a step (streamed past L2's other contents)
         "b_parameter": plan.ranks[call.rank].is_parameter(op.inputs[1]),
         "warps": plan.warps,
+        "ring_slot_bytes": call.ring_slot_bytes,
+        "aligned": all(_arena_offset(plan, call.rank, t) % 16 == 0 for t in op.inputs[:2]),
     }
     attrs = _with(call, hints)
     body = matmul(op.op, attrs, call.ins[0], call.ins[1], call.outs[0])
-    return Lowered(body, matmul_shared_bytes(attrs, call.ins, call.outs[0]))
+    ring = ring_stream(attrs, call.ins[0], call.ins[1], call.outs[0])
+    stream = RingStream(1, *ring) if ring else None
+    return Lowered(body, 0 if ring else matmul_shared_bytes(attrs, call.ins, call.outs[0]), ring=stream)
+
+
+def _arena_offset(plan: Plan, rank: int, tid: int) -> int:
+    """Where tensor ``tid`` of rank ``rank`` starts in its arena, in bytes."""
+    owner = plan.ranks[rank]
+    t = owner.tensors[tid]
+    return owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
 
 
 def _attention_with(emitter: Callable[..., list[str]], limits: bool) -> Template:

@@ -275,7 +275,7 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
     if version != VERSION:
         raise PlanFormatError(
             f"plan.version: this megaloop reads version {VERSION}, the file is version {version}"
-            + (" (made before the plan's kernel options; plan its graph again)" if version < VERSION else "")
+            + (" (made by an older megaloop; plan its graph again)" if version < VERSION else "")
         )
     plan = Plan(
         arch=root.get("arch", str),

@@ -26,7 +26,7 @@ from megaloop.frontend.tiling import Box
 CONVENIENCES = SimpleNamespace()
 
 FORMAT = "megaloop-plan"
-VERSION = 2  # 2: "options" (KernelOptions); matmul's tile switch stage_weights gone
+VERSION = 3  # 2: "options" (KernelOptions); 3: the weight ring's options
 
 # buffer kinds: read-only while a run is in flight (written by the host between runs) ...
 READ_ONLY_KINDS = ("parameter", "constant", "input")
@@ -143,13 +143,24 @@ class KernelOptions:
     # kernel's static shared memory grows past the 8 KB that wgmma and attention tiles leave it
     slot_waits: int = 16
     poll_sleep_ns: int = 256  # the longest sleep between two polls of a wait's counters (0: none)
+    # shared-memory slots of the weight ring (megaloop/ring.cuh) that streams decode matmuls' weights
+    # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
+    weight_ring_slots: int = 8
+    weight_ring_slot_bytes: int = 16384
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
-        limits = (("slot_waits", self.slot_waits, 1, 128), ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20))
+        limits = (
+            ("slot_waits", self.slot_waits, 1, 128),
+            ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
+            ("weight_ring_slots", self.weight_ring_slots, 0, 64),
+            ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
+        )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise error(f"{where}.{name}: must be an int in [{low}, {high}], got {value!r}")
+        if self.weight_ring_slot_bytes % 16:
+            raise error(f"{where}.weight_ring_slot_bytes: must be a multiple of 16, got {self.weight_ring_slot_bytes}")
 
 
 @dataclass

@@ -329,6 +329,8 @@ class LoopKernel:
         args["lists"] = self._upload(prog.lists)
         args["operand_offsets"] = self._upload(prog.operand_offsets.reshape(-1, MAX_OPERANDS))
         args["mirrors"] = self._upload(prog.mirrors)
+        args["ring_chunks"] = self._upload(prog.ring_chunks)
+        args["ring_begin"] = self._upload(prog.ring_begin)
         args["profile"] = self.profile
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations

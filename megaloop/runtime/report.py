@@ -24,6 +24,12 @@ def kernel_error(
         same_gpu = devices is not None and 0 <= peer < len(devices) and devices[peer] == devices[rank]
         running = "its loop kernel shares this GPU: is it running?" if same_gpu else "a peer GPU: is it running?"
         waiting = rp.task_name(rp.tasks[task]) if 0 <= task < len(rp.tasks) else f"task {task}"
+        if counter == -3:  # a weight-ring slot's copy (megaloop/ring.cuh)
+            return LoopKernelError(
+                f"watchdog: rank {rank} processor {proc} waited more than {timeout_s:g} s in iteration {k} in "
+                f"{waiting} for the weight ring's slot {seen} (phase {expected}): its bulk copy of parameter "
+                "rows never landed. The kernel has stopped; make a new LoopKernel to run again"
+            )
         if counter < 0:  # inside a pushing all_reduce's tile: a member's data (megaloop/exchange.cuh)
             what = "LL line flag" if counter == -1 else "arrival count"
             return LoopKernelError(

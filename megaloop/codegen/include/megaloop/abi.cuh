@@ -32,10 +32,11 @@ struct Task {
     int mirror_begin;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
     int mirror_count;
     int tile;  // a pushing all_reduce's tile: its slot in the inbox (megaloop/exchange.cuh)
+    int ring_first;  // a weight-ring tile: its first chunk in its processor's ring list; -1: none
     int lo[MAX_DIMS];  // the box it writes (its tile), in its op's output index space
     int hi[MAX_DIMS];
 };
-static_assert(sizeof(Task) == 84, "ml::Task: 84 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Task) == 88, "ml::Task: 88 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Task, sig) == 0 && sizeof(Task::sig) == 4, "ml::Task::sig: at byte 0, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Task, op) == 4 && sizeof(Task::op) == 4, "ml::Task::op: at byte 4, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Task, wait_begin) == 8 && sizeof(Task::wait_begin) == 4, "ml::Task::wait_begin: at byte 8, 4 bytes on the host (megaloop/codegen/abi.py)");
@@ -45,8 +46,9 @@ static_assert(ML_OFFSETOF(Task, remote) == 20 && sizeof(Task::remote) == 4, "ml:
 static_assert(ML_OFFSETOF(Task, mirror_begin) == 24 && sizeof(Task::mirror_begin) == 4, "ml::Task::mirror_begin: at byte 24, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Task, mirror_count) == 28 && sizeof(Task::mirror_count) == 4, "ml::Task::mirror_count: at byte 28, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Task, tile) == 32 && sizeof(Task::tile) == 4, "ml::Task::tile: at byte 32, 4 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Task, lo) == 36 && sizeof(Task::lo) == 24, "ml::Task::lo: at byte 36, 24 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Task, hi) == 60 && sizeof(Task::hi) == 24, "ml::Task::hi: at byte 60, 24 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Task, ring_first) == 36 && sizeof(Task::ring_first) == 4, "ml::Task::ring_first: at byte 36, 4 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Task, lo) == 40 && sizeof(Task::lo) == 24, "ml::Task::lo: at byte 40, 24 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Task, hi) == 64 && sizeof(Task::hi) == 24, "ml::Task::hi: at byte 64, 24 bytes on the host (megaloop/codegen/abi.py)");
 
 // A task's wait: until counter >= per_iteration * (k + 1 - lag) in iteration k.
 struct Wait {
@@ -73,6 +75,20 @@ struct Mirror {
 static_assert(sizeof(Mirror) == 8, "ml::Mirror: 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Mirror, rank) == 0 && sizeof(Mirror::rank) == 4, "ml::Mirror::rank: at byte 0, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Mirror, counter) == 4 && sizeof(Mirror::counter) == 4, "ml::Mirror::counter: at byte 4, 4 bytes on the host (megaloop/codegen/abi.py)");
+
+// Whole rows of a parameter that the weight ring copies into one shared-memory slot
+// (megaloop/ring.cuh): `rows` rows of `row_bytes`, `stride` bytes apart, from arena byte `src`.
+struct RingChunk {
+    i64 src;
+    i64 stride;
+    int rows;
+    int row_bytes;
+};
+static_assert(sizeof(RingChunk) == 24, "ml::RingChunk: 24 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(RingChunk, src) == 0 && sizeof(RingChunk::src) == 8, "ml::RingChunk::src: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(RingChunk, stride) == 8 && sizeof(RingChunk::stride) == 8, "ml::RingChunk::stride: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(RingChunk, rows) == 16 && sizeof(RingChunk::rows) == 4, "ml::RingChunk::rows: at byte 16, 4 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(RingChunk, row_bytes) == 20 && sizeof(RingChunk::row_bytes) == 4, "ml::RingChunk::row_bytes: at byte 20, 4 bytes on the host (megaloop/codegen/abi.py)");
 
 // Host <-> kernel: lives in mapped pinned host memory (each block's finished iterations follow it).
 struct Control {
@@ -109,8 +125,10 @@ struct Args {
     int rank;
     int world;
     const Mirror* mirrors;  // the peers' mirror counters the tasks bump (Task::mirror_begin)
+    const RingChunk* ring_chunks;  // processor p's weight ring copies ring_chunks[ring_begin[p] ..]
+    const int* ring_begin;  // ... up to ring_begin[p + 1], in task order, every iteration
 };
-static_assert(sizeof(Args) == 144, "ml::Args: 144 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Args) == 160, "ml::Args: 160 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, arena) == 0 && sizeof(Args::arena) == 8, "ml::Args::arena: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, tasks) == 8 && sizeof(Args::tasks) == 8, "ml::Args::tasks: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, waits) == 16 && sizeof(Args::waits) == 8, "ml::Args::waits: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
@@ -131,6 +149,8 @@ static_assert(ML_OFFSETOF(Args, rank_counters) == 120 && sizeof(Args::rank_count
 static_assert(ML_OFFSETOF(Args, rank) == 128 && sizeof(Args::rank) == 4, "ml::Args::rank: at byte 128, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, world) == 132 && sizeof(Args::world) == 4, "ml::Args::world: at byte 132, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, mirrors) == 136 && sizeof(Args::mirrors) == 8, "ml::Args::mirrors: at byte 136, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Args, ring_chunks) == 144 && sizeof(Args::ring_chunks) == 8, "ml::Args::ring_chunks: at byte 144, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Args, ring_begin) == 152 && sizeof(Args::ring_begin) == 8, "ml::Args::ring_begin: at byte 152, 8 bytes on the host (megaloop/codegen/abi.py)");
 
 enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
 

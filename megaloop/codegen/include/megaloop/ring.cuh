@@ -1,0 +1,172 @@
+// megaloop/ring.cuh: the weight ring (sm_90). A decode step's matrix-vector tiles read every weight
+// once, and weights never depend on activations, so a processor copies them into shared memory ahead
+// of its tasks' waits: RING_SLOTS slots of RING_SLOT_BYTES, each filled by one cp.async.bulk of whole
+// weight rows (a RingChunk) that completes on the slot's mbarrier.
+//
+// The chunks of processor p are listed in task order (a.ring_chunks[a.ring_begin[p] ..]); chunk i of
+// iteration k is the ring's g = k C + i (C chunks an iteration) and lives in slot g % RING_SLOTS, whose
+// warp (slot % warps) consumes it and then issues chunk g + RING_SLOTS into the same slot, within the
+// iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
+// ahead across tasks and their waits, with no producer warp and no empty barriers.
+#pragma once
+#include "megaloop/loop.cuh"
+#include "megaloop/vec.cuh"
+
+namespace ml {
+
+constexpr int RING_SLOTS = ML_RING_SLOTS;
+constexpr int RING_SLOT_BYTES = ML_RING_SLOT_BYTES;
+constexpr int RING_OFFSET = ML_RING_OFFSET;  // past every other tile's dynamic shared memory
+static_assert(RING_SLOTS > 0 && RING_SLOT_BYTES % 16 == 0 && RING_OFFSET % 128 == 0, "weight ring layout");
+
+struct Ring {
+    unsigned char* data;  // RING_SLOTS x RING_SLOT_BYTES
+    u64* full;            // a barrier a slot: its chunk has landed
+    int* pending;         // a slot's copy in flight: the phase it completes, or -1
+};
+
+__device__ __forceinline__ Ring ring() {
+    extern __shared__ float4 ml_smem4[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(ml_smem4) + RING_OFFSET;
+    u64* full = reinterpret_cast<u64*>(base + (i64)RING_SLOTS * RING_SLOT_BYTES);
+    return {base, full, reinterpret_cast<int*>(full + RING_SLOTS)};
+}
+
+__device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared_address(r.full + slot); }
+
+// Thread 0, before the kernel's first barrier.
+__device__ __forceinline__ void ring_init() {
+    const Ring r = ring();
+    for (int s = 0; s < RING_SLOTS; ++s) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
+        r.pending[s] = -1;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ int ring_chunks(const Args& a, int proc) { return a.ring_begin[proc + 1] - a.ring_begin[proc]; }
+
+// One lane: copy chunk `c` into `slot` (its phase `phase`); weights are read once a step, evict_first.
+__device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, int slot, int phase) {
+    const Ring r = ring();
+    const u32 bar = ring_bar(r, slot), dst = shared_address(r.data + (i64)slot * RING_SLOT_BYTES);
+    const u64 policy = evict_first_policy();
+    r.pending[slot] = phase;
+    // the slot's earlier reads (generic proxy) before the copy's writes (async proxy)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(c.rows * c.row_bytes)
+                 : "memory");
+    const bool dense = c.stride == c.row_bytes;
+    for (int row = 0; row < (dense ? 1 : c.rows); ++row) {
+        const u32 bytes = dense ? c.rows * c.row_bytes : c.row_bytes;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+            "%4;" ::"r"(dst + row * c.row_bytes),
+            "l"(a.arena + c.src + row * c.stride), "r"(bytes), "r"(bar), "l"(policy)
+            : "memory");
+    }
+}
+
+// The whole warp: until `slot` completes `phase`; false once the watchdog timeout passed (reported
+// as counter -3, the slot and phase: megaloop/runtime/report.py) or another block gave up. tid < 0:
+// draining, where only the copy's own time counts (bounded by 10 ms, no report).
+__device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u64 k, int proc, int tid) {
+    const u32 bar = ring_bar(ring(), slot);
+    const u64 start = now_ns();
+    for (unsigned polls = 1;; ++polls) {
+        u32 done;
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(bar), "r"(phase)
+            : "memory");
+        if (__all_sync(0xffffffffu, done)) return true;
+        if ((polls & 63) == 0) {
+            bool quit = false;
+            if ((threadIdx.x & 31) == 0) {
+                const bool late = now_ns() - start > (tid < 0 ? 10000000ull : a.timeout_ns);
+                quit = late || (tid >= 0 && aborted(a));
+                if (late && tid >= 0) fail(a, WATCHDOG, proc, tid, -1, -3, phase, slot, (i64)k, a.rank);
+            }
+            if (__shfl_sync(0xffffffffu, quit, 0)) return false;
+        }
+    }
+}
+
+// Every warp, at the start of iteration k (after the block's barrier): the iteration's first chunks.
+__device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
+    const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) != 0 || n == 0) return;
+    const u64 g0 = k * (u64)n;
+    for (int i = 0; i < n && i < RING_SLOTS; ++i) {
+        const int slot = (int)((g0 + i) % RING_SLOTS);
+        if (slot % warps == warp)
+            ring_issue(a, a.ring_chunks[a.ring_begin[proc] + i], slot, (int)(((g0 + i) / RING_SLOTS) & 1));
+    }
+}
+
+// Warp 0, before the block leaves (after a barrier): no copy may still be writing its shared memory.
+__device__ __forceinline__ void ring_drain(const Args& a, u64 k, int proc) {
+    if (threadIdx.x >= 32) return;
+    const Ring r = ring();
+    for (int s = 0; s < RING_SLOTS; ++s)
+        if (r.pending[s] >= 0 && !ring_wait(a, s, r.pending[s], k, proc, -1)) return;
+}
+
+// A tile of nr <= ROWS rows of A (row stride a_step) times `cols` weight rows (its output columns)
+// taken from the ring: chunk j of the task's holds `per_chunk` of them (the last fewer), each a
+// whole row of PIECES 16-byte pieces. A column's sum is one warp's, its lanes taking every 32nd piece,
+// so the result is the same bits every run. store(row, column, value).
+template <class T, int PIECES, int ROWS, class Store>
+__device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int tid, u64 k, int proc, int cols,
+                                            int per_chunk, const T* x, i64 a_step, int nr, Store store) {
+    constexpr int N = 16 / sizeof(T), U = PIECES < 8 * 32 ? (PIECES + 31) / 32 : 8;
+    const Ring r = ring();
+    const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunks = (cols + per_chunk - 1) / per_chunk;
+    const u64 base = k * (u64)n + (u64)t.ring_first;
+    for (int j = 0; j < chunks; ++j) {
+        const u64 g = base + (u64)j;
+        const int slot = (int)(g % RING_SLOTS);
+        if (slot % warps != warp) continue;
+        const int next = t.ring_first + j + RING_SLOTS;  // the chunk this slot takes next, this iteration
+        RingChunk following;
+        if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
+        if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
+        const Pack<T, N>* w = reinterpret_cast<const Pack<T, N>*>(r.data + (i64)slot * RING_SLOT_BYTES);
+        const int c0 = j * per_chunk, in_chunk = min(per_chunk, cols - c0);
+        for (int c = 0; c < in_chunk; ++c, w += PIECES) {
+            float acc[ROWS];
+#pragma unroll
+            for (int row = 0; row < ROWS; ++row) acc[row] = 0.0f;
+            for (int i0 = lane; i0 < PIECES; i0 += 32 * U) {
+                Pack<T, N> wv[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) wv[u] = w[min(i0 + 32 * u, PIECES - 1)];  // past the row: unused
+#pragma unroll
+                for (int row = 0; row < ROWS; ++row) {
+                    if (row >= nr) break;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const int i = i0 + 32 * u;
+                        const Pack<T, N> xv = load_pack<T, N>(x + row * a_step + N * min(i, PIECES - 1));
+                        if (i < PIECES) acc[row] += dot(wv[u], xv);
+                    }
+                }
+            }
+#pragma unroll
+            for (int row = 0; row < ROWS; ++row) {
+                if (row >= nr) break;  // nr is the same on every lane: the shuffles stay convergent
+                const float s = warp_sum(acc[row]);
+                if (lane == 0) store(row, c0 + c, s);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) {
+            r.pending[slot] = -1;
+            if (next < n) ring_issue(a, following, slot, (int)(((g + RING_SLOTS) / RING_SLOTS) & 1));
+        }
+    }
+}
+
+}  // namespace ml
