@@ -7,7 +7,8 @@
 // iteration k is the ring's g = k C + i (C chunks an iteration) and lives in slot g % RING_SLOTS, whose
 // warp (slot % warps) consumes it and then issues chunk g + RING_SLOTS into the same slot, within the
 // iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
-// ahead across tasks and their waits, with no producer warp and no empty barriers.
+// ahead across tasks and their waits, with no producer warp and no empty barriers. Compiled for an
+// architecture before sm_90 (no bulk copies), the tiles read the chunks' rows from global memory.
 #pragma once
 #include "megaloop/loop.cuh"
 #include "megaloop/vec.cuh"
@@ -17,6 +18,11 @@ namespace ml {
 constexpr int RING_SLOTS = ML_RING_SLOTS;
 constexpr int RING_SLOT_BYTES = ML_RING_SLOT_BYTES;
 constexpr int RING_OFFSET = ML_RING_OFFSET;  // past every other tile's dynamic shared memory
+#if __CUDA_ARCH__ >= 900
+constexpr bool RING_COPIES = true;
+#else
+constexpr bool RING_COPIES = false;  // ring_issue and ring_wait do nothing; ring_matvec reads global memory
+#endif
 static_assert(RING_SLOTS > 0 && RING_SLOT_BYTES % 16 == 0 && RING_OFFSET % 128 == 0, "weight ring layout");
 
 struct Ring {
@@ -37,17 +43,19 @@ __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared
 // Thread 0, before the kernel's first barrier.
 __device__ __forceinline__ void ring_init() {
     const Ring r = ring();
-    for (int s = 0; s < RING_SLOTS; ++s) {
+    for (int s = 0; s < RING_SLOTS; ++s) r.pending[s] = -1;
+#if __CUDA_ARCH__ >= 900
+    for (int s = 0; s < RING_SLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
-        r.pending[s] = -1;
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ int ring_chunks(const Args& a, int proc) { return a.ring_begin[proc + 1] - a.ring_begin[proc]; }
 
 // One lane: copy chunk `c` into `slot` (its phase `phase`); weights are read once a step, evict_first.
 __device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, int slot, int phase) {
+#if __CUDA_ARCH__ >= 900
     const Ring r = ring();
     const u32 bar = ring_bar(r, slot), dst = shared_address(r.data + (i64)slot * RING_SLOT_BYTES);
     const u64 policy = evict_first_policy();
@@ -65,12 +73,16 @@ __device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, in
             "l"(a.arena + c.src + row * c.stride), "r"(bytes), "r"(bar), "l"(policy)
             : "memory");
     }
+#endif
 }
 
 // The whole warp: until `slot` completes `phase`; false once the watchdog timeout passed (reported
 // as counter -3, the slot and phase: megaloop/runtime/report.py) or another block gave up. tid < 0:
 // draining, where only the copy's own time counts (bounded by 10 ms, no report).
 __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u64 k, int proc, int tid) {
+#if __CUDA_ARCH__ < 900
+    return true;
+#else
     const u32 bar = ring_bar(ring(), slot);
     const u64 start = now_ns();
     for (unsigned polls = 1;; ++polls) {
@@ -91,12 +103,13 @@ __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u6
             if (__shfl_sync(0xffffffffu, quit, 0)) return false;
         }
     }
+#endif
 }
 
 // Every warp, at the start of iteration k (after the block's barrier): the iteration's first chunks.
 __device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) != 0 || n == 0) return;
+    if (!RING_COPIES || (threadIdx.x & 31) != 0 || n == 0) return;
     const u64 g0 = k * (u64)n;
     for (int i = 0; i < n && i < RING_SLOTS; ++i) {
         const int slot = (int)((g0 + i) % RING_SLOTS);
@@ -133,9 +146,15 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
         RingChunk following;
         if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
         if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
-        const Pack<T, N>* w = reinterpret_cast<const Pack<T, N>*>(r.data + (i64)slot * RING_SLOT_BYTES);
+        const unsigned char* rows = r.data + (i64)slot * RING_SLOT_BYTES;
+        i64 step = 16 * PIECES;
+        if constexpr (!RING_COPIES) {
+            const RingChunk& own = a.ring_chunks[a.ring_begin[proc] + t.ring_first + j];
+            rows = reinterpret_cast<const unsigned char*>(a.arena) + own.src, step = own.stride;
+        }
         const int c0 = j * per_chunk, in_chunk = min(per_chunk, cols - c0);
-        for (int c = 0; c < in_chunk; ++c, w += PIECES) {
+        for (int c = 0; c < in_chunk; ++c, rows += step) {
+            const Pack<T, N>* w = reinterpret_cast<const Pack<T, N>*>(rows);
             float acc[ROWS];
 #pragma unroll
             for (int row = 0; row < ROWS; ++row) acc[row] = 0.0f;
