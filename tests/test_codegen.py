@@ -693,7 +693,6 @@ def test_kernel_options_are_the_plans_and_change_only_their_defines() -> None:
     import dataclasses
 
     from bench.llama_layer import dependent_decode_graph, layer_config
-
     from megaloop.runtime.compile import spills
 
     cfg = layer_config(2048, 1)
