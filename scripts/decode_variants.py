@@ -37,6 +37,7 @@ VARIANTS = {
     # decode matmul weights through global loads, not the weight ring (KernelOptions.weight_ring_slots)
     "no_ring": {"options": {"weight_ring_slots": 0}},
     "ring16": {"options": {"weight_ring_slots": 16}},
+    "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
     "default_again": {},
 }
 
