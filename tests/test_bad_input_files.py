@@ -124,6 +124,13 @@ PLAN_FILES = [
     P("attrs-window-zero", lambda t: _load_edited(t, _attr("attention", "window", 0)), PlanFormatError, "window"),
     P("attrs-unknown", lambda t: _load_edited(t, _attr("exp", "fast", True)), PlanFormatError, "no attribute 'fast'"),
     P(
+        "attrs-causal-missing",
+        lambda t: _load_edited(t, lambda d: _node(d, "attention")["attrs"].pop("causal")),
+        PlanFormatError,
+        "attrs.causal",
+        "needs the attribute 'causal'",
+    ),
+    P(
         "attrs-dtype-unknown",
         lambda t: _load_edited(t, _attr("input", "dtype", {"dtype": "float99"})),
         PlanFormatError,

@@ -19,6 +19,8 @@ from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.compile import CompileError, compile_cubin
 from tests.op_table import ROWS, build_row
 
+NO_RING = KernelOptions(weight_ring_slots=0)  # decode matmuls load their weights themselves (no weight ring)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 GPU_OPS = [row for row in ROWS if ml.REGISTRY[row.op].lowering is not None]
@@ -374,11 +376,14 @@ def test_skinny_mma_path_is_taken_when_switched_on_and_compiles(dtype: str, warp
     warp: groups of the widest tile + warps - 1); weights (parameters) read under L2's evict_first policy."""
     from megaloop.runtime.compile import spills
 
-    plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles={"matmul": {"skinny_mma": 1}})
+    on_tiles = {"matmul": {"skinny_mma": 1}}
+    plan = make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles=on_tiles, options=NO_RING)
     program = generate(plan)
     on = program.source
     off_tiles = {"matmul": {"skinny_mma": 0}}
-    off = generate(make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles=off_tiles)).source
+    off = generate(
+        make_plan(skinny_mma_graph(dtype), processors=132, warps=warps, tiles=off_tiles, options=NO_RING)
+    ).source
     assert on.count("at most 8 rows: tensor cores") == len(SKINNY_MMA_SHAPES)
     assert on.count(", true>(in0 + ab") == len(SKINNY_MMA_SHAPES)  # the weights are parameters: streamed
     assert "at most 8 rows: tensor cores" not in off
@@ -393,14 +398,19 @@ def test_llama_decode_matmuls_take_the_skinny_path_with_streamed_weights() -> No
     """Every matmul of a batch-1 Llama decode step ([1, 1, hidden] rows against 2-D weights) runs on the
     skinny tensor-core path with its weights under evict_first: until 43e593d the step's 3-D rows fell
     to the per-element path without anyone noticing, and without the policy that path took 99 / 163 us
-    a step on an H200 instead of 76 / 148 (docs/runtime.md)."""
+    a step on an H200 instead of 76 / 148 (docs/runtime.md). With the weight ring (the default) every
+    one of them takes its weights from the ring instead (tests/test_ring.py checks its tables)."""
     cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, max_seq=64, vocab=100)
-    src = generate(make_plan(build_llama(cfg, 1, 1), processors=132)).source
-    matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith("matmul ")]  # a function a signature
-    assert len(matmuls) >= 4  # q / o, k / v, gate / up, down, the head: shapes that differ
-    for body in matmuls:
-        assert "at most 8 rows: tensor cores" in body, body.splitlines()[0]
-        assert ", true>(in0 + ab" in body, body.splitlines()[0]
+    for options, marks in (
+        (NO_RING, ("at most 8 rows: tensor cores", ", true>(in0 + ab")),
+        (None, ("ml::ring_matvec<",)),
+    ):
+        src = generate(make_plan(build_llama(cfg, 1, 1), processors=132, options=options)).source
+        matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith("matmul ")]  # a function a signature
+        assert len(matmuls) >= 4  # q / o, k / v, gate / up, down, the head: shapes that differ
+        for body in matmuls:
+            for mark in marks:
+                assert mark in body, (mark, body.splitlines()[0])
 
 
 def test_skinny_mma_leaves_batches_of_several_to_the_per_element_path() -> None:
@@ -411,7 +421,8 @@ def test_skinny_mma_leaves_batches_of_several_to_the_per_element_path() -> None:
         g = ml.Graph("batched-decode")
         x = g.input("x", (batch, 1, 1024), "bfloat16")
         g.output("y", ml.matmul(x, g.parameter("w", (256, 1024), "bfloat16"), transpose_b=True))
-        src = generate(make_plan(g, processors=16, tiles={"matmul": {"fold_batch": fold}})).source
+        tiles = {"matmul": {"fold_batch": fold}}
+        src = generate(make_plan(g, processors=16, tiles=tiles, options=NO_RING)).source
         assert ("at most 8 rows: tensor cores" in src) == taken, batch
         assert (", true>(in0 + ab" in src) == taken, batch
 
@@ -773,7 +784,7 @@ def test_skinny_rounds_feed_the_mma_without_repacking() -> None:
     g = ml.Graph("decode-matmul")
     x = g.input("x", (1, 1, 2048), ml.bfloat16)
     g.output("y", ml.matmul(x, g.parameter("w", (2048, 2048), ml.bfloat16), transpose_b=True))
-    plan = make_plan(g, processors=132, options=KernelOptions(weight_ring_slots=0))  # global loads, no ring
+    plan = make_plan(g, processors=132, options=NO_RING)  # B through global loads
     code = sass(compile_cubin(generate(plan).source, "sm_90a", use_cache=False))
     assert code.count("PRMT") <= 8, code.count("PRMT")  # the output's conversions only
     assert code.count("LDG.E.128") >= 24  # B: the first round, then two rounds in the loop body

@@ -105,6 +105,8 @@ class OpDef:
     # the attributes a node of this op may carry: name -> a kind of ATTR_KINDS, or a tuple of the allowed
     # values; what a graph read from a plan file is checked against before its shape rules run
     attrs: Mapping[str, str | tuple[Any, ...]] = field(default_factory=dict)
+    # those of them a node may leave out (every reader has a default); the others it must carry
+    optional_attrs: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -112,9 +114,15 @@ class OpDef:
         for key, kind in self.attrs.items():
             if not isinstance(kind, tuple) and kind not in ATTR_KINDS:
                 raise ValueError(f"op {self.name}: attribute {key!r} has unknown kind {kind!r}")
+        if not self.optional_attrs <= set(self.attrs):
+            raise ValueError(f"op {self.name}: optional_attrs {sorted(self.optional_attrs)} are not all attributes")
 
     def attr_problem(self, attrs: Mapping[str, Any]) -> str | None:
-        """What is wrong with a node's attributes (unknown names, values of the wrong kind), or None."""
+        """What is wrong with a node's attributes (unknown or missing names, values of the wrong kind), or
+        None."""
+        for key in self.attrs:
+            if key not in attrs and key not in self.optional_attrs:
+                return f"{key}: {self.name} needs the attribute {key!r}; it is missing"
         for key, value in attrs.items():
             kind = self.attrs.get(key)
             if kind is None:

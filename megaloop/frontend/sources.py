@@ -34,6 +34,7 @@ def _source(name: str, doc: str, **extra: str) -> OpDef:
             doc=doc,
             operands=(),
             attrs={"name": "name", "shape": "shape", "dtype": "dtype", **extra},
+            optional_attrs=frozenset({"init"}) & set(extra),
             infer=_declared,
             reference=None,
             placement=_anywhere,

@@ -75,6 +75,7 @@ ATTENTION_PARTIAL = register(
         "range (float32); see megaloop.frontend.ops.attention_split.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
         attrs={"splits": "count", "causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
+        optional_attrs=frozenset({"absent"}),
         infer=_partial_infer,
         reference=_partial_reference,
         check_data=check_attention_data,
