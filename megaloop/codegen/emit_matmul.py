@@ -43,6 +43,7 @@ SKINNY_MAX_ROWS = 16
 
 
 RING_MAX_ROWS = 4  # weight-ring tiles: one warp's sums a column, so each row of A costs its FMAs again
+RUN_COLUMNS = 2  # direct matrix-vector tiles (megaloop/matvec.cuh): columns a warp takes at a time
 
 
 def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -> list[str]:
@@ -232,21 +233,39 @@ def ring_stream(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand) -
 
 def _ring(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, ring: tuple[int, int, int]) -> list[str]:
     """A tile whose weight rows come from the ring (ml::ring_matvec), every chunk of it consumed."""
-    row_bytes, _, per_chunk = ring
+    return matvec_call(attrs, a_, b_, out, ring, f"ml::PlainRows<{a_.ctype}>{{in0 + ab, {{a_step}}}}")
+
+
+def matvec_call(
+    attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, ring: tuple[int, int, int] | None, rows: str
+) -> list[str]:
+    """A matrix-vector tile of megaloop/matvec.cuh over whole weight rows, its rows of A given by the
+    ``rows`` policy (``{a_step}``: their stride); from the weight ring where ``ring`` is (row bytes,
+    stride, rows a chunk), else straight from B in runs of RUN_COLUMNS columns a warp."""
     nd = len(out.shape)
     r_, c_ = nd - 2, nd - 1
     f = _skinny_frame(a_, b_, out, attrs["codegen"]["warps"], attrs)
     o_row, o_col = out.strides[-2:]
-    call = f"ml::ring_matvec<{a_.ctype}, {row_bytes // 16}, {RING_MAX_ROWS}>"
-    return [
-        f"// the weight ring: {per_chunk} weight row(s) a chunk, each read by one warp",
+    pieces = (ring[0] if ring else a_.shape[-1] * a_.dtype.itemsize) // 16
+    w_step = f["b_col"] * b_.dtype.itemsize
+    rows_max = max(1, min(RING_MAX_ROWS, attrs["codegen"].get("tile", (1, 1))[0]))
+    store = f"[&](int r, int c, float v) {{ ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)c * {o_col}, v); }}"
+    lines = [
         f"const ml::i64 ab = {f['ab']};",
-        f"const ml::i64 ob = (ml::i64)t.lo[{r_}] * {o_row};",
-        f"{call}(a, t, tid, k, proc, t.hi[{c_}] - t.lo[{c_}], {per_chunk}, in0 + ab, {f['a_step']}, "
-        f"t.hi[{r_}] - t.lo[{r_}], [&](int r, int c, float v) {{",
-        f"    ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)(t.lo[{c_}] + c) * {o_col}, v);",
-        "});",
+        f"const ml::i64 ob = (ml::i64)t.lo[{r_}] * {o_row} + (ml::i64)t.lo[{c_}] * {o_col};",
+        f"const unsigned char* w = reinterpret_cast<const unsigned char*>(in1 + {f['bb']});",
+        f"const int cols = t.hi[{c_}] - t.lo[{c_}], nr = t.hi[{r_}] - t.lo[{r_}];",
     ]
+    policy = rows.replace("{a_step}", str(f["a_step"]))
+    if ring is not None:
+        call = f"ml::ring_matvec<{a_.ctype}, {pieces}, {rows_max}>"
+        lines.insert(0, f"// the weight ring: {ring[2]} weight row(s) a chunk, each read by one warp")
+        lines.append(f"{call}(a, t, tid, k, proc, cols, {ring[2]}, w, {w_step}, {policy}, nr, {store});")
+    else:
+        call = f"ml::direct_matvec<{a_.ctype}, {pieces}, {rows_max}>"
+        lines.insert(0, f"// whole weight rows from global memory, {RUN_COLUMNS} a warp at a time")
+        lines.append(f"{call}(cols, {RUN_COLUMNS}, w, {w_step}, {policy}, nr, {store});")
+    return lines
 
 
 def _walked(a_: Operand, b_: Operand, attrs: dict[str, Any]) -> tuple[int, int]:

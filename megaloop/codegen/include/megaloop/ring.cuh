@@ -11,6 +11,7 @@
 // architecture before sm_90 (no bulk copies), the tiles read the chunks' rows from global memory.
 #pragma once
 #include "megaloop/loop.cuh"
+#include "megaloop/matvec.cuh"
 #include "megaloop/vec.cuh"
 
 namespace ml {
@@ -126,18 +127,25 @@ __device__ __forceinline__ void ring_drain(const Args& a, u64 k, int proc) {
         if (r.pending[s] >= 0 && !ring_wait(a, s, r.pending[s], k, proc, -1)) return;
 }
 
-// A tile of nr <= ROWS rows of A (row stride a_step) times `cols` weight rows (its output columns)
-// taken from the ring: chunk j of the task's holds `per_chunk` of them (the last fewer), each a
-// whole row of PIECES 16-byte pieces. A column's sum is one warp's, its lanes taking every 32nd piece,
-// so the result is the same bits every run. store(row, column, value).
-template <class T, int PIECES, int ROWS, class Store>
+// A tile of nr <= ROWS rows of A (a Rows policy, megaloop/matvec.cuh) times `cols` weight rows (its
+// output columns) taken from the ring: chunk j of the task's holds `per_chunk` of them (the last fewer),
+// each a whole row of PIECES 16-byte pieces; `w`, `w_step`: the same rows in global memory, which the
+// tile reads instead where the kernel has no bulk copies (before sm_90). store(row, column, value).
+template <class T, int PIECES, int ROWS, class Rows, class Store>
 __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int tid, u64 k, int proc, int cols,
-                                            int per_chunk, const T* x, i64 a_step, int nr, Store store) {
-    constexpr int N = 16 / sizeof(T), U = PIECES < 8 * 32 ? (PIECES + 31) / 32 : 8;
+                                            int per_chunk, const unsigned char* w, i64 w_step, Rows rows, int nr,
+                                            Store store) {
     const Ring r = ring();
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
     const u64 base = k * (u64)n + (u64)t.ring_first;
+    if ((int)(base % RING_SLOTS) % warps != warp && (chunks < warps || warps > RING_SLOTS)) {
+        // (a warp with no chunk in this task: it has nothing to wait for or to read)
+        bool mine = false;
+        for (int j = 0; j < chunks; ++j) mine |= (int)((base + (u64)j) % RING_SLOTS) % warps == warp;
+        if (!mine) return;
+    }
+    rows.prepare(nr, PIECES);  // (while the chunks may still be landing)
     for (int j = 0; j < chunks; ++j) {
         const u64 g = base + (u64)j;
         const int slot = (int)(g % RING_SLOTS);
@@ -146,40 +154,11 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
         RingChunk following;
         if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
         if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
-        const unsigned char* rows = r.data + (i64)slot * RING_SLOT_BYTES;
-        i64 step = 16 * PIECES;
-        if constexpr (!RING_COPIES) {
-            const RingChunk& own = a.ring_chunks[a.ring_begin[proc] + t.ring_first + j];
-            rows = reinterpret_cast<const unsigned char*>(a.arena) + own.src, step = own.stride;
-        }
         const int c0 = j * per_chunk, in_chunk = min(per_chunk, cols - c0);
-        for (int c = 0; c < in_chunk; ++c, rows += step) {
-            const Pack<T, N>* w = reinterpret_cast<const Pack<T, N>*>(rows);
-            float acc[ROWS];
-#pragma unroll
-            for (int row = 0; row < ROWS; ++row) acc[row] = 0.0f;
-            for (int i0 = lane; i0 < PIECES; i0 += 32 * U) {
-                Pack<T, N> wv[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) wv[u] = w[min(i0 + 32 * u, PIECES - 1)];  // past the row: unused
-#pragma unroll
-                for (int row = 0; row < ROWS; ++row) {
-                    if (row >= nr) break;
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const int i = i0 + 32 * u;
-                        const Pack<T, N> xv = load_pack<T, N>(x + row * a_step + N * min(i, PIECES - 1));
-                        if (i < PIECES) acc[row] += dot(wv[u], xv);
-                    }
-                }
-            }
-#pragma unroll
-            for (int row = 0; row < ROWS; ++row) {
-                if (row >= nr) break;  // nr is the same on every lane: the shuffles stay convergent
-                const float s = warp_sum(acc[row]);
-                if (lane == 0) store(row, c0 + c, s);
-            }
-        }
+        if constexpr (RING_COPIES)
+            warp_columns<T, PIECES, ROWS>(r.data + (i64)slot * RING_SLOT_BYTES, 16 * PIECES, c0, in_chunk, rows, nr, store);
+        else
+            warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, in_chunk, rows, nr, store);
         __syncwarp();
         if (lane == 0) {
             r.pending[slot] = -1;

@@ -1,0 +1,113 @@
+// megaloop/matvec.cuh: matrix-vector tiles that sum whole weight rows, a warp a row (a decode step's
+// products). A tile's few rows of A are a Rows policy: PlainRows as they are in memory, NormedRows
+// rmsnormed on the way in (rmsnorm_linear). The weight rows come from the weight ring (megaloop/ring.cuh) or from global
+// memory (direct_matvec). A column's sum is one warp's, its lanes taking every 32nd 16-byte piece, so
+// the result is the same bits every run.
+#pragma once
+#include "megaloop/loop.cuh"
+#include "megaloop/vec.cuh"
+
+namespace ml {
+
+template <class T>
+struct PlainRows {
+    static constexpr int N = 16 / sizeof(T);
+    const T* x;
+    i64 step;
+    __device__ __forceinline__ void prepare(int, int) {}
+    __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return load_pack<T, N>(x + row * step + N * i); }
+};
+
+// As the rmsnorm op stores them: x (or x + residual, rounded to T as an add stores it) times
+// 1 / sqrt(mean(x^2) + eps), times the weight, rounded to T. Each warp norms the rows itself into its
+// own `stage` of shared memory (ROWS x PIECES packs), so the columns read them from there, no barrier.
+template <class T, int PIECES, int ROWS, bool RESIDUAL>
+struct NormedRows {
+    static constexpr int N = 16 / sizeof(T);
+    const T* x;
+    i64 step;
+    const T* residual;
+    i64 residual_step;
+    const T* weight;
+    float eps;
+    Pack<T, N>* stage;
+
+    __device__ __forceinline__ Pack<T, N> raw(int row, int i) const {
+        const Pack<T, N> v = load_pack<T, N>(x + row * step + N * i);
+        if constexpr (RESIDUAL) return add_rounded(v, load_pack<T, N>(residual + row * residual_step + N * i));
+        return v;
+    }
+    // The whole warp, before any piece.
+    __device__ __forceinline__ void prepare(int nr, int) {
+        const int lane = threadIdx.x & 31;
+        stage += (threadIdx.x >> 5) * ROWS * PIECES;
+        for (int row = 0; row < nr; ++row) {
+            float q = 0.0f;
+            for (int i = lane; i < PIECES; i += 32) {
+                const Pack<T, N> v = raw(row, i);
+#pragma unroll
+                for (int e = 0; e < N; ++e) q += get(v, e) * get(v, e);
+            }
+            const float inv = 1.0f / sqrtf(warp_sum(q) / (float)(N * PIECES) + eps);
+            for (int i = lane; i < PIECES; i += 32) {
+                const Pack<T, N> v = raw(row, i), w = load_pack<T, N>(weight + N * i);
+                Pack<T, N> y;
+#pragma unroll
+                for (int e = 0; e < N; ++e) set(y, e, get(v, e) * inv * get(w, e));
+                stage[row * PIECES + i] = y;
+            }
+        }
+        __syncwarp();
+    }
+    __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return stage[row * PIECES + i]; }
+};
+
+// One warp: `count` weight rows starting at `w` (`w_step` bytes apart), each against the tile's nr
+// rows; store(row, c0 + column, sum).
+template <class T, int PIECES, int ROWS, class Rows, class Store>
+__device__ __forceinline__ void warp_columns(const unsigned char* w, i64 w_step, int c0, int count, const Rows& rows,
+                                             int nr, Store& store) {
+    constexpr int N = 16 / sizeof(T), U = PIECES < 8 * 32 ? (PIECES + 31) / 32 : 8;
+    const int lane = threadIdx.x & 31;
+    for (int c = 0; c < count; ++c, w += w_step) {
+        const Pack<T, N>* wp = reinterpret_cast<const Pack<T, N>*>(w);
+        float acc[ROWS];
+#pragma unroll
+        for (int row = 0; row < ROWS; ++row) acc[row] = 0.0f;
+        for (int i0 = lane; i0 < PIECES; i0 += 32 * U) {
+            Pack<T, N> wv[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) wv[u] = wp[min(i0 + 32 * u, PIECES - 1)];  // past the row: unused
+#pragma unroll
+            for (int row = 0; row < ROWS; ++row) {
+                if (row >= nr) break;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int i = i0 + 32 * u;
+                    const Pack<T, N> xv = rows.piece(row, min(i, PIECES - 1));
+                    if (i < PIECES) acc[row] += dot(wv[u], xv);
+                }
+            }
+        }
+#pragma unroll
+        for (int row = 0; row < ROWS; ++row) {
+            if (row >= nr) break;  // nr is the same on every lane: the shuffles stay convergent
+            const float s = warp_sum(acc[row]);
+            if (lane == 0) store(row, c0 + c, s);
+        }
+    }
+}
+
+// A tile of nr <= ROWS rows times `cols` weight rows read from global memory (`w`, `w_step` bytes
+// apart, 16-byte aligned), in runs of `per_run` columns dealt to the warps in turn.
+template <class T, int PIECES, int ROWS, class Rows, class Store>
+__device__ __forceinline__ void direct_matvec(int cols, int per_run, const unsigned char* w, i64 w_step, Rows rows,
+                                              int nr, Store store) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    if (warp * per_run >= cols) return;
+    rows.prepare(nr, PIECES);
+    for (int c0 = warp * per_run; c0 < cols; c0 += warps * per_run)
+        warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, min(per_run, cols - c0), rows, nr, store);
+}
+
+}  // namespace ml
