@@ -637,6 +637,43 @@ row(
 )
 
 
+# rmsnorm_linear: the rows rmsnorm stores (rounded to the dtype), times w.T. Decode-shaped rows (the
+# tiles' packed path: K a multiple of 16 bytes, few rows) and any other shape (the per-element path).
+def _norm_linear_sample(residual: bool) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        if rng.random() < 0.5:
+            x, k = (1, int(rng.integers(1, 5))), 8 * int(rng.integers(1, 40))
+        else:
+            x, k = rand_shape(rng, 1, 3), int(rng.integers(1, 70))
+        n = int(rng.integers(1, 40))
+        shapes = [x + (k,), (n, k), (k,)] + ([x + (k,)] if residual else [])
+        return Sample(shapes, {"k": k})
+
+    return sample
+
+
+row(
+    "rmsnorm_linear",
+    "plain",
+    lambda g, x, w, nw, k: ml.rmsnorm_linear(x, w, nw, eps=1e-6),
+    lambda x, w, nw, dtype, k, **kw: F.linear(rnd(F.rms_norm(x, x.shape[-1:], nw, eps=1e-6), dtype), w),
+    _norm_linear_sample(False),
+    reduce_len=lambda s: s.kw["k"],
+    cancels=True,
+)
+row(
+    "rmsnorm_linear",
+    "residual",
+    lambda g, x, w, nw, r, k: ml.rmsnorm_linear(x, w, nw, eps=1e-5, residual=r),
+    lambda x, w, nw, r, dtype, k, **kw: F.linear(
+        rnd(F.rms_norm(rnd(x + r, dtype), x.shape[-1:], nw, eps=1e-5), dtype), w
+    ),
+    _norm_linear_sample(True),
+    reduce_len=lambda s: s.kw["k"],
+    cancels=True,
+)
+
+
 # ---- embedding / rope --------------------------------------------------------------------------------
 
 

@@ -89,7 +89,7 @@ def test_a_llama_decode_step_streams_every_projection_through_the_ring() -> None
     plan = make_plan(build_llama(cfg, 1, 1), processors=16)
     prog = generate(plan)
     rp = plan.ranks[0]
-    matmuls = {op.id for op in rp.ops if op.op == "matmul"}
+    matmuls = {op.id for op in rp.ops if op.op in ("matmul", "rmsnorm_linear")}  # (the weight: operand 1)
     assert ring_ops(prog) == matmuls, sorted(op.name for op in rp.ops if op.id in matmuls - ring_ops(prog))
     replay_ring(plan, prog)
     total = sum(int(c["rows"]) for c in prog.ring_chunks)
@@ -135,3 +135,48 @@ def test_ring_options_travel_in_the_plan_file_and_bad_ones_name_the_field(tmp_pa
     for field, value in (("weight_ring_slots", 65), ("weight_ring_slot_bytes", 1000), ("weight_ring_slot_bytes", 4100)):
         with pytest.raises(ml.errors.MegaloopError, match=field):
             make_plan(decode_matmuls(), processors=8, options=dataclasses.replace(KernelOptions(), **{field: value}))
+
+
+def norm_linear_graph(k: int, n: int, dtype: str, rows: tuple[int, ...], residual: bool) -> ml.Graph:
+    g = ml.Graph("norm-linear")
+    x = g.input("x", (*rows, k), dtype)
+    r = g.input("r", (*rows, k), dtype) if residual else None
+    w, nw = g.parameter("w", (n, k), dtype), g.parameter("nw", (k,), dtype)
+    g.output("y", ml.rmsnorm_linear(x, w, nw, eps=1e-5, residual=r))
+    return g
+
+
+@pytest.mark.parametrize(
+    "k,n,dtype,rows,residual,options,path",
+    [
+        (2048, 512, "bfloat16", (1, 1), True, None, "ml::ring_matvec<"),
+        (2048, 512, "bfloat16", (1, 1), False, KernelOptions(weight_ring_slots=0), "ml::direct_matvec<"),
+        (256, 64, "float32", (1, 3), True, None, "ml::direct_matvec<"),  # 32-bit: no ring (skinny rule)
+        (33, 17, "bfloat16", (2, 5), True, None, "ml::norm_linear_elements<"),  # odd K, batch axes
+    ],
+    ids=["ring", "direct", "float32-direct", "elements"],
+)
+def test_rmsnorm_linear_tiles_take_the_path_their_layout_allows(k, n, dtype, rows, residual, options, path) -> None:
+    """Where the weights can come from the ring, they do; otherwise whole rows from global memory, or
+    element by element for layouts without whole 16-byte pieces. Every path compiles, no spills, and
+    for sm_80 too (the GPU runs: tests/test_gpu.py's op table, tests/test_gpu_generate.py)."""
+    plan = make_plan(norm_linear_graph(k, n, dtype, rows, residual), processors=8, options=options)
+    prog = generate(plan)
+    assert path in prog.source
+    assert spills(prog.source) == {}
+    assert compile_cubin(prog.source, "sm_80", use_cache=False)
+    if path == "ml::ring_matvec<":
+        replay_ring(plan, prog)
+        # each warp's normed rows in the tile's shared memory, under the ring
+        assert prog.shared_bytes >= plan.warps * k * 2 + plan.options.weight_ring_slots * 16384
+
+
+def test_a_single_sequence_decode_step_norms_inside_its_projections() -> None:
+    """build_llama's decode step (one sequence): q/k/v, gate/up and the LM head norm their own rows,
+    so no rmsnorm op is left; prefill and batched decode keep the norm apart."""
+    cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, max_seq=32, vocab=512)
+    ops = [n.op.name for n in build_llama(cfg, 1, 1).nodes]
+    assert "rmsnorm" not in ops and ops.count("rmsnorm_linear") == 2 * 5 + 1
+    for batch, tokens in ((1, 8), (4, 1)):
+        ops = [n.op.name for n in build_llama(cfg, batch, tokens).nodes]
+        assert "rmsnorm_linear" not in ops and ops.count("rmsnorm") == 2 * 2 + 1

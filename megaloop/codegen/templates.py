@@ -16,6 +16,7 @@ from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
+from megaloop.codegen.emit_norm_linear import rmsnorm_linear
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.exchange import all_reduce_push
@@ -93,9 +94,11 @@ def _rows(call: TileCall) -> Lowered:
     return Lowered(body, rows_shared_bytes(call.op.op, attrs, call.ins, call.outs[0]))
 
 
-def _matmul(call: TileCall) -> Lowered:
+def _matmul_hints(call: TileCall, operands: int = 2) -> dict[str, Any]:
+    """What a matmul-like op's emitter needs beyond its operands: tile switches, the widest tile, the
+    block and the weight ring, whether B (operand 1) is a parameter and its first operands aligned."""
     plan, op = call.plan, call.op
-    hints = {
+    return {
         "tensor_cores": op.tile.get("tensor_cores", 0),
         "skinny_mma": op.tile.get("skinny_mma", 0),
         "fold_batch": op.tile.get("fold_batch", 0),
@@ -107,13 +110,21 @@ def _matmul(call: TileCall) -> Lowered:
         "b_parameter": plan.ranks[call.rank].is_parameter(op.inputs[1]),
         "warps": plan.warps,
         "ring_slot_bytes": call.ring_slot_bytes,
-        "aligned": all(_arena_offset(plan, call.rank, t) % 16 == 0 for t in op.inputs[:2]),
+        "aligned": all(_arena_offset(plan, call.rank, t) % 16 == 0 for t in op.inputs[:operands]),
     }
-    attrs = _with(call, hints)
-    body = matmul(op.op, attrs, call.ins[0], call.ins[1], call.outs[0])
+
+
+def _matmul(call: TileCall) -> Lowered:
+    attrs = _with(call, _matmul_hints(call))
+    body = matmul(call.op.op, attrs, call.ins[0], call.ins[1], call.outs[0])
     ring = ring_stream(attrs, call.ins[0], call.ins[1], call.outs[0])
     stream = RingStream(1, *ring) if ring else None
     return Lowered(body, 0 if ring else matmul_shared_bytes(attrs, call.ins, call.outs[0]), ring=stream)
+
+
+def _rmsnorm_linear(call: TileCall) -> Lowered:
+    body, shared, ring = rmsnorm_linear(_with(call, _matmul_hints(call, len(call.ins))), call.ins, call.outs[0])
+    return Lowered(body, shared, ring=RingStream(1, *ring) if ring else None)
 
 
 def _arena_offset(plan: Plan, rank: int, tid: int) -> int:
@@ -222,6 +233,7 @@ TEMPLATES: dict[str, Template] = {
     "argmax_combine": lambda c: Lowered(argmax_combine(c.attrs, c.ins[0], c.ins[1], c.outs[0])),
     "rows": _rows,
     "matmul": _matmul,
+    "rmsnorm_linear": _rmsnorm_linear,
     "embedding": _plain(embedding),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),

@@ -9,6 +9,7 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
+from megaloop.frontend.ops.norm_linear import NORMED_ROWS
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
 
@@ -166,8 +168,11 @@ def projection(x: Tensor | Projection) -> Projection:
 
 
 def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
-    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once
-    and the projections of its output (norms inside the matmuls measured no faster: docs/experiments.md)."""
+    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it. One sequence's
+    decode step (at most NORMED_ROWS rows): each projection's tiles norm the rows themselves
+    (rmsnorm_linear), so the norm is no stage of its own; otherwise the norm once, then the projections."""
+    if math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS:
+        return lambda w: ops.rmsnorm_linear(x, w, norm_weight, eps=cfg.rms_eps, residual=residual)
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 
 
@@ -432,12 +437,13 @@ def _decoder(
 
 def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tensor:
     """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
-    x = ops.rmsnorm(x, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps, residual=update)
+    norm = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
     if cfg.vocab is None:
-        return x
+        return ops.rmsnorm(x, norm, eps=cfg.rms_eps, residual=update)
+    project = normed_projection(cfg, x, norm, update)
     if cfg.tie_word_embeddings:
-        return ops.linear(x, g.parameters["model.embed_tokens.weight"])
-    return ops.linear(x, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
+        return project(g.parameters["model.embed_tokens.weight"])
+    return project(g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
 
 
 def _eos_ids(cfg: LlamaConfig, eos_ids: Sequence[int]) -> tuple[int, ...]:

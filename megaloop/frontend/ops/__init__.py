@@ -39,6 +39,7 @@ from megaloop.frontend.ops.layout import (
     unsqueeze,
 )
 from megaloop.frontend.ops.matmul import linear, matmul
+from megaloop.frontend.ops.norm_linear import rmsnorm_linear
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
@@ -75,6 +76,7 @@ __all__ = [
     "reduce_scatter",
     "reshape",
     "rmsnorm",
+    "rmsnorm_linear",
     "rope",
     "rope_kv_cache_update",
     "sample",

@@ -111,3 +111,32 @@ __device__ __forceinline__ void direct_matvec(int cols, int per_run, const unsig
 }
 
 }  // namespace ml
+
+namespace ml {
+
+template <class T>
+__device__ __forceinline__ float rounded(float v) {
+    T s;
+    store(&s, v);
+    return load(&s);
+}
+
+// rmsnorm_linear on any layout: a warp an output element (row, column) of the tile's `rows` x `cols`,
+// its row's scale taken again for each. x(row, i) (the residual already added and rounded),
+// g(i), w(column, i): element loads; store(row, column, value).
+template <class T, class X, class G, class W, class Store>
+__device__ __forceinline__ void norm_linear_elements(int rows, int cols, int k, float eps, X x, G g, W w, Store store) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int e = warp; e < rows * cols; e += warps) {
+        const int row = e / cols, col = e % cols;
+        float q = 0.0f;
+        for (int i = lane; i < k; i += 32) q += x(row, i) * x(row, i);
+        const float inv = 1.0f / sqrtf(warp_sum(q) / (float)k + eps);
+        float s = 0.0f;
+        for (int i = lane; i < k; i += 32) s += rounded<T>(x(row, i) * inv * g(i)) * w(col, i);
+        s = warp_sum(s);
+        if (lane == 0) store(row, col, s);
+    }
+}
+
+}  // namespace ml

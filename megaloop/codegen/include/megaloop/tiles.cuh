@@ -2,3 +2,4 @@
 #pragma once
 #include "megaloop/elementwise.cuh"
 #include "megaloop/gather.cuh"
+#include "megaloop/matvec.cuh"
