@@ -81,13 +81,16 @@ def layer_config(hidden: int, tokens: int) -> LlamaConfig:
     )
 
 
-def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None) -> ml.Graph:
+def dependent_decode_graph(
+    cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None, norms_inside: bool = False
+) -> ml.Graph:
     """The decode step of build_llama (one layer, the final norm) with ``hidden`` a state that each
-    step's output replaces (in place: the final norm writes it, no copy); x0 [sequences, 1, hidden]."""
+    step's output replaces (in place: the final norm writes it, no copy); x0 [sequences, 1, hidden].
+    ``norms_inside``: the layer's norms inside its projections (megaloop.models.llama.normed_projection)."""
     g = ml.Graph("llama-layer-dependent")
     positions = g.input("positions", (x0.shape[0], 1), "int64")
     x = g.state("hidden", (x0.shape[0], 1, cfg.hidden), cfg.dtype, init=x0)
-    h, update = decoder_layer_parts(g, cfg, x, None, positions, 0, kv_splits)
+    h, update = decoder_layer_parts(g, cfg, x, None, positions, 0, kv_splits, norms_inside)
     y = ml.rmsnorm(h, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps, residual=update)
     g.output("hidden", y)
     g.assign(x, y)

@@ -38,6 +38,8 @@ VARIANTS = {
     "no_ring": {"options": {"weight_ring_slots": 0}},
     "ring16": {"options": {"weight_ring_slots": 16}},
     "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
+    # the layer's norms inside its projections (rmsnorm_linear tiles norming their own rows)
+    "norms_inside": {"norms_inside": True},
     "default_again": {},
 }
 
@@ -50,7 +52,8 @@ def step_us(hidden: int, variant: dict) -> float:
     params = random_parameters(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
     options = KernelOptions(**variant.get("options", {}))
-    plan = make_plan(dependent_decode_graph(cfg, x, "auto"), processors=132, tiles=tiles, options=options)
+    graph = dependent_decode_graph(cfg, x, "auto", variant.get("norms_inside", False))
+    plan = make_plan(graph, processors=132, tiles=tiles, options=options)
     with LoopKernel(plan, params) as k:
         k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)
         return resident_seconds(k, 200) * 1e6

@@ -196,22 +196,15 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
     from megaloop.models.llama import decoder_layer
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
-    # two sequences: the norms apart; one: inside each projection (rmsnorm_linear: x, w, weight, residual)
-    for g, op, per_layer, residual_at in (
-        (build_llama(cfg, 2, 1), "rmsnorm", 2, 2),
-        (build_llama(cfg, 1, 1), "rmsnorm_linear", 5, 3),
-    ):
-        norms = [n for n in g.nodes if n.op.name == op]
-        assert len(norms) == per_layer * cfg.layers + 1
-        first = [n for n in norms if len(n.inputs) == residual_at]  # layer 0's input norm: no residual yet
-        assert len(first) == per_layer // 2 + per_layer % 2 and all(
-            n.inputs[0].node.op.name == "embedding" for n in first
-        )
-        for n in norms[len(first) :]:  # one of x and residual the sublayer's matmul, not an add of it
-            stream = {n.inputs[0].node.op.name, n.inputs[residual_at].node.op.name} - {"matmul"}
-            assert len(n.inputs) == residual_at + 1 and len(stream) == 1 and stream <= {"add", "embedding"}, n
-            for add in (t.node for t in n.inputs if t.node.op.name == "add"):
-                assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
+    g = build_llama(cfg, 1, 1)
+    norms = [n for n in g.nodes if n.op.name == "rmsnorm"]
+    assert len(norms) == 2 * cfg.layers + 1
+    assert len(norms[0].inputs) == 2 and norms[0].inputs[0].node.op.name == "embedding"
+    for n in norms[1:]:  # x, weight, residual: one of x and residual the sublayer's matmul, not an add of it
+        stream = {n.inputs[0].node.op.name, n.inputs[2].node.op.name} - {"matmul"}
+        assert len(n.inputs) == 3 and len(stream) == 1 and stream <= {"add", "embedding"}, n
+        for add in (t.node for t in n.inputs if t.node.op.name == "add"):
+            assert not {t.node.id for t in add.inputs} & {t.node.id for t in n.inputs}, f"{n} waits for its add"
 
     summed = ml.Graph("summed")  # the same layers through decoder_layer, which norms the adds' outputs
     tokens = summed.input("tokens", (1, 1), "int64")

@@ -171,12 +171,22 @@ def test_rmsnorm_linear_tiles_take_the_path_their_layout_allows(k, n, dtype, row
         assert prog.shared_bytes >= plan.warps * k * 2 + plan.options.weight_ring_slots * 16384
 
 
-def test_a_single_sequence_decode_step_norms_inside_its_projections() -> None:
-    """build_llama's decode step (one sequence): q/k/v, gate/up and the LM head norm their own rows,
-    so no rmsnorm op is left; prefill and batched decode keep the norm apart."""
-    cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, max_seq=32, vocab=512)
-    ops = [n.op.name for n in build_llama(cfg, 1, 1).nodes]
-    assert "rmsnorm" not in ops and ops.count("rmsnorm_linear") == 2 * 5 + 1
-    for batch, tokens in ((1, 8), (4, 1)):
-        ops = [n.op.name for n in build_llama(cfg, batch, tokens).nodes]
-        assert "rmsnorm_linear" not in ops and ops.count("rmsnorm") == 2 * 2 + 1
+def test_norms_inside_the_projections_leave_no_norm_stage() -> None:
+    """decoder_layer_parts(norms_inside=True) on one sequence's decode step: q/k/v and gate/up norm
+    their own rows (rmsnorm_linear), no rmsnorm op is left in the layer; over several rows a sequence
+    or several sequences the norms stay apart; the values equal the layer with its norms apart."""
+    from bench.llama_layer import dependent_decode_graph
+    from megaloop.models import random_parameters
+
+    cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, max_seq=32, vocab=None)
+    params = random_parameters(cfg, seed=3)
+    x0 = np.random.default_rng(3).standard_normal((1, 1, 256)).astype(np.float32)
+    inside, apart = (dependent_decode_graph(cfg, x0, None, flag) for flag in (True, False))
+    ops = [n.op.name for n in inside.nodes]
+    assert ops.count("rmsnorm_linear") == 5 and ops.count("rmsnorm") == 1  # (the final norm: the output)
+    assert [n.op.name for n in apart.nodes].count("rmsnorm") == 3
+    feeds = {"positions": np.array([[7]])}
+    got, want = (ml.evaluate(g, feeds, params).outputs["hidden"] for g in (inside, apart))
+    np.testing.assert_array_equal(got, want)  # the same roundings: bit for bit on the reference
+    batched = dependent_decode_graph(cfg, np.zeros((2, 1, 256), np.float32), None, True)
+    assert "rmsnorm_linear" not in [n.op.name for n in batched.nodes]

@@ -167,11 +167,14 @@ def projection(x: Tensor | Projection) -> Projection:
     return x if callable(x) else (lambda w: ops.linear(x, w))
 
 
-def normed_projection(cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> Projection:
-    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it. One sequence's
-    decode step (at most NORMED_ROWS rows): each projection's tiles norm the rows themselves
-    (rmsnorm_linear), so the norm is no stage of its own; otherwise the norm once, then the projections."""
-    if math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS:
+def normed_projection(
+    cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None, inside: bool = False
+) -> Projection:
+    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once,
+    then the projections of its output; ``inside``: each projection's tiles norm the rows themselves
+    (rmsnorm_linear: no norm stage), where one sequence has at most NORMED_ROWS rows (a decode step).
+    Measured slower so far (docs/experiments.md), so the builders keep the norm apart."""
+    if inside and math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS:
         return lambda w: ops.rmsnorm_linear(x, w, norm_weight, eps=cfg.rms_eps, residual=residual)
     return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 
@@ -256,12 +259,14 @@ def decoder_layer_parts(
     positions: Tensor,
     layer: int,
     kv_splits: int | str | None = "auto",
+    norms_inside: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The layer on the residual stream ``x + update`` (``x`` alone when ``update`` is None), returned
     the same way: ``(h, mlp)`` whose sum is the layer's output. Each norm takes the stream's last
     update as its ``residual`` (the same values as norming the sum: rmsnorm rounds x + residual as the
     add does), so it starts without waiting for the add, which runs beside it for the next residual
-    only: on a decode step one task and one dependency fewer on the critical path, twice a layer."""
+    only: on a decode step one task and one dependency fewer on the critical path, twice a layer.
+    ``norms_inside``: the norms inside the projections (normed_projection)."""
     p = f"model.layers.{layer}."
     stream = x
     if update is not None:  # the previous layer's output, summed where a profile looks for it
@@ -271,11 +276,11 @@ def decoder_layer_parts(
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            project = normed_projection(cfg, x, ln1, update)
+            project = normed_projection(cfg, x, ln1, update, norms_inside)
             attn = attention_block(g, cfg, project, positions, layer, kv_splits)
             h = stream + attn
         with g.scope("mlp"):
-            project = normed_projection(cfg, attn, ln2, stream)
+            project = normed_projection(cfg, attn, ln2, stream, norms_inside)
             return h, mlp_block(g, cfg, project, layer)
 
 

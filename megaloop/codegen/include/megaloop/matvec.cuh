@@ -37,24 +37,39 @@ struct NormedRows {
         if constexpr (RESIDUAL) return add_rounded(v, load_pack<T, N>(residual + row * residual_step + N * i));
         return v;
     }
-    // The whole warp, before any piece.
+    // The whole warp, before any piece: a lane's pieces in runs of B, each run's loads (x, residual,
+    // weight) issued together, so a row of up to 32 B pieces costs one trip to L2, not one a piece.
     __device__ __forceinline__ void prepare(int nr, int) {
+        constexpr int PER = (PIECES + 31) / 32, B = PER < 8 ? PER : 8;
         const int lane = threadIdx.x & 31;
         stage += (threadIdx.x >> 5) * ROWS * PIECES;
         for (int row = 0; row < nr; ++row) {
             float q = 0.0f;
-            for (int i = lane; i < PIECES; i += 32) {
-                const Pack<T, N> v = raw(row, i);
+            Pack<T, N> v[B], g[B];
+            for (int u0 = 0; u0 < PER; u0 += B) {
 #pragma unroll
-                for (int e = 0; e < N; ++e) q += get(v, e) * get(v, e);
+                for (int u = 0; u < B; ++u) v[u] = raw(row, min(lane + 32 * (u0 + u), PIECES - 1));
+#pragma unroll
+                for (int u = 0; u < B; ++u)
+#pragma unroll
+                    for (int e = 0; e < N; ++e) q += lane + 32 * (u0 + u) < PIECES ? get(v[u], e) * get(v[u], e) : 0.0f;
             }
             const float inv = 1.0f / sqrtf(warp_sum(q) / (float)(N * PIECES) + eps);
-            for (int i = lane; i < PIECES; i += 32) {
-                const Pack<T, N> v = raw(row, i), w = load_pack<T, N>(weight + N * i);
-                Pack<T, N> y;
+            for (int u0 = 0; u0 < PER; u0 += B) {
 #pragma unroll
-                for (int e = 0; e < N; ++e) set(y, e, get(v, e) * inv * get(w, e));
-                stage[row * PIECES + i] = y;
+                for (int u = 0; u < B; ++u) {
+                    const int i = min(lane + 32 * (u0 + u), PIECES - 1);
+                    g[u] = load_pack<T, N>(weight + N * i);
+                    if (PER > B) v[u] = raw(row, i);  // (one run: still held from the sums)
+                }
+#pragma unroll
+                for (int u = 0; u < B; ++u) {
+                    const int i = lane + 32 * (u0 + u);
+                    Pack<T, N> y;
+#pragma unroll
+                    for (int e = 0; e < N; ++e) set(y, e, get(v[u], e) * inv * get(g[u], e));
+                    if (i < PIECES) stage[row * PIECES + i] = y;
+                }
             }
         }
         __syncwarp();
