@@ -168,3 +168,14 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
 }
 
 }  // namespace ml
+
+namespace ml {
+
+// The loop body's hooks (megaloop/loop_body.cuh) for a kernel with the ring.
+struct WeightRing {
+    static __device__ __forceinline__ void init() { ring_init(); }
+    static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
+    static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
+};
+
+}  // namespace ml

@@ -1,0 +1,93 @@
+// megaloop/loop_body.cuh: the loop kernel's body. Each block walks its processor's task list once
+// an iteration, for as many iterations as the host grants: wait for a task's counters (warp 0),
+// copy the next task into a slot meanwhile (warp 1), run the task (the whole block), then signal its
+// counter (thread 0). The generated kernel instantiates it with its tile dispatch and its ring.
+#pragma once
+#include "megaloop/loop.cuh"
+
+namespace ml {
+
+// A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing).
+struct NoRing {
+    static __device__ __forceinline__ void init() {}
+    static __device__ __forceinline__ void start(const Args&, u64, int) {}
+    static __device__ __forceinline__ void drain(const Args&, u64, int) {}
+};
+
+// Thread 0, after the block's barrier that follows the task: the profile stamps, then the signal.
+__device__ __forceinline__ void finish_task(const Args& a, const Task& t, int tid, u64 k, u64 start) {
+    if (a.profile != nullptr && k < (u64)a.profile_iterations) {
+        // stamped before the signal, so that a task waiting on this one starts after this end
+        u64* slot = a.profile + 2 * (k * (u64)a.n_tasks + (u64)tid);
+        slot[0] = start;
+        slot[1] = now_ns();
+    }
+    if (t.remote) {  // read by other GPUs: their tiles pull this task's output over NVLink
+        __threadfence_system();
+        add_release_sys(&a.counters[t.counter], 1ull);
+        // and their mirrors of the counter, in their own memory, where they poll it
+        for (int m = t.mirror_begin; m < t.mirror_begin + t.mirror_count; ++m)
+            add_release_sys(&a.rank_counters[a.mirrors[m].rank][a.mirrors[m].counter], 1ull);
+    } else {
+        // red.release after the barrier publishes every thread's writes (release is cumulative over
+        // the barrier's synchronisation), as CUTLASS's semaphores do; no __threadfence (fence.sc) in front
+        add_release(&a.counters[t.counter], 1ull);
+    }
+}
+
+// run_task(a, slot, k, proc): the task's tile function, by its signature.
+template <class Ring, class RunTask>
+__device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
+    __shared__ Args a;
+    __shared__ int go;
+    __shared__ u64 granted;   // iterations the host has asked for, as last read
+    __shared__ u64 reported;  // when this block last reported progress (%globaltimer)
+    if (threadIdx.x == 0) {
+        a = *args;
+        granted = 0;
+        reported = now_ns();
+        Ring::init();
+    }
+    __syncthreads();
+    const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
+    // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
+    // one (thread 0 may still be signalling its counter when warp 1 starts copying)
+    __shared__ TaskSlot slots[3];
+    int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
+    const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
+    if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[0]);
+    for (u64 k = 0;; ++k) {
+        if (threadIdx.x == 0) {
+            if (k >= granted) granted = wait_requested(a, k);
+            go = k < granted;
+        }
+        __syncthreads();
+        if (!go) return;
+        Ring::start(a, k, proc);
+        for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {
+            const TaskSlot& s = slots[q];
+            u64 start = 0;
+            if (threadIdx.x < 32) {
+                const bool ready = wait_task(a, s, k, proc);
+                if (threadIdx.x == 0) {
+                    go = ready;
+                    start = now_ns();
+                }
+            }
+            if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
+                fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
+            __syncthreads();
+            if (!go) {
+                Ring::drain(a, k, proc);
+                return;
+            }
+            run_task(a, s, k, proc);
+            __syncthreads();
+            if (threadIdx.x == 0) finish_task(a, s.task, s.id, k, start);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) iteration_done(a, k, granted, reported);
+    }
+}
+
+}  // namespace ml
