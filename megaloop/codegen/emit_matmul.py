@@ -15,11 +15,8 @@ MMA_MIN_ROWS = 16  # thinner tiles (decode) stay on the warp-per-element path
 MMA_MAX_BLOCK = 128  # larger tiles run as several 128 x 128 sub-tiles
 MMA_BK, MMA_LD, MMA_STAGES, MMA_MAX_FRAGMENTS = 32, 40, 3, 32  # as in mma.cuh (tests/test_codegen.py checks)
 WGMMA_MIN_ROWS, WGMMA_MIN_COLS = 64, 64  # a warpgroup's 64 rows; narrower tiles stay on mma.sync
-# K slices of 64 in shared memory, at most (wgmma.cuh prefetches S - 2 ahead). Tried 8 at 3f1f879: no
-# change to a 512-token prefill's 128 x 64 blocks (18 us each), 4096^3 at 128 x 128 went from 0.56 to 0.50
-# of cuBLAS. What bounds both is the blocks' operand traffic from L2 (~5.5-6 TB/s over the SMs in every
-# measurement so far), not the prefetch depth; scripts/gemm_probe.cu confirmed it with TMA (no faster
-# than cp.async) and put 2-block clusters multicasting B at 0.75 of cuBLAS (docs/runtime.md).
+# K slices of 64 in shared memory, at most (wgmma.cuh prefetches S - 2 ahead); deeper measured no faster
+# (docs/experiments.md: operand traffic from L2 bounds these tiles, not the prefetch depth)
 WGMMA_STAGES = 4
 # The loop kernel's static shared memory (its Args copy, the row ops' reduction scratch) comes out of
 # the same per-block budget as the dynamic shared memory sized for the stages.
@@ -29,17 +26,7 @@ GEMV_PACKS = 8  # 16-byte loads of each operand in flight per lane on the warp-p
 # the tile's rows, so each weight is read once: a warp per element re-read a 64-column weight slab
 # (512 KB at K = 4096, more than L1) from L2 for every row; 8 tokens through a 4096 x 8192 MLP took
 # 300 us on an H200 where its weights stream in 40.
-SKINNY_MAX_ROWS = 16
-# Tried at 08a8b9d: a warp per group of 4 columns (8 rows), each pack of A feeding 4 columns, the next
-# step's 4 weight packs in flight. The 8-token TP MLP step got slower (190 us, from 148): a lane had 4
-# weight packs in flight instead of GEMV_PACKS, so the weight stream, not A's reads from L1, is what
-# limits this path. Hence (not yet measured) the next block of weight packs is loaded
-# before this block's products: loads stay in flight while the rows' dot products run.
-# Tried at b3c29d2: threads 64 and up prefetching a thin tile's block of weights into L2
-# (cp.async.bulk.prefetch, a row each) while warp 0 waited for the task's producers. The decode layer's
-# dependent step did not get shorter (hidden 2048: 79.1 us against 77.9 without; 4096: 148.0 against
-# 147.2, one H200): the weight stream is not what the chain of waits leaves idle. Reverted. Fetching
-# the next tasks' weights ahead (a schedule per processor, addbeac) did no better: docs/runtime.md.
+SKINNY_MAX_ROWS = 16  # (the next block of weight packs is loaded before this block's products)
 
 
 RING_MAX_ROWS = 4  # weight-ring tiles: one warp's sums a column, so each row of A costs its FMAs again
@@ -444,11 +431,6 @@ def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dic
     }
 
 
-# Tried and taken out again (1ada0bb, measured at d8d9541): a skinny tile first copying its rows of A (the decode
-# step's activations) into shared memory with cp.async, A's fragments then read from there, and 16 units
-# of B in flight a warp instead of 8 (the registers A no longer took). Slower: the decode step 84.1 /
-# 169.6 us at hidden 2048 / 4096 against 70.9 / 143.3 (scripts/decode_variants.py, H200, d8d9541); at 8
-# units, earlier, within the noise (66.5, 67.3 / 140.4 against 67.1 / 142.2). docs/runtime.md.
 
 
 def _partial_bytes(attrs: dict[str, Any], warps: int) -> int:
