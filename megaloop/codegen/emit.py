@@ -145,8 +145,8 @@ def _elementwise_packs(ins: list[Operand], out: Operand, hints: dict[str, int]) 
             vectors += 1
     if not all(s % width == 0 for s in out.strides[:-1]):
         return 0, 1
-    # packs in flight per thread: 8 of each operand for up to two vector operands (4 reached 0.76 of copy
-    # bandwidth on an H200 at one 256-thread block per SM), 4 with more (registers)
+    # packs in flight per thread: 8 of each operand for up to two vector operands (fewer stay short of
+    # copy bandwidth at one 256-thread block per SM), 4 with more (registers)
     unroll = 8 if vectors <= 2 else 4
     if hints.get("elements") and hints.get("threads"):
         # no more packs a thread than the largest tile has: a decode-sized op (one tile of a few thousand
@@ -228,10 +228,9 @@ EMBEDDING_UNROLL = 4
 
 def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out: Operand) -> list[str]:
     """out[..., d] = table[ids[...], d] (``ml::embedding``, megaloop/gather.cuh): rows copied in 16-byte
-    packs where table and out hold whole packs (a generation step's one row of 2048 bf16 values took a
-    thread 8 dependent trips to memory element by element, 6 us on the critical path of every token
-    on an H200; a pack a thread is one trip), else element by element. An id outside the table is a
-    data error naming it."""
+    packs where table and out hold whole packs (element by element, a row of 2048 bf16 values costs a
+    thread 8 dependent trips to memory on every token's critical path; a pack a thread is one trip),
+    else element by element. An id outside the table is a data error naming it."""
     vocab = table.shape[0]
     width = 16 // out.dtype.itemsize
     packed = (
@@ -286,8 +285,8 @@ def rope_angle() -> list[str]:
     return [
         "// The product is float64 (as the reference: at position 1e6 float32 would be off by 0.03 rad) and so",
         "// is its reduction by whole quarter turns k; float32 polynomials then take the rest, |r| <= pi/4, and",
-        "// the quarter turns become swaps and signs. A float64 sincos per element cost 26 us per 8K-element",
-        "// prefill tile; a float32 sinf of the whole angle would lose its reduction's precision to rounding.",
+        "// the quarter turns become swaps and signs. A float64 sincos per element is far slower; a float32",
+        "// sinf of the whole angle would lose its reduction's precision to rounding.",
         "const auto angle = [](double pv, double w, float& s, float& c) {",
         "    const double ang = pv * w;",
         "    // k = ang / (pi/2) to the nearest integer, the integer part of t (whole below 2^51 quarter turns,",
@@ -599,8 +598,8 @@ def rope_kv_update(
 def _kv_update_packed(attrs: dict[str, Any], new: Operand, pos: Operand, out: Operand) -> list[str]:
     """The batched path: packs of W elements along head_dim (16 bytes where the layout allows, down to
     one element at any stride), copied bit for bit, U packs and their positions loaded by a thread
-    before any is stored. The per-element loop paid the full memory latency per element (a store may
-    alias the next load, so neither compiler nor hardware overlapped them): 81 us for 512 tokens x 64."""
+    before any is stored. A per-element loop pays the full memory latency per element (a store may
+    alias the next load, so neither compiler nor hardware overlaps them)."""
     _, _, s, dim = out.shape
     tokens = new.shape[2]
     w = 16 // out.dtype.itemsize

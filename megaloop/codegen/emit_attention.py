@@ -258,8 +258,8 @@ def attention_mma_bytes(d: int, split: int = 1) -> int:
 def attention_mma_split(attrs: dict[str, Any], ins: list[Operand]) -> int:
     """Warps a unit of 16 queries may take (attention.cuh's SPLIT): 2 where the plan's shared memory
     holds stages of two key blocks, so a tile of fewer units than half its warps keeps them all busy,
-    each warp of a pair on every other key block. Prefill at hidden 4096 (tiles of 64 queries: 4 units
-    on 8 warps) spent 64 us in attention, 4 warps a block idle."""
+    each warp of a pair on every other key block (else a prefill tile of 64 queries, 4 units, leaves 4
+    of 8 warps idle)."""
     hints = attrs.get("codegen", {})
     fits = attention_mma_bytes(ins[0].shape[3], 2) + MMA_STATIC_RESERVE <= hints.get("shared_memory", 227 * 1024)
     return 2 if fits and hints.get("warps", MMA_MAX_WARPS) >= 2 else 1
@@ -465,15 +465,8 @@ def _attention_split(
             f"            const ml::Pack<{ct}, W> qpk = ml::load_pack<{ct}, W>(in0 + (ml::i64)bi * {q.strides[0]} + (ml::i64)h * {q.strides[1]} + (ml::i64)i * {q.strides[2]} + r * W);",
             f"            const {ct}* kp = in1 + (ml::i64)bi * {k.strides[0]} + (ml::i64)kh * {k.strides[1]} + r * W;",
             f"            const {ct}* vp = in2 + (ml::i64)bi * {v.strides[0]} + (ml::i64)kh * {v.strides[1]} + r * W;",
-            # Tried at e02e999: a ring of 4 or 8 steps of keys in flight. The decode layer did not get shorter
-            # (scripts/decode_variants.py, H200: 74.7 / 153.2 us at 4 against 73.5 / 153.1 at 1, hidden 2048 /
-            # 4096; 8 steps made 4096 slower, 165 us). Its machine code waited for each group's fresh loads
-            # (docs/runtime.md), so it was tried again as a ring of 32-bit words with no repacking (416205d,
-            # taken out again): 69.5 / 145.9 at 4 steps, 72.9 / 150.6 at 8, against 70.9, 69.4 / 143.3, 143.2
-            # (d8d9541). The keys' latency is not what bounds this tile.
-            # Nor were the steps themselves (59d405a: 2 or 4 packs of a key a lane, 4 or 8 keys a warp step,
-            # 2-3 shuffle levels fewer: 77.9 / 78.0 against 75.6 / 76.3 us at hidden 2048, 148.7 / 150.6 against
-            # 148.3 / 148.5 at 4096; 4 sequences 85.7 / 154.6 against 85.6 / 155.3).
+            # One step of keys ahead: neither the keys' latency (rings of 4-8 steps in flight) nor the steps'
+            # width (more keys a warp step) bounds this tile (docs/experiments.md).
         ]
         + [
             "            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs",

@@ -63,8 +63,8 @@ def _reduce(
 def _reduce_packed(
     attrs: dict[str, Any], members: list[tuple[int, Operand]], out: Operand, src: list[str], last_shift: int
 ) -> list[str]:
-    """The same reduction 16 bytes at a time (peer loads cross NVLink at microseconds of latency: one
-    2-byte load per thread at a time moved 60 GB/s on 2 H200s). Same values, order and rounding as
+    """The same reduction 16 bytes at a time (peer loads cross NVLink at microseconds of latency: a
+    2-byte load a thread at a time leaves the link mostly idle). Same values, order and rounding as
     the per-element path below it, which runs where the layout rules packs out."""
     ops = [o for _, o in members]
     width = _pack_width(ops, out, last_shift)

@@ -13,8 +13,7 @@ from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import Inbox
 
 # A bulk tile goes in chunks, each summed while the next is on the link (megaloop/exchange.cuh): a
-# quarter of the tile, within these bounds. 2 H200s, bus bandwidth of the dependent chain at 16 MB (127 KB
-# tiles) / 256 MB (2 MB tiles): chunks of 32 KB 332 / 331 GB/s, 64 KB 322 / 345, 128 KB 300 / 347.
+# quarter of the tile, within these bounds (the best measured at 16 and 256 MB: docs/experiments.md).
 BULK_CHUNK_BYTES = (32768, 65536)
 
 

@@ -166,11 +166,10 @@ __device__ inline void push_all_reduce_ll(const Args& a, const Task& t, int tid,
 // Bulk tile, in chunks of CHUNK bytes so that the link and the sum overlap: chunk c is stored into the
 // members' inboxes (posted), then chunk c - 1 -- which the members have flagged by now -- is summed from
 // the local inbox while c is in flight, then chunk c is released (one fence, one increment of each
-// member's flag for (this sender, this tile)). Without chunks every processor stored its whole tile and
-// then summed it, all in step, and the link idled during the sums (16 MB: 302 GB/s; 256 MB: 287 where
-// pulling made 309). A flag counts chunks: CHUNKS a tile per iteration, so chunk c of iteration k has
-// arrived once it reads k * CHUNKS + c + 1 or more. Slots of BYTES bytes; the flags ((G - 1) x TILES
-// u64) after all slots.
+// member's flag for (this sender, this tile)). Without chunks every processor would store its whole
+// tile and then sum it, all in step, the link idle during the sums. A flag counts chunks: CHUNKS a
+// tile per iteration, so chunk c of iteration k has arrived once it reads k * CHUNKS + c + 1 or more.
+// Slots of BYTES bytes; the flags ((G - 1) x TILES u64) after all slots.
 template <class T, int G, bool SUM, int TILES, int BYTES, int CHUNK>
 __device__ inline void push_all_reduce_bulk(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
                                             const int (&ranks)[G], int me, const T* x, T* out, int elements) {

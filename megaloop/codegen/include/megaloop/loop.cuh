@@ -124,9 +124,8 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
 // it ends in a warp vote). The lanes share the waits, WAIT_BATCH of a lane's counters loaded at once
 // (relaxed) and polled together, then one acquire fence (the whole warp, once all lanes are satisfied):
 // a consumer of a 128-tile matmul waits on 128 counters.
-// One thread polling them in turn paid an L2 round trip (~0.7 us) each, 90 us per decode-step op; 32
-// lanes with acquire loads (each completes before the next load starts) still left ~5 us between a
-// 128-tile matmul's last tile and its consumer's start (profile of the hidden-2048 decode layer).
+// (One thread polling them in turn would pay an L2 round trip each, and acquire loads each complete
+// before the next one starts: hence relaxed loads in flight together, then one fence.)
 constexpr int WAIT_BATCH = 4;
 // The longest sleep between two polls of a wait's counters, in ns (the sleeps double from 32 up to it);
 // 0: no sleep, the polls back to back (set from the plan's options: KernelOptions.poll_sleep_ns).

@@ -30,9 +30,8 @@ __device__ __forceinline__ u64 evict_first_policy() {
 
 // 16 bytes as four 32-bit words (an mma's operands, a ring of loads in flight): loaded as words, they are
 // used as they are; load_words_policy under an L2 policy (evict_first_policy).
-// (Loaded as Pack<bf16, 8>, ptxas repacked each pack with PRMTs where the next round's packs were moved
-// into place at the end of every round, so each round waited there for the loads it had just issued:
-// one round of U units in flight, not two. nvdisasm of the hidden-2048 decode kernel, 6a1febc.)
+// (As Pack<bf16, 8>, ptxas repacks each pack with PRMTs where the next round's packs move into place,
+// so each round waits there for the loads it just issued: one round of U units in flight, not two.)
 __device__ __forceinline__ void load_words(u32 (&w)[4], const void* p) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     w[0] = v.x;
