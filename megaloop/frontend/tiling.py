@@ -297,8 +297,8 @@ class Rates:
     peer: float  # bytes/s to another GPU (NVLink), whole chip
     l2: float  # bytes/s from L2 into the SMs, whole chip (operand blocks that tiles share)
     # dependency check, barriers, signal and the next task's dispatch: in a profiled 512-token prefill
-    # on an H200 (commit 1818602) a processor's tasks started ~2.6 us after the previous one ended, and
-    # the 8192-element tasks of the row and elementwise ops ran ~1 us longer than their HBM share
+    # on an H200 a processor's tasks started ~2.6 us after the previous one ended, and the 8192-element
+    # tasks of the row and elementwise ops ran ~1 us longer than their HBM share
     task_overhead_ns: float = 2500.0
 
 

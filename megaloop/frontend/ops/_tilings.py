@@ -29,8 +29,7 @@ from megaloop.frontend.tiling import (
 # dependency check on the big parts, small enough to spread a decode-sized tensor.
 ELEMENTS = {"sm_80": 8192, "sm_86": 4096, "sm_89": 4096, "sm_90": 8192}
 # ... but at most about this many tasks per processor for one op: a tensor of a gigabyte would
-# otherwise be 10^5 tasks, each paying its wait, barrier and signal (measured on an H200: an add at
-# 0.12 of copy bandwidth with 8K-element tiles). Larger ops get proportionally larger tiles.
+# otherwise be 10^5 tasks, each paying its wait, barrier and signal. Larger ops get larger tiles.
 WAVES = same(8)
 
 
@@ -90,14 +89,10 @@ def _streaming(make: Any, doc: str, waves: dict[str, int] = WAVES, switches: tup
     )
 
 
-# split_small: an op smaller than one tile (``elements``) and than SMALL_OP_PACKS packs a thread (what
-# the elementwise template keeps in flight at once) is cut into equal tiles of at most a 16-byte pack a
-# thread (2048 bf16 values at 8 warps). A decode step's silu over 5504 values took 2.2 us on one processor
-# even with its code and data at hand (its expf and division on 8 warps: scripts/profile_cases.py
-# silu_chain), 3-4 us inside the step, on its critical path once the gate and up projections end
-# together; with 3 tiles the hidden-2048 step took 70.1 us against 75.4 (H200, 9cde193). 0: one tile.
-# split_full: with split_small, an op of exactly one tile is cut too: Llama-3.2-1B's silu_mul over 8192
-# values took 4.5 us in one tile (profile_cases.py generate1b, H200, 111ccac), 16 times a token. Its own
+# split_small: an op smaller than one tile (``elements``) and than SMALL_OP_PACKS packs a thread is cut
+# into equal tiles of at most a 16-byte pack a thread: a decode step's small elementwise ops (a silu's
+# expf and division on one processor) sit on its critical path. 0: one tile (docs/experiments.md).
+# split_full: with split_small, an op of exactly one tile is cut too (Llama-3.2-1B's silu_mul). Its own
 # switch so that files saved with split_small before it (0 there) keep their tasks.
 SMALL_OP_PACKS = 8
 ELEMENTWISE = _streaming(
@@ -185,10 +180,8 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 
 
 # Row ops stream each task's rows through a ring in shared memory that fills at the task's start and
-# drains at its end: fewer, longer tasks for big ops. H200, 32768 rows of 8192 bf16 (docs/experiments.md,
-# 460653c/26ae4ea, balanced tiles, fractions of copy bandwidth over 2-3 runs each):
-# 8 tasks a processor rmsnorm 0.815-0.834 / softmax 0.82-0.857, 4: 0.831-0.864 / 0.842-0.887, 3:
-# 0.839-0.887 / 0.849-0.857 (run-to-run spread 2-3 %).
+# drains at its end: fewer, longer tasks for big ops; 3-4 a processor measured best for rmsnorm and
+# softmax (docs/experiments.md, scripts/row_variants.py).
 ROW_WAVES = same(4)
 ROWS = _streaming(_rows, "blocks of whole rows along the normalised axis", ROW_WAVES)
 
@@ -210,8 +203,7 @@ def _narrowed(bn: int, bm: int, n: int, k: int, rows: int, processors: int, para
     (its wait, barrier and signal: about 1 us, the time one SM streams ~16K weights; in columns of
     k weights, 16384 / k). Ties keep the wider tile (fewer tasks to plan and to run).
     Matrix-vector products of many tiles (an LM head) take the width that fills their last round best,
-    by the same cost: Llama-3.2-1B's 128256 columns were 501 tiles of 256, 3.8 rounds (the last one for
-    105 of 132 processors), now 518 of 248 (4 rounds, 992 columns the busiest processor against 1024)."""
+    by the same cost (docs/experiments.md: Llama-3.2-1B's LM head)."""
     fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
     if rows * math.ceil(n / bn) >= processors:
         if bm >= 16:
@@ -251,8 +243,7 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
         # sibling matmuls of one input run alongside: size the tiles for this op's share of the
         # processors. Tall tiles (16 rows or more, tensor cores) only ever get wider for it: the cost
         # model below counts a tile's time by its columns, but a narrower tensor-core tile does more
-        # work a column (prefill at hidden 4096: q narrowed from 128 to 64 columns on its share, 256
-        # tiles, and the layer took 596 us against 568-580)
+        # work a column (docs/experiments.md)
         shared = _narrowed(bn, bm, n, k, rows, ctx.own_processors, params)
         bn = shared if bm < 16 else max(shared, _narrowed(bn, bm, n, k, rows, ctx.processors, params))
     else:
@@ -288,24 +279,22 @@ MATMUL = Tiling(
     {
         "block_m": {"sm_80": 128, "sm_86": 64, "sm_89": 64, "sm_90": 128},
         # sm_90: a 128 x 256 wgmma block reads 48 KB a K slice of 64 for 2M multiply-adds (128 x 128: 32 KB
-        # for 1M); 4096^3 bf16 on an H200 ran at 0.66 of cuBLAS with it
+        # for 1M): less operand traffic from L2 a multiply-add
         "block_n": {"sm_80": 128, "sm_86": 128, "sm_89": 128, "sm_90": 256},
         # 1: 16-bit operands with K contiguous run on tensor cores (fp32 accumulation; GPU-checked:
         # tests/test_gpu.py, bench/gemm.py); 0: every tile on the SIMT paths
         "tensor_cores": same(1),
         # 1: tiles of at most 8 rows of 16-bit operands (a few tokens, decode) on tensor cores too, the
-        # warps sharing the tile's groups of 8 columns x K evenly (ml::mma_skinny): the 8-token TP MLP step
-        # took 62 us instead of 136 on 2 H200s (bench/results/tp_mlp.json)
+        # warps sharing the tile's groups of 8 columns x K evenly (ml::mma_skinny), each weight read once
+        # for all the rows (bench/results/tp_mlp.json)
         "skinny_mma": same(1),
         # 1: batched decode (rows of several batch indices against weights without batch axes) takes up
-        # to FOLD_BATCH_ROWS rows of several batch indices a tile, reading its weights once for all of them:
-        # a 4-sequence Llama decode layer step took 85.0 us instead of 147.7 at hidden 2048, 156.3 instead
-        # of 395.8 at 4096 on an H200 (scripts/decode_variants.py); 0: a tile per batch index
+        # to FOLD_BATCH_ROWS rows of several batch indices a tile, reading its weights once for all of them
+        # (docs/experiments.md); 0: a tile per batch index
         "fold_batch": same(1),
         # 1: matmuls of one input (q, k, v; gate, up) size their tiles for their share of the processors
-        # (TileContext.share) so that together they make one round of tasks: the hidden-2048 decode step
-        # took 75.4 us against 75.8 without, 145.9 against 147.9 at 4096 (with split_small on the
-        # elementwise ops: 70.1 against 75.4; H200, 9cde193); 0: each sized for all the processors
+        # (TileContext.share) so that together they make one round of tasks (docs/experiments.md); 0: each
+        # sized for all the processors
         "share": same(1),
         # 1: on Hopper, tensor-core tiles of at least 64 x 64 use warpgroup MMA (wgmma, megaloop/wgmma.cuh);
         # 0: mma.sync as on the other architectures
@@ -361,10 +350,8 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
     ranges = [(min(tk, sp * chunk), min(tk, (sp + 1) * chunk)) for sp in range(splits or 1)]
     # Query blocks of up to q_block queries, a 16-query unit per warp at most: a larger block shares
     # each staged key block among more queries, worth it while the op still makes about as many tiles
-    # as processors; halved (to 64 at least) where it would not. Prefill at hidden 4096 on an H200 (32
-    # heads of 512 causal queries): 128 tiles of 128 queries took 42 us, 256 of 64 took 51 with the
-    # block's warps in pairs on a unit's keys (attention.cuh) and 64 with half the warps idle. (The
-    # split form's tiles keep q_block: they never take the tensor-core path.)
+    # as processors; halved (to 64 at least) where it would not (docs/experiments.md). (The split
+    # form's tiles keep q_block: they never take the tensor-core path.)
     qb = min(params["q_block"], tq, 16 * ctx.warps if splits is None else tq)
     while qb > 64 and 4 * b * hq * -(-tq // qb) < 3 * ctx.processors:
         qb = max(64, qb // 2)
@@ -427,10 +414,8 @@ def _attention_combine(node: Any, params: dict[str, int], ctx: TileContext) -> l
 
 
 # warp_rows: a tile holds at most as many rows as the block has warps (the template takes a warp a row,
-# each two dependent trips to L2). Llama-3.2-1B's 32 heads made 2 tiles of 31 + 1 heads, 4 rounds of
-# warps: 3.6 us on the critical path of every layer of the generation step (profile_cases.py
-# generate1b, H200, 111ccac), against 1.5 us for hidden 2048's 16 heads in tiles of 7. 0: ``elements``
-# values a tile, as plan files saved before the switch were made.
+# each two dependent trips to L2; more rows are rounds of warps on the critical path of every layer).
+# 0: ``elements`` values a tile, as plan files saved before the switch were made.
 ATTENTION_COMBINE = Tiling(
     {"elements": ELEMENTS, "warp_rows": same(1)},
     _attention_combine,
@@ -493,7 +478,7 @@ def _members(node: Any, ctx: TileContext) -> tuple[int, ...]:
 def _exchange_elements(params: dict[str, int], shape: tuple[int, ...], ctx: TileContext) -> int:
     """Elements per exchange task: ``elements``, raised (to whole 64-element runs, so that packed
     loads line up) until the op makes no more than ``waves`` tasks per processor: 256 MB in 4096-element
-    tiles was 32768 tasks a rank, each paying its waits and signal."""
+    tiles would be 32768 tasks a rank, each paying its waits and signal."""
     elements = _elements(params, math.prod(shape), ctx)
     return elements if elements == params["elements"] else -(-elements // 64) * 64
 
@@ -520,17 +505,15 @@ def _all_reduce(node: Any, params: dict[str, int], ctx: TileContext) -> list[Til
 def _push_elements(params: dict[str, int], total: int, ctx: TileContext) -> int:
     """Elements per pushed tile: at least ``push_elements``, and few enough tiles for one wave over the
     processors. A pushed hop costs about one trip whatever the tile, so tiles on more processors at
-    once win, and so do fewer larger tiles once there are more than processors (2 H200s, dependent
-    chain: 1 MB in 512 tiles of 2 KB took 14.2 us, in 128 of 8 KB 7.9)."""
+    once win, and so do fewer larger tiles once there are more than processors (docs/experiments.md)."""
     spread = -(-total // ctx.processors)
     return params["push_elements"] if spread <= params["push_elements"] else -(-spread // 64) * 64
 
 
 PUSH_ALIGN = 16  # bytes: a pushed tile moves 16-byte lines, so x and every tile start on a line
 # Above this, all_reduce pulls: a pushed all-reduce keeps two slots of the whole tensor per other
-# member (iteration parity), 2 (n - 1) x its bytes. Pushed is faster at every size measured (2 H200s,
-# dependent chain: 256 MB at 345 GB/s bus bandwidth pushed, 309 pulled; 16 MB 332 and 175; 32 KB 3.3 us
-# and 6.7); set the tile parameter push to 0 to save the memory.
+# member (iteration parity), 2 (n - 1) x its bytes. Pushed is faster at every size measured (32 KB to
+# 256 MB, docs/experiments.md); set the tile parameter push to 0 to save the memory.
 PUSH_MAX_BYTES = 1 << 30
 
 
@@ -601,8 +584,8 @@ COPY_EXCHANGE = {"elements": same(8192), "waves": WAVES}
 # push: 1 (default) = each member pushes its tiles into the others' memory (one NVLink trip, no
 # waits across ranks); 0 = each member pulls the others' tiles (a wait on the producers, then a read
 # across the link and back)
-# push_elements: the smallest pushed tile, 1024 elements (2 KB in bf16; 2 H200s, dependent chain:
-# 32 KB in four 8 KB tiles took 4.8 us, in sixteen 2 KB tiles 3.3)
+# push_elements: the smallest pushed tile, 1024 elements (2 KB in bf16: small tensors go faster on
+# more processors at once, docs/experiments.md)
 ALL_REDUCE = Tiling(
     {**EXCHANGE, "push": same(1), "push_elements": same(1024)},
     _all_reduce,

@@ -1,6 +1,6 @@
 """argmax along one long axis split over tiles, for when the outputs are few and the axis long (a
-language model's next token: the argmax of 128256 logits took 28 us on one processor every token,
-even with the whole block on it).
+language model's next token: the argmax of 128256 logits on one processor, even with the whole block
+on it, is a long stage of every token).
 
 ``argmax_partial`` gives, for each of ``splits`` consecutive ranges of ``chunk`` elements of the axis
 (the last one possibly shorter), the index along the whole axis of the range's first largest value (or

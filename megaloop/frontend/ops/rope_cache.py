@@ -2,10 +2,10 @@
 is ``kv_cache_update(cache, rope(new, positions), positions)`` (each token's rotary position is its
 slot, as in Llama / Hugging Face): the same values (rope's, rounded to the cache's dtype, then copied)
 without a rope op between the key projection and the cache, so that on a decode step attention waits
-one dependent stage fewer in every layer (rope and the cache update took 1-1.5 us each, plus a handoff
-between them: scripts/profile_cases.py generate1b). Where the rotary positions are not the slots (a
-ring cache), use rope and kv_cache_update. A task writes one (batch, head) slab, as kv_cache_update's: for
-many tokens (a prefill), rope's tiles over every token and then the cache's copy run wider.
+one dependent stage fewer in every layer (and no handoff between rope and the cache update). Where
+the rotary positions are not the slots (a ring cache), use rope and kv_cache_update. A task writes one
+(batch, head) slab, as kv_cache_update's: for many tokens (a prefill), rope's tiles over every token
+and then the cache's copy run wider.
 """
 
 from __future__ import annotations
