@@ -144,7 +144,7 @@ def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 # Decode attention is one tile per (sequence, query head) unless the cache is split into key ranges:
-# 16 heads over 512 keys took 34 us a tile on an H200, against 9 us + a 4 us merge with 8 ranges.
+# a few long tiles take longer than several short ones and their merge (docs/experiments.md).
 # "auto" splits single-token steps until about this many tiles, keeping at least 64 keys a range.
 AUTO_SPLIT_TILES = 128
 AUTO_SPLIT_MAX = 8
@@ -230,12 +230,9 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) ->
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
     gate, up, down = w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"]
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
-    # dtype before the product, so results differ by that rounding). Decode (few rows) kept them apart
-    # until the gate and up projections shared the processors (matmul tile switch share): silu(gate)
-    # then ran while up still streamed its weights (83.4 us a hidden-2048 step with silu_mul against
-    # 77.0, 6a751a6); now both end together and one op is a stage fewer: 67.5 us against 70.1 apart,
-    # 142.3 against 147.1 at 4096 (scripts/decode_variants.py, H200, 9cde193). Prefill at hidden 4096,
-    # 512 tokens: 688 tasks fewer than apart.
+    # dtype before the product, so results differ by that rounding). The gate and up projections share
+    # the processors (matmul tile switch share), so they end together and the one op is a stage fewer
+    # than silu and mul apart, in decode and prefill alike (docs/experiments.md).
     g_, u_ = project(gate), project(up)
     if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
         g_, u_ = g_ + w["gate_proj.bias"], u_ + w["up_proj.bias"]
@@ -343,10 +340,8 @@ def build_llama_prefill(
 
 
 # The next token's argmax over the vocabulary, split into ranges of about this many logits (argmax's
-# splits: a range a tile, each starting once the LM head's tiles over it end, then one combine): on
-# one processor, even with the whole block, the 128256 logits of Llama-3.2-1B took 28 us a token
-# (profile_cases.py generate1b, H200, 2ae6b15); in 126 ranges of 1024 bench/generate's token took 26 us
-# less (1267 us against 1293, c2b4077). At most ARGMAX_MAX_SPLITS ranges (one round of tiles).
+# splits: a range a tile, each starting once the LM head's tiles over it end, then one combine), not a
+# long stage on one processor (docs/experiments.md). At most ARGMAX_MAX_SPLITS ranges (one round).
 ARGMAX_RANGE = 1024
 ARGMAX_MAX_SPLITS = 128
 

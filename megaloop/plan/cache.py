@@ -6,9 +6,9 @@ the one plan files embed: ops, shapes, attributes, names), the planning settings
 version, megaloop's version and the source of the code that makes plans (frontend, parallel, plan):
 a change to the planner makes new entries rather than reusing stale ones. Entries are written
 atomically and carry a digest of their bytes; one that is unreadable or damaged is planned again
-and overwritten. They are pickles, not plan JSON: reading back an 8B model's prefill plan took 18 s
-from JSON (its schema checks and tiling re-derivation) against 1 s pickled; like the kernel cache,
-the folder holds what this user's megaloop wrote and runs.
+and overwritten. They are pickles, not plan JSON, which an 8B model's prefill plan reads back from
+many times slower (its schema checks and tiling re-derivation); like the kernel cache, the folder
+holds what this user's megaloop wrote and runs.
 
     plan, hit = load_or_make_plan(graph, processors=132, arch="sm_90")
 """

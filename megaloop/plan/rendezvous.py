@@ -27,8 +27,8 @@ from megaloop.errors import PlanError
 from megaloop.plan.memory import align
 from megaloop.plan.model import Plan, PlanOp, RankPlan, Task
 
-# Measured on 2 H200s (scripts/nvlink_probe.cu, one thread block a hop): 4 KB of data took 1.4 us in LL
-# lines and 2.7 us as stores + release + flag; 32 KB took 4.9 and 3.0 us. They cross near 8-12 KB.
+# Pushed tiles up to this size go as LL lines (data and flag in one store), larger ones as stores +
+# release + flag: the two cross near 8-12 KB on 2 H200s (scripts/nvlink_probe.cu, docs/experiments.md).
 LL_MAX_TILE_BYTES = 8192
 
 

@@ -9,12 +9,11 @@ order (the order of placement) that respects all same-iteration dependencies, so
 can arise.
 
 Why depth, not program order: in ``silu(x @ Wg) * (x @ Wu)`` the silu comes before the up projection
-in program order, so its tasks took the processors that the gate's last partial wave left free and
-waited there, and the up projection queued behind them (a 512-token prefill at hidden 4096 on an
-H200: the two 172-tile matmuls ran one after the other, 160 us each). By depth the two projections
-are level and go first. Why not by estimated readiness: that follows the cost model, and where the
-model is off (matmuls run at about half the math rate below) the order it gave interleaved ropes, cache
-updates and attention tiles badly: the same prefill took 856 us instead of 735 (commit 1818602).
+in program order, so its tasks would take the processors that the gate's last partial wave leaves free
+and wait there, the up projection queued behind them; by depth the two projections are level and go
+first. Why not by estimated readiness: that follows the cost model, and where the model is off
+(matmuls run at about half the math rate below) the order it gives interleaves ropes, cache updates
+and attention tiles badly (docs/experiments.md has the prefill measured both ways).
 
 The cost model is deliberately simple (megaloop.frontend.tiling.task_cost_ns): per task, a fixed
 overhead plus the larger of its memory time and its math time at a per-processor share of the chip's

@@ -433,8 +433,8 @@ class LoopKernel:
         t = self.rp.tensors[tensor_id]
         buf = self.rp.buffers[t.buffer]
         item = t.dtype.itemsize
-        if is_contiguous(t.shape, t.strides):  # its own bytes straight into the array returned (a
-            # prefill's 33 MB of logits were copied whole buffer first, then once more on the host)
+        if is_contiguous(t.shape, t.strides):  # its own bytes straight into the array returned (not
+            # the whole buffer, then once more on the host: a prefill's logits are 33 MB)
             raw = np.empty(math.prod(t.shape) * item, np.uint8)
             at = self.arena + buf.offset + t.offset * item
             _check(self._d.cuMemcpyDtoHAsync(raw, at, raw.nbytes, self._copies))
