@@ -181,7 +181,7 @@ def _rows(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 
 # Row ops stream each task's rows through a ring in shared memory that fills at the task's start and
 # drains at its end: fewer, longer tasks for big ops; 3-4 a processor measured best for rmsnorm and
-# softmax (docs/experiments.md, scripts/row_variants.py).
+# softmax (docs/experiments.md, "scripts/row_variants.py").
 ROW_WAVES = same(4)
 ROWS = _streaming(_rows, "blocks of whole rows along the normalised axis", ROW_WAVES)
 
