@@ -9,6 +9,8 @@
 # 2-4 ranks, TP MLP, TP2 Llama, a silent peer named) and the fault tests (cache corruption, a second
 # kernel, exit and collection, a killed compile, leaks over 100 kernels and 10,000 runs, memmap upload);
 # `all` and `tests` run them too, as a selection of their own (RUNTIME_TIMEOUT bounds it, 540 s).
+# `gpu_check.sh v2` runs loop kernel v2's open measurements: GPU generate/op/layer tests, decode_variants
+# (DECODE_VARIANTS), bench.generate for GENERATE_SHAPES ("1b 8b"; GENERATE_ARGS e.g. --skip-transformers).
 # `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE_SLOTS_DELAYS ...",
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
@@ -62,6 +64,17 @@ if [ "$what" = experiments ]; then  # the open tuning questions (docs/runtime.md
     echo "== generate1b ${options:-default} (traces in $OUT/generate1b-$n)" | tee -a "$OUT/gpu_check.log"
     PROFILE_OPTIONS="$options" OUT="$OUT/generate1b-$n" timeout "$bench_timeout" \
       python3 scripts/profile_cases.py generate1b 2>&1 | grep -v 'layers\.[1-9]' | tee -a "$OUT/gpu_check.log" || status=1
+  done
+fi
+if [ "$what" = v2 ]; then  # loop kernel v2's open measurements (docs/runtime.md), one call
+  # correctness first: the generator against transformers, the op table and the layers against the reference
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_generate.py tests/test_gpu.py -m gpu \
+    -k "generate or every_op or benchmark_layers" 2>&1 | tail -n 15 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default norms_inside default_again} 2>&1 \
+    | tee -a "$OUT/gpu_check.log" || status=1
+  for shape in ${GENERATE_SHAPES:-1b 8b}; do
+    timeout "$bench_timeout" python3 -m bench.generate --shape "$shape" ${GENERATE_ARGS:-} 2>&1 | tail -n 12 \
+      | tee -a "$OUT/gpu_check.log" || status=1
   done
 fi
 if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's design (docs/runtime.md)
