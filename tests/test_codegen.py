@@ -291,13 +291,21 @@ def test_wgmma_blocks_and_stages_fit_the_plan(rows: int, cols: int, want: tuple[
     a_, b_ = Operand(bf, (rows, 512), (512, 1)), Operand(bf, (cols, 512), (512, 1))
     attrs = {"transpose_a": False, "transpose_b": True}
     hints = {"tensor_cores": 1, "wgmma": 1, "arch": "sm_90", "tile": (rows, cols), "shared_memory": 227 * 1024}
+    hints["aligned"] = 1  # both operands on 16 bytes (the plan's offsets)
     bm, bn = want
     got = wgmma_config({**attrs, "codegen": {**hints, "warps": 4 * (bm // 64)}}, a_, b_)
     assert got is not None and got[0] == bn and got[1] == bm // 64
     assert got[2] == 4
     short = wgmma_config({**attrs, "codegen": {**hints, "warps": 8, "shared_memory": 120 * 1024}}, a_, b_)
     assert short is not None and short[2] * (128 + short[0]) * 128 + 1024 <= 112 * 1024 and short[2] >= 3
-    for off in ({"arch": "sm_80"}, {"wgmma": 0}, {"warps": 2}, {"tile": (32, cols)}, {"tile": (rows, 32)}):
+    for off in (
+        {"arch": "sm_80"},
+        {"wgmma": 0},
+        {"warps": 2},
+        {"tile": (32, cols)},
+        {"tile": (rows, 32)},
+        {"aligned": 0},
+    ):
         assert wgmma_config({**attrs, "codegen": {**hints, "warps": 8, **off}}, a_, b_) is None, off
 
 
@@ -483,8 +491,12 @@ def test_skinny_mma_warps_share_units_evenly_and_sum_every_part(warps: int) -> N
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_few_row_matmuls_take_the_warp_per_column_path_and_compile(dtype: str) -> None:
-    src = generate(make_plan(few_row_matmul_graph(dtype), processors=132)).source
-    assert src.count("a warp per column") >= 4, "every matmul of 2..16-row tiles has the few-row path"
+    """Tiles of 2..16 rows take the warp-per-column path, except 16-bit ones of 16 rows, which the plan
+    gives to tensor cores alone (one path a tile, picked from the plan's offsets and block)."""
+    src = generate(make_plan(few_row_matmul_graph(dtype), processors=132, options=NO_RING)).source
+    mma = 0 if dtype == "float32" else 1  # the 16-row product
+    assert src.count("a warp per column") == 5 - mma, src.count("a warp per column")
+    assert src.count("// tensor cores:") == mma
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
 
@@ -629,7 +641,7 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
     from megaloop.codegen.emit_matmul import MMA_MAX_FRAGMENTS, mma_config
 
     a, b = Operand(ml.bfloat16, (512, 1024), (1024, 1)), Operand(ml.bfloat16, (1024, 1024), (1024, 1))
-    hints = {"tensor_cores": 1, "tile": (128, 128), "warps": warps}
+    hints = {"tensor_cores": 1, "tile": (128, 128), "warps": warps, "aligned": 1}
     bm, bn, wm, wn = mma_config({"transpose_a": False, "transpose_b": True, "codegen": hints}, a, b)
     assert wm * wn == warps and (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS
 

@@ -39,8 +39,8 @@ def matmul(op: str, attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operan
     ring = ring_stream(attrs, a_, b_, out)
     if ring is not None:
         return body + _ring(attrs, a_, b_, out, ring)
-    if config:
-        body += _tensor_cores(attrs, a_, b_, out, config)
+    if config:  # picked by the plan (its offsets, its block): no other path in the tile
+        return body + _tensor_cores(attrs, a_, b_, out, config)
     return body + _simt(attrs, a_, b_, out)
 
 
@@ -125,7 +125,7 @@ def mma_config(attrs: dict[str, Any], a_: Operand, b_: Operand) -> tuple[int, in
     """(BM, BN, WM, WN) for the tensor-core path, or None when it does not apply. ``attrs["codegen"]``
     carries what the generator knows beyond the op: the tile switch, the largest tile and the warps."""
     hints = attrs.get("codegen", {})
-    if not hints.get("tensor_cores"):
+    if not hints.get("tensor_cores") or not hints.get("aligned"):  # (both operands on 16 bytes in the arena)
         return None
     ta, tb = attrs["transpose_a"], attrs["transpose_b"]
     a_k = a_.strides[-2] if ta else a_.strides[-1]
@@ -290,8 +290,9 @@ def _tensor_cores(
     batch = nd - 2
     abatch = broadcast_dims(batch, Operand(a_.dtype, a_.shape[:-2], a_.strides[:-2]), "o")
     bbatch = broadcast_dims(batch, Operand(b_.dtype, b_.shape[:-2], b_.strides[:-2]), "o")
+    assert threads == 32 * attrs["codegen"]["warps"], (threads, attrs["codegen"]["warps"])  # the whole block
     return [
-        f"if (ml::aligned(in0, 16) && ml::aligned(in1, 16) && blockDim.x == {threads}) {{  // {what}",
+        f"{{  // {what}",
         "    extern __shared__ float4 ml_smem4[];",
         f"    const int rows = t.hi[{nd - 2}] - t.lo[{nd - 2}], cols = t.hi[{nd - 1}] - t.lo[{nd - 1}];",
         f"    int o[{nd}];",
@@ -308,7 +309,6 @@ def _tensor_cores(
         "        for (; d >= 0; --d) { if (++o[d] < t.hi[d]) break; o[d] = t.lo[d]; }",
         "        if (d < 0) break;",
         "    }",
-        "    return;",
         "}",
     ]
 
