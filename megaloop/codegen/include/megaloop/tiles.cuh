@@ -3,3 +3,4 @@
 #include "megaloop/elementwise.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
+#include "megaloop/rows.cuh"
