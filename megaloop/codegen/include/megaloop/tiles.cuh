@@ -4,3 +4,4 @@
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
 #include "megaloop/rows.cuh"
+#include "megaloop/reduce.cuh"
