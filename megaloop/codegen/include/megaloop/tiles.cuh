@@ -3,5 +3,3 @@
 #include "megaloop/elementwise.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
-#include "megaloop/rows.cuh"
-#include "megaloop/reduce.cuh"
