@@ -223,6 +223,11 @@ def _ring(attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, ring: t
     return matvec_call(attrs, a_, b_, out, ring, f"ml::PlainRows<{a_.ctype}>{{in0 + ab, {{a_step}}}}")
 
 
+def matvec_rows(hints: dict[str, Any]) -> int:
+    """The rows a matrix-vector tile of the op holds at most: its widest tile's, up to RING_MAX_ROWS."""
+    return max(1, min(RING_MAX_ROWS, hints.get("tile", (1, 1))[0]))
+
+
 def matvec_call(
     attrs: dict[str, Any], a_: Operand, b_: Operand, out: Operand, ring: tuple[int, int, int] | None, rows: str
 ) -> list[str]:
@@ -235,7 +240,7 @@ def matvec_call(
     o_row, o_col = out.strides[-2:]
     pieces = (ring[0] if ring else a_.shape[-1] * a_.dtype.itemsize) // 16
     w_step = f["b_col"] * b_.dtype.itemsize
-    rows_max = max(1, min(RING_MAX_ROWS, attrs["codegen"].get("tile", (1, 1))[0]))
+    rows_max = matvec_rows(attrs["codegen"])
     store = f"[&](int r, int c, float v) {{ ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)c * {o_col}, v); }}"
     lines = [
         f"const ml::i64 ab = {f['ab']};",
@@ -429,8 +434,6 @@ def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dic
         "o_step": o_step,
         "what": what,
     }
-
-
 
 
 def _partial_bytes(attrs: dict[str, Any], warps: int) -> int:

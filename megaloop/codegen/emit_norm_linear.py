@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from megaloop.codegen.emit import Operand, float_literal, pointers
-from megaloop.codegen.emit_matmul import RING_MAX_ROWS, matvec_call, ring_stream
+from megaloop.codegen.emit_matmul import RING_MAX_ROWS, matvec_call, matvec_rows, ring_stream
 
 AS_MATMUL = {"transpose_a": False, "transpose_b": True}
 
@@ -27,7 +27,7 @@ def rmsnorm_linear(
         return body + _elements(attrs, x, res, w, g, out), 0, None
     ring = ring_stream(mm, x, w, out)
     pieces = x.shape[-1] * x.dtype.itemsize // 16
-    rows = max(1, min(RING_MAX_ROWS, hints["tile"][0]))
+    rows = matvec_rows(hints)
     r_ = len(out.shape) - 2
     residual = f"in3 + (ml::i64)t.lo[{r_}] * {res.strides[-2]}, {res.strides[-2]}" if res else "nullptr, 0"
     policy = (

@@ -1,8 +1,8 @@
 // megaloop/matvec.cuh: matrix-vector tiles that sum whole weight rows, a warp a row (a decode step's
 // products). A tile's few rows of A are a Rows policy: PlainRows as they are in memory, NormedRows
-// rmsnormed on the way in (rmsnorm_linear). The weight rows come from the weight ring (megaloop/ring.cuh) or from global
-// memory (direct_matvec). A column's sum is one warp's, its lanes taking every 32nd 16-byte piece, so
-// the result is the same bits every run.
+// rmsnormed on the way in (rmsnorm_linear). The weight rows come from the weight ring
+// (megaloop/ring.cuh) or from global memory (direct_matvec). A column's sum is one warp's, its lanes
+// taking every 32nd 16-byte piece, so the result is the same bits every run.
 #pragma once
 #include "megaloop/loop.cuh"
 #include "megaloop/vec.cuh"

@@ -139,12 +139,9 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
     const u64 base = k * (u64)n + (u64)t.ring_first;
-    if ((int)(base % RING_SLOTS) % warps != warp && (chunks < warps || warps > RING_SLOTS)) {
-        // (a warp with no chunk in this task: it has nothing to wait for or to read)
-        bool mine = false;
-        for (int j = 0; j < chunks; ++j) mine |= (int)((base + (u64)j) % RING_SLOTS) % warps == warp;
-        if (!mine) return;
-    }
+    bool mine = false;  // a warp with no chunk in this task has nothing to wait for or to read
+    for (int j = 0; j < chunks && !mine; ++j) mine = (int)((base + (u64)j) % RING_SLOTS) % warps == warp;
+    if (!mine) return;
     rows.prepare(nr, PIECES);  // (while the chunks may still be landing)
     for (int j = 0; j < chunks; ++j) {
         const u64 g = base + (u64)j;
@@ -166,10 +163,6 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
         }
     }
 }
-
-}  // namespace ml
-
-namespace ml {
 
 // The loop body's hooks (megaloop/loop_body.cuh) for a kernel with the ring.
 struct WeightRing {
