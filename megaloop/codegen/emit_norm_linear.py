@@ -1,5 +1,5 @@
-"""rmsnorm_linear's tiles (megaloop/frontend/ops/norm_linear.py): each warp norms its tile's rows into
-shared memory and sums whole weight rows against them (ml::NormedRows, megaloop/matvec.cuh), the weights
+"""rmsnorm_linear's tiles (megaloop/frontend/ops/norm_linear.py): the block norms its tile's rows into
+shared memory once and its warps sum whole weight rows against them (ml::NormedRows, megaloop/matvec.cuh), the weights
 from the weight ring where the kernel has one, else from global memory; any other layout takes the
 element-by-element path (ml::norm_linear_elements)."""
 
@@ -35,11 +35,12 @@ def rmsnorm_linear(
         f"{residual}, in2, {float_literal(attrs['eps'])}, stage}}"
     )
     stage = [
-        "extern __shared__ float4 ml_smem4[];  // each warp's normed rows",
+        "extern __shared__ float4 ml_smem4[];  // the tile's normed rows",
         f"ml::Pack<{x.ctype}, {16 // x.dtype.itemsize}>* stage = reinterpret_cast<ml::Pack<{x.ctype}, "
         f"{16 // x.dtype.itemsize}>*>(ml_smem4);",
     ]
-    return body + stage + matvec_call(mm, x, w, out, ring, policy), hints["warps"] * rows * pieces * 16, ring
+    shared = rows * pieces * 16 + -(-rows * hints["warps"] * 4 // 16) * 16  # the rows, then the warps' sums
+    return body + stage + matvec_call(mm, x, w, out, ring, policy), shared, ring
 
 
 def _packed(hints: dict[str, Any], x: Operand, w: Operand, g: Operand, res: Operand | None, out: Operand) -> bool:

@@ -19,11 +19,13 @@ struct PlainRows {
 };
 
 // As the rmsnorm op stores them: x (or x + residual, rounded to T as an add stores it) times
-// 1 / sqrt(mean(x^2) + eps), times the weight, rounded to T. Each warp norms the rows itself into its
-// own `stage` of shared memory (ROWS x PIECES packs), so the columns read them from there, no barrier.
+// 1 / sqrt(mean(x^2) + eps), times the weight, rounded to T. The block norms the tile's rows once into
+// `stage` (ROWS x PIECES packs, then ROWS x warps floats), each thread's loads issued together.
 template <class T, int PIECES, int ROWS, bool RESIDUAL>
 struct NormedRows {
     static constexpr int N = 16 / sizeof(T);
+    // a thread's pieces of a row in one run of loads where the block has at least 256 threads
+    static constexpr int B = (PIECES + 255) / 256 < 4 ? (PIECES + 255) / 256 : 4;
     const T* x;
     i64 step;
     const T* residual;
@@ -37,42 +39,52 @@ struct NormedRows {
         if constexpr (RESIDUAL) return add_rounded(v, load_pack<T, N>(residual + row * residual_step + N * i));
         return v;
     }
-    // The whole warp, before any piece: a lane's pieces in runs of B, each run's loads (x, residual,
-    // weight) issued together, so a row of up to 32 B pieces costs one trip to L2, not one a piece.
+    // The whole block, before any piece: the raw rows and their sums of squares, a barrier, the scaling.
     __device__ __forceinline__ void prepare(int nr, int) {
-        constexpr int PER = (PIECES + 31) / 32, B = PER < 8 ? PER : 8;
-        const int lane = threadIdx.x & 31;
-        stage += (threadIdx.x >> 5) * ROWS * PIECES;
+        const int threads = blockDim.x, tid = threadIdx.x, warps = threads >> 5;
+        float* sums = reinterpret_cast<float*>(stage + ROWS * PIECES);
+        Pack<T, N> g[B];
         for (int row = 0; row < nr; ++row) {
             float q = 0.0f;
-            Pack<T, N> v[B], g[B];
-            for (int u0 = 0; u0 < PER; u0 += B) {
-#pragma unroll
-                for (int u = 0; u < B; ++u) v[u] = raw(row, min(lane + 32 * (u0 + u), PIECES - 1));
-#pragma unroll
-                for (int u = 0; u < B; ++u)
-#pragma unroll
-                    for (int e = 0; e < N; ++e) q += lane + 32 * (u0 + u) < PIECES ? get(v[u], e) * get(v[u], e) : 0.0f;
-            }
-            const float inv = 1.0f / sqrtf(warp_sum(q) / (float)(N * PIECES) + eps);
-            for (int u0 = 0; u0 < PER; u0 += B) {
+            for (int u0 = 0; u0 * threads < PIECES; u0 += B) {
+                Pack<T, N> v[B];
 #pragma unroll
                 for (int u = 0; u < B; ++u) {
-                    const int i = min(lane + 32 * (u0 + u), PIECES - 1);
-                    g[u] = load_pack<T, N>(weight + N * i);
-                    if (PER > B) v[u] = raw(row, i);  // (one run: still held from the sums)
+                    const int i = min(tid + threads * (u0 + u), PIECES - 1);
+                    v[u] = raw(row, i);
+                    if (row == 0 && u0 == 0) g[u] = load_pack<T, N>(weight + N * i);
                 }
 #pragma unroll
                 for (int u = 0; u < B; ++u) {
-                    const int i = lane + 32 * (u0 + u);
-                    Pack<T, N> y;
+                    const int i = tid + threads * (u0 + u);
+                    if (i >= PIECES) break;
+                    stage[row * PIECES + i] = v[u];
 #pragma unroll
-                    for (int e = 0; e < N; ++e) set(y, e, get(v[u], e) * inv * get(g[u], e));
-                    if (i < PIECES) stage[row * PIECES + i] = y;
+                    for (int e = 0; e < N; ++e) q += get(v[u], e) * get(v[u], e);
+                }
+            }
+            q = warp_sum(q);
+            if ((tid & 31) == 0) sums[row * warps + (tid >> 5)] = q;
+        }
+        __syncthreads();
+        for (int row = 0; row < nr; ++row) {
+            float q = 0.0f;
+            for (int w = 0; w < warps; ++w) q += sums[row * warps + w];
+            const float inv = 1.0f / sqrtf(q / (float)(N * PIECES) + eps);
+            for (int u0 = 0; u0 * threads < PIECES; u0 += B) {
+#pragma unroll
+                for (int u = 0; u < B; ++u) {
+                    const int i = tid + threads * (u0 + u);
+                    if (i >= PIECES) break;
+                    const Pack<T, N> gv = u0 == 0 ? g[u] : load_pack<T, N>(weight + N * i);
+                    Pack<T, N> y = stage[row * PIECES + i];
+#pragma unroll
+                    for (int e = 0; e < N; ++e) set(y, e, get(y, e) * inv * get(gv, e));
+                    stage[row * PIECES + i] = y;
                 }
             }
         }
-        __syncwarp();
+        __syncthreads();
     }
     __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return stage[row * PIECES + i]; }
 };
@@ -119,8 +131,8 @@ template <class T, int PIECES, int ROWS, class Rows, class Store>
 __device__ __forceinline__ void direct_matvec(int cols, int per_run, const unsigned char* w, i64 w_step, Rows rows,
                                               int nr, Store store) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    rows.prepare(nr, PIECES);  // (the whole block: it may hold barriers)
     if (warp * per_run >= cols) return;
-    rows.prepare(nr, PIECES);
     for (int c0 = warp * per_run; c0 < cols; c0 += warps * per_run)
         warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, min(per_run, cols - c0), rows, nr, store);
 }

@@ -139,10 +139,10 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
     const u64 base = k * (u64)n + (u64)t.ring_first;
+    rows.prepare(nr, PIECES);  // the whole block (it may hold barriers), while the chunks may still land
     bool mine = false;  // a warp with no chunk in this task has nothing to wait for or to read
     for (int j = 0; j < chunks && !mine; ++j) mine = (int)((base + (u64)j) % RING_SLOTS) % warps == warp;
     if (!mine) return;
-    rows.prepare(nr, PIECES);  // (while the chunks may still be landing)
     for (int j = 0; j < chunks; ++j) {
         const u64 g = base + (u64)j;
         const int slot = (int)(g % RING_SLOTS);
