@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench.common import resident_seconds, time_torch, write
 from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
-from megaloop.models.llama import auto_kv_splits
+from megaloop.models.llama import Fusions, auto_kv_splits
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -136,12 +136,26 @@ def transformers_side(cfg, params: dict) -> dict:
 SHAPES = {"1b": ("llama3.2-1b", "generate"), "8b": ("llama3-8b", "generate_8b")}  # preset, result name
 
 
+def _greedy(plan, params: dict, start: dict) -> tuple[float, np.ndarray]:
+    """Seconds for NEW greedy tokens from ``start`` (after one warm-up step), and the tokens."""
+    with LoopKernel(plan, params, start) as k:
+        k.run(iterations=1)
+        k.set_state(start)
+        t0 = time.perf_counter()
+        k.run(iterations=NEW)
+        seconds = time.perf_counter() - t0
+        return seconds, k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
+    ap.add_argument("--fusions", default="", help="the generator's Fusions, e.g. norms,swiglu (default: none)")
+    ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
     args = ap.parse_args()
+    fusions = Fusions.parse(args.fusions)
     options = KernelOptions(**json.loads(args.options))
     preset, name = SHAPES[args.shape]
     base = PRESETS[preset]
@@ -151,15 +165,18 @@ def main() -> None:
     prompt = rng.integers(0, cfg.vocab, (1, PROMPT))
     results: dict = {"model": f"{preset} shape, random weights, bf16", "prompt": PROMPT, "new_tokens": NEW}
     results["options"] = dataclasses.asdict(options)
+    results["fusions"] = dataclasses.asdict(fusions)
 
     results.update(torch_side(cfg, params))
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    gen_plan = make_plan(build_llama_generator(cfg, 1, kv_splits=_splits()), processors=132, options=options)
+    gen_plan = make_plan(
+        build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions), processors=132, options=options
+    )
     results["plan_s"] = time.perf_counter() - t0
-    sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True)
+    sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True, fusions=fusions)
     sampling_plan = make_plan(sampling, processors=132, options=options)
     with LoopKernel(prefill_plan, params) as k:
         feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
@@ -171,13 +188,13 @@ def main() -> None:
         results["loop_prefill_ms"] = resident_seconds(k, 1) * 1e3
         state = k.state()
     start = {**state, "token": logits[:, -1].astype(np.float32).argmax(-1)[:, None], "position": np.array([[PROMPT]])}
-    with LoopKernel(gen_plan, params, start) as k:
-        k.run(iterations=1)
-        k.set_state(start)
-        t0 = time.perf_counter()
-        k.run(iterations=NEW)
-        seconds = time.perf_counter() - t0
-        tokens = k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
+    seconds, tokens = _greedy(gen_plan, params, start)
+    for text in args.compare:  # the same greedy generation with other Fusions, in this run
+        graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=Fusions.parse(text))
+        plan = make_plan(graph, processors=132, options=options)
+        s, toks = _greedy(plan, params, start)
+        results.setdefault("compare", {})[text] = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
+        print(text, results["compare"][text], flush=True)
     with LoopKernel(sampling_plan, params, start) as k:
         for variant, values in SAMPLING.items():
             dtypes = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32}

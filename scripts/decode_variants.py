@@ -17,6 +17,7 @@ import numpy as np
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
+from megaloop.models.llama import Fusions
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -38,8 +39,11 @@ VARIANTS = {
     "no_ring": {"options": {"weight_ring_slots": 0}},
     "ring16": {"options": {"weight_ring_slots": 16}},
     "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
-    # the layer's norms inside its projections (rmsnorm_linear tiles norming their own rows)
-    "norms_inside": {"norms_inside": True},
+    # small ops made by the projections' tiles (megaloop.models.llama.Fusions): the norms (rmsnorm_linear
+    # tiles norming their own rows), silu(gate) * up in the gate/up tiles' epilogue (swiglu_linear), both
+    "norms_inside": {"fusions": "norms"},
+    "swiglu": {"fusions": "swiglu"},
+    "fused": {"fusions": "norms,swiglu"},
     "default_again": {},
 }
 
@@ -52,7 +56,7 @@ def step_us(hidden: int, variant: dict) -> float:
     params = random_parameters(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
     options = KernelOptions(**variant.get("options", {}))
-    graph = dependent_decode_graph(cfg, x, "auto", variant.get("norms_inside", False))
+    graph = dependent_decode_graph(cfg, x, "auto", Fusions.parse(variant.get("fusions", "")))
     plan = make_plan(graph, processors=132, tiles=tiles, options=options)
     with LoopKernel(plan, params) as k:
         k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)

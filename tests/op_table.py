@@ -674,6 +674,43 @@ row(
 )
 
 
+# swiglu_linear: silu(h @ gate.T) * (h @ up.T), each product rounded to the dtype, h = x or its
+# rmsnorm (with a residual); the same decode-shaped and any-shape samples as rmsnorm_linear.
+def _swiglu_sample(norm: bool) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        s = _norm_linear_sample(norm)(rng)
+        x, w = s.shapes[:2]
+        return Sample([x, w, w] + ([(x[-1],), x] if norm else []), s.kw)
+
+    return sample
+
+
+def _swiglu_ref(h: Any, gw: Any, uw: Any, dtype: str) -> Any:
+    return F.silu(rnd(F.linear(h, gw), dtype)) * rnd(F.linear(h, uw), dtype)
+
+
+row(
+    "swiglu_linear",
+    "plain",
+    lambda g, x, gw, uw, k: ml.swiglu_linear(x, gw, uw),
+    lambda x, gw, uw, dtype, k, **kw: _swiglu_ref(x, gw, uw, dtype),
+    _swiglu_sample(False),
+    reduce_len=lambda s: s.kw["k"],
+    cancels=True,
+)
+row(
+    "swiglu_linear",
+    "normed",
+    lambda g, x, gw, uw, nw, r, k: ml.swiglu_linear(x, gw, uw, norm_weight=nw, eps=1e-5, residual=r),
+    lambda x, gw, uw, nw, r, dtype, k, **kw: _swiglu_ref(
+        rnd(F.rms_norm(rnd(x + r, dtype), x.shape[-1:], nw, eps=1e-5), dtype), gw, uw, dtype
+    ),
+    _swiglu_sample(True),
+    reduce_len=lambda s: s.kw["k"],
+    cancels=True,
+)
+
+
 # ---- embedding / rope --------------------------------------------------------------------------------
 
 

@@ -95,7 +95,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     options = plan.options
     ring_bytes = options.weight_ring_slot_bytes if options.weight_ring_slots and plan.arch == "sm_90" else 0
     lowered = _lower(plan, rank, pushed, ring_bytes)
-    rings = {op: low.ring for op, low in enumerate(lowered) if low.ring is not None}
+    rings = {op: low.ring for op, low in enumerate(lowered) if low.ring}
     shared = max((low.shared_bytes for low in lowered), default=0)
     ring_layout = None
     if rings:
@@ -228,7 +228,7 @@ def _lower(plan: Plan, rank: int, pushed: dict, ring_bytes: int) -> list[Lowered
 
 
 def _ring_chunks(
-    rp: RankPlan, processors: int, tasks: np.ndarray, offsets: np.ndarray, rings: dict[int, RingStream]
+    rp: RankPlan, processors: int, tasks: np.ndarray, offsets: np.ndarray, rings: dict[int, tuple[RingStream, ...]]
 ) -> tuple[np.ndarray, np.ndarray]:
     """The weight ring's copies (megaloop/ring.cuh): each processor's ring tiles in list order, each
     tile's rows (its box's columns) in chunks of ``per_chunk``; sets each ring tile's ``ring_first``."""
@@ -237,15 +237,17 @@ def _ring_chunks(
     for p in range(processors):
         first = len(chunks)
         for tid in rp.processors[p] if p < len(rp.processors) else []:
-            ring = rings.get(int(tasks[tid]["op"]))
-            if ring is None:
+            streams = rings.get(int(tasks[tid]["op"]))
+            if not streams:
                 continue
             box = rp.tasks[tid].writes[0].box
             lo, hi = box.lo[-1], box.hi[-1]
             tasks[tid]["ring_first"] = len(chunks) - first
-            base = int(offsets[tasks[tid]["op"], ring.operand]) + lo * ring.stride
-            for c in range(lo, hi, ring.per_chunk):
-                chunks.append((base + (c - lo) * ring.stride, ring.stride, min(ring.per_chunk, hi - c), ring.row_bytes))
+            for ring in streams:  # (a tile of two weights: all of the first's chunks, then the second's)
+                base = int(offsets[tasks[tid]["op"], ring.operand]) + lo * ring.stride
+                for c in range(lo, hi, ring.per_chunk):
+                    rows = min(ring.per_chunk, hi - c)
+                    chunks.append((base + (c - lo) * ring.stride, ring.stride, rows, ring.row_bytes))
         begin[p + 1] = len(chunks)
     return np.array(chunks, RING_CHUNK_DTYPE), begin
 

@@ -19,6 +19,7 @@ from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_strea
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
+from megaloop.codegen.emit_swiglu import swiglu_linear
 from megaloop.codegen.exchange import all_reduce_push
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.opdef import OpDef
@@ -62,7 +63,7 @@ class Lowered:
     body: list[str]
     shared_bytes: int = 0
     slots: list[tuple[int, int]] | None = None
-    ring: RingStream | None = None
+    ring: tuple[RingStream, ...] = ()  # the weight rows its tiles stream, in the order they read them
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,21 @@ def _matmul(call: TileCall) -> Lowered:
     attrs = _with(call, _matmul_hints(call))
     body = matmul(call.op.op, attrs, call.ins[0], call.ins[1], call.outs[0])
     ring = ring_stream(attrs, call.ins[0], call.ins[1], call.outs[0])
-    stream = RingStream(1, *ring) if ring else None
+    stream = (RingStream(1, *ring),) if ring else ()
     return Lowered(body, 0 if ring else matmul_shared_bytes(attrs, call.ins, call.outs[0]), ring=stream)
 
 
 def _rmsnorm_linear(call: TileCall) -> Lowered:
     body, shared, ring = rmsnorm_linear(_with(call, _matmul_hints(call, len(call.ins))), call.ins, call.outs[0])
-    return Lowered(body, shared, ring=RingStream(1, *ring) if ring else None)
+    return Lowered(body, shared, ring=(RingStream(1, *ring),) if ring else ())
+
+
+def _swiglu_linear(call: TileCall) -> Lowered:
+    hints = _matmul_hints(call, len(call.ins))
+    rp = call.plan.ranks[call.rank]
+    hints["b_parameter"] = all(rp.is_parameter(t) for t in call.op.inputs[1:3])  # gate and up
+    body, shared, rings = swiglu_linear(_with(call, hints), call.ins, call.outs[0])
+    return Lowered(body, shared, ring=tuple(RingStream(slot, *r) for slot, r in zip((1, 2), rings)))
 
 
 def _arena_offset(plan: Plan, rank: int, tid: int) -> int:
@@ -234,6 +243,7 @@ TEMPLATES: dict[str, Template] = {
     "rows": _rows,
     "matmul": _matmul,
     "rmsnorm_linear": _rmsnorm_linear,
+    "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),

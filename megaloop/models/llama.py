@@ -10,8 +10,8 @@ already in the cache (prefill when tokens > 1, decode when tokens == 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -159,12 +159,61 @@ def auto_kv_splits(cfg: LlamaConfig, batch: int, tokens: int) -> int | None:
     return splits if splits > 1 else None
 
 
-Projection = Callable[[Tensor], Tensor]  # weight [out, in] -> the block's input (normed) times weight.T
+@dataclass(frozen=True)
+class Fusions:
+    """Which small ops of a decode step (a few rows a sequence) the projections' tiles make themselves,
+    so that they are no stage of their own: ``norms``, each rmsnorm inside the projections that follow
+    it (rmsnorm_linear, swiglu_linear); ``swiglu``, silu(gate) * up in the gate and up projections'
+    epilogue (swiglu_linear). Measured: docs/runtime.md ("Step 2")."""
+
+    norms: bool = False
+    swiglu: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Fusions:
+        """"norms,swiglu", "swiglu", "none" or ""."""
+        names = {n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"}
+        unknown = names - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"fusions: unknown {sorted(unknown)}; known: norms, swiglu (comma-separated) or none")
+        return cls(**{n: True for n in names})
+
+
+NO_FUSIONS = Fusions()  # every small op a stage of its own
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A block's input as its projections take it: ``x`` as it is (already normed), or, with ``norm``
+    (weight, residual, eps), the rmsnorm that the projections' tiles make themselves."""
+
+    x: Tensor
+    norm: tuple[Tensor, Tensor | None, float] | None = None
+
+    def __call__(self, w: Tensor) -> Tensor:
+        if self.norm is None:
+            return ops.linear(self.x, w)
+        weight, residual, eps = self.norm
+        return ops.rmsnorm_linear(self.x, w, weight, eps=eps, residual=residual)
+
+    def swiglu(self, gate: Tensor, up: Tensor, fused: bool) -> Tensor:
+        """silu(h @ gate.T) * (h @ up.T): in the projections' tiles where ``fused`` and few rows."""
+        if fused and few_rows(self.x):
+            if self.norm is None:
+                return ops.swiglu_linear(self.x, gate, up)
+            weight, residual, eps = self.norm
+            return ops.swiglu_linear(self.x, gate, up, norm_weight=weight, eps=eps, residual=residual)
+        return ops.silu_mul(self(gate), self(up))
+
+
+def few_rows(x: Tensor) -> bool:
+    """One sequence of at most NORMED_ROWS rows (a decode step): what a tile norming its rows takes."""
+    return math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS
 
 
 def projection(x: Tensor | Projection) -> Projection:
-    """A block's input as the function that projects it: linear(x, weight) for a tensor."""
-    return x if callable(x) else (lambda w: ops.linear(x, w))
+    """A block's input as the object that projects it."""
+    return x if isinstance(x, Projection) else Projection(x)
 
 
 def normed_projection(
@@ -172,11 +221,10 @@ def normed_projection(
 ) -> Projection:
     """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once,
     then the projections of its output; ``inside``: each projection's tiles norm the rows themselves
-    (rmsnorm_linear: no norm stage), where one sequence has at most NORMED_ROWS rows (a decode step).
-    Measured slower so far (docs/experiments.md), so the builders keep the norm apart."""
-    if inside and math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS:
-        return lambda w: ops.rmsnorm_linear(x, w, norm_weight, eps=cfg.rms_eps, residual=residual)
-    return projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
+    (no norm stage), where few_rows(x) (a decode step)."""
+    if inside and few_rows(x):
+        return Projection(x, (norm_weight, residual, cfg.rms_eps))
+    return Projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
 
 
 def attention_block(
@@ -223,21 +271,20 @@ def attention_block(
     return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
-def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int) -> Tensor:
-    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input."""
+def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int, fused_swiglu: bool = False) -> Tensor:
+    """``x`` [batch, tokens, hidden], or the Projection of the block's (normed) input; ``fused_swiglu``:
+    silu(gate) * up made by the gate and up tiles (swiglu_linear) where the rows are few."""
     project = projection(x)
     p = f"model.layers.{layer}.mlp."
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
     gate, up, down = w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"]
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
     # dtype before the product, so results differ by that rounding). The gate and up projections share
-    # the processors (matmul tile switch share), so they end together and the one op is a stage fewer
-    # than silu and mul apart, in decode and prefill alike (docs/experiments.md).
-    g_, u_ = project(gate), project(up)
+    # the processors (matmul tile switch share), so they end together (docs/experiments.md).
     if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
-        g_, u_ = g_ + w["gate_proj.bias"], u_ + w["up_proj.bias"]
+        g_, u_ = project(gate) + w["gate_proj.bias"], project(up) + w["up_proj.bias"]
         return ops.linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"])
-    return ops.linear(ops.silu_mul(g_, u_), down)
+    return ops.linear(project.swiglu(gate, up, fused_swiglu), down)
 
 
 def decoder_layer(
@@ -256,14 +303,14 @@ def decoder_layer_parts(
     positions: Tensor,
     layer: int,
     kv_splits: int | str | None = "auto",
-    norms_inside: bool = False,
+    fusions: Fusions = NO_FUSIONS,
 ) -> tuple[Tensor, Tensor]:
     """The layer on the residual stream ``x + update`` (``x`` alone when ``update`` is None), returned
     the same way: ``(h, mlp)`` whose sum is the layer's output. Each norm takes the stream's last
     update as its ``residual`` (the same values as norming the sum: rmsnorm rounds x + residual as the
     add does), so it starts without waiting for the add, which runs beside it for the next residual
     only: on a decode step one task and one dependency fewer on the critical path, twice a layer.
-    ``norms_inside``: the norms inside the projections (normed_projection)."""
+    ``fusions``: the small ops its projections' tiles make themselves on a decode step (Fusions)."""
     p = f"model.layers.{layer}."
     stream = x
     if update is not None:  # the previous layer's output, summed where a profile looks for it
@@ -273,12 +320,12 @@ def decoder_layer_parts(
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            project = normed_projection(cfg, x, ln1, update, norms_inside)
+            project = normed_projection(cfg, x, ln1, update, fusions.norms)
             attn = attention_block(g, cfg, project, positions, layer, kv_splits)
             h = stream + attn
         with g.scope("mlp"):
-            project = normed_projection(cfg, attn, ln2, stream, norms_inside)
-            return h, mlp_block(g, cfg, project, layer)
+            project = normed_projection(cfg, attn, ln2, stream, fusions.norms)
+            return h, mlp_block(g, cfg, project, layer, fusions.swiglu)
 
 
 def _require_config(cfg: Any, who: str) -> None:
@@ -287,7 +334,13 @@ def _require_config(cfg: Any, who: str) -> None:
 
 
 def build_llama(
-    cfg: LlamaConfig, batch: int, tokens: int, name: str = "llama", *, kv_splits: int | str | None = "auto"
+    cfg: LlamaConfig,
+    batch: int,
+    tokens: int,
+    name: str = "llama",
+    *,
+    kv_splits: int | str | None = "auto",
+    fusions: Fusions = NO_FUSIONS,
 ) -> Graph:
     """One step of the model for ``tokens`` new tokens per sequence. ``kv_splits`` splits each
     attention's cache into that many key ranges computed by separate tiles (decode over a long cache);
@@ -295,7 +348,8 @@ def build_llama(
 
     Inputs: ``positions`` int64 [batch, tokens] (where the new tokens go in the cache) and either
     ``tokens`` int64 [batch, tokens] (when cfg.vocab is set) or ``hidden`` [batch, tokens, hidden].
-    Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``.
+    Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``. ``fusions``: the
+    small ops of a decode step that the projections' tiles make (Fusions; the same values either way).
     """
     _require_config(cfg, "build_llama")
     batch = as_int(batch, "build_llama: batch", minimum=1)
@@ -308,7 +362,7 @@ def build_llama(
         x = g.input("tokens", (batch, tokens), "int64")
     else:
         x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
-    out = _model(g, cfg, x, positions, kv_splits)
+    out = _model(g, cfg, x, positions, kv_splits, fusions)
     g.output("hidden" if cfg.vocab is None else "logits", out)
     return g
 
@@ -361,6 +415,7 @@ def build_llama_generator(
     argmax_splits: int | str | None = "auto",
     sampling: bool = False,
     eos_ids: Sequence[int] = (),
+    fusions: Fusions = NO_FUSIONS,
 ) -> Graph:
     """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
@@ -403,7 +458,7 @@ def build_llama_generator(
     kept = ops.where(active, 0, token)
     written = ops.where(active, position, -1)  # a finished sequence writes nothing
     ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), written, ignore_negative=True)
-    logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits)
+    logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits, fusions)
     if argmax_splits == "auto":
         argmax_splits = auto_argmax_splits(cfg)
     if sampling:
@@ -416,14 +471,16 @@ def build_llama_generator(
     return g
 
 
-def _model(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None) -> Tensor:
+def _model(
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions
+) -> Tensor:
     """Embedding (when ``x`` holds token ids), the decoder layers, the final norm and the LM head."""
-    x, update = _decoder(g, cfg, x, positions, kv_splits)
-    return _head(g, cfg, x, update)
+    x, update = _decoder(g, cfg, x, positions, kv_splits, fusions)
+    return _head(g, cfg, x, update, fusions)
 
 
 def _decoder(
-    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions = NO_FUSIONS
 ) -> tuple[Tensor, Tensor | None]:
     """Embedding (when ``x`` holds token ids) and the decoder layers: the residual stream as
     ``(x, update)``, whose sum it is (decoder_layer_parts)."""
@@ -431,16 +488,16 @@ def _decoder(
         x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), x)
     update = None
     for layer in range(cfg.layers):
-        x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits)
+        x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits, fusions)
     return x, update
 
 
-def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tensor:
+def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None, fusions: Fusions = NO_FUSIONS) -> Tensor:
     """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
     norm = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
     if cfg.vocab is None:
         return ops.rmsnorm(x, norm, eps=cfg.rms_eps, residual=update)
-    project = normed_projection(cfg, x, norm, update)
+    project = normed_projection(cfg, x, norm, update, fusions.norms)
     if cfg.tie_word_embeddings:
         return project(g.parameters["model.embed_tokens.weight"])
     return project(g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))

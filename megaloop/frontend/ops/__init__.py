@@ -45,6 +45,7 @@ from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
+from megaloop.frontend.ops.swiglu import swiglu_linear
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
 from megaloop.frontend.tensor import Tensor as _Tensor
 
@@ -89,6 +90,7 @@ __all__ = [
     "split",
     "squeeze",
     "sum",
+    "swiglu_linear",
     "transpose",
     "unsqueeze",
 ]

@@ -125,16 +125,22 @@ __device__ __forceinline__ void warp_columns(const unsigned char* w, i64 w_step,
     }
 }
 
-// A tile of nr <= ROWS rows times `cols` weight rows read from global memory (`w`, `w_step` bytes
-// apart, 16-byte aligned), in runs of `per_run` columns dealt to the warps in turn.
+// `cols` weight rows read from global memory (`w`, `w_step` bytes apart, 16-byte aligned) against
+// the tile's nr <= ROWS prepared rows, in runs of `per_run` columns dealt to the warps in turn.
+template <class T, int PIECES, int ROWS, class Rows, class Store>
+__device__ __forceinline__ void direct_columns(int cols, int per_run, const unsigned char* w, i64 w_step,
+                                               const Rows& rows, int nr, Store store) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    for (int c0 = warp * per_run; c0 < cols; c0 += warps * per_run)
+        warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, min(per_run, cols - c0), rows, nr, store);
+}
+
+// The same, the rows prepared by the whole block first (a Rows policy may hold barriers).
 template <class T, int PIECES, int ROWS, class Rows, class Store>
 __device__ __forceinline__ void direct_matvec(int cols, int per_run, const unsigned char* w, i64 w_step, Rows rows,
                                               int nr, Store store) {
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-    rows.prepare(nr, PIECES);  // (the whole block: it may hold barriers)
-    if (warp * per_run >= cols) return;
-    for (int c0 = warp * per_run; c0 < cols; c0 += warps * per_run)
-        warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, min(per_run, cols - c0), rows, nr, store);
+    rows.prepare(nr, PIECES);
+    direct_columns<T, PIECES, ROWS>(cols, per_run, w, w_step, rows, nr, store);
 }
 
 }  // namespace ml
@@ -146,6 +152,14 @@ __device__ __forceinline__ float rounded(float v) {
     T s;
     store(&s, v);
     return load(&s);
+}
+
+// swiglu_linear's epilogue, the whole block after a barrier: silu(gate) * up of the tile's nr x cols
+// sums in shared memory, each rounded to T first as the two products would be stored, then stored.
+template <class T, class Store>
+__device__ __forceinline__ void silu_mul_sums(const float* gate, const float* up, int nr, int cols, Store store) {
+    for (int e = threadIdx.x; e < nr * cols; e += blockDim.x)
+        store(e / cols, e % cols, silu(rounded<T>(gate[e])) * rounded<T>(up[e]));
 }
 
 // rmsnorm_linear on any layout: a warp an output element (row, column) of the tile's `rows` x `cols`,
@@ -163,6 +177,33 @@ __device__ __forceinline__ void norm_linear_elements(int rows, int cols, int k, 
         for (int i = lane; i < k; i += 32) s += rounded<T>(x(row, i) * inv * g(i)) * w(col, i);
         s = warp_sum(s);
         if (lane == 0) store(row, col, s);
+    }
+}
+
+// swiglu_linear on any layout: a warp an output element (row, column), its row's scale (NORM) taken
+// again for each. x(row, i) (the residual already added and rounded), g(i): the norm's weight,
+// gate(column, i), up(column, i): element loads; store(row, column, value).
+template <class T, bool NORM, class X, class G, class W, class U, class Store>
+__device__ __forceinline__ void swiglu_elements(int rows, int cols, int k, float eps, X x, G g, W gate, U up,
+                                                Store store) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int e = warp; e < rows * cols; e += warps) {
+        const int row = e / cols, col = e % cols;
+        float inv = 1.0f;
+        if constexpr (NORM) {
+            float q = 0.0f;
+            for (int i = lane; i < k; i += 32) q += x(row, i) * x(row, i);
+            inv = 1.0f / sqrtf(warp_sum(q) / (float)k + eps);
+        }
+        float sg = 0.0f, su = 0.0f;
+        for (int i = lane; i < k; i += 32) {
+            const float a = NORM ? rounded<T>(x(row, i) * inv * g(i)) : x(row, i);
+            sg += a * gate(col, i);
+            su += a * up(col, i);
+        }
+        sg = warp_sum(sg);
+        su = warp_sum(su);
+        if (lane == 0) store(row, col, silu(rounded<T>(sg)) * rounded<T>(su));
     }
 }
 

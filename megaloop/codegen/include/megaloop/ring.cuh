@@ -127,27 +127,23 @@ __device__ __forceinline__ void ring_drain(const Args& a, u64 k, int proc) {
         if (r.pending[s] >= 0 && !ring_wait(a, s, r.pending[s], k, proc, -1)) return;
 }
 
-// A tile of nr <= ROWS rows of A (a Rows policy, megaloop/matvec.cuh) times `cols` weight rows (its
-// output columns) taken from the ring: chunk j of the task's holds `per_chunk` of them (the last fewer),
-// each a whole row of PIECES 16-byte pieces; `w`, `w_step`: the same rows in global memory, which the
-// tile reads instead where the kernel has no bulk copies (before sm_90). store(row, column, value).
+// `cols` weight rows (a tile's output columns) against its nr <= ROWS prepared rows of A (a Rows
+// policy, megaloop/matvec.cuh), taken from the ring: the task's chunks first .. (per_chunk rows each,
+// the last fewer), each row PIECES 16-byte pieces; `w`, `w_step`: the same rows in global memory,
+// read instead where the kernel has no bulk copies (before sm_90). store(row, column, value).
 template <class T, int PIECES, int ROWS, class Rows, class Store>
-__device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int tid, u64 k, int proc, int cols,
-                                            int per_chunk, const unsigned char* w, i64 w_step, Rows rows, int nr,
-                                            Store store) {
+__device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int tid, u64 k, int proc, int first,
+                                             int cols, int per_chunk, const unsigned char* w, i64 w_step,
+                                             const Rows& rows, int nr, Store store) {
     const Ring r = ring();
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
-    const u64 base = k * (u64)n + (u64)t.ring_first;
-    rows.prepare(nr, PIECES);  // the whole block (it may hold barriers), while the chunks may still land
-    bool mine = false;  // a warp with no chunk in this task has nothing to wait for or to read
-    for (int j = 0; j < chunks && !mine; ++j) mine = (int)((base + (u64)j) % RING_SLOTS) % warps == warp;
-    if (!mine) return;
+    const u64 base = k * (u64)n + (u64)(t.ring_first + first);
     for (int j = 0; j < chunks; ++j) {
         const u64 g = base + (u64)j;
         const int slot = (int)(g % RING_SLOTS);
         if (slot % warps != warp) continue;
-        const int next = t.ring_first + j + RING_SLOTS;  // the chunk this slot takes next, this iteration
+        const int next = t.ring_first + first + j + RING_SLOTS;  // the chunk this slot takes next, this iteration
         RingChunk following;
         if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
         if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
@@ -162,6 +158,16 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
             if (next < n) ring_issue(a, following, slot, (int)(((g + RING_SLOTS) / RING_SLOTS) & 1));
         }
     }
+}
+
+// A tile of nr <= ROWS rows of A times `cols` weight rows from the ring (ring_columns), its rows
+// prepared by the whole block first (a Rows policy may hold barriers) while the chunks may still land.
+template <class T, int PIECES, int ROWS, class Rows, class Store>
+__device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int tid, u64 k, int proc, int cols,
+                                            int per_chunk, const unsigned char* w, i64 w_step, Rows rows, int nr,
+                                            Store store) {
+    rows.prepare(nr, PIECES);
+    ring_columns<T, PIECES, ROWS>(a, t, tid, k, proc, 0, cols, per_chunk, w, w_step, rows, nr, store);
 }
 
 // The loop body's hooks (megaloop/loop_body.cuh) for a kernel with the ring.
