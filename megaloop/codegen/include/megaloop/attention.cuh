@@ -25,17 +25,24 @@ struct AttnShape {
     static constexpr bool causal = Causal;
 };
 
+// an i64 the front end folds as it would a literal: a length of Tk passed on as a value instead made
+// the visible range's code a few instructions longer
+template <i64 V>
+struct Known {
+    __device__ __forceinline__ constexpr operator i64() const { return V; }
+};
+
 // batch item bi's keys: lens[bi] (checked by the caller), or all Tk where the op has no lengths
 template <int Tk, class L>
-__device__ __forceinline__ i64 kv_length(const L& lens, int bi) {
-    if constexpr (is_present<L>::value) return load(lens.p + (i64)bi * stride_of<0, L>);
-    else return Tk;
+__device__ __forceinline__ auto kv_length(const L& lens, int bi) {
+    if constexpr (is_present<L>::value) return (i64)load(lens.p + (i64)bi * stride_of<0, L>);
+    else return Known<Tk>{};
 }
 
 // the keys [begin, end) query i of batch item bi sees among its first len: up to its position (qpos,
 // else the last Tq of len are the queries) where causal, at most Window of them
-template <class S, class QP>
-__device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, i64 len, i64& begin, i64& end) {
+template <class S, class QP, class Len>
+__device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, Len len, i64& begin, i64& end) {
     i64 qp;
     if constexpr (is_present<QP>::value) qp = load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
     else qp = len - S::tq + i;
@@ -50,6 +57,18 @@ __device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, i64 
     }
 }
 
+// for (int C = 0; C < N; ++C) { ... }, written once without a loop where N is 1 (up to 32 dims): a
+// one-trip loop left to the optimiser came out a few instructions longer
+#define ML_CHUNKS(C, N, ...)            \
+    if constexpr ((N) == 1) {           \
+        constexpr int C = 0;            \
+        __VA_ARGS__                     \
+    } else {                            \
+        for (int C = 0; C < (N); ++C) { \
+            __VA_ARGS__                 \
+        }                               \
+    }
+
 // A warp per (batch, head, query): the scores one key at a time (the head's dims over the lanes, a
 // warp sum), the online softmax over [begin, end). Chunk > 0: attention_partial's key range o[3]
 // (out: [..., split, Dv + 2], unnormalised, then m and l), else the normalised output.
@@ -63,7 +82,7 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
     for_box_warps<(Chunk > 0 ? 5 : 4)>(rowt, [&](const int* o, int lane) {
         const int bi = o[0], h = o[1], i = o[2];
         const int kh = h / S::group;
-        const i64 len = kv_length<TK>(lens, bi);
+        const auto len = kv_length<TK>(lens, bi);
         if constexpr (is_present<L>::value) {
             if (len < 0 || len > TK) {
                 if (lane == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, TK, 2, 0);
@@ -79,47 +98,37 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
         }
         float qv[DL], acc[VL];
         const i64 qb = (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
-        for (int c = 0; c < DL; ++c) {
-            const int dd = lane + 32 * c;
-            qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;
-        }
-        for (int c = 0; c < VL; ++c) acc[c] = 0.0f;
+        ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                  qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;)
+        ML_CHUNKS(c, VL, acc[c] = 0.0f;)
         float m = neg_inf(), l = 0.0f;
         const i64 kb = (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>;
         const i64 vb = (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>;
         for (i64 j = begin; j < end; ++j) {
             float s = 0.0f;
-            for (int c = 0; c < DL; ++c) {
-                const int dd = lane + 32 * c;
-                if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);
-            }
+            ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                      if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);)
             s = warp_sum(s) * scale;
             const float mn = s > m ? s : m;
             const float corr = expf(m - mn), p = expf(s - mn);
             l = l * corr + p;
-            for (int c = 0; c < VL; ++c) {
-                const int dd = lane + 32 * c;
-                acc[c] = acc[c] * corr +
-                         (dd < DV ? p * load(v.p + vb + j * stride_of<2, V> + (i64)dd * stride_of<3, V>) : 0.0f);
-            }
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      acc[c] = acc[c] * corr +
+                               (dd < DV ? p * load(v.p + vb + j * stride_of<2, V> + (i64)dd * stride_of<3, V>) : 0.0f);)
             m = mn;
         }
         const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O> +
                        (Chunk > 0 ? (i64)o[3] * stride_of<3, O> : 0);
         if constexpr (Chunk > 0) {
-            for (int c = 0; c < VL; ++c) {
-                const int dd = lane + 32 * c;
-                if (dd < DV) out.p[ob + (i64)dd * stride_of<4, O>] = acc[c];
-            }
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      if (dd < DV) out.p[ob + (i64)dd * stride_of<4, O>] = acc[c];)
             if (lane == 0) {
                 out.p[ob + (i64)DV * stride_of<4, O>] = m;
                 out.p[ob + (i64)(DV + 1) * stride_of<4, O>] = l;
             }
         } else {
-            for (int c = 0; c < VL; ++c) {
-                const int dd = lane + 32 * c;
-                if (dd < DV) store(out.p + ob + (i64)dd * stride_of<3, O>, l > 0.0f ? acc[c] / l : 0.0f);
-            }
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      if (dd < DV) store(out.p + ob + (i64)dd * stride_of<3, O>, l > 0.0f ? acc[c] / l : 0.0f);)
         }
     });
 }
@@ -152,7 +161,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
             h = t.lo[1] + pair / nq;
             i = t.lo[2] + pair % nq;
             const int kh = h / S::group;
-            const i64 len = kv_length<TK>(lens, bi);
+            const auto len = kv_length<TK>(lens, bi);
             if constexpr (is_present<L>::value) {
                 if (len < 0 || len > TK) {
                     if (lane == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, TK, 2, 0);
@@ -545,7 +554,7 @@ __device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t,
     extern __shared__ float4 ml_smem4[];
     const int bi = t.lo[0], h0 = t.lo[1], s0 = t.lo[2];
     const int kh = h0 / S::group;  // the tile's heads share it
-    const i64 len = kv_length<S::tk>(lens, bi);
+    const auto len = kv_length<S::tk>(lens, bi);
     const bool bad_len = is_present<L>::value && (len < 0 || len > S::tk);
     if (bad_len && threadIdx.x == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, S::tk, 2, 0);
     auto range = [&](int r, i64& first, i64& last) {
@@ -651,10 +660,15 @@ __device__ __forceinline__ void attention_combine(const Task& t, O out, X x) {
 #pragma unroll
                 for (int s = 0; s < Splits; ++s) acc[j] += x.p[xb + (i64)s * X3 + (i64)dd * X4] * w[s];
             }
+            if constexpr (CHUNKS == 1) {  // (as ML_CHUNKS: no loop of one trip)
+                const int dd = lane;
+                if (dd < Dv) store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc[0] / total : 0.0f);
+            } else {
 #pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) {
-                const int dd = lane + 32 * j;
-                if (dd < Dv) store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc[j] / total : 0.0f);
+                for (int j = 0; j < CHUNKS; ++j) {
+                    const int dd = lane + 32 * j;
+                    if (dd < Dv) store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc[j] / total : 0.0f);
+                }
             }
         } else {  // too many ranges to keep in registers: each weight recomputed where it is used
             float top = neg_inf();
@@ -680,5 +694,7 @@ __device__ __forceinline__ void attention_combine(const Task& t, O out, X x) {
         }
     });
 }
+
+#undef ML_CHUNKS
 
 }  // namespace ml
