@@ -646,6 +646,12 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
     assert wm * wn == warps and (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS
 
 
+def attention_mma_warps(src: str) -> list[int]:
+    """Each ml::attention call's tensor-core warps a unit (attention.cuh's Mma: 0 where the tile has no
+    tensor-core path)."""
+    return [int(m[1]) for m in re.finditer(r"ml::attention<ml::AttnShape<[^>]*>, (\d+), (?:true|false)>", src)]
+
+
 @pytest.mark.parametrize(
     "dtype, d, tq, taken",
     [
@@ -656,12 +662,6 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
         ("bfloat16", 40, 64, False),
     ],
 )
-def attention_mma_warps(src: str) -> list[int]:
-    """Each ml::attention call's tensor-core warps a unit (attention.cuh's Mma: 0 where the tile has no
-    tensor-core path)."""
-    return [int(m[1]) for m in re.finditer(r"ml::attention<ml::AttnShape<[^>]*>, (\d+), (?:true|false)>", src)]
-
-
 def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int, tq: int, taken: bool) -> None:
     """16-bit heads of 16..128 (steps of 16) in blocks of 16 queries or more run ml::attention_mma; the
     kernel compiles for Hopper and Ampere without spills and sizes its shared memory for two K/V stages."""
@@ -695,7 +695,7 @@ def test_attention_blocks_pair_warps_where_shared_memory_holds_two_key_blocks(ar
     g.output("y", ml.attention(q, k, v, causal=True))
     program = generate(make_plan(g, processors=132, arch=arch))
     assert attention_mma_warps(program.source) == [split]
-    assert re.search(rf"ml::attention<ml::AttnShape<1, 64, 200, {d}, {d}, true, 0>, {split}, true>\(", program.source)
+    assert re.search(rf"ml::attention<ml::AttnShape<4, 64, 200, {d}, {d}, true, 0>, {split}, true>\(", program.source)
     assert program.shared_bytes >= attention_mma_bytes(d, split)
 
 
