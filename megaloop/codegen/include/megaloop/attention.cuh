@@ -21,6 +21,8 @@ namespace ml {
 // and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none).
 template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0>
 struct AttnShape {
+    static_assert(Group > 0 && D > 0 && Dv > 0 && Window >= 0, "AttnShape: query heads a kv head, dims, window >= 0");
+    static_assert(Window == 0 || Causal, "AttnShape: a sliding window needs causal attention");
     static constexpr int group = Group, tq = Tq, tk = Tk, d = D, dv = Dv, window = Window;
     static constexpr bool causal = Causal;
 };
