@@ -646,6 +646,12 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
     assert wm * wn == warps and (bm // 16 // wm) * (bn // 8 // wn) <= MMA_MAX_FRAGMENTS
 
 
+def attention_mma_warps(src: str) -> list[int]:
+    """Each ml::attention call's tensor-core warps a unit (attention.cuh's Mma: 0 where the tile has no
+    tensor-core path)."""
+    return [int(m[1]) for m in re.finditer(r"ml::attention<ml::AttnShape<[^>]*>, (\d+), (?:true|false)>", src)]
+
+
 @pytest.mark.parametrize(
     "dtype, d, tq, taken",
     [
@@ -669,7 +675,7 @@ def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int,
     g.output("y", ml.attention(q, k, v, causal=True))
     for arch in ("sm_90", "sm_80"):
         program = generate(make_plan(g, processors=132, arch=arch))
-        assert ("ml::attention_mma<" in program.source) == taken
+        assert (max(attention_mma_warps(program.source)) > 0) == taken
         if taken:
             assert program.shared_bytes >= attention_mma_bytes(d)
             assert spills(program.source, arch + ("a" if arch == "sm_90" else "")) == {}
@@ -677,9 +683,9 @@ def test_attention_blocks_take_tensor_cores_where_they_apply(dtype: str, d: int,
 
 @pytest.mark.parametrize("arch, d, split", [("sm_90", 128, 2), ("sm_86", 128, 1), ("sm_86", 64, 2), ("sm_80", 128, 2)])
 def test_attention_blocks_pair_warps_where_shared_memory_holds_two_key_blocks(arch: str, d: int, split: int) -> None:
-    """attention_mma<T, D, SPLIT>: SPLIT 2 (a unit's keys over two warps) where the plan's shared memory
-    holds stages of two K and V blocks (an RTX card's 99 KB does not at head 128), and the kernel's
-    dynamic shared memory covers the layout it picked."""
+    """attention_mma<T, D, SPLIT> (ml::attention's Mma argument): SPLIT 2 (a unit's keys over two warps)
+    where the plan's shared memory holds stages of two K and V blocks (an RTX card's 99 KB does not at
+    head 128), and the kernel's dynamic shared memory covers the layout it picked."""
     from megaloop.codegen.emit_attention import attention_mma_bytes
 
     g = ml.Graph(f"attn-split-{arch}-{d}")
@@ -688,7 +694,8 @@ def test_attention_blocks_pair_warps_where_shared_memory_holds_two_key_blocks(ar
     v = g.input("v", (1, 1, 200, d), "bfloat16")
     g.output("y", ml.attention(q, k, v, causal=True))
     program = generate(make_plan(g, processors=132, arch=arch))
-    assert f"ml::attention_mma<ml::bf16, {d}, {split}>" in program.source
+    assert attention_mma_warps(program.source) == [split]
+    assert re.search(rf"ml::attention<ml::AttnShape<4, 64, 200, {d}, {d}, true, 0>, {split}, true>\(", program.source)
     assert program.shared_bytes >= attention_mma_bytes(d, split)
 
 
@@ -699,14 +706,15 @@ def test_attention_blocks_keep_to_their_registers_and_shared_memory() -> None:
     q = g.input("q", (1, 8, 64, 128), "bfloat16")
     k = g.input("k", (1, 2, 300, 128), "bfloat16")
     g.output("y", ml.attention(q, k, k, causal=True))
-    assert "ml::attention_mma<" in generate(make_plan(g, processors=132)).source
-    assert "ml::attention_mma<" not in generate(make_plan(g, processors=132, warps=16)).source
-    assert "ml::attention_mma<" not in generate(make_plan(g, processors=132, shared_memory=64 * 1024)).source
+    assert attention_mma_warps(generate(make_plan(g, processors=132)).source) == [2]
+    assert attention_mma_warps(generate(make_plan(g, processors=132, warps=16)).source) == [0]
+    assert attention_mma_warps(generate(make_plan(g, processors=132, shared_memory=64 * 1024)).source) == [0]
     split = ml.Graph("attn-split")
     q2 = split.input("q", (1, 8, 64, 128), "bfloat16")
     k2 = split.input("k", (1, 2, 300, 128), "bfloat16")
     split.output("y", ml.attention(q2, k2, k2, causal=True, kv_splits=2))
-    assert "ml::attention_mma<" not in generate(make_plan(split, processors=132)).source
+    src = generate(make_plan(split, processors=132)).source
+    assert "ml::attention_partial<" in src and attention_mma_warps(src) == []
 
 
 def test_kernel_options_are_the_plans_and_change_only_their_defines() -> None:

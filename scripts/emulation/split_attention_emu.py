@@ -1,4 +1,5 @@
-"""Emulate the split-key path of attention_partial tiles (generated CUDA) in numpy float32."""
+"""Emulate the split-key path of attention_partial tiles (megaloop/attention.cuh's attention_split_keys,
+with the constants of the generated call) in numpy float32."""
 from __future__ import annotations
 
 import re
@@ -12,7 +13,6 @@ from megaloop.frontend.ops.attention_split import _partial_reference
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
-INT = r"(-?\d+)"
 
 
 def f32(x):
@@ -33,76 +33,53 @@ class Block:
 
 
 def extract_split_block(src: str, sig: int) -> list[str]:
+    """The lines of tile function sig_<sig> (its pointers and its ml::attention_partial call)."""
     start = src.index(f"__device__ __noinline__ void sig_{sig}(")
     body = src[start:]
-    a = body.index("// split-key path")
-    b = body.index("    return;\n", a)
-    return body[a:b].splitlines()
+    return body[: body.index("\n}\n")].splitlines()[1:]
 
 
-def grab(lines, pat, n=1, required=True):
-    rx = re.compile(pat)
-    hits = [rx.search(l) for l in lines]
-    hits = [h for h in hits if h]
-    if not hits:
-        if required:
-            raise AssertionError(f"pattern not found: {pat}")
-        return None
-    assert len(hits) == n or n is None, (pat, len(hits))
-    return hits[0]
+ITEM_BYTES = {"ml::bf16": 2, "ml::f16": 2, "float": 4}
+CALL = re.compile(
+    r"ml::attention_partial<ml::AttnShape<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+)>, (\d+), true>"
+    r"\(a, t, tid, \(\(float\)([-0-9a-fx.p+]+)\), ml::at<([^>]*)>\(out0\), ml::at<([^>]*)>\(in0\), "
+    r"ml::at<([^>]*)>\(in1\), ml::at<([^>]*)>\(in2\), (ml::Absent\{\}|ml::at<[^>]*>\(in\d\)), "
+    r"(ml::Absent\{\}|ml::at<[^>]*>\(in\d\))\);"
+)
 
 
 def parse(lines):
-    """Constants of the generated split block (every one read from the source)."""
+    """The split-key path's constants (megaloop/attention.cuh's attention_split_keys), every one read
+    from the tile function's ml::attention_partial call and its pointers."""
     P = Block()
     txt = "\n".join(lines)
-    h = grab(lines, r"constexpr int W = (\d+), LPK = (\d+), KPW = (\d+), D = (\d+);")
-    P.W, P.LPK, P.KPW, P.D = map(int, h.groups())
-    P.group = int(grab(lines, r"const int kh = h / (\d+);").group(1))
-    h = grab(lines, r"const ml::i64 len = ml::load\(in(\d+) \+ \(ml::i64\)bi \* (\d+)\);", required=False)
-    if h:
-        P.lens = (int(h.group(1)), int(h.group(2)))
-        h2 = grab(lines, r"if \(len < 0 \|\| len > (\d+)\)")
-        P.len_max = int(h2.group(1))
-    else:
-        P.lens = None
-        P.len_lit = int(grab(lines, r"const ml::i64 len = (\d+);").group(1))
-    h = grab(lines, r"const ml::i64 qp = ml::load\(in(\d+) \+ \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)i \* (\d+)\);", required=False)
-    if h:
-        P.qpos = tuple(map(int, h.groups()))
-    else:
-        P.qpos = None
-        P.tq_lit = int(grab(lines, r"const ml::i64 qp = len - (\d+) \+ i;").group(1))
-    P.causal = "ml::i64 end = qp + 1 < len ? qp + 1 : len;" in txt
-    if P.causal:
-        h = grab(lines, r"ml::i64 begin = qp - (\d+) \+ 1;", required=False)
-        P.window = int(h.group(1)) if h else None
-        if not h:
-            assert "ml::i64 begin = 0;" in txt
-        assert "if (begin < 0) begin = 0;" in txt
-    else:
-        assert "ml::i64 begin = 0, end = len;" in txt
-    h = grab(lines, r"range_lo = \(ml::i64\)t\.lo\[3\] \* (\d+), range_hi = range_lo \+ (\d+);")
-    P.chunk_lo, P.chunk_hi = int(h.group(1)), int(h.group(2))
-    assert "if (begin < range_lo) begin = range_lo;" in txt and "if (end > range_hi) end = range_hi;" in txt
-    h = grab(lines, r"if \(end > (\d+)\) end = (\d+);")
-    assert h.group(1) == h.group(2)
-    P.tk_clamp = int(h.group(1))
-    h = grab(lines, r"ml::load_pack<[^>]*>\(in0 \+ \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)h \* (\d+) \+ \(ml::i64\)i \* (\d+) \+ r \* W\)")
-    P.qs = tuple(map(int, h.groups()))
-    h = grab(lines, r"\* kp = in1 \+ \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)kh \* (\d+) \+ r \* W;")
-    P.ks = tuple(map(int, h.groups()))
-    h = grab(lines, r"\* vp = in2 \+ \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)kh \* (\d+) \+ r \* W;")
-    P.vs = tuple(map(int, h.groups()))
-    # the key / value row strides (of the loads a step ahead)
-    P.kj = int(grab(lines, r"load_pack<[^>]*>\(kp \+ jn \* (\d+)\)").group(1))
-    P.vj = int(grab(lines, r"load_pack<[^>]*>\(vp \+ jn \* (\d+)\)").group(1))
-    P.scale = F32(float.fromhex(grab(lines, r"s \*= \(\(float\)([-0-9a-fx.p+]+)\);").group(1)))
-    h = grab(lines, r"const ml::i64 ob = \(ml::i64\)bi \* (\d+) \+ \(ml::i64\)h \* (\d+) \+ \(ml::i64\)i \* (\d+) \+ \(ml::i64\)t\.lo\[3\] \* (\d+);")
-    P.os = tuple(map(int, h.groups()))
-    P.od = int(grab(lines, r"out0\[ob \+ \(ml::i64\)dd \* (\d+)\] = o;").group(1))
-    h = grab(lines, r"out0\[ob \+ \(ml::i64\)D \* (\d+)\] = mx; out0\[ob \+ \(ml::i64\)\(D \+ 1\) \* (\d+)\] = lsum;")
-    assert int(h.group(1)) == P.od == int(h.group(2))
+    call = CALL.search(txt)
+    assert call, "no split-key ml::attention_partial call:\n" + txt
+    group, tq, tk, d, dv, causal, window, chunk = (int(x) if x.isdigit() else x for x in call.groups()[:8])
+    ctype = re.search(r"const (\S+)\* in0 = ", txt).group(1)
+    P.W = 16 // ITEM_BYTES[ctype]
+    P.D, P.LPK = d, d // P.W
+    P.KPW = 32 // P.LPK
+    assert dv == d
+    P.group = group
+    strides = [tuple(int(x) for x in call.group(n).split(", ")) for n in (10, 11, 12, 13)]
+    os_, qs, ks, vs = strides
+
+    def optional(text):
+        found = re.fullmatch(r"ml::at<([^>]*)>\(in(\d)\)", text)
+        return (int(found.group(2)), *(int(x) for x in found.group(1).split(", "))) if found else None
+
+    P.qpos, P.lens = optional(call.group(14)), optional(call.group(15))
+    P.len_max = P.len_lit = P.tk_clamp = tk
+    P.tq_lit = tq
+    P.causal = causal == "true"
+    P.window = window or None
+    P.chunk_lo = P.chunk_hi = chunk
+    P.qs, P.ks, P.vs = qs[:3], ks[:2], vs[:2]
+    P.kj, P.vj = ks[2], vs[2]
+    assert qs[3] == ks[3] == vs[3] == 1
+    P.scale = F32(float.fromhex(call.group(9)))
+    P.os, P.od = os_[:4], os_[4]
     return P
 
 

@@ -1,6 +1,273 @@
-// megaloop/attention.cuh: attention tiles on tensor cores (mma.sync m16n8k16, sm_80 and later), the
-// FlashAttention-2 scheme inside one tile: the tile's query heads (which share one kv head) times its
-// block of queries, against every key some query of the tile sees.
+// megaloop/attention.cuh: the tiles of attention, attention_partial and attention_combine;
+// megaloop/codegen/emit_attention.py instantiates them with the op's shapes and mask (AttnShape), the
+// operands' strides (At, elementwise.cuh) and the paths it chose.
+//
+// Three paths compute a tile of (query head, query) rows, each in float32 with an online softmax:
+// - tensor cores (attention_mma, mma.sync m16n8k16, sm_80 on): the FlashAttention-2 scheme inside one
+//   tile, for blocks of 16 queries or more of 16-bit heads;
+// - split keys (attention_split_keys): flash-decoding inside one tile, the keys of each row split over
+//   the block's warps, for packed, aligned heads (decode);
+// - a warp per row (attention_warp_rows): any strides, the definition the others keep to.
+// attention_partial runs the last two over one key range (its split), attention_combine merges them.
+#pragma once
+#include "megaloop/elementwise.cuh"
+#include "megaloop/mma.cuh"
+#include "megaloop/types.cuh"
+#include "megaloop/vec.cuh"
+
+namespace ml {
+
+// An op's shapes and mask (megaloop/frontend/ops/attention.py): Group query heads a kv head, Tq queries
+// and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none).
+template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0>
+struct AttnShape {
+    static_assert(Group > 0 && D > 0 && Dv > 0 && Window >= 0, "AttnShape: query heads a kv head, dims, window >= 0");
+    static_assert(Window == 0 || Causal, "AttnShape: a sliding window needs causal attention");
+    static constexpr int group = Group, tq = Tq, tk = Tk, d = D, dv = Dv, window = Window;
+    static constexpr bool causal = Causal;
+};
+
+// an i64 the front end folds as it would a literal: a length of Tk passed on as a value instead made
+// the visible range's code a few instructions longer
+template <i64 V>
+struct Known {
+    __device__ __forceinline__ constexpr operator i64() const { return V; }
+};
+
+// batch item bi's keys: lens[bi] (checked by the caller), or all Tk where the op has no lengths
+template <int Tk, class L>
+__device__ __forceinline__ auto kv_length(const L& lens, int bi) {
+    if constexpr (is_present<L>::value) return (i64)load(lens.p + (i64)bi * stride_of<0, L>);
+    else return Known<Tk>{};
+}
+
+// the keys [begin, end) query i of batch item bi sees among its first len: up to its position (qpos,
+// else the last Tq of len are the queries) where causal, at most Window of them
+template <class S, class QP, class Len>
+__device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, Len len, i64& begin, i64& end) {
+    i64 qp;
+    if constexpr (is_present<QP>::value) qp = load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
+    else qp = len - S::tq + i;
+    if constexpr (S::causal) {
+        end = qp + 1 < len ? qp + 1 : len;
+        if constexpr (S::window > 0) begin = qp - S::window + 1;
+        else begin = 0;
+        if (begin < 0) begin = 0;
+    } else {
+        begin = 0;
+        end = len;
+    }
+}
+
+// for (int C = 0; C < N; ++C) { ... }, written once without a loop where N is 1 (up to 32 dims): a
+// one-trip loop left to the optimiser came out a few instructions longer
+#define ML_CHUNKS(C, N, ...)            \
+    if constexpr ((N) == 1) {           \
+        constexpr int C = 0;            \
+        __VA_ARGS__                     \
+    } else {                            \
+        for (int C = 0; C < (N); ++C) { \
+            __VA_ARGS__                 \
+        }                               \
+    }
+
+// A warp per (batch, head, query): the scores one key at a time (the head's dims over the lanes, a
+// warp sum), the online softmax over [begin, end). Chunk > 0: attention_partial's key range o[3]
+// (out: [..., split, Dv + 2], unnormalised, then m and l), else the normalised output.
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L>
+__device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t, int tid, float scale, O out, Q q,
+                                                    K k, V v, QP qpos, L lens) {
+    constexpr int D = S::d, DV = S::dv, TK = S::tk, DL = (D + 31) / 32, VL = (DV + 31) / 32;
+    Task rowt = t;
+    rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)
+    if constexpr (Chunk > 0) rowt.hi[4] = rowt.lo[4] + 1;  // (and this tile's key range)
+    for_box_warps<(Chunk > 0 ? 5 : 4)>(rowt, [&](const int* o, int lane) {
+        const int bi = o[0], h = o[1], i = o[2];
+        const int kh = h / S::group;
+        const auto len = kv_length<TK>(lens, bi);
+        if constexpr (is_present<L>::value) {
+            if (len < 0 || len > TK) {
+                if (lane == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, TK, 2, 0);
+                return;
+            }
+        }
+        i64 begin, end;
+        visible_keys<S>(qpos, bi, i, len, begin, end);
+        if constexpr (Chunk > 0) {
+            const i64 lo = (i64)o[3] * Chunk, hi = lo + Chunk;  // this tile's keys
+            if (begin < lo) begin = lo;
+            if (end > hi) end = hi;
+        }
+        float qv[DL], acc[VL];
+        const i64 qb = (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
+        ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                  qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;)
+        ML_CHUNKS(c, VL, acc[c] = 0.0f;)
+        float m = neg_inf(), l = 0.0f;
+        const i64 kb = (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>;
+        const i64 vb = (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>;
+        for (i64 j = begin; j < end; ++j) {
+            float s = 0.0f;
+            ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                      if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);)
+            s = warp_sum(s) * scale;
+            const float mn = s > m ? s : m;
+            const float corr = expf(m - mn), p = expf(s - mn);
+            l = l * corr + p;
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      acc[c] = acc[c] * corr +
+                               (dd < DV ? p * load(v.p + vb + j * stride_of<2, V> + (i64)dd * stride_of<3, V>) : 0.0f);)
+            m = mn;
+        }
+        const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O> +
+                       (Chunk > 0 ? (i64)o[3] * stride_of<3, O> : 0);
+        if constexpr (Chunk > 0) {
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      if (dd < DV) out.p[ob + (i64)dd * stride_of<4, O>] = acc[c];)
+            if (lane == 0) {
+                out.p[ob + (i64)DV * stride_of<4, O>] = m;
+                out.p[ob + (i64)(DV + 1) * stride_of<4, O>] = l;
+            }
+        } else {
+            ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                      if (dd < DV) store(out.p + ob + (i64)dd * stride_of<3, O>, l > 0.0f ? acc[c] / l : 0.0f);)
+        }
+    });
+}
+
+// Split keys (flash-decoding inside one tile): each (head, query) of the tile takes `split` warps, each
+// warp a piece of its keys, KPW keys a step (lanes split the head in packs of W), the pieces' softmax
+// states merged in shared memory (a warp's slot of D + 2 floats). Chunk as for attention_warp_rows.
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L>
+__device__ __forceinline__ void attention_split_keys(const Args& a, const Task& t, int tid, float scale, O out, Q q,
+                                                     K k, V v, QP qpos, L lens) {
+    using T = typename Q::type;
+    constexpr int W = 16 / (int)sizeof(T), D = S::d, LPK = D / W, KPW = 32 / LPK, TK = S::tk;
+    static_assert(D % W == 0 && LPK > 0 && 32 % LPK == 0 && S::dv == D, "split keys: heads of whole packs");
+    constexpr i64 K2 = stride_of<2, K>, V2 = stride_of<2, V>;
+    extern __shared__ float4 ml_smem4[];
+    float* part = reinterpret_cast<float*>(ml_smem4);
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane / LPK, r = lane % LPK;
+    const int bi = t.lo[0], nh = t.hi[1] - t.lo[1], nq = t.hi[2] - t.lo[2], pairs = nh * nq;
+    const int split = warps >= pairs ? warps / pairs : 1;
+    const int per_round = warps / split;
+    for (int base = 0; base < pairs; base += per_round) {
+        const int pair = base + warp / split, piece = warp % split;
+        const bool active = warp < per_round * split && pair < pairs;
+        float m = neg_inf(), l = 0.0f, acc[W];
+#pragma unroll
+        for (int w = 0; w < W; ++w) acc[w] = 0.0f;
+        int h = 0, i = 0;
+        if (active) {
+            h = t.lo[1] + pair / nq;
+            i = t.lo[2] + pair % nq;
+            const int kh = h / S::group;
+            const auto len = kv_length<TK>(lens, bi);
+            if constexpr (is_present<L>::value) {
+                if (len < 0 || len > TK) {
+                    if (lane == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, TK, 2, 0);
+                }
+            }
+            i64 begin, end;
+            visible_keys<S>(qpos, bi, i, len, begin, end);
+            if constexpr (Chunk > 0) {  // attention_partial: only this tile's key range (t.lo[3])
+                const i64 range_lo = (i64)t.lo[3] * Chunk, range_hi = range_lo + Chunk;
+                if (begin < range_lo) begin = range_lo;
+                if (end > range_hi) end = range_hi;
+            }
+            if (end > TK) end = TK;
+            const i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;
+            const i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;
+            const Pack<T, W> qpk = load_pack<T, W>(q.p + (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> +
+                                                   (i64)i * stride_of<2, Q> + r * W);
+            const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K> + r * W;
+            const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V> + r * W;
+            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs
+            // behind the step before (decode: ~9 steps a warp in turn; a deeper ring measured no gain);
+            // rows past the end are clamped to the last: loaded, never used
+            Pack<T, W> kn = load_pack<T, W>(kp + (j_lo + g < TK ? j_lo + g : TK - 1) * K2);
+            Pack<T, W> vn = load_pack<T, W>(vp + (j_lo + g < TK ? j_lo + g : TK - 1) * V2);
+            // every lane runs the same number of steps (the shuffles need the whole warp); lanes past
+            // the end of their piece contribute nothing
+            for (i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {
+                const i64 j = j0 + g;
+                const bool live = j < j_hi;
+                const Pack<T, W> kc = kn, vv = vn;
+                const i64 jn = j + KPW < TK ? j + KPW : TK - 1;
+                kn = load_pack<T, W>(kp + jn * K2);
+                vn = load_pack<T, W>(vp + jn * V2);
+                float s = 0.0f;
+                if (live) s = dot(qpk, kc);
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
+                if (live) {
+                    s *= scale;
+                    const float mn = s > m ? s : m;
+                    const float corr = expf(m - mn), p = expf(s - mn);
+                    l = l * corr + p;
+#pragma unroll
+                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(vv, w);
+                    m = mn;
+                }
+            }
+        }
+        // merge the KPW key groups of the warp (lanes with the same r)
+#pragma unroll
+        for (int o = LPK; o < 32; o <<= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+            const float mx = m2 > m ? m2 : m;
+            const float c1 = mx == neg_inf() ? 0.0f : expf(m - mx), c2 = mx == neg_inf() ? 0.0f : expf(m2 - mx);
+            l = l * c1 + l2 * c2;
+#pragma unroll
+            for (int w = 0; w < W; ++w) acc[w] = acc[w] * c1 + __shfl_xor_sync(0xffffffffu, acc[w], o) * c2;
+            m = mx;
+        }
+        if (active && g == 0) {
+            float* slot = part + warp * (D + 2);
+#pragma unroll
+            for (int w = 0; w < W; ++w) slot[r * W + w] = acc[w];
+            if (r == 0) {
+                slot[D] = m;
+                slot[D + 1] = l;
+            }
+        }
+        __syncthreads();
+        if (active && piece == 0) {  // combine the pieces of this (head, query)
+            float mx = neg_inf();
+            for (int p2 = 0; p2 < split; ++p2) {
+                const float mp = part[(warp + p2) * (D + 2) + D];
+                mx = mp > mx ? mp : mx;
+            }
+            float lsum = 0.0f;
+            for (int p2 = 0; p2 < split; ++p2) {
+                const float* sl = part + (warp + p2) * (D + 2);
+                lsum += mx == neg_inf() ? 0.0f : sl[D + 1] * expf(sl[D] - mx);
+            }
+            const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O> +
+                           (Chunk > 0 ? (i64)t.lo[3] * stride_of<3, O> : 0);
+            for (int dd = lane; dd < D; dd += 32) {
+                float o = 0.0f;
+                for (int p2 = 0; p2 < split; ++p2) {
+                    const float* sl = part + (warp + p2) * (D + 2);
+                    o += mx == neg_inf() ? 0.0f : sl[dd] * expf(sl[D] - mx);
+                }
+                if constexpr (Chunk > 0) out.p[ob + (i64)dd * stride_of<4, O>] = o;
+                else store(out.p + ob + (i64)dd * stride_of<3, O>, lsum > 0.0f ? o / lsum : 0.0f);
+            }
+            if constexpr (Chunk > 0) {
+                if (lane == 0) {
+                    out.p[ob + (i64)D * stride_of<4, O>] = mx;
+                    out.p[ob + (i64)(D + 1) * stride_of<4, O>] = lsum;
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- tensor cores ---------------------------------------------------------------------------------
+
 //
 // A warp owns a unit of 16 queries of one head at a time (units in turn when the tile has more than the
 // block has warps; with SPLIT 2 and at most half as many units as warps, two warps a unit, each on every
@@ -13,12 +280,6 @@
 // the C fragment of S is, pair for pair, the A fragment P needs, so P never leaves registers. K's
 // fragments come from ldmatrix (keys are rows, the head dimension contiguous: B "col" layout); V's from
 // ldmatrix.trans (keys are rows, but V's n is the head dimension).
-#pragma once
-#include "megaloop/mma.cuh"
-#include "megaloop/types.cuh"
-#include "megaloop/vec.cuh"
-
-namespace ml {
 
 constexpr int ATT_BK = 64;  // keys a block stages and a warp's scores cover
 
@@ -285,5 +546,157 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
         }
     }
 }
+
+// The tile on tensor cores: the tile's heads (one kv head's) and block of queries through
+// attention_mma<T, D, Split>, each query's visible keys by the rule of the other paths.
+template <class S, int Split, class O, class Q, class K, class V, class QP, class L>
+__device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t, int tid, float scale_log2, O out,
+                                                   Q q, K k, V v, QP qpos, L lens) {
+    using T = typename Q::type;
+    extern __shared__ float4 ml_smem4[];
+    const int bi = t.lo[0], h0 = t.lo[1], s0 = t.lo[2];
+    const int kh = h0 / S::group;  // the tile's heads share it
+    const auto len = kv_length<S::tk>(lens, bi);
+    const bool bad_len = is_present<L>::value && (len < 0 || len > S::tk);
+    if (bad_len && threadIdx.x == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, S::tk, 2, 0);
+    auto range = [&](int r, i64& first, i64& last) {
+        const int i = s0 + r;
+        i64 begin, end;
+        visible_keys<S>(qpos, bi, i, len, begin, end);
+        first = begin;
+        last = bad_len ? begin : end;  // a bad length is reported above; nothing is read
+    };
+    attention_mma<T, S::d, Split>(
+        q.p + (i64)bi * stride_of<0, Q> + (i64)h0 * stride_of<1, Q> + (i64)s0 * stride_of<2, Q>, stride_of<1, Q>,
+        stride_of<2, Q>, t.hi[1] - h0, t.hi[2] - s0, k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>,
+        stride_of<2, K>, v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>, stride_of<2, V>, S::tk,
+        scale_log2, ml_smem4, range, [&](int hh, int r, int dd, float val) {
+            store(out.p + (i64)bi * stride_of<0, O> + (i64)(h0 + hh) * stride_of<1, O> +
+                      (i64)(s0 + r) * stride_of<2, O> + (i64)dd * stride_of<3, O>,
+                  val);
+        });
+}
+
+// q, k and v 16-byte aligned (the tensor-core and split-key paths load them in 16-byte packs)
+template <class Q, class K, class V>
+__device__ __forceinline__ bool aligned_heads(const Q& q, const K& k, const V& v) {
+    return aligned(q.p, 16) && aligned(k.p, 16) && aligned(v.p, 16);
+}
+
+// One tile of attention (queries of the query heads of one kv head; out [B, Hq, Tq, Dv]): on tensor
+// cores where Mma (attention_mma's Split, 1 or 2), else split keys where SplitKeys, either only where q,
+// k and v are 16-byte aligned; else a warp per row. scale_log2: scale * log2(e), rounded once.
+template <class S, int Mma, bool SplitKeys, class O, class Q, class K, class V, class QP, class L>
+__device__ __forceinline__ void attention(const Args& a, const Task& t, int tid, float scale, float scale_log2, O out,
+                                          Q q, K k, V v, QP qpos, L lens) {
+    static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4 && O::rank == 4, "attention: 4-D q, k, v, out");
+    if constexpr (Mma > 0) {
+        if (aligned_heads(q, k, v)) {
+            attention_mma_tile<S, Mma>(a, t, tid, scale_log2, out, q, k, v, qpos, lens);
+            return;
+        }
+    }
+    if constexpr (SplitKeys) {
+        if (aligned_heads(q, k, v)) {
+            attention_split_keys<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens);
+            return;
+        }
+    }
+    attention_warp_rows<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens);
+}
+
+// One tile of attention_partial: key range t.lo[3] of Chunk keys; out [B, Hq, Tq, splits, Dv + 2]
+// float32, the unnormalised output, its max score m and exp-sum l. Split keys where SplitKeys and aligned.
+template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L>
+__device__ __forceinline__ void attention_partial(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
+                                                  V v, QP qpos, L lens) {
+    static_assert(Chunk > 0 && O::rank == 5, "attention_partial: key ranges of Chunk keys, 5-D out");
+    if constexpr (SplitKeys) {
+        if (aligned_heads(q, k, v)) {
+            attention_split_keys<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens);
+            return;
+        }
+    }
+    attention_warp_rows<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens);
+}
+
+// One tile of attention_combine, a warp per (batch, head, query): the largest m over the Splits key
+// ranges of x [B, Hq, Tq, Splits, Dv + 2], then the weighted sums of the outputs (lanes over the
+// values) and of l; zeros when no range saw a key. The same operations in the same order either way.
+template <int Splits, int Dv, bool Held, class O, class X>
+__device__ __forceinline__ void attention_combine(const Task& t, O out, X x) {
+    static_assert(X::rank == 5 && O::rank == 4, "attention_combine: 5-D partial results, 4-D out");
+    constexpr i64 X3 = stride_of<3, X>, X4 = stride_of<4, X>, O3 = stride_of<3, O>;
+    Task rowt = t;
+    rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)
+    for_box_warps<4>(rowt, [&](const int* o, int lane) {
+        const i64 xb = (i64)o[0] * stride_of<0, X> + (i64)o[1] * stride_of<1, X> + (i64)o[2] * stride_of<2, X>;
+        if constexpr (Held) {
+            // every load before any store (out may alias x as far as the compiler knows: a store between
+            // them kept the next loads from starting), each range's m, l and weight in registers
+            constexpr int CHUNKS = (Dv + 31) / 32;
+            float ms[Splits], ls[Splits], w[Splits];
+#pragma unroll
+            for (int s = 0; s < Splits; ++s) {
+                const i64 sb = xb + (i64)s * X3;
+                ms[s] = x.p[sb + Dv * X4];
+                ls[s] = x.p[sb + (Dv + 1) * X4];
+            }
+            float top = neg_inf();
+#pragma unroll
+            for (int s = 0; s < Splits; ++s) top = ms[s] > top ? ms[s] : top;
+            const float base = top == neg_inf() ? 0.0f : top;
+            float total = 0.0f;
+#pragma unroll
+            for (int s = 0; s < Splits; ++s) {
+                w[s] = expf(ms[s] - base);
+                total += ls[s] * w[s];
+            }
+            const i64 ob = (i64)o[0] * stride_of<0, O> + (i64)o[1] * stride_of<1, O> + (i64)o[2] * stride_of<2, O>;
+            float acc[CHUNKS];  // the lane's values dd = lane + 32 j
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) {
+                const int dd = lane + 32 * j;
+                acc[j] = 0.0f;
+                if (dd >= Dv) continue;
+#pragma unroll
+                for (int s = 0; s < Splits; ++s) acc[j] += x.p[xb + (i64)s * X3 + (i64)dd * X4] * w[s];
+            }
+            if constexpr (CHUNKS == 1) {  // (as ML_CHUNKS: no loop of one trip)
+                const int dd = lane;
+                if (dd < Dv) store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc[0] / total : 0.0f);
+            } else {
+#pragma unroll
+                for (int j = 0; j < CHUNKS; ++j) {
+                    const int dd = lane + 32 * j;
+                    if (dd < Dv) store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc[j] / total : 0.0f);
+                }
+            }
+        } else {  // too many ranges to keep in registers: each weight recomputed where it is used
+            float top = neg_inf();
+            for (int s = 0; s < Splits; ++s) {
+                const float m = x.p[xb + (i64)s * X3 + Dv * X4];
+                top = m > top ? m : top;
+            }
+            const float base = top == neg_inf() ? 0.0f : top;
+            float total = 0.0f;
+            for (int s = 0; s < Splits; ++s) {
+                const i64 sb = xb + (i64)s * X3;
+                total += x.p[sb + (Dv + 1) * X4] * expf(x.p[sb + Dv * X4] - base);
+            }
+            const i64 ob = (i64)o[0] * stride_of<0, O> + (i64)o[1] * stride_of<1, O> + (i64)o[2] * stride_of<2, O>;
+            for (int dd = lane; dd < Dv; dd += 32) {
+                float acc = 0.0f;
+                for (int s = 0; s < Splits; ++s) {
+                    const i64 sb = xb + (i64)s * X3;
+                    acc += x.p[sb + (i64)dd * X4] * expf(x.p[sb + Dv * X4] - base);
+                }
+                store(out.p + ob + (i64)dd * O3, total > 0.0f ? acc / total : 0.0f);
+            }
+        }
+    });
+}
+
+#undef ML_CHUNKS
 
 }  // namespace ml

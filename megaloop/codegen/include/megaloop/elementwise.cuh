@@ -40,6 +40,20 @@ __device__ __forceinline__ At<T, S...> at(T* p) {
     return {p};
 }
 
+// an operand a tile does without (a norm's weight, bias or residual; attention's positions, lengths)
+struct Absent {
+    __device__ __forceinline__ void pack(int, int) {}
+};
+template <class A> struct is_present { static constexpr bool value = true; };
+template <> struct is_present<Absent> { static constexpr bool value = false; };
+
+// an operand's stride along Axis (0 for Absent)
+template <int K, i64 A, i64... R> struct nth_of : nth_of<K - 1, R...> {};
+template <i64 A, i64... R> struct nth_of<0, A, R...> { static constexpr i64 value = A; };
+template <int Axis, class A> struct stride_along { static constexpr i64 value = 0; };
+template <int Axis, class T, i64... S> struct stride_along<Axis, At<T, S...>> : nth_of<Axis, S...> {};
+template <int Axis, class A> inline constexpr i64 stride_of = stride_along<Axis, A>::value;
+
 // An input's U values of the packed path in flight: whole packs where it moves along the last axis
 // (stride 1 there), one value a row where it does not
 template <class A, int W, int U, bool Vec = A::inner == 1>

@@ -13,22 +13,11 @@ namespace ml {
 
 enum RowOp : int { ROW_SOFTMAX, ROW_LOG_SOFTMAX, ROW_LAYERNORM, ROW_RMSNORM };
 
-// an operand a norm does without (its weight, bias or residual)
-struct Absent {
-    __device__ __forceinline__ void pack(int, int) {}
-};
-template <class A> struct is_present { static constexpr bool value = true; };
-template <> struct is_present<Absent> { static constexpr bool value = false; };
 template <class A>
 __device__ __forceinline__ bool aligned_operand(const A& a, int w) {
     if constexpr (is_present<A>::value) return aligned(a.p, w * (int)sizeof(typename A::type));
     else return true;
 }
-
-template <int K, i64 A, i64... R> struct nth_of : nth_of<K - 1, R...> {};
-template <i64 A, i64... R> struct nth_of<0, A, R...> { static constexpr i64 value = A; };
-template <int Axis, class A> struct stride_along { static constexpr i64 value = 0; };  // (Absent)
-template <int Axis, class T, i64... S> struct stride_along<Axis, At<T, S...>> : nth_of<Axis, S...> {};
 
 // the offset of an operand's row: its strides over every axis but the row's
 template <int Axis, class A>
