@@ -40,6 +40,12 @@ __device__ __forceinline__ At<T, S...> at(T* p) {
     return {p};
 }
 
+// an operand's stride along Axis (0 for one that is not an At: rows.cuh's Absent)
+template <int K, i64 A, i64... R> struct nth_of : nth_of<K - 1, R...> {};
+template <i64 A, i64... R> struct nth_of<0, A, R...> { static constexpr i64 value = A; };
+template <int Axis, class A> struct stride_along { static constexpr i64 value = 0; };  // (Absent)
+template <int Axis, class T, i64... S> struct stride_along<Axis, At<T, S...>> : nth_of<Axis, S...> {};
+
 // An input's U values of the packed path in flight: whole packs where it moves along the last axis
 // (stride 1 there), one value a row where it does not
 template <class A, int W, int U, bool Vec = A::inner == 1>
