@@ -189,7 +189,7 @@ def model_sincos_reduced(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def model_angle(pos: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sin, cos (float32) of pos * inv as the kernel's ``angle`` lambda computes them."""
+    """sin, cos (float32) of pos * inv as the kernel's ``ml::rope_angle`` computes them."""
     ang = pos.astype(np.float64)[..., None] * inv  # the reference's own product
     # k: fma(ang, 2/pi, 1.5 * 2^52) - 1.5 * 2^52, the exact product rounded to an integer (ties aside)
     p, e = _two_prod(ang, 2 / math.pi)
