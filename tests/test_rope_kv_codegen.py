@@ -32,10 +32,9 @@ from tests.helpers import assert_close, tolerance
 from tests.op_table import rope_ref
 
 F32 = np.float32
-# The kernel's constants (megaloop/rope.cuh, rope_angle), which the numpy model below uses too: sin(r)
-# and cos(r) for |r| <= pi/4 in float32 are Cephes' sinf/cosf minimax polynomials (short, branch-free,
-# without sincosf's large-argument path); pi/2 in two doubles (Cody-Waite: k quarter turns come off with
-# an error of k * 6e-33); 1.5 * 2^52, whose addition rounds a float64 below 2^51 to an integer.
+# rope.cuh's constants, for the numpy model: Cephes' sinf/cosf polynomials for |r| <= pi/4 (branch-free,
+# no large-argument path), pi/2 in two doubles (k quarter turns come off with an error of k * 6e-33),
+# and 1.5 * 2^52 (adding it rounds a float64 below 2^51 to an integer).
 ROPE_SIN = (-1.95152959e-4, 8.33216087e-3, -1.66666546e-1)
 ROPE_COS = (2.44331571e-5, -1.38873163e-3, 4.16666457e-2)
 PIO2_HI = math.pi / 2

@@ -6,11 +6,9 @@
 
 namespace ml {
 
-// Rows of nw into the cache slab of the task's (batch, head), at their positions, copied bit for bit
-// in packs of W elements along Dim (U packs and their positions loaded by a thread before it stores
-// any: a store may alias the next load), or element by element where W is 0 or a pointer unaligned.
-// A position outside [0, S) is reported (DATA) and never written; a negative one is skipped where
-// SkipNegative (kv_cache_update's ignore_negative).
+// Rows of nw into the task's cache slab at their positions, bit for bit: packs of W (U loaded before any
+// is stored: a store may alias the next load), else element by element. A position outside [0, S) is
+// reported (DATA) and not written; where SkipNegative (ignore_negative) a negative one writes nothing.
 template <i64 S, int Tokens, int Dim, bool SkipNegative, int W, int U, class O, class N, class P>
 __device__ __forceinline__ void kv_update(const Args& a, const Task& t, int tid, O out, N nw, P pos) {
     using T = typename O::type;
@@ -67,11 +65,9 @@ __device__ __forceinline__ void kv_update(const Args& a, const Task& t, int tid,
     }
 }
 
-// rope_kv_cache_update: the rows of nw of the task's (batch, head), each rotary pair turned at its
-// token's position with rope's formula (the same fmas, so the same bits as rope's output) and stored
-// at that position of the cache slab, dims past RD copied bit for bit. An item is a rotary pair or a
-// dim copied; a thread loads U items (with their positions) before it stores any. A position outside
-// [0, S) is reported (DATA), never written, and ends the thread's part of the task.
+// rope_kv_cache_update: kv_update's rows with each rotary pair turned by rope's fmas (rope's bits), dims
+// past RD copied bit for bit; U items (a pair or a dim) loaded before any is stored. A position outside
+// [0, S) is reported (DATA), not written, and ends the thread's part of the task.
 template <i64 S, int Tokens, int Dim, int RD, bool Neox, int U, class O, class N, class P>
 __device__ __forceinline__ void rope_kv_update(const Args& a, const Task& t, int tid, const double* inv_freq, O out,
                                                N nw, P pos) {

@@ -102,11 +102,9 @@ __device__ __forceinline__ void rope_item(TO* o, int j, double pv, const double*
     }
 }
 
-// rope's per-pair path over whole rows of HD: an item is a pack of W elements of a row and its
-// partners (neox: the pack at j*W and the one at RD/2 + j*W; interleaved: one pack); items past the
-// rotary dims copy a pack. A thread loads its U items (x and position) before it computes and stores
-// any (a store may alias the next load). False, having done nothing, where the box is not whole rows,
-// a pointer is not aligned or the items reach 2^31 (32-bit index arithmetic).
+// rope's per-pair path over whole rows: U items a thread (a pack of a row and its partner pack) loaded
+// before any is stored, as a store may alias the next load. False, having done nothing, where the box
+// is not whole rows, a pointer is unaligned or the items reach 2^31 (32-bit index arithmetic).
 template <int HD, int RD, bool Neox, int W, int U, unsigned Moving, class O, class X, class P>
 __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq, O out, X x, P pos) {
     using T = typename X::type;
@@ -115,6 +113,7 @@ __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq
     constexpr int ROT_ITEMS = ROTATED / W, ITEMS = (ROTATED + HD - RD) / W;  // per row
     constexpr int OUTER = lowest_bit<Moving>::value;  // the outermost axis that moves
     static_assert(X::inner == 1 && O::inner == 1, "rope: packs along a contiguous last axis");
+    static_assert(Neox || W % 2 == 0, "rope: interleaved packs hold whole pairs");
     const int lo = t.lo[last], hi = t.hi[last];  // (both read before either is tested: one branch)
     // (nested, not early returns: those made ptxas add a BSSY/BREAK pair around the loop)
     if (lo == 0 && hi == HD && aligned(x.p, W * (int)sizeof(T)) && aligned(out.p, W * (int)sizeof(TO))) {
@@ -172,10 +171,9 @@ __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq
     return false;
 }
 
-// out[d] = x[d] cos - x[p] sin and out[p] = x[p] cos + x[d] sin for each pair (d, p) of the first RD
-// dims (neox: d, d + RD/2; interleaved: 2f, 2f + 1), float32 fmas at the angle pos * inv_freq[f],
-// dims past RD copied. The per-pair path (W > 0) where it applies, else element by element (the same
-// values). pos is in the index space of x's leading axes; Moving: see lead_offset.
+// out[d] = x[d] cos - x[p] sin, out[p] = x[p] cos + x[d] sin for each pair (d, p) of the first RD dims
+// (neox: d, d + RD/2; interleaved: 2f, 2f + 1) at angle pos * inv_freq[f], dims past RD copied; the
+// per-pair path (W > 0) where it applies, else element by element. pos over x's leading axes.
 template <int HD, int RD, bool Neox, int W, int U, unsigned Moving, class O, class X, class P>
 __device__ __forceinline__ void rope(const Task& t, const double* inv_freq, O out, X x, P pos) {
     constexpr int N = X::rank, HALF = RD / 2;
