@@ -262,9 +262,9 @@ def _bool(flag: bool) -> str:
 
 
 def rope_frequencies(attrs: dict[str, Any]) -> str:
-    """C++: rope's frequencies (rotary_dim / 2 of them, float64) as the table ``inv_freq``. Static: one
-    table in global memory; a plain local constexpr array indexed at run time was copied into every
-    thread's local memory on every call (64 stores a thread per tile)."""
+    """C++: rope's frequencies (rotary_dim / 2 of them, float64) as the table ``inv_freq``, static: one
+    table in global memory (a local constexpr array indexed at run time is copied into each thread's
+    local memory on every call, 64 stores a thread a tile)."""
     inv = inv_frequencies(attrs["rotary_dim"], attrs["theta"], attrs["scaling"])
     return f"static constexpr double inv_freq[{len(inv)}] = {{{', '.join(double_literal(v) for v in inv)}}};"
 
