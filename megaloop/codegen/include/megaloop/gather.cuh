@@ -7,12 +7,13 @@ namespace ml {
 
 // out[..., d] = table[ids[...], d]: the table's rows in packs of W (U a thread in flight, each with
 // its id) where W > 0 and the box and pointers are aligned, else element by element. An id outside
-// [0, V) is passed to ``bad`` (a data error) and its elements are not written.
-template <i64 V, int W, int U, class Bad, class O, class Table, class Ids>
-__device__ __forceinline__ void embedding(const Task& t, Bad bad, O out, Table table, Ids ids) {
+// [0, V) is reported (a data error naming it) and its elements are not written.
+template <i64 V, int W, int U, class O, class Table, class Ids>
+__device__ __forceinline__ void embedding(const Args& a, const Task& t, int tid, O out, Table table, Ids ids) {
     constexpr int N = O::rank;
     using T = typename O::type;
     static_assert(Table::rank == 2 && Ids::rank == N - 1, "embedding: a 2-D table, ids of out's leading axes");
+    const auto bad = [&](i64 id) { fail(a, DATA, blockIdx.x, tid, t.op, id, V, 0, 0); };
     if constexpr (W > 0) {
         Pack<T, W> row[U];
         i64 id[U];

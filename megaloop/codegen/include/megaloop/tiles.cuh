@@ -1,7 +1,9 @@
 // megaloop/tiles.cuh: the tile templates the generated tile functions instantiate (emit*.py).
 #pragma once
 #include "megaloop/elementwise.cuh"
+#include "megaloop/cache.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
 #include "megaloop/rows.cuh"
 #include "megaloop/reduce.cuh"
+#include "megaloop/rope.cuh"
