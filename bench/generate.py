@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench.common import resident_seconds, time_torch, write
 from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
-from megaloop.models.llama import Fusions, auto_kv_splits
+from megaloop.models.llama import DECODE_FUSIONS, Fusions, auto_kv_splits
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -152,10 +152,10 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
-    ap.add_argument("--fusions", default="", help="the generator's Fusions, e.g. norms,swiglu (default: none)")
+    ap.add_argument("--fusions", default="", help="the generator's Fusions: swiglu, none, ... (default: both)")
     ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
     args = ap.parse_args()
-    fusions = Fusions.parse(args.fusions)
+    fusions = Fusions.parse(args.fusions) if args.fusions else DECODE_FUSIONS
     options = KernelOptions(**json.loads(args.options))
     preset, name = SHAPES[args.shape]
     base = PRESETS[preset]

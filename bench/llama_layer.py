@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import megaloop as ml
 from bench.common import matmul_tiles, resident_seconds, time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS, Fusions, auto_kv_splits, decoder_layer_parts
+from megaloop.models.llama import DECODE_FUSIONS, Fusions, auto_kv_splits, decoder_layer_parts
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -82,7 +82,7 @@ def layer_config(hidden: int, tokens: int) -> LlamaConfig:
 
 
 def dependent_decode_graph(
-    cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None, fusions: Fusions = NO_FUSIONS
+    cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None, fusions: Fusions = DECODE_FUSIONS
 ) -> ml.Graph:
     """The decode step of build_llama (one layer, the final norm) with ``hidden`` a state that each
     step's output replaces (in place: the final norm writes it, no copy); x0 [sequences, 1, hidden].

@@ -17,7 +17,7 @@ import numpy as np
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
-from megaloop.models.llama import Fusions
+from megaloop.models.llama import DECODE_FUSIONS, Fusions
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -41,9 +41,9 @@ VARIANTS = {
     "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
     # small ops made by the projections' tiles (megaloop.models.llama.Fusions): the norms (rmsnorm_linear
     # tiles norming their own rows), silu(gate) * up in the gate/up tiles' epilogue (swiglu_linear), both
+    "apart": {"fusions": "none"},
     "norms_inside": {"fusions": "norms"},
     "swiglu": {"fusions": "swiglu"},
-    "fused": {"fusions": "norms,swiglu"},
     "default_again": {},
 }
 
@@ -56,7 +56,8 @@ def step_us(hidden: int, variant: dict) -> float:
     params = random_parameters(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
     options = KernelOptions(**variant.get("options", {}))
-    graph = dependent_decode_graph(cfg, x, "auto", Fusions.parse(variant.get("fusions", "")))
+    fusions = Fusions.parse(variant["fusions"]) if "fusions" in variant else DECODE_FUSIONS
+    graph = dependent_decode_graph(cfg, x, "auto", fusions)
     plan = make_plan(graph, processors=132, tiles=tiles, options=options)
     with LoopKernel(plan, params) as k:
         k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)

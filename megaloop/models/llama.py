@@ -164,7 +164,7 @@ class Fusions:
     """Which small ops of a decode step (a few rows a sequence) the projections' tiles make themselves,
     so that they are no stage of their own: ``norms``, each rmsnorm inside the projections that follow
     it (rmsnorm_linear, swiglu_linear); ``swiglu``, silu(gate) * up in the gate and up projections'
-    epilogue (swiglu_linear). Measured: docs/runtime.md ("Step 2")."""
+    epilogue (swiglu_linear). The builders make both (DECODE_FUSIONS): docs/runtime.md ("Step 2")."""
 
     norms: bool = False
     swiglu: bool = False
@@ -180,6 +180,7 @@ class Fusions:
 
 
 NO_FUSIONS = Fusions()  # every small op a stage of its own
+DECODE_FUSIONS = Fusions(norms=True, swiglu=True)  # 1109 against 1183 us a token (bench/results/generate.json)
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ def decoder_layer_parts(
     positions: Tensor,
     layer: int,
     kv_splits: int | str | None = "auto",
-    fusions: Fusions = NO_FUSIONS,
+    fusions: Fusions = DECODE_FUSIONS,
 ) -> tuple[Tensor, Tensor]:
     """The layer on the residual stream ``x + update`` (``x`` alone when ``update`` is None), returned
     the same way: ``(h, mlp)`` whose sum is the layer's output. Each norm takes the stream's last
@@ -340,7 +341,7 @@ def build_llama(
     name: str = "llama",
     *,
     kv_splits: int | str | None = "auto",
-    fusions: Fusions = NO_FUSIONS,
+    fusions: Fusions = DECODE_FUSIONS,
 ) -> Graph:
     """One step of the model for ``tokens`` new tokens per sequence. ``kv_splits`` splits each
     attention's cache into that many key ranges computed by separate tiles (decode over a long cache);
@@ -384,12 +385,12 @@ def build_llama_prefill(
     positions = g.input("positions", (batch, tokens), "int64")
     ids = g.input("tokens", (batch, tokens), "int64")
     last = g.input("last", (batch,), "int64")
-    x, update = _decoder(g, cfg, ids, positions, kv_splits)
+    x, update = _decoder(g, cfg, ids, positions, kv_splits, NO_FUSIONS)  # (many rows: nothing to fuse)
     with g.scope("head"):
         stream = x if update is None else x + update
         rows = last + g.constant(np.arange(batch, dtype=np.int64) * tokens, "int64", name="row_starts")
         picked = ops.embedding(stream.reshape(batch * tokens, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
-    g.output("logits", _head(g, cfg, picked, None))
+    g.output("logits", _head(g, cfg, picked, None, NO_FUSIONS))
     return g
 
 
@@ -415,7 +416,7 @@ def build_llama_generator(
     argmax_splits: int | str | None = "auto",
     sampling: bool = False,
     eos_ids: Sequence[int] = (),
-    fusions: Fusions = NO_FUSIONS,
+    fusions: Fusions = DECODE_FUSIONS,
 ) -> Graph:
     """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
@@ -480,7 +481,7 @@ def _model(
 
 
 def _decoder(
-    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions = NO_FUSIONS
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions
 ) -> tuple[Tensor, Tensor | None]:
     """Embedding (when ``x`` holds token ids) and the decoder layers: the residual stream as
     ``(x, update)``, whose sum it is (decoder_layer_parts)."""
@@ -492,7 +493,7 @@ def _decoder(
     return x, update
 
 
-def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None, fusions: Fusions = NO_FUSIONS) -> Tensor:
+def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None, fusions: Fusions) -> Tensor:
     """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
     norm = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
     if cfg.vocab is None:
