@@ -21,6 +21,7 @@ import numpy as np
 
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator
+from megaloop.models.llama import NO_FUSIONS
 from megaloop.parallel.cost import H200, Machine
 from megaloop.parallel.predict import predict_step
 
@@ -46,7 +47,9 @@ def cases() -> list[Case]:
         for key, (b, t) in (("decode", (1, 1)), ("decode_batch4", (4, 1)), ("prefill512", (1, 512))):
             m = layer[f"hidden{hidden}_{key}"]
             us = m.get("loop_kernel_dependent_us", m["loop_kernel_us"])
-            out.append((f"layer {hidden} {key}", lambda h=hidden, b=b, t=t: [build_llama(_layer_config(h), b, t)], us))
+            # measured with every small op a stage of its own (bench/results/llama_layer.json)
+            build = lambda h=hidden, b=b, t=t: [build_llama(_layer_config(h), b, t, fusions=NO_FUSIONS)]
+            out.append((f"layer {hidden} {key}", build, us))
     gen = _load("generate")
     from megaloop.cli import PRESETS
 

@@ -89,11 +89,13 @@ def test_a_llama_decode_step_streams_every_projection_through_the_ring() -> None
     plan = make_plan(build_llama(cfg, 1, 1), processors=16)
     prog = generate(plan)
     rp = plan.ranks[0]
-    matmuls = {op.id for op in rp.ops if op.op in ("matmul", "rmsnorm_linear")}  # (the weight: operand 1)
+    # (the weight: operand 1; swiglu_linear's up, operand 2, follows it)
+    matmuls = {op.id for op in rp.ops if op.op in ("matmul", "rmsnorm_linear", "swiglu_linear")}
     assert ring_ops(prog) == matmuls, sorted(op.name for op in rp.ops if op.id in matmuls - ring_ops(prog))
     replay_ring(plan, prog)
     total = sum(int(c["rows"]) for c in prog.ring_chunks)
-    want = sum(rp.tensors[op.inputs[1]].shape[0] for op in rp.ops if op.id in matmuls)
+    weights = [w for op in rp.ops if op.id in matmuls for w in op.inputs[1 : 3 if op.op == "swiglu_linear" else 2]]
+    want = sum(rp.tensors[w].shape[0] for w in weights)
     assert total == want, (total, want)
 
 
