@@ -23,7 +23,7 @@ def rmsnorm_linear(
     hints = attrs["codegen"]
     mm = {**AS_MATMUL, "codegen": hints}
     body = pointers([*ins, out], len(ins))
-    if not _packed(hints, x, w, g, res, out):
+    if not packed_rows(hints, x, [w], g, res, out):
         return body + _elements(attrs, x, res, w, g, out), 0, None
     ring = ring_stream(mm, x, w, out)
     pieces = x.shape[-1] * x.dtype.itemsize // 16
@@ -39,22 +39,29 @@ def rmsnorm_linear(
         f"ml::Pack<{x.ctype}, {16 // x.dtype.itemsize}>* stage = reinterpret_cast<ml::Pack<{x.ctype}, "
         f"{16 // x.dtype.itemsize}>*>(ml_smem4);",
     ]
-    shared = rows * pieces * 16 + -(-rows * hints["warps"] * 4 // 16) * 16  # the rows, then the warps' sums
+    shared = norm_stage_bytes(rows, pieces, hints["warps"])
     return body + stage + matvec_call(mm, x, w, out, ring, policy), shared, ring
 
 
-def _packed(hints: dict[str, Any], x: Operand, w: Operand, g: Operand, res: Operand | None, out: Operand) -> bool:
+def packed_rows(
+    hints: dict[str, Any], x: Operand, weights: list[Operand], g: Operand | None, res: Operand | None, out: Operand
+) -> bool:
     """Whole 16-byte pieces: K-contiguous rows starting on 16 bytes, no batch axes, few rows a tile."""
     size = x.dtype.itemsize
-    rows = [x, w] + ([res] if res else [])
+    rows = [x, *weights] + ([res] if res else [])
     return bool(
         hints.get("aligned")
         and math.prod(out.shape[:-2]) == 1
         and all(t.strides[-1] == 1 and (t.strides[-2] * size) % 16 == 0 for t in rows)
-        and g.strides[-1] == 1
+        and (g is None or g.strides[-1] == 1)
         and (x.shape[-1] * size) % 16 == 0
         and 1 <= hints.get("tile", (0, 0))[0] <= RING_MAX_ROWS
     )
+
+
+def norm_stage_bytes(rows: int, pieces: int, warps: int) -> int:
+    """ml::NormedRows's shared memory: the tile's normed rows, then the warps' sums of squares."""
+    return rows * pieces * 16 + -(-rows * warps * 4 // 16) * 16
 
 
 def _row_offset(t: Operand, nd: int) -> str:

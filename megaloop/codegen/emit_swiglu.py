@@ -6,12 +6,11 @@ layout takes a warp an output element (ml::swiglu_elements)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from megaloop.codegen.emit import Operand, float_literal, pointers
-from megaloop.codegen.emit_matmul import RING_MAX_ROWS, RUN_COLUMNS, matvec_rows, ring_stream
-from megaloop.codegen.emit_norm_linear import _row_offset
+from megaloop.codegen.emit_matmul import RUN_COLUMNS, matvec_rows, ring_stream
+from megaloop.codegen.emit_norm_linear import _row_offset, norm_stage_bytes, packed_rows
 
 AS_MATMUL = {"transpose_a": False, "transpose_b": True}
 Ring = tuple[int, int, int]
@@ -24,7 +23,7 @@ def swiglu_linear(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tu
     res = ins[4] if len(ins) > 4 else None
     hints = attrs["codegen"]
     body = pointers([*ins, out], len(ins))
-    if not _packed(hints, x, gate, up, norm, res, out):
+    if not packed_rows(hints, x, [gate, up], norm, res, out):
         return body + _elements(attrs, x, gate, up, norm, res, out), 0, []
     mm = {**AS_MATMUL, "codegen": hints}
     rings = [ring_stream(mm, x, w, out) for w in (gate, up)]
@@ -52,7 +51,7 @@ def swiglu_linear(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tu
             f"ml::NormedRows<{ct}, {pieces}, {rows}, {'true' if res else 'false'}> rows{{in0 + ab, {a_step}, "
             f"{residual}, in3, {float_literal(attrs['eps'])}, stage}};",
         ]
-        stage_bytes = rows * pieces * 16 + -(-rows * hints["warps"] * 4 // 16) * 16  # the rows, the warps' sums
+        stage_bytes = norm_stage_bytes(rows, pieces, hints["warps"])
     lines.append(f"rows.prepare(nr, {pieces});")
     for w, operand, sums in ((gate, 1, "gate_sums"), (up, 2, "up_sums")):
         w_step = w.strides[0] * w.dtype.itemsize
@@ -77,28 +76,6 @@ def swiglu_linear(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tu
         f"[&](int r, int c, float v) {{ ml::store(o + (ml::i64)r * {o_row} + (ml::i64)c * {o_col}, v); }});",
     ]
     return body + lines, sums_bytes + stage_bytes, streams  # type: ignore[return-value]
-
-
-def _packed(
-    hints: dict[str, Any],
-    x: Operand,
-    gate: Operand,
-    up: Operand,
-    norm: Operand | None,
-    res: Operand | None,
-    out: Operand,
-) -> bool:
-    """Whole 16-byte pieces: K-contiguous rows starting on 16 bytes, no batch axes, few rows a tile."""
-    size = x.dtype.itemsize
-    rows = [x, gate, up] + ([res] if res else [])
-    return bool(
-        hints.get("aligned")
-        and math.prod(out.shape[:-2]) == 1
-        and all(t.strides[-1] == 1 and (t.strides[-2] * size) % 16 == 0 for t in rows)
-        and (norm is None or norm.strides[-1] == 1)
-        and (x.shape[-1] * size) % 16 == 0
-        and 1 <= hints.get("tile", (0, 0))[0] <= RING_MAX_ROWS
-    )
 
 
 def _elements(
