@@ -1,5 +1,5 @@
 """Reductions over long contiguous runs (the argmax over a Llama vocabulary of logits, sums over long
-rows) take the whole block per output element (megaloop.codegen.emit_reduce._block_reduction) instead of a
+rows) take the whole block per output element (ml::reduce_block, megaloop/reduce.cuh) instead of a
 warp: which path each case takes, that the kernel compiles without spills, and (GPU) that every case
 matches numpy in float64, argmax ties and NaNs included. The same graph runs on the CPU reference."""
 

@@ -3,3 +3,5 @@
 #include "megaloop/elementwise.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
+#include "megaloop/rows.cuh"
+#include "megaloop/reduce.cuh"

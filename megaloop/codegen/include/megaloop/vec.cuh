@@ -74,7 +74,7 @@ template <class T, int N, class V>
 __device__ __forceinline__ void set(Pack<T, N>& p, int i, V value) { store(&p.v[i], value); }
 
 // a + b element by element, each sum rounded to T as storing it would round it: a norm's row plus its
-// residual, the values an add op would have stored (megaloop/codegen/emit_rows.py)
+// residual, the values an add op would have stored (megaloop/rows.cuh)
 template <class T, int N>
 __device__ __forceinline__ Pack<T, N> add_rounded(const Pack<T, N>& a, const Pack<T, N>& b) {
     Pack<T, N> s;
