@@ -10,7 +10,7 @@
 # kernel, exit and collection, a killed compile, leaks over 100 kernels and 10,000 runs, memmap upload);
 # `all` and `tests` run them too, as a selection of their own (RUNTIME_TIMEOUT bounds it, 540 s).
 # `gpu_check.sh v2` runs loop kernel v2's open measurements: GPU generate/op/layer tests, decode_variants
-# (DECODE_VARIANTS), bench.generate for GENERATE_SHAPES ("1b 8b"; GENERATE_ARGS e.g. --skip-transformers).
+# (DECODE_VARIANTS; empty: none), the generate1b profile when PROFILE_GENERATE=1, bench.generate for GENERATE_SHAPES ("1b 8b"; GENERATE_ARGS e.g. --skip-transformers).
 # `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE_SLOTS_DELAYS ...",
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
@@ -70,8 +70,14 @@ if [ "$what" = v2 ]; then  # loop kernel v2's open measurements (docs/runtime.md
   # correctness first: the generator against transformers, the op table and the layers against the reference
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_generate.py tests/test_gpu.py -m gpu \
     -k "generate or every_op or benchmark_layers" 2>&1 | tail -n 15 | tee -a "$OUT/gpu_check.log" || status=1
-  timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default norms_inside default_again} 2>&1 \
-    | tee -a "$OUT/gpu_check.log" || status=1
+  if [ -n "${DECODE_VARIANTS-x}" ]; then  # DECODE_VARIANTS= (empty) skips them
+    timeout "$bench_timeout" python3 scripts/decode_variants.py ${DECODE_VARIANTS:-default norms_inside default_again} 2>&1 \
+      | tee -a "$OUT/gpu_check.log" || status=1
+  fi
+  if [ -n "${PROFILE_GENERATE:-}" ]; then  # the generation step's per-op windows (layer 3) and critical path
+    OUT="$OUT/generate1b" timeout "$bench_timeout" python3 scripts/profile_cases.py generate1b 2>&1 \
+      | grep -v -E 'layers\.([0-24-9]|1[0-5])\.' | tee -a "$OUT/gpu_check.log" || status=1
+  fi
   for shape in ${GENERATE_SHAPES:-1b 8b}; do
     timeout "$bench_timeout" python3 -m bench.generate --shape "$shape" ${GENERATE_ARGS:-} 2>&1 | tail -n 12 \
       | tee -a "$OUT/gpu_check.log" || status=1
