@@ -7,38 +7,10 @@
 // box and pointers are aligned.
 #pragma once
 #include "megaloop/loop.cuh"
+#include "megaloop/at.cuh"
 #include "megaloop/vec.cuh"
 
 namespace ml {
-
-template <class T> struct unconst { using type = T; };
-template <class T> struct unconst<const T> { using type = T; };
-template <i64... S> struct first_of { static constexpr i64 value = 0; };
-template <i64 A, i64... R> struct first_of<A, R...> { static constexpr i64 value = A; };
-template <i64... S> struct last_of { static constexpr i64 value = 0; };
-template <i64 A> struct last_of<A> { static constexpr i64 value = A; };
-template <i64 A, i64 B, i64... R> struct last_of<A, B, R...> : last_of<B, R...> {};
-
-// a pointer and its strides in the output's index space, one per output axis
-template <class T, i64... S>
-struct At {
-    using type = typename unconst<T>::type;
-    static constexpr int rank = sizeof...(S);
-    static constexpr i64 outer = first_of<S...>::value;  // the first axis's stride
-    static constexpr i64 inner = last_of<S...>::value;  // the last axis's stride
-    T* p;
-    // sum(i[d] * stride[d]) over the axes that move
-    __device__ __forceinline__ i64 offset(const int* i) const {
-        i64 o = 0;
-        int d = 0;
-        ((o += S != 0 ? (i64)i[d] * S : 0, ++d), ...);
-        return o;
-    }
-};
-template <i64... S, class T>
-__device__ __forceinline__ At<T, S...> at(T* p) {
-    return {p};
-}
 
 // An input's U values of the packed path in flight: whole packs where it moves along the last axis
 // (stride 1 there), one value a row where it does not

@@ -25,11 +25,6 @@ __device__ __forceinline__ bool aligned_operand(const A& a, int w) {
     else return true;
 }
 
-template <int K, i64 A, i64... R> struct nth_of : nth_of<K - 1, R...> {};
-template <i64 A, i64... R> struct nth_of<0, A, R...> { static constexpr i64 value = A; };
-template <int Axis, class A> struct stride_along { static constexpr i64 value = 0; };  // (Absent)
-template <int Axis, class T, i64... S> struct stride_along<Axis, At<T, S...>> : nth_of<Axis, S...> {};
-
 // the offset of an operand's row: its strides over every axis but the row's
 template <int Axis, class A>
 __device__ __forceinline__ i64 row_offset(const A&, const int* i) {
