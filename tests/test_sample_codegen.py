@@ -20,7 +20,7 @@ import pytest
 import megaloop as ml
 from megaloop.codegen import generate
 from megaloop.codegen.emit import Operand
-from megaloop.codegen.emit_sample import DATA_KIND, tile
+from megaloop.codegen.emit_sample import CHUNKS, DATA_KIND, tile
 from megaloop.frontend.ops._sampling import EXP2_COEFFS, LOG2E
 from megaloop.frontend.ops.sample import sample_tokens
 from megaloop.frontend.tiling import Box
@@ -37,6 +37,7 @@ def test_the_header_uses_the_definitions_constants() -> None:
     for c in (*EXP2_COEFFS, LOG2E):
         assert f"0x{int(np.float32(c).view(np.uint32)):08x}u" in text, c
     assert "0x9E3779B9u" in text and "0xD2511F53u" in text and "WEIGHT_BITS = 40" in text
+    assert f"DATA_KIND = {DATA_KIND};" in text and f"CHUNKS = {CHUNKS};" in text  # emit_sample's mirrors
 
 
 def sample_graph(cases: list[tuple[tuple[int, ...], str, int | None]]) -> ml.Graph:
