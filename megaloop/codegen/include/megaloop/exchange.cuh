@@ -5,10 +5,10 @@
 // A pulled tile reads its box of every member's operand straight from that rank's arena (peer memory
 // over NVLink) and combines in group order, so every rank computes bitwise the same values.
 //
-// A pushing all_reduce: member `me` of a group of G stores its box of x into every other member's inbox, then sums the
-// G boxes in rank order (x's own box for itself, the inbox for the others): the members meet in the
-// tile. The inbox of one op has the same layout on every member (megaloop/codegen/exchange.py);
-// off[2 + g] is member g's, in the arena of rank ranks[g]:
+// A pushing all_reduce: member `me` of a group of G stores its box of x into every other member's
+// inbox, then sums the G boxes in rank order (x's own box for itself, the inbox for the others): the
+// members meet in the tile. The inbox of one op has the same layout on every member
+// (megaloop/codegen/exchange.py); off[2 + g] is member g's, in the arena of rank ranks[g]:
 //
 //   slot (parity, sender, tile): two slots per sender and tile, by iteration parity, so that a
 //   sender may already write iteration k + 1's box while a receiver still reads iteration k's
@@ -138,7 +138,7 @@ __device__ __forceinline__ u64* inbox_flag(const Args& a, const int (&ranks)[G],
 // LINES lines each. Every thread hands over its lines first, then waits for the others' same lines.
 template <class T, int G, bool SUM, int TILES, int LINES>
 __device__ inline void push_ll(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
-                                          const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+                               const int (&ranks)[G], int me, const T* x, T* out, int elements) {
     static_assert(8 % sizeof(T) == 0, "a line holds whole elements");
     constexpr i64 SLOT = (i64)LINES * 16;
     const u32 flag = (u32)k + 1u;
@@ -176,7 +176,7 @@ __device__ inline void push_ll(const Args& a, const Task& t, int tid, u64 k, int
 // Slots of BYTES bytes; the flags ((G - 1) x TILES u64) after all slots.
 template <class T, int G, bool SUM, int TILES, int BYTES, int CHUNK>
 __device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
-                                            const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+                                 const int (&ranks)[G], int me, const T* x, T* out, int elements) {
     static_assert(CHUNK % 16 == 0, "chunks of whole 16-byte packs");
     constexpr int N = 16 / sizeof(T);
     constexpr int CHUNKS = (BYTES + CHUNK - 1) / CHUNK;
