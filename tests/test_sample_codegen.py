@@ -20,7 +20,7 @@ import pytest
 import megaloop as ml
 from megaloop.codegen import generate
 from megaloop.codegen.emit import Operand
-from megaloop.codegen.emit_sample import DATA_KIND, tile
+from megaloop.codegen.emit_sample import CHUNKS, DATA_KIND, tile
 from megaloop.frontend.ops._sampling import EXP2_COEFFS, LOG2E
 from megaloop.frontend.ops.sample import sample_tokens
 from megaloop.frontend.tiling import Box
@@ -28,6 +28,7 @@ from megaloop.plan import make_plan
 from megaloop.runtime.compile import INCLUDE, compile_cubin, spills
 
 HEADER = INCLUDE / "megaloop" / "sample.cuh"
+AT = INCLUDE / "megaloop" / "at.cuh"  # the tiles' operands (ml::At)
 F32 = np.float32
 
 
@@ -36,6 +37,7 @@ def test_the_header_uses_the_definitions_constants() -> None:
     for c in (*EXP2_COEFFS, LOG2E):
         assert f"0x{int(np.float32(c).view(np.uint32)):08x}u" in text, c
     assert "0x9E3779B9u" in text and "0xD2511F53u" in text and "WEIGHT_BITS = 40" in text
+    assert f"DATA_KIND = {DATA_KIND};" in text and f"CHUNKS = {CHUNKS};" in text  # emit_sample's mirrors
 
 
 def sample_graph(cases: list[tuple[tuple[int, ...], str, int | None]]) -> ml.Graph:
@@ -57,8 +59,8 @@ def test_sample_kernels_compile_without_spills() -> None:
     cases = [((2, 1, 128256), "bfloat16", 126), ((5,), "float16", None)]
     program = generate(make_plan(sample_graph(cases), processors=16))
     src = program.source
-    assert '#include "megaloop/sample.cuh"' in src and src.count("ml::smp::sample_row<") == 1
-    assert src.count("ml::smp::sample_range<") == 1 and src.count("ml::smp::sample_combined<") == 1
+    assert '#include "megaloop/sample.cuh"' in src and src.count("ml::smp::sample_tile<") == 1
+    assert src.count("ml::smp::sample_partial_tile<") == 1 and src.count("ml::smp::sample_combine_tile<") == 1
     assert program.shared_bytes <= 12 * 1024, program.shared_bytes
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
@@ -185,6 +187,7 @@ template <int N> inline void box_index(const Task& t, int e, int* i) {
     }
 }
 }  // namespace ml
+#include "AT_HEADER"
 #include "HEADER"
 void tile(const ml::Args& a, const ml::Task& t, int tid, const ml::i64* off) {
 BODY
@@ -276,7 +279,8 @@ def build_tile(body: list[str], tmp_path: Path, header: str | None = None, extra
         path.write_text(header)
     k = len(list(tmp_path.glob("*.so")))
     src = tmp_path / f"tile{k}.cpp"
-    src.write_text(SHIM.replace("HEADER", str(path)).replace("BODY", "\n".join("    " + line for line in body)) + extra)
+    shim = SHIM.replace("AT_HEADER", str(AT)).replace("HEADER", str(path))
+    src.write_text(shim.replace("BODY", "\n".join("    " + line for line in body)) + extra)
     lib = tmp_path / f"tile{k}.so"
     subprocess.run(
         ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)],

@@ -84,10 +84,6 @@ def pointers(operands: Sequence[Operand], n_inputs: int) -> list[str]:
     return lines
 
 
-def box_var(n: int) -> str:
-    return str(max(n, 0))
-
-
 # ---- templates ------------------------------------------------------------------------------------
 
 
@@ -154,64 +150,6 @@ def _elementwise_packs(ins: list[Operand], out: Operand, hints: dict[str, int]) 
         # (up to 46 KB for a silu) is fetched into the instruction cache afresh every iteration
         unroll = max(1, min(unroll, -(-hints["elements"] // (width * hints["threads"]))))
     return width, unroll
-
-
-def packed_loop(
-    out: Operand,
-    width: int,
-    unroll: int,
-    pointers_in: list[tuple[str, Operand]],
-    declare: list[str],
-    loads: list[str],
-    stores: list[str],
-) -> list[str]:
-    """The tile's box in packs of ``width`` along the last axis, ``unroll`` packs per thread in flight:
-    ``loads`` run for each pack u with its index i[] (and at[u], its output offset) before any of
-    ``stores`` run; ``pointers_in`` are the inputs read in packs (checked aligned, as out0 is). Packs
-    past the box's end load the box's last pack again (never stored): every pack is defined without a
-    branch. Undefined tail packs made ptxas spill (up to 124 B a function); zeroing them instead made
-    it wait for each load before issuing the next (add fell from 0.76 to 0.44 of copy bandwidth).
-    Falls through (to the caller's per-element path) when the box is not whole packs or has 2^31
-    packs or more (32-bit index arithmetic: a 64-bit division costs ~4x)."""
-    nd = len(out.shape)
-    last = nd - 1
-    checks = [
-        f"t.lo[{last}] % {width} == 0",
-        f"(t.hi[{last}] - t.lo[{last}]) % {width} == 0",
-        f"ml::aligned(out0, {width * out.dtype.itemsize})",
-    ] + [f"ml::aligned({p}, {width * o.dtype.itemsize})" for p, o in pointers_in]
-    return [
-        f"if ({' && '.join(checks)}) {{  // packed path: {width} elements a load, {unroll} per operand in flight",
-        f"    const int c0 = t.lo[{last}];",
-        f"    const ml::i64 vpr = (t.hi[{last}] - c0) / {width};",
-        "    ml::i64 rows = 1;",
-        f"    for (int d = 0; d < {last}; ++d) rows *= t.hi[d] - t.lo[d];",
-        "    if (rows * vpr <= 0x7fffffff) {  // 32-bit index arithmetic",
-        "        const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);",
-        f"        for (unsigned e0 = threadIdx.x; e0 < total; e0 += {unroll} * blockDim.x) {{",
-        *["            " + line for line in declare],
-        f"            ml::i64 at[{unroll}];",
-        "#pragma unroll",
-        f"            for (int u = 0; u < {unroll}; ++u) {{",
-        "                const unsigned e = min(e0 + u * blockDim.x, total - 1);",
-        f"                int i[{nd}];",
-        f"                i[{last}] = c0 + (int)(e % vpr32) * {width};",
-        "                unsigned r = e / vpr32;",
-        f"                for (int d = {last - 1}; d >= 0; --d) {{ const unsigned ext = t.hi[d] - t.lo[d]; "
-        "i[d] = t.lo[d] + (int)(r % ext); r /= ext; }",
-        *["                " + line for line in loads],
-        f"                at[u] = {index_expr(out.strides, [f'i[{d}]' for d in range(nd)])};",
-        "            }",
-        "#pragma unroll",
-        f"            for (int u = 0; u < {unroll}; ++u) {{",
-        "                if (e0 + u * blockDim.x >= total) break;",
-        *["                " + line for line in stores],
-        "            }",
-        "        }",
-        "        return;",
-        "    }",
-        "}",
-    ]
 
 
 def _scalar(value: float | int, dtype: DType, compare: bool) -> str:

@@ -1,19 +1,20 @@
-"""The tiles of sample and of its split form (megaloop/codegen/include/megaloop/sample.cuh computes a row
-or a range; megaloop.frontend.ops.sample has the definition they follow bit for bit, sample_split the
-split): each row (or range) of the task's box on the whole block, one after another."""
+"""The tiles of sample and of its split form: one call each of megaloop/codegen/include/megaloop/sample.cuh's
+tile templates, which take each row (or range) of the task's box on the whole block, one after another
+(megaloop.frontend.ops.sample has the definition they follow bit for bit, sample_split the split).
+Python writes the rows' shape, the row length, the chunks and the operands' strides."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
-from megaloop.codegen.emit import Operand, box_var, broadcast_dims, index_expr, pointers
-from megaloop.frontend.ops.sample import PARAMS
+from megaloop.codegen.emit import Operand, pointers
 
 TEMPLATES = ("sample", "sample_partial", "sample_combine")
 CHUNKS = 512  # sample.cuh CHUNKS: the draw keeps the sums of at most this many chunks of a row
 SHARED_BYTES = 8960  # at least sizeof(ml::smp::Shared) (the tiles static_assert it)
-DATA_KIND = 3  # ml::fail's kind for a row's sampling parameters out of range (megaloop/runtime/loop.py)
+DATA_KIND = 3  # sample.cuh DATA_KIND: ml::fail's kind for a row's sampling parameters out of range
 
 
 def chunk_elements(n: int) -> int:
@@ -37,55 +38,30 @@ def tile(template: str, attrs: dict[str, Any], ins: list[Operand], out: Operand)
     return _combine(attrs, ins, out)
 
 
-def _smem(struct: str, bytes_: int) -> list[str]:
-    return [
-        f'static_assert(sizeof({struct}) <= {bytes_}, "sample: emit_sample.shared_bytes is too small");',
-        "extern __shared__ float4 ml_smem4[];",
-        f"{struct}& sh = *reinterpret_cast<{struct}*>(ml_smem4);",
-    ]
+def _at(strides: Sequence[int], pointer: str) -> str:
+    """``ml::at<strides...>(pointer)`` (megaloop/at.cuh)."""
+    return f"ml::at<{', '.join(str(s) for s in strides)}>({pointer})"
 
 
-def _rows_loop(nd: int) -> list[str]:
-    return [
-        f"for (int e = 0; e < ml::box_count<{box_var(nd)}>(t); ++e) {{",
-        f"    int o[{nd + 1}];",
-        f"    ml::box_index<{box_var(nd)}>(t, e, o);",
-    ]
+def _rows_at(p: Operand, nd: int, pointer: str) -> str:
+    """A per-row operand (broadcast along the axes where it has size 1) in the rows' ``nd`` axes."""
+    return _at([0] * (nd - len(p.shape)) + [0 if n == 1 else st for n, st in zip(p.shape, p.strides)], pointer)
 
 
-def _params(params: list[Operand], first: int, nd: int, out: Operand) -> list[str]:
-    """The row's parameters (operands first.. first + 4) and their check: a bad one stops the kernel."""
-    o = [f"o[{d}]" for d in range(nd)]
-    flat = [math.prod(out.shape[d + 1 :]) for d in range(nd)]
-    lines = [
-        f"    const {p.ctype} {name} = in{first + k}[{index_expr(p.strides, broadcast_dims(nd, p, 'o'))}];"
-        for k, ((name, _), p) in enumerate(zip(PARAMS, params))
-    ]
-    return [
-        *lines,
-        "    if (!ml::smp::valid(temperature, top_k, top_p)) {",
-        f"        if (threadIdx.x == 0) ml::fail(a, ml::DATA, blockIdx.x, tid, t.op, {index_expr(flat, o)}, 0, "
-        f"{DATA_KIND}, 0);",
-        "        return;",
-        "    }",
-    ]
+def _params(params: list[Operand], first: int, nd: int) -> list[str]:
+    """seed, offset, temperature, top_k, top_p (inputs first .. first + 4) in the rows' index space."""
+    return [_rows_at(p, nd, f"in{first + k}") for k, p in enumerate(params)]
 
 
 def _sample(ins: list[Operand], out: Operand) -> list[str]:
     logits = ins[0]
-    n, nd = logits.shape[-1], len(out.shape)
-    o = [f"o[{d}]" for d in range(nd)]
+    n = logits.shape[-1]
+    targs = ", ".join(str(v) for v in (n, chunk_elements(n), SHARED_BYTES, *out.shape))
+    args = [_at(logits.strides, "in0"), *_params(ins[1:], 1, len(out.shape)), _at(out.strides, "out0")]
     return [
         *pointers([*ins, out], len(ins)),
         f"// rows of {n} logits, one at a time on the whole block (megaloop/sample.cuh)",
-        *_smem("ml::smp::Shared", SHARED_BYTES),
-        *_rows_loop(nd),
-        *_params(ins[1:], 1, nd, out),
-        f"    const ml::i64 token = ml::smp::sample_row<{logits.ctype}, {n}, {logits.strides[-1]}, "
-        f"{chunk_elements(n)}>(",
-        f"        in0 + {index_expr(logits.strides[:-1], o)}, seed, offset, temperature, top_k, top_p, sh);",
-        f"    if (threadIdx.x == 0) ml::store(out0 + {index_expr(out.strides, o)}, token);",
-        "}",
+        f"ml::smp::sample_tile<{targs}>(a, t, tid, {', '.join(args)});",
     ]
 
 
@@ -93,47 +69,24 @@ def _partial(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[st
     logits, partial, temperature = ins
     n, nd = logits.shape[-1], len(logits.shape) - 1
     ranges, chunk, cand = attrs["splits"], attrs["chunk"], attrs["candidates"]
-    o = [f"o[{d}]" for d in range(nd)]
-    t_at = index_expr(temperature.strides, broadcast_dims(nd, temperature, "o"))
-    out_at = index_expr(out.strides[:-1], [*o, f"o[{nd}]"])
+    args = [_at(logits.strides, "in0"), _at(partial.strides, "in1"), _rows_at(temperature, nd, "in2")]
     return [
         *pointers([*ins, out], len(ins)),
         f"// ranges of {chunk} of a row's {n} logits ({ranges} ranges), one at a time on the whole block",
-        *_smem("ml::smp::Shared", SHARED_BYTES),
-        f"for (int e = 0; e < ml::box_count<{nd + 1}>(t); ++e) {{",
-        f"    int o[{nd + 2}];",
-        f"    ml::box_index<{nd + 1}>(t, e, o);",
-        f"    const {logits.ctype}* row = in0 + {index_expr(logits.strides[:-1], o)};",
-        "    float m;",
-        "    ml::i64 first;",
-        f"    ml::smp::row_max<{logits.ctype}, {logits.strides[-1]}>(row, {n}, in1 + "
-        f"{index_expr(partial.strides[:-1], o)}, {partial.strides[-1]}, {ranges}, m, first, sh);",
-        f"    const ml::i64 lo = (ml::i64)o[{nd}] * {chunk};",
-        f"    ml::smp::sample_range<{logits.ctype}, {logits.strides[-1]}, {cand}>(row, lo, min((ml::i64){chunk}, "
-        f"{n}LL - lo), m, in2[{t_at}], out0 + {out_at}, {out.strides[-1]}, sh);",
-        "    __syncthreads();  // (the shared memory is the next range's)",
-        "}",
+        f"ml::smp::sample_partial_tile<{n}, {ranges}, {chunk}, {cand}, {SHARED_BYTES}>(t, {', '.join(args)}, "
+        f"{_at(out.strides, 'out0')});",
     ]
 
 
 def _combine(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     logits, partial, summary = ins[:3]
-    n, nd = logits.shape[-1], len(out.shape)
+    n = logits.shape[-1]
     ranges, chunk, cand = attrs["splits"], attrs["chunk"], attrs["candidates"]
-    o = [f"o[{d}]" for d in range(nd)]
-    struct = f"ml::smp::CombineShared<{ranges}>"
-    targs = f"{logits.ctype}, {n}, {logits.strides[-1]}, {chunk_elements(n)}, {ranges}, {chunk}, {cand}"
+    sizes = (n, chunk_elements(n), ranges, chunk, cand, shared_bytes("sample_combine", attrs), *out.shape)
+    args = [_at(o.strides, f"in{k}") for k, o in enumerate((logits, partial, summary))]
+    args += [*_params(ins[3:], 3, len(out.shape)), _at(out.strides, "out0")]
     return [
         *pointers([*ins, out], len(ins)),
         f"// rows of {n} logits from {ranges} ranges' candidates ({cand} each), one at a time on the whole block",
-        *_smem(struct, shared_bytes("sample_combine", attrs)),
-        *_rows_loop(nd),
-        *_params(ins[3:], 3, nd, out),
-        f"    const ml::i64 token = ml::smp::sample_combined<{targs}>(in0 + {index_expr(logits.strides[:-1], o)},",
-        f"        in1 + {index_expr(partial.strides[:-1], o)}, {partial.strides[-1]}, in2 + "
-        f"{index_expr(summary.strides[:-2], o)}, {summary.strides[-2]}, {summary.strides[-1]},",
-        "        seed, offset, temperature, top_k, top_p, sh);",
-        f"    if (threadIdx.x == 0) ml::store(out0 + {index_expr(out.strides, o)}, token);",
-        "    __syncthreads();  // (the shared memory is the next row's)",
-        "}",
+        f"ml::smp::sample_combine_tile<{', '.join(str(v) for v in sizes)}>(a, t, tid, {', '.join(args)});",
     ]

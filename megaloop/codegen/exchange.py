@@ -37,25 +37,21 @@ def member_inbox_offsets(plan: Plan, rank: int, op_id: int, boxes: list[dict[int
 def all_reduce_push(
     attrs: dict, group: tuple[int, ...], rank: int, x: Operand, out: Operand, inbox: Inbox
 ) -> list[str]:
-    """The tile: its box as one run of x and out (pushable: both contiguous), handed to the members
-    and combined with theirs in rank order."""
+    """The tile (``ml::push_all_reduce_ll`` or ``_bulk``): its box as one run of x and out (pushable: both
+    contiguous), handed to the members and combined with theirs in rank order."""
     nd = len(out.shape)
     strides = [1] * nd
     for d in range(nd - 2, -1, -1):
         strides[d] = strides[d + 1] * out.shape[d + 1]
-    first = " + ".join(f"(ml::i64)t.lo[{d}] * {s}" for d, s in enumerate(strides)) or "0"
-    g = len(group)
+    at = ", ".join(str(s) for s in strides)
     path = "ll" if inbox.ll else "bulk"
     size = inbox.slot_bytes // 16 if inbox.ll else f"{inbox.slot_bytes}, {bulk_chunk(inbox.slot_bytes)}"
     sums = str(attrs["op"] == "sum").lower()
+    targs = f"{sums}, {inbox.tiles}, {size}, {group.index(rank)}, {', '.join(str(m) for m in group)}"
     return [
         f"// pushed ({'LL lines' if inbox.ll else 'stores + flag'}): this rank's box of x to the other "
-        f"{g - 1} member(s), theirs combined with it in rank order",
-        f"const int ranks[{g}] = {{{', '.join(str(m) for m in group)}}};",
-        f"const {x.ctype}* x = (const {x.ctype}*)(a.arena + off[0]);",
+        f"{len(group) - 1} member(s), theirs combined with it in rank order",
+        f"const {x.ctype}* in0 = (const {x.ctype}*)(a.arena + off[0]);",
         f"{out.ctype}* out0 = ({out.ctype}*)(a.arena + off[1]);",
-        f"const ml::i64 first = {first};",
-        f"ml::push_all_reduce_{path}<{out.ctype}, {g}, {sums}, {inbox.tiles}, {size}>(",
-        f"    a, t, tid, k, proc, off, ranks, {group.index(rank)}, x + first, out0 + first, "
-        f"ml::box_count<{max(nd, 1)}>(t));",
+        f"ml::push_all_reduce_{path}<{targs}>(a, t, tid, k, proc, off, ml::at<{at}>(in0), ml::at<{at}>(out0));",
     ]

@@ -7,52 +7,10 @@
 // box and pointers are aligned.
 #pragma once
 #include "megaloop/loop.cuh"
+#include "megaloop/at.cuh"
 #include "megaloop/vec.cuh"
 
 namespace ml {
-
-template <class T> struct unconst { using type = T; };
-template <class T> struct unconst<const T> { using type = T; };
-template <i64... S> struct first_of { static constexpr i64 value = 0; };
-template <i64 A, i64... R> struct first_of<A, R...> { static constexpr i64 value = A; };
-template <i64... S> struct last_of { static constexpr i64 value = 0; };
-template <i64 A> struct last_of<A> { static constexpr i64 value = A; };
-template <i64 A, i64 B, i64... R> struct last_of<A, B, R...> : last_of<B, R...> {};
-
-// a pointer and its strides in the output's index space, one per output axis
-template <class T, i64... S>
-struct At {
-    using type = typename unconst<T>::type;
-    static constexpr int rank = sizeof...(S);
-    static constexpr i64 outer = first_of<S...>::value;  // the first axis's stride
-    static constexpr i64 inner = last_of<S...>::value;  // the last axis's stride
-    T* p;
-    // sum(i[d] * stride[d]) over the axes that move
-    __device__ __forceinline__ i64 offset(const int* i) const {
-        i64 o = 0;
-        int d = 0;
-        ((o += S != 0 ? (i64)i[d] * S : 0, ++d), ...);
-        return o;
-    }
-};
-template <i64... S, class T>
-__device__ __forceinline__ At<T, S...> at(T* p) {
-    return {p};
-}
-
-// an operand a tile does without (a norm's weight, bias or residual; attention's positions, lengths)
-struct Absent {
-    __device__ __forceinline__ void pack(int, int) {}
-};
-template <class A> struct is_present { static constexpr bool value = true; };
-template <> struct is_present<Absent> { static constexpr bool value = false; };
-
-// an operand's stride along Axis (0 for Absent)
-template <int K, i64 A, i64... R> struct nth_of : nth_of<K - 1, R...> {};
-template <i64 A, i64... R> struct nth_of<0, A, R...> { static constexpr i64 value = A; };
-template <int Axis, class A> struct stride_along { static constexpr i64 value = 0; };
-template <int Axis, class T, i64... S> struct stride_along<Axis, At<T, S...>> : nth_of<Axis, S...> {};
-template <int Axis, class A> inline constexpr i64 stride_of = stride_along<Axis, A>::value;
 
 // An input's U values of the packed path in flight: whole packs where it moves along the last axis
 // (stride 1 there), one value a row where it does not

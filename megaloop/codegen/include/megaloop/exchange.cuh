@@ -1,9 +1,14 @@
-// megaloop/exchange.cuh: a pushing all_reduce's tile (megaloop/plan/rendezvous.py).
+// megaloop/exchange.cuh: the tiles of exchanges between ranks (megaloop/codegen/emit_collective.py and
+// exchange.py write one call each): pulled all_reduce, reduce_scatter, all_gather, recv and send, and a
+// pushing all_reduce's (megaloop/plan/rendezvous.py).
 //
-// Member `me` of a group of G stores its box of x into every other member's inbox, then sums the
-// G boxes in rank order (x's own box for itself, the inbox for the others): the members meet in the
-// tile. The inbox of one op has the same layout on every member (megaloop/codegen/exchange.py);
-// off[2 + g] is member g's, in the arena of rank ranks[g]:
+// A pulled tile reads its box of every member's operand straight from that rank's arena (peer memory
+// over NVLink) and combines in group order, so every rank computes bitwise the same values.
+//
+// A pushing all_reduce: member `me` of a group of G stores its box of x into every other member's
+// inbox, then sums the G boxes in rank order (x's own box for itself, the inbox for the others): the
+// members meet in the tile. The inbox of one op has the same layout on every member
+// (megaloop/codegen/exchange.py); off[2 + g] is member g's, in the arena of rank ranks[g]:
 //
 //   slot (parity, sender, tile): two slots per sender and tile, by iteration parity, so that a
 //   sender may already write iteration k + 1's box while a receiver still reads iteration k's
@@ -16,9 +21,8 @@
 // receiver's flag for (sender, tile)); the receiver waits for the flag, acquires, and reads its inbox.
 // Every wait checks the watchdog and gives up (reporting the member it waited for) like wait_task.
 #pragma once
-#include "megaloop/loop.cuh"
+#include "megaloop/elementwise.cuh"
 #include "megaloop/math.cuh"
-#include "megaloop/vec.cuh"
 
 namespace ml {
 
@@ -133,8 +137,8 @@ __device__ __forceinline__ u64* inbox_flag(const Args& a, const int (&ranks)[G],
 // LL tile: E elements of x (own box, contiguous) into out, 8 data bytes a line, TILES tiles of at most
 // LINES lines each. Every thread hands over its lines first, then waits for the others' same lines.
 template <class T, int G, bool SUM, int TILES, int LINES>
-__device__ inline void push_all_reduce_ll(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
-                                          const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+__device__ inline void push_ll(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
+                               const int (&ranks)[G], int me, const T* x, T* out, int elements) {
     static_assert(8 % sizeof(T) == 0, "a line holds whole elements");
     constexpr i64 SLOT = (i64)LINES * 16;
     const u32 flag = (u32)k + 1u;
@@ -171,8 +175,8 @@ __device__ inline void push_all_reduce_ll(const Args& a, const Task& t, int tid,
 // tile per iteration, so chunk c of iteration k has arrived once it reads k * CHUNKS + c + 1 or more.
 // Slots of BYTES bytes; the flags ((G - 1) x TILES u64) after all slots.
 template <class T, int G, bool SUM, int TILES, int BYTES, int CHUNK>
-__device__ inline void push_all_reduce_bulk(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
-                                            const int (&ranks)[G], int me, const T* x, T* out, int elements) {
+__device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, int proc, const i64* off,
+                                 const int (&ranks)[G], int me, const T* x, T* out, int elements) {
     static_assert(CHUNK % 16 == 0, "chunks of whole 16-byte packs");
     constexpr int N = 16 / sizeof(T);
     constexpr int CHUNKS = (BYTES + CHUNK - 1) / CHUNK;
@@ -250,6 +254,125 @@ __device__ inline void push_all_reduce_bulk(const Args& a, const Task& t, int ti
             }
         }
     }
+}
+
+// A pushing all_reduce's tile: member ME of the group of ranks RANKS..., its box one run of x and out
+// (both contiguous, the same layout), in LL lines (slots of LINES lines) or bulk stores (slots of
+// BYTES, chunks of CHUNK); TILES tiles an op.
+template <bool SUM, int TILES, int LINES, int ME, int... RANKS, class X, class O>
+__device__ __forceinline__ void push_all_reduce_ll(const Args& a, const Task& t, int tid, u64 k, int proc,
+                                                   const i64* off, X x, O out) {
+    const int ranks[sizeof...(RANKS)] = {RANKS...};
+    const i64 first = out.offset(t.lo);
+    push_ll<typename O::type, sizeof...(RANKS), SUM, TILES, LINES>(a, t, tid, k, proc, off, ranks, ME, x.p + first,
+                                                                   out.p + first, box_count<O::rank ? O::rank : 1>(t));
+}
+template <bool SUM, int TILES, int BYTES, int CHUNK, int ME, int... RANKS, class X, class O>
+__device__ __forceinline__ void push_all_reduce_bulk(const Args& a, const Task& t, int tid, u64 k, int proc,
+                                                     const i64* off, X x, O out) {
+    const int ranks[sizeof...(RANKS)] = {RANKS...};
+    const i64 first = out.offset(t.lo);
+    push_bulk<typename O::type, sizeof...(RANKS), SUM, TILES, BYTES, CHUNK>(
+        a, t, tid, k, proc, off, ranks, ME, x.p + first, out.p + first, box_count<O::rank ? O::rank : 1>(t));
+}
+
+// ---- pulled tiles: W > 0 where every operand's layout allows W-element 16-byte packs --------------------
+
+// The members' values (compute type) combined in group order: sums, or maxima (NaN kept).
+template <bool SUM>
+struct InGroupOrder {
+    template <class C, class... R>
+    __device__ __forceinline__ C operator()(C acc, R... v) const {
+        ((acc = combine<SUM>(acc, v)), ...);
+        return acc;
+    }
+};
+
+// all_reduce and reduce_scatter: out[i] = the members' in[i] combined in group order, one rounding at
+// the store (each member's pointer at this rank's slice for reduce_scatter); U packs in flight.
+template <bool SUM, int W, int U, class O, class... I>
+__device__ __forceinline__ void reduce_members(const Task& t, O out, I... in) {
+    elementwise<W, U>(t, InGroupOrder<SUM>{}, out, in...);
+}
+
+// f(member K's operand, K) for the member j of a gather (Last: j past the others is the last member's;
+// else a j past every member calls nothing).
+template <int K, bool Last, class F, class A, class... R>
+__device__ __forceinline__ void with_member(int j, F& f, const A& in, const R&... rest) {
+    if constexpr (sizeof...(R) == 0) {
+        if (Last || j == K) f(in, K);
+    } else if (j == K) {
+        f(in, K);
+    } else {
+        with_member<K + 1, Last>(j, f, rest...);
+    }
+}
+// where member k's element for output element i is: piece k along Axis starts at k * Piece there
+template <int Axis, int Piece, class A>
+__device__ __forceinline__ auto member_element(const A& in, int k, const int* i) {
+    return in.p + (in.offset(i) - (i64)k * Piece * stride_along<Axis, A>::value);
+}
+template <int Axis, int Piece, int W, class P>
+struct LoadPiece {  // a member's pack at output element i
+    const int* i;
+    P& p;
+    template <class A>
+    __device__ __forceinline__ void operator()(const A& in, int k) const {
+        p = load_pack<typename A::type, W>(member_element<Axis, Piece>(in, k, i));
+    }
+};
+template <int Axis, int Piece, class T>
+struct CopyPiece {  // a member's element into out
+    const int* i;
+    T* to;
+    template <class A>
+    __device__ __forceinline__ void operator()(const A& in, int k) const {
+        *to = *member_element<Axis, Piece>(in, k, i);
+    }
+};
+
+// all_gather: member j's in fills slice j (Piece elements) along Axis of out, a copy bit for bit; a pack
+// never straddles two members' pieces (W > 0: Piece is whole packs along the last axis).
+template <int Axis, int Piece, int W, int U, class O, class... I>
+__device__ __forceinline__ void gather_members(const Task& t, O out, I... in) {
+    constexpr int N = O::rank;
+    using T = typename O::type;
+    if constexpr (W > 0) {
+        Pack<T, W> p[U];
+        const bool done = packed_box<N, W, U>(
+            t,
+            [&] { return (aligned(out.p, W * (int)sizeof(T)) && ... && aligned(in.p, W * (int)sizeof(in.p[0]))); },
+            [&](int u, const int* i, i64& at_u) {
+                LoadPiece<Axis, Piece, W, Pack<T, W>> load{i, p[u]};
+                with_member<0, true>(i[Axis] / Piece, load, in...);
+                at_u = out.offset(i);
+            },
+            [&](int u, i64 at_u) { store_pack<T, W>(out.p + at_u, p[u]); });
+        if (done) return;
+    }
+    for_box<N>(t, [&](const int* i) {
+        CopyPiece<Axis, Piece, T> copy{i, out.p + out.offset(i)};
+        with_member<0, false>(i[Axis] / Piece, copy, in...);
+    });
+}
+
+// recv (and a pushing recv's send, out in the receiver's arena): out[i] = in[i], bit for bit.
+template <int W, int U, class O, class I>
+__device__ __forceinline__ void copy_box(const Task& t, O out, I in) {
+    constexpr int N = O::rank;
+    using T = typename O::type;
+    if constexpr (W > 0) {
+        Pack<T, W> p[U];
+        const bool done = packed_box<N, W, U>(
+            t, [&] { return aligned(out.p, W * (int)sizeof(T)) && aligned(in.p, W * (int)sizeof(in.p[0])); },
+            [&](int u, const int* i, i64& at_u) {
+                p[u] = load_pack<T, W>(in.p + in.offset(i));
+                at_u = out.offset(i);
+            },
+            [&](int u, i64 at_u) { store_pack<T, W>(out.p + at_u, p[u]); });
+        if (done) return;
+    }
+    for_box<N>(t, [&](const int* i) { out.p[out.offset(i)] = in.p[in.offset(i)]; });
 }
 
 }  // namespace ml

@@ -1,4 +1,5 @@
-// megaloop/sample.cuh: one row of logits -> one token, the whole block on the row (sample's tile).
+// megaloop/sample.cuh: one row of logits -> one token, the whole block on the row: the tiles of sample
+// and of its split form, which megaloop/codegen/emit_sample.py instantiates (operands: At, at.cuh).
 //
 // The definition is megaloop/frontend/ops/sample.py (as numpy: _sampling.py); this computes it bit
 // for bit. Float steps are spelled __fadd_rn / __fsub_rn / __fmul_rn / __fdiv_rn (never contracted
@@ -8,6 +9,8 @@
 // token by a scan of that chunk in index order. The code also compiles on the host
 // (tests/test_sample_codegen.py: g++ with a shim for the CUDA builtins, a fiber per thread).
 #pragma once
+
+extern __shared__ float4 ml_smem4[];  // the dynamic shared memory: the tiles' Shared
 
 namespace ml {
 namespace smp {
@@ -565,6 +568,108 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
     const u64 r = __umul64hi(u, block_sum(kept, s));
     first_reaching(kept_weight, R * L, r + 1, k, before, s);
     return (i64)(cand.key_index(k) & 0xffffffffull);
+}
+
+// ---- the tiles (megaloop/codegen/emit_sample.py writes one call each) ---------------------------------
+
+constexpr int DATA_KIND = 3;  // ml::fail's kind for a row's parameters out of range (megaloop/runtime/report.py)
+
+// The dynamic shared memory as S (the emitter reserves BYTES of it).
+template <class S, int BYTES>
+__device__ __forceinline__ S& shared_as() {
+    static_assert(sizeof(S) <= BYTES, "sample: emit_sample.shared_bytes is too small");
+    return *reinterpret_cast<S*>(ml_smem4);
+}
+
+// A row's sampling parameters, each read at the row's index o (in the rows' index space).
+struct Params {
+    i64 seed, offset;
+    float temperature;
+    i64 top_k;
+    float top_p;
+};
+template <class S, class O, class Tp, class K, class P>
+__device__ __forceinline__ Params params_at(const int* o, S seed, O offset, Tp temperature, K top_k, P top_p) {
+    return {seed.p[seed.offset(o)], offset.p[offset.offset(o)], temperature.p[temperature.offset(o)],
+            top_k.p[top_k.offset(o)], top_p.p[top_p.offset(o)]};
+}
+
+// Whether the row's parameters are in range; else the kernel stops, reporting the row (row-major
+// among rows of shape ROWS...).
+template <int... ROWS>
+__device__ __forceinline__ bool checked(const Args& a, const Task& t, int tid, const int* o, const Params& p) {
+    if (valid(p.temperature, p.top_k, p.top_p)) return true;
+    i64 row = 0;
+    int d = 0;
+    ((row = row * ROWS + o[d++]), ...);
+    if (threadIdx.x == 0) fail(a, DATA, blockIdx.x, tid, t.op, row, 0, DATA_KIND, 0);
+    return false;
+}
+
+// sample's tile: each row of N logits of the box (rows of shape ROWS...) on the whole block, one after
+// another; x's strides: the rows', then along a row (CHUNK: sample_row's).
+template <int N, int CHUNK, int BYTES, int... ROWS, class X, class S, class O, class Tp, class K, class P, class Out>
+__device__ __forceinline__ void sample_tile(const Args& a, const Task& t, int tid, X x, S seed, O offset,
+                                            Tp temperature, K top_k, P top_p, Out out) {
+    constexpr int R = sizeof...(ROWS);
+    static_assert(X::rank == R + 1 && Out::rank == R, "sample: x is rows of logits, out a token a row");
+    Shared& sh = shared_as<Shared, BYTES>();
+    for (int e = 0; e < box_count<R>(t); ++e) {
+        int o[R + 1];
+        box_index<R>(t, e, o);
+        const Params p = params_at(o, seed, offset, temperature, top_k, top_p);
+        if (!checked<ROWS...>(a, t, tid, o, p)) return;
+        const i64 token = sample_row<typename X::type, N, (int)X::inner, CHUNK>(
+            x.p + leading_offset<R>(x, o), p.seed, p.offset, p.temperature, p.top_k, p.top_p, sh);
+        if (threadIdx.x == 0) store(out.p + out.offset(o), token);
+    }
+}
+
+// sample_partial's tile: each range (of RANGES of CHUNK logits) of its rows' N on the whole block, one
+// after another: partial, argmax_partial's indices (rows, RANGES); out, the summary (rows, RANGES, slots).
+template <int N, int RANGES, int CHUNK, int L, int BYTES, class X, class Pa, class Tp, class Out>
+__device__ __forceinline__ void sample_partial_tile(const Task& t, X x, Pa partial, Tp temperature, Out out) {
+    constexpr int R = X::rank - 1;
+    static_assert(Pa::rank == R + 1 && Tp::rank == R && Out::rank == R + 2, "sample_partial: operand ranks");
+    using T = typename X::type;
+    Shared& sh = shared_as<Shared, BYTES>();
+    for (int e = 0; e < box_count<R + 1>(t); ++e) {
+        int o[R + 2];
+        box_index<R + 1>(t, e, o);
+        const T* row = x.p + leading_offset<R>(x, o);
+        float m;
+        i64 first;
+        row_max<T, (int)X::inner>(row, N, partial.p + leading_offset<R>(partial, o), Pa::inner, RANGES, m, first, sh);
+        const i64 lo = (i64)o[R] * CHUNK;
+        const float tp = temperature.p[temperature.offset(o)];
+        sample_range<T, (int)X::inner, L>(row, lo, min((i64)CHUNK, (i64)N - lo), m, tp,
+                                          out.p + leading_offset<R + 1>(out, o), Out::inner, sh);
+        __syncthreads();  // (the shared memory is the next range's)
+    }
+}
+
+// sample_combine's tile: each row of the box (shape ROWS...) from its RANGES ranges' summaries (L
+// candidates each, ranges of RCHUNK), on the whole block, one after another.
+template <int N, int CHUNK, int RANGES, int RCHUNK, int L, int BYTES, int... ROWS, class X, class Pa, class Su, class S,
+          class O, class Tp, class K, class P, class Out>
+__device__ __forceinline__ void sample_combine_tile(const Args& a, const Task& t, int tid, X x, Pa partial, Su summary,
+                                                    S seed, O offset, Tp temperature, K top_k, P top_p, Out out) {
+    constexpr int R = sizeof...(ROWS);
+    static_assert(X::rank == R + 1 && Pa::rank == R + 1 && Su::rank == R + 2 && Out::rank == R,
+                  "sample_combine: operand ranks");
+    CombineShared<RANGES>& sh = shared_as<CombineShared<RANGES>, BYTES>();
+    for (int e = 0; e < box_count<R>(t); ++e) {
+        int o[R + 1];
+        box_index<R>(t, e, o);
+        const Params p = params_at(o, seed, offset, temperature, top_k, top_p);
+        if (!checked<ROWS...>(a, t, tid, o, p)) return;
+        const i64 token = sample_combined<typename X::type, N, (int)X::inner, CHUNK, RANGES, RCHUNK, L>(
+            x.p + leading_offset<R>(x, o), partial.p + leading_offset<R>(partial, o), Pa::inner,
+            summary.p + leading_offset<R>(summary, o), stride_along<R, Su>::value, Su::inner, p.seed, p.offset,
+            p.temperature, p.top_k, p.top_p, sh);
+        if (threadIdx.x == 0) store(out.p + out.offset(o), token);
+        __syncthreads();  // (the shared memory is the next row's)
+    }
 }
 
 }  // namespace smp
