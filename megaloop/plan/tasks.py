@@ -45,7 +45,8 @@ def op_node(rp: RankPlan, op: PlanOp) -> Any:
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     rp = plan.ranks[rank]
-    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op))
+    slowness = tuple(float(v) for v in plan.options.processor_slowness)
+    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op), slowness)
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
 
 
