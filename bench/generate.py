@@ -23,7 +23,6 @@ from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
 from megaloop.models.llama import DECODE_FUSIONS, Fusions, auto_kv_splits
 from megaloop.plan import KernelOptions, make_plan
-from megaloop.runtime import trace
 from megaloop.runtime.loop import LoopKernel
 
 PROMPT, NEW = 128, 128
@@ -148,16 +147,6 @@ def _greedy(plan, params: dict, start: dict) -> tuple[float, np.ndarray]:
         return seconds, k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
 
 
-def _balanced(plan, graph, params: dict, start: dict, options: KernelOptions) -> dict:
-    """The greedy generator again with KernelOptions.processor_slowness from 4 profiled steps of ``plan``."""
-    with LoopKernel(plan, params, start, profile_iterations=4) as k:
-        k.run(iterations=4)
-        slowness = trace.processor_slowness(trace.measured_timeline(plan, k.profile_ns(), "measured"))
-    balanced = make_plan(graph, processors=132, options=dataclasses.replace(options, processor_slowness=slowness))
-    seconds, tokens = _greedy(balanced, params, start)
-    return {"us_per_token": seconds / NEW * 1e6, "first_tokens": tokens[:16].tolist(), "slowness": list(slowness)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -165,9 +154,6 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
     ap.add_argument("--fusions", default="", help="the generator's Fusions: swiglu, none, ... (default: both)")
     ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
-    ap.add_argument(
-        "--balance", action="store_true", help="also time it with processor_slowness measured from its own profile"
-    )
     args = ap.parse_args()
     fusions = Fusions.parse(args.fusions) if args.fusions else DECODE_FUSIONS
     options = KernelOptions(**json.loads(args.options))
@@ -186,8 +172,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    gen_graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions)
-    gen_plan = make_plan(gen_graph, processors=132, options=options)
+    gen_plan = make_plan(
+        build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions), processors=132, options=options
+    )
     results["plan_s"] = time.perf_counter() - t0
     sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True, fusions=fusions)
     sampling_plan = make_plan(sampling, processors=132, options=options)
@@ -202,9 +189,6 @@ def main() -> None:
         state = k.state()
     start = {**state, "token": logits[:, -1].astype(np.float32).argmax(-1)[:, None], "position": np.array([[PROMPT]])}
     seconds, tokens = _greedy(gen_plan, params, start)
-    if args.balance:  # the processors' streaming rates from a profile of the plan, then the plan balanced by them
-        results["balanced"] = _balanced(gen_plan, gen_graph, params, start, options)
-        print("balanced", results["balanced"], flush=True)
     for text in args.compare:  # the same greedy generation with other Fusions, in this run
         graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=Fusions.parse(text))
         plan = make_plan(graph, processors=132, options=options)

@@ -115,9 +115,6 @@ class TileContext:
     # the part of the processors this op can count on: ops that become ready together and run side by
     # side (the q, k and v projections of one input) share them (megaloop.plan.tasks.processor_share)
     share: float = 1.0
-    # per processor, its time for a streaming task over the nominal (KernelOptions.processor_slowness);
-    # empty: all even
-    slowness: tuple[float, ...] = ()
 
     @property
     def own_processors(self) -> int:

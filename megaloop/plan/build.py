@@ -103,7 +103,6 @@ def _make_plan(
     if not isinstance(options, KernelOptions):
         raise GraphBuildError(f"plan: options must be a megaloop.plan.KernelOptions, got {type(options).__name__}")
     options.check(GraphBuildError, "plan: options")
-    options.slowness_for(processors, GraphBuildError, "plan: options")
     tiles = _check_tiles(tiles)
     if not glist or not all(isinstance(g, Graph) for g in glist):
         raise GraphBuildError(f"plan: expected a Graph or a list of rank Graphs, got {graphs!r:.80}")
@@ -467,7 +466,6 @@ def schedule_and_link(plan: Plan) -> Hazards:
         plan.processors,
         plan.world_size,
         [sorted(position[g] for g in gids) for gids in met],  # ... and placed together
-        plan.options.slowness_for(plan.processors, GraphBuildError, "plan: options"),
     )
     for r, rp in enumerate(plan.ranks):
         rp.processors = [[flat[order[i]][1].id for i in lst] for lst in sched.lists[r]]

@@ -313,10 +313,7 @@ def _options(r: _Reader) -> KernelOptions:
     unknown = sorted(set(r.obj) - set(fields))
     if unknown:
         raise PlanFormatError(f"{r.path}: unknown option {unknown[0]!r}; the options are {fields}")
-    # plans saved before processor_slowness existed were scheduled evenly
-    slowness = r.get("processor_slowness", (list, tuple)) if "processor_slowness" in r.obj else ()
-    values = {name: r.get(name, int) for name in fields if name != "processor_slowness"}
-    options = KernelOptions(**values, processor_slowness=tuple(slowness))
+    options = KernelOptions(**{name: r.get(name, int) for name in fields})
     options.check(PlanFormatError, r.path)
     return options
 

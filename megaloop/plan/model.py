@@ -147,13 +147,6 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
-    # per processor, its time for a streaming task over the nominal one (measured: SMs stream at
-    # different rates under full load); the schedule and the matrix-vector tiles follow it. Empty: even
-    processor_slowness: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.processor_slowness, list):  # as JSON gives it
-            object.__setattr__(self, "processor_slowness", tuple(self.processor_slowness))
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -168,22 +161,6 @@ class KernelOptions:
                 raise error(f"{where}.{name}: must be an int in [{low}, {high}], got {value!r}")
         if self.weight_ring_slot_bytes % 16:
             raise error(f"{where}.weight_ring_slot_bytes: must be a multiple of 16, got {self.weight_ring_slot_bytes}")
-        slowness = self.processor_slowness
-        bad = [v for v in slowness if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 10]
-        if not isinstance(slowness, tuple) or bad:
-            raise error(
-                f"{where}.processor_slowness: must be a tuple of numbers in [0.1, 10] (a processor's time over "
-                f"the nominal), got {bad[0] if bad else slowness!r:.60}"
-            )
-
-    def slowness_for(self, processors: int, error: type, where: str) -> tuple[float, ...]:
-        """processor_slowness as floats, checked against the plan's processor count (empty: even)."""
-        if self.processor_slowness and len(self.processor_slowness) != processors:
-            raise error(
-                f"{where}.processor_slowness: has {len(self.processor_slowness)} values but the plan has "
-                f"{processors} processors; give one a processor, or none"
-            )
-        return tuple(float(v) for v in self.processor_slowness)
 
 
 @dataclass

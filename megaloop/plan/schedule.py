@@ -15,10 +15,6 @@ first. Why not by estimated readiness: that follows the cost model, and where th
 (matmuls run at about half the math rate below) the order it gives interleaves ropes, cache updates
 and attention tiles badly (docs/experiments.md has the prefill measured both ways).
 
-Where the processors' slowness is given (KernelOptions.processor_slowness: a processor's time for a
-task over the nominal one; measured, since SMs stream at different rates under full load), a task goes
-to the processor that can finish it soonest instead, so that slow processors take fewer of an op's tiles.
-
 The cost model is deliberately simple (megaloop.frontend.tiling.task_cost_ns): per task, a fixed
 overhead plus the larger of its memory time and its math time at a per-processor share of the chip's
 measured rates.
@@ -51,13 +47,11 @@ def list_schedule(
     processors: int,
     world: int,
     groups: list[list[int]] | None = None,
-    slowness: tuple[float, ...] = (),
 ) -> Schedule:
     """``ranks[i]``, ``costs[i]`` and ``preds[i]`` (positions of same-iteration predecessors, all < i)
     describe task i of a sequence already in dependency order. ``groups``: positions that are placed
     one right after another (a meeting's tiles, megaloop.plan.rendezvous), as one task whose producers
-    are all its members' producers. ``slowness``: per processor, its time for a task over ``costs``
-    (empty: 1 for all)."""
+    are all its members' producers."""
     n = len(costs)
     unit = list(range(n))  # the group a position belongs to, named by its first position
     members: dict[int, list[int]] = {}
@@ -87,11 +81,14 @@ def list_schedule(
         for i in members.get(u, (u,)):
             r, fr = ranks[i], free[ranks[i]]
             at = ready[i]  # every producer is placed (one in its own group just before it)
-            warm = [proc[p] for p in preds[i] if ranks[p] == r]
-            pick = _soonest_start(fr, at, warm) if not slowness else _soonest_finish(fr, at, costs[i], slowness, warm)
+            earliest = min(fr)
+            soonest = max(earliest, at)
+            pick = next((proc[p] for p in preds[i] if ranks[p] == r and fr[proc[p]] <= soonest), None)
+            if pick is None:
+                pick = fr.index(earliest)
             proc[i] = pick
             start[i] = max(fr[pick], at)
-            finish[i] = start[i] + costs[i] * (slowness[pick] if slowness else 1.0)
+            finish[i] = start[i] + costs[i]
             fr[pick] = finish[i]
             lists[r][pick].append(i)
             placed += 1
@@ -113,17 +110,3 @@ def list_schedule(
             "through another group"
         )
     return Schedule(proc, lists, start, finish, max(finish, default=0.0))
-
-
-def _soonest_start(free: list[float], at: float, warm: list[int]) -> int:
-    """The processor that can start a task ready at ``at`` soonest; a producer's (``warm``) on a tie."""
-    earliest = min(free)
-    soonest = max(earliest, at)
-    return next((p for p in warm if free[p] <= soonest), free.index(earliest))
-
-
-def _soonest_finish(free: list[float], at: float, cost: float, slowness: tuple[float, ...], warm: list[int]) -> int:
-    """The processor that can finish a task ready at ``at`` soonest; a producer's on a tie."""
-    finish = [max(f, at) + cost * s for f, s in zip(free, slowness)]
-    best = min(finish)
-    return next((p for p in warm if finish[p] <= best), finish.index(best))

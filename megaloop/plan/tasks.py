@@ -45,8 +45,7 @@ def op_node(rp: RankPlan, op: PlanOp) -> Any:
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     rp = plan.ranks[rank]
-    slowness = tuple(float(v) for v in plan.options.processor_slowness)
-    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op), slowness)
+    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op))
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
 
 

@@ -272,36 +272,3 @@ def save_png(tl: Timeline, path: str | Path, *, title: str | None = None) -> Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def processor_slowness(tl: Timeline, min_cost_ns: float = 4000.0) -> tuple[float, ...]:
-    """Each processor's time for a streaming task over the nominal, from a measured timeline. Over the
-    tasks estimated at ``min_cost_ns`` or more (weight-streaming products) of ops with a task for at
-    least every other processor, a task's time over its estimate is fitted as its op's factor times its
-    processor's (medians, alternately); scaled to a mean of 1, 1 where a processor ran none of them.
-    What KernelOptions.processor_slowness takes, for a plan of the same processors on the same GPU."""
-    rp = tl.rp
-    where = tl.processor_of()
-    by_op: dict[int, list[int]] = {}
-    for task in rp.tasks:
-        if task.cost_ns >= min_cost_ns:
-            by_op.setdefault(task.op, []).append(task.id)
-    ids = [t for group in by_op.values() if len(group) * 2 >= len(rp.processors) for t in group]
-    if not ids:
-        raise TraceError(
-            f"no op of {len(rp.processors)} processors' tasks streams enough to measure them: every task is "
-            f"estimated under {min_cost_ns:.0f} ns or its op has fewer tasks than half the processors"
-        )
-    cost = np.array([rp.tasks[t].cost_ns for t in ids])
-    ratio = (tl.times_ns[:, ids, 1] - tl.times_ns[:, ids, 0]) / cost  # (iterations, tasks)
-    ops, procs = np.array([rp.tasks[t].op for t in ids]), where[ids]
-    op_factor, slow = {o: 1.0 for o in set(ops.tolist())}, np.ones(len(rp.processors))
-    for _ in range(4):
-        for o in op_factor:
-            op_factor[o] = float(np.median(ratio[:, ops == o] / slow[procs[ops == o]]))
-        per_op = np.array([op_factor[o] for o in ops.tolist()])
-        for p in set(procs.tolist()):
-            slow[p] = float(np.median(ratio[:, procs == p] / per_op[procs == p]))
-        slow /= slow[sorted(set(procs.tolist()))].mean()
-    ran = np.isin(np.arange(len(rp.processors)), procs)
-    return tuple(round(float(v), 3) if r else 1.0 for v, r in zip(slow, ran))

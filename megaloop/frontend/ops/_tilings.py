@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from typing import Any
 
@@ -222,28 +220,6 @@ def _narrowed(bn: int, bm: int, n: int, k: int, rows: int, processors: int, para
     return min(widths, key=lambda w: (math.ceil(rows * math.ceil(n / w) / processors) * (w + fixed), -w))
 
 
-def balanced_columns(n: int, width: int, k: int, slowness: tuple[float, ...]) -> list[int] | None:
-    """A one-round matrix-vector product's column runs where processors stream at different rates:
-    runs of MIN_BLOCK_N columns dealt one at a time to the processor that would finish soonest (its
-    columns plus a task's fixed cost, times its slowness), widest first (the schedule gives the widest
-    to the fastest). None where that is no sooner than even tiles of ``width``."""
-    fixed = max(1, TASK_COST_WEIGHTS // max(k, 1))
-    units, cols = -(-n // MIN_BLOCK_N), [0] * len(slowness)
-    heap = [((MIN_BLOCK_N + fixed) * s, p) for p, s in enumerate(slowness)]
-    heapq.heapify(heap)
-    for _ in range(units):
-        _, p = heapq.heappop(heap)
-        cols[p] += MIN_BLOCK_N
-        heapq.heappush(heap, ((cols[p] + MIN_BLOCK_N + fixed) * slowness[p], p))
-    balanced = max((c + fixed) * s for c, s in zip(cols, slowness) if c)
-    even = sorted(slowness)[min(len(slowness), -(-n // width)) - 1] * (width + fixed)
-    if balanced >= even:
-        return None
-    runs = sorted((c for c in cols if c), reverse=True)
-    runs[-1] -= units * MIN_BLOCK_N - n  # the last run ends at n
-    return runs
-
-
 def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     a, b = node.inputs
     out = node.outputs[0]
@@ -272,25 +248,18 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
         bn = shared if bm < 16 else max(shared, _narrowed(bn, bm, n, k, rows, ctx.processors, params))
     else:
         bn = _narrowed(bn, bm, n, k, rows, ctx.processors, params)
-    runs = [(j, min(n, j + bn)) for j in range(0, n, bn)]
-    alone = not (params["share"] and ctx.share < 1)  # siblings' tiles stay even: the schedule places them
-    if ctx.slowness and bm < 16 and rows == 1 and alone and len(runs) <= ctx.processors:
-        widths = balanced_columns(n, bn, k, ctx.slowness)
-        if widths:
-            ends = list(itertools.accumulate(widths))
-            runs = [(e - w, e) for w, e in zip(widths, ends)]
     tiles = []
     batch_shape = tuple(batch)
     # an A block is read by every column tile of its rows, and by every batch index when A broadcasts
     # over the batch; a B block likewise by the row tiles
-    a_sharers = len(runs) * (len(batch_boxes) if math.prod(a.shape[:-2]) == 1 else 1)
+    a_sharers = math.ceil(n / bn) * (len(batch_boxes) if math.prod(a.shape[:-2]) == 1 else 1)
     b_sharers = math.ceil(m / bm) * (len(batch_boxes) if math.prod(b.shape[:-2]) == 1 else 1)
     for bi, bidx in enumerate(batch_boxes):
         abatch = project(bidx, batch_shape, a.shape[:-2])
         bbatch = project(bidx, batch_shape, b.shape[:-2])
         for i in range(0, m, bm):
-            for jt, cols in enumerate(runs):
-                rows = (i, min(m, i + bm))
+            for j in range(0, n, bn):
+                rows, cols = (i, min(m, i + bm)), (j, min(n, j + bn))
                 arows = ((0, k), rows) if ta else (rows, (0, k))
                 bcols = (cols, (0, k)) if tb else ((0, k), cols)
                 abox = Box(abatch.lo + (arows[0][0], arows[1][0]), abatch.hi + (arows[0][1], arows[1][1]))
@@ -301,7 +270,7 @@ def _matmul(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
                 once = a_bytes // a_sharers + b_bytes // b_sharers
                 reads = (Read(0, abox), Read(1, bbox))
                 tiles.append(
-                    Tile((bi, i // bm, jt), reads, (Write(0, obox),), flops, None, 0, a_bytes + b_bytes, once)
+                    Tile((bi, i // bm, j // bn), reads, (Write(0, obox),), flops, None, 0, a_bytes + b_bytes, once)
                 )
     return tiles
 
