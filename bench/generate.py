@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
     ap.add_argument("--fusions", default="", help="the generator's Fusions: swiglu, none, ... (default: both)")
     ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
+    ap.add_argument(
+        "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"
+    )
     args = ap.parse_args()
     fusions = Fusions.parse(args.fusions) if args.fusions else DECODE_FUSIONS
     options = KernelOptions(**json.loads(args.options))
@@ -172,9 +175,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
-    gen_plan = make_plan(
-        build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions), processors=132, options=options
-    )
+    gen_graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions)
+    gen_plan = make_plan(gen_graph, processors=132, options=options)
     results["plan_s"] = time.perf_counter() - t0
     sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True, fusions=fusions)
     sampling_plan = make_plan(sampling, processors=132, options=options)
@@ -195,6 +197,12 @@ def main() -> None:
         s, toks = _greedy(plan, params, start)
         results.setdefault("compare", {})[text] = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
         print(text, results["compare"][text], flush=True)
+    for text in args.compare_options:  # the same greedy generation with other kernel options, in this run
+        plan = make_plan(gen_graph, processors=132, options=KernelOptions(**json.loads(text)))
+        s, toks = _greedy(plan, params, start)
+        entry = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
+        results.setdefault("compare_options", {})[text] = entry
+        print(text, entry, flush=True)
     with LoopKernel(sampling_plan, params, start) as k:
         for variant, values in SAMPLING.items():
             dtypes = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32}
