@@ -100,9 +100,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     ring_layout = None
     if rings:
         offset = -(-shared // 128) * 128
-        # a barrier and a phase a slot, then the issued and prefetched chunk counts (8-byte aligned)
-        total = offset + options.weight_ring_slots * 12 + (options.weight_ring_slots & 1) * 4 + 16
-        total += options.weight_ring_slots * ring_bytes
+        total = offset + options.weight_ring_slots * (ring_bytes + 12)
         if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
             ring_layout = (options.weight_ring_slots, ring_bytes, offset)
             shared = total
@@ -294,8 +292,6 @@ def _source(
     hooks = "ml::NoRing"
     if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes and offset
         slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))
-        if options.stall_prefetch_chunks:
-            slot += f"#define ML_STALL_PREFETCH {options.stall_prefetch_chunks}\n"
         include += '#include "megaloop/ring.cuh"\n'
         hooks = "ml::WeightRing"
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.

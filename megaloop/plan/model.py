@@ -147,8 +147,6 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
-    # chunks past the ring's that a processor about to wait prefetches into L2 (0: none)
-    stall_prefetch_chunks: int = 0
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -157,7 +155,6 @@ class KernelOptions:
             ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
             ("weight_ring_slots", self.weight_ring_slots, 0, 64),
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
-            ("stall_prefetch_chunks", self.stall_prefetch_chunks, 0, 256),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -132,12 +132,7 @@ constexpr int WAIT_BATCH = 4;
 #ifndef ML_POLL_SLEEP_NS
 #define ML_POLL_SLEEP_NS 256
 #endif
-// on_stall(): called by a lane whose first poll of a batch finds a counter short (the task will wait).
-struct NoStall {
-    __device__ __forceinline__ void operator()() const {}
-};
-template <class OnStall = NoStall>
-__device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc, OnStall on_stall = {}) {
+__device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc) {
     // The abort flag is read while polling, not before: a task whose producers are done runs anyway
     // (the iteration's end or the next wait that cannot be met notices the abort), and the flag's L2
     // round trip stays off the path of every chain of tasks on one processor.
@@ -178,7 +173,6 @@ __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int pr
             for (int j = WAIT_BATCH - 1; j >= 0; --j)
                 if (seen[j] < target[j]) short_of = j;
             if (short_of < 0) break;
-            if (polls == 0) on_stall();
             if ((++polls & 7) == 0 && aborted(a)) {  // not every poll: it is another L2 round trip
                 ok = false;
                 break;

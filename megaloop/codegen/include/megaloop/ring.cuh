@@ -19,11 +19,6 @@ namespace ml {
 constexpr int RING_SLOTS = ML_RING_SLOTS;
 constexpr int RING_SLOT_BYTES = ML_RING_SLOT_BYTES;
 constexpr int RING_OFFSET = ML_RING_OFFSET;  // past every other tile's dynamic shared memory
-#ifndef ML_STALL_PREFETCH
-#define ML_STALL_PREFETCH 0
-#endif
-// chunks past the ring's a stalled processor prefetches into L2 (KernelOptions.stall_prefetch_chunks)
-constexpr int STALL_PREFETCH = ML_STALL_PREFETCH;
 #if __CUDA_ARCH__ >= 900
 constexpr bool RING_COPIES = true;
 #else
@@ -35,15 +30,13 @@ struct Ring {
     unsigned char* data;  // RING_SLOTS x RING_SLOT_BYTES
     u64* full;            // a barrier a slot: its chunk has landed
     int* pending;         // a slot's copy in flight: the phase it completes, or -1
-    u64* issued;          // [0]: the ring's next chunk to issue, [1]: prefetched into L2 up to (k C + i)
 };
 
 __device__ __forceinline__ Ring ring() {
     extern __shared__ float4 ml_smem4[];
     unsigned char* base = reinterpret_cast<unsigned char*>(ml_smem4) + RING_OFFSET;
     u64* full = reinterpret_cast<u64*>(base + (i64)RING_SLOTS * RING_SLOT_BYTES);
-    int* pending = reinterpret_cast<int*>(full + RING_SLOTS);
-    return {base, full, pending, reinterpret_cast<u64*>(pending + RING_SLOTS + (RING_SLOTS & 1))};
+    return {base, full, reinterpret_cast<int*>(full + RING_SLOTS)};
 }
 
 __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared_address(r.full + slot); }
@@ -52,7 +45,6 @@ __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared
 __device__ __forceinline__ void ring_init() {
     const Ring r = ring();
     for (int s = 0; s < RING_SLOTS; ++s) r.pending[s] = -1;
-    r.issued[0] = r.issued[1] = 0;
 #if __CUDA_ARCH__ >= 900
     for (int s = 0; s < RING_SLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
@@ -125,30 +117,6 @@ __device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
         if (slot % warps == warp)
             ring_issue(a, a.ring_chunks[a.ring_begin[proc] + i], slot, (int)(((g0 + i) / RING_SLOTS) & 1));
     }
-    if (STALL_PREFETCH > 0 && warp == 0) atomicMax(ring().issued, g0 + (u64)min(n, RING_SLOTS));
-}
-
-// One lane of a processor about to wait: prefetch into L2 the STALL_PREFETCH chunks after those in
-// the ring (this iteration's), once each, while the memory is idle; the ring's copies then hit L2.
-__device__ __forceinline__ void ring_stalled(const Args& a, u64 k, int proc) {
-#if __CUDA_ARCH__ >= 900
-    if constexpr (STALL_PREFETCH > 0) {
-        const int n = ring_chunks(a, proc);
-        const Ring r = ring();
-        const u64 issued = *reinterpret_cast<volatile u64*>(r.issued), end = (k + 1) * (u64)n;
-        const u64 to = min(issued + (u64)STALL_PREFETCH, end);
-        if (n == 0 || issued < k * (u64)n || issued >= to) return;
-        const u64 done = atomicMax(r.issued + 1, to);
-        for (u64 g = max(done, issued); g < to; ++g) {
-            const RingChunk c = a.ring_chunks[a.ring_begin[proc] + (int)(g - k * (u64)n)];
-            const bool dense = c.stride == c.row_bytes;
-            for (int row = 0; row < (dense ? 1 : c.rows); ++row)
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.arena + c.src + row * c.stride),
-                             "r"(dense ? c.rows * c.row_bytes : c.row_bytes)
-                             : "memory");
-        }
-    }
-#endif
 }
 
 // Warp 0, before the block leaves (after a barrier): no copy may still be writing its shared memory.
@@ -188,7 +156,6 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
         if (lane == 0) {
             r.pending[slot] = -1;
             if (next < n) ring_issue(a, following, slot, (int)(((g + RING_SLOTS) / RING_SLOTS) & 1));
-            if (STALL_PREFETCH > 0 && next < n) atomicMax(r.issued, g + RING_SLOTS + 1);
         }
     }
 }
@@ -208,7 +175,6 @@ struct WeightRing {
     static __device__ __forceinline__ void init() { ring_init(); }
     static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
     static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
-    static __device__ __forceinline__ void stalled(const Args& a, u64 k, int proc) { ring_stalled(a, k, proc); }
 };
 
 }  // namespace ml
