@@ -72,7 +72,7 @@ TASK = Struct(
         i32("op", "plan op id (operand offsets, profiler names)"),
         i32("wait_begin", "its waits: waits[wait_begin .. wait_begin + wait_count)"),
         i32("wait_count"),
-        i32("counter", "incremented when it finishes"),
+        i32("counter", "incremented when it finishes; -1: no task waits on it, so none is"),
         i32("remote", "1: other ranks wait on that counter, so it is released at system scope"),
         i32("mirror_begin", "... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too"),
         i32("mirror_count"),

@@ -577,6 +577,15 @@ class LoopKernel:
         """Until the kernel finished what was asked, or raise what it reported."""
         if self.control is None:
             raise LoopKernelError("the loop kernel has been stopped and its memory freed")
+        for _ in range(64):  # a short run: spin on one word first, the clock and the minimum later
+            if self.finished():
+                break
+        else:
+            self._wait_long()
+        if int(self.control[ERROR]):
+            self._raise_kernel_error()
+
+    def _wait_long(self) -> None:
         deadline = time.monotonic() + self.timeout_s + 5.0
         last = self.completed()
         spins = 0
@@ -593,8 +602,6 @@ class LoopKernel:
                 self._no_progress()
             if spins > 1000:
                 time.sleep(0.0002)
-        if int(self.control[ERROR]):
-            self._raise_kernel_error()
 
     def _no_progress(self) -> None:
         left = self._halt()

@@ -27,7 +27,7 @@ struct Task {
     int op;  // plan op id (operand offsets, profiler names)
     int wait_begin;  // its waits: waits[wait_begin .. wait_begin + wait_count)
     int wait_count;
-    int counter;  // incremented when it finishes
+    int counter;  // incremented when it finishes; -1: no task waits on it, so none is
     int remote;  // 1: other ranks wait on that counter, so it is released at system scope
     int mirror_begin;  // ... and mirrored: mirrors[mirror_begin .. + mirror_count) are bumped too
     int mirror_count;

@@ -22,6 +22,7 @@ __device__ __forceinline__ void finish_task(const Args& a, const Task& t, int ti
         slot[0] = start;
         slot[1] = now_ns();
     }
+    if (t.counter < 0) return;  // nobody waits on it
     if (t.remote) {  // read by other GPUs: their tiles pull this task's output over NVLink
         __threadfence_system();
         add_release_sys(&a.counters[t.counter], 1ull);
