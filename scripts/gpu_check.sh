@@ -13,6 +13,7 @@
 # (DECODE_VARIANTS; empty: none), the generate1b profile when PROFILE_GENERATE=1, bench.generate for GENERATE_SHAPES ("1b 8b"; GENERATE_ARGS e.g. --skip-transformers).
 # `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE_SLOTS_DELAYS ...",
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
+# `gpu_check.sh ab` runs BENCHES (AB_ARGS their arguments) from BASE_TREE and from this tree, twice, alternating.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
 # command so the JSON names its commit. The 200-graph fuzz test needs > 240 s (one NVRTC compile each).
@@ -88,6 +89,17 @@ if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's des
     || status=1
   for config in ${PROBE_CONFIGS:-direct_0_today gated_8_today ahead_8_today direct_0_fused ahead_8_fused stream_8_none}; do
     timeout 60 /tmp/decode_stream_probe.bin ${config//_/ } 2>&1 | tee -a "$OUT/decode_stream_probe.jsonl" || status=1
+  done
+fi
+if [ "$what" = ab ]; then  # BENCHES from this tree and from BASE_TREE (an exported older tree), alternating
+  for round in 1 2; do
+    for tree in "$BASE_TREE" "$PWD"; do
+      for b in $benches; do
+        echo "== round $round, $b from $tree" | tee -a "$OUT/gpu_check.log"
+        (cd "$tree" && PYTHONPATH="$tree" timeout "$bench_timeout" python3 -m bench.$b $AB_ARGS) 2>&1 | tail -n 30 \
+          | tee -a "$OUT/gpu_check.log" || status=1
+      done
+    done
   done
 fi
 if [ "$what" = profile ]; then
