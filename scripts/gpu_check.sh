@@ -96,7 +96,7 @@ if [ "$what" = ab ]; then  # BENCHES from this tree and from BASE_TREE (an expor
     for tree in "$BASE_TREE" "$PWD"; do
       for b in $benches; do
         echo "== round $round, $b from $tree" | tee -a "$OUT/gpu_check.log"
-        (cd "$tree" && PYTHONPATH="$tree" timeout "$bench_timeout" python3 -m bench.$b $AB_ARGS) 2>&1 | tail -n 30 \
+        (cd "$tree" && PYTHONPATH="$tree" timeout "$bench_timeout" python3 -m bench.$b ${AB_ARGS:-}) 2>&1 | tail -n 30 \
           | tee -a "$OUT/gpu_check.log" || status=1
       done
     done
