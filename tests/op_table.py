@@ -1006,6 +1006,49 @@ row(
 )
 
 
+# attention_partial's append form (a decode step): q [b, 1, hq, d] and the new key and value [b, 1, hkv, d]
+# as the projections give them (taken as transposed views), the caches' old values, one position a
+# sequence; head widths for both the split-key path and the warp-a-row one
+_ROUNDED = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _append_sample(rng: np.random.Generator) -> Sample:
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    hq, splits = hkv * int(rng.integers(1, 4)), int(rng.integers(2, 5))
+    tk, d = splits * int(rng.integers(1, 6)), int(rng.choice([6, 16, 32, 64]))
+    shapes = [(b, 1, hq, d), (b, hkv, tk, d), (b, hkv, tk, d), (b, 1), (b, 1, hkv, d), (b, 1, hkv, d)]
+    domains = ("normal", "normal", "normal", ("int", 0, tk), "normal", "normal")
+    return Sample(shapes, {"tk": tk, "d": d, "splits": splits}, domains)
+
+
+def _append_build(q, k, v, pos, k_new, v_new, splits):
+    new = {"k_new": k_new.transpose(1, 2), "v_new": v_new.transpose(1, 2)}
+    return ml.attention(q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={})
+
+
+def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype):
+    """rope (its output rounded to the dtype, as stored), the caches written at pos, then attention."""
+    rounded = _ROUNDED[dtype]
+    q = rope_ref(q.transpose(1, 2), pos[:, None, :]).to(rounded).double()
+    k_new = rope_ref(k_new.transpose(1, 2), pos[:, None, :]).to(rounded).double()
+    k, v = k.clone(), v.clone()
+    for bi in range(k.shape[0]):
+        k[bi, :, pos[bi, 0]] = k_new[bi, :, 0]
+        v[bi, :, pos[bi, 0]] = v_new[bi, 0]
+    return attention_ref(q, k, v, pos, causal=True)
+
+
+row(
+    "attention_combine",
+    "append-decode",
+    lambda g, q, k, v, pos, kn, vn, tk, d, splits: _append_build(q, k, v, pos, kn, vn, splits),
+    _append_ref,
+    _append_sample,
+    fixed={3: "int64"},
+    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
+)
+
+
 def _cache_sample(rng: np.random.Generator) -> Sample:
     b, h, s, d = (int(v) for v in rng.integers(1, 6, 4))
     s += 4

@@ -62,15 +62,20 @@ def llama_plans(arch: str) -> dict[str, Plan]:
 
 
 def template_calls(src: str) -> dict[str, str]:
-    """Every attention tile function of ``src`` is one template call: pointers, comments and that
-    call, no loop or shared memory of its own. Returns sig -> (op, the call)."""
+    """Every attention tile function of ``src`` is one template call: pointers, comments, rope's
+    frequencies (the append form) and that call, no loop or shared memory of its own. Returns sig ->
+    (op, the call)."""
     calls = {}
     for sig, (op, body) in tile_functions(src).items():
         if op not in CALLS:
             continue
         assert body.count(CALLS[op]) == 1, f"{sig} ({op}) is not one {CALLS[op]} call:\n{body}"
         lines = [line.strip() for line in body.splitlines()]
-        code = [line for line in lines if not line.startswith("//") and "(a.arena + off[" not in line]
+        code = [
+            line
+            for line in lines
+            if not line.startswith(("//", "static constexpr double inv_freq[")) and "(a.arena + off[" not in line
+        ]
         assert len(code) == 1 and code[0].startswith(CALLS[op]), f"{sig} ({op}) has more than the call:\n{body}"
         assert "for (" not in body and "__shared__" not in body, f"{sig} ({op}): a loop of its own\n{body}"
         calls[sig] = code[0]

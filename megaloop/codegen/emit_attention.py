@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megaloop.codegen.emit import Operand, float_literal, pointers
+from megaloop.codegen.emit import Operand, float_literal, pointers, rope_frequencies
+from megaloop.frontend.ops._tilings import attention_slots
 
 
 def _at(o: Operand | None, pointer: str) -> str:
@@ -19,11 +20,14 @@ def _at(o: Operand | None, pointer: str) -> str:
 
 
 def _operands(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> str:
-    """The call's operands: out, q, k, v, then the query positions and key lengths (or Absent)."""
-    absent = attrs.get("absent", ())
-    present = [s for s in (3, 4) if s not in absent]  # their slots among the inputs follow q, k, v
-    slots = [3 + present.index(s) if s in present else None for s in (3, 4)]
-    extra = [_at(ins[n], f"in{n}") if n is not None else _at(None, "") for n in slots]
+    """The call's operands: out, q, k, v, then the query positions and key lengths (or Absent), then
+    for attention_partial's append form ``ml::attn_append<rotary_dim, neox>(inv_freq, k_new, v_new)``."""
+    slot = attention_slots(attrs)
+    extra = [_at(ins[slot[s]], f"in{slot[s]}") if s in slot else _at(None, "") for s in (3, 4)]
+    if 5 in slot:
+        new = ", ".join(_at(ins[slot[s]], f"in{slot[s]}") for s in (5, 6))
+        neox = "true" if attrs["layout"] == "neox" else "false"
+        extra.append(f"ml::attn_append<{attrs['rotary_dim']}, {neox}>(inv_freq, {new})")
     return ", ".join([_at(out, "out0")] + [_at(ins[n], f"in{n}") for n in range(3)] + extra)
 
 
@@ -56,9 +60,16 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     """The same rows over one key range (the tile's split, ceil(tk / splits) keys): the unnormalised
     output, then m and l, as float32 (megaloop/frontend/ops/attention_split.py)."""
     chunk = -(-ins[1].shape[2] // attrs["splits"])
-    split = _split_applies(ins)
+    split = _split_applies(ins) and _append_packs(attrs, ins)
+    append = "theta" in attrs
     return [
+        *([rope_frequencies(attrs)] if append else []),
         *pointers(ins + [out], len(ins)),
+        *(
+            ["// append form: q rotated on load, the key at its position rope(k_new), its value v_new"]
+            if append
+            else []
+        ),
         f"// key ranges of {chunk}: {'split keys, then ' if split else ''}a warp per (head, query)",
         f"ml::attention_partial<{_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}>(a, t, tid, "
         f"{float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
@@ -83,7 +94,7 @@ def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
 
 def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
     """Dynamic shared memory the tensor-core and split-key attention paths need (0 when neither applies)."""
-    split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) else 0
+    split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) and _append_packs(attrs, ins) else 0
     if not _mma_applies(attrs, ins):
         return split
     return max(split, attention_mma_bytes(ins[0].shape[3], attention_mma_split(attrs, ins)))
@@ -137,7 +148,8 @@ def _mma_applies(attrs: dict[str, Any], ins: list[Operand]) -> bool:
 
 def _split_applies(ins: list[Operand]) -> bool:
     """The split-key path: q, k, v of one type, heads of whole 16-byte packs over a power-of-two count
-    of lanes that divides the warp, values as wide as the heads, contiguous, pack-aligned rows."""
+    of lanes that divides the warp, values as wide as the heads, contiguous, pack-aligned rows (axes of
+    one index never move: a decode step's q, a view of its projection, has any stride there)."""
     q, k, v = ins[:3]
     d = q.shape[3]
     width = 16 // q.dtype.itemsize
@@ -148,5 +160,25 @@ def _split_applies(ins: list[Operand]) -> bool:
         and v.shape[3] == d
         and q.dtype == k.dtype == v.dtype
         and q.strides[3] == k.strides[3] == v.strides[3] == 1
-        and all(st % width == 0 for st in q.strides[:3] + k.strides[:3] + v.strides[:3])
+        and all(st % width == 0 for o in (q, k, v) for st, n in zip(o.strides[:3], o.shape[:3]) if n > 1)
+    )
+
+
+def _append_packs(attrs: dict[str, Any], ins: list[Operand]) -> bool:
+    """The append form on the split-key path (true where it is no append form): k_new and v_new of q's
+    type, packs along a contiguous last axis, pack-aligned strides along the axes that move (their key
+    axis has one index), and rope's pairs within whole packs (megaloop/rope.cuh's rope_head_pack)."""
+    slot = attention_slots(attrs)
+    if 5 not in slot:
+        return True
+    q = ins[0]
+    width = 16 // q.dtype.itemsize
+    rd = attrs["rotary_dim"]
+    pairs = (rd // 2) % width == 0 if attrs["layout"] == "neox" else rd % width == 0 and width % 2 == 0
+    news = [ins[slot[s]] for s in (5, 6)]
+    return pairs and all(
+        o.dtype == q.dtype
+        and o.strides[3] == 1
+        and all(st % width == 0 for st, n in zip(o.strides[:2], o.shape[:2]) if n > 1)
+        for o in news
     )

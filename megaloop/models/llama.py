@@ -164,23 +164,29 @@ class Fusions:
     """Which small ops of a decode step (a few rows a sequence) the projections' tiles make themselves,
     so that they are no stage of their own: ``norms``, each rmsnorm inside the projections that follow
     it (rmsnorm_linear, swiglu_linear); ``swiglu``, silu(gate) * up in the gate and up projections'
-    epilogue (swiglu_linear). The builders make both (DECODE_FUSIONS): docs/runtime.md ("Step 2")."""
+    epilogue (swiglu_linear); ``append``, q's rope and the new key and value in the attention tiles
+    (attention_partial's append form), the cache writes after attention, off its path. The builders
+    make all three (DECODE_FUSIONS): docs/runtime.md ("Step 2")."""
 
     norms: bool = False
     swiglu: bool = False
+    append: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Fusions:
-        """"norms,swiglu", "swiglu", "none" or ""."""
+        """ "norms,swiglu,append", "swiglu", "none" or ""."""
         names = {n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"}
         unknown = names - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"fusions: unknown {sorted(unknown)}; known: norms, swiglu (comma-separated) or none")
+            raise ValueError(
+                f"fusions: unknown {sorted(unknown)}; known: norms, swiglu, append (comma-separated) or none"
+            )
         return cls(**{n: True for n in names})
 
 
 NO_FUSIONS = Fusions()  # every small op a stage of its own
-DECODE_FUSIONS = Fusions(norms=True, swiglu=True)  # 1109 against 1183 us a token (bench/results/generate.json)
+# norms and swiglu: 1109 against 1183 us a token (bench/results/generate.json)
+DECODE_FUSIONS = Fusions(norms=True, swiglu=True, append=True)
 
 
 @dataclass(frozen=True)
@@ -235,8 +241,10 @@ def attention_block(
     positions: Tensor,
     layer: int,
     kv_splits: int | str | None = "auto",
+    append: bool = False,
 ) -> Tensor:
-    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input."""
+    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input.
+    ``append``: on a decode step over split keys, attention's append form (Fusions)."""
     project = projection(x)
     b, t = positions.shape
     if kv_splits == "auto":
@@ -255,19 +263,33 @@ def attention_block(
 
     rope_pos = positions.reshape(b, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
+    cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
+    window = cfg.window(layer)
+    if append and t == 1 and kv_splits is not None:
+        # the tiles rotate q and take the new key and value themselves; the caches' writes read only the
+        # projections, so they run beside attention (after its reads of the old values), off its path
+        q, k, v = heads("q", cfg.heads), heads("k", cfg.kv_heads), heads("v", cfg.kv_heads)
+        k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
+        v_cache = g.state(p + "v_cache", cache_shape, cfg.dtype)
+        o = ops.attention(
+            q, k_cache, v_cache, causal=True, q_positions=positions, window=window, kv_splits=kv_splits,
+            k_new=k, v_new=v, rope=rope_args,
+        )  # fmt: skip
+        o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
+        out = ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+        ops.rope_kv_cache_update(k_cache, k, positions, **rope_args)
+        ops.kv_cache_update(v_cache, v, positions)
+        return out
     q = ops.rope(heads("q", cfg.heads), rope_pos, **rope_args)
     k = heads("k", cfg.kv_heads)
     v = heads("v", cfg.kv_heads)
-    cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
     if t == 1:  # decode: the key rotated on its way into the cache, one stage fewer before attention
         k_all = ops.rope_kv_cache_update(k_cache, k, positions, **rope_args)
     else:  # prefill: rope's packed tiles over every token, then the cache's (one task a head for both)
         k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
-    o = ops.attention(
-        q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits
-    )
+    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, window=window, kv_splits=kv_splits)
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
     return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
@@ -322,7 +344,7 @@ def decoder_layer_parts(
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
             project = normed_projection(cfg, x, ln1, update, fusions.norms)
-            attn = attention_block(g, cfg, project, positions, layer, kv_splits)
+            attn = attention_block(g, cfg, project, positions, layer, kv_splits, fusions.append)
             h = stream + attn
         with g.scope("mlp"):
             project = normed_projection(cfg, attn, ln2, stream, fusions.norms)

@@ -337,12 +337,19 @@ def _rope(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 ROPE = Tiling({"elements": ELEMENTS}, _rope, "blocks of whole head vectors with their positions")
 
 
+def attention_slots(attrs: dict[str, Any]) -> dict[int, int]:
+    """Where attention's optional operands are among a node's inputs (slot -> input index): q_positions
+    (3) and kv_lengths (4) unless ``absent`` names them, then attention_partial's append form's k_new (5)
+    and v_new (6), which a node has where it carries rope's attributes (attention_split.py)."""
+    slots = [s for s in (3, 4) if s not in attrs.get("absent", ())] + ([5, 6] if "theta" in attrs else [])
+    return {s: 3 + n for n, s in enumerate(slots)}
+
+
 def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits: int | None) -> list[Tile]:
     """Tiles of attention (``splits`` None: all keys, output [b, h, q, dv]) or of attention_partial
     (one key range each, output [b, h, q, split, dv + 2])."""
     q, k, v = node.inputs[:3]
-    absent = node.attrs.get("absent", ())
-    slot = {s: 3 + n for n, s in enumerate(s for s in (3, 4) if s not in absent)}  # optional operands
+    slot = attention_slots(node.attrs)  # the optional operands' inputs
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -375,6 +382,10 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
                             reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
                         if 4 in slot:
                             reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
+                        # the append form: every range may hold the new key (a position is data)
+                        for n, width in ((5, d), (6, dv)):
+                            if n in slot:
+                                reads.append(Read(slot[n], Box((bi, h, 0, 0), (bi + 1, h + 1, 1, width))))
                         flops = 2 * hb * (e - s) * (hi - lo) * (d + dv)
                         if splits is None:
                             obox, coords = Box((bi, h0, s, 0), (bi + 1, h1, e, dv)), (bi, h0, s // qb)

@@ -85,19 +85,21 @@ def _infer(call: OpCall) -> list[OutSpec]:
 
 def attention_dims(node: Any) -> list[_placements.Dim]:
     """By sequences; by groups of heads (a kv head with its query heads: grouped-query attention keeps
-    each group on one member); by queries when their positions are given (or there is no mask)."""
+    each group on one member); by queries when their positions are given (or there is no mask). The
+    append form's k_new and v_new [batch, kv_heads, 1, dim] go with the sequences and kv heads."""
     out = _placements.OUT
-    present = [s for s in range(5) if s not in node.attrs.get("absent", ())]
+    slot = _tilings.attention_slots(node.attrs)
     q, k = node.inputs[0], node.inputs[1]
     b, hq, tq, _ = q.shape
     group = hq // k.shape[1]
-    extras = [(present.index(s), 0, 1) for s in (3, 4) if s in present]
+    extras = [(slot[s], 0, 1) for s in (3, 4, 5, 6) if s in slot]
+    new = [(slot[s], 1, 1) for s in (5, 6) if s in slot]
     dims = [
         _placements.Dim(b, ((0, 0, 1), (1, 0, 1), (2, 0, 1), *extras, (out, 0, 1)), label="by sequences"),
-        _placements.Dim(k.shape[1], ((0, 1, group), (1, 1, 1), (2, 1, 1), (out, 1, group)), label="by heads"),
+        _placements.Dim(k.shape[1], ((0, 1, group), (1, 1, 1), (2, 1, 1), *new, (out, 1, group)), label="by heads"),
     ]
-    if 3 in present or not node.attrs["causal"]:
-        qpos = ((present.index(3), 1, 1),) if 3 in present else ()
+    if 3 in slot or not node.attrs["causal"]:
+        qpos = ((slot[3], 1, 1),) if 3 in slot else ()
         dims.append(_placements.Dim(tq, ((0, 2, 1), *qpos, (out, 2, 1)), label="by queries"))
     return dims
 

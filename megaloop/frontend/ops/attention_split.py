@@ -13,18 +13,21 @@ result is attention's up to float32 rounding. The mask rules are attention's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from megaloop.dtypes import as_dtype, float32
-from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops.attention import ATTENTION, attention_dims, check_attention_data, visible_keys
 from megaloop.frontend.ops.attention import _infer as _attention_infer
 from megaloop.frontend.ops.elementwise import to_compute
+from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, rope_attrs
+from megaloop.frontend.ops.rope import _reference as _rope_reference
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
@@ -37,10 +40,72 @@ def split_bounds(tk: int, splits: int, s: int) -> tuple[int, int]:
 
 def _partial_infer(call: OpCall) -> list[OutSpec]:
     b, hq, tq, dv = _attention_infer(call)[0].shape
+    if "theta" in call.attrs:
+        _check_append(call)
     return [OutSpec((b, hq, tq, call.attrs["splits"], dv + 2), float32)]
 
 
+def _check_append(call: OpCall) -> None:
+    """The append form's rules: one query a sequence at its q_positions (causal), k_new and v_new
+    [batch, kv_heads, 1, dim] of the caches' dtypes, rope's attributes for the head."""
+    slot = _tilings.attention_slots(call.attrs)
+    q, k, v = call.operands[:3]
+    b, hkv = k.shape[:2]
+    if 3 not in slot or not call.attrs["causal"] or q.shape[2] != 1:
+        raise call.error(
+            GraphBuildError,
+            f"the append form takes one query a sequence (q_len 1, got {q.shape[2]}) at its q_positions, causal",
+            hint="pass causal=True and q_positions (the new token's position) with a decode step's q",
+        )
+    for n, cache, name in ((5, k, "k"), (6, v, "v")):
+        new = call.operands[slot[n]]
+        want = (b, hkv, 1, cache.shape[3])
+        if new.shape != want:
+            raise call.error(
+                ShapeError,
+                f"{name}_new must be [batch, kv_heads, 1, dim] = {format_shape(want)}, got {format_shape(new.shape)}",
+            )
+        if new.dtype != cache.dtype:
+            raise call.error(DtypeError, f"{name}_new is {new.dtype.name} but the {name} cache is {cache.dtype.name}")
+    check_rotary(call, q.shape[3])
+
+
+def _check_partial_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
+    """attention's rules, and in the append form a position that names a slot of the caches (where the
+    new key goes)."""
+    check_attention_data(arrays, attrs, known)
+    if "theta" in attrs:
+        i, tk = _tilings.attention_slots(attrs)[3], arrays[1].shape[2]
+        where = first_bad((arrays[i] < 0) | (arrays[i] >= tk), known[i])
+        if where is not None:
+            raise DataError(
+                f"q_positions{list(where)} is {int(arrays[i][where])}: the new key goes to a slot of the "
+                f"caches, in [0, {tk})"
+            )
+
+
+def _appended(arrays: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """q, k and v as rope and the cache updates would have made them (the append form): q rotated at
+    its position, and at that position of each sequence the rotated k_new and v_new, each rounded to
+    its tensor's dtype."""
+    slot = _tilings.attention_slots(attrs)
+    q, k, v = arrays[:3]
+    pos = arrays[slot[3]].astype(np.int64)  # [b, 1]
+    b = q.shape[0]
+    at = pos.reshape(b, 1, 1)
+    q = _rope_reference([q, at], attrs).astype(q.dtype)
+    k_new = _rope_reference([arrays[slot[5]], at], attrs).astype(k.dtype)
+    k, v = k.copy(), v.copy()
+    slots = np.clip(pos[:, 0], 0, k.shape[2] - 1)  # (_check_partial_data refused real ones outside)
+    for bi in range(b):
+        k[bi, :, slots[bi]] = k_new[bi, :, 0]
+        v[bi, :, slots[bi]] = arrays[slot[6]][bi, :, 0]
+    return [q, k, v, *arrays[3:]]
+
+
 def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    if "theta" in attrs:
+        arrays = _appended(arrays, attrs)
     absent = attrs.get("absent", ())
     q, k, v = (to_compute(a) for a in arrays[:3])
     extra = dict(zip([s for s in (3, 4) if s not in absent], arrays[3:]))
@@ -66,19 +131,29 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     return out.reshape(b, hq, tq, splits, dv + 2)
 
 
+APPEND_ATTRS = ROPE_ATTRS  # the append form's: rope's (a node with them is the append form)
+
 ATTENTION_PARTIAL = register(
     OpDef(
         name="attention_partial",
         kind="compute",
         category="attention",
         doc="attention over each of `splits` key ranges: unnormalised output, max score and exp-sum per "
-        "range (float32); see megaloop.frontend.ops.attention_split.",
-        operands=("q", "k", "v", "q_positions", "kv_lengths"),
-        attrs={"splits": "count", "causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
-        optional_attrs=frozenset({"absent"}),
+        "range (float32); with k_new, v_new and rope's attributes, the append form of a decode step (q "
+        "un-roped, the new key and value not yet in the caches); see megaloop.frontend.ops.attention_split.",
+        operands=("q", "k", "v", "q_positions", "kv_lengths", "k_new", "v_new"),
+        attrs={
+            "splits": "count",
+            "causal": "bool",
+            "window": "count?",
+            "scale": "number?",
+            "absent": "ints",
+            **APPEND_ATTRS,
+        },
+        optional_attrs=frozenset({"absent", *APPEND_ATTRS}),
         infer=_partial_infer,
         reference=_partial_reference,
-        check_data=check_attention_data,
+        check_data=_check_partial_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
         lowering=Lowering("attention_partial"),
@@ -155,10 +230,14 @@ def attention(
     window: int | None = None,
     scale: float | None = None,
     kv_splits: int | None = None,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    rope: dict[str, Any] | None = None,
 ) -> Tensor:
     """Attention (megaloop/frontend/ops/attention.py). ``kv_splits``: split the keys into that many ranges
     computed by separate tiles and merged after (this module's two ops): for few queries over many keys
-    (decode)."""
+    (decode). ``k_new``, ``v_new`` and ``rope`` (rope's keywords: theta, layout, rotary_dim, scaling):
+    the append form of a decode step (module docstring), k and v the caches' old values, q un-roped."""
     optional = {3: q_positions, 4: kv_lengths}
     operands = [q, k, v] + [t for t in optional.values() if t is not None]
     absent = tuple(s for s, t in optional.items() if t is None)
@@ -168,12 +247,42 @@ def attention(
         scale = float(require_scalar(ATTENTION, "scale", scale))
     causal = require_bool(ATTENTION, "causal", causal)
     attrs = {"causal": causal, "window": window, "scale": scale, **({"absent": absent} if absent else {})}
+    append = (k_new, v_new, rope) != (None, None, None)
+    if append:
+        attrs.update(_append_attrs(k_new, v_new, rope, kv_splits, q_positions))
+        operands += [k_new, v_new]
     if kv_splits is not None:
         kv_splits = require_int(ATTENTION, "kv_splits", kv_splits, minimum=1)
         tk = k.shape[2] if isinstance(k, Tensor) and k.ndim == 4 else 1
         chunk = -(-tk // kv_splits)
         splits = -(-tk // chunk)  # no empty range: tk = 9 in 4 splits is 3 ranges of 3
-        if splits > 1:  # attention_partial then attention_combine
+        if splits > 1 or append:  # attention_partial then attention_combine
             partial = apply(ATTENTION_PARTIAL, operands, splits=splits, **attrs)
             return apply(ATTENTION_COMBINE, [partial], dtype=operands[0].dtype)
     return apply(ATTENTION, operands, **attrs)
+
+
+def _append_attrs(k_new: Any, v_new: Any, rope: Any, kv_splits: Any, q_positions: Any) -> dict[str, Any]:
+    """rope's attributes for the append form, once its arguments are all there."""
+    missing = [n for n, x in (("k_new", k_new), ("v_new", v_new), ("rope", rope)) if x is None]
+    if missing:
+        raise GraphBuildError(
+            f"attention: the append form takes k_new, v_new and rope together; {', '.join(missing)} missing",
+        )
+    if kv_splits is None or q_positions is None:
+        raise GraphBuildError(
+            "attention: the append form is attention_partial's: pass kv_splits (1 or more) and q_positions "
+            "(where the new key goes)"
+        )
+    unknown = set(rope) - {"theta", "layout", "rotary_dim", "scaling"} if isinstance(rope, dict) else None
+    if unknown is None or unknown:
+        raise GraphBuildError(
+            f"attention: rope must be a dict of rope's keywords (theta, layout, rotary_dim, scaling), got {rope!r:.80}"
+        )
+    return rope_attrs(
+        rope.get("theta", 10000.0),
+        rope.get("layout", "neox"),
+        rope.get("rotary_dim"),
+        rope.get("scaling"),
+        ATTENTION_PARTIAL,
+    )

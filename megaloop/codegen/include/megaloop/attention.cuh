@@ -8,10 +8,12 @@
 // - split keys (attention_split_keys): flash-decoding inside one tile, the keys of each row split over
 //   the block's warps, for packed, aligned heads (decode);
 // - a warp per row (attention_warp_rows): any strides, the definition the others keep to.
-// attention_partial runs the last two over one key range (its split), attention_combine merges them.
+// attention_partial runs the last two over one key range (its split), attention_combine merges them;
+// its append form (AttnAppend) rotates q on load and takes the key at q's position from k_new.
 #pragma once
 #include "megaloop/elementwise.cuh"
 #include "megaloop/mma.cuh"
+#include "megaloop/rope.cuh"
 #include "megaloop/types.cuh"
 #include "megaloop/vec.cuh"
 
@@ -59,6 +61,28 @@ __device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, Len 
     }
 }
 
+// attention_partial's append form (a decode step): rope's frequencies, rotary dims and layout, and
+// the step's un-roped key and value kn, vn [B, Hkv, 1, D] (axis 2 never indexed). q arrives un-roped:
+// the tiles rotate it at its position, where the key is rope(kn) and the value vn (not in the caches).
+template <int RD, bool Neox, class KN, class VN>
+struct AttnAppend {
+    static constexpr int rd = RD;
+    static constexpr bool neox = Neox;
+    const double* inv_freq;
+    KN k;
+    VN v;
+};
+template <int RD, bool Neox, class KN, class VN>
+__device__ __forceinline__ AttnAppend<RD, Neox, KN, VN> attn_append(const double* inv_freq, KN k, VN v) {
+    return {inv_freq, k, v};
+}
+
+// query i of batch item bi's position (the append form's new key's slot)
+template <class QP>
+__device__ __forceinline__ i64 query_position(const QP& qpos, int bi, int i) {
+    return load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
+}
+
 // for (int C = 0; C < N; ++C) { ... }, written once without a loop where N is 1 (up to 32 dims): a
 // one-trip loop left to the optimiser came out a few instructions longer
 #define ML_CHUNKS(C, N, ...)            \
@@ -74,9 +98,11 @@ __device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, Len 
 // A warp per (batch, head, query): the scores one key at a time (the head's dims over the lanes, a
 // warp sum), the online softmax over [begin, end). Chunk > 0: attention_partial's key range o[3]
 // (out: [..., split, Dv + 2], unnormalised, then m and l), else the normalised output.
-template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L>
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class App = Absent>
 __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t, int tid, float scale, O out, Q q,
-                                                    K k, V v, QP qpos, L lens) {
+                                                    K k, V v, QP qpos, L lens, App app = {}) {
+    constexpr bool APPEND = is_present<App>::value;
+    static_assert(!APPEND || (Chunk > 0 && is_present<QP>::value), "append form: attention_partial's, with positions");
     constexpr int D = S::d, DV = S::dv, TK = S::tk, DL = (D + 31) / 32, VL = (DV + 31) / 32;
     Task rowt = t;
     rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, query)
@@ -100,8 +126,21 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
         }
         float qv[DL], acc[VL];
         const i64 qb = (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
-        ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
-                  qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;)
+        i64 pn = -1;  // the append form: q's position, then -1 unless this tile's visible keys hold it
+        if constexpr (APPEND) {  // q rotated at its position; that key comes from app.k, after the loop
+            pn = query_position(qpos, bi, i);
+            ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                      qv[c] = dd < D ? rope_head_dim<App::rd, App::neox>(q.p + qb, stride_of<3, Q>, dd, (double)pn,
+                                                                         app.inv_freq)
+                                     : 0.0f;)
+        } else {
+            ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                      qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;)
+        }
+        if constexpr (APPEND) {
+            if (pn >= begin && pn < end) end = pn;
+            else pn = -1;
+        }
         ML_CHUNKS(c, VL, acc[c] = 0.0f;)
         float m = neg_inf(), l = 0.0f;
         const i64 kb = (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>;
@@ -118,6 +157,25 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
                       acc[c] = acc[c] * corr +
                                (dd < DV ? p * load(v.p + vb + j * stride_of<2, V> + (i64)dd * stride_of<3, V>) : 0.0f);)
             m = mn;
+        }
+        if constexpr (APPEND) {
+            if (pn >= 0) {  // the new key: rope(k_new) as the cache will hold it, and v_new
+                using KN = decltype(app.k);
+                using VN = decltype(app.v);
+                const auto* kr = app.k.p + (i64)bi * stride_of<0, KN> + (i64)kh * stride_of<1, KN>;
+                const auto* vr = app.v.p + (i64)bi * stride_of<0, VN> + (i64)kh * stride_of<1, VN>;
+                float s = 0.0f;
+                ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
+                          if (dd < D) s += qv[c] * rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, dd,
+                                                                                     (double)pn, app.inv_freq);)
+                s = warp_sum(s) * scale;
+                const float mn = s > m ? s : m;
+                const float corr = expf(m - mn), p = expf(s - mn);
+                l = l * corr + p;
+                ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                          acc[c] = acc[c] * corr + (dd < DV ? p * load(vr + (i64)dd * stride_of<3, VN>) : 0.0f);)
+                m = mn;
+            }
         }
         const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O> +
                        (Chunk > 0 ? (i64)o[3] * stride_of<3, O> : 0);
@@ -138,9 +196,11 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
 // Split keys (flash-decoding inside one tile): each (head, query) of the tile takes `split` warps, each
 // warp a piece of its keys, KPW keys a step (lanes split the head in packs of W), the pieces' softmax
 // states merged in shared memory (a warp's slot of D + 2 floats). Chunk as for attention_warp_rows.
-template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L>
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class App = Absent>
 __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& t, int tid, float scale, O out, Q q,
-                                                     K k, V v, QP qpos, L lens) {
+                                                     K k, V v, QP qpos, L lens, App app = {}) {
+    constexpr bool APPEND = is_present<App>::value;
+    static_assert(!APPEND || (Chunk > 0 && is_present<QP>::value), "append form: attention_partial's, with positions");
     using T = typename Q::type;
     constexpr int W = 16 / (int)sizeof(T), D = S::d, LPK = D / W, KPW = 32 / LPK, TK = S::tk;
     static_assert(D % W == 0 && LPK > 0 && 32 % LPK == 0 && S::dv == D, "split keys: heads of whole packs");
@@ -177,10 +237,22 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                 if (end > range_hi) end = range_hi;
             }
             if (end > TK) end = TK;
+            i64 pn = -1;  // the append form's new key, where this tile's visible keys hold it (piece 0 takes it)
+            if constexpr (APPEND) {
+                pn = query_position(qpos, bi, i);
+                if (pn >= begin && pn < end) end = pn;
+                else pn = -1;
+            }
             const i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;
             const i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;
-            const Pack<T, W> qpk = load_pack<T, W>(q.p + (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> +
-                                                   (i64)i * stride_of<2, Q> + r * W);
+            const T* qrow = q.p + (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
+            Pack<T, W> qpk;
+            if constexpr (APPEND) {  // rotated at its position, rounded as rope would store it
+                qpk = rope_head_pack<App::rd, App::neox, W>(qrow, r, (double)query_position(qpos, bi, i),
+                                                            app.inv_freq);
+            } else {
+                qpk = load_pack<T, W>(qrow + r * W);
+            }
             const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K> + r * W;
             const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V> + r * W;
             // each step's key and value packs are loaded a step ahead, so that a memory round trip runs
@@ -209,6 +281,28 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                     for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(vv, w);
                     m = mn;
+                }
+            }
+            if constexpr (APPEND) {
+                if (pn >= 0 && piece == 0) {  // the new key (rope(k_new), as the cache will hold it) and v_new
+                    using KN = decltype(app.k);
+                    using VN = decltype(app.v);
+                    const T* kr = app.k.p + (i64)bi * stride_of<0, KN> + (i64)kh * stride_of<1, KN>;
+                    const Pack<T, W> kc = rope_head_pack<App::rd, App::neox, W>(kr, r, (double)pn, app.inv_freq);
+                    const Pack<T, W> vv = load_pack<T, W>(app.v.p + (i64)bi * stride_of<0, VN> +
+                                                          (i64)kh * stride_of<1, VN> + r * W);
+                    float s = dot(qpk, kc);
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
+                    if (g == 0) {  // one key group takes it (the merge below adds the groups)
+                        s *= scale;
+                        const float mn = s > m ? s : m;
+                        const float corr = expf(m - mn), p = expf(s - mn);
+                        l = l * corr + p;
+#pragma unroll
+                        for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(vv, w);
+                        m = mn;
+                    }
                 }
             }
         }
@@ -606,18 +700,21 @@ __device__ __forceinline__ void attention(const Args& a, const Task& t, int tid,
 }
 
 // One tile of attention_partial: key range t.lo[3] of Chunk keys; out [B, Hq, Tq, splits, Dv + 2]
-// float32, the unnormalised output, its max score m and exp-sum l. Split keys where SplitKeys and aligned.
-template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L>
+// float32, the unnormalised output, its max score m and exp-sum l. Split keys where SplitKeys and aligned
+// (the append form's k_new and v_new too). app: AttnAppend for the append form, else Absent.
+template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class App = Absent>
 __device__ __forceinline__ void attention_partial(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
-                                                  V v, QP qpos, L lens) {
+                                                  V v, QP qpos, L lens, App app = {}) {
     static_assert(Chunk > 0 && O::rank == 5, "attention_partial: key ranges of Chunk keys, 5-D out");
     if constexpr (SplitKeys) {
-        if (aligned_heads(q, k, v)) {
-            attention_split_keys<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens);
+        bool ok = aligned_heads(q, k, v);
+        if constexpr (is_present<App>::value) ok = ok && aligned(app.k.p, 16) && aligned(app.v.p, 16);
+        if (ok) {
+            attention_split_keys<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, app);
             return;
         }
     }
-    attention_warp_rows<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens);
+    attention_warp_rows<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, app);
 }
 
 // One tile of attention_combine, a warp per (batch, head, query): the largest m over the Splits key

@@ -64,6 +64,57 @@ __device__ __forceinline__ float pack_at(const Pack<T, W>& p, int k) {
     }
 }
 
+// Dims [r W, r W + W) of a contiguous head vector x rotated at position pv with rope's formula and
+// rounded to T as rope stores them (attention's append form: q, and the new key as the cache gets it).
+// Packs hold whole runs of pairs: W divides RD / 2 (neox) or RD (interleaved, W even).
+template <int RD, bool Neox, int W, class T>
+__device__ __forceinline__ Pack<T, W> rope_head_pack(const T* x, int r, double pv, const double* inv_freq) {
+    static_assert(Neox ? (RD / 2) % W == 0 : (RD % W == 0 && W % 2 == 0), "rope_head_pack: packs of whole pairs");
+    const int d0 = r * W;
+    const Pack<T, W> a = load_pack<T, W>(x + d0);
+    if (d0 >= RD) return a;  // past rotary_dim: as it is
+    Pack<T, W> out;
+    if constexpr (Neox) {
+        constexpr int HALF = RD / 2;
+        const bool first = d0 < HALF;
+        const Pack<T, W> b = load_pack<T, W>(x + (first ? d0 + HALF : d0 - HALF));
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            float s, c;
+            rope_angle(pv, inv_freq[(first ? d0 : d0 - HALF) + k], s, c);
+            const float xd = pack_at<W>(a, k), xp = pack_at<W>(b, k);
+            set(out, k, fmaf(xd, c, first ? -(xp * s) : xp * s));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < W / 2; ++k) {
+            float s, c;
+            rope_angle(pv, inv_freq[d0 / 2 + k], s, c);
+            const float x1 = get(a, 2 * k), x2 = get(a, 2 * k + 1);
+            set(out, 2 * k, fmaf(x1, c, -(x2 * s)));
+            set(out, 2 * k + 1, fmaf(x2, c, x1 * s));
+        }
+    }
+    return out;
+}
+
+// Dim d of a head vector x (element stride XS) rotated at position pv as rope_head_pack, in float
+template <int RD, bool Neox, class T>
+__device__ __forceinline__ float rope_head_dim(const T* x, i64 xs, int d, double pv, const double* inv_freq) {
+    constexpr int HALF = RD / 2;
+    const float xd = load(x + (i64)d * xs);
+    if (d >= RD) return xd;
+    const int f = Neox ? d % HALF : d / 2;
+    const int p = Neox ? (d < HALF ? d + HALF : d - HALF) : d ^ 1;
+    const bool first = Neox ? d < HALF : !(d & 1);
+    float s, c;
+    rope_angle(pv, inv_freq[f], s, c);
+    const float xp = load(x + (i64)p * xs);
+    T r;
+    store(&r, fmaf(xd, c, first ? -(xp * s) : xp * s));
+    return load(&r);
+}
+
 // One item of the per-pair path (see rope_pairs), turned and stored at o: W pairs of packs pa, pb
 // (neox), W / 2 pairs in pa (interleaved); an item past the rotary dims (j >= ROT_ITEMS) copied.
 template <int RD, bool Neox, int W, int ROT_ITEMS, int ITEMS, class TO, class T>
