@@ -196,6 +196,17 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
 // Split keys (flash-decoding inside one tile): each (head, query) of the tile takes `split` warps, each
 // warp a piece of its keys, KPW keys a step (lanes split the head in packs of W), the pieces' softmax
 // states merged in shared memory (a warp's slot of D + 2 floats). Chunk as for attention_warp_rows.
+// One key of the online softmax: its scaled score s and its value pack folded into m, l and acc.
+template <class T, int W>
+__device__ __forceinline__ void fold_key(float s, const Pack<T, W>& v, float& m, float& l, float (&acc)[W]) {
+    const float mn = s > m ? s : m;
+    const float corr = expf(m - mn), p = expf(s - mn);
+    l = l * corr + p;
+#pragma unroll
+    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(v, w);
+    m = mn;
+}
+
 template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class App = Absent>
 __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& t, int tid, float scale, O out, Q q,
                                                      K k, V v, QP qpos, L lens, App app = {}) {
@@ -274,13 +285,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                 if (live) {
-                    s *= scale;
-                    const float mn = s > m ? s : m;
-                    const float corr = expf(m - mn), p = expf(s - mn);
-                    l = l * corr + p;
-#pragma unroll
-                    for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(vv, w);
-                    m = mn;
+                    fold_key(s * scale, vv, m, l, acc);
                 }
             }
             if constexpr (APPEND) {
@@ -295,13 +300,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                     if (g == 0) {  // one key group takes it (the merge below adds the groups)
-                        s *= scale;
-                        const float mn = s > m ? s : m;
-                        const float corr = expf(m - mn), p = expf(s - mn);
-                        l = l * corr + p;
-#pragma unroll
-                        for (int w = 0; w < W; ++w) acc[w] = acc[w] * corr + p * get(vv, w);
-                        m = mn;
+                        fold_key(s * scale, vv, m, l, acc);
                     }
                 }
             }
