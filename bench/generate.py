@@ -58,9 +58,16 @@ class TorchModel(torch.nn.Module):
         self.sin = torch.cat([ang, ang], -1).sin().to(torch.bfloat16)
 
     def forward(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """The next token after ``token`` at ``pos`` (one decode step)."""
+        return self.logits(token, pos).argmax(-1)
+
+    def logits(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """Every position's logits for ``token`` [T] at positions pos..pos+T-1 (T > 1 from position 0:
+        a prefill, causal over the prompt)."""
         cfg, p, hd = self.cfg, self.p, self.cfg.head_dim
-        x = p["model.embed_tokens.weight"][token][None]  # [1, 1, hidden]
-        cos, sin = self.cos[pos : pos + 1], self.sin[pos : pos + 1]
+        t = token.shape[0]
+        x = p["model.embed_tokens.weight"][token][None]  # [1, t, hidden]
+        cos, sin = self.cos[pos : pos + t], self.sin[pos : pos + t]
 
         def rot(z):
             return z * cos + torch.cat([-z[..., hd // 2 :], z[..., : hd // 2]], -1) * sin
@@ -68,20 +75,20 @@ class TorchModel(torch.nn.Module):
         for i in range(cfg.layers):
             w = lambda n, i=i: p[f"model.layers.{i}.{n}"]
             h = F.rms_norm(x, (cfg.hidden,), w("input_layernorm.weight"), cfg.rms_eps)
-            q = rot((h @ w("self_attn.q_proj.weight").T).view(1, 1, cfg.heads, hd).transpose(1, 2))
-            k = rot((h @ w("self_attn.k_proj.weight").T).view(1, 1, cfg.kv_heads, hd).transpose(1, 2))
-            v = (h @ w("self_attn.v_proj.weight").T).view(1, 1, cfg.kv_heads, hd).transpose(1, 2)
-            self.k[i, :, :, pos : pos + 1] = k
-            self.v[i, :, :, pos : pos + 1] = v
+            q = rot((h @ w("self_attn.q_proj.weight").T).view(1, t, cfg.heads, hd).transpose(1, 2))
+            k = rot((h @ w("self_attn.k_proj.weight").T).view(1, t, cfg.kv_heads, hd).transpose(1, 2))
+            v = (h @ w("self_attn.v_proj.weight").T).view(1, t, cfg.kv_heads, hd).transpose(1, 2)
+            self.k[i, :, :, pos : pos + t] = k
+            self.v[i, :, :, pos : pos + t] = v
             o = F.scaled_dot_product_attention(
-                q, self.k[i, :, :, : pos + 1], self.v[i, :, :, : pos + 1], enable_gqa=True
+                q, self.k[i, :, :, : pos + t], self.v[i, :, :, : pos + t], enable_gqa=True, is_causal=t > 1
             )
-            x = x + o.transpose(1, 2).reshape(1, 1, -1) @ w("self_attn.o_proj.weight").T
+            x = x + o.transpose(1, 2).reshape(1, t, -1) @ w("self_attn.o_proj.weight").T
             h = F.rms_norm(x, (cfg.hidden,), w("post_attention_layernorm.weight"), cfg.rms_eps)
             gate, up = h @ w("mlp.gate_proj.weight").T, h @ w("mlp.up_proj.weight").T
             x = x + (F.silu(gate) * up) @ w("mlp.down_proj.weight").T
         x = F.rms_norm(x, (cfg.hidden,), p["model.norm.weight"], cfg.rms_eps)
-        return (x @ p["lm_head.weight"].T).argmax(-1)
+        return x @ p["lm_head.weight"].T
 
 
 def torch_side(cfg, params: dict) -> dict:
@@ -91,7 +98,9 @@ def torch_side(cfg, params: dict) -> dict:
         eager = time_torch(lambda: model(token, PROMPT)) * 1e6
         compiled = torch.compile(lambda: model(token, PROMPT), mode="reduce-overhead")
         graphed = time_torch(compiled, warmup=5, repeat=30) * 1e6
-    return {"torch_eager_us_per_token": eager, "torch_compile_us_per_token": graphed}
+        prompt = torch.randint(0, cfg.vocab, (PROMPT,), device="cuda")  # the prefill, every position's logits
+        prefill = time_torch(lambda: model.logits(prompt, 0)) * 1e3
+    return {"torch_eager_us_per_token": eager, "torch_compile_us_per_token": graphed, "torch_eager_prefill_ms": prefill}
 
 
 def transformers_side(cfg, params: dict) -> dict:
@@ -101,11 +110,21 @@ def transformers_side(cfg, params: dict) -> dict:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=PROMPT + NEW, tie_word_embeddings=False, dtype="bfloat16",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=PROMPT + NEW,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
@@ -157,6 +176,7 @@ def main() -> None:
     ap.add_argument(
         "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"
     )
+    ap.add_argument("--compare-prefill", nargs="*", default=[], help="more Fusions to time the prefill with")
     args = ap.parse_args()
     fusions = Fusions.parse(args.fusions) if args.fusions else DECODE_FUSIONS
     options = KernelOptions(**json.loads(args.options))
@@ -189,6 +209,13 @@ def main() -> None:
         # the step alone, its inputs in place (run again: it writes the same KV cache rows with the same values)
         results["loop_prefill_ms"] = resident_seconds(k, 1) * 1e3
         state = k.state()
+    for text in args.compare_prefill:  # the same prefill built with other Fusions (split_k), in this run
+        graph = build_llama(cfg, 1, PROMPT, fusions=Fusions.parse(text))
+        with LoopKernel(make_plan(graph, processors=132, tiles={"matmul": {"tensor_cores": 1}}), params) as k:
+            other = k.run(feeds)["logits"]
+            entry = {"ms": resident_seconds(k, 1) * 1e3, "logits_max_diff": float(np.abs(other - logits).max())}
+        results.setdefault("compare_prefill", {})[text] = entry
+        print("prefill", text, entry, flush=True)
     start = {**state, "token": logits[:, -1].astype(np.float32).argmax(-1)[:, None], "position": np.array([[PROMPT]])}
     seconds, tokens = _greedy(gen_plan, params, start)
     for text in args.compare:  # the same greedy generation with other Fusions, in this run

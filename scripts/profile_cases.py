@@ -70,16 +70,29 @@ def chain_case(op: str, n: int = 5504, length: int = 12):
     return g, {}, {"x": np.random.default_rng(0).standard_normal((1, n), dtype=np.float32)}
 
 
-def generate_case(splits: int | str | None = "auto"):
+def prefill_case():
+    """bench/generate.py's prefill: the 1B-shaped model over a 128-token prompt, every position's logits."""
+    from megaloop.cli import PRESETS
+
+    base = PRESETS["llama3.2-1b"]
+    cfg = type(base)(**{**base.__dict__, "max_seq": 256})
+    rng = np.random.default_rng(1)
+    feeds = {"tokens": rng.integers(0, cfg.vocab, (1, 128)), "positions": np.arange(128)[None]}
+    return build_llama(cfg, 1, 128), random_parameters(cfg, seed=0), feeds
+
+
+def generate_case(splits: int | str | None = "auto", fusions: str | None = None):
     """bench/generate.py's self-feeding Llama-3.2-1B-shaped generator (16 layers, the LM head, the argmax)
     at position 128 of 256: the whole decode step that the benchmark times per token."""
     from megaloop.cli import PRESETS
-    from megaloop.models import build_llama_generator
+    from megaloop.models import Fusions, build_llama_generator
 
     base = PRESETS["llama3.2-1b"]
     cfg = type(base)(**{**base.__dict__, "max_seq": 256})
     state = {"token": np.array([[17]]), "position": np.array([[128]])}
-    return build_llama_generator(cfg, 1, kv_splits=splits), random_parameters(cfg, seed=0), {}, state
+    chosen = {} if fusions is None else {"fusions": Fusions.parse(fusions)}
+    graph = build_llama_generator(cfg, 1, kv_splits=splits, **chosen)
+    return graph, random_parameters(cfg, seed=0), {}, state
 
 
 CASES = {
@@ -92,6 +105,8 @@ CASES = {
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
     "generate1b": generate_case,  # the whole 16-layer step with the LM head and argmax
+    "generate1b_noappend": lambda: generate_case(fusions="norms,swiglu"),  # without Fusions.append
+    "prefill1b": prefill_case,  # bench/generate's 128-token prefill
     "silu_chain": lambda: chain_case("silu"),
     "add_chain": lambda: chain_case("add", 2048),
     "rmsnorm8192": lambda: rows_case("rmsnorm"),

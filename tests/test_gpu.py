@@ -273,6 +273,33 @@ def test_tensor_core_matmul_against_torch(dtype: str, processors: int, path: str
         assert_close(got[name], ref.numpy(), dt, ml.REGISTRY["matmul"].accuracy, k_len, f"{name} [{dtype}]")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("splits", [4, 8])
+def test_split_k_linear_against_torch(dtype: str, splits: int) -> None:
+    """ops.split_k_linear (a prefill's narrow projections): the partial products on the tensor cores
+    over views of x and the weight, their sum a thread an element; float64 torch, two runs the same."""
+    from tests.test_split_k import split_graph
+
+    m, n, k = 128, 512, 4096
+    g = split_graph((1,), m, n, k, splits, dtype)
+    dt = ml.as_dtype(dtype)
+    feeds, params = normal_inputs(g, dt, splits)
+    plan = make_plan(g, processors=132)
+    assert "ml::wgmma_tile<" in generate(plan).source
+    with loop_kernel(plan, params) as kern:
+        got = kern.run(feeds)["y"]
+        again = kern.run(feeds)["y"]
+    x64, w64 = to_torch64(feeds["x"]), to_torch64(params["w"])
+    part = k // splits
+    partials = torch.stack(
+        [x64[..., s * part : (s + 1) * part] @ w64[:, s * part : (s + 1) * part].T for s in range(splits)]
+    )
+    atol = float(partials.abs().max()) * splits * dt.eps / 2  # each partial rounded to dtype
+    want = (x64 @ w64.T).numpy()
+    assert_close(got, want, dt, ml.REGISTRY["matmul"].accuracy, k, f"split {splits} [{dtype}]", atol=atol)
+    assert np.array_equal(got, again), "two runs differ"
+
+
 def test_more_processors_than_can_be_resident_is_refused() -> None:
     from megaloop.runtime.loop import LoopKernelError
 
@@ -529,8 +556,6 @@ def test_benchmark_layers_match_the_reference(hidden: int, sequences: int, token
     assert np.array_equal(got, again), "two runs differ"
 
 
-
-
 LLAMA3_SCALING = {
     "type": "llama3",
     "factor": 32.0,
@@ -579,6 +604,3 @@ def test_rope_into_the_cache_is_rope_then_the_update_bit_for_bit(tokens: int, la
         written[bi, feeds["pos"][bi]] = True
     untouched = caches[True].transpose(0, 2, 1, 3)[~written]
     assert np.array_equal(untouched.view(np.uint16), state["cache"].transpose(0, 2, 1, 3)[~written].view(np.uint16))
-
-
-

@@ -55,7 +55,8 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
         red = "ml::Run"
     else:
         red = f"ml::Axes<{', '.join(f'ml::Dim<{x.shape[d]}, {x.strides[d]}>' for d in axes)}>"
-    return [*body, f"ml::reduce_warps<{REDUCE_OPS[op]}, {total}, {red}>(t, {operands});"]
+    path = "reduce_threads" if total <= THREAD_REDUCTION_MAX else "reduce_warps"
+    return [*body, f"ml::{path}<{REDUCE_OPS[op]}, {total}, {red}>(t, {operands});"]
 
 
 # Reductions of at least this many elements an output element take the whole block per output element
@@ -63,6 +64,9 @@ def reduction(op: str, attrs: dict[str, Any], x: Operand, out: Operand) -> list[
 # (128256 logits) took one warp's scalar loads 296 us of a 1.7 ms generation step (H200).
 BLOCK_REDUCTION_MIN = 8192
 BLOCK_REDUCTION_PACKS = 4  # 16-byte packs a thread loads before it folds them in
+# At most this many elements an output element take a thread each (in index order), not a warp: a
+# warp summing a split-K product's 4 partials would leave 28 of its lanes idle.
+THREAD_REDUCTION_MAX = 16
 
 
 def _contiguous_run(x: Operand, axes: tuple[int, ...]) -> bool:

@@ -20,6 +20,7 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
+from megaloop.frontend.ops.matmul import auto_k_splits
 from megaloop.frontend.ops.norm_linear import NORMED_ROWS
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
@@ -166,27 +167,32 @@ class Fusions:
     it (rmsnorm_linear, swiglu_linear); ``swiglu``, silu(gate) * up in the gate and up projections'
     epilogue (swiglu_linear); ``append``, q's rope and the new key and value in the attention tiles
     (attention_partial's append form), the cache writes after attention, off its path. The builders
-    make all three (DECODE_FUSIONS): docs/runtime.md ("Step 2")."""
+    make all three (DECODE_FUSIONS): docs/runtime.md ("Step 2"). ``split_k``, for steps of many rows
+    (a prefill): each projection whose output tiles would not fill the processors as products over
+    ranges of K, then their sum (ops.split_k_linear, auto_k_splits)."""
 
     norms: bool = False
     swiglu: bool = False
     append: bool = False
+    split_k: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Fusions:
-        """ "norms,swiglu,append", "swiglu", "none" or ""."""
+        """ "norms,swiglu,append,split_k", "swiglu", "none" or ""."""
         names = {n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"}
         unknown = names - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(
-                f"fusions: unknown {sorted(unknown)}; known: norms, swiglu, append (comma-separated) or none"
+                f"fusions: unknown {sorted(unknown)}; known: norms, swiglu, append, split_k (comma-separated) or none"
             )
         return cls(**{n: True for n in names})
 
 
 NO_FUSIONS = Fusions()  # every small op a stage of its own
-# norms and swiglu: 1109 against 1183 us a token (bench/results/generate.json)
-DECODE_FUSIONS = Fusions(norms=True, swiglu=True, append=True)
+# norms and swiglu: 1109 against 1183 us a token (bench/results/generate.json); split_k applies to
+# steps of many rows only (a prefill)
+DECODE_FUSIONS = Fusions(norms=True, swiglu=True, append=True, split_k=True)
+PREFILL_FUSIONS = Fusions(split_k=True)
 
 
 @dataclass(frozen=True)
@@ -196,10 +202,11 @@ class Projection:
 
     x: Tensor
     norm: tuple[Tensor, Tensor | None, float] | None = None
+    split_k: bool = False
 
     def __call__(self, w: Tensor) -> Tensor:
         if self.norm is None:
-            return ops.linear(self.x, w)
+            return split_linear(self.x, w, split_k=self.split_k)
         weight, residual, eps = self.norm
         return ops.rmsnorm_linear(self.x, w, weight, eps=eps, residual=residual)
 
@@ -213,6 +220,12 @@ class Projection:
         return ops.silu_mul(self(gate), self(up))
 
 
+def split_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, split_k: bool = False) -> Tensor:
+    """ops.linear, over ranges of K (auto_k_splits) where ``split_k`` and its tiles are few."""
+    splits = auto_k_splits(math.prod(x.shape[:-1]), w.shape[0], w.shape[1]) if split_k else None
+    return ops.linear(x, w, bias, k_splits=splits)
+
+
 def few_rows(x: Tensor) -> bool:
     """One sequence of at most NORMED_ROWS rows (a decode step): what a tile norming its rows takes."""
     return math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS
@@ -224,14 +237,19 @@ def projection(x: Tensor | Projection) -> Projection:
 
 
 def normed_projection(
-    cfg: LlamaConfig, x: Tensor, norm_weight: Tensor, residual: Tensor | None, inside: bool = False
+    cfg: LlamaConfig,
+    x: Tensor,
+    norm_weight: Tensor,
+    residual: Tensor | None,
+    inside: bool = False,
+    split_k: bool = False,
 ) -> Projection:
     """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once,
     then the projections of its output; ``inside``: each projection's tiles norm the rows themselves
     (no norm stage), where few_rows(x) (a decode step)."""
     if inside and few_rows(x):
         return Projection(x, (norm_weight, residual, cfg.rms_eps))
-    return Projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual))
+    return Projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual), split_k=split_k)
 
 
 def attention_block(
@@ -242,9 +260,11 @@ def attention_block(
     layer: int,
     kv_splits: int | str | None = "auto",
     append: bool = False,
+    split_k: bool = False,
 ) -> Tensor:
     """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input.
-    ``append``: on a decode step over split keys, attention's append form (Fusions)."""
+    ``append``: on a decode step over split keys, attention's append form; ``split_k``: the output
+    projection over ranges of K where its tiles are few (Fusions)."""
     project = projection(x)
     b, t = positions.shape
     if kv_splits == "auto":
@@ -291,12 +311,15 @@ def attention_block(
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
     o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, window=window, kv_splits=kv_splits)
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
-    return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+    return split_linear(o, w["o_proj.weight"], w.get("o_proj.bias"), split_k)
 
 
-def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int, fused_swiglu: bool = False) -> Tensor:
+def mlp_block(
+    g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int, fused_swiglu: bool = False, split_k: bool = False
+) -> Tensor:
     """``x`` [batch, tokens, hidden], or the Projection of the block's (normed) input; ``fused_swiglu``:
-    silu(gate) * up made by the gate and up tiles (swiglu_linear) where the rows are few."""
+    silu(gate) * up made by the gate and up tiles (swiglu_linear) where the rows are few; ``split_k``:
+    the down projection over ranges of K where its tiles are few."""
     project = projection(x)
     p = f"model.layers.{layer}.mlp."
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
@@ -306,8 +329,8 @@ def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int, fu
     # the processors (matmul tile switch share), so they end together (docs/experiments.md).
     if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
         g_, u_ = project(gate) + w["gate_proj.bias"], project(up) + w["up_proj.bias"]
-        return ops.linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"])
-    return ops.linear(project.swiglu(gate, up, fused_swiglu), down)
+        return split_linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"], split_k)
+    return split_linear(project.swiglu(gate, up, fused_swiglu), down, split_k=split_k)
 
 
 def decoder_layer(
@@ -343,12 +366,12 @@ def decoder_layer_parts(
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            project = normed_projection(cfg, x, ln1, update, fusions.norms)
-            attn = attention_block(g, cfg, project, positions, layer, kv_splits, fusions.append)
+            project = normed_projection(cfg, x, ln1, update, fusions.norms, fusions.split_k)
+            attn = attention_block(g, cfg, project, positions, layer, kv_splits, fusions.append, fusions.split_k)
             h = stream + attn
         with g.scope("mlp"):
-            project = normed_projection(cfg, attn, ln2, stream, fusions.norms)
-            return h, mlp_block(g, cfg, project, layer, fusions.swiglu)
+            project = normed_projection(cfg, attn, ln2, stream, fusions.norms, fusions.split_k)
+            return h, mlp_block(g, cfg, project, layer, fusions.swiglu, fusions.split_k)
 
 
 def _require_config(cfg: Any, who: str) -> None:
@@ -407,7 +430,7 @@ def build_llama_prefill(
     positions = g.input("positions", (batch, tokens), "int64")
     ids = g.input("tokens", (batch, tokens), "int64")
     last = g.input("last", (batch,), "int64")
-    x, update = _decoder(g, cfg, ids, positions, kv_splits, NO_FUSIONS)  # (many rows: nothing to fuse)
+    x, update = _decoder(g, cfg, ids, positions, kv_splits, PREFILL_FUSIONS)  # (many rows: only split_k applies)
     with g.scope("head"):
         stream = x if update is None else x + update
         rows = last + g.constant(np.arange(batch, dtype=np.int64) * tokens, "int64", name="row_starts")

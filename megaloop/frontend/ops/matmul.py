@@ -9,6 +9,8 @@ import numpy as np
 from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import layout as _layout
+from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -55,6 +57,11 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.matmul(a, b)
 
 
+# auto_k_splits: the tiles a wave of the processors takes (132 on an H200), the output tile they are
+# counted in, the shortest K range worth a tile of its own, the most ranges (partials to sum)
+SPLIT_K_TILES, SPLIT_K_TILE, SPLIT_K_MIN_RANGE, SPLIT_K_MAX = 128, (128, 64), 512, 8
+SPLIT_K_MIN_ROWS, SPLIT_K_STEP = 16, 64
+
 MATMUL = register(
     OpDef(
         name="matmul",
@@ -83,9 +90,10 @@ def matmul(a: Tensor, b: Tensor, *, transpose_a: bool = False, transpose_b: bool
     )
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias), with weight stored [out_features, in_features] as in PyTorch checkpoints."""
-    y = matmul(x, weight, transpose_b=True)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, k_splits: int | None = None) -> Tensor:
+    """x @ weight.T (+ bias), with weight stored [out_features, in_features] as in PyTorch checkpoints.
+    ``k_splits``: in_features cut into that many equal ranges (split_k_linear); None or 1: one product."""
+    y = matmul(x, weight, transpose_b=True) if k_splits in (None, 1) else split_k_linear(x, weight, k_splits)
     if bias is None:
         return y
     if not isinstance(bias, Tensor) or bias.shape != (y.shape[-1],):
@@ -94,3 +102,43 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             f"{format_shape(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}"
         )
     return y + bias
+
+
+def split_k_linear(x: Tensor, weight: Tensor, splits: int) -> Tensor:
+    """x @ weight.T as ``splits`` products over equal ranges of K, one batch index each of one matmul
+    on views of x and weight (no copies), then their sum (float32 accumulation). For few rows (a short
+    prompt's prefill), whose output tiles alone leave processors idle; each partial is rounded to x's
+    dtype before the sum, so the result has about one rounding more than the single product."""
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or x.ndim < 2 or weight.ndim != 2:
+        raise ShapeError("split_k_linear: x needs at least 2 dimensions and weight exactly 2 ([out, in])")
+    k = x.shape[-1]
+    if not isinstance(splits, int) or splits < 1 or k % splits or weight.shape[-1] != k:
+        raise ShapeError(
+            f"split_k_linear: k_splits={splits!r} must be a positive divisor of in_features {k} "
+            f"(x {format_shape(x.shape)}, weight {format_shape(weight.shape)})"
+        )
+    lead, part = x.ndim - 1, k // splits
+    xs = _layout.reshape(x, (*x.shape[:-1], splits, part))  # [..., M, S, K/S]
+    xs = _layout.permute(xs, (lead, *range(lead), lead + 1))  # [S, ..., M, K/S]
+    ws = _layout.permute(_layout.reshape(weight, (weight.shape[0], splits, part)), (1, 0, 2))  # [S, N, K/S]
+    ws = _layout.reshape(ws, (splits, *[1] * (lead - 1), weight.shape[0], part))
+    return _reduce.sum(matmul(xs, ws, transpose_b=True), axis=0)
+
+
+def auto_k_splits(rows: int, out_features: int, in_features: int, tiles: int = SPLIT_K_TILES) -> int | None:
+    """The k_splits that brings a product of ``rows`` x ``out_features`` to about ``tiles`` output tiles
+    of SPLIT_K_TILE (None where it has them already), each range at least SPLIT_K_MIN_RANGE long and a
+    multiple of SPLIT_K_STEP (a tensor-core tile's K slice: the ranges' offsets stay aligned).
+    Fewer than MMA rows (decode) never split: their matrix-vector tiles narrow their columns instead."""
+    if rows < SPLIT_K_MIN_ROWS:
+        return None
+    grid = -(-rows // SPLIT_K_TILE[0]) * -(-out_features // SPLIT_K_TILE[1])
+    splits = 1
+    while (
+        splits * 2 * grid <= tiles
+        and in_features % (splits * 2 * SPLIT_K_STEP) == 0
+        and in_features // (splits * 2) >= SPLIT_K_MIN_RANGE
+        and splits * 2 <= SPLIT_K_MAX
+    ):
+        splits *= 2
+    return splits if splits > 1 else None

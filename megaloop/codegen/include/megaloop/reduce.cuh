@@ -93,6 +93,22 @@ __device__ __forceinline__ void reduce_warps(const Task& t, O out, X x) {
     });
 }
 
+// The same with a thread an output element, folded in index order: for few reduced elements a
+// output element (a warp's lanes would idle), e.g. a split-K product's partial sums
+template <int Op, i64 Total, class Red, class O, class X>
+__device__ __forceinline__ void reduce_threads(const Task& t, O out, X x) {
+    using C = decltype(load(x.p));
+    for_box<O::rank>(t, [&](const int* o) {
+        const i64 base = x.offset(o);
+        Fold<Op, C> f;
+#pragma unroll
+        for (i64 r = 0; r < Total; ++r) f.add(load(x.p + base + Red::offset(r)), r);
+        if constexpr (Op == RED_ARGMAX) store(out.p + out.offset(o), f.best_i);
+        else if constexpr (Op == RED_MEAN) store(out.p + out.offset(o), f.best / (float)Total);
+        else store(out.p + out.offset(o), f.best);
+    });
+}
+
 // Each warp's result (and argmax's index) in shared memory, for the block reductions
 template <class C, bool Arg>
 struct BlockShared {
