@@ -206,7 +206,7 @@ CFG = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=2, max
 
 
 def test_fusions_parse_append() -> None:
-    assert Fusions.parse("norms,swiglu,append") == DECODE_FUSIONS and DECODE_FUSIONS.append
+    assert Fusions.parse("norms,swiglu,append,split_k") == DECODE_FUSIONS and DECODE_FUSIONS.append
     assert Fusions.parse("append") == Fusions(append=True)
 
 
