@@ -81,13 +81,13 @@ def prefill_case():
     return build_llama(cfg, 1, 128), random_parameters(cfg, seed=0), feeds
 
 
-def generate_case(splits: int | str | None = "auto", fusions: str | None = None):
+def generate_case(splits: int | str | None = "auto", fusions: str | None = None, preset: str = "llama3.2-1b"):
     """bench/generate.py's self-feeding Llama-3.2-1B-shaped generator (16 layers, the LM head, the argmax)
     at position 128 of 256: the whole decode step that the benchmark times per token."""
     from megaloop.cli import PRESETS
     from megaloop.models import Fusions, build_llama_generator
 
-    base = PRESETS["llama3.2-1b"]
+    base = PRESETS[preset]
     cfg = type(base)(**{**base.__dict__, "max_seq": 256})
     state = {"token": np.array([[17]]), "position": np.array([[128]])}
     chosen = {} if fusions is None else {"fusions": Fusions.parse(fusions)}
@@ -106,6 +106,7 @@ CASES = {
     "gemm4096": lambda: gemm_case(4096),
     "generate1b": generate_case,  # the whole 16-layer step with the LM head and argmax
     "generate1b_noappend": lambda: generate_case(fusions="norms,swiglu"),  # without Fusions.append
+    "generate8b": lambda: generate_case(preset="llama3-8b"),  # bench/generate --shape 8b's step
     "prefill1b": prefill_case,  # bench/generate's 128-token prefill
     "silu_chain": lambda: chain_case("silu"),
     "add_chain": lambda: chain_case("add", 2048),
