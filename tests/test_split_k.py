@@ -35,6 +35,12 @@ def test_auto_k_splits_fills_a_wave_of_processors(rows: int, n: int, k: int, wan
     assert auto_k_splits(rows, n, k) == want
 
 
+def test_auto_k_splits_counts_every_sequence_s_tiles() -> None:
+    assert auto_k_splits(128, 2048, 2048, batches=2) == 2  # 64 tiles already
+    assert auto_k_splits(128, 2048, 2048, batches=4) is None
+    assert auto_k_splits(8, 2048, 2048, batches=16) is None  # 8 rows a tile: the few-row paths
+
+
 def split_graph(lead: tuple[int, ...], m: int, n: int, k: int, splits: int, dtype: str = "bfloat16") -> ml.Graph:
     g = ml.Graph("split_k")
     x = g.input("x", (*lead, m, k), dtype)
@@ -87,6 +93,8 @@ def test_the_split_sum_takes_a_thread_an_element_and_compiles() -> None:
     assert "ml::wgmma_tile<" in src
     compile_cubin(src, "sm_90a")
     compile_cubin(generate(make_plan(g, processors=108, arch="sm_80")).source, "sm_80")
+    batched = split_graph((2,), 64, 256, 2048, 4)  # partials of two sequences: two batch axes walked
+    compile_cubin(generate(make_plan(batched, processors=132)).source, "sm_90a")
 
 
 def test_llama_prefill_with_split_projections_matches_the_single_products() -> None:

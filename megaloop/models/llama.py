@@ -222,7 +222,8 @@ class Projection:
 
 def split_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, split_k: bool = False) -> Tensor:
     """ops.linear, over ranges of K (auto_k_splits) where ``split_k`` and its tiles are few."""
-    splits = auto_k_splits(math.prod(x.shape[:-1]), w.shape[0], w.shape[1]) if split_k else None
+    rows, batches = x.shape[-2], math.prod(x.shape[:-2])  # (a tile takes one sequence's rows)
+    splits = auto_k_splits(rows, w.shape[0], w.shape[1], batches) if split_k else None
     return ops.linear(x, w, bias, k_splits=splits)
 
 

@@ -125,14 +125,17 @@ def split_k_linear(x: Tensor, weight: Tensor, splits: int) -> Tensor:
     return _reduce.sum(matmul(xs, ws, transpose_b=True), axis=0)
 
 
-def auto_k_splits(rows: int, out_features: int, in_features: int, tiles: int = SPLIT_K_TILES) -> int | None:
-    """The k_splits that brings a product of ``rows`` x ``out_features`` to about ``tiles`` output tiles
-    of SPLIT_K_TILE (None where it has them already), each range at least SPLIT_K_MIN_RANGE long and a
-    multiple of SPLIT_K_STEP (a tensor-core tile's K slice: the ranges' offsets stay aligned).
+def auto_k_splits(
+    rows: int, out_features: int, in_features: int, batches: int = 1, tiles: int = SPLIT_K_TILES
+) -> int | None:
+    """The k_splits that brings ``batches`` products of ``rows`` x ``out_features`` (a tile takes one
+    batch index) to about ``tiles`` output tiles of SPLIT_K_TILE (None where they have them already),
+    each range at least SPLIT_K_MIN_RANGE long and a multiple of SPLIT_K_STEP (a tensor-core tile's K
+    slice: the ranges' offsets stay aligned).
     Fewer than MMA rows (decode) never split: their matrix-vector tiles narrow their columns instead."""
     if rows < SPLIT_K_MIN_ROWS:
         return None
-    grid = -(-rows // SPLIT_K_TILE[0]) * -(-out_features // SPLIT_K_TILE[1])
+    grid = batches * -(-rows // SPLIT_K_TILE[0]) * -(-out_features // SPLIT_K_TILE[1])
     splits = 1
     while (
         splits * 2 * grid <= tiles
