@@ -110,22 +110,12 @@ def transformers_side(cfg, params: dict) -> dict:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_eps,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=PROMPT + NEW,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=PROMPT + NEW, tie_word_embeddings=False, dtype="bfloat16",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     missing, unexpected = model.load_state_dict({k: torch.tensor(v, dtype=torch.bfloat16) for k, v in params.items()})
@@ -166,6 +156,12 @@ def _greedy(plan, params: dict, start: dict) -> tuple[float, np.ndarray]:
         return seconds, k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
 
 
+def _prefill_plan(cfg, fusions: Fusions):
+    """The prompt's step (every position's logits) as bench/generate times it."""
+    graph = build_llama(cfg, 1, PROMPT, fusions=fusions)
+    return make_plan(graph, processors=132, tiles={"matmul": {"tensor_cores": 1}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -194,7 +190,7 @@ def main() -> None:
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()
-    prefill_plan = make_plan(build_llama(cfg, 1, PROMPT), processors=132, tiles={"matmul": {"tensor_cores": 1}})
+    prefill_plan = _prefill_plan(cfg, DECODE_FUSIONS)
     gen_graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions)
     gen_plan = make_plan(gen_graph, processors=132, options=options)
     results["plan_s"] = time.perf_counter() - t0
@@ -210,8 +206,7 @@ def main() -> None:
         results["loop_prefill_ms"] = resident_seconds(k, 1) * 1e3
         state = k.state()
     for text in args.compare_prefill:  # the same prefill built with other Fusions (split_k), in this run
-        graph = build_llama(cfg, 1, PROMPT, fusions=Fusions.parse(text))
-        with LoopKernel(make_plan(graph, processors=132, tiles={"matmul": {"tensor_cores": 1}}), params) as k:
+        with LoopKernel(_prefill_plan(cfg, Fusions.parse(text)), params) as k:
             other = k.run(feeds)["logits"]
             entry = {"ms": resident_seconds(k, 1) * 1e3, "logits_max_diff": float(np.abs(other - logits).max())}
         results.setdefault("compare_prefill", {})[text] = entry

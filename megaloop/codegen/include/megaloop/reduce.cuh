@@ -75,6 +75,14 @@ template <class D, class... R> struct Axes<D, R...> {
     __device__ __forceinline__ static i64 offset(i64 r) { return offset_of(r); }
 };
 
+// An output element's result: argmax's index, mean's sum over Total, the others' value
+template <int Op, i64 Total, class D, class C>
+__device__ __forceinline__ void store_fold(D* dest, const Fold<Op, C>& f) {
+    if constexpr (Op == RED_ARGMAX) store(dest, f.best_i);
+    else if constexpr (Op == RED_MEAN) store(dest, f.best / (float)Total);
+    else store(dest, f.best);
+}
+
 // out[o] = op over the Total elements of x at x.offset(o) + Red::offset(r): a warp an output element
 // (x: its strides in the output's index space, 0 along the reduced axes)
 template <int Op, i64 Total, class Red, class O, class X>
@@ -85,15 +93,11 @@ __device__ __forceinline__ void reduce_warps(const Task& t, O out, X x) {
         Fold<Op, C> f;
         for (i64 r = lane; r < Total; r += 32) f.add(load(x.p + base + Red::offset(r)), r);
         f.warp();
-        if (lane == 0) {
-            if constexpr (Op == RED_ARGMAX) store(out.p + out.offset(o), f.best_i);
-            else if constexpr (Op == RED_MEAN) store(out.p + out.offset(o), f.best / (float)Total);
-            else store(out.p + out.offset(o), f.best);
-        }
+        if (lane == 0) store_fold<Op, Total>(out.p + out.offset(o), f);
     });
 }
 
-// The same with a thread an output element, folded in index order: for few reduced elements a
+// The same with a thread an output element, folded in index order: for few reduced elements an
 // output element (a warp's lanes would idle), e.g. a split-K product's partial sums
 template <int Op, i64 Total, class Red, class O, class X>
 __device__ __forceinline__ void reduce_threads(const Task& t, O out, X x) {
@@ -103,9 +107,7 @@ __device__ __forceinline__ void reduce_threads(const Task& t, O out, X x) {
         Fold<Op, C> f;
 #pragma unroll
         for (i64 r = 0; r < Total; ++r) f.add(load(x.p + base + Red::offset(r)), r);
-        if constexpr (Op == RED_ARGMAX) store(out.p + out.offset(o), f.best_i);
-        else if constexpr (Op == RED_MEAN) store(out.p + out.offset(o), f.best / (float)Total);
-        else store(out.p + out.offset(o), f.best);
+        store_fold<Op, Total>(out.p + out.offset(o), f);
     });
 }
 
