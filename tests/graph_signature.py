@@ -15,7 +15,7 @@ import numpy as np
 import megaloop as ml
 
 # op -> the operand slots whose order does not matter (a norm's x and its residual, an add's operands)
-SWAPPABLE = {"add": (0, 1), "rmsnorm": (0, -1), "rmsnorm_linear": (0, 3), "swiglu_linear": (0, 4)}
+SWAPPABLE = {"add": (0, 1), "rmsnorm": (0, 2), "rmsnorm_linear": (0, 3), "swiglu_linear": (0, 4)}
 
 
 def _attr(value: Any) -> Any:
@@ -36,11 +36,10 @@ def _swappable(node: Any) -> tuple[int, int] | None:
     slots = SWAPPABLE.get(node.op.name)
     if slots is None or "scalars" in node.attrs:
         return None
-    if node.op.name == "rmsnorm" and 2 in node.attrs.get("absent", (2,)):
-        return None  # no residual
-    if node.op.name in ("rmsnorm_linear", "swiglu_linear") and len(node.inputs) <= slots[1]:
-        return None
-    return slots[0], slots[1] % len(node.inputs)
+    if node.op.name == "rmsnorm":  # x, then weight and residual unless absent
+        present = [s for s in (1, 2) if s not in node.attrs.get("absent", ())][: len(node.inputs) - 1]
+        return (0, 1 + present.index(2)) if 2 in present else None
+    return slots if len(node.inputs) > slots[1] else None
 
 
 def signature(graph: ml.Graph) -> dict[str, Any]:

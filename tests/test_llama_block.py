@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS
 from tests.helpers import to_torch64
 
 CFG = LlamaConfig(
@@ -197,7 +196,7 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
     from megaloop.models.llama import decoder_layer
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
-    g = build_llama(cfg, 1, 1, fusions=NO_FUSIONS)  # (the norms as ops of their own)
+    g = ml.fuse(build_llama(cfg, 1, 1), ml.FuseOptions(off=("rmsnorm_linear",)))  # (the norms as ops of their own)
     norms = [n for n in g.nodes if n.op.name == "rmsnorm"]
     assert len(norms) == 2 * cfg.layers + 1
     assert len(norms[0].inputs) == 2 and norms[0].inputs[0].node.op.name == "embedding"

@@ -10,7 +10,6 @@ import pytest
 
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS
 from megaloop.plan import make_plan
 from megaloop.plan.format import plan_from_dict, plan_to_dict
 from megaloop.reference.interpreter import run_plan
@@ -110,11 +109,12 @@ def test_decode_step_keeps_its_results() -> None:
     """A Llama decode step with the switches on (sibling tiles of 24 columns and the like) against the
     graph's reference evaluation, in random legal orders; its silu_mul in several tiles."""
     cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=2752, layers=1, max_seq=32, vocab=None)
-    g = build_llama(cfg, 1, 1, fusions=NO_FUSIONS)  # (silu_mul an op of its own)
+    g = build_llama(cfg, 1, 1)
     params = random_parameters(cfg, seed=2)
     rng = np.random.default_rng(4)
     feeds = {"hidden": rng.standard_normal((1, 1, 256)).astype(np.float32), "positions": np.array([[9]])}
-    plan = make_plan(g, processors=16)
+    apart = ml.FuseOptions(off=("rmsnorm_linear", "swiglu_linear", "attention_append"))  # (silu_mul an op of its own)
+    plan = make_plan(g, processors=16, fusion=apart)
     rp = plan.ranks[0]
     (silu_mul,) = [op.id for op in rp.ops if op.op == "silu_mul"]
     assert len([t for t in rp.tasks if t.op == silu_mul]) == 2  # 2752 values: 1376 + 1376

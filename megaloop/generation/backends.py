@@ -19,6 +19,7 @@ import numpy as np
 
 from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
+from megaloop.fuse import fuse
 from megaloop.generation.progress import Progress
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
 from megaloop.reference import evaluate
@@ -66,8 +67,9 @@ class CpuBackend:
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True,
     ) -> None:  # fmt: skip
         self.params = params
-        self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
-        self.generator = generator_graph(cfg, batch, sampling, eos_ids)
+        # fused as make_plan fuses the GPU's (megaloop.fuse): the same values (split-K sums included)
+        self.prefill_graph = fuse(build_llama_prefill(cfg, batch, tokens))
+        self.generator = fuse(generator_graph(cfg, batch, sampling, eos_ids))
         self.state: dict[str, np.ndarray] = {}
 
     def setup_prefill(self) -> None:
