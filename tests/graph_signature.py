@@ -43,10 +43,13 @@ def _swappable(node: Any) -> tuple[int, int] | None:
 
 
 def signature(graph: ml.Graph) -> dict[str, Any]:
-    """The graph's structure (module docstring), JSON-ready."""
+    """The graph's structure (module docstring), JSON-ready; a view nothing reads is left out (no work)."""
     ref: dict[Any, Any] = {}
     nodes = []
+    read = {t for n in graph.nodes for t in n.inputs} | set(graph.outputs.values()) | set(graph.state_updates.values())
     for node in graph.topological_order():
+        if node.op.kind == "view" and not read & set(node.outputs):
+            continue
         if node.op.kind == "source":
             ref[node.outputs[0]] = f"{node.op.name}:{node.attrs['name']}"
             continue
@@ -69,7 +72,10 @@ def signature(graph: ml.Graph) -> dict[str, Any]:
 
 
 def op_counts(graph: ml.Graph) -> dict[str, int]:
-    return dict(sorted(Counter(n.op.name for n in graph.nodes if n.op.kind != "source").items()))
+    """How many nodes of each op the graph has (sources and views nothing reads left out)."""
+    read = {t for n in graph.nodes for t in n.inputs} | set(graph.outputs.values()) | set(graph.state_updates.values())
+    kept = [n for n in graph.nodes if n.op.kind != "source" and (n.op.kind != "view" or read & set(n.outputs))]
+    return dict(sorted(Counter(n.op.name for n in kept).items()))
 
 
 def digest(sig: dict[str, Any]) -> str:

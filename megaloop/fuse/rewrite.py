@@ -146,7 +146,8 @@ class Rewriter:
         self._maybe_dead.append(value.node)
 
     def sweep(self) -> None:
-        """Drop the discarded nodes nothing reads any more, and those this leaves unread among them."""
+        """Drop the discarded nodes nothing reads any more, and those this leaves unread among them and
+        among the views they read (a view is no work: one only a dropped node read goes with it)."""
         progress = True
         while progress:
             progress = False
@@ -159,6 +160,8 @@ class Rewriter:
                     readers = self._users.get(t, [])
                     if node in readers:
                         readers.remove(node)
+                    if t.node.op.kind == "view" and t.node not in self._maybe_dead:
+                        self._maybe_dead.append(t.node)
         self._maybe_dead = [n for n in self._maybe_dead if n not in self._dead]
 
     def finish(self) -> None:
