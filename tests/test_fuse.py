@@ -303,3 +303,12 @@ def test_fuse_options_parse_and_refuse_unknown_rules() -> None:
         make_plan(g, fusion="all")  # type: ignore[arg-type]
     with pytest.raises(GraphBuildError, match="a list of rule names, got the string"):
         ml.FuseOptions(off="silu_mul")  # type: ignore[arg-type]
+
+
+def test_a_tile_override_of_a_node_the_stage_replaced_says_so() -> None:
+    g = _plain(CASES[5], ml.float32)  # rmsnorm and three products of one row: rmsnorm_linear
+    name = next(n.name for n in g.nodes if n.op.name == "matmul")
+    with pytest.raises(GraphBuildError, match=r"name neither an op .* the fuse stage replaced is gone"):
+        make_plan(g, tiles={name: {"block_n": 16}})
+    plan = make_plan(g, tiles={name: {"block_n": 16}}, fusion=ml.FuseOptions(off=("rmsnorm_linear",)))
+    assert any(op.name == name and op.tile["block_n"] == 16 for op in plan.ranks[0].ops)

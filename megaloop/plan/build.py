@@ -177,7 +177,8 @@ def _check_overrides(plan: Plan, tiles: dict[str, dict[str, int]]) -> None:
     unknown = sorted(set(tiles) - known)
     if unknown:
         raise GraphBuildError(
-            f"plan: tile overrides for {unknown} name neither an op with tiles nor a node of the graph"
+            f"plan: tile overrides for {unknown} name neither an op with tiles nor a node of the graph (as fused: "
+            "a node the fuse stage replaced is gone; name its fused op's node, or plan with fusion= that keeps it)"
         )
 
 
