@@ -223,3 +223,29 @@ def test_a_llama_written_by_hand_plans_to_the_same_tasks_as_build_llamas(kind: s
     params = random_parameters(SMALL, seed=6)
     runs = [run_plan(p, feeds, params, state, iterations=2, seed=1) for p in plans]
     same(runs[0], runs[1], f"{kind}: the hand-written model's plan against build_llama's")
+
+
+@pytest.mark.gpu
+def test_the_hand_written_generator_runs_like_build_llamas_on_the_gpu() -> None:
+    """On the loop kernel (skipped without a GPU): the same tokens, and the same time a step within the
+    noise of a shared GPU (the plans are the same; the lead's benchmarks measure it on the 1B shape)."""
+    from bench.common import resident_seconds
+    from megaloop.runtime.device import gpus
+    from megaloop.runtime.loop import LoopKernel
+
+    found, reason = gpus()
+    if not found:
+        pytest.skip(f"no GPU: {reason}")
+    cfg = dataclasses.replace(SMALL, hidden=512, intermediate=1376, layers=4, vocab=2048)
+    params = random_parameters(cfg, seed=7)
+    start = {"token": np.array([[11]]), "position": np.array([[40]])}
+    tokens, seconds = [], []
+    for g in (hand_generator(cfg, 1), build_llama_generator(cfg, 1)):
+        plan = make_plan(g, processors=found[0].sm_count, arch=found[0].plan_arch)
+        with LoopKernel(plan, params, start) as k:
+            k.run({}, iterations=32)
+            tokens.append(k.state()["generated"].copy())
+            seconds.append(resident_seconds(k, 32))
+    assert np.array_equal(tokens[0], tokens[1])
+    print(f"by hand {seconds[0] * 1e6:.1f} us a step, build_llama {seconds[1] * 1e6:.1f} us")
+    assert seconds[0] <= 1.2 * seconds[1] and seconds[1] <= 1.2 * seconds[0], seconds
