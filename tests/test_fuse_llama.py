@@ -127,9 +127,10 @@ def test_a_fused_prefill_gives_the_plain_ones_values_bit_for_bit() -> None:
 SMALL = LlamaConfig(hidden=64, heads=8, kv_heads=2, intermediate=96, layers=2, max_seq=128, vocab=80)
 
 
-def hand_model(g: ml.Graph, cfg: LlamaConfig, tokens: ml.Tensor, pos: ml.Tensor) -> ml.Tensor:
+def hand_model(g: ml.Graph, cfg: LlamaConfig, tokens: ml.Tensor, pos: ml.Tensor, swap: bool = False) -> ml.Tensor:
     """A Llama model as a user would write it from plain ops (no scopes, no residual tricks, silu and mul
-    apart, the three projections before any rope): the logits [batch, tokens, vocab]."""
+    apart, the three projections before any rope): the logits [batch, tokens, vocab]. ``swap``: each
+    residual add written update + stream rather than stream + update."""
     b, t = pos.shape
     d, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype
     x = ml.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, d), dt), tokens)
@@ -145,28 +146,26 @@ def hand_model(g: ml.Graph, cfg: LlamaConfig, tokens: ml.Tensor, pos: ml.Tensor)
         q, k, v = (y.reshape(b, t, y.shape[-1] // hd, hd).transpose(1, 2) for y in (q, k, v))
         q = ml.rope(q, pos.reshape(b, 1, t), theta=cfg.rope_theta)
         k = ml.rope(k, pos.reshape(b, 1, t), theta=cfg.rope_theta)
-        caches = [
-            g.state(f"model.layers.{i}.self_attn.{n}_cache", (b, cfg.kv_heads, cfg.max_seq, hd), dt) for n in "kv"
-        ]
-        k = ml.kv_cache_update(caches[0], k, pos)
-        v = ml.kv_cache_update(caches[1], v, pos)
+        shape = (b, cfg.kv_heads, cfg.max_seq, hd)
+        k = ml.kv_cache_update(g.state(f"model.layers.{i}.self_attn.k_cache", shape, dt), k, pos)
+        v = ml.kv_cache_update(g.state(f"model.layers.{i}.self_attn.v_cache", shape, dt), v, pos)
         splits = auto_kv_splits(cfg, b, t)  # (the builder's choice of key ranges, to compare like with like)
         o = ml.attention(q, k, v, causal=True, q_positions=pos, kv_splits=splits)
-        x = x + ml.linear(
-            o.transpose(1, 2).reshape(b, t, cfg.heads * hd), w("self_attn.o_proj.weight", d, cfg.heads * hd)
-        )
+        o = ml.linear(o.transpose(1, 2).reshape(b, t, cfg.heads * hd), w("self_attn.o_proj.weight", d, cfg.heads * hd))
+        x = o + x if swap else x + o
         h = ml.rmsnorm(x, w("post_attention_layernorm.weight", d), eps=cfg.rms_eps)
         gate = ml.linear(h, w("mlp.gate_proj.weight", cfg.intermediate, d))
         up = ml.linear(h, w("mlp.up_proj.weight", cfg.intermediate, d))
-        x = x + ml.linear(ml.silu(gate) * up, w("mlp.down_proj.weight", d, cfg.intermediate))
+        down = ml.linear(ml.silu(gate) * up, w("mlp.down_proj.weight", d, cfg.intermediate))
+        x = down + x if swap else x + down
     h = ml.rmsnorm(x, g.parameter("model.norm.weight", (d,), dt), eps=cfg.rms_eps)
     return ml.linear(h, g.parameter("lm_head.weight", (cfg.vocab, d), dt))
 
 
-def hand_decode_step(cfg: LlamaConfig, batch: int) -> ml.Graph:
+def hand_decode_step(cfg: LlamaConfig, batch: int, swap: bool = False) -> ml.Graph:
     g = ml.Graph("by-hand")
     pos = g.input("positions", (batch, 1), "int64")
-    g.output("logits", hand_model(g, cfg, g.input("tokens", (batch, 1), "int64"), pos))
+    g.output("logits", hand_model(g, cfg, g.input("tokens", (batch, 1), "int64"), pos, swap))
     return g
 
 
@@ -223,6 +222,15 @@ def test_a_llama_written_by_hand_plans_to_the_same_tasks_as_build_llamas(kind: s
     params = random_parameters(SMALL, seed=6)
     runs = [run_plan(p, feeds, params, state, iterations=2, seed=1) for p in plans]
     same(runs[0], runs[1], f"{kind}: the hand-written model's plan against build_llama's")
+
+
+def test_the_order_of_a_residual_adds_operands_changes_no_task() -> None:
+    """norm(stream + update) and norm(update + stream) fuse to norms with x and residual the other way
+    round; products that norm their rows count as siblings (sharing the processors) only with products
+    of the same rows and residual, so layer 0's MLP (its residual the embedding, the rows q, k and v
+    read) is none of q, k and v's either way (tasks.processor_share)."""
+    plans = [make_plan(hand_decode_step(SMALL, 1, swap), processors=16) for swap in (False, True)]
+    assert tasks_of(plans[0]) == tasks_of(plans[1])
 
 
 @pytest.mark.gpu
