@@ -107,12 +107,9 @@ class Rewriter:
         """Nodes built inside go where ``anchor`` is (``after``: right after it and what is built at
         it), in ``anchor``'s scope."""
         g = self.graph
-        start, scope = len(g.nodes), g._scope
-        g._scope = anchor.scope.split(".") if anchor.scope else []
-        try:
+        start = len(g.nodes)
+        with g.scope(anchor.scope) if anchor.scope else contextlib.nullcontext():  # (the copy has no scope open)
             yield
-        finally:
-            g._scope = scope
         for j, node in enumerate(g.nodes[start:]):
             self.key[node] = (*self.key[anchor], int(after), j)
             if node.name in self._names:  # (a label another node already has: labels name nodes)
