@@ -23,7 +23,7 @@ def _fire(node: Node, rw: Rewriter) -> bool:
         return False
     if node.inputs[0] is node.inputs[1] or any(rw.sole_user(t) is not node for t in node.inputs):
         return False
-    if not few_rows(gate.x) or node.inputs[0].shape != node.outputs[0].shape:
+    if not few_rows(gate.x) or gate.x.is_view or node.inputs[0].shape != node.outputs[0].shape:
         return False
     with rw.build(node):
         out = ops.swiglu_linear(gate.x, gate.w, up.w)
@@ -46,7 +46,7 @@ register_rule(
         makes="swiglu_linear",
         roots=("silu_mul",),
         doc="silu_mul(x @ gate.T, x @ up.T), the products read by nothing else, on one sequence of at most "
-        "NORMED_ROWS rows (a decode step)",
+        "NORMED_ROWS rows (a decode step), x no view",
         fire=_fire,
         after=("silu_mul",),
     )
