@@ -222,12 +222,6 @@ def llama_config(
             "the q/k projections of such a checkpoint so that it does: load it with load_llama"
         )  # fmt: skip
     ignored = _check_fields(config, family, allow_unknown_fields)
-    if ignored:
-        warnings.warn(
-            f"config.json: ignoring fields megaloop does not know, as allow_unknown_fields asks: {ignored}; the "
-            "model is built as if they were absent (if one of them changes the model, its output is wrong)",
-            stacklevel=2,
-        )
     c = _Reader(config, family)
     if "pretraining_tp" in family.fields:
         c.int("pretraining_tp", none=1)  # how training split the matmuls: the same model whatever it is
@@ -276,9 +270,16 @@ def llama_config(
         tie_word_embeddings=c.bool("tie_word_embeddings"),
     )
     try:
-        return LlamaConfig(**settings)
+        built = LlamaConfig(**settings)
     except MegaloopError as e:
         raise CheckpointError(f"config.json: {e}") from None
+    if ignored:
+        warnings.warn(
+            f"config.json: ignoring fields megaloop does not know, as allow_unknown_fields asks: {ignored}; the "
+            "model is built as if they were absent (if one of them changes the model, its output is wrong)",
+            stacklevel=2,
+        )
+    return built
 
 
 def _context(max_seq: Any, positions: int, allow_long_context: bool) -> int:
