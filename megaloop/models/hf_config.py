@@ -3,10 +3,12 @@ Mistral, Qwen2/2.5 and Qwen3.
 
 Both layouts transformers writes are read: 4.x (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and
 5.x (``rope_parameters``, ``dtype``). Every field that changes the model is checked against what
-megaloop builds; a field megaloop does not know, or a value it does not implement (another model
-type or activation, a rope type, MoE or quantization settings), is a CheckpointError naming the field
-and the value: a model megaloop cannot build exactly is refused, never approximated. Absent fields
-take the defaults of the family's transformers configuration class (5.x), as transformers would.
+megaloop builds; a value it does not implement (another model type or activation, a rope type, MoE
+or quantization settings: CHANGES_THE_MODEL) is a CheckpointError naming the field and the value: a
+model megaloop cannot build exactly is refused, never approximated. Fields that change nothing
+(metadata, token ids, dropout, exporters' marks: IGNORED) are accepted; a field megaloop does not know
+is refused unless the caller passes ``allow_unknown_fields``. Absent fields take the defaults of the
+family's transformers configuration class (5.x), as transformers would. docs/generate.md has the lists.
 """
 
 from __future__ import annotations
