@@ -9,8 +9,6 @@ import sys
 from typing import Any
 
 from megaloop import diskcache
-from megaloop.plan.cache import PLANS
-from megaloop.runtime.compile import CUBIN
 
 
 def add_cache_command(sub: Any) -> None:
@@ -30,9 +28,7 @@ def add_cache_command(sub: Any) -> None:
         "clear", help="remove the cache's entries (asks first unless --yes; only megaloop's own files)"
     )
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask")
-    clear.add_argument(
-        "--kind", action="append", choices=sorted({CUBIN.folder, PLANS.folder}), help="only this kind (repeatable)"
-    )
+    clear.add_argument("--kind", action="append", choices=sorted(diskcache.KINDS), help="only this kind (repeatable)")
     clear.set_defaults(fn=cmd_cache_clear)
 
 

@@ -2,9 +2,10 @@
 what ``megaloop cache info`` shows and what ``megaloop cache clear`` removes.
 
 ``$MEGALOOP_CACHE`` (default ``$XDG_CACHE_HOME/megaloop``, else ``~/.cache/megaloop``) holds one
-folder per kind of entry, each declared by the module that writes it (``register``): ``cubin/``
-(megaloop/runtime/compile.py) and ``plans/`` (megaloop/plan/cache.py). A location that is a file
-or cannot be written is a CacheError naming the variable and the path.
+folder per kind of entry (KINDS): ``cubin/``, written by megaloop/runtime/compile.py, and ``plans/``,
+by megaloop/plan/cache.py, which take their entries' names from here. They are declared in one place
+so that every process knows them all: eviction weighs both, whichever this process imported. A
+location that is a file or cannot be written is a CacheError naming the variable and the path.
 
 The cache is capped at ``$MEGALOOP_CACHE_MAX_BYTES`` (default 2 GiB; "none" for no cap): after an
 entry is written, the least recently used entries of every kind are removed until the total fits.
@@ -38,13 +39,17 @@ class Kind:
     other: re.Pattern[str]
 
 
-KINDS: dict[str, Kind] = {}
-
-
-def register(kind: Kind) -> Kind:
-    """Declare a kind of entry (at import of the module that writes it)."""
-    KINDS[kind.folder] = kind
-    return kind
+# <key>.<bytes>.<sha256 prefix>.cubin: the length and hash travel in the name (runtime/compile.py);
+# besides: writers' temporary files and the unchecked <key>.cubin of earlier versions
+CUBIN = Kind(
+    "cubin",
+    "compiled loop kernels",
+    re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<size>[0-9]+)\.(?P<digest>[0-9a-f]{16})\.cubin$"),
+    re.compile(r"^\.[0-9a-f]{16}\..*\.tmp$|^[0-9a-f]{64}\.cubin$"),
+)
+# <key>.plan; temporary files <key>.plan<random>.tmp (plan/cache.py)
+PLANS = Kind("plans", "plans", re.compile(r"^[0-9a-f]{64}\.plan$"), re.compile(r"^[0-9a-f]{64}\.plan.+\.tmp$"))
+KINDS = {k.folder: k for k in (CUBIN, PLANS)}
 
 
 def root() -> Path:

@@ -21,7 +21,6 @@ import io
 import json
 import os
 import pickle
-import re
 import tempfile
 from collections.abc import Sequence
 from functools import cache
@@ -43,10 +42,7 @@ PLANNER_SOURCES = ("frontend", "parallel", "plan", "dtypes.py", "errors.py", "__
 HEADER = b"megaloop plan cache, sha256 "
 
 
-# entries <key>.plan; temporary files <key>.plan<random>.tmp
-PLANS = diskcache.register(
-    diskcache.Kind("plans", "plans", re.compile(r"^[0-9a-f]{64}\.plan$"), re.compile(r"^[0-9a-f]{64}\.plan.+\.tmp$"))
-)
+PLANS = diskcache.PLANS  # entries <key>.plan
 
 
 def plan_cache_dir() -> Path:

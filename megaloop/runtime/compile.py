@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import struct
 import tempfile
 import threading
@@ -243,10 +242,8 @@ def spills(source: str, arch: str = "sm_90a") -> dict[str, tuple[int, int]]:
 # An entry is <key>.<bytes>.<sha256 prefix>.cubin: its length and hash travel in its name, so a file
 # cut short, overwritten or half written is recognised before it reaches the driver (which took a
 # truncated cubin for a valid one and crashed the process).
-ENTRY = re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<size>[0-9]+)\.(?P<digest>[0-9a-f]{16})\.cubin$")
-# besides entries: writers' temporary files and the unchecked <key>.cubin of earlier versions
-OTHER = re.compile(r"^\.[0-9a-f]{16}\..*\.tmp$|^[0-9a-f]{64}\.cubin$")
-CUBIN = diskcache.register(diskcache.Kind("cubin", "compiled loop kernels", ENTRY, OTHER))
+CUBIN = diskcache.CUBIN
+ENTRY = CUBIN.entry
 STALE_TEMP_S = 24 * 3600  # a temporary file this old is a writer killed mid-write
 
 
