@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from megaloop import diskcache
@@ -54,7 +55,7 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
     for k in found.kinds:
         line = f"  {k.kind:<6} {k.what:<22} {count(k.entries, 'entry', 'entries'):>11} {size(k.bytes):>10}"
         if k.entries:
-            line += f"  least recently used {diskcache.age(k.oldest)}, last used {diskcache.age(k.newest)}"
+            line += f"  least recently used {age(k.oldest)}, last used {age(k.newest)}"
         print(line)
         if k.other_files:
             print(f"  {'':<6} {'':<22} {k.other_files:>5} temporary or outdated files, {size(k.other_bytes)}")
@@ -123,3 +124,17 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     for path in done.kept:
         print(f"  kept {path} (not megaloop's)")
     return 0
+
+
+def age(seconds_since_epoch: float | None) -> str:
+    """'2026-12-07 10:31 (3 h ago)' for messages."""
+    if seconds_since_epoch is None:
+        return "-"
+    ago = max(0.0, time.time() - seconds_since_epoch)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if ago >= size:
+            span = f"{ago / size:.0f} {unit} ago"
+            break
+    else:
+        span = "just now"
+    return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(seconds_since_epoch))} ({span})"

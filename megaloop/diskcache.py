@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -284,17 +283,3 @@ def clear(kinds: list[str] | None = None) -> Cleared:
         except OSError:
             pass
     return out
-
-
-def age(seconds_since_epoch: float | None) -> str:
-    """'2026-12-07 10:31 (3 h ago)' for messages."""
-    if seconds_since_epoch is None:
-        return "-"
-    ago = max(0.0, time.time() - seconds_since_epoch)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if ago >= size:
-            span = f"{ago / size:.0f} {unit} ago"
-            break
-    else:
-        span = "just now"
-    return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(seconds_since_epoch))} ({span})"
