@@ -124,10 +124,16 @@ def build(
 
 def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
     """Strategies that never cut the batch; asked for by name, also none that keeps a weight matrix
-    (a parameter of two or more axes, one of them cut-able) whole on every device."""
+    (a parameter of two or more axes, one of them cut-able) whole on every device. An embedding table
+    may stay whole (a lookup reads a few rows), unless another op reads it too (an LM head tied to
+    it): a rank stores a parameter once, so the whole table would stand for the head's share."""
     base = never_batch(part, n)
     if not forced:
         return base
+    readers: dict[Tensor, int] = {}
+    for node in part.graph.nodes:
+        for t in set(node.inputs):
+            readers[t] = readers.get(t, 0) + 1
 
     def allow(node: Node, s: Any) -> bool:
         for t, p in zip(node.inputs, s.inputs):
@@ -136,11 +142,12 @@ def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
                 and t.ndim >= 2
                 and isinstance(p, Replicate)
                 and max(t.shape) >= n
-                and node.op.name not in ("embedding",)
+                and (node.op.name != "embedding" or readers[t] > 1)
             ):
                 return False
         return base(node, s)
 
+    allow.why = getattr(base, "why", "")  # type: ignore[attr-defined]
     return allow
 
 
@@ -200,6 +207,7 @@ def _like(part: Part, first: Part, chosen: dict[Node, Strategy], allow: Any) -> 
         want = by_place.get(i) if i < len(ops) and ops[i] is node.op else None
         return allow(node, s) and (want is None or shape_of(s) == shape_of(want))
 
+    allowed.why = getattr(allow, "why", "")  # type: ignore[attr-defined]
     return allowed
 
 

@@ -32,6 +32,10 @@ from megaloop.parallel.reshard import conversion
 from megaloop.parallel.shard import Choice, Part
 
 Allow = Callable[[Node, Strategy], bool]
+# Sources stored once a rank, in the placement their first reader takes (their home); a reader that
+# wants another converts from it (a slice of a whole one is a view). Inputs and constants are handed
+# in as each reader wants them.
+HELD = ("state", "parameter")
 MEMORY_US_PER_BYTE = 1.0 / 2**28  # 1 us per 256 MiB a device holds: between equal times, less memory
 
 
@@ -145,7 +149,7 @@ class _Search:
                     made = have[k] or ()
                     if kind != "input" and target not in made:  # (a piece held once, however many read it)
                         memory += _piece_bytes(tensor, self.placements[target], self.members)
-                    if kind == "state":
+                    if kind in HELD:  # stored once a rank: other readers convert from this piece
                         updates.append((t, (target,), target))
                     elif kind != "input" and target not in made:
                         updates.append((t, (*made, target), None))
@@ -171,8 +175,8 @@ def search(
     pins = dict(pins or {})
     g = part.graph
     dp = _Search(part, members, pricer, pins, allow, shared)
-    last = {dp.tid(t): i for t, i in _last_uses(g).items()}
-    home_until = {dp.tid(t): i for t, i in _homes_needed(g).items()}
+    last = {dp.tid(t): i for t, i in _last_uses(g, pins).items()}
+    home_until = {dp.tid(t): i for t, i in _homes_needed(g, pins).items()}
     start = _State(0.0, {}, {}, _pinned_memory(pins, members))
     for t, p in pins.items():
         if t.node.op.kind == "source":
@@ -244,13 +248,14 @@ def _pinned_memory(pins: Mapping[Tensor, Placement], members: int) -> int:
     return sum(_piece_bytes(t, p, members) for t, p in pins.items() if t.node.op.kind == "source")
 
 
-def _homes_needed(g: Any) -> dict[Tensor, int]:
-    """Until which node a state's home placement matters: its last read when an in-place op makes its
-    next value (that op's result carries it from there), else the end (its update converts to it)."""
+def _homes_needed(g: Any, pins: Mapping[Tensor, Placement]) -> dict[Tensor, int]:
+    """Until which node a source's home placement matters: a parameter's or a pinned source's, its
+    last read; a state's, its last read when an in-place op makes its next value (that op's result
+    carries it from there), else the end (its update converts to it)."""
     last: dict[Tensor, int] = {}
     for i, node in enumerate(g.nodes):
         for t in node.inputs:
-            if t.node.op.name == "state":
+            if t.node.op.name in HELD or t in pins:
                 last[t] = i
     end = len(g.nodes)
     for name, state in g.states.items():
@@ -260,7 +265,7 @@ def _homes_needed(g: Any) -> dict[Tensor, int]:
     return last
 
 
-def _last_uses(g: Any) -> dict[Tensor, int]:
+def _last_uses(g: Any, pins: Mapping[Tensor, Placement]) -> dict[Tensor, int]:
     """Index of the last node reading each tensor (state updates and outputs: past the end)."""
     last: dict[Tensor, int] = {}
     for i, node in enumerate(g.nodes):
@@ -272,7 +277,7 @@ def _last_uses(g: Any) -> dict[Tensor, int]:
             last[value] = end
     for t in g.outputs.values():
         last[t] = end
-    last.update(_homes_needed(g))  # a state's own tensor: as long as its home matters
+    last.update(_homes_needed(g, pins))  # a held source's own tensor: as long as its home matters
     return last
 
 
@@ -305,11 +310,11 @@ def _no_strategy(node, st, dp, members, pins, memory_limit, shared) -> GraphBuil
         every = strategies_for(node, members, [None] * len(node.inputs), shared)
         allowed = [s for s in every if dp.allow is None or dp.allow(node, s)]
         made = sorted({str(s.outputs[0]) for s in allowed}) or ["nothing"]
-        rule = " (tensor parallelism never cuts the batch: pin it under data parallelism)"
+        why = getattr(dp.allow, "why", "")
         return GraphBuildError(
             f"partition: {node.op.name} {node.name} cannot satisfy the layout: {'; '.join(pinned)}, but on "
             f"{members} devices it can make its output only {' or '.join(made)}"
-            + (rule if len(allowed) < len(every) else "")
+            + (f" ({why})" if why and len(allowed) < len(every) else "")
             + "; change or drop the pin"
         )
     if memory_limit is not None:
@@ -378,16 +383,31 @@ def batch_tensors(part: Part) -> list[Tensor]:
 def only_batch(part: Part, members: int) -> Allow:
     """Data parallel: strategies that cut nothing but the batch."""
     cls, batch = batch_class(part, members)
-    return lambda node, s: all(
-        not isinstance(p, Shard) or cls(t, p.axis) == batch
-        for t, p in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
-    )
+
+    def allow(node: Node, s: Strategy) -> bool:
+        pairs = (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
+        return all(not isinstance(p, Shard) or cls(t, p.axis) == batch for t, p in pairs)
+
+    allow.why = "data parallelism cuts only the batch, axis 0 of " + _batch_names(part, cls, batch)  # type: ignore
+    return allow
 
 
 def never_batch(part: Part, members: int) -> Allow:
     """Tensor parallel: strategies that never cut the batch."""
     cls, batch = batch_class(part, members)
-    return lambda node, s: all(
-        not isinstance(p, Shard) or cls(t, p.axis) != batch
-        for t, p in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
-    )
+
+    def allow(node: Node, s: Strategy) -> bool:
+        pairs = (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
+        return all(not isinstance(p, Shard) or cls(t, p.axis) != batch for t, p in pairs)
+
+    allow.why = (  # type: ignore[attr-defined]
+        "tensor parallelism never cuts the batch, axis 0 of " + _batch_names(part, cls, batch)
+        + ": pin it under data parallelism"
+    )  # fmt: skip
+    return allow
+
+
+def _batch_names(part: Part, cls: Callable[[Tensor, int], int], batch: int | None) -> str:
+    g = part.graph
+    names = [t.name for t in [*g.inputs.values(), *g.states.values()] if t.ndim and cls(t, 0) == batch]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") or "nothing"
