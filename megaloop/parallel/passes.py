@@ -11,11 +11,12 @@ from megaloop.errors import GraphBuildError, PartitionMemoryError
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.placement import OnDevice, Placement, Replicate, Shard, Strategy, even_sizes, resolve
 from megaloop.frontend.tensor import Tensor
+from megaloop.parallel.axes import batch_tensors, never_batch, only_batch
 from megaloop.parallel.cost import Machine, Pricer, exchange_us
 from megaloop.parallel.mesh import Mesh
 from megaloop.parallel.partition import Partition, Prediction
 from megaloop.parallel.predict import node_us, predict_step
-from megaloop.parallel.search import batch_tensors, never_batch, only_batch, search
+from megaloop.parallel.search import search
 from megaloop.parallel.shard import Part, shard
 from megaloop.parallel.stages import device_stages, pipeline_stages, split
 
@@ -103,7 +104,7 @@ def build(
         link = machine.link(range(0, world, max(stride[kind], 1)))
         link_us = lambda b, link=link: exchange_us("send", b, 2, link)
         if kind == "pp":
-            stages = pipeline_stages(graph, cost, n, link_us)
+            stages = pipeline_stages(graph, cost, n, link_us, _origin_held(parts[0]), memory)
         else:
             stages = device_stages(graph, cost, n, link_us, _device_pins(graph, pins, n))
             used = len({stages[nd] for nd in graph.nodes if nd.op.kind not in ("source", "view")})
@@ -274,6 +275,20 @@ def _origin_costs(part: Part, machine: Machine, tiles: dict) -> dict[Node, float
         if origin is not None and node.op.kind not in ("source", "view"):
             cost[origin] = cost.get(origin, 0.0) + node_us(node, machine, tiles)
     return cost
+
+
+def _origin_held(part: Part) -> dict[Node, dict[Tensor, int]]:
+    """Per original node, the bytes of each stored source (parameter, state) a rank reads for it."""
+    held: dict[Node, dict[Tensor, int]] = {}
+    for node in part.graph.nodes:
+        origin = part.origin.get(node)
+        if origin is None or node.op.kind == "source":
+            continue
+        for t in node.inputs:
+            src = t.base
+            if src.node.op.name in ("parameter", "state"):
+                held.setdefault(origin, {})[src] = src.nbytes
+    return held
 
 
 def too_big(partition: Partition, memory: int) -> PartitionMemoryError:
