@@ -11,6 +11,7 @@ than the tolerance between the two best (greedy) or a nudge of the logits by it 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -108,16 +109,24 @@ CASES = [("tp", 3), ("pp", 3), ("dp", 3), ("auto", 3), ("auto", 1)]
 @pytest.mark.parametrize(("strategy", "batch"), CASES, ids=[f"{s}-batch{b}" for s, b in CASES])
 def test_split_greedy_tokens_match_one_device(tiny, one, strategy: str, batch: int) -> None:
     """tp2, pp2, dp2 (3 prompts over 2 devices: uneven) and auto on the tiny checkpoint (auto picks per
-    graph: dp2 for 3 prompts; for one, pp2 for the prefill and tp2 for the generator, the caches cut
-    again between them)."""
+    graph, the caches cut again between them; a graph this small is predicted fastest on one device,
+    and auto says so)."""
     prompts = PROMPTS[:batch]
     want = one.generate(prompts, max_new_tokens=NEW)
     got = split_generator(tiny, strategy).generate(prompts, max_new_tokens=NEW)
     print(got.stats.summary(), got.stats.split, sep="\n")
     assert got.stats.split.startswith(f"split over 2 devices ({strategy}): prefill ")
-    assert "as 2 ranks" in got.stats.backend
     if strategy != "auto":
+        assert "as 2 ranks" in got.stats.backend
         assert f"prefill {strategy}2" in got.stats.split and f"generator {strategy}2" in got.stats.split
+        assert got.stats.split.count("us on one device") == 2, "each graph's prediction beside one device's"
+    else:
+        picks = re.findall(r"(?:prefill|generator) (one device|\w+2)", got.stats.split)
+        assert len(picks) == 2, got.stats.split
+        ranks = ["1 rank" if p == "one device" else "2 ranks" for p in picks]
+        want_backend = ranks[0] if ranks[0] == ranks[1] else f"{ranks[0]} for the prefill, {ranks[1][0]} for"
+        assert f"as {want_backend}" in got.stats.backend, (got.stats.backend, picks)
+        assert all("no split predicted faster" in got.stats.split for p in picks if p == "one device")
     for b, (w, g) in enumerate(zip(want, got)):
         seq = w.prompt_tokens + w.tokens
         ref = logits_along(one.cfg, one.params, seq)
@@ -232,7 +241,8 @@ def test_the_command_line_splits_and_says_how(tiny, one, capsys) -> None:
     assert main([*args, "--devices", "2", "--strategy", "pp"]) == 0
     out, err = capsys.readouterr()
     assert out == alone  # pp: the same logits, the same text
-    assert "split over 2 devices (pp): prefill pp2 (pipeline over 2)" in err, err
+    assert "split over 2 devices (pp): prefill pp2 (pipeline over 2: by layers), " in err, err
+    assert re.search(r"generator pp2 \(pipeline over 2: by layers\), [\d.]+ us a step predicted against [\d.]+ us on one", err)
     assert main([*args, "--devices", "4", "--strategy", "tp"]) == 2
     assert "devices 4 with strategy 'tp'" in capsys.readouterr().err
     for bad in ("0", "-2", "two"):
@@ -312,7 +322,7 @@ def test_the_gpu_backend_hands_each_rank_its_pieces(one, fake_gpu) -> None:
         cfg, params, 2, 4, sampling=False, eos_ids=(), progress=Progress(False), plan_cache=False, devices=2,
         strategy="tp",
     )  # fmt: skip
-    assert backend.gpus == [0, 0] and all(p.processors == 66 for p in backend.plans)
+    assert backend.devices == [[0, 0], [0, 0]] and all(p.processors == 66 for p in backend.plans)
     assert "2 loop kernels on 1 GPU (Fake H200, 2 ranks a GPU of 66 SMs each)" == backend.description
     try:
         backend.setup_prefill()
