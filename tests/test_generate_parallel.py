@@ -242,7 +242,8 @@ def test_the_command_line_splits_and_says_how(tiny, one, capsys) -> None:
     out, err = capsys.readouterr()
     assert out == alone  # pp: the same logits, the same text
     assert "split over 2 devices (pp): prefill pp2 (pipeline over 2: by layers), " in err, err
-    assert re.search(r"generator pp2 \(pipeline over 2: by layers\), [\d.]+ us a step predicted against [\d.]+ us on one", err)
+    pp = r"generator pp2 \(pipeline over 2: by layers\), [\d.]+ us a step predicted against [\d.]+ us on one device"
+    assert re.search(pp, err), err
     assert main([*args, "--devices", "4", "--strategy", "tp"]) == 2
     assert "devices 4 with strategy 'tp'" in capsys.readouterr().err
     for bad in ("0", "-2", "two"):

@@ -85,7 +85,11 @@ def test_dp_prefill_cuts_every_sequence_tensor() -> None:
         assert not [n for n in rank.nodes if n.op.kind == "collective"]
     assert "data parallel over 2: by sequences" in split.describe()
     rng = np.random.default_rng(0)
-    feeds = {"tokens": rng.integers(0, 80, (2, 6)), "positions": np.tile(np.arange(6), (2, 1)), "last": np.array([5, 2])}
+    feeds = {
+        "tokens": rng.integers(0, 80, (2, 6)),
+        "positions": np.tile(np.arange(6), (2, 1)),
+        "last": np.array([5, 2]),
+    }
     _check(split, g, feeds, random_parameters(cfg, 1))
     # the caches pinned by the sequence: what dp does anyway, accepted
     pinned = ml.parallelize(g, 2, "dp", layout={"model.layers.0.self_attn.k_cache": ml.Shard(0), "tokens": ml.Shard(0)})
@@ -118,7 +122,12 @@ def test_pp_stages_hold_half_the_layers(kind: str) -> None:
     cfg = _tiny()
     rng = np.random.default_rng(1)
     if kind == "generator":
-        g, feeds, state, iterations = build_llama_generator(cfg, 1), {}, {"token": np.array([[3]]), "position": np.array([[2]])}, 3
+        g, feeds, state, iterations = (
+            build_llama_generator(cfg, 1),
+            {},
+            {"token": np.array([[3]]), "position": np.array([[2]])},
+            3,
+        )
     else:
         g, state, iterations = build_llama_prefill(cfg, 1, 6), {}, 1
         feeds = {"tokens": rng.integers(0, 80, (1, 6)), "positions": np.arange(6)[None], "last": np.array([4])}
@@ -166,7 +175,9 @@ def test_tied_embeddings_are_stored_once_a_rank(build: str) -> None:
     rng = np.random.default_rng(3)
     params = random_parameters(cfg, 4)
     if build == "decode":
-        cache = {f"model.layers.{i}.self_attn.{k}_cache": rng.standard_normal((1, 2, 16, 16)) for i in range(2) for k in "kv"}
+        cache = {
+            f"model.layers.{i}.self_attn.{k}_cache": rng.standard_normal((1, 2, 16, 16)) for i in range(2) for k in "kv"
+        }
         _check(split, g, {"tokens": np.array([[7]]), "positions": np.array([[5]])}, params, cache, exact=False)
     elif build == "generator":
         state = {"token": np.array([[11]]), "position": np.array([[1]])}
@@ -181,7 +192,9 @@ def test_tp2_of_9_heads_over_3_kv_heads_splits_them_6_and_3(tokens: int) -> None
     """A SmolLM2-135M-shaped attention (9 query heads, 3 kv heads) under forced tp2: rank 0 runs 6 query
     heads on 2 kv heads' caches, rank 1 3 on 1, nothing gathered back (main gathered q/k/v on the
     decode step and ran attention and every cache whole on both ranks); float32 within 1e-5."""
-    cfg = LlamaConfig(hidden=144, heads=9, kv_heads=3, intermediate=96, layers=2, vocab=80, max_seq=128, dtype="float32")
+    cfg = LlamaConfig(
+        hidden=144, heads=9, kv_heads=3, intermediate=96, layers=2, vocab=80, max_seq=128, dtype="float32"
+    )
     g = build_llama(cfg, 1, tokens)
     split = ml.parallelize(g, 2, "tp")
     for rank, (q_heads, kv_heads) in zip(split.graphs, [(6, 2), (3, 1)]):
@@ -192,7 +205,9 @@ def test_tp2_of_9_heads_over_3_kv_heads_splits_them_6_and_3(tokens: int) -> None
         assert not [n for n in rank.nodes if n.op.name == "all_gather"], "q, k or v gathered back"
     assert sum(_bytes(r, "state") for r in split.graphs) == _bytes(g, "state")
     rng = np.random.default_rng(5)
-    cache = {f"model.layers.{i}.self_attn.{k}_cache": rng.standard_normal((1, 3, 128, 16)) for i in range(2) for k in "kv"}
+    cache = {
+        f"model.layers.{i}.self_attn.{k}_cache": rng.standard_normal((1, 3, 128, 16)) for i in range(2) for k in "kv"
+    }
     feeds = {"tokens": rng.integers(0, 80, (1, tokens)), "positions": np.arange(9, 9 + tokens)[None]}
     _check(split, g, feeds, random_parameters(cfg, 6), cache, exact=False)
 

@@ -198,7 +198,8 @@ class SplitGpuBackend:
         self.close()
         phase = "upload" if which == 0 else "upload generator"  # (the group compiles its ranks' kernels too)
         with self.progress.phase(phase, 1, unit="group"):
-            self.group = LoopKernelGroup(self.plans[which], self.split.params[which], state, devices=self.devices[which])
+            params, devices = self.split.params[which], self.devices[which]
+            self.group = LoopKernelGroup(self.plans[which], params, state, devices=devices)
         return self.group
 
     def setup_prefill(self) -> None:

@@ -421,7 +421,8 @@ def build_llama_prefill(
     sequence's next token is chosen from: those of its last prompt token, ``last`` int64 [batch]
     (an index into the step's tokens), so that prompts of different lengths share one padded step.
     That row of the residual stream is picked (the others zeroed and summed away) before the final
-    norm and the LM head, which then run on one row a sequence. Output: ``logits`` [batch, 1, vocab]; ``last`` outside [0, tokens) is the caller's error."""
+    norm and the LM head, which then run on one row a sequence. Output: ``logits`` [batch, 1, vocab];
+    ``last`` outside [0, tokens) is the caller's error."""
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_prefill: the model needs a vocabulary (cfg.vocab)")
     if tokens > cfg.max_seq:

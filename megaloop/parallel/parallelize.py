@@ -105,11 +105,13 @@ def parallelize(
     if best.world_size == 1 and mesh.size > 1:
         splits = [c for c in candidates if c.predicted is not None and c.plan.mesh.size > 1]
         fastest = min(splits, key=lambda c: c.predicted.step_us, default=None)
-        best.notes.append(
-            f"no split over {mesh.size} devices is predicted faster than one device"
-            + (f" (the fastest, {fastest.plan.label}, {fastest.predicted.step_us:.1f} us a step against "
-               f"{best.predicted.step_us:.1f} us)" if fastest else "")  # fmt: skip
+        than = (
+            f" (the fastest, {fastest.plan.label}, {fastest.predicted.step_us:.1f} us a step against "
+            f"{best.predicted.step_us:.1f} us)"
+            if fastest
+            else ""
         )
+        best.notes.append(f"no split over {mesh.size} devices is predicted faster than one device{than}")
     return best
 
 

@@ -11,8 +11,9 @@ out again on every stage that needs them rather than sent; a state whose next va
 that updates it in place, or first reads it; its next value is sent there.
 
 ``pipeline_stages`` cuts a program's order into contiguous stages of about equal time (what crosses
-a cut priced in), between a model's layers, each within the memory a device has; ``device_stages`` places independent branches on different devices (list scheduling
-on the cost model: each node where it would finish first).
+a cut priced in), between a model's layers, each within the memory a device has; ``device_stages``
+places independent branches on different devices (list scheduling on the cost model: each node
+where it would finish first).
 """
 
 from __future__ import annotations
