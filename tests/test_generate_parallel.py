@@ -279,16 +279,17 @@ def test_the_split_plans_run_on_the_plan_interpreter(one) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])
-@pytest.mark.parametrize("strategy", ["tp", "pp"])
+@pytest.mark.parametrize("strategy", ["tp", "pp", "dp", "auto"])
 def test_two_ranks_on_one_gpu_match_one_device(tiny, one, strategy: str) -> None:
     """devices=2 with one GPU: two loop kernels of half its SMs each (the runtime's ranks sharing a
     GPU, tests/test_gpu_shared.py), the tokens those of one device on the GPU (and the CPU
-    reference) where the logits leave a margin."""
+    reference) where the logits leave a margin. auto keeps the tiny model's graphs on one device
+    (one loop kernel of every SM)."""
     kw = {"dtype": "float32", "eos_token_ids": (), "progress": False}
     alone = ml.Generator(tiny, backend="gpu", **kw).generate(PROMPTS, max_new_tokens=NEW)
     got = ml.Generator(tiny, backend="gpu", devices=2, strategy=strategy, **kw).generate(PROMPTS, max_new_tokens=NEW)
     print(got.stats.summary(), got.stats.split, sep="\n")
-    assert "2 loop kernels" in got.stats.backend
+    assert ("1 loop kernel" if strategy == "auto" else "2 loop kernels") in got.stats.backend
     for b, (a, g) in enumerate(zip(alone, got)):
         ref = logits_along(one.cfg, one.params, a.prompt_tokens + a.tokens)
         check_tokens(g.tokens, a.tokens, a.prompt_tokens, ref, f"{strategy} on one GPU, prompt {b}")
@@ -349,3 +350,31 @@ def test_the_gpu_backend_hands_each_rank_its_pieces(one, fake_gpu) -> None:
     finally:
         backend.close()
     assert backend.group is None and all(k.left.is_set() for k in fake_gpu.kernels)
+
+
+def test_the_gpu_backend_runs_a_graph_auto_keeps_whole_as_one_kernel(one, fake_gpu) -> None:
+    """auto keeps the tiny model's graphs on one device: one loop kernel of every SM a graph, the
+    whole parameters, the history read back from it (the fake computes nothing)."""
+    from megaloop.generation.progress import Progress
+    from megaloop.generation.split import SplitGpuBackend
+
+    cfg = dataclasses.replace(one.cfg, max_seq=16)
+    backend = SplitGpuBackend(
+        cfg, one.params, 1, 4, sampling=False, eos_ids=(), progress=Progress(False), plan_cache=False, devices=2,
+        strategy="auto",
+    )  # fmt: skip
+    assert backend.split.ranks == (1, 1), backend.split.summary()
+    assert backend.devices == [[0], [0]] and all(p.processors == 132 for p in backend.plans)
+    assert backend.description == "1 loop kernel on 1 GPU (Fake H200)"
+    try:
+        backend.setup_prefill()
+        feeds = {"tokens": np.ones((1, 4), np.int64), "positions": np.arange(4)[None], "last": np.array([3])}
+        assert backend.prefill(feeds).shape == (1, 1, cfg.vocab)
+        start = {"token": np.array([[7]]), "position": np.array([[4]]), "stop": np.array([[9]])}
+        backend.setup_generator(start)
+        assert len(backend.group.kernels) == 1
+        assert set(backend.split.params[1][0]) == set(one.params)
+        history = backend.advance(2)
+        assert np.array_equal(history["token"], start["token"])
+    finally:
+        backend.close()
