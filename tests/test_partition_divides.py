@@ -134,6 +134,8 @@ def test_pp_stages_hold_half_the_layers(kind: str) -> None:
     split = ml.parallelize(g, 2, "pp")
     layers = [{int(m) for name in r.parameters for m in re.findall(r"layers\.(\d+)\.", name)} for r in split.graphs]
     assert layers == [{0, 1}, {2, 3}], layers
+    caches = [{int(m) for name in r.states for m in re.findall(r"layers\.(\d+)\.", name)} for r in split.graphs]
+    assert caches == layers, caches
     for rank in split.graphs:
         assert 0.3 <= _bytes(rank, "parameter") / _bytes(g, "parameter") <= 0.7
         assert 0.3 <= _matmul_rows(rank) / _matmul_rows(g) <= 0.7

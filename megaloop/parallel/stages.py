@@ -236,21 +236,26 @@ def pipeline_stages(
 def _fits(
     nodes: list[Node], points: list[int], held: Mapping[Node, Mapping[Any, int]], memory: int
 ) -> Callable[[int, int], bool]:
-    """Whether the stage of nodes[points[i]:points[j]] holds at most ``memory`` bytes of stored values."""
-    reads: dict[Any, list[int]] = {}
-    size: dict[Any, int] = {}
-    for pos, n in enumerate(nodes):
-        for value, nbytes in held.get(n, {}).items():
-            reads.setdefault(value, []).append(pos)
-            size[value] = nbytes
-    table: dict[tuple[int, int], bool] = {}
+    """Whether the stage of nodes[points[i]:points[j]] holds at most ``memory`` bytes of stored values
+    (each value once, however many of its nodes read it)."""
+    rows: dict[int, list[int]] = {}
+
+    def row(i: int) -> list[int]:  # the bytes held from points[i] to each later point
+        seen: set[Any] = set()
+        total, out = 0, [0] * len(points)
+        for j in range(i + 1, len(points)):
+            for n in nodes[points[j - 1] : points[j]]:
+                for value, nbytes in held.get(n, {}).items():
+                    if value not in seen:
+                        seen.add(value)
+                        total += nbytes
+            out[j] = total
+        return out
 
     def fits(i: int, j: int) -> bool:
-        if (i, j) not in table:
-            lo, hi = points[i], points[j]
-            total = sum(size[v] for v, at in reads.items() if any(lo <= p < hi for p in at))
-            table[(i, j)] = total <= memory
-        return table[(i, j)]
+        if i not in rows:
+            rows[i] = row(i)
+        return rows[i][j] <= memory
 
     return fits
 
