@@ -261,3 +261,11 @@ def test_describe_says_by_weights_or_by_positions() -> None:
     rows = ml.parallelize(g, 2, "tp")
     assert "tensor parallel over 2: by positions)" in rows.describe().splitlines()[0], rows.describe()
     assert rows.graphs[0].inputs["x"].shape == (1, 2048, 512)
+    # a weight kept whole on every rank (pinned), its columns' products divided: "by features", not weights
+    g = ml.Graph("wide")
+    x = g.input("x", (8, 64), ml.float32)
+    w = g.parameter("w", (64, 4096), ml.float32)
+    g.output("y", ml.tanh(x @ w))
+    wide = ml.parallelize(g, 2, "tp", layout={"w": ml.Replicate()})
+    assert all(r.parameters["w"].shape == (64, 4096) for r in wide.graphs)
+    assert "tensor parallel over 2: by features)" in wide.describe().splitlines()[0], wide.describe()

@@ -126,22 +126,26 @@ def _divides(p: Any, kind: str) -> str:
     cls, batch = batch_class(Part.whole(p.original), n)
     g = p.original
     positions = {cls(t, 1) for t in g.inputs.values() if t.ndim >= 2 and t.shape[1] > 1 and cls(t, 0) == batch}
+    full = {name: tuple((0, s) for s in t.shape) for name, t in g.parameters.items()}
+    stored_cut = any(
+        info.kind == "parameter" and info.box != full[info.name] for part in p.parts for info in part.sources.values()
+    )
     found: set[str] = set()
     for node, s in chosen.items():
         for t, x in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs)):
             if not isinstance(x, Shard):
                 continue
-            if t.node.op.name == "parameter":
-                found.add("weights")
-            elif cls(t, x.axis) == batch:
+            if cls(t, x.axis) == batch:
                 found.add("sequences")
+            elif t.node.op.name == "parameter" and stored_cut:  # (a slice of a whole one: features)
+                found.add("weights")
             elif cls(t, x.axis) in positions:
                 found.add("positions")
             else:
-                found.add("other axes")
+                found.add("features")
     if "weights" in found:  # (the activations a weight's cut makes: heads, features)
-        found.discard("other axes")
-    words = [w for w in ("sequences", "weights", "positions", "other axes") if w in found]
+        found.discard("features")
+    words = [w for w in ("sequences", "weights", "positions", "features") if w in found]
     return "by " + " and ".join(words) if words else "nothing cut: every rank runs the whole program"
 
 
