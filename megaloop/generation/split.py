@@ -66,9 +66,15 @@ class Split:
         self.params = [self.prefill.shard_parameters(params), self.generator.shard_parameters(params)]
 
     def summary(self) -> str:
-        """One line: how each graph was split (the first line of its ``describe``)."""
-        how = [p.describe().splitlines()[0].partition(": ")[2] for p in (self.prefill, self.generator)]
+        """One line: how each graph was split, what that divides, and the predicted step against one
+        device's (``Partition.summary``)."""
+        how = [p.summary() for p in (self.prefill, self.generator)]
         return f"split over {self.devices} devices ({self.strategy}): prefill {how[0]}; generator {how[1]}"
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """The prefill's and the generator's rank counts (auto may keep one on one device)."""
+        return self.prefill.world_size, self.generator.world_size
 
     def history(self, states: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The generator's HISTORY states put together from the ranks' (each rank's full state or
@@ -81,6 +87,14 @@ class Split:
         """Each rank's first generator state: the prefill's caches (whole) and the start states, cut."""
         whole = {**caches, **start_state(self.generator.original, start)}
         return self.generator.shard_state({k: v for k, v in whole.items() if k in self.generator.original.states})
+
+
+def _ranks_text(ranks: tuple[int, int]) -> str:
+    """ "2 ranks", or "2 ranks for the prefill, 1 for the generator" where auto kept one whole."""
+    prefill, generator = ranks
+    if prefill == generator:
+        return f"{prefill} rank{'s' * (prefill > 1)}"
+    return f"{prefill} rank{'s' * (prefill > 1)} for the prefill, {generator} for the generator"
 
 
 def local_names(partition: Partition, names: Sequence[str]) -> list[set[str]]:
@@ -106,7 +120,7 @@ class SplitCpuBackend:
     ) -> None:  # fmt: skip
         with progress.phase("split", 2, unit="graph"):
             self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
-        self.description = f"the CPU reference (numpy) as {devices} ranks"
+        self.description = f"the CPU reference (numpy) as {_ranks_text(self.split.ranks)}"
         self.state: list[dict[str, np.ndarray]] = []
         self.caches: dict[str, np.ndarray] = {}
 
@@ -153,26 +167,28 @@ class SplitGpuBackend:
         found, reason = gpus()
         if not found:
             raise MegaloopError(f"no GPU for the loop kernels: {reason}")
-        self.gpus = [r % len(found) for r in range(devices)]
-        share = max(self.gpus.count(d) for d in set(self.gpus))
-        processors = min(found[d].sm_count for d in set(self.gpus)) // share
-        arch = {found[d].plan_arch for d in set(self.gpus)}
+        arch = {found[r % len(found)].plan_arch for r in range(devices)}
         if len(arch) > 1:
             raise MegaloopError(f"--devices {devices}: the GPUs differ ({sorted(arch)}); one plan serves one kind")
-        used = len(set(self.gpus))
-        self.description = (
-            f"{devices} loop kernels on {used} GPU{'s' * (used > 1)} ({found[0].name}"
-            + (f", {share} ranks a GPU of {processors} SMs each" if share > 1 else "")
-            + ")"
-        )
         self.progress = progress
         with progress.phase("split", 2, unit="graph"):
             self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+        # per graph (auto may keep one on one device): rank r on GPU r mod the GPUs, sharing its SMs
+        self.devices = [[r % len(found) for r in range(n)] for n in self.split.ranks]
+        shares = [max(d.count(x) for x in set(d)) for d in self.devices]
+        processors = [min(found[x].sm_count for x in set(d)) // k for d, k in zip(self.devices, shares)]
+        used = len(set(self.devices[0]) | set(self.devices[1]))
+        self.description = (
+            f"{_ranks_text(self.split.ranks).replace('rank', 'loop kernel')} on {used} GPU{'s' * (used > 1)} "
+            f"({found[0].name}"
+            + (f", {max(shares)} ranks a GPU of {min(processors)} SMs each" if max(shares) > 1 else "")
+            + ")"
+        )
         self.plans = []
         with progress.phase("plan", 2, unit="graph") as bar:
-            for part in (self.split.prefill, self.split.generator):
+            for part, share in zip((self.split.prefill, self.split.generator), processors):
                 plan, _ = load_or_make_plan(
-                    part.graphs, use_cache=plan_cache, processors=processors, arch=found[self.gpus[0]].plan_arch
+                    part.graphs, use_cache=plan_cache, processors=share, arch=found[0].plan_arch
                 )
                 self.plans.append(plan)
                 bar.update(1)
@@ -185,7 +201,8 @@ class SplitGpuBackend:
         self.close()
         phase = "upload" if which == 0 else "upload generator"  # (the group compiles its ranks' kernels too)
         with self.progress.phase(phase, 1, unit="group"):
-            self.group = LoopKernelGroup(self.plans[which], self.split.params[which], state, devices=self.gpus)
+            params, devices = self.split.params[which], self.devices[which]
+            self.group = LoopKernelGroup(self.plans[which], params, state, devices=devices)
         return self.group
 
     def setup_prefill(self) -> None:

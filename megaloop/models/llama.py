@@ -288,9 +288,9 @@ def build_llama_prefill(
     """A prompt step (``build_llama``'s inputs and KV caches) that returns only the logits each
     sequence's next token is chosen from: those of its last prompt token, ``last`` int64 [batch]
     (an index into the step's tokens), so that prompts of different lengths share one padded step.
-    That row of the residual stream is gathered (an embedding lookup in the stream seen as a table
-    of batch * tokens rows) before the final norm and the LM head, which then run on one row a
-    sequence. Output: ``logits`` [batch, 1, vocab]; ``last`` outside [0, tokens) is the caller's error."""
+    That row of the residual stream is picked (the others zeroed and summed away) before the final
+    norm and the LM head, which then run on one row a sequence. Output: ``logits`` [batch, 1, vocab];
+    ``last`` outside [0, tokens) is the caller's error."""
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_prefill: the model needs a vocabulary (cfg.vocab)")
     if tokens > cfg.max_seq:
@@ -302,8 +302,10 @@ def build_llama_prefill(
     x, update = _decoder(g, cfg, ids, positions, kv_splits)
     with g.scope("head"):
         stream = x if update is None else x + update
-        rows = last + g.constant(np.arange(batch, dtype=np.int64) * tokens, "int64", name="row_starts")
-        picked = ops.embedding(stream.reshape(batch * tokens, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
+        # the row kept, the others zeros, summed over the tokens: exactly that row, by an op per sequence
+        # (so that data parallelism cuts the batch through it, not just ``last``)
+        index = g.constant(np.arange(tokens, dtype=np.int64).reshape(1, tokens, 1), "int64", name="token_index")
+        picked = ops.sum(ops.where(ops.equal(index, last.reshape(batch, 1, 1)), stream, 0.0), axis=1, keepdims=True)
     g.output("logits", _head(g, cfg, picked, None))
     return g
 
