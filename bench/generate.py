@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
     ap.add_argument("--skip-torch-compile", action="store_true", help="no torch.compile step (a minute of compile)")
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
-    ap.add_argument("--fusion", default="all", help="the generator's graph rewrites (FuseOptions.parse): all, none, -x")
+    ap.add_argument("--fusion", default="all", help="the generator's rewrites (FuseOptions.parse): all, none, -x,+y")
     ap.add_argument("--compare", nargs="*", default=[], help="more FuseOptions to time the greedy generator with")
     ap.add_argument(
         "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"

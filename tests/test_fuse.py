@@ -107,7 +107,12 @@ def silu_times(order: int = 0, shared: bool = False):
 
 
 def decode_attention(
-    tokens: int = 1, splits: int | None = 3, shift: int = 0, read_k: bool = False, lengths: bool = False
+    tokens: int = 1,
+    splits: int | None = 3,
+    shift: int = 0,
+    read_k: bool = False,
+    lengths: bool = False,
+    read_o: bool = False,
 ):
     """q, k rotated at the positions, the caches written there, attention over them (plain)."""
 
@@ -128,6 +133,8 @@ def decode_attention(
             kv_splits=splits, **extra,
         )  # fmt: skip
         g.output("o", ml.linear(o.transpose(1, 2).reshape(b, tokens, hq * d), _w(g, dt, "wo", 32, hq * d)))
+        if read_o:  # attention's output read by more than the projection
+            g.output("attn", o)
         if read_k:
             g.output("k_roped", k_roped)
 
@@ -171,6 +178,10 @@ CASES = [
     Case("append-not-unsplit", decode_attention(splits=None), "attention_append", False, {}),
     Case("append-not-shifted", decode_attention(shift=1), "attention_append", False, {}),
     Case("append-not-lengths", decode_attention(lengths=True), "attention_append", False, {}),
+    Case("combine", decode_attention(), "combine_linear", True, {"attention_combine": -1, "combine_linear": 1}),
+    Case("combine-append", decode_attention(), "combine_linear", True, {"combine_linear": 1}, ("attention_append",)),
+    Case("combine-not-read-o", decode_attention(read_o=True), "combine_linear", False, {}),
+    Case("combine-not-unsplit", decode_attention(splits=None), "combine_linear", False, {}),
     Case("split-k", split_products(), "split_k_linear", True, {"sum": 1}),
     Case("split-k-two-sequences", split_products(batch=2), "split_k_linear", True, {"sum": 1}),
     Case("split-k-not-decode", split_products(rows=1), "split_k_linear", False, {}),
@@ -283,6 +294,20 @@ def test_fused_nodes_take_the_place_and_scope_of_what_they_replace() -> None:
     assert len({n.name for n in fused.nodes}) == len(fused.nodes)  # (names stay unique)
 
 
+def test_rules_off_by_default_run_when_named() -> None:
+    """combine_linear (not yet measured on the GPU) runs only when asked for: FuseOptions(on=...), "+name"."""
+    assert not RULES["combine_linear"].default and not ml.FuseOptions().applies("combine_linear")
+    for options in (
+        ml.FuseOptions(on=("combine_linear",)),
+        ml.FuseOptions.parse("+combine_linear,-split_k_linear"),
+        ml.FuseOptions.only("combine_linear"),
+        ml.FuseOptions().adding("combine_linear"),
+    ):
+        assert options.applies("combine_linear"), options
+    assert not ml.FuseOptions(on=("combine_linear",)).without("combine_linear").applies("combine_linear")
+    assert not ml.FuseOptions(enabled=False, on=("combine_linear",)).applies("combine_linear")
+
+
 def test_fuse_options_parse_and_refuse_unknown_rules() -> None:
     every = [r.name for r in ordered_rules()]
     assert ml.FuseOptions.parse("all") == ml.FuseOptions.parse("") == ml.FuseOptions()
@@ -293,7 +318,7 @@ def test_fuse_options_parse_and_refuse_unknown_rules() -> None:
     assert ml.FuseOptions().without("silu_mul") == ml.FuseOptions(off=("silu_mul",))
     with pytest.raises(GraphBuildError, match=r"unknown rule 'norms'; the rules are attention_append, "):
         ml.FuseOptions.parse("norms")
-    with pytest.raises(GraphBuildError, match="either name the rules to run or"):
+    with pytest.raises(GraphBuildError, match=r"either name the rules to run or, each with a leading '-' or '\+'"):
         ml.FuseOptions.parse("silu_mul,-split_k_linear")
     with pytest.raises(GraphBuildError, match=r"fuse: options\.off: unknown rule 'fold'"):
         ml.fuse(ml.Graph("g"), ml.FuseOptions(off=("fold",)))

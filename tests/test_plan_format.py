@@ -57,6 +57,7 @@ def test_the_fusion_options_travel_in_the_file(setup, tmp_path) -> None:
     assert loaded.fusion == fusion and json.loads((tmp_path / "fusion.json").read_text())["fusion"] == {
         "enabled": True,
         "off": ["norm_residual", "rmsnorm_linear"],
+        "on": [],
     }
     matches(loaded, params, feeds, ref)
 

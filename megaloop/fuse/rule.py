@@ -24,6 +24,8 @@ class Rule:
     rewrite.Rewriter) and returns True; else it changes nothing and returns False. ``after``: rules
     whose rewrites must be made first (their result is this rule's pattern, or must not be taken by
     it). ``differs``: "" when the rewrite gives the plain ops' values bit for bit, else how it does not.
+    ``default``: whether it runs unless turned off (False: only when FuseOptions name it in ``on``, for a
+    fused op not yet measured on the GPU).
     """
 
     name: str  # what FuseOptions call it
@@ -33,6 +35,7 @@ class Rule:
     fire: Callable[[Node, Rewriter], bool]
     after: tuple[str, ...] = ()
     differs: str = ""
+    default: bool = True
 
 
 RULES: dict[str, Rule] = {}

@@ -323,13 +323,15 @@ def _options(r: _Reader) -> KernelOptions:
 
 
 def _fusion(r: _Reader) -> FuseOptions:
-    unknown = sorted(set(r.obj) - {"enabled", "off"})
+    unknown = sorted(set(r.obj) - {"enabled", "off", "on"})
     if unknown:
-        raise PlanFormatError(f"{r.path}: unknown field {unknown[0]!r}; fusion has 'enabled' and 'off'")
-    off = r.get("off", list)
-    if not all(isinstance(name, str) for name in off):
-        raise PlanFormatError(f"{r.path}.off: expected a list of rule names, got {off!r:.80}")
-    fusion = FuseOptions(r.get("enabled", bool), tuple(off))
+        raise PlanFormatError(f"{r.path}: unknown field {unknown[0]!r}; fusion has 'enabled', 'off' and 'on'")
+    names = {}
+    for key in ("off", "on"):
+        names[key] = r.get(key, list)
+        if not all(isinstance(name, str) for name in names[key]):
+            raise PlanFormatError(f"{r.path}.{key}: expected a list of rule names, got {names[key]!r:.80}")
+    fusion = FuseOptions(r.get("enabled", bool), tuple(names["off"]), tuple(names["on"]))
     fusion.check(PlanFormatError, r.path)
     return fusion
 
