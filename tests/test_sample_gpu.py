@@ -1,5 +1,5 @@
 """sample on a real GPU (skipped without one): the loop kernel's tokens are the CPU reference's bit for
-bit over many rows, vocabulary sizes up to Llama 3's, every dtype, temperatures, top-k and top-p
+bit over many rows, vocabulary sizes up to Llama 3's, every dtype, temperatures, top-k, top-p and min-p
 settings, ties and NaN rows; the same inputs give the same tokens run after run; a bad parameter is a
 data error; the sampling Llama generator draws the reference's tokens. (The CPU runs the same tile
 function through g++: tests/test_sample_codegen.py.)"""
@@ -47,7 +47,8 @@ def cases_graph(draws: int, seed: int) -> tuple[ml.Graph, dict, list]:
             ins = [g.input(f"{key}.x", x.shape, dtype)]
             feeds[f"{key}.x"] = x
             for (name, dt), v in zip(
-                (("s", "int64"), ("o", "int64"), ("t", "float32"), ("k", "int64"), ("p", "float32")), params
+                (("s", "int64"), ("o", "int64"), ("t", "float32"), ("k", "int64"), ("p", "float32"), ("q", "float32")),
+                params,
             ):
                 ins.append(g.input(f"{key}.{name}", rows, dt))
                 feeds[f"{key}.{name}"] = v

@@ -49,7 +49,7 @@ def _rows_at(p: Operand, nd: int, pointer: str) -> str:
 
 
 def _params(params: list[Operand], first: int, nd: int) -> list[str]:
-    """seed, offset, temperature, top_k, top_p (inputs first .. first + 4) in the rows' index space."""
+    """seed, offset, temperature, top_k, top_p, min_p (inputs first .. first + 5) in the rows' index space."""
     return [_rows_at(p, nd, f"in{first + k}") for k, p in enumerate(params)]
 
 
