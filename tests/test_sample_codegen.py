@@ -46,7 +46,8 @@ def sample_graph(cases: list[tuple[tuple[int, ...], str, int | None]]) -> ml.Gra
         rows = shape[:-1]
         x = g.input(f"x{i}", shape, dtype)
         params = [g.input(f"{name}{i}", rows, dt) for name, dt in (("s", "int64"), ("o", "int64"), ("t", "float32"))]
-        params += [g.input(f"k{i}", rows, "int64"), g.input(f"p{i}", rows, "float32"), g.input(f"q{i}", rows, "float32")]
+        params += [g.input(f"k{i}", rows, "int64")]
+        params += [g.input(f"{name}{i}", rows, "float32") for name in "pq"]
         g.output(f"token{i}", ml.sample(x, *params, splits=splits))
     return g
 
@@ -170,6 +171,10 @@ inline float load(const float* p) { return *p; }
 inline float load(const bf16* p) { return to_float(*p); }
 inline float load(const f16* p) { return to_float(*p); }
 inline void store(i64* p, i64 v) { *p = v; }
+inline void store(float* p, float v) { *p = v; }
+inline i64 load(const int* p) { return *p; }
+inline i64 load(const i64* p) { return *p; }
+inline bool load(const bool* p) { return *p; }
 template <class T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 template <class T, int N> inline Pack<T, N> load_pack(const T* p) { Pack<T, N> r; memcpy(&r, p, sizeof r); return r; }
 template <class T, int N> inline float get(const Pack<T, N>& p, int i) { return load(&p.v[i]); }
@@ -304,13 +309,15 @@ def run_generated(
     boxes: list[Box],
     threads: int,
     misalign: int = 0,
+    out_dtype: type = np.int64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the tile on ``boxes``: input k holds ``arrays[k]`` laid out with ``strides[k]`` (the first
-    ``misalign`` elements off a 16-byte boundary), the int64 output is contiguous ``out_shape``. The
-    output and the error info."""
+    ``misalign`` elements off a 16-byte boundary), the output (``out_dtype``) is contiguous ``out_shape``.
+    The output and the error info."""
+    size = np.dtype(out_dtype).itemsize
     spans = [1 + sum((d - 1) * st for d, st in zip(a.shape, sd)) for a, sd in zip(arrays, strides)]
     places = [(span, a.dtype.itemsize, misalign if k == 0 else 0) for k, (a, span) in enumerate(zip(arrays, spans))]
-    places.append((max(1, int(np.prod(out_shape))), 8, 0))
+    places.append((max(1, int(np.prod(out_shape))), size, 0))
     offsets, at = [], 64
     for count, size, mis in places:
         offsets.append(at + mis * size)
@@ -331,7 +338,7 @@ def run_generated(
     lib.run.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr]
     lib.run(arena.ctypes.data, lo.ctypes.data, hi.ctypes.data, len(boxes), off.ctypes.data, threads, info.ctypes.data)
     count = max(1, int(np.prod(out_shape)))
-    return arena[offsets[-1] : offsets[-1] + 8 * count].view(np.int64).reshape(out_shape).copy(), info
+    return arena[offsets[-1] : offsets[-1] + size * count].view(out_dtype).reshape(out_shape).copy(), info
 
 
 def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -464,7 +471,8 @@ def test_generated_tile_reports_bad_parameters(tmp_path: Path) -> None:
     x = np.zeros((*rows, n), F32)
     good = [np.zeros(3, np.int64), np.zeros(3, np.int64), np.ones(3, F32), np.zeros(3, np.int64), np.ones(3, F32)]
     good.append(np.zeros(3, F32))
-    bads = ((2, -1.0), (2, np.inf), (2, np.nan), (3, -2), (4, 0.0), (4, 1.5), (4, np.nan), (5, -0.1), (5, 1.5), (5, np.nan))
+    bads = ((2, -1.0), (2, np.inf), (2, np.nan), (3, -2), (4, 0.0), (4, 1.5), (4, np.nan))
+    bads += ((5, -0.1), (5, 1.5), (5, np.nan))
     for k, bad in bads:
         params = [p.copy() for p in good]
         params[k][2] = bad
@@ -629,7 +637,8 @@ def test_generated_split_tiles_give_the_references_summaries_and_tokens(case: in
     xo, po, to = operand(dtype, (*rows, n)), operand("int64", (*rows, ranges)), operand("float32", rows)
     so = operand("int64", (*rows, ranges, width))
     part_lib = build_tile(tile("sample_partial", attrs, [xo, po, to], so), tmp_path)
-    combine_ops = [xo, po, so] + [operand(dt, rows) for dt in ("int64", "int64", "float32", "int64", "float32", "float32")]
+    params_dtypes = ("int64", "int64", "float32", "int64", "float32", "float32")
+    combine_ops = [xo, po, so] + [operand(dt, rows) for dt in params_dtypes]
     combine_lib = build_tile(tile("sample_combine", attrs, combine_ops, operand("int64", rows)), tmp_path)
     flat_rows = int(np.prod(rows))
     boxes = [

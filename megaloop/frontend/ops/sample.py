@@ -268,11 +268,15 @@ def param_tensor(op: OpDef, logits: Tensor, name: str, dtype: str, value: Any) -
         "top_k": lambda v: v >= 0,
         "top_p": lambda v: 0 < np.float32(v) <= 1,
         "min_p": lambda v: 0 <= np.float32(v) <= 1,
+        "repetition": lambda v: v > 0,
+        "presence": lambda v: True,
+        "frequency": lambda v: True,
         "seed": lambda v: -(2**63) <= v < 2**63,
         "offset": lambda v: -(2**63) <= v < 2**63,
     }[name]
     if not ok(value):
-        rule = {"temperature": ">= 0", "top_k": ">= 0", "top_p": "in (0, 1]", "min_p": "in [0, 1]"}.get(name, "an int64")
+        rules = {"temperature": ">= 0", "top_k": ">= 0", "top_p": "in (0, 1]", "min_p": "in [0, 1]"}
+        rule = {**rules, "repetition": "> 0"}.get(name, "an int64")
         raise GraphBuildError(f"{op.name}: {name} must be {rule}, got {value!r}")
     return logits.graph.constant(value, dtype)
 

@@ -697,5 +697,48 @@ __device__ __forceinline__ void sample_combine_tile(const Args& a, const Task& t
     }
 }
 
+// ---- penalize (megaloop/frontend/ops/sample_penalty.py) --------------------------------------------------
+
+constexpr int PENALTY_KIND = 4;  // ml::fail's kind for a penalty or count out of range (megaloop/runtime/report.py)
+
+// A logit penalised as the definition says, each step a rounded float32 operation (no contraction).
+__device__ __forceinline__ float penalized(float x, i64 count, bool in_prompt, float repetition, float presence,
+                                          float frequency) {
+    if (in_prompt || count > 0) x = x < 0.0f ? __fmul_rn(x, repetition) : __fdiv_rn(x, repetition);
+    x = __fsub_rn(x, __fmul_rn(frequency, (float)count));
+    return count > 0 ? __fsub_rn(x, presence) : x;
+}
+
+__device__ __forceinline__ bool valid_penalties(i64 count, float repetition, float presence, float frequency) {
+    const float big = __uint_as_float(0x7f7fffffu);
+    return count >= 0 && repetition > 0.0f && repetition <= big && fabsf(presence) <= big && fabsf(frequency) <= big;
+}
+
+// penalize's tile: every element of the task's box (logits of shape SHAPE..., the operands in its index
+// space); an element out of range stops the kernel, reporting its row (row-major among the rows) and token.
+template <int... SHAPE, class X, class C, class M, class Rp, class Pr, class Fr, class Out>
+__device__ __forceinline__ void penalize_tile(const Args& a, const Task& t, int tid, X x, C counts, M prompt,
+                                              Rp repetition, Pr presence, Fr frequency, Out out) {
+    constexpr int N = sizeof...(SHAPE);
+    constexpr int dims[N] = {SHAPE...};
+    static_assert(X::rank == N && Out::rank == N, "penalize: the operands in the logits' index space");
+    const int total = box_count<N>(t);
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+        int i[N];
+        box_index<N>(t, e, i);
+        const i64 c = load(counts.p + counts.offset(i));
+        const float r = load(repetition.p + repetition.offset(i)), p = load(presence.p + presence.offset(i));
+        const float f = load(frequency.p + frequency.offset(i));
+        if (!valid_penalties(c, r, p, f)) {
+            i64 row = 0;
+            for (int d = 0; d + 1 < N; ++d) row = row * dims[d] + i[d];
+            fail(a, DATA, blockIdx.x, tid, t.op, row, i[N - 1], PENALTY_KIND, 0);
+            return;
+        }
+        const bool seen = load(prompt.p + prompt.offset(i));
+        store(out.p + out.offset(i), penalized(load(x.p + x.offset(i)), c, seen, r, p, f));
+    }
+}
+
 }  // namespace smp
 }  // namespace ml
