@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.backends import HISTORY, generator_graph, start_state
+from megaloop.generation.backends import generator_graph, history_names, start_state
 from megaloop.generation.progress import Progress
+from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_prefill
 from megaloop.parallel import Partition, parallelize
 from megaloop.reference import evaluate
@@ -70,7 +71,7 @@ class Split:
     def history(self, states: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The generator's HISTORY states put together from the ranks' (each rank's full state or
         just its pieces of those)."""
-        names = local_names(self.generator, HISTORY)
+        names = local_names(self.generator, history_names(self.generator.original))
         mine = [{k: v for k, v in st.items() if k in keep} for st, keep in zip(states, names)]
         return self.generator.gather_state(mine)
 
@@ -88,8 +89,10 @@ def local_names(partition: Partition, names: Sequence[str]) -> list[set[str]]:
     ]
 
 
-def _graphs(cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int]) -> tuple[Any, Any]:
-    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)
+def _graphs(
+    cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int], decoding: Decoding
+) -> tuple[Any, Any]:
+    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids, decoding)
 
 
 class SplitCpuBackend:
@@ -100,9 +103,10 @@ class SplitCpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
         self.description = f"the CPU reference (numpy) as {devices} ranks"
         self.state: list[dict[str, np.ndarray]] = []
         self.caches: dict[str, np.ndarray] = {}
@@ -143,6 +147,7 @@ class SplitGpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime import gpus
@@ -164,7 +169,7 @@ class SplitGpuBackend:
         )
         self.progress = progress
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
         self.plans = []
         with progress.phase("plan", 2, unit="graph") as bar:
             for part in (self.split.prefill, self.split.generator):
@@ -174,7 +179,8 @@ class SplitGpuBackend:
                 self.plans.append(plan)
                 bar.update(1)
         self.group: Any = None
-        self.history_names = [sorted(n) for n in local_names(self.split.generator, HISTORY)]
+        wanted = history_names(self.split.generator.original)
+        self.history_names = [sorted(n) for n in local_names(self.split.generator, wanted)]
 
     def _group(self, which: int, state: Sequence[Mapping[str, Any]] | None = None) -> Any:
         from megaloop.runtime.group import LoopKernelGroup
