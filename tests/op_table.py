@@ -439,6 +439,37 @@ row(
     fixed={1: "int64", 2: "int64", 3: "float32", 4: "int64", 5: "float32", 6: "float32"},
 )
 
+
+
+def _penalty_sample(rng: np.random.Generator) -> Sample:
+    """Rows of logits with counts and a prompt mask of their shape (or broadcast: one row's for all),
+    per-row penalties (or one for all)."""
+    rows = rand_shape(rng, 1, 3)
+    n = int(rng.choice([1, 7, 300]))
+    full = rows + (n,)
+    shared = (1,) * len(rows) + (n,) if rng.random() < 0.3 else full
+    per_row = [rows if rng.random() < 0.7 else () for _ in range(3)]
+    domains = ("normal", ("int", 0, 4), "bool", ("choice", 1.0, 1.3, 0.7, 2.0), ("choice", 0.0, 0.5, -1.5),
+               ("choice", 0.0, 0.25, -0.1))  # fmt: skip
+    return Sample([full, shared, shared, *per_row], domains=domains)
+
+
+def _penalty_ref(x, counts, mask, rep, pres, freq, **kw):
+    rep, pres, freq = (v.unsqueeze(-1) for v in (rep, pres, freq))
+    seen = mask.bool() | (counts > 0)
+    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
+    return x - freq * counts - pres * (counts > 0)
+
+
+row(
+    "penalize",
+    "repetition-presence-frequency",
+    lambda g, x, c, m, r, p, f: ml.penalize(x, c, m, r, p, f),
+    _penalty_ref,
+    _penalty_sample,
+    fixed={1: "int32", 2: "bool", 3: "float32", 4: "float32", 5: "float32"},
+)
+
 # ---- normalisations -------------------------------------------------------------------------------
 
 

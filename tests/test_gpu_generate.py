@@ -118,3 +118,16 @@ def test_the_command_on_the_gpu_with_the_new_settings(tiny, capsys) -> None:
     lines = [json.loads(x) for x in out.splitlines()]
     assert len(lines) == 2 and all(len(x["logprobs"]) == len(x["tokens"]) for x in lines)
     assert "on the loop kernel" in err and "drawn: --seed" in err
+
+
+def test_ctrl_c_on_the_loop_kernel_stops_cleanly(tiny) -> None:
+    """SIGINT while the generator's loop kernel runs: the text so far and a newline, the timings, exit
+    status 130, no traceback; the kernel stopped (a second run in a new process works)."""
+    from tests.test_generate_cli import interrupt
+
+    args = ["generate", "--model", str(tiny), "--prompt", "Once", "--max-new-tokens", "1500", "--temperature", "1",
+            "--seed", "1", "--no-progress"]  # fmt: skip
+    code, out, err, took = interrupt(args, ready="", after=0.5)
+    assert code == 130 and took < 10 and "Traceback" not in err, (code, took, err)
+    assert out.endswith("\n") and "interrupted after" in err and "on the loop kernel" in err
+    assert main(["generate", "--model", str(tiny), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0

@@ -38,11 +38,6 @@ class BatchLine:
     chat: bool | None = None
     system: str | None = None
 
-    @property
-    def shown(self) -> Any:
-        """The prompt as the output's JSON line repeats it."""
-        return self.prompt
-
 
 def read_batch_file(
     data: bytes, name: str, skip_bad: bool = False, warn: Callable[[str], None] | None = None

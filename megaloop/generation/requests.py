@@ -83,7 +83,7 @@ def build_batch(
     rows = []
     for i, (prompt, settings) in enumerate(zip(ids, resolved)):
         for j in range(int(settings.n)):
-            own = per_prompt[i].seed if per_prompt[i].seed is not None else None
+            own = per_prompt[i].seed
             if own is None and prompt_seeds is not None:
                 own = prompt_seeds[i]
             seed = own + j if own is not None else (base + len(rows) if base is not None else None)

@@ -183,18 +183,6 @@ def read_generation_config(folder: Path) -> ModelDefaults:
 # ---- one sequence's settings ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SequenceSettings:
-    """One sequence's concrete settings (every field set) and the seed it draws with (a 64-bit word as
-    int64)."""
-
-    settings: GenerationSettings
-    seed: int
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.settings, name)
-
-
 def resolve(
     layers: Sequence[GenerationSettings], defaults: ModelDefaults, prompt_length: int
 ) -> tuple[GenerationSettings, set[str]]:

@@ -112,7 +112,7 @@ PENALIZE = register(
         infer=_infer,
         reference=_reference,
         check_data=_check_data,
-        accuracy=Accuracy(ulps=0.0),
+        accuracy=Accuracy(ulps=2.0),  # (against float64: two or three float32 roundings)
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("penalize"),
         placement=_placements.rule(_placements.elementwise_dims),
