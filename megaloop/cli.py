@@ -7,6 +7,7 @@ megaloop ops      list the op set with each op's documentation
 megaloop info     versions, GPUs, and which backend ``demo`` would use
 megaloop generate              text from a Hugging Face checkpoint folder (megaloop/generation/commands.py)
 megaloop make-tiny-checkpoint  a small random Llama with a real tokenizer, to try generate on
+megaloop cache info|clear      the compiled-kernel and plan cache (megaloop/cli_cache.py)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import megaloop as ml
+from megaloop.cli_cache import add_cache_command
 from megaloop.errors import MegaloopError, UsageError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.generation.commands import add_commands
@@ -458,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ops", help="list the op set").set_defaults(fn=cmd_ops)
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
     add_commands(sub)
+    add_cache_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
@@ -484,6 +487,7 @@ def _is_usage(e: MegaloopError) -> bool:
     from megaloop.runtime.trace import TraceError
 
     usage = (ml.errors.GraphBuildError, ml.errors.CheckpointError, ml.errors.EvaluationError, ml.errors.PlanFormatError)
+    usage += (ml.errors.CacheError,)  # the cache's location or cap as the user set them
     return isinstance(e, (*usage, UsageError, GenerationError, ChatTemplateError, DumpError, TraceError))
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped

@@ -90,5 +90,10 @@ class CheckpointError(MegaloopError, ValueError):
     """A model checkpoint that cannot be read or does not fit the model (names the file and tensor)."""
 
 
+class CacheError(MegaloopError, OSError):
+    """megaloop's on-disk cache (megaloop/diskcache.py) cannot be used as configured: its location is a
+    file or not writable, its size cap is malformed, or clearing it would touch files not its own."""
+
+
 class InterpreterError(MegaloopError, RuntimeError):
     """The plan interpreter saw a task read memory that holds the wrong version (or nothing yet)."""

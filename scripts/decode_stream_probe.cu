@@ -11,10 +11,16 @@
 //   ahead:  the same ring, the loader walking the processor's task list without waiting for anything
 //           but free slots: weights are in flight while the consumers wait for activations.
 //   stream: ahead with no waits at all (wrong results): what the ring alone can stream.
+//   claim:  loop kernel v3's schedule: every processor takes part in every product, and its loader
+//           claims the product's units (16 KB of whole rows) from one counter a stage as its ring frees,
+//           running ahead across stages and iterations; so fast processors take more units, and a
+//           stage ends when the chip's stream does, not when its slowest processor's share does.
+//   cstream: claim with no waits at all (wrong results): what the claimed ring alone can stream.
 // Checks layer 0's products and a sample of the LM head's against float64 on the host.
 // Measures the design docs/runtime.md proposes for loop kernel v2; not part of the package.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I megaloop/codegen/include -o scripts/decode_stream_probe.bin scripts/decode_stream_probe.cu
-//   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD]]  (DELAYS: today | fused | none;
+//   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD]]  (DELAYS: today | fused | none
+//   | v3 (attention one 4.5 us stage, its combine a 1 us prologue of o) | v3fast (attention 2.5 us);
 //   LEAD: chunks of 16 KB the loader also prefetches into L2 ahead of its copies)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -47,7 +53,9 @@ constexpr int THREADS = CONSUMERS + 32;
 constexpr int SLOT_BYTES = 16384;
 constexpr int MAX_K = 8192;
 constexpr int MAX_ROWS = 1024;
-enum Mode { DIRECT = 0, GATED = 1, AHEAD = 2, STREAM = 3 };
+enum Mode { DIRECT = 0, GATED = 1, AHEAD = 2, STREAM = 3, CLAIM = 4, CSTREAM = 5 };
+constexpr int CLAIMS_IN_FLIGHT = 4;  // a loader's claims outstanding (an L2 atomic's round trip each)
+constexpr int ENDS = 64;             // stage ends a loader may run ahead of its consumers
 
 struct Task {
     int gemv;         // 1: matrix-vector tile, 0: small op
@@ -59,6 +67,8 @@ struct Task {
     long long w_off;  // element offset of the tile's weights
     int in_buf, out_buf, n_in, n_out;
     int delay_ns;
+    int units;        // claim modes: the product's units (all of its rows in 16 KB pieces); 0: small op
+    int prologue_ns;  // a product's start-up before its first unit (an o projection combining attention)
 };
 
 __device__ __forceinline__ u64 now_ns() {
@@ -137,7 +147,7 @@ struct Ring {
 };
 
 // rows of one chunk: whole rows of the tile; the ring's chunks are one slot, direct loads 4 slots
-__device__ __forceinline__ int rows_per_chunk(int k, bool direct) { return (direct ? 4 : 1) * max(1, SLOT_BYTES / (k * 2)); }
+__host__ __device__ __forceinline__ int rows_per_chunk(int k, bool direct) { return (direct ? 4 : 1) * max(1, SLOT_BYTES / (k * 2)); }
 
 // one chunk of rows from global memory (at most N / UPR of them): each thread takes UPR 16-byte pieces of every row
 // (K = 256 x 8 x UPR), all N loads issued before the first product; a warp's partial sums meet in acc
@@ -316,6 +326,173 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
         }
 }
 
+// claim modes: one warp's entries of the ring, whole rows each (16-byte pieces, a lane every 32nd), its
+// sums stored straight into the stage's output
+template <int UPR>
+__device__ __forceinline__ void gemv_warp_out(const uint4* w, const uint4* xs, __nv_bfloat16* out, int rows) {
+    constexpr int PIECES = UPR * CONSUMERS / 32;
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < rows; r++) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < PIECES; i++) part[i & 3] += dot8(w[r * PIECES * 32 + i * 32 + lane], xs[i * 32 + lane]);
+        float sum = (part[0] + part[1]) + (part[2] + part[3]);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) out[r] = __float2bfloat16(sum);
+    }
+}
+
+__device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
+
+// Loop kernel v3's schedule (claim, cstream): every product is a task on every processor; the loader
+// lane claims the product's units from claims[stage] (CLAIMS_IN_FLIGHT outstanding, so each loader makes
+// exactly that many failing claims a stage and iteration: iteration k's claims are
+// [k (U + P C), (k + 1) (U + P C))), copies each into the next free slot and names its unit in unit_of;
+// when the stage runs dry it publishes the ring index where the stage's entries end (ends, tagged with
+// the stage's ordinal). Slot s is always consumer warp s % 8's, so its phases are waited for in order.
+__global__ void __launch_bounds__(THREADS, 1)
+probe_claim(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __nv_bfloat16* const* bufs,
+            u32* counters, u32* claims, u64* stamps, int iterations, int mode, int slots, u32* abort_flag) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint4* xs = (uint4*)smem;                                   // MAX_K bf16
+    unsigned char* ring_base = smem + MAX_K * 2 + MAX_ROWS * 4; // slots x SLOT_BYTES
+    u64* bars = (u64*)(ring_base + (size_t)slots * SLOT_BYTES);
+    __shared__ int unit_of[64];
+    __shared__ volatile unsigned long long ends[ENDS];  // (ordinal << 32) | end index
+    __shared__ volatile int consumed;                   // stages the consumers finished
+    const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * slots;
+    const int t = threadIdx.x, first = task_start[blockIdx.x], end = task_start[blockIdx.x + 1], P = gridDim.x;
+    if (t == 0) {
+        for (int s = 0; s < slots; s++) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 1);
+        }
+        for (int e = 0; e < ENDS; e++) ends[e] = ~0ull;
+        consumed = 0;
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (t >= CONSUMERS) {  // the loader lane
+        if (t != CONSUMERS) return;
+        u32 g = 0;
+        int j = 0;
+        for (int it = 0; it < iterations; it++)
+            for (int i = first; i < end; i++) {
+                const Task& task = tasks[i];
+                if (!task.gemv) continue;
+                // every claimer of the stage's last iteration is past its claims: the counter is this one's
+                if (it > 0 && !wait_counter(counters + task.stage, (u32)it * P, abort_flag)) return;
+                while (consumed <= j - ENDS)
+                    if (*(volatile u32*)abort_flag) return;
+                const int per = rows_per_chunk(task.k, false);
+                const u32 base = (u32)it * (task.units + P * CLAIMS_IN_FLIGHT);
+                u32 c0 = atomicAdd(claims + task.stage, 1u), c1 = atomicAdd(claims + task.stage, 1u);
+                u32 c2 = atomicAdd(claims + task.stage, 1u), c3 = atomicAdd(claims + task.stage, 1u);
+                for (;;) {
+                    const u32 c = c0 - base;
+                    c0 = c1, c1 = c2, c2 = c3;
+                    if (c >= (u32)task.units) break;  // (c1, c2, c3 were claimed after it: dry too)
+                    c3 = atomicAdd(claims + task.stage, 1u);
+                    const int slot = g % slots;
+                    const u32 use = g / slots;
+                    if (use > 0) mbar_wait(empty + 8 * slot, (use - 1) & 1);
+                    unit_of[slot] = c;
+                    const int rows = min(per, task.rows - (int)c * per);
+                    const u32 bytes = rows * task.k * 2;
+                    mbar_expect_tx(full + 8 * slot, bytes);
+                    bulk_copy((u32)__cvta_generic_to_shared(ring_base) + slot * SLOT_BYTES,
+                              weights + task.w_off + (long long)c * per * task.k, bytes, full + 8 * slot);
+                    g++;
+                }
+                ends[j % ENDS] = ((unsigned long long)j << 32) | g;
+                j++;
+            }
+        return;
+    }
+    u32 g0 = 0;
+    int j = 0;
+    for (int it = 0; it < iterations; it++)
+        for (int i = first; i < end; i++) {
+            const Task& task = tasks[i];
+            if (t == 0 && task.dep >= 0 && mode != CSTREAM) {
+                u32 target = task.first ? (u32)it * task.dep_per_iter : (u32)(it + 1) * task.dep_per_iter;
+                if (!wait_counter(counters + task.dep, target, abort_flag)) atomicExch(abort_flag, 1u);
+            }
+            consumers_sync();
+            if (*(volatile u32*)abort_flag) return;
+            const u64 start = now_ns();
+            if (t == 0 && it == iterations - 1) atomicMin((unsigned long long*)stamps + 2 * task.stage, start);
+            const __nv_bfloat16* in = bufs[task.in_buf];
+            __nv_bfloat16* out = bufs[task.out_buf];
+            if (task.gemv) {
+                for (int x = t; x < task.k / 8; x += CONSUMERS) xs[x] = ld_cg((const uint4*)in + x);
+                if (t == 0)
+                    while (now_ns() - start < (u64)task.prologue_ns) {
+                    }
+                consumers_sync();
+                const int per = rows_per_chunk(task.k, false), warp = t / 32;
+                for (u32 gg = g0;; gg++) {
+                    const int slot = gg % slots;
+                    if (slot % (CONSUMERS / 32) != warp) continue;
+                    bool done = false;
+                    for (unsigned polls = 0;; polls++) {
+                        const unsigned long long e = ends[j % ENDS];
+                        if ((int)(e >> 32) == j && gg >= (u32)e) {
+                            done = true;
+                            break;
+                        }
+                        if (mbar_try(full + 8 * slot, (gg / slots) & 1)) break;
+                        if ((polls & 1023) == 1023 && *(volatile u32*)abort_flag) return;
+                    }
+                    if (!done) {  // landed: but it may be the next stage's first entry
+                        const unsigned long long e = ends[j % ENDS];
+                        done = (int)(e >> 32) == j && gg >= (u32)e;
+                    }
+                    if (done) break;
+                    const int c = unit_of[slot], rows = min(per, task.rows - c * per);
+                    const uint4* w = (const uint4*)(ring_base + (size_t)slot * SLOT_BYTES);
+                    if (task.k == 2048) gemv_warp_out<1>(w, xs, out + c * per, rows);
+                    else gemv_warp_out<4>(w, xs, out + c * per, rows);
+                    __syncwarp();
+                    if ((t & 31) == 0) mbar_arrive(empty + 8 * slot);
+                }
+                consumers_sync();
+                g0 = (u32)ends[j % ENDS];
+                j++;
+                if (t == 0) consumed = j;
+            } else {
+                uint4 v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int x = t + u * CONSUMERS;
+                    if (x < task.n_out / 8) v[u] = ld_cg((const uint4*)in + x % (task.n_in / 8));
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int x = t + u * CONSUMERS;
+                    if (x < task.n_out / 8) ((uint4*)out)[x] = v[u];
+                }
+                if (t == 0)
+                    while (now_ns() - start < (u64)task.delay_ns) {
+                    }
+            }
+            consumers_sync();
+            if (t == 0) {
+                if (it == iterations - 1) atomicMax((unsigned long long*)stamps + 2 * task.stage + 1, now_ns());
+                __threadfence();
+                red_release(counters + task.stage);
+            }
+        }
+}
+
 __global__ void fill(__nv_bfloat16* w, long long n, float scale, long long seed) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         u64 h = (u64)(i + seed) * 0x9E3779B97F4A7C15ull;
@@ -330,6 +507,7 @@ __global__ void fill(__nv_bfloat16* w, long long n, float scale, long long seed)
 struct Stage {
     bool gemv;
     int n, k, delay_ns;
+    int prologue_ns = 0;
 };
 
 static float bf2f(__nv_bfloat16 b) {
@@ -347,7 +525,13 @@ int main(int argc, char** argv) {
     const std::string delays = argc > 3 ? argv[3] : "today";
     const int iterations = argc > 4 ? atoi(argv[4]) : 20;
     const int lead = argc > 5 ? atoi(argv[5]) : 0;  // chunks prefetched into L2 ahead of the ring
-    const int mode = mode_s == "direct" ? DIRECT : mode_s == "gated" ? GATED : mode_s == "stream" ? STREAM : AHEAD;
+    const int mode = mode_s == "direct"  ? DIRECT
+                     : mode_s == "gated"   ? GATED
+                     : mode_s == "stream"  ? STREAM
+                     : mode_s == "claim"   ? CLAIM
+                     : mode_s == "cstream" ? CSTREAM
+                                           : AHEAD;
+    const bool claiming = mode == CLAIM || mode == CSTREAM;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int P = prop.multiProcessorCount;
@@ -359,7 +543,15 @@ int main(int argc, char** argv) {
         if (delays == "none") us10 = 0;
         st.push_back({false, n, 0, us10 * 100});
     };
-    for (int l = 0; l < L; l++) {
+    const bool v3 = delays == "v3" || delays == "v3fast";
+    for (int l = 0; v3 && l < L; l++) {  // v3: norms inside, rope and the cache append inside attention,
+        st.push_back({true, QKV, H, 0});  // attention one stage, its combine the o projection's prologue
+        small(QKV, delays == "v3" ? 45 : 25);
+        st.push_back({true, H, H, 0, delays == "v3" ? 1000 : 500});
+        st.push_back({true, 2 * I, H, 0});
+        st.push_back({true, H, I, 0});
+    }
+    for (int l = 0; !v3 && l < L; l++) {
         if (delays != "fused") small(H, 13);                      // input norm
         st.push_back({true, QKV, H, 0});
         if (delays != "fused") small(QKV, 20);                    // rope(q) | rope k into the cache, v
@@ -371,7 +563,7 @@ int main(int argc, char** argv) {
         if (delays != "fused") small(I, 18);                      // silu_mul
         st.push_back({true, H, I, 0});                            // down
     }
-    small(H, 13);  // final norm
+    if (!v3) small(H, 13);  // final norm (v3: inside the LM head)
     st.push_back({true, V, H, 0});
     small(H, 30);  // argmax partials + combine, then the embedding
     // buffers: buffer s is stage s's output; stage s reads s - 1's (stage 0 the last's)
@@ -397,13 +589,26 @@ int main(int argc, char** argv) {
     long long off = 0;
     for (int s = 0; s < S; s++) {
         const int prev = (s + S - 1) % S;
-        if (st[s].gemv) {
+        if (st[s].gemv && claiming) {  // every processor takes part; its loader claims the units
+            w_off[s] = off;
+            const int n = st[s].n, unit = rows_per_chunk(st[s].k, false);
+            tiles[s] = P;
+            for (int p = 0; p < P; p++) {
+                Task tk{1, s, -1, 0, s == 0, st[s].k, 0, n, off, prev, s, st[prev].n, n, 0, (n + unit - 1) / unit,
+                        st[s].prologue_ns};
+                per[p].push_back(tk);
+            }
+            fill<<<1024, 256>>>(weights + off, (long long)n * st[s].k, sqrtf(3.f / st[s].k), off);
+            CK(cudaGetLastError());
+            off += (long long)n * st[s].k;
+        } else if (st[s].gemv) {
             w_off[s] = off;
             const int n = st[s].n;
             tiles[s] = std::min(P, n);
             for (int p = 0; p < tiles[s]; p++) {
                 const int r0 = (long long)n * p / tiles[s], r1 = (long long)n * (p + 1) / tiles[s];
-                Task tk{1, s, -1, 0, s == 0, st[s].k, r0, r1 - r0, off + (long long)r0 * st[s].k, prev, s, st[prev].n, n, 0};
+                Task tk{1, s, -1, 0, s == 0, st[s].k, r0, r1 - r0, off + (long long)r0 * st[s].k, prev, s, st[prev].n, n, 0,
+                        0, st[s].prologue_ns};
                 per[p].push_back(tk);
             }
             fill<<<1024, 256>>>(weights + off, (long long)n * st[s].k, sqrtf(3.f / st[s].k), off);
@@ -411,7 +616,7 @@ int main(int argc, char** argv) {
             off += (long long)n * st[s].k;
         } else {
             tiles[s] = 1;
-            Task tk{0, s, -1, 0, s == 0, 0, 0, 0, 0, prev, s, st[prev].n, st[s].n, st[s].delay_ns};
+            Task tk{0, s, -1, 0, s == 0, 0, 0, 0, 0, prev, s, st[prev].n, st[s].n, st[s].delay_ns, 0, 0};
             per[(7 * s) % P].push_back(tk);
         }
     }
@@ -428,7 +633,7 @@ int main(int argc, char** argv) {
     }
     start[P] = all.size();
     for (const Task& tk : all)
-        if (tk.gemv && (tk.rows > MAX_ROWS || tk.k > MAX_K)) {
+        if (tk.gemv && ((tk.units == 0 && tk.rows > MAX_ROWS) || tk.k > MAX_K)) {
             printf("tile of %d rows x %d is beyond the probe's shared memory\n", tk.rows, tk.k);
             return 1;
         }
@@ -445,10 +650,13 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_bufs, S * sizeof(void*)));
     CK(cudaMemcpy(d_bufs, bufs.data(), S * sizeof(void*), cudaMemcpyHostToDevice));
     CK(cudaMalloc(&counters, S * 4));
+    u32* claims;
+    CK(cudaMalloc(&claims, S * 4));
     CK(cudaMalloc(&abort_flag, 4));
     const int ring_slots = mode == DIRECT ? 0 : slots;
     const size_t shm = MAX_K * 2 + MAX_ROWS * 4 + (size_t)ring_slots * SLOT_BYTES + 2 * std::max(ring_slots, 1) * 8;
     CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    CK(cudaFuncSetAttribute(probe_claim, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
@@ -460,8 +668,13 @@ int main(int argc, char** argv) {
         for (int s = 0; s < S; s++) init[2 * s] = ~0ull;
         CK(cudaMemcpy(stamps, init.data(), S * 16, cudaMemcpyHostToDevice));
         CK(cudaEventRecord(e0));
-        probe<<<P, THREADS, shm>>>(d_tasks, d_start, weights, d_bufs, counters, stamps, iterations, mode,
-                                   ring_slots, lead, abort_flag);
+        CK(cudaMemset(claims, 0, S * 4));
+        if (claiming)
+            probe_claim<<<P, THREADS, shm>>>(d_tasks, d_start, weights, d_bufs, counters, claims, stamps, iterations,
+                                             mode, ring_slots, abort_flag);
+        else
+            probe<<<P, THREADS, shm>>>(d_tasks, d_start, weights, d_bufs, counters, stamps, iterations, mode,
+                                       ring_slots, lead, abort_flag);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         CK(cudaGetLastError());
@@ -518,5 +731,5 @@ int main(int argc, char** argv) {
            mode_s.c_str(), lead * SLOT_BYTES / 1024, ring_slots, ring_slots * SLOT_BYTES / 1024, delays.c_str(), S, gb, times[times.size() / 2],
            times[0], gb * 1e3 / times[times.size() / 2], worst, worst_stage, worst_row, step_us, gemv_us,
            small_us, handoff_us);
-    return mode != STREAM && worst > 1.0 ? 2 : 0;
+    return mode != STREAM && mode != CSTREAM && worst > 1.0 ? 2 : 0;
 }

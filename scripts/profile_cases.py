@@ -140,6 +140,7 @@ def report(name: str, tl: trace.Timeline, out: Path) -> None:
         )
     print(trace.format_critical_path(tl))
     trace.save_chrome_trace(tl, out / f"{name}.trace.json")
+    np.savez_compressed(out / f"{name}.stamps.npz", times_ns=tl.times_ns)  # for analyses done elsewhere
     try:
         trace.save_png(tl, out / f"{name}.png")
     except trace.TraceError as e:

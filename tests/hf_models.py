@@ -52,14 +52,7 @@ def make_model(name: str, folder: Path, seed: int = 0):
     config = getattr(transformers, cls_name)(**SIZE, **settings, attn_implementation="eager")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    _trained_scale(model)
     model.save_pretrained(folder)
     return model
 
@@ -76,3 +69,47 @@ def to_4x_layout(folder: Path) -> dict:
     config["transformers_version"] = "4.46.0"
     path.write_text(json.dumps(config, indent=2))
     return config
+
+
+def shrink(published: dict) -> dict:
+    """A published config.json made tiny (2 layers, 8 or 9 heads of 8, vocabulary 96, token ids
+    within it), every other field as published: the same ratio of query to key/value heads, a
+    head_dim apart from hidden/heads where the model has one (Qwen3)."""
+    heads = published["num_attention_heads"]
+    ratio = heads // (published.get("num_key_value_heads") or heads)
+    tiny_heads = 9 if heads == 9 else 8
+    out = {**published, "num_attention_heads": tiny_heads, "num_key_value_heads": max(1, tiny_heads // ratio)}
+    out.update(hidden_size=8 * tiny_heads, intermediate_size=48, num_hidden_layers=2, vocab_size=96)
+    if "head_dim" in published:
+        out["head_dim"] = 8 if published["head_dim"] * heads == published["hidden_size"] else 16
+    for key, value in published.items():  # token ids into the small vocabulary (transformers checks pad's)
+        if key.endswith("_token_id") and isinstance(value, int):
+            out[key] = value % 96
+        elif key.endswith("_token_id") and isinstance(value, list):
+            out[key] = [v % 96 for v in value]
+    return out
+
+
+def make_published(config: dict, folder: Path, seed: int = 0):
+    """A tiny random model of ``config``'s architecture built by transformers from that very
+    config.json, its weights saved beside it; returns the model (float32, eval mode)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
+    _trained_scale(model)
+    model.save_pretrained(folder / "saved")  # the weights; config.json stays as published
+    (folder / "model.safetensors").write_bytes((folder / "saved" / "model.safetensors").read_bytes())
+    return model
+
+
+def _trained_scale(model) -> None:
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))

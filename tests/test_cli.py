@@ -55,3 +55,26 @@ def test_console_entry_point_reports_errors_cleanly() -> None:
     )
     assert proc.returncode == 2
     assert "megaloop: GraphBuildError: LlamaConfig: hidden 30 is not divisible by heads 4" in proc.stderr
+
+
+def test_generate_refuses_a_context_past_the_models_unless_asked(tmp_path, capsys) -> None:
+    """--max-seq past max_position_embeddings (2048 in the tiny checkpoint) ran silently on main."""
+    import json
+    import warnings
+
+    from megaloop.models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "tiny")
+    run = ["generate", "--model", str(folder), "--prompt", "Hi", "--backend", "cpu", "--max-new-tokens", "2",
+           "--no-progress"]  # fmt: skip
+    assert main([*run, "--max-seq", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "max_seq 4096 is past the model's context" in err and "= 2048" in err and "--allow-long-context" in err
+    assert main([*run, "--max-seq", "4096", "--allow-long-context"]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "exporter_note": "x"}))
+    assert main(run) == 2 and "--allow-unknown-config-fields" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main([*run, "--allow-unknown-config-fields"]) == 0
+    assert any("exporter_note" in str(w.message) for w in seen)

@@ -9,6 +9,7 @@ import pytest
 
 from megaloop.errors import CheckpointError
 from megaloop.models.hf_config import llama_config
+from tests.published_configs import PUBLISHED
 
 BASE = {
     "hidden_size": 64,
@@ -225,3 +226,157 @@ def test_any_config_gives_a_model_or_a_checkpoint_error() -> None:
         except CheckpointError:
             pass
     assert built > 100  # the fuzz also reaches configs that build
+
+
+# ---- fields as published checkpoints carry them --------------------------------------------------------
+# (field, value, family): each leaves the model alone, so the config builds the same LlamaConfig as without it
+NEUTRAL = [
+    ("_name_or_path", "meta-llama/Llama-3.2-1B", "llama"),
+    ("_model_name_or_path", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama"),
+    ("_commit_hash", "9b5b8d3", "llama"),
+    ("_attn_implementation", "sdpa", "llama"),
+    ("attn_implementation", "flash_attention_2", "qwen2"),
+    ("_pre_quantization_dtype", "torch.bfloat16", "llama"),
+    ("transformers_version", "4.42.3", "llama"),
+    ("architectures", ["LlamaForCausalLM"], "llama"),
+    ("model_type", "llama", "llama"),
+    ("bos_token_id", 128000, "llama"),
+    ("eos_token_id", [128001, 128008, 128009], "llama"),
+    ("pad_token_id", -1, "llama"),  # Llama 1 conversions
+    ("unk_token_id", 0, "llama"),
+    ("sep_token_id", None, "llama"),
+    ("decoder_start_token_id", 0, "mistral"),
+    ("use_cache", False, "llama"),
+    ("initializer_range", 0.041666666666666664, "llama"),
+    ("gradient_checkpointing", True, "llama"),
+    ("is_llama_config", True, "llama"),
+    ("rope_interleaved", False, "llama"),
+    ("rope_interleaved", None, "qwen3"),
+    ("use_mrope", False, "qwen2"),
+    ("transformers.js_config", {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}}, "llama"),
+    ("unsloth_fixed", True, "llama"),
+    ("unsloth_version", "2024.11.7", "qwen2"),
+    ("attention_dropout", 0.0, "qwen3"),
+    ("attention_dropout", 0.1, "llama"),  # dropout is off at inference, whatever training used
+    ("hidden_dropout", 0.1, "llama"),
+    ("embd_pdrop", 0.0, "llama"),
+    ("resid_pdrop", 0.1, "mistral"),
+    ("attention_probs_dropout_prob", 0.1, "llama"),
+    ("pretraining_tp", 4, "llama"),  # how training split the matmuls
+    ("max_sequence_length", 2048, "llama"),
+    ("temperature", 0.7, "llama"),  # generation settings: the Generator's business, not the model's
+    ("top_p", 0.9, "qwen2"),
+    ("quantization_config", None, "llama"),
+    ("auto_map", None, "llama"),
+    ("final_logit_softcapping", None, "llama"),  # null: not set
+    ("num_experts", None, "qwen2"),
+    ("is_encoder_decoder", False, "llama"),
+    ("is_encoder_decoder", None, "llama"),
+    ("sliding_window", None, "llama"),  # another family's switch, off
+    ("use_sliding_window", False, "llama"),
+    ("tie_word_embeddings", False, "llama"),
+]
+
+
+@pytest.mark.parametrize("field, value, family", NEUTRAL, ids=[f"{f}={v!r:.20}" for f, v, _ in NEUTRAL])
+def test_fields_that_change_nothing_are_accepted(field: str, value, family: str) -> None:
+    import warnings
+
+    base = llama_config(config(family))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # accepted outright, not ignored as unknown
+        assert llama_config(config(family, **{field: value})) == base
+
+
+# (field, value): refused, the message naming the field and the value
+CHANGING = [
+    ("rope_interleaved", "yes"),
+    ("use_mrope", True),
+    ("use_mrope", 0),
+    ("mrope_section", [16, 24, 24]),
+    ("attention_dropout", 1.5),
+    ("attention_dropout", "0.1"),
+    ("hidden_dropout", -0.1),
+    ("num_experts", 8),
+    ("num_experts_per_tok", 2),
+    ("n_routed_experts", 64),
+    ("final_logit_softcapping", 30.0),
+    ("attn_logit_softcapping", 50.0),
+    ("query_pre_attn_scalar", 256),
+    ("logits_scaling", 8.0),
+    ("residual_multiplier", 0.22),
+    ("attention_multiplier", 0.0078125),
+    ("no_rope_layers", [1, 1, 1, 0]),
+    ("attention_chunk_size", 8192),
+    ("use_qk_norm", True),
+    ("vision_config", {"hidden_size": 1280}),
+    ("is_decoder", True),
+    ("pruned_heads", {"0": [1]}),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
+    ("frobnicate_layers", 3),  # unknown: could change anything
+    ("rope_type", "default"),  # a rope key at the top level: not where transformers reads it
+]
+
+
+@pytest.mark.parametrize("field, value", CHANGING, ids=[f"{f}={v!r:.20}" for f, v in CHANGING])
+def test_fields_that_change_the_model_are_refused_by_name_and_value(field: str, value) -> None:
+    with pytest.raises(CheckpointError) as info:
+        llama_config(config(**{field: value}))
+    message = str(info.value)
+    print(message)
+    assert re.search(rf"config\.json: {re.escape(field)} = ", message) and repr(value)[:30] in message
+
+
+def test_an_unknown_field_says_how_to_accept_it() -> None:
+    import warnings
+
+    cfg = config(frobnicate_layers=3, unsloth_fixed=True)
+    with pytest.raises(CheckpointError, match=r"frobnicate_layers = 3: megaloop does not know") as info:
+        llama_config(cfg)
+    assert "allow_unknown_fields=True" in str(info.value) and "--allow-unknown-config-fields" in str(info.value)
+    with pytest.warns(UserWarning, match=r"allow_unknown_fields.*\['frobnicate_layers'\]"):
+        assert llama_config(cfg, allow_unknown_fields=True) == llama_config(config())
+    for known in ({"num_experts": 8}, {"final_logit_softcapping": 30.0}, {"rope_theta": "x"}, {"use_mrope": True}):
+        with warnings.catch_warnings(record=True) as seen, pytest.raises(CheckpointError, match=next(iter(known))):
+            llama_config(config(**known, frobnicate_layers=3), allow_unknown_fields=True)  # still refused
+        assert not seen  # and nothing said about ignoring
+
+
+def test_max_seq_past_the_context_needs_the_opt_in() -> None:
+    cfg = config(max_position_embeddings=256)
+    assert llama_config(cfg).max_seq == 256 and llama_config(cfg, max_seq=256).max_seq == 256
+    with pytest.raises(CheckpointError, match=r"max_seq 300 is past the model's context.*max_position_embeddings = 256"
+                       ) as info:  # fmt: skip
+        llama_config(cfg, max_seq=300)
+    assert "allow_long_context=True" in str(info.value) and "--allow-long-context" in str(info.value)
+    assert llama_config(cfg, max_seq=300, allow_long_context=True).max_seq == 300
+    llama3 = config(max_position_embeddings=512, rope_scaling={**LLAMA3, "original_max_position_embeddings": 128})
+    assert llama_config(llama3, max_seq=512).max_seq == 512  # llama3's scaled context is max_position_embeddings
+    with pytest.raises(CheckpointError, match="max_position_embeddings = 512"):
+        llama_config(llama3, max_seq=513)
+    for bad in (0, True, 2.5):
+        with pytest.raises(CheckpointError, match="max_seq must be an integer"):
+            llama_config(cfg, max_seq=bad)
+
+
+def test_interleaved_rope_is_for_load_llama() -> None:
+    """A LlamaConfig computes half-split rope: a config with rope_interleaved true is refused here
+    (load_llama permutes the checkpoint's q/k so that it fits, tests/test_hf_models.py)."""
+    with pytest.raises(CheckpointError, match=r"rope_interleaved = True.*load_llama"):
+        llama_config(config(rope_interleaved=True))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_load(name: str) -> None:
+    """config.json of published checkpoints as they ship (tests/published_configs.py): each builds
+    what the model is, with no field ignored as unknown."""
+    import warnings
+
+    published, expected = PUBLISHED[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = llama_config(published)
+    for field, value in expected.items():
+        have = getattr(got, field)
+        assert (have.name if field == "dtype" else have) == value, field
+    assert got.layers == published["num_hidden_layers"] and got.vocab == published["vocab_size"]

@@ -6,13 +6,16 @@ element printed), and greedy generation equal to transformers' ``generate`` for 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 
 import numpy as np
 import pytest
 
 import megaloop as ml
 from megaloop.models import build_llama, load_llama
-from tests.hf_models import FAMILIES, make_model, to_4x_layout, torch
+from tests.hf_models import FAMILIES, make_model, make_published, shrink, to_4x_layout, torch
+from tests.published_configs import PUBLISHED
 
 TOL = 1e-5  # float32 through a few layers: megaloop's rope is float64, torch's float32 (~1e-6 seen)
 PROMPT, DECODE = 8, 6
@@ -111,3 +114,61 @@ def test_a_4x_layout_config_loads_the_same_model(tmp_path) -> None:
         seq = np.random.default_rng(2).integers(0, cfg5.vocab, (1, PROMPT + 2))
         a, b = megaloop_logits(cfg5, params, seq), megaloop_logits(cfg4, params4, seq)
         assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def reference_and_megaloop(model, folder, seq: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    with torch.no_grad():
+        ref = model(torch.tensor(seq)).logits[0].double().numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no field ignored as unknown
+        cfg, params = load_llama(folder, dtype="float32", max_seq=seq.shape[1])
+    return ref, megaloop_logits(cfg, params, seq)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_compute_what_transformers_computes(name: str, tmp_path) -> None:
+    """Each published config.json (tests/published_configs.py), made tiny with every other field as
+    published, built by transformers from that file: megaloop's logits within 1e-5 of transformers'.
+    transformers' own save of the same model (its 5.x layout, the extra fields kept) loads to the
+    same LlamaConfig and the same logits, bit for bit."""
+    model = make_published(shrink(PUBLISHED[name][0]), tmp_path)
+    seq = np.random.default_rng(0).integers(0, 96, (1, PROMPT + DECODE))
+    ref, got = reference_and_megaloop(model, tmp_path, seq)
+    assert worst(got[0], ref[:PROMPT], f"{name} prefill") < TOL
+    for i, step in enumerate(got[1:]):
+        assert worst(step[0], ref[PROMPT + i], f"{name} decode step {i}") < TOL
+    resaved = load_llama(tmp_path / "saved", dtype="float32", max_seq=seq.shape[1])
+    assert resaved[0] == load_llama(tmp_path, dtype="float32", max_seq=seq.shape[1])[0]
+    again = megaloop_logits(*resaved, seq)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(again, got))
+
+
+def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb with GPT-J's pairs: (2i, 2i+1) rotated by frequency i."""
+    half = cos.shape[-1] // 2  # transformers' tables hold each frequency twice: [f_0..f_{d/2-1}, f_0..]
+    cos = cos[..., :half].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    sin = sin[..., :half].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+
+    def turn(x):  # each pair (a, b) -> (-b, a)
+        return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+    return q * cos + turn(q) * sin, k * cos + turn(k) * sin
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B"])
+def test_interleaved_rope_matches_transformers_with_interleaved_pairs(name: str, tmp_path, monkeypatch) -> None:
+    """rope_interleaved: true (nanotron's layout): transformers with its rotation made GPT-J style is
+    the reference. megaloop permutes q/k rows (biases, Qwen3's q/k norms) at load; unpermuted, the
+    logits are far off, so the comparison can fail."""
+    config = {**shrink(PUBLISHED[name][0]), "rope_interleaved": True}
+    model = make_published(config, tmp_path)
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", interleaved_rope)
+    seq = np.random.default_rng(1).integers(0, 96, (1, PROMPT + DECODE))
+    ref, got = reference_and_megaloop(model, tmp_path, seq)
+    assert worst(got[0], ref[:PROMPT], f"{name} interleaved prefill") < TOL
+    for i, step in enumerate(got[1:]):
+        assert worst(step[0], ref[PROMPT + i], f"{name} interleaved decode step {i}") < TOL
+    (tmp_path / "config.json").write_text(__import__("json").dumps({**config, "rope_interleaved": False}))
+    _, unpermuted = reference_and_megaloop(model, tmp_path, seq)
+    assert worst(unpermuted[-1][0], ref[-1], f"{name} read as half-split") > 1e-3

@@ -8,6 +8,7 @@ import hashlib
 import pytest
 
 from megaloop.codegen import generate
+from megaloop.errors import CacheError
 from megaloop.models import LlamaConfig, build_llama_generator
 from megaloop.plan.cache import HEADER, load_or_make_plan, plan_cache_dir, plan_key
 from megaloop.plan.model import Wait
@@ -77,11 +78,13 @@ def test_a_damaged_entry_is_planned_again(cache, damage) -> None:
     assert load_or_make_plan(build_llama_generator(CFG, 1), processors=16)[1]
 
 
-def test_no_cache_or_an_unwritable_one(cache, tmp_path, monkeypatch) -> None:
+def test_no_cache_or_an_unusable_one(cache, tmp_path, monkeypatch) -> None:
     _, hit = load_or_make_plan(build_llama_generator(CFG, 1), use_cache=False, processors=16)
     assert not hit and not entries(cache)
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache folder would go")
     monkeypatch.setenv("MEGALOOP_CACHE", str(blocker))
-    plan, hit = load_or_make_plan(build_llama_generator(CFG, 1), processors=16)
+    with pytest.raises(CacheError, match=r"MEGALOOP_CACHE=.*file: that is a file, not a folder"):
+        load_or_make_plan(build_llama_generator(CFG, 1), processors=16)
+    plan, hit = load_or_make_plan(build_llama_generator(CFG, 1), use_cache=False, processors=16)
     assert not hit and plan.ranks

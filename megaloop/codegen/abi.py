@@ -131,7 +131,12 @@ ARGS = Struct(
         ptr("doorbell", "u64*", "device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)"),
         ptr("progress", "volatile u64*", "mapped host memory: iterations each block has finished"),
         ptr("control", "Control*"),
-        ptr("profile", "u64*", "null, or (start, end) globaltimer pairs per task for the first profile_iterations"),
+        ptr(
+            "profile",
+            "u64*",
+            "null, or globaltimer pairs for the first profile_iterations: (start, end) per task, "
+            "then (grant seen, done) per block",
+        ),
         u64("timeout_ns"),
         i32("profile_iterations"),
         i32("n_tasks"),

@@ -60,6 +60,15 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
     gen.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="let --max-seq pass the model's context (max_position_embeddings), at your own risk",
+    )
+    gen.add_argument(
+        "--allow-unknown-config-fields", action="store_true",
+        help="load a config.json with fields megaloop does not know, as if they were absent (at your own risk)",
+    )  # fmt: skip
+    gen.add_argument(
         "--devices", type=_positive, default=1, metavar="N", help="split the model over N devices (default 1)"
     )
     gen.add_argument(
@@ -143,7 +152,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     progress = False if (args.no_progress or args.quiet) else None
     gen = Generator(
         args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress,
-        devices=args.devices, strategy=args.strategy,
+        devices=args.devices, strategy=args.strategy, allow_long_context=args.allow_long_context,
+        allow_unknown_fields=args.allow_unknown_config_fields,
     )  # fmt: skip
     say.note(f"{args.model} on {_backend_line(gen)}")
     overridden = {field for flag, field, _, _ in SAMPLING_FLAGS if getattr(args, field) is not None}

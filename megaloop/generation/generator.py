@@ -129,7 +129,9 @@ class Generator:
     tokens; ``progress`` shows setup bars on stderr (None: when it is a terminal); ``plan_cache``
     keeps plans on disk (megaloop.plan.cache). ``devices`` > 1 splits both graphs over that many
     devices with ``ml.parallelize``'s ``strategy`` ("auto", "tp", "pp", "dp"; megaloop.generation.split).
-    ``defaults``: generation_config.json's settings (megaloop.generation.settings)."""
+    ``allow_long_context`` lets ``max_seq`` pass the model's context, ``allow_unknown_fields`` loads a
+    config.json with fields megaloop does not know (megaloop.models.load_llama). ``defaults``:
+    generation_config.json's settings (megaloop.generation.settings)."""
 
     def __init__(
         self,
@@ -143,6 +145,8 @@ class Generator:
         plan_cache: bool = True,
         devices: int = 1,
         strategy: str = "auto",
+        allow_long_context: bool = False,
+        allow_unknown_fields: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
@@ -152,7 +156,10 @@ class Generator:
         self.folder = Path(model_dir)
         self.progress = Progress(progress)
         with self.progress.phase("load", 1, unit="model"):
-            self.cfg, self.params = load_llama(self.folder, max_seq=max_seq, dtype=dtype)
+            self.cfg, self.params = load_llama(
+                self.folder, max_seq=max_seq, dtype=dtype, allow_long_context=allow_long_context,
+                allow_unknown_fields=allow_unknown_fields,
+            )  # fmt: skip
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
             self.defaults = read_generation_config(self.folder)

@@ -8,7 +8,8 @@ safetensors is a small format (an 8-byte header length, a JSON header, raw littl
 here directly with numpy memory maps: no copy until a tensor is used, and bfloat16 (which numpy lacks)
 comes back as ml_dtypes.bfloat16. Every parameter the model needs must be present with its shape;
 anything else in the files is an error (a checkpoint of another architecture), except the rotary
-tables some exporters add.
+tables some exporters add. So is a parameter stored in a dtype that is not a float megaloop converts
+(integers, bools, float8: a quantized checkpoint, whose raw numbers are not the weights).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from megaloop.errors import CheckpointError
-from megaloop.models.hf_config import llama_config
+from megaloop.models.hf_config import llama_config, rope_interleaved
 from megaloop.models.llama import LlamaConfig
 
 DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
@@ -41,6 +42,8 @@ READ_DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+# stored dtypes a parameter may have: rounded to the model's dtype when used (float64 through float32)
+PARAMETER_DTYPES = ("BF16", "F16", "F32", "F64")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # tables some exporters store; megaloop computes them
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
 
@@ -190,17 +193,30 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> No
 
 
 def load_llama(
-    path: str | Path, *, max_seq: int | None = None, dtype: Any = None
+    path: str | Path,
+    *,
+    max_seq: int | None = None,
+    dtype: Any = None,
+    allow_long_context: bool = False,
+    allow_unknown_fields: bool = False,
 ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """The model's configuration and its parameters (memory-mapped, in the stored dtype; megaloop
     rounds them to ``cfg.dtype`` when they are used). ``max_seq`` sizes the KV cache (default: the
-    model's max_position_embeddings)."""
+    model's max_position_embeddings, past which only ``allow_long_context`` goes);
+    ``allow_unknown_fields`` ignores config fields megaloop does not know (hf_config.llama_config).
+    A checkpoint with ``rope_interleaved`` gets its q/k projections permuted (``deinterleave_rope``)."""
     folder = Path(path)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: no readable config.json ({e})") from None
-    cfg = llama_config(config, max_seq=max_seq, dtype=dtype)
+    interleaved = isinstance(config, dict) and rope_interleaved(config)
+    if interleaved:
+        config = {k: v for k, v in config.items() if k != "rope_interleaved"}
+    cfg = llama_config(
+        config, max_seq=max_seq, dtype=dtype, allow_long_context=allow_long_context,
+        allow_unknown_fields=allow_unknown_fields,
+    )  # fmt: skip
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = read_index(index)
@@ -210,8 +226,11 @@ def load_llama(
     if not files:
         raise CheckpointError(f"{folder}: no safetensors files (model.safetensors or an index)")
     tensors: dict[str, np.ndarray] = {}
+    source: dict[str, str] = {}
     for name in files:
-        tensors.update(read_safetensors(folder / name))
+        part = read_safetensors(folder / name)
+        tensors.update(part)
+        source.update(dict.fromkeys(part, name))
     shapes = cfg.parameter_shapes()
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         _check_tied(folder, tensors)
@@ -227,7 +246,45 @@ def load_llama(
         raise CheckpointError(
             f"{folder}: tensors the Llama model does not use, e.g. {unknown[:3]}: a checkpoint of another architecture?"
         )
-    return cfg, {n: tensors[n] for n in shapes}
+    _check_dtypes(folder, cfg, {n: tensors[n] for n in shapes}, source)
+    params = {n: tensors[n] for n in shapes}
+    return cfg, deinterleave_rope(cfg, params) if interleaved else params
+
+
+def _check_dtypes(folder: Path, cfg: LlamaConfig, params: dict[str, np.ndarray], source: dict[str, str]) -> None:
+    """Every parameter stored as a float type megaloop converts to the model's dtype."""
+    for name, value in params.items():
+        stored = NAMES.get(value.dtype) or next((k for k, v in READ_DTYPES.items() if v == value.dtype), "?")
+        if stored in PARAMETER_DTYPES:
+            continue
+        why = "float8 weights come with scales" if stored.startswith("F8") else "its raw numbers are not the weights"
+        raise CheckpointError(
+            f"{folder / source[name]}: tensor {name!r} is stored as {stored} ({value.dtype}), but megaloop expects "
+            f"a float parameter ({', '.join(PARAMETER_DTYPES)}; the model computes in {cfg.dtype.name}): a quantized "
+            f"checkpoint? ({why}). Load an unquantized (or dequantized) checkpoint"
+        )
+
+
+def deinterleave_rope(cfg: LlamaConfig, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Parameters of a model whose rope rotates adjacent pairs (2i, 2i+1) made into those of the same
+    model with half-split pairs (i, i + head_dim/2), which megaloop builds: each head's q and k rows
+    (and biases, and Qwen3's q/k norm weights) reordered evens first, then odds. The rotation of
+    every pair and q.k are unchanged, so the model computes the same function."""
+    hd = cfg.head_dim
+    order = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+    out = dict(params)
+    for i in range(cfg.layers):
+        attn = f"model.layers.{i}.self_attn."
+        for proj, heads in (("q", cfg.heads), ("k", cfg.kv_heads)):
+            for suffix in ("weight", "bias"):
+                name = f"{attn}{proj}_proj.{suffix}"
+                if name in out:
+                    w = np.asarray(out[name])
+                    out[name] = w.reshape(heads, hd, *w.shape[1:])[:, order].reshape(w.shape)
+            name = f"{attn}{proj}_norm.weight"
+            if name in out:
+                out[name] = np.asarray(out[name])[order]
+    return out
 
 
 def _check_tied(folder: Path, tensors: dict[str, np.ndarray]) -> None:

@@ -3,15 +3,19 @@ Mistral, Qwen2/2.5 and Qwen3.
 
 Both layouts transformers writes are read: 4.x (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and
 5.x (``rope_parameters``, ``dtype``). Every field that changes the model is checked against what
-megaloop builds; a field megaloop does not know, or a value it does not implement (another model
-type or activation, a rope type, MoE or quantization settings), is a CheckpointError naming the field
-and the value: a model megaloop cannot build exactly is refused, never approximated. Absent fields
-take the defaults of the family's transformers configuration class (5.x), as transformers would.
+megaloop builds; a value it does not implement (another model type or activation, a rope type, MoE
+or quantization settings: CHANGES_THE_MODEL) is a CheckpointError naming the field and the value: a
+model megaloop cannot build exactly is refused, never approximated. Fields that change nothing
+(metadata, token ids, dropout, exporters' marks: IGNORED) are accepted; a field megaloop does not know
+is refused unless the caller passes ``allow_unknown_fields``. Absent fields take the defaults of the
+family's transformers configuration class (5.x), as transformers would. docs/generate.md has the lists.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,24 +99,31 @@ MODEL_FIELDS = frozenset(
     }
 )
 REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
-# Fields that leave the computation alone: names, token ids, training and generation settings that
-# transformers' PretrainedConfig writes (4.x wrote them all).
+# Fields that leave the computation alone whatever they hold: names and provenance, training,
+# generation and export settings (transformers' PretrainedConfig wrote them all in 4.x), the markers
+# exporters add. Token ids and dropout probabilities match TOKEN_IDS and DROPOUT.
 IGNORED = frozenset(
     {
         "architectures", "model_type", "transformers_version", "_name_or_path", "name_or_path",
-        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-        "use_cache", "initializer_range", "attention_dropout", "max_sequence_length",
+        "_model_name_or_path", "_commit_hash", "_attn_implementation", "attn_implementation",
+        "_attn_implementation_autoset", "_attn_implementation_internal", "_pre_quantization_dtype",
+        "use_cache", "initializer_range", "max_sequence_length", "gradient_checkpointing",
         "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
         "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward", "tokenizer_class", "prefix",
         "task_specific_params", "problem_type", "id2label", "label2id", "finetuning_task",
         "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
         "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
         "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-        "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-        "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-        "suppress_tokens", "begin_suppress_tokens", "_attn_implementation_autoset",
+        "num_return_sequences", "output_scores", "return_dict_in_generate",
+        "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+        "is_llama_config",  # nanotron's export marker (SmolLM2)
+        "transformers.js_config",  # transformers.js's settings (KV cache dtype per quantization)
+        "unsloth_fixed", "unsloth_version",  # unsloth's marks on the fine-tunes it saves
     }
 )  # fmt: skip
+TOKEN_IDS = re.compile(r"^[a-z0-9_]+_token_ids?$")  # bos/eos/pad/unk/...: the tokenizer's and generate's
+# Dropout is off at inference (transformers' eval mode and generate), whatever the training used.
+DROPOUT = re.compile(r"(dropout|_pdrop)(_prob|_rate)?$")
 # Ignored only while they hold these values (anything else changes what the model is).
 OFF_VALUES = {
     "is_encoder_decoder": (False,),
@@ -121,7 +132,39 @@ OFF_VALUES = {
     "cross_attention_hidden_size": (None,),
     "tie_encoder_decoder": (False,),
     "pruned_heads": ({},),
+    "use_mrope": (False,),  # Qwen2-VL's multimodal rope (Qwen2.5 text models write false)
 }
+_MOE = "mixture-of-experts layers are not part of the models megaloop builds"
+# Fields known to change the model in ways megaloop does not build: refused whenever set (not null),
+# allow_unknown_fields or not.
+CHANGES_THE_MODEL = {
+    **dict.fromkeys(
+        ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
+         "n_shared_experts", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+         "first_k_dense_replace", "moe_layer_freq", "norm_topk_prob", "output_router_logits",
+         "router_aux_loss_coef", "interleave_moe_layer_step"),
+        _MOE,
+    ),
+    "final_logit_softcapping": "megaloop builds no logit softcapping",
+    "attn_logit_softcapping": "megaloop builds no attention-score softcapping",
+    "query_pre_attn_scalar": "megaloop scales attention scores by 1/sqrt(head_dim) only",
+    "embedding_multiplier": "megaloop does not scale the embeddings",
+    "logits_scaling": "megaloop does not scale the logits",
+    "logit_scale": "megaloop does not scale the logits",
+    "residual_multiplier": "megaloop does not scale the residual branches",
+    "attention_multiplier": "megaloop scales attention scores by 1/sqrt(head_dim) only",
+    "use_qk_norm": "q/k norms are Qwen3's (model_type qwen3)",
+    "qk_layernorm": "q/k norms are Qwen3's (model_type qwen3)",
+    "no_rope_layers": "megaloop applies rope on every layer",
+    "no_rope_layer_interval": "megaloop applies rope on every layer",
+    "attention_chunk_size": "megaloop builds no chunked attention",
+    "mrope_section": "multimodal rope (Qwen2-VL) is not part of the models megaloop builds",
+    "rope_local_base_freq": "megaloop uses one rope theta for every layer",
+    "sliding_window_pattern": "megaloop builds the windows of the families it knows only",
+    "use_parallel_residual": "megaloop builds sequential residual blocks",
+    "vision_config": "megaloop builds the text models only",
+    "text_config": "a multimodal model's config: megaloop builds the text models only",
+}  # fmt: skip
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16", "float": "float32"}
 ROPE_KEYS = {
     "default": (),
@@ -156,16 +199,31 @@ def family_of(config: Mapping[str, Any]) -> Family:
     return FAMILIES[kind]
 
 
-def llama_config(config: Mapping[str, Any], *, max_seq: int | None = None, dtype: Any = None) -> LlamaConfig:
+def llama_config(
+    config: Mapping[str, Any],
+    *,
+    max_seq: int | None = None,
+    dtype: Any = None,
+    allow_long_context: bool = False,
+    allow_unknown_fields: bool = False,
+) -> LlamaConfig:
     """A LlamaConfig from a Hugging Face ``config.json`` dict; ``max_seq`` sizes the KV cache
-    (default: max_position_embeddings), ``dtype`` the compute dtype (default: the config's)."""
+    (default: the model's context, max_position_embeddings; past it only with
+    ``allow_long_context``), ``dtype`` the compute dtype (default: the config's).
+    ``allow_unknown_fields``: fields megaloop does not know are ignored (with a warning naming them)
+    instead of refused; fields known to change the model stay refused."""
     if not isinstance(config, Mapping):
         raise CheckpointError(f"config.json: expected a JSON object, got {type(config).__name__}")
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise CheckpointError(f"config.json lacks {missing}; is this a Llama-family model?")
     family = family_of(config)
-    _check_fields(config, family)
+    if rope_interleaved(config):
+        raise refuse(
+            "rope_interleaved", True, "this LlamaConfig computes rope on half-split pairs; load_llama permutes "
+            "the q/k projections of such a checkpoint so that it does: load it with load_llama"
+        )  # fmt: skip
+    ignored = _check_fields(config, family, allow_unknown_fields)
     c = _Reader(config, family)
     if "pretraining_tp" in family.fields:
         c.int("pretraining_tp", none=1)  # how training split the matmuls: the same model whatever it is
@@ -186,7 +244,7 @@ def llama_config(config: Mapping[str, Any], *, max_seq: int | None = None, dtype
         raise refuse("hidden_act", act, "megaloop builds SwiGLU MLPs (silu)")
     layers = c.int("num_hidden_layers")
     positions = c.int("max_position_embeddings")
-    max_seq = positions if max_seq is None else max_seq
+    max_seq = _context(max_seq, positions, allow_long_context)
     theta, scaling = rope_settings(config, positions)
     attention_bias = c.bool("attention_bias") if "attention_bias" in family.fields else False
     window, sliding = _windows(c, family, layers)
@@ -214,30 +272,85 @@ def llama_config(config: Mapping[str, Any], *, max_seq: int | None = None, dtype
         tie_word_embeddings=c.bool("tie_word_embeddings"),
     )
     try:
-        return LlamaConfig(**settings)
+        built = LlamaConfig(**settings)
     except MegaloopError as e:
         raise CheckpointError(f"config.json: {e}") from None
+    if ignored:
+        warnings.warn(
+            f"config.json: ignoring fields megaloop does not know, as allow_unknown_fields asks: {ignored}; the "
+            "model is built as if they were absent (if one of them changes the model, its output is wrong)",
+            stacklevel=2,
+        )
+    return built
 
 
-def _check_fields(config: Mapping[str, Any], family: Family) -> None:
+def _context(max_seq: Any, positions: int, allow_long_context: bool) -> int:
+    """The KV cache's length: ``max_seq``, checked against the model's context. That is
+    max_position_embeddings, also under the rope scalings megaloop builds: a llama3 or linear
+    checkpoint states there the context its scaling reaches (the original one in the scaling)."""
+    if max_seq is None:
+        return positions
+    if isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1:
+        raise CheckpointError(f"max_seq must be an integer >= 1, got {max_seq!r}")
+    if max_seq > positions and not allow_long_context:
+        raise CheckpointError(
+            f"max_seq {max_seq} is past the model's context, config.json's max_position_embeddings = {positions}: "
+            "positions beyond it were never trained (the text degrades, often into noise). Use a max_seq of at most "
+            f"{positions}, or pass allow_long_context=True (megaloop generate --allow-long-context) to run past it "
+            "at your own risk"
+        )
+    return max_seq
+
+
+def rope_interleaved(config: Mapping[str, Any]) -> bool:
+    """Whether rope rotates adjacent pairs (2i, 2i+1) (``rope_interleaved``, nanotron's exports) rather
+    than the half-split pairs (i, i + head_dim/2) transformers' Llama uses."""
+    value = config.get("rope_interleaved", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise refuse("rope_interleaved", value, "expected true or false")
+    return value
+
+
+def _check_fields(config: Mapping[str, Any], family: Family, allow_unknown: bool) -> list[str]:
+    """Refuse the fields that change the model in ways megaloop does not build; the unknown fields
+    ignored (only with ``allow_unknown``)."""
     if config.get("quantization_config") is not None:
         raise refuse("quantization_config", config["quantization_config"], "megaloop reads unquantized weights only")
     if config.get("auto_map") is not None:
         raise refuse("auto_map", config["auto_map"], "the model comes with its own code, which megaloop does not run")
+    ignored = []
     for key, value in config.items():
-        if key in MODEL_FIELDS or key in family.fields or key in IGNORED:
+        if key in MODEL_FIELDS or key in family.fields or key in IGNORED or key == "rope_interleaved":
             continue
-        if value is None and key not in OFF_VALUES:  # transformers reads null as "not set"
+        if TOKEN_IDS.match(key):
+            continue
+        if value is None:  # transformers reads null as "not set"
+            continue
+        if DROPOUT.search(key):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise refuse(key, value, "expected a dropout probability in [0, 1] (dropout is off at inference)")
             continue
         if key in OFF_VALUES:
-            if value not in OFF_VALUES[key]:
+            if value not in OFF_VALUES[key] or type(value) is not type(OFF_VALUES[key][0]):
                 raise refuse(key, value, f"megaloop builds the model with {key} = {OFF_VALUES[key][0]!r} only")
             continue
+        if key in CHANGES_THE_MODEL:
+            raise refuse(key, value, CHANGES_THE_MODEL[key])
         if key in FAMILIES["qwen3"].fields | FAMILIES["llama"].fields | FAMILIES["mistral"].fields:
             if value in (None, False):  # another family's switch, off
                 continue
             raise refuse(key, value, f"{family.model_type} models have no such setting")
-        raise refuse(key, value, f"megaloop does not know what this field does to a {family.model_type} model")
+        if not allow_unknown:
+            raise refuse(
+                key, value, f"megaloop does not know what this field does to a {family.model_type} model. If it "
+                "changes nothing megaloop computes (a note an exporter or trainer added), pass allow_unknown_fields="
+                "True (megaloop generate --allow-unknown-config-fields) to build the model as if it were absent, at "
+                "your own risk"
+            )  # fmt: skip
+        ignored.append(key)
+    return ignored
 
 
 class _Reader:

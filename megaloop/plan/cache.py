@@ -8,7 +8,8 @@ a change to the planner makes new entries rather than reusing stale ones. Entrie
 atomically and carry a digest of their bytes; one that is unreadable or damaged is planned again
 and overwritten. They are pickles, not plan JSON, which an 8B model's prefill plan reads back from
 many times slower (its schema checks and tiling re-derivation); like the kernel cache, the folder
-holds what this user's megaloop wrote and runs.
+holds what this user's megaloop wrote and runs. The folder, its size cap and least-recently-used
+eviction are megaloop/diskcache.py's.
 
     plan, hit = load_or_make_plan(graph, processors=132, arch="sm_90")
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from megaloop import diskcache
 from megaloop.dtypes import DType, as_dtype
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import REGISTRY, OpDef
@@ -40,12 +42,13 @@ PLANNER_SOURCES = ("frontend", "parallel", "plan", "dtypes.py", "errors.py", "__
 HEADER = b"megaloop plan cache, sha256 "
 
 
+PLANS = diskcache.PLANS  # entries <key>.plan
+
+
 def plan_cache_dir() -> Path:
-    """``$MEGALOOP_CACHE/plans`` (default ``~/.cache/megaloop/plans``), beside the kernel cache."""
-    root = os.environ.get("MEGALOOP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megaloop"
-    )
-    return Path(root) / "plans"
+    """``$MEGALOOP_CACHE/plans`` (default ``~/.cache/megaloop/plans``), beside the kernel cache; made
+    if need be (CacheError when it cannot be, naming the variable)."""
+    return diskcache.folder(PLANS)
 
 
 @cache
@@ -78,6 +81,7 @@ def load_or_make_plan(graphs: Graph | Sequence[Graph], *, use_cache: bool = True
     path = plan_cache_dir() / f"{plan_key(graphs, {k: v for k, v in settings.items() if k != 'verify'})}.plan"
     plan = _read(path)
     if plan is not None:
+        diskcache.touch(path)  # used now: the last to be evicted
         return plan, True
     plan = make_plan(graphs, **settings)
     _write(path, plan)
@@ -139,13 +143,13 @@ def _read(path: Path) -> Plan | None:
 
 
 def _write(path: Path, plan: Plan) -> None:
-    """Atomically (temporary file + rename); a cache that cannot be written is no error."""
+    """Atomically (temporary file + rename), then the cache trimmed to its size cap. A failed write
+    (a full disk) only costs planning again; a folder that cannot be written is a CacheError."""
     buffer = io.BytesIO()
     with collector_paused():
         _Pickler(buffer).dump(plan)
     body = buffer.getvalue()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -154,5 +158,8 @@ def _write(path: Path, plan: Plan) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    except PermissionError as e:
+        raise diskcache.cache_error(f"cannot write in {path.parent} ({e.strerror or e})") from None
     except OSError:
-        pass
+        return
+    diskcache.evict(keep=path)

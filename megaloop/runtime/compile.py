@@ -5,14 +5,14 @@ architecture. Cache entries are keyed by a hash of the source, the header librar
 architecture and the NVRTC version, and carry their length and a hash of their bytes in their file
 name (``entry_name``). They are written atomically (temporary file, fsync, rename); an entry whose
 length, hash or ELF structure is wrong is removed and rebuilt before the driver sees it, and one the
-driver refuses is rebuilt once (``compile_and_load``), then reported naming the entry.
+driver refuses is rebuilt once (``compile_and_load``), then reported naming the entry. The folder,
+its size cap and least-recently-used eviction are megaloop/diskcache.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import struct
 import tempfile
 import threading
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from megaloop import diskcache
 from megaloop.errors import MegaloopError
 
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
@@ -40,10 +41,8 @@ T = TypeVar("T")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MEGALOOP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megaloop"
-    )
-    return Path(root) / "cubin"
+    """``$MEGALOOP_CACHE/cubin``, made if need be (CacheError when it cannot be, naming the variable)."""
+    return diskcache.folder(CUBIN)
 
 
 def _headers_digest() -> str:
@@ -243,7 +242,8 @@ def spills(source: str, arch: str = "sm_90a") -> dict[str, tuple[int, int]]:
 # An entry is <key>.<bytes>.<sha256 prefix>.cubin: its length and hash travel in its name, so a file
 # cut short, overwritten or half written is recognised before it reaches the driver (which took a
 # truncated cubin for a valid one and crashed the process).
-ENTRY = re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<size>[0-9]+)\.(?P<digest>[0-9a-f]{16})\.cubin$")
+CUBIN = diskcache.CUBIN
+ENTRY = CUBIN.entry
 STALE_TEMP_S = 24 * 3600  # a temporary file this old is a writer killed mid-write
 
 
@@ -273,6 +273,7 @@ def read_entry(key: str) -> tuple[Path, bytes] | None:
             continue
         problem = entry_problem(path.name, data)
         if problem is None:
+            diskcache.touch(path)  # used now: the last to be evicted
             return path, data
         path.unlink(missing_ok=True)
     return None
@@ -327,12 +328,12 @@ def _candidates(key: str) -> list[Path]:
 
 def store_entry(key: str, data: bytes) -> Path | None:
     """Write ``data`` as ``key``'s entry: a temporary file, flushed to disk, then renamed, so that a
-    process killed at any point leaves either no entry or a whole one. None when the cache is not
-    writable (that only costs a recompile)."""
+    process killed at any point leaves either no entry or a whole one; then the cache is trimmed to
+    its size cap. None when the write failed (a full disk: that only costs a recompile); CacheError
+    when the folder cannot be written."""
     folder = cache_dir()
     path = folder / entry_name(key, data)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key[:16]}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -343,9 +344,12 @@ def store_entry(key: str, data: bytes) -> Path | None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    except OSError:
+    except PermissionError as e:
+        raise diskcache.cache_error(f"cannot write in {folder} ({e.strerror or e})") from None
+    except OSError:  # a full disk, or the entry cleared under us: that only costs a recompile
         return None
     _remove_stale_temps(folder)
+    diskcache.evict(keep=path)
     return path
 
 

@@ -316,9 +316,10 @@ class LoopKernel:
         self.control, self.progress = mapped[:CONTROL_WORDS], mapped[CONTROL_WORDS:]
         control_dev = int(_check(d.cuMemHostGetDevicePointer(self._control_host, 0)))
         self.profile = 0
-        if self.profile_iterations:
-            self.profile = self._alloc(16 * len(self.rp.tasks) * self.profile_iterations)
-            _check(d.cuMemsetD8Async(self.profile, 0, 16 * len(self.rp.tasks) * self.profile_iterations, copies))
+        if self.profile_iterations:  # each task's (start, end), then each block's (grant seen, iteration done)
+            stamps = 16 * (len(self.rp.tasks) + prog.processors) * self.profile_iterations
+            self.profile = self._alloc(stamps)
+            _check(d.cuMemsetD8Async(self.profile, 0, stamps, copies))
         args = np.zeros(1, ARGS_DTYPE)
         args["arena"], args["counters"], args["control"] = self.arena, self.counters, control_dev
         args["abort"], args["doorbell"] = self.flags, self.flags + 8
@@ -671,12 +672,22 @@ class LoopKernel:
 
     def profile_ns(self) -> np.ndarray:
         """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations."""
-        n = len(self.rp.tasks) * self.profile_iterations
-        out = np.zeros(2 * n, np.uint64)
+        return self._stamps(0, len(self.rp.tasks))
+
+    def grant_ns(self) -> np.ndarray:
+        """(iterations, processors, 2) globaltimer of each block, for the first profiled iterations: when it
+        knew it could run the iteration (block 0: when it read the host's doorbell) and when it finished it
+        (before its progress report, if it made one). The host's round trip split into its parts."""
+        return self._stamps(len(self.rp.tasks), self.plan.processors)
+
+    def _stamps(self, first: int, count: int) -> np.ndarray:
+        iterations = self.profile_iterations
+        out = np.zeros(2 * count * iterations, np.uint64)
         self._use()
-        if n:
-            _check(self._d.cuMemcpyDtoH(out, self.profile, out.nbytes))
-        return out.reshape(self.profile_iterations, len(self.rp.tasks), 2)
+        if out.size:
+            at = self.profile + 16 * first * iterations
+            _check(self._d.cuMemcpyDtoH(out, at, out.nbytes))
+        return out.reshape(iterations, count, 2)
 
     def _halt(self) -> bool:
         """Make every block leave: the stop word first (idle blocks), then the abort flag (blocks in a

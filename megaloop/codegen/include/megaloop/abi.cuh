@@ -116,7 +116,7 @@ struct Args {
     u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)
     volatile u64* progress;  // mapped host memory: iterations each block has finished
     Control* control;
-    u64* profile;  // null, or (start, end) globaltimer pairs per task for the first profile_iterations
+    u64* profile;  // null, or globaltimer pairs for the first profile_iterations: (start, end) per task, then (grant seen, done) per block
     u64 timeout_ns;
     int profile_iterations;
     int n_tasks;

@@ -36,6 +36,14 @@ __device__ __forceinline__ void finish_task(const Args& a, const Task& t, int ti
     }
 }
 
+// Thread 0, profiling: when this block knew it may run iteration k (which = 0; block 0: when it read
+// the doorbell) or finished it (which = 1), after the tasks' stamps (LoopKernel.grant_ns).
+__device__ __forceinline__ void stamp_grant(const Args& a, u64 k, int which) {
+    if (a.profile == nullptr || k >= (u64)a.profile_iterations) return;
+    const u64 tasks = (u64)a.profile_iterations * (u64)a.n_tasks;
+    a.profile[2 * (tasks + k * (u64)gridDim.x + blockIdx.x) + which] = now_ns();
+}
+
 // run_task(a, slot, k, proc): the task's tile function, by its signature.
 template <class Ring, class RunTask>
 __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
@@ -61,6 +69,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         if (threadIdx.x == 0) {
             if (k >= granted) granted = wait_requested(a, k);
             go = k < granted;
+            if (go) stamp_grant(a, k, 0);
         }
         __syncthreads();
         if (!go) return;
@@ -87,7 +96,10 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             if (threadIdx.x == 0) finish_task(a, s.task, s.id, k, start);
         }
         __syncthreads();
-        if (threadIdx.x == 0) iteration_done(a, k, granted, reported);
+        if (threadIdx.x == 0) {
+            stamp_grant(a, k, 1);
+            iteration_done(a, k, granted, reported);
+        }
     }
 }
 
