@@ -1,7 +1,7 @@
 """The fuse stage on the Llama models, which are built plain (megaloop.models.llama):
 
 - the fused graphs of build_llama, build_llama_generator and build_llama_prefill are what the
-  hand-fused builders made before the fuse stage existed (main at d8b9630, tests/data/fused_llama_graphs.json),
+  hand-fused builders made before the fuse stage existed (main at c934c34, tests/data/fused_llama_graphs.json),
   node for node, on small configurations and on the Llama-3.2-1B shape: the GPU runs the same plans;
 - fused and plain give the same values bit for bit (ml.evaluate of both, the plan interpreter of the
   plan make_plan fuses) for a decode step with GQA, biases, Qwen3's q/k norms, tied embeddings, a

@@ -23,8 +23,9 @@ import numpy as np
 
 from megaloop.errors import MegaloopError
 from megaloop.fuse import fuse
-from megaloop.generation.backends import HISTORY, generator_graph, start_state
+from megaloop.generation.backends import generator_graph, history_names, start_state
 from megaloop.generation.progress import Progress
+from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_prefill
 from megaloop.parallel import Partition, parallelize
 from megaloop.reference import evaluate
@@ -79,7 +80,7 @@ class Split:
     def history(self, states: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The generator's HISTORY states put together from the ranks' (each rank's full state or
         just its pieces of those)."""
-        names = local_names(self.generator, HISTORY)
+        names = local_names(self.generator, history_names(self.generator.original))
         mine = [{k: v for k, v in st.items() if k in keep} for st, keep in zip(states, names)]
         return self.generator.gather_state(mine)
 
@@ -105,8 +106,10 @@ def local_names(partition: Partition, names: Sequence[str]) -> list[set[str]]:
     ]
 
 
-def _graphs(cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int]) -> tuple[Any, Any]:
-    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)
+def _graphs(
+    cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int], decoding: Decoding
+) -> tuple[Any, Any]:
+    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids, decoding)
 
 
 class SplitCpuBackend:
@@ -117,9 +120,10 @@ class SplitCpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
         self.description = f"the CPU reference (numpy) as {_ranks_text(self.split.ranks)}"
         self.state: list[dict[str, np.ndarray]] = []
         self.caches: dict[str, np.ndarray] = {}
@@ -160,6 +164,7 @@ class SplitGpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime import gpus
@@ -172,7 +177,7 @@ class SplitGpuBackend:
             raise MegaloopError(f"--devices {devices}: the GPUs differ ({sorted(arch)}); one plan serves one kind")
         self.progress = progress
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
         # per graph (auto may keep one on one device): rank r on GPU r mod the GPUs, sharing its SMs
         self.devices = [[r % len(found) for r in range(n)] for n in self.split.ranks]
         shares = [max(d.count(x) for x in set(d)) for d in self.devices]
@@ -193,7 +198,8 @@ class SplitGpuBackend:
                 self.plans.append(plan)
                 bar.update(1)
         self.group: Any = None
-        self.history_names = [sorted(n) for n in local_names(self.split.generator, HISTORY)]
+        wanted = history_names(self.split.generator.original)
+        self.history_names = [sorted(n) for n in local_names(self.split.generator, wanted)]
 
     def _group(self, which: int, state: Sequence[Mapping[str, Any]] | None = None) -> Any:
         from megaloop.runtime.group import LoopKernelGroup

@@ -26,6 +26,7 @@ from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
+from megaloop.models.decoding import PLAIN, Decoding, next_token
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ def build_llama_generator(
     argmax_splits: int | str | None = "auto",
     sampling: bool = False,
     eos_ids: Sequence[int] = (),
+    decoding: Decoding = PLAIN,
 ) -> Graph:
     """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
@@ -356,7 +358,8 @@ def build_llama_generator(
     differ: a sequence's draws depend on its seed and positions alone, not on its batch slot.
     Output: ``logits`` [batch, 1, vocab] of the last step. ``argmax_splits``: the next token's argmax
     (or draw) in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE
-    logits); the same tokens whatever it is.
+    logits); the same tokens whatever it is. ``decoding``: penalties before the choice and log-probabilities
+    recorded each step, with their states (megaloop.models.decoding); ``min_p`` is a sampling state too.
     """
     _require_config(cfg, "build_llama_generator")
     if cfg.vocab is None:
@@ -377,10 +380,7 @@ def build_llama_generator(
     logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits)
     if argmax_splits == "auto":
         argmax_splits = auto_argmax_splits(cfg)
-    if sampling:
-        chosen = _sampled_token(g, batch, logits, position, argmax_splits)
-    else:
-        chosen = ops.argmax(logits, axis=-1, splits=argmax_splits)
+    chosen = next_token(g, logits, token, position, active, written, argmax_splits, sampling, decoding)
     g.assign(token, ops.where(active, chosen, kept))
     g.assign(position, ops.where(active, position + 1, position))
     g.output("logits", logits)
@@ -437,14 +437,3 @@ def _still_generating(g: Graph, token: Tensor, position: Tensor, stop: Tensor, e
         hits = ops.equal(token, g.constant(np.array(eos, np.int64), name="eos_ids"))
         active = ops.logical_and(active, ops.equal(ops.sum(hits.astype("int64"), -1, keepdims=True), 0))
     return active
-
-
-def _sampled_token(g: Graph, batch: int, logits: Tensor, position: Tensor, splits: int | None) -> Tensor:
-    """The next token drawn by ``ml.sample`` (in ``splits`` ranges of the vocabulary) from the per-sequence
-    sampling states: int64 [batch, 1]."""
-    rows = (batch, 1)
-    temperature = g.state("temperature", rows, "float32", init=np.ones(rows, np.float32))
-    top_k = g.state("top_k", rows, "int64")
-    top_p = g.state("top_p", rows, "float32", init=np.ones(rows, np.float32))
-    seed = g.state("seed", rows, "int64", init=np.arange(batch, dtype=np.int64)[:, None])  # rows apart
-    return ops.sample(logits, seed, position, temperature, top_k, top_p, splits=splits)

@@ -45,6 +45,7 @@ from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm,
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
+from megaloop.frontend.ops.sample_penalty import penalize
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
 from megaloop.frontend.ops.swiglu import swiglu_linear
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
@@ -74,6 +75,7 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "penalize",
     "permute",
     "recv",
     "reduce_scatter",
