@@ -5,8 +5,8 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
     MEGALOOP_CACHE=$PWD/.cubin-cache python scripts/precompile.py generate profile:generate1b
     # device call: carry [".cubin-cache"], command "MEGALOOP_CACHE=$PWD/.cubin-cache bash scripts/gpu_check.sh ..."
 
-Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS and
-GENERATE_COMPARE_OPTIONS as JSON, as its --options / --compare-options) and ``profile:CASE``
+Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
+GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options / --compare) and ``profile:CASE``
 (scripts/profile_cases.py's case with PROFILE_OPTIONS). A cubin is keyed by its source, the header
 library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
 
@@ -38,9 +38,11 @@ def generate_plans() -> list:
     for sampling in (False, True):
         graph = build_llama_generator(cfg, 1, kv_splits=bg._splits(), sampling=sampling)
         plans.append(make_plan(graph, processors=132, options=options))
+    graph = build_llama_generator(cfg, 1, kv_splits=bg._splits())
     for text in json.loads(os.environ.get("GENERATE_COMPARE_OPTIONS", "[]")):
-        graph = build_llama_generator(cfg, 1, kv_splits=bg._splits())
         plans.append(make_plan(graph, processors=132, options=KernelOptions(**text)))
+    for text in json.loads(os.environ.get("GENERATE_COMPARE", "[]")):  # (as --compare: FuseOptions.parse)
+        plans.append(make_plan(graph, processors=132, options=options, fusion=FuseOptions.parse(text)))
     return plans
 
 
