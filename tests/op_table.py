@@ -735,6 +735,15 @@ row(
     _embedding_sample,
     fixed={1: "int32"},
 )
+row(  # a table of ints (the serving step's token ids by slot and position)
+    "embedding",
+    "int-table",
+    lambda g, t, i: ml.embedding(t, i),
+    lambda t, i, **k: t[i],
+    _embedding_sample,
+    INTS,
+    fixed={1: "int64"},
+)
 
 
 def llama3_inv_freq(dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:

@@ -23,8 +23,12 @@ ALLOWED = {
     "reference": {"core", "frontend", "parallel", "plan"},
     "runtime": {"core", "frontend", "parallel", "plan", "codegen"},
     "generation": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"},
-    "cli": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "api"},
-    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation"},
+    "serving": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation"},
+    "cli": {
+        "core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "serving",
+        "api",
+    },
+    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "serving"},
 }
 
 
