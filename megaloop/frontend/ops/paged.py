@@ -154,12 +154,16 @@ def _page_problem(table: np.ndarray, known: np.ndarray | None, slot: int, entrie
     )
 
 
+def _indices(mask: np.ndarray) -> list[tuple[int, ...]]:
+    return [tuple(int(i) for i in at) for at in zip(*np.nonzero(mask))]
+
+
 def _check_attention_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
     k_pool, table, slots, pos = arrays[1], arrays[3], arrays[4], arrays[5]
     page = k_pool.shape[2]
     used = _rows_data(table, slots, pos, known[4], known[5], table.shape[1] * page)
     window = attrs["window"]
-    for row in zip(*np.nonzero(used)):
+    for row in _indices(used):
         p = int(pos[row])
         first = 0 if window is None else max(0, p - window + 1)
         entries = np.arange(first // page, p // page + 1)
@@ -173,7 +177,7 @@ def _check_update_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: S
     page = pool.shape[2]
     used = _rows_data(table, slots, pos, known[3], known[4], table.shape[1] * page)
     seen: dict[tuple[int, int], tuple[int, ...]] = {}
-    for row in zip(*np.nonzero(used)):
+    for row in _indices(used):
         s, p = int(slots[row]), int(pos[row])
         problem = _page_problem(table, known[2], s, np.array([p // page]), pool.shape[0], row, "writes through")
         if problem:

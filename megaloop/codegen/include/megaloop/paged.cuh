@@ -4,10 +4,7 @@
 // positions [j P, (j + 1) P); a row (b, t) of the step belongs to slot slots[b, t] at position
 // pos[b, t] (negative: unused). A page, slot or position out of range is reported (DATA), never used.
 #pragma once
-#include "megaloop/at.cuh"
-#include "megaloop/loop.cuh"
-#include "megaloop/types.cuh"
-#include "megaloop/vec.cuh"
+#include "megaloop/elementwise.cuh"
 
 namespace ml {
 
