@@ -13,6 +13,7 @@ from megaloop.frontend.opdef import REGISTRY
 ROOT = Path(megaloop.__file__).parent
 
 # What each layer may import (besides itself). Order follows the pipeline.
+RUNTIME_AND_BEFORE = {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"}
 ALLOWED = {
     "core": set(),
     "frontend": {"core"},
@@ -22,13 +23,10 @@ ALLOWED = {
     "codegen": {"core", "frontend", "parallel", "plan"},
     "reference": {"core", "frontend", "parallel", "plan"},
     "runtime": {"core", "frontend", "parallel", "plan", "codegen"},
-    "generation": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"},
-    "serving": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation"},
-    "cli": {
-        "core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "serving",
-        "api",
-    },
-    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "serving"},
+    "generation": RUNTIME_AND_BEFORE,
+    "serving": RUNTIME_AND_BEFORE | {"generation"},
+    "cli": RUNTIME_AND_BEFORE | {"generation", "serving", "api"},
+    "api": RUNTIME_AND_BEFORE | {"generation", "serving"},
 }
 
 

@@ -109,8 +109,8 @@ def test_reference_is_dense_attention_on_each_rows_slot(dtype: str, window: int 
         v = g.input("v", (1, hkv, per_slot * page, d), c["dtype"])
         qp = g.input("qp", (1, 1), "int64")
         g.output("o", ml.attention(q, k, v, causal=True, q_positions=qp, window=window))
-        gather = lambda pool: pool[c["table"][s]].transpose(1, 0, 2, 3).reshape(1, hkv, -1, d)
-        want = ml.evaluate(g, {"q": c["q"][:, :, t : t + 1], "k": gather(k_pool), "v": gather(v_pool),
+        gathered = [pool[c["table"][s]].transpose(1, 0, 2, 3).reshape(1, hkv, -1, d) for pool in (k_pool, v_pool)]
+        want = ml.evaluate(g, {"q": c["q"][:, :, t : t + 1], "k": gathered[0], "v": gathered[1],
                                "qp": np.array([[p]])}).outputs["o"][0, :, 0]  # fmt: skip
         assert np.array_equal(row.view(np.uint8), want.view(np.uint8)), f"row {t} (slot {s}, position {p})"
 
@@ -207,7 +207,8 @@ def test_kernels_compile(arch: str) -> None:
     c = case("bfloat16", window=4)
     plan = make_plan(step_graph(c), processors=8, arch="sm_90" if arch == "sm_90a" else "sm_80")
     source = generate(plan).source
-    assert "ml::paged_attention<2, 8, 8, 15, 4, 3, 4, 4>" in source and "ml::paged_kv_update<1, 9, 8, 15, 4, 3, 4>" in source
+    assert "ml::paged_attention<2, 8, 8, 15, 4, 3, 4, 4>" in source
+    assert "ml::paged_kv_update<1, 9, 8, 15, 4, 3, 4>" in source
     assert compile_cubin(source, arch)
 
 

@@ -214,7 +214,6 @@ def _advance(g: Graph, shape: StepShape, sequence: Tensor, length: Tensor, curso
              rows: Rows, token: Tensor, eos: list[int]) -> None:  # fmt: skip
     """A slot whose rows reached its length made ``token``: written at sequence[length], length + 1;
     an end-of-sequence token also sets the limit there. The cursor moves past the rows fed."""
-    s = shape.slots
     made = ops.logical_and(ops.less(length, limit), ops.equal(cursor + rows.count, length))
     at = g.constant(np.arange(shape.max_seq, dtype=np.int64).reshape(1, shape.max_seq), "int64", name="positions")
     g.assign(sequence, ops.where(ops.equal(at, ops.where(made, length, -1)), token, sequence))
