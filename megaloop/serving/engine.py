@@ -102,6 +102,7 @@ class Engine:
         ``Settings`` (max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids); ``chat`` wraps
         a text prompt in the chat template. Raises RequestError for a request that can never run,
         QueueFull when max_queue requests wait already, EngineClosed after close()."""
+        self._check_open()
         try:
             ids = self.generator.encode(prompt, chat)
         except GenerationError as e:
@@ -116,10 +117,7 @@ class Engine:
         self._check_fits(len(ids), options.max_tokens)
         progress = _Progress(options, self.tokenizer, frozenset(self.eos_token_ids))
         with self._lock:
-            if self._failure is not None:
-                raise EngineClosed(f"the engine failed and serves no more requests: {self._failure}")
-            if self._closing:
-                raise EngineClosed("the engine is stopping: it takes no more requests")
+            self._check_open()
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"{len(self.queue)} requests wait for a slot already (max_queue {self.max_queue})")
             self._ids += 1
@@ -127,6 +125,13 @@ class Engine:
             self.queue.append(request)
             self._lock.notify_all()
         return request
+
+    def _check_open(self) -> None:
+        with self._lock:
+            if self._failure is not None:
+                raise EngineClosed(f"the engine failed and serves no more requests: {self._failure}")
+            if self._closing:
+                raise EngineClosed("the engine is stopping: it takes no more requests")
 
     def _check_fits(self, prompt: int, max_tokens: int) -> None:
         shape = self.shape

@@ -74,9 +74,9 @@ class Rows:
 
 
 def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int] = (), name: str = "llama-serve",
-                       ) -> Graph:  # fmt: skip
+                       logits: bool = False) -> Graph:  # fmt: skip
     """The step graph of ``cfg``'s model for ``shape`` (module docstring); ``eos_ids``: the tokens that
-    end a sequence."""
+    end a sequence; ``logits``: also output each slot's last row's logits [S, 1, vocab]."""
     if not isinstance(cfg, LlamaConfig) or cfg.vocab is None:
         raise GraphBuildError("build_serving_step: cfg must be a LlamaConfig with a vocabulary (cfg.vocab)")
     if shape.max_seq > cfg.max_seq:
@@ -98,11 +98,13 @@ def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int
     hidden = _decoder(g, cfg, shape, ids, rows, table)
     with g.scope("head"):
         picked = ops.embedding(hidden.reshape(shape.rows, cfg.hidden), rows.last.reshape(s)).reshape(s, 1, cfg.hidden)
-        logits = _head(g, cfg, picked)
+        scores = _head(g, cfg, picked)
     with g.scope("next"):
-        token = _next_token(g, cfg, shape, logits, cursor, rows)
+        token = _next_token(g, cfg, shape, scores, cursor, rows)
         _advance(g, shape, sequence, length, cursor, limit, rows, token, eos)
     g.output("tokens", token)
+    if logits:
+        g.output("logits", scores)
     return g
 
 
