@@ -28,6 +28,7 @@ from typing import Any
 from megaloop.errors import MegaloopError
 from megaloop.generation.generator import Completion, GenerationError, Generator
 from megaloop.generation.progress import Progress
+from megaloop.models.tokenizer import ChatTemplateError
 from megaloop.serving.backends import CpuStep, GpuStep
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError, Settings, _Progress
 from megaloop.serving.slots import Event, SlotTable
@@ -103,10 +104,7 @@ class Engine:
         a text prompt in the chat template. Raises RequestError for a request that can never run,
         QueueFull when max_queue requests wait already, EngineClosed after close()."""
         self._check_open()
-        try:
-            ids = self.generator.encode(prompt, chat)
-        except GenerationError as e:
-            raise RequestError(str(e), "messages" if chat or _is_chat(prompt) else "prompt") from None
+        ids = self.encode(prompt, chat)
         unknown = set(settings) - set(Settings.__dataclass_fields__)
         if unknown:
             raise RequestError(f"unknown settings {sorted(unknown)}; known: {sorted(Settings.__dataclass_fields__)}",
@@ -125,6 +123,16 @@ class Engine:
             self.queue.append(request)
             self._lock.notify_all()
         return request
+
+    def encode(self, prompt: Any, chat: bool = False) -> list[int]:
+        """A prompt's token ids (``Generator.encode``); RequestError naming "prompt" or "messages"."""
+        try:
+            return self.generator.encode(prompt, chat)
+        except (GenerationError, ChatTemplateError) as e:
+            raise RequestError(str(e), "messages" if chat or _is_chat(prompt) else "prompt") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _check_open(self) -> None:
         with self._lock:
