@@ -4,6 +4,7 @@ OpenAI-compatible HTTP server for a checkpoint folder (megaloop/serving/server.p
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def add_serve_command(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda text: print(text, file=sys.stderr, flush=True)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -103,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shape = engine.shape
     say(f"megaloop serve: {shape.slots} slots, chunks of {shape.chunk}, {shape.pages} KV pages of {shape.page_size} "
         f"positions, up to {shape.max_seq} positions a sequence, {args.max_queue} requests may wait")  # fmt: skip
-    serve(engine, name, args.host, args.port, args.drain_timeout, say)
-    say("megaloop serve: stopped")
+    signalled = serve(engine, name, args.host, args.port, args.drain_timeout, say)
+    how = f" ({signal.Signals(signalled).name}: the running requests drained)" if signalled else ""
+    say(f"megaloop serve: stopped{how}")
     return 0

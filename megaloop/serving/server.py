@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -32,11 +34,13 @@ from megaloop.serving.engine import Engine
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError
 
 POLL_S = 0.25  # how often a request with nothing to send checks that its client is still there
+_TYPE_NAME = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
 
 
 def make_app(engine: Engine, model_name: str, *, drain_timeout: float = 30.0) -> Any:
     """The FastAPI application serving ``engine`` as the model ``model_name``; its shutdown drains and
     closes the engine."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         yield
@@ -51,7 +55,8 @@ def make_app(engine: Engine, model_name: str, *, drain_timeout: float = 30.0) ->
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Any, exc: RequestValidationError) -> Any:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # (a union's member names its type in the path: "stop", not "stop.str")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p))]
         param = ".".join(loc) or None
         return error(400, f"{param or 'the body'}: {first.get('msg', 'invalid')}", "invalid_request_error", param)
 
@@ -69,7 +74,7 @@ def make_app(engine: Engine, model_name: str, *, drain_timeout: float = 30.0) ->
 
     @app.get("/health")
     async def health() -> Any:
-        return {"status": "ok", "model": model_name, "backend": engine.description, **engine.stats()}
+        return {"status": "ok", "model": model_name, "device": engine.description, **engine.stats()}
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "megaloop",
@@ -240,23 +245,35 @@ async def _stream(requests: list[Request], http: Any, kind: str, rid: str, model
 
 
 def config(app: Any, host: str, port: int, drain_timeout: float, log_level: str = "info") -> Any:
-    import uvicorn
-
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
                           lifespan="on")  # fmt: skip
 
 
-def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout: float = 30.0,
-          say: Callable[[str], None] | None = None) -> None:  # fmt: skip
-    """Serve until SIGINT or SIGTERM (uvicorn's handlers: stop taking connections, let the running
-    requests finish, then the app's shutdown drains and closes the engine)."""
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn's server, its signal handling made a server's: the first SIGINT or SIGTERM drains and
+    stops (the process then exits 0), a second one stops at once. (uvicorn raises the signal again
+    after its graceful shutdown, which ends the process as if killed by it.)"""
 
+    signalled: int | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.signalled = self.signalled or sig
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout: float = 30.0,
+          say: Callable[[str], None] | None = None) -> int | None:  # fmt: skip
+    """Serve until SIGINT or SIGTERM: no new connections, the running requests finish (at most
+    ``drain_timeout`` s), then the app's shutdown drains and closes the engine. The signal that
+    stopped it, if one did."""
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
-    server = uvicorn.Server(config(make_app(engine, model_name, drain_timeout=drain_timeout), host, port,
-                                   drain_timeout))  # fmt: skip
-    say(f"megaloop serve: {model_name!r} on http://{host}:{port}/v1 ({engine.shape.slots} slots)")
+    app = make_app(engine, model_name, drain_timeout=drain_timeout)
+    server = _Server(config(app, host, port, drain_timeout))
+    say(f"megaloop serve: {model_name!r} on http://{host}:{port}/v1; Ctrl-C or SIGTERM drains and stops")
     server.run()
+    return server.signalled
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
