@@ -289,3 +289,13 @@ def test_the_page_pools_rules_catch_a_shared_page() -> None:
     pool.release(1)
     pool.check(set())
     assert pool.all_free()
+
+
+def test_the_step_kernel_compiles(gen) -> None:
+    """The whole step (every op of it, the int embedding and the paged ops among them) under NVRTC."""
+    from megaloop.codegen import generate
+    from megaloop.runtime.compile import compile_cubin
+
+    g = build_serving_step(gen.cfg, StepShape(slots=3, chunk=4, page_size=4, pages=40, max_seq=64), gen.eos_token_ids)
+    source = generate(make_plan(g, processors=16, arch="sm_90")).source
+    assert "ml::paged_attention<" in source and compile_cubin(source, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
