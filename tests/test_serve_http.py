@@ -348,3 +348,25 @@ def test_the_command_drains_on_sigterm(tiny, tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_failed_step_is_a_500_and_health_says_so(gen) -> None:
+    s = Server(Engine(gen, max_slots=2, chunk=8, page_size=8))
+
+    def broken(iterations: int) -> None:
+        raise ml.errors.DataError("a step that fails (injected by the test)")
+
+    s.engine.step.run = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+        assert "injected by the test" in caught.value.body["message"] and caught.value.body["type"] == "server_error"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health")
+        assert health.value.code == 503 and json.load(health.value)["status"] == "failed"
+        with pytest.raises(openai.APIStatusError) as closed:
+            s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+        assert closed.value.status_code == 503 and "failed" in closed.value.body["message"]
+    finally:
+        s.server.should_exit = True
+        s.thread.join(30)

@@ -94,6 +94,11 @@ class Engine:
         self._thread.start()
 
     @property
+    def failure(self) -> BaseException | None:
+        """What stopped the step, if it failed (the engine then serves no more requests)."""
+        return self._failure
+
+    @property
     def description(self) -> str:
         return self.step.description
 

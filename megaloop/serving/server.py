@@ -29,6 +29,7 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from megaloop.errors import MegaloopError
 from megaloop.serving import openai_api as api
 from megaloop.serving.engine import Engine
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError
@@ -72,9 +73,16 @@ def make_app(engine: Engine, model_name: str, *, drain_timeout: float = 30.0) ->
     async def closed(_: Any, exc: EngineClosed) -> Any:
         return error(503, str(exc), "service_unavailable", code="stopping")
 
+    @app.exception_handler(MegaloopError)
+    async def failed(_: Any, exc: MegaloopError) -> Any:  # (the engine's step failed: every request hears it)
+        return error(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
+
     @app.get("/health")
     async def health() -> Any:
-        return {"status": "ok", "model": model_name, "device": engine.description, **engine.stats()}
+        body = {"status": "ok", "model": model_name, "device": engine.description, **engine.stats()}
+        if engine.failure is not None:
+            return JSONResponse({**body, "status": "failed", "error": str(engine.failure)}, status_code=503)
+        return body
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "megaloop",
