@@ -273,7 +273,8 @@ def test_requests_beyond_the_queue_get_429(gen) -> None:
             return await asyncio.gather(*(one(client) for _ in range(5)))
 
         codes = asyncio.run(many())
-        assert codes.count(200) >= 2 and codes.count(429) >= 1, codes  # one running, one waiting, the rest refused
+        # all five come while the first runs (20 slow steps): at most one runs and one waits, the rest refused
+        assert 1 <= codes.count(200) <= 2 and codes.count(429) == 5 - codes.count(200), codes
     finally:
         restore()
         s.stop()
