@@ -214,8 +214,8 @@ def test_kernels_compile(arch: str) -> None:
 
 # ---- the generated tiles on the CPU -----------------------------------------------------------------------
 
-# The lanes of a warp as threads: warp_sum is the GPU's butterfly (v += the value of lane ^ o, o = 16 .. 1),
-# each exchange between two barriers, so the sums are the GPU's bit for bit.
+# The lanes of a warp as threads: __shfl_xor_sync an exchange between two barriers, warp_sum the GPU's
+# butterfly over it (v += the value of lane ^ o, o = 16 .. 1), so the sums are the GPU's bit for bit.
 WARPS = r"""
 #include <barrier>
 #include <thread>
@@ -225,6 +225,17 @@ inline float neg_inf() { return -INFINITY; }
 static thread_local int lane_id;
 static std::barrier<>* lanes;
 static float exchange[32];
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    exchange[lane_id] = v;
+    lanes->arrive_and_wait();
+    const float w = exchange[lane_id ^ o];
+    lanes->arrive_and_wait();
+    return w;
+}
+template <int W> inline float lanes_sum(float v) {
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) {
         exchange[lane_id] = v;
@@ -323,9 +334,10 @@ def _operand(a: np.ndarray, dtype: ml.DType) -> Operand:
 
 
 @needs_cxx
-@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 3)])
-def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, tmp_path: Path) -> None:
-    c = case(dtype, window=window, d=40, rows=7, seed=4)  # (head_dim 40: two chunks of lanes, the second partial)
+@pytest.mark.parametrize("dtype,window,d", [("float32", None, 40), ("bfloat16", 3, 96), ("float32", 5, 8)])
+def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, d: int, tmp_path: Path) -> None:
+    """head_dim 40 and 8: a lane a key; 96: two lanes a key (48 dims each)."""
+    c = case(dtype, window=window, d=d, rows=7, seed=4, per_slot=6, page=4)
     g = step_graph(c)
     want = ml.evaluate(g, feeds(c)[0], state=feeds(c)[1])
     dt, i64 = c["dtype"], ml.int64
@@ -333,7 +345,7 @@ def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, tmp_path
     ins = [c["k_pool"], c["k_new"], c["table"], c["slots"], c["positions"]]
     ops_ = [_operand(a, dt if a.dtype != np.int64 else i64) for a in ins]
     body = emit_update("paged_kv_cache_update", {}, ops_, ops_[0])
-    boxes = [_Box(Box((0, h, 0, 0), (c["k_pool"].shape[0], h + 1, 4, 40))) for h in range(c["k_pool"].shape[1])]
+    boxes = [_Box(Box((0, h, 0, 0), (c["k_pool"].shape[0], h + 1, 4, d))) for h in range(c["k_pool"].shape[1])]
     got, info = run_tiles(body, tmp_path, [*ins, c["k_pool"].copy()], boxes, 64)
     assert info[0] == 0, info
     assert np.array_equal(got.view(np.uint8), want.state["k_pool"].view(np.uint8))

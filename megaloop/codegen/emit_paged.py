@@ -32,14 +32,15 @@ def paged_kv_update(op: str, attrs: dict[str, Any], ins: list[Operand], out: Ope
 
 
 def paged_attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
-    """A warp per (head, row): the online softmax over the row's slot's keys, page by page."""
+    """A warp per (head, row), its lanes on different keys of the row's slot (read through the page
+    table), each lane's online softmax merged at the end."""
     q, k_pool, v_pool, table = ins[:4]
     group, d, dv = q.shape[1] // k_pool.shape[1], q.shape[3], v_pool.shape[3]
     window = attrs.get("window") or 0
     operands = ", ".join([_at(out, "out0"), *(_at(o, f"in{n}") for n, o in enumerate(ins))])
     return [
         *pointers([*ins, out], len(ins)),
-        "// a warp per (head, row): its slot's keys through the page table, an online softmax",
+        "// a warp per (head, row), its lanes on different keys of the row's slot, their softmax states merged",
         f"ml::paged_attention<{group}, {d}, {dv}, {_table_sizes(k_pool, table)}, {window}>(a, t, tid, "
         f"{float_literal(attrs['scale'])}, {operands});",
     ]

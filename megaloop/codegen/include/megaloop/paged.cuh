@@ -55,67 +55,85 @@ __device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, in
     }
 }
 
-// paged_attention: a warp per (b, query head, row) of the task's box of out [B, Hq, Tokens, Dv]: the
-// online softmax over the keys of the row's slot at positions [begin, p] (attention_warp_rows' order of
-// operations, attention.cuh), a page table entry read once per page. Zeros for a row that sees no key.
+// paged_attention: a warp per (b, query head, row) of the task's box of out [B, Hq, Tokens, Dv]. The
+// lanes take different keys (flash-decoding inside the warp): G = ceil(D / 64) lanes a key, each with
+// D / G of q's dims, 32 / G keys a step, so a lane's keys need no shuffle but the G-lane sum of a dot;
+// each lane keeps its own online softmax (m, l, acc), merged over the lanes at the end. A page's table
+// entry is read once per key a lane takes from it. Zeros for a row that sees no key.
 template <int Group, int D, int Dv, int Pages, int P, int Slots, int PerSlot, int Window, class O, class Q, class K,
           class V, class PT, class SL, class PS>
 __device__ __forceinline__ void paged_attention(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
                                                 V v, PT table, SL slots, PS pos) {
     static_assert(O::rank == 4 && Q::rank == 4 && K::rank == 4 && V::rank == 4,
                   "paged_attention: out and q [B, H, Tokens, D], pools [Pages, Hkv, P, D]");
-    constexpr int DL = (D + 31) / 32, VL = (Dv + 31) / 32;
+    constexpr int G = D <= 64 ? 1 : D <= 128 ? 2 : 4, KW = 32 / G;  // lanes a key, keys a step
+    constexpr int DL = (D + G - 1) / G, VL = (Dv + G - 1) / G;      // dims a lane
+    static_assert(D <= 256, "paged_attention: head_dim up to 256");
     Task rowt = t;
     rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, row)
     for_box_warps<4>(rowt, [&](const int* o, int lane) {
-        const int bi = o[0], h = o[1], i = o[2], kh = h / Group;
+        const int bi = o[0], h = o[1], i = o[2], kh = h / Group, part = lane % G, key = lane / G;
         const i64 p = load(pos.p + (i64)bi * stride_of<0, PS> + (i64)i * stride_of<1, PS>);
-        const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O>;
         float acc[VL], qv[DL];
 #pragma unroll
         for (int c = 0; c < VL; ++c) acc[c] = 0.0f;
         float m = neg_inf(), l = 0.0f;
-        if (p >= 0) {
-            const i64 s = load(slots.p + (i64)bi * stride_of<0, SL> + (i64)i * stride_of<1, SL>);
-            if (page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, p) < 0) return;  // (checks s and p)
-            const i64 qb = (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
+        // (every lane runs every step and shuffle: the warp stays converged; a bad page skips the math)
+        const i64 s = p >= 0 ? load(slots.p + (i64)bi * stride_of<0, SL> + (i64)i * stride_of<1, SL>) : 0;
+        const bool row_ok = p >= 0 && page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, p) >= 0;
+        const i64 qb = (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
 #pragma unroll
-            for (int c = 0; c < DL; ++c) {
-                const int dd = lane + 32 * c;
-                qv[c] = dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;
-            }
-            i64 begin = Window > 0 ? p - Window + 1 : 0;
-            if (begin < 0) begin = 0;
-            i64 page = -1;
-            for (i64 j = begin; j <= p; ++j) {
-                if (page < 0 || j % P == 0) {  // a new page: its table entry once
-                    page = page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, j);
-                    if (page < 0) return;
-                }
-                const i64 kb = page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K>;
-                const i64 vb = page * stride_of<0, V> + (i64)kh * stride_of<1, V> + (j % P) * stride_of<2, V>;
-                float sc = 0.0f;
+        for (int c = 0; c < DL; ++c) {
+            const int dd = part * DL + c;
+            qv[c] = row_ok && dd < D ? load(q.p + qb + (i64)dd * stride_of<3, Q>) : 0.0f;
+        }
+        i64 begin = Window > 0 ? p - Window + 1 : 0;
+        if (begin < 0) begin = 0;
+        const i64 end = row_ok ? p + 1 : 0;
+        for (i64 j0 = begin; j0 < end; j0 += KW) {
+            const i64 j = j0 + key;
+            const i64 page = j < end ? page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, j) : -1;
+            const i64 kb = page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K>;
+            float sc = 0.0f;
+            if (page >= 0) {
 #pragma unroll
                 for (int c = 0; c < DL; ++c) {
-                    const int dd = lane + 32 * c;
+                    const int dd = part * DL + c;
                     if (dd < D) sc += qv[c] * load(k.p + kb + (i64)dd * stride_of<3, K>);
                 }
-                sc = warp_sum(sc) * scale;
+            }
+            sc = lanes_sum<G>(sc) * scale;  // (loop.cuh: over the key's G lanes)
+            if (page >= 0) {
+                const i64 vb = page * stride_of<0, V> + (i64)kh * stride_of<1, V> + (j % P) * stride_of<2, V>;
                 const float mn = sc > m ? sc : m;
                 const float corr = expf(m - mn), e = expf(sc - mn);
                 l = l * corr + e;
 #pragma unroll
                 for (int c = 0; c < VL; ++c) {
-                    const int dd = lane + 32 * c;
+                    const int dd = part * VL + c;
                     acc[c] = acc[c] * corr + (dd < Dv ? e * load(v.p + vb + (i64)dd * stride_of<3, V>) : 0.0f);
                 }
                 m = mn;
             }
         }
+        // the lanes' softmax states merged over the keys' lanes (those of one part of the dims)
 #pragma unroll
-        for (int c = 0; c < VL; ++c) {
-            const int dd = lane + 32 * c;
-            if (dd < Dv) store(out.p + ob + (i64)dd * stride_of<3, O>, l > 0.0f ? acc[c] / l : 0.0f);
+        for (int x = G; x < 32; x <<= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, x), l2 = __shfl_xor_sync(0xffffffffu, l, x);
+            const float mn = m2 > m ? m2 : m;
+            const float c1 = m == neg_inf() ? 0.0f : expf(m - mn), c2 = m2 == neg_inf() ? 0.0f : expf(m2 - mn);
+            l = l * c1 + l2 * c2;
+#pragma unroll
+            for (int c = 0; c < VL; ++c) acc[c] = acc[c] * c1 + __shfl_xor_sync(0xffffffffu, acc[c], x) * c2;
+            m = mn;
+        }
+        if (key == 0) {
+            const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O>;
+#pragma unroll
+            for (int c = 0; c < VL; ++c) {
+                const int dd = part * VL + c;
+                if (dd < Dv) store(out.p + ob + (i64)dd * stride_of<3, O>, l > 0.0f ? acc[c] / l : 0.0f);
+            }
         }
     });
 }
