@@ -111,3 +111,18 @@ def test_the_server_on_the_loop_kernel(tiny) -> None:
         assert "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True)) == want
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_the_step_split_over_two_ranks_on_the_gpu(tiny, strategy: str) -> None:
+    """Two loop kernels (on two GPUs where there are, else sharing one): the CPU reference's tokens."""
+    gen = ml.Generator(tiny, backend="cpu", max_seq=128, dtype="float32")
+    ps = prompts(gen)[2:6]
+    cpu = Engine(gen, backend="cpu", max_slots=3, chunk=8, page_size=8)
+    want = [c.tokens for c in cpu.generate(ps, max_tokens=10, temperature=0.8, seed=3)]
+    cpu.close()
+    e = Engine(gen, backend="gpu", max_slots=3, chunk=8, page_size=8, devices=2, strategy=strategy, check_pages=True)
+    print(e.description)
+    got = [c.tokens for c in e.generate(ps, max_tokens=10, temperature=0.8, seed=3)]
+    e.close()
+    assert got == want

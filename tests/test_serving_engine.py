@@ -299,3 +299,16 @@ def test_the_step_kernel_compiles(gen) -> None:
     g = build_serving_step(gen.cfg, StepShape(slots=3, chunk=4, page_size=4, pages=40, max_seq=64), gen.eos_token_ids)
     source = generate(make_plan(g, processors=16, arch="sm_90")).source
     assert "ml::paged_attention<" in source and compile_cubin(source, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_the_step_split_over_two_devices(gen32, strategy: str) -> None:
+    """Two ranks of the CPU reference (ml.parallelize of the step): the Generator's tokens for each
+    prompt alone (pp computes what one device does; tp adds partial sums in rank order: float32)."""
+    ps = prompts(gen32)[2:6]
+    e = engine(gen32, max_slots=3, devices=2, strategy=strategy)
+    assert "2 ranks" in e.description and strategy in e.description
+    got = e.generate(ps, max_tokens=8, temperature=0.8, seed=3)
+    close_and_check(e)
+    for p, c in zip(ps, got):
+        assert c.tokens == gen32.generate(p, max_new_tokens=8, temperature=0.8, seed=3)[0].tokens

@@ -95,3 +95,105 @@ class GpuStep:
         if self.kernel is not None:
             self.kernel.stop()
             self.kernel = None
+
+
+class _Ranks:
+    """The step split over devices (``ml.parallelize``): each state written as its ranks' pieces, read
+    back put together from the ranks that hold them."""
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], devices: int, strategy: str) -> None:
+        from megaloop.parallel import parallelize
+
+        self.split = parallelize(graph, devices, strategy)
+        self.params = self.split.shard_parameters(params)
+        self.how = self.split.describe().splitlines()[0].partition(": ")[2]
+
+    def pieces(self, states: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return self.split.shard_state(states)
+
+    def names(self, names: Sequence[str]) -> list[list[str]]:
+        """Per rank, the local names of its pieces of ``names``."""
+        wanted = set(names)
+        return [
+            sorted(n.attrs["name"] for n, info in part.sources.items() if info.kind == "state" and info.name in wanted)
+            for part in self.split.parts
+        ]
+
+    def gather(self, states: Sequence[Mapping[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+        whole = self.split.gather_state(states)
+        return {n: whole[n] for n in names}
+
+
+class SplitCpuStep:
+    """The CPU reference over N ranks: the ranks' step graphs in one ``ml.evaluate``, exchanges included."""
+
+    name = "cpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
+                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        with progress.phase("split", 1, unit="graph"):
+            self.ranks = _Ranks(graph, params, devices, strategy)
+        self.state = self.ranks.pieces(initial_state(graph))
+        self.description = f"the CPU reference (numpy) as {devices} ranks: {self.ranks.how}"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        for mine, piece in zip(self.state, self.ranks.pieces(states)):
+            mine.update({k: np.array(v) for k, v in piece.items()})
+
+    def run(self, iterations: int) -> None:
+        r = self.ranks
+        results = evaluate(r.split.graphs, [{}] * r.split.world_size, r.params, self.state, iterations=iterations)
+        self.state = [x.state for x in results]
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.ranks.gather(self.state, names)
+
+    def close(self) -> None:
+        self.state = []
+
+
+class SplitGpuStep:
+    """N loop kernels (``LoopKernelGroup``), resident while the engine lives: rank r on GPU r mod the
+    GPUs found, ranks sharing a GPU with its SMs divided between them."""
+
+    name = "gpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
+                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        from megaloop.plan.cache import load_or_make_plan
+        from megaloop.runtime import gpus
+        from megaloop.runtime.group import LoopKernelGroup
+
+        found, reason = gpus()
+        if not found:
+            raise MegaloopError(f"no GPU for the loop kernels: {reason}")
+        self.gpus = [r % len(found) for r in range(devices)]
+        share = max(self.gpus.count(d) for d in set(self.gpus))
+        processors = min(found[d].sm_count for d in set(self.gpus)) // share
+        with progress.phase("split", 1, unit="graph"):
+            self.ranks = _Ranks(graph, params, devices, strategy)
+        with progress.phase("plan", 1, unit="graph"):
+            plan, _ = load_or_make_plan(self.ranks.split.graphs, use_cache=plan_cache, processors=processors,
+                                        arch=found[self.gpus[0]].plan_arch)  # fmt: skip
+        with progress.phase("upload", 1, unit="group"):  # (the group compiles its ranks' kernels too)
+            state = self.ranks.pieces(initial_state(graph))
+            self.group: Any = LoopKernelGroup(plan, self.ranks.params, state, devices=self.gpus)
+        self.description = f"{devices} loop kernels on {len(set(self.gpus))} GPU(s) ({found[0].name}): {self.ranks.how}"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        for kernel, piece in zip(self.group.kernels, self.ranks.pieces(states)):
+            if piece:
+                kernel.set_state(piece)
+
+    def run(self, iterations: int) -> None:
+        self.group.start(iterations)
+        self.group.wait()
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        local = self.ranks.names(names)
+        return self.ranks.gather([k.state(n) for k, n in zip(self.group.kernels, local)], names)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+            self.group = None

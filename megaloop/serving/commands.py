@@ -63,7 +63,9 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")  # fmt: skip
     p.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
-    p.add_argument("--devices", type=_at_least(1), default=1, metavar="N", help="devices to split the model over")
+    p.add_argument("--devices", type=_at_least(1), default=1, metavar="N", help="devices to split the step over")
+    p.add_argument("--strategy", default="auto", choices=["auto", "tp", "pp", "dp"],
+                   help="how --devices splits it (ml.parallelize; auto: the cost model picks)")  # fmt: skip
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while loading")
     p.set_defaults(fn=cmd_serve)
@@ -78,11 +80,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"megaloop serve: needs FastAPI and uvicorn ({e.name} is not installed): pip install 'megaloop[serve]'"
         ) from None
-    if args.devices > 1:
-        raise SystemExit(
-            f"megaloop serve: --devices {args.devices}: the engine runs on one device so far (docs/serving.md, "
-            "'Not done here'); use --devices 1"
-        )
     from megaloop.serving.engine import Engine
     from megaloop.serving.server import serve
 
@@ -92,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine(
             folder, max_slots=args.max_slots, chunk=args.chunk, page_size=args.page_size, pages=args.pages,
             max_seq=args.max_seq, backend=args.backend, max_queue=args.max_queue, dtype=args.dtype,
-            progress=False if args.no_progress else None,
+            progress=False if args.no_progress else None, devices=args.devices, strategy=args.strategy,
         )  # fmt: skip
     except MegaloopError as e:
         raise SystemExit(f"megaloop serve: {e}") from None

@@ -28,8 +28,9 @@ from typing import Any
 from megaloop.errors import MegaloopError
 from megaloop.generation.generator import Completion, GenerationError, Generator
 from megaloop.generation.progress import Progress
+from megaloop.generation.split import problem
 from megaloop.models.tokenizer import ChatTemplateError
-from megaloop.serving.backends import CpuStep, GpuStep
+from megaloop.serving.backends import CpuStep, GpuStep, SplitCpuStep, SplitGpuStep
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError, Settings, _Progress
 from megaloop.serving.slots import Event, SlotTable
 from megaloop.serving.step import PROGRESS, StepShape, build_serving_step
@@ -44,7 +45,8 @@ class Engine:
     ``pages``: the paged KV cache (default: enough pages for every slot to reach ``max_seq``);
     ``max_seq``: the longest prompt + completion (default: the model's context, at most 2048);
     ``backend``: "gpu", "cpu" or "auto"; ``max_queue``: requests that may wait for a slot (more are
-    refused with QueueFull); ``check_pages``: check the page pool's rules after every run (tests).
+    refused with QueueFull); ``check_pages``: check the page pool's rules after every run (tests);
+    ``devices`` > 1: the step split over that many devices by ``ml.parallelize``'s ``strategy``.
     The other keywords are ``Generator``'s (dtype, eos_token_ids, progress, plan_cache, ...)."""
 
     def __init__(
@@ -60,6 +62,8 @@ class Engine:
         max_queue: int = 1024,
         check_pages: bool = False,
         max_iterations: int | None = None,
+        devices: int = 1,
+        strategy: str = "auto",
         **generator_options: Any,
     ) -> None:
         for name, value in (("max_slots", max_slots), ("chunk", chunk), ("page_size", page_size),
@@ -79,9 +83,15 @@ class Engine:
         self.max_queue, self.check_pages = max_queue, check_pages
         self.max_iterations = max_iterations or (GPU_ITERATIONS if self.backend_name == "gpu" else 1)
         self.graph = build_serving_step(self.cfg, self.shape, self.eos_token_ids)
-        step = GpuStep if self.backend_name == "gpu" else CpuStep
         progress = self.generator.progress if isinstance(self.generator.progress, Progress) else Progress(None)
-        self.step = step(self.graph, self.generator.params, progress, plan_cache=self.generator.plan_cache)
+        if (why := problem(devices, strategy, self.cfg)) is not None:
+            raise EngineError(f"Engine: {why}")
+        if devices > 1:
+            step = SplitGpuStep if self.backend_name == "gpu" else SplitCpuStep
+            self.step = step(self.graph, self.generator.params, progress, self.generator.plan_cache, devices, strategy)
+        else:
+            step = GpuStep if self.backend_name == "gpu" else CpuStep
+            self.step = step(self.graph, self.generator.params, progress, plan_cache=self.generator.plan_cache)
         self.slots = SlotTable(self.shape)
         self.queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
