@@ -92,7 +92,7 @@ class TorchModel(torch.nn.Module):
         return x @ p["lm_head.weight"].T
 
 
-def torch_side(cfg, params: dict) -> dict:
+def torch_side(cfg, params: dict, compile_step: bool = True) -> dict:
     model = TorchModel(cfg, params)
     token = torch.tensor([5], device="cuda")
     with torch.no_grad():
@@ -100,8 +100,10 @@ def torch_side(cfg, params: dict) -> dict:
         # the best launch-based pipeline without a compiler: the eager step's kernels (cuBLAS products)
         # captured once in a CUDA graph and replayed, one step a replay
         replayed = time_torch(cuda_graph(lambda: model(token, PROMPT)).replay, warmup=5, repeat=50) * 1e6
-        compiled = torch.compile(lambda: model(token, PROMPT), mode="reduce-overhead")
-        graphed = time_torch(compiled, warmup=5, repeat=30) * 1e6
+        graphed = float("nan")
+        if compile_step:
+            compiled = torch.compile(lambda: model(token, PROMPT), mode="reduce-overhead")
+            graphed = time_torch(compiled, warmup=5, repeat=30) * 1e6
         prompt = torch.randint(0, cfg.vocab, (PROMPT,), device="cuda")  # the prefill, every position's logits
         prefill = time_torch(lambda: model.logits(prompt, 0)) * 1e3
     return {
@@ -175,6 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
+    ap.add_argument("--skip-torch-compile", action="store_true", help="no torch.compile step (a minute of compile)")
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
     ap.add_argument("--fusions", default="", help="the generator's Fusions: swiglu, none, ... (default: both)")
     ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
@@ -195,7 +198,7 @@ def main() -> None:
     results["options"] = dataclasses.asdict(options)
     results["fusions"] = dataclasses.asdict(fusions)
 
-    results.update(torch_side(cfg, params))
+    results.update(torch_side(cfg, params, not args.skip_torch_compile))
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()

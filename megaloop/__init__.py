@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """``megaloop.Generator`` (and its result types), imported when first used: they bring in the
     runtime, the tokenizer and jinja2, which building and evaluating graphs do not need."""
-    if name in ("Generator", "GenerationResult", "Completion"):
+    if name in ("Generator", "GenerationResult", "Completion", "GenerationSettings", "GenerationInterrupted"):
         import megaloop.generation
 
         return getattr(megaloop.generation, name)

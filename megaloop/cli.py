@@ -17,6 +17,7 @@ import argparse
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 
 import megaloop as ml
 from megaloop.cli_cache import add_cache_command
-from megaloop.errors import MegaloopError
+from megaloop.errors import MegaloopError, UsageError
 from megaloop.frontend.opdef import REGISTRY
 from megaloop.generation.commands import add_commands
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
@@ -54,11 +55,11 @@ COUNT = _at_least(1)
 def _writable_file(command: str, path: Path, force: bool) -> None:
     """Refuse, before any work, a file that cannot be written or would replace one unasked."""
     if not path.parent.is_dir():
-        raise SystemExit(f"megaloop {command}: cannot write {path}: the folder {path.parent} does not exist")
+        raise UsageError(f"megaloop {command}: cannot write {path}: the folder {path.parent} does not exist")
     if path.is_dir():
-        raise SystemExit(f"megaloop {command}: {path} is a folder; give a file name")
+        raise UsageError(f"megaloop {command}: {path} is a folder; give a file name")
     if path.exists() and not force:
-        raise SystemExit(f"megaloop {command}: {path} exists; pass --force to replace it")
+        raise UsageError(f"megaloop {command}: {path} exists; pass --force to replace it")
 
 
 class _CpuSteps:
@@ -273,7 +274,7 @@ def _tile_overrides(items: list[str], command: str = "plan") -> dict[str, dict[s
             key, value = setting.split("=")
             out.setdefault(name, {})[key] = int(value)
         except ValueError:
-            raise SystemExit(
+            raise UsageError(
                 f"megaloop {command}: --tile {item!r}: expected NAME:PARAM=INT, e.g. matmul:block_m=64"
             ) from None
     return out
@@ -289,6 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _writable_file("plan", Path(args.save), args.force)
     if args.dump:
         check_folder(args.dump, args.force)
+    print(f"megaloop plan: planning {args.preset} (Ctrl-C stops)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t1 = time.perf_counter()
@@ -335,10 +337,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cfg = PRESETS[args.preset]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"megaloop profile: --out {out} is a file; give a folder for trace.json and timeline.png")
+        raise UsageError(f"megaloop profile: --out {out} is a file; give a folder for trace.json and timeline.png")
     for name in ("trace.json", "timeline.png"):
         if (out / name).exists() and not args.force:
-            raise SystemExit(f"megaloop profile: {out / name} exists; pass --force to replace it, or another --out")
+            raise UsageError(f"megaloop profile: {out / name} exists; pass --force to replace it, or another --out")
     found, reason = gpus()
     on_gpu = bool(found) and not args.estimate
     processors = args.processors or (found[0].sm_count if found else 132)
@@ -369,7 +371,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"megaloop profile: cannot make the folder {out} for the results: {e}") from None
+        raise UsageError(f"megaloop profile: cannot make the folder {out} for the results: {e}") from None
     print(trace.format_summary(tl))
     print(trace.format_critical_path(tl))
     print(f"wrote {trace.save_chrome_trace(tl, out / 'trace.json')} (open in https://ui.perfetto.dev)")
@@ -465,12 +467,43 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: at once, no traceback (generate prints what it had itself)
+        return _interrupted(args.command, argv is None)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     except ml.MegaloopError as e:
         print(f"megaloop: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return 2 if _is_usage(e) else 1
     except BrokenPipeError:  # stdout closed early (megaloop ops | head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 1
+
+
+def _is_usage(e: MegaloopError) -> bool:
+    """Whether what the user asked for cannot be done as written (exit status 2: arguments, the files
+    and folders named); any other megaloop error is a failure while running (1: the loop kernel, a
+    compile, a data error, a plan that would race)."""
+    from megaloop.codegen.dump import DumpError
+    from megaloop.generation.settings import GenerationError
+    from megaloop.models.tokenizer import ChatTemplateError
+    from megaloop.runtime.trace import TraceError
+
+    usage = (ml.errors.GraphBuildError, ml.errors.CheckpointError, ml.errors.EvaluationError, ml.errors.PlanFormatError)
+    usage += (ml.errors.CacheError,)  # the cache's location or cap as the user set them
+    return isinstance(e, (*usage, UsageError, GenerationError, ChatTemplateError, DumpError, TraceError))
+
+INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
+
+
+def _interrupted(command: str, whole_process: bool) -> int:
+    """The exit status of a Ctrl-C; as the process's own command, threads still compiling are not
+    waited for."""
+    sys.stdout.flush()
+    print(f"\nmegaloop {command}: interrupted", file=sys.stderr, flush=True)
+    if whole_process and any(t.is_alive() and not t.daemon for t in threading.enumerate()[1:]):
+        os._exit(INTERRUPTED)
+    return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ class DeadlockError(PlanError):
     """The processors' task orders and waits can block each other forever."""
 
 
+class UsageError(MegaloopError, ValueError):
+    """A command asked for something it cannot do as written: a flag's value, a file it names (the
+    message is the whole line the command prints; it exits with status 2)."""
+
+
 class CheckpointError(MegaloopError, ValueError):
     """A model checkpoint that cannot be read or does not fit the model (names the file and tensor)."""
 

@@ -43,7 +43,9 @@ def weights(e: torch.Tensor) -> list[int]:
     return [0 if float(ei) < -40 else int(v) for ei, v in zip(e.tolist(), torch.floor(exact).tolist())]
 
 
-def sample_row(x: torch.Tensor, seed: int, offset: int, temperature: float, top_k: int, top_p: float) -> int:
+def sample_row(
+    x: torch.Tensor, seed: int, offset: int, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> int:
     """One row's token: ``x`` float32 [n]."""
     n = x.shape[0]
     nan = torch.isnan(x)
@@ -70,6 +72,8 @@ def sample_row(x: torch.Tensor, seed: int, offset: int, temperature: float, top_
                 floor = v
                 break
         kept = [k and v >= floor for v, k in zip(values, kept)]
+    least = round(min_p * 2**24) * 2**16  # min-p: weights below min_p of the largest one's 2^40 dropped
+    kept = [k and wi >= least for wi, k in zip(w, kept)]
     total = sum(wi for wi, k in zip(w, kept) if k)
     r = (draw(seed, offset) * total) >> 64
     running = 0
@@ -80,13 +84,17 @@ def sample_row(x: torch.Tensor, seed: int, offset: int, temperature: float, top_
     raise AssertionError("the running sum never passed the draw")
 
 
-def sample_ref(logits, seed, offset, temperature, top_k, top_p, **kw) -> torch.Tensor:
+def sample_ref(logits, seed, offset, temperature, top_k, top_p, min_p=None, **kw) -> torch.Tensor:
     """``sample`` of torch tensors (float64 logits holding the dtype's values, int64 / float64 parameters)."""
     rows = tuple(logits.shape[:-1])
     x = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
-    params = [torch.broadcast_to(t, rows).reshape(-1).tolist() for t in (seed, offset, temperature, top_k, top_p)]
+    min_p = torch.zeros(()) if min_p is None else min_p
+    params = [
+        torch.broadcast_to(t, rows).reshape(-1).tolist() for t in (seed, offset, temperature, top_k, top_p, min_p)
+    ]
     tokens = [
-        sample_row(x[i], int(s), int(o), float(t), int(k), float(p)) for i, (s, o, t, k, p) in enumerate(zip(*params))
+        sample_row(x[i], int(s), int(o), float(t), int(k), float(p), float(q))
+        for i, (s, o, t, k, p, q) in enumerate(zip(*params))
     ]
     return torch.tensor(tokens, dtype=torch.int64).reshape(rows)
 

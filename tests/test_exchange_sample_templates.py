@@ -93,7 +93,8 @@ def test_the_sample_calls_carry_the_rows_and_the_split() -> None:
     rest = [g.input("t", (1,), "float32"), g.input("k", (3,), "int64"), g.input("p", (), "float32")]
     g.output("y", ml.sample(x, seed, offset, *rest))
     call = assert_template_calls(generate(make_plan(g, processors=2)).source)["sample"]
-    args = "ml::at<50, 1>(in0), ml::at<0>(in1), ml::at<1>(in2), ml::at<0>(in3), ml::at<1>(in4), ml::at<0>(in5)"
+    args = "ml::at<50, 1>(in0), ml::at<0>(in1), ml::at<1>(in2), ml::at<0>(in3), ml::at<1>(in4), ml::at<0>(in5), "
+    args += "ml::at<0>(in6)"  # min_p: the builder's constant 0
     assert call == f"ml::smp::sample_tile<50, 128, 8960, 3>(a, t, tid, {args}, ml::at<1>(out0));", call
 
 

@@ -11,6 +11,7 @@ than the tolerance between the two best (greedy) or a nudge of the logits by it 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -108,16 +109,24 @@ CASES = [("tp", 3), ("pp", 3), ("dp", 3), ("auto", 3), ("auto", 1)]
 @pytest.mark.parametrize(("strategy", "batch"), CASES, ids=[f"{s}-batch{b}" for s, b in CASES])
 def test_split_greedy_tokens_match_one_device(tiny, one, strategy: str, batch: int) -> None:
     """tp2, pp2, dp2 (3 prompts over 2 devices: uneven) and auto on the tiny checkpoint (auto picks per
-    graph: dp2 for 3 prompts; for one, pp2 for the prefill and tp2 for the generator, the caches cut
-    again between them)."""
+    graph, the caches cut again between them; a graph this small is predicted fastest on one device,
+    and auto says so)."""
     prompts = PROMPTS[:batch]
     want = one.generate(prompts, max_new_tokens=NEW)
     got = split_generator(tiny, strategy).generate(prompts, max_new_tokens=NEW)
     print(got.stats.summary(), got.stats.split, sep="\n")
     assert got.stats.split.startswith(f"split over 2 devices ({strategy}): prefill ")
-    assert "as 2 ranks" in got.stats.backend
     if strategy != "auto":
+        assert "as 2 ranks" in got.stats.backend
         assert f"prefill {strategy}2" in got.stats.split and f"generator {strategy}2" in got.stats.split
+        assert got.stats.split.count("us on one device") == 2, "each graph's prediction beside one device's"
+    else:
+        picks = re.findall(r"(?:prefill|generator) (one device|\w+2)", got.stats.split)
+        assert len(picks) == 2, got.stats.split
+        ranks = ["1 rank" if p == "one device" else "2 ranks" for p in picks]
+        want_backend = ranks[0] if ranks[0] == ranks[1] else f"{ranks[0]} for the prefill, {ranks[1][0]} for"
+        assert f"as {want_backend}" in got.stats.backend, (got.stats.backend, picks)
+        assert all("no split predicted faster" in got.stats.split for p in picks if p == "one device")
     for b, (w, g) in enumerate(zip(want, got)):
         seq = w.prompt_tokens + w.tokens
         ref = logits_along(one.cfg, one.params, seq)
@@ -232,7 +241,9 @@ def test_the_command_line_splits_and_says_how(tiny, one, capsys) -> None:
     assert main([*args, "--devices", "2", "--strategy", "pp"]) == 0
     out, err = capsys.readouterr()
     assert out == alone  # pp: the same logits, the same text
-    assert "split over 2 devices (pp): prefill pp2 (pipeline over 2)" in err, err
+    assert "split over 2 devices (pp): prefill pp2 (pipeline over 2: by layers), " in err, err
+    pp = r"generator pp2 \(pipeline over 2: by layers\), [\d.]+ us a step predicted against [\d.]+ us on one device"
+    assert re.search(pp, err), err
     assert main([*args, "--devices", "4", "--strategy", "tp"]) == 2
     assert "devices 4 with strategy 'tp'" in capsys.readouterr().err
     for bad in ("0", "-2", "two"):
@@ -268,16 +279,17 @@ def test_the_split_plans_run_on_the_plan_interpreter(one) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])
-@pytest.mark.parametrize("strategy", ["tp", "pp"])
+@pytest.mark.parametrize("strategy", ["tp", "pp", "dp", "auto"])
 def test_two_ranks_on_one_gpu_match_one_device(tiny, one, strategy: str) -> None:
     """devices=2 with one GPU: two loop kernels of half its SMs each (the runtime's ranks sharing a
     GPU, tests/test_gpu_shared.py), the tokens those of one device on the GPU (and the CPU
-    reference) where the logits leave a margin."""
+    reference) where the logits leave a margin. auto keeps the tiny model's graphs on one device
+    (one loop kernel of every SM)."""
     kw = {"dtype": "float32", "eos_token_ids": (), "progress": False}
     alone = ml.Generator(tiny, backend="gpu", **kw).generate(PROMPTS, max_new_tokens=NEW)
     got = ml.Generator(tiny, backend="gpu", devices=2, strategy=strategy, **kw).generate(PROMPTS, max_new_tokens=NEW)
     print(got.stats.summary(), got.stats.split, sep="\n")
-    assert "2 loop kernels" in got.stats.backend
+    assert ("1 loop kernel" if strategy == "auto" else "2 loop kernels") in got.stats.backend
     for b, (a, g) in enumerate(zip(alone, got)):
         ref = logits_along(one.cfg, one.params, a.prompt_tokens + a.tokens)
         check_tokens(g.tokens, a.tokens, a.prompt_tokens, ref, f"{strategy} on one GPU, prompt {b}")
@@ -312,7 +324,7 @@ def test_the_gpu_backend_hands_each_rank_its_pieces(one, fake_gpu) -> None:
         cfg, params, 2, 4, sampling=False, eos_ids=(), progress=Progress(False), plan_cache=False, devices=2,
         strategy="tp",
     )  # fmt: skip
-    assert backend.gpus == [0, 0] and all(p.processors == 66 for p in backend.plans)
+    assert backend.devices == [[0, 0], [0, 0]] and all(p.processors == 66 for p in backend.plans)
     assert "2 loop kernels on 1 GPU (Fake H200, 2 ranks a GPU of 66 SMs each)" == backend.description
     try:
         backend.setup_prefill()
@@ -338,3 +350,31 @@ def test_the_gpu_backend_hands_each_rank_its_pieces(one, fake_gpu) -> None:
     finally:
         backend.close()
     assert backend.group is None and all(k.left.is_set() for k in fake_gpu.kernels)
+
+
+def test_the_gpu_backend_runs_a_graph_auto_keeps_whole_as_one_kernel(one, fake_gpu) -> None:
+    """auto keeps the tiny model's graphs on one device: one loop kernel of every SM a graph, the
+    whole parameters, the history read back from it (the fake computes nothing)."""
+    from megaloop.generation.progress import Progress
+    from megaloop.generation.split import SplitGpuBackend
+
+    cfg = dataclasses.replace(one.cfg, max_seq=16)
+    backend = SplitGpuBackend(
+        cfg, one.params, 1, 4, sampling=False, eos_ids=(), progress=Progress(False), plan_cache=False, devices=2,
+        strategy="auto",
+    )  # fmt: skip
+    assert backend.split.ranks == (1, 1), backend.split.summary()
+    assert backend.devices == [[0], [0]] and all(p.processors == 132 for p in backend.plans)
+    assert backend.description == "1 loop kernel on 1 GPU (Fake H200)"
+    try:
+        backend.setup_prefill()
+        feeds = {"tokens": np.ones((1, 4), np.int64), "positions": np.arange(4)[None], "last": np.array([3])}
+        assert backend.prefill(feeds).shape == (1, 1, cfg.vocab)
+        start = {"token": np.array([[7]]), "position": np.array([[4]]), "stop": np.array([[9]])}
+        backend.setup_generator(start)
+        assert len(backend.group.kernels) == 1
+        assert set(backend.split.params[1][0]) == set(one.params)
+        history = backend.advance(2)
+        assert np.array_equal(history["token"], start["token"])
+    finally:
+        backend.close()

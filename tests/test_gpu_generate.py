@@ -5,6 +5,7 @@ paths of all of it: tests/test_generate.py, tests/test_hf_models.py, tests/test_
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -75,3 +76,58 @@ def test_the_command_on_the_gpu(tiny, capsys) -> None:
     out, err = capsys.readouterr()
     assert "on the loop kernel" in err and re.search(r"\d+ decode steps in [\d.]+ s", err), err
     assert out.strip()
+
+
+def test_penalties_min_p_and_logprobs_on_the_loop_kernel_are_the_cpu_references(tiny) -> None:
+    """The penalties (counts and prompt tokens in states), min-p and the top-3 log-probabilities made
+    in the loop kernel: float32, the CPU reference's tokens (a draw parts only within rounding of a
+    boundary), log-probabilities within float32 rounding of the reference's, greedy with a repetition
+    penalty too; stop strings and n sequences through the same run."""
+    kw = {"temperature": 0.9, "min_p": 0.02, "repetition_penalty": 1.3, "presence_penalty": 0.4,
+          "frequency_penalty": 0.2, "seed": 11, "max_new_tokens": 32, "logprobs": 3}  # fmt: skip
+    gpu = ml.Generator(tiny, backend="gpu", dtype="float32")
+    cpu = ml.Generator(tiny, backend="cpu", dtype="float32")
+    for settings in (kw, {**kw, "temperature": 0.0}, {**kw, "n": 2, "stop": ["e"]}):
+        got, want = gpu.generate(PROMPTS, **settings), cpu.generate(PROMPTS, **settings)
+        assert [c.tokens for c in got] == [c.tokens for c in want], settings
+        assert [c.text for c in got] == [c.text for c in want]
+        worst = max(abs(a.logprob - b.logprob) for c, d in zip(got, want) for a, b in zip(c.logprobs, d.logprobs))
+        assert worst < 5e-5, f"log-probabilities {worst:.1e} from the reference's"
+        for c, d in zip(got, want):
+            assert [[t for t, _ in a.top] for a in c.logprobs] == [[t for t, _ in b.top] for b in d.logprobs]
+
+
+def test_greedy_repetition_penalty_on_the_loop_kernel_is_transformers(tmp_path) -> None:
+    from tests.hf_models import make_model, torch
+
+    model = make_model("qwen2", tmp_path)
+    prompt = [0, *np.random.default_rng(2).integers(1, 96, 6).tolist()]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             repetition_penalty=1.05, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    gen = ml.Generator(tmp_path, backend="gpu", dtype="float32", eos_token_ids=())
+    assert gen.generate(prompt, max_new_tokens=16, repetition_penalty=1.05)[0].tokens == out[0, len(prompt) :].tolist()
+
+
+def test_the_command_on_the_gpu_with_the_new_settings(tiny, capsys) -> None:
+    args = ["generate", "--model", str(tiny), "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--temperature", "0.8",
+            "--min-p", "0.05", "--repetition-penalty", "1.2", "--n", "2", "--logprobs", "2"]  # fmt: skip
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert len(lines) == 2 and all(len(x["logprobs"]) == len(x["tokens"]) for x in lines)
+    assert "on the loop kernel" in err and "drawn: --seed" in err
+
+
+def test_ctrl_c_on_the_loop_kernel_stops_cleanly(tiny) -> None:
+    """SIGINT while the generator's loop kernel runs: the text so far and a newline, the timings, exit
+    status 130, no traceback; the kernel stopped (a second run in a new process works)."""
+    from tests.test_generate_cli import interrupt
+
+    args = ["generate", "--model", str(tiny), "--prompt", "Once", "--max-new-tokens", "1500", "--temperature", "1",
+            "--seed", "1", "--no-progress"]  # fmt: skip
+    code, out, err, took = interrupt(args, ready="", after=0.5)
+    assert code == 130 and took < 10 and "Traceback" not in err, (code, took, err)
+    assert out.endswith("\n") and "interrupted after" in err and "on the loop kernel" in err
+    assert main(["generate", "--model", str(tiny), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0

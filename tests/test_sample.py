@@ -101,7 +101,7 @@ def graph_of(shape: tuple[int, ...], dtype: str, params_shape: tuple[int, ...] |
     seed = g.input("seed", ps, "int64")
     offset = g.input("offset", rows, "int64")
     temperature, top_k, top_p = g.input("t", ps, "float32"), g.input("k", ps, "int64"), g.input("p", ps, "float32")
-    g.output("token", ml.sample(x, seed, offset, temperature, top_k, top_p))
+    g.output("token", ml.sample(x, seed, offset, temperature, top_k, top_p, g.input("q", ps, "float32")))
     return g
 
 
@@ -122,6 +122,7 @@ def random_feeds(rng: np.random.Generator, shape, dtype: str, params_shape=None)
         "t": rng.choice(np.array([0.0, 1e-3, 0.3, 1.0, 2.0, 50.0], F32), ps),
         "k": rng.choice(np.array([0, 1, 2, 5, n - 1, n, n + 7]), ps).astype(np.int64),
         "p": rng.choice(np.array([1.0, 0.999, 0.9, 0.5, 0.2, 1e-9], F32), ps),
+        "q": rng.choice(np.array([0.0, 0.0, 0.0, 1e-5, 0.05, 0.5, 1.0], F32), ps),
     }
 
 
@@ -136,7 +137,7 @@ def test_reference_is_the_independent_implementation(dtype: str) -> None:
             torch.from_numpy(feeds["x"].astype(np.float64)),
             *(
                 torch.from_numpy(feeds[k].astype(np.float64 if feeds[k].dtype.kind == "f" else np.int64))
-                for k in ("seed", "offset", "t", "k", "p")
+                for k in ("seed", "offset", "t", "k", "p", "q")
             ),
         ).numpy()
         assert np.array_equal(got, want), f"case {case}: {got} != {want}, feeds {feeds}"
@@ -160,7 +161,7 @@ def test_plan_interpreter_gives_the_references_tokens_in_any_order() -> None:
 # ---- what a user relies on ---------------------------------------------------------------------------------
 
 
-def tokens(x: np.ndarray, *, seed=0, offset=None, t=1.0, k=0, p=1.0, dtype: str = "float32") -> np.ndarray:
+def tokens(x: np.ndarray, *, seed=0, offset=None, t=1.0, k=0, p=1.0, q=0.0, dtype: str = "float32") -> np.ndarray:
     """The reference's tokens for rows ``x`` [rows, n] (offsets 0.. by default)."""
     rows = x.shape[0]
     g = graph_of(x.shape, dtype)
@@ -171,6 +172,7 @@ def tokens(x: np.ndarray, *, seed=0, offset=None, t=1.0, k=0, p=1.0, dtype: str 
         "t": np.full(rows, t, F32),
         "k": np.full(rows, k, np.int64),
         "p": np.full(rows, p, F32),
+        "q": np.full(rows, q, F32),
     }
     return ml.evaluate(g, feeds).outputs["token"]
 
@@ -242,46 +244,51 @@ def drawn_counts(x: np.ndarray, n: int = DRAWS, seed: int = 99, **kw) -> np.ndar
 
 
 @pytest.mark.parametrize(
-    "t,k,p,keep",
+    "t,k,p,q,keep",
     [
-        (1.0, 0, 1.0, None),
-        (0.6, 0, 1.0, None),  # the rarest tokens' categories merged (too few expected draws each)
-        (2.5, 0, 1.0, None),
-        (1.0, 3, 1.0, [0, 1, 2]),  # the 3rd largest logit is 1.5, tied with the 2nd
-        (1.0, 2, 1.0, [0, 1, 2]),  # k = 2 keeps both 1.5s: ties at the boundary stay
-        (1.0, 0, 0.5, [0, 1, 2]),  # 2.0 alone weighs 0.22, with the two 1.5s 0.49 (< 0.5): with 1.0, 0.57
-        (1.0, 5, 0.8, [0, 1, 2, 8]),  # within the top 5, {2.0, 1.5, 1.5} weigh 0.78, with 1.0 0.91
+        (1.0, 0, 1.0, 0.0, None),
+        (0.6, 0, 1.0, 0.0, None),  # the rarest tokens' categories merged (too few expected draws each)
+        (2.5, 0, 1.0, 0.0, None),
+        (1.0, 3, 1.0, 0.0, [0, 1, 2]),  # the 3rd largest logit is 1.5, tied with the 2nd
+        (1.0, 2, 1.0, 0.0, [0, 1, 2]),  # k = 2 keeps both 1.5s: ties at the boundary stay
+        (1.0, 0, 0.5, 0.0, [0, 1, 2]),  # 2.0 alone weighs 0.22, with the two 1.5s 0.49 (< 0.5): with 1.0, 0.57
+        (1.0, 5, 0.8, 0.0, [0, 1, 2, 8]),  # within the top 5, {2.0, 1.5, 1.5} weigh 0.78, with 1.0 0.91
+        (1.0, 0, 1.0, 0.3, [0, 1, 2, 8]),  # min-p: e^(x - 2) >= 0.3 for x >= 0.80
+        (2.5, 0, 1.0, 0.3, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),  # after the temperature: x >= 2 + 2.5 ln 0.3 = -1.01
+        (1.0, 5, 0.95, 0.45, [0, 1, 2]),  # top-k, top-p (keeps 5), then min-p (x >= 1.20)
+        (1.0, 0, 0.5, 0.01, [0, 1, 2]),  # top-p's set is smaller than min-p's: top-p decides
     ],
 )
-def test_the_distribution_is_softmax_over_the_kept_tokens(t, k, p, keep, capsys) -> None:
+def test_the_distribution_is_softmax_over_the_kept_tokens(t, k, p, q, keep, capsys) -> None:
     """Pearson's chi-square over DRAWS draws (offsets 0..DRAWS-1), categories with fewer than 20
     expected draws merged. Why the bound holds: the sampler's own law differs from softmax by a
     relative 1e-5 at most (the weights' quantisation), a non-centrality of DRAWS * (1e-5)^2 = 2e-5 in
     the statistic, so under a correct sampler it is chi-square(categories - 1) up to that, and a
-    p-value below P_VALUE fails the test."""
+    p-value below P_VALUE fails the test. The kept set: top-k, then top-p of top-k's mass, then min-p
+    of the temperature's distribution (transformers' order)."""
     x = LOGITS
     kept = np.ones(len(x), bool)
-    if k or p < 1:  # the expected set from the float64 definition, written out here
-        order = np.argsort(-x.astype(np.float64), kind="stable")
+    if k or p < 1 or q > 0:  # the expected set from the float64 definition, written out here
         kth = np.sort(x)[::-1][k - 1] if k else -np.inf
         in_k = x >= kth
-        q = softmax(x, t, in_k)
+        qk = softmax(x, t, in_k)
         thresholds = sorted(set(x[in_k].tolist()), reverse=True)
-        floor = next(v for v in thresholds if q[x >= v].sum() >= p) if p < 1 else kth
-        kept = x >= floor
-        assert set(np.flatnonzero(kept).tolist()) == set(keep), (np.flatnonzero(kept), keep, order)
-    counts = drawn_counts(x, seed=int(100 * t + 10 * k + 1000 * p), t=t, k=k, p=p)
-    q = softmax(x, t, kept)
+        floor = next(v for v in thresholds if qk[x >= v].sum() >= p) if p < 1 else kth
+        kept = (x >= floor) & (np.exp((x.astype(np.float64) - x.max()) / t) >= q)
+        assert set(np.flatnonzero(kept).tolist()) == set(keep), (np.flatnonzero(kept), keep)
+    counts = drawn_counts(x, seed=int(100 * t + 10 * k + 1000 * p + 10000 * q), t=t, k=k, p=p, q=q)
+    probs = softmax(x, t, kept)
     assert counts[~kept].sum() == 0, f"drawn outside the kept set: {counts}"
-    cats = np.flatnonzero(kept & (DRAWS * q >= 20))
+    cats = np.flatnonzero(kept & (DRAWS * probs >= 20))
     rest = np.setdiff1d(np.flatnonzero(kept), cats)
     obs = np.append(counts[cats], counts[rest].sum()) if rest.size else counts[cats]
-    exp = np.append(q[cats], q[rest].sum()) if rest.size else q[cats]
+    exp = np.append(probs[cats], probs[rest].sum()) if rest.size else probs[cats]
     if rest.size and DRAWS * exp[-1] < 20:  # the merged tail still too rare: fold it into the last category
         obs, exp = np.append(obs[:-2], obs[-2:].sum()), np.append(exp[:-2], exp[-2:].sum())
     stat, pv = chi_square_p_value(obs, exp)
     with capsys.disabled():
-        print(f"\nT={t} k={k} p={p}: chi-square {stat:.1f} over {len(obs) - 1} degrees of freedom, p-value {pv:.3g}")
+        print(f"\nT={t} k={k} p={p} min_p={q}: chi-square {stat:.1f} over {len(obs) - 1} degrees of freedom, "
+              f"p-value {pv:.3g}")  # fmt: skip
     assert pv > P_VALUE, f"the draws do not follow softmax(logits / T): chi-square {stat:.1f}, p-value {pv:.3g}"
 
 
@@ -328,6 +335,17 @@ def test_top_k_and_top_p_never_draw_outside_their_sets() -> None:
         assert np.all(drawn | ~kept | rare), f"case {case}: kept tokens never drawn {np.flatnonzero(kept & ~drawn)}"
 
 
+def test_min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_top() -> None:
+    """min_p 1 keeps the largest logit's tie group alone; a min_p just above or below a token's ratio
+    to the likeliest (far from the weights' quantisation) drops or keeps it."""
+    x = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 3.0], F32)
+    assert set(tokens(np.broadcast_to(x, (3000, 6)), q=1.0).tolist()) == {1, 3, 5}
+    ratio = math.exp(-1.0)  # token 2's probability over a 3.0's
+    assert set(tokens(np.broadcast_to(x, (3000, 6)), q=ratio * 1.001).tolist()) == {1, 3, 5}
+    assert set(tokens(np.broadcast_to(x, (3000, 6)), q=ratio * 0.999).tolist()) == {1, 2, 3, 5}
+    assert set(tokens(np.broadcast_to(x, (3000, 6)), t=2.0, q=math.exp(-0.5) * 0.999).tolist()) == {1, 2, 3, 5}
+
+
 def test_top_p_of_a_tie_keeps_the_whole_group_and_tiny_top_p_keeps_the_top() -> None:
     x = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 3.0], F32)
     for p in (1e-9, 0.01, 0.3):  # the three 3.0s weigh 0.87: any top_p up to that keeps exactly them
@@ -342,8 +360,9 @@ def test_top_p_of_a_tie_keeps_the_whole_group_and_tiny_top_p_keeps_the_top() -> 
 
 def test_bad_parameters_are_data_errors() -> None:
     x = np.zeros((2, 10), F32)
-    for bad in ({"t": -1.0}, {"t": np.inf}, {"t": np.nan}, {"k": -1}, {"p": 0.0}, {"p": 1.5}, {"p": np.nan}):
-        kw = {"t": 1.0, "k": 0, "p": 1.0, **bad}
+    bads = ({"t": -1.0}, {"t": np.inf}, {"t": np.nan}, {"k": -1}, {"p": 0.0}, {"p": 1.5}, {"p": np.nan}, {"q": -0.5})
+    for bad in (*bads, {"q": 1.01}, {"q": np.nan}):
+        kw = {"t": 1.0, "k": 0, "p": 1.0, "q": 0.0, **bad}
         with pytest.raises(DataError, match=r"sample: row \(0,\) has temperature"):
             tokens(x, **kw)
 
@@ -380,7 +399,7 @@ def test_sample_tokens_on_host_arrays_is_the_op() -> None:
     shape = (3, 2, 77)
     feeds = random_feeds(rng, shape, "bfloat16")
     want = ml.evaluate(graph_of(shape, "bfloat16"), feeds).outputs["token"]
-    got = sample_tokens(feeds["x"], feeds["seed"], feeds["offset"], feeds["t"], feeds["k"], feeds["p"])
+    got = sample_tokens(feeds["x"], feeds["seed"], feeds["offset"], feeds["t"], feeds["k"], feeds["p"], feeds["q"])
     assert np.array_equal(got, want)
     assert sample_tokens(np.array([0.0, 5.0, 1.0]), 0, 0, 0.0).item() == 1  # numbers broadcast; 0-d rows
     with pytest.raises(DataError, match="top_p"):
@@ -414,7 +433,7 @@ def test_split_sample_is_sample_in_any_order(dtype: str, monkeypatch) -> None:
             )
         g = ml.Graph("split")
         x = g.input("x", shape, dtype)
-        ins = [g.input(k, feeds[k].shape, feeds[k].dtype.name) for k in ("seed", "offset", "t", "k", "p")]
+        ins = [g.input(k, feeds[k].shape, feeds[k].dtype.name) for k in ("seed", "offset", "t", "k", "p", "q")]
         splits = int(rng.integers(2, 12))
         g.output("token", ml.sample(x, *ins, splits=splits))
         assert [n.op.name for n in g.nodes][-3:] == ["argmax_partial", "sample_partial", "sample_combine"]
@@ -429,11 +448,11 @@ def test_the_split_halves_build_on_their_own() -> None:
     g = ml.Graph("halves")
     x = g.input("x", (2, 300), "float32")
     s, o, t = g.input("s", (2,), "int64"), g.input("o", (2,), "int64"), g.input("t", (2,), "float32")
-    k, p = g.input("k", (2,), "int64"), g.input("p", (2,), "float32")
+    k, p, q = g.input("k", (2,), "int64"), g.input("p", (2,), "float32"), g.input("q", (2,), "float32")
     summary = ml.sample_partial(x, t, splits=4)
     assert summary.shape == (2, 4, 66) and summary.dtype == ml.int64
-    g.output("halves", ml.sample_combine(x, summary, s, o, t, k, p))
-    g.output("whole", ml.sample(x, s, o, t, k, p, splits=4))
+    g.output("halves", ml.sample_combine(x, summary, s, o, t, k, p, q))
+    g.output("whole", ml.sample(x, s, o, t, k, p, q, splits=4))
     feeds = random_feeds(np.random.default_rng(4), (2, 300), "float32")
     feeds = {
         "x": feeds["x"],
@@ -442,6 +461,7 @@ def test_the_split_halves_build_on_their_own() -> None:
         "t": feeds["t"],
         "k": feeds["k"],
         "p": feeds["p"],
+        "q": feeds["q"],
     }
     out = ml.evaluate(g, feeds).outputs
     assert np.array_equal(out["halves"], out["whole"])
@@ -449,3 +469,30 @@ def test_the_split_halves_build_on_their_own() -> None:
         ml.sample_combine(g.input("y", (2, 300), "float32"), summary, s, o, t, k, p)
     with pytest.raises(GraphBuildError, match="splits must be an int >= 1"):
         ml.sample(x, s, o, splits=0)
+
+
+def test_split_min_p_settles_from_the_candidates_or_computes_the_row_whole(monkeypatch) -> None:
+    """min-p alone (no top-k, top-p): where nothing at or below the candidates' bound is likely enough
+    (a few likely tokens over a long tail), the combine draws from the candidates; where the bound's own
+    weight reaches min-p's (a flat row), it computes the row whole. Both give sample's tokens."""
+    from megaloop.frontend.ops import sample_split
+
+    paths: list[bool] = []
+    real = sample_split.combine_row
+    monkeypatch.setattr(sample_split, "combine_row", lambda *a: paths.append((t := real(*a)) is None) or t)
+    rng = np.random.default_rng(31)
+    n, rows = 3000, 64
+    peaked = rng.standard_normal((rows, n)) + (rng.random((rows, n)) < 0.003) * 9
+    flat = rng.standard_normal((rows, n)) * 0.01
+    for x, whole in ((peaked, False), (flat, True)):
+        paths.clear()
+        feeds = {"x": x.astype(F32), "seed": np.arange(rows), "offset": np.zeros(rows, np.int64)}
+        feeds.update(t=np.ones(rows, F32), k=np.zeros(rows, np.int64), p=np.ones(rows, F32), q=np.full(rows, 0.1, F32))
+        g = ml.Graph("split-min-p")
+        ins = [g.input(k, v.shape, v.dtype.name) for k, v in feeds.items()]
+        g.output("token", ml.sample(*ins, splits=10))
+        want = ml.evaluate(graph_of((rows, n), "float32"), feeds).outputs["token"]
+        assert np.array_equal(ml.evaluate(g, feeds).outputs["token"], want)
+        assert paths and all(p == whole for p in paths), (whole, paths)
+        if not whole:  # and min-p mattered: without it other tokens come
+            assert not np.array_equal(tokens(x, seed=np.arange(rows), offset=np.zeros(rows)), want)

@@ -46,7 +46,8 @@ def sample_graph(cases: list[tuple[tuple[int, ...], str, int | None]]) -> ml.Gra
         rows = shape[:-1]
         x = g.input(f"x{i}", shape, dtype)
         params = [g.input(f"{name}{i}", rows, dt) for name, dt in (("s", "int64"), ("o", "int64"), ("t", "float32"))]
-        params += [g.input(f"k{i}", rows, "int64"), g.input(f"p{i}", rows, "float32")]
+        params += [g.input(f"k{i}", rows, "int64")]
+        params += [g.input(f"{name}{i}", rows, "float32") for name in "pq"]
         g.output(f"token{i}", ml.sample(x, *params, splits=splits))
     return g
 
@@ -170,6 +171,10 @@ inline float load(const float* p) { return *p; }
 inline float load(const bf16* p) { return to_float(*p); }
 inline float load(const f16* p) { return to_float(*p); }
 inline void store(i64* p, i64 v) { *p = v; }
+inline void store(float* p, float v) { *p = v; }
+inline i64 load(const int* p) { return *p; }
+inline i64 load(const i64* p) { return *p; }
+inline bool load(const bool* p) { return *p; }
 template <class T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 template <class T, int N> inline Pack<T, N> load_pack(const T* p) { Pack<T, N> r; memcpy(&r, p, sizeof r); return r; }
 template <class T, int N> inline float get(const Pack<T, N>& p, int i) { return load(&p.v[i]); }
@@ -304,13 +309,15 @@ def run_generated(
     boxes: list[Box],
     threads: int,
     misalign: int = 0,
+    out_dtype: type = np.int64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the tile on ``boxes``: input k holds ``arrays[k]`` laid out with ``strides[k]`` (the first
-    ``misalign`` elements off a 16-byte boundary), the int64 output is contiguous ``out_shape``. The
-    output and the error info."""
+    ``misalign`` elements off a 16-byte boundary), the output (``out_dtype``) is contiguous ``out_shape``.
+    The output and the error info."""
+    size = np.dtype(out_dtype).itemsize
     spans = [1 + sum((d - 1) * st for d, st in zip(a.shape, sd)) for a, sd in zip(arrays, strides)]
     places = [(span, a.dtype.itemsize, misalign if k == 0 else 0) for k, (a, span) in enumerate(zip(arrays, spans))]
-    places.append((max(1, int(np.prod(out_shape))), 8, 0))
+    places.append((max(1, int(np.prod(out_shape))), size, 0))
     offsets, at = [], 64
     for count, size, mis in places:
         offsets.append(at + mis * size)
@@ -331,7 +338,7 @@ def run_generated(
     lib.run.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr]
     lib.run(arena.ctypes.data, lo.ctypes.data, hi.ctypes.data, len(boxes), off.ctypes.data, threads, info.ctypes.data)
     count = max(1, int(np.prod(out_shape)))
-    return arena[offsets[-1] : offsets[-1] + 8 * count].view(np.int64).reshape(out_shape).copy(), info
+    return arena[offsets[-1] : offsets[-1] + size * count].view(out_dtype).reshape(out_shape).copy(), info
 
 
 def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -379,13 +386,14 @@ def draw_case(rng: np.random.Generator, rows: tuple[int, ...], n: int, dtype: st
         rng.choice(np.array([0.0, 1e-40, 0.01, 0.3, 1.0, 2.0, 50.0], F32), rows),
         rng.choice(np.array([0, 1, 2, 5, 40, max(1, n - 1), n, n + 5]), rows).astype(np.int64),
         rng.choice(np.array([1.0, 0.999, 0.9, 0.5, 0.1, 1e-9], F32), rows),
+        rng.choice(np.array([0.0, 0.0, 1e-6, 0.02, 0.3, 1.0], F32), rows),
     ]
     return x, params
 
 
 def tile_body(x: Operand, rows: tuple[int, ...]) -> list[str]:
     ops = [x] + [operand(dt, rows) for _, dt in (("s", "int64"), ("o", "int64"), ("t", "float32"))]
-    ops += [operand("int64", rows), operand("float32", rows)]
+    ops += [operand("int64", rows), operand("float32", rows), operand("float32", rows)]
     return tile("sample", {}, ops, operand("int64", rows))
 
 
@@ -423,19 +431,20 @@ def test_generated_tile_gives_the_references_tokens_on_the_cpu(case: int, tmp_pa
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_generated_tile_on_llama3s_vocabulary(dtype: str, tmp_path: Path) -> None:
     """128256 logits a row (1002 chunks of 128), rows drawn as a language model's: a few likely tokens
-    and a long tail; greedy, temperature alone, top-k, top-p and both."""
-    n, rows = 128256, (5,)
+    and a long tail; greedy, temperature alone, top-k, top-p, both, and min-p."""
+    n, rows = 128256, (6,)
     lib = build_tile(tile_body(operand(dtype, (*rows, n)), rows), tmp_path)
     rng = np.random.default_rng(7)
     x = ml.dtypes.round_to(
         rng.standard_normal((*rows, n)) * 2.5 + (rng.random((*rows, n)) < 1e-3) * 8, ml.as_dtype(dtype)
     )
     params = [
-        np.array([1, 2, 3, 4, 5], np.int64),
-        np.array([100, 101, 102, 103, 104], np.int64),
-        np.array([0.0, 1.0, 0.7, 0.7, 1.3], F32),
-        np.array([0, 0, 50, 0, 40], np.int64),
-        np.array([1.0, 1.0, 1.0, 0.9, 0.95], F32),
+        np.array([1, 2, 3, 4, 5, 6], np.int64),
+        np.array([100, 101, 102, 103, 104, 105], np.int64),
+        np.array([0.0, 1.0, 0.7, 0.7, 1.3, 1.3], F32),
+        np.array([0, 0, 50, 0, 40, 0], np.int64),
+        np.array([1.0, 1.0, 1.0, 0.9, 0.95, 1.0], F32),
+        np.array([0.0, 0.0, 0.0, 0.0, 0.01, 0.05], F32),
     ]
     got, info = run_tile(lib, x, params, row_boxes(rows), threads=256)
     assert info[0] == 0 and np.array_equal(got, sample_tokens(x, *params)), (got, sample_tokens(x, *params))
@@ -461,7 +470,10 @@ def test_generated_tile_reports_bad_parameters(tmp_path: Path) -> None:
     lib = build_tile(tile_body(operand("float32", (*rows, n)), rows), tmp_path)
     x = np.zeros((*rows, n), F32)
     good = [np.zeros(3, np.int64), np.zeros(3, np.int64), np.ones(3, F32), np.zeros(3, np.int64), np.ones(3, F32)]
-    for k, bad in ((2, -1.0), (2, np.inf), (2, np.nan), (3, -2), (4, 0.0), (4, 1.5), (4, np.nan)):
+    good.append(np.zeros(3, F32))
+    bads = ((2, -1.0), (2, np.inf), (2, np.nan), (3, -2), (4, 0.0), (4, 1.5), (4, np.nan))
+    bads += ((5, -0.1), (5, 1.5), (5, np.nan))
+    for k, bad in bads:
         params = [p.copy() for p in good]
         params[k][2] = bad
         _, info = run_tile(lib, x, params, row_boxes(rows, 3), 32)
@@ -554,7 +566,7 @@ def test_an_fma_in_the_polynomial_changes_the_weights(tmp_path: Path) -> None:
 def test_a_tile_whose_kept_set_drops_the_boundary_ties_does_not_pass(tmp_path: Path) -> None:
     """The chunk sums with a top-k/top-p boundary that leaves out its tie group: other tokens."""
     text = HEADER.read_text()
-    mutant = text.replace("if (keymax - key_of(v) <= limit) sum +=", "if (keymax - key_of(v) < limit) sum +=")
+    mutant = text.replace("if (keymax - key_of(v) <= limit) {", "if (keymax - key_of(v) < limit) {")
     assert mutant != text
     rows, n = (16,), 400
     lib = build_tile(tile_body(operand("float32", (*rows, n)), rows), tmp_path, header=mutant)
@@ -566,6 +578,7 @@ def test_a_tile_whose_kept_set_drops_the_boundary_ties_does_not_pass(tmp_path: P
         np.full(rows, 0.9, F32),
         np.full(rows, 60, np.int64),
         np.full(rows, 0.8, F32),
+        np.zeros(rows, F32),
     ]
     got, _ = run_tile(lib, x, params, row_boxes(rows, 4), 64)
     assert not np.array_equal(got, sample_tokens(x, *params)), "the mutant gave the reference's tokens"
@@ -605,6 +618,7 @@ def split_draw(rng: np.random.Generator, rows: tuple[int, ...], n: int, dtype: s
     params[2] = rng.choice(np.array([0.0, 0.7, 1.0, 1.5], F32), rows)
     params[3] = rng.choice(np.array([0, 0, 20, 50, n + 1]), rows).astype(np.int64)
     params[4] = rng.choice(np.array([1.0, 0.95, 0.9, 0.6], F32), rows)
+    params[5] = rng.choice(np.array([0.0, 0.0, 0.01, 0.2], F32), rows)
     return ml.dtypes.round_to(x, ml.as_dtype(dtype)), params
 
 
@@ -623,7 +637,8 @@ def test_generated_split_tiles_give_the_references_summaries_and_tokens(case: in
     xo, po, to = operand(dtype, (*rows, n)), operand("int64", (*rows, ranges)), operand("float32", rows)
     so = operand("int64", (*rows, ranges, width))
     part_lib = build_tile(tile("sample_partial", attrs, [xo, po, to], so), tmp_path)
-    combine_ops = [xo, po, so] + [operand(dt, rows) for dt in ("int64", "int64", "float32", "int64", "float32")]
+    params_dtypes = ("int64", "int64", "float32", "int64", "float32", "float32")
+    combine_ops = [xo, po, so] + [operand(dt, rows) for dt in params_dtypes]
     combine_lib = build_tile(tile("sample_combine", attrs, combine_ops, operand("int64", rows)), tmp_path)
     flat_rows = int(np.prod(rows))
     boxes = [

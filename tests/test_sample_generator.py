@@ -188,3 +188,75 @@ def test_stopping_costs_the_greedy_generator_six_small_tasks_and_no_copy() -> No
     assert [op.name for op in plan.ranks[0].ops if op.op == "copy"] == ["assign:position"]  # as before the stop
     token = gen.state_updates["token"]
     assert token.node.op.name == "where" and token.node.inputs[1].node.op.name == "argmax_combine"
+
+
+PENALTIES = {  # per sequence: greedy with a repetition penalty, sampled with all three, min-p with repetition
+    "repetition_penalty": np.array([[1.3], [1.1], [2.0]], np.float32),
+    "presence_penalty": np.array([[0.0], [0.6], [0.0]], np.float32),
+    "frequency_penalty": np.array([[0.0], [0.4], [0.0]], np.float32),
+    "min_p": np.array([[0.0], [0.0], [0.05]], np.float32),
+}
+
+
+def test_penalties_and_logprobs_in_the_loop_are_the_host_steps() -> None:
+    """The generator with penalties and top-3 log-probabilities against host-driven steps: each step's
+    logits penalised by the definition with the counts of the tokens generated so far and the prompt's
+    tokens, then ml.sample's draw (min-p included); the recorded log-probabilities are torch's
+    log_softmax of the step's logits (the chosen token's and the top 3, in order) within float32
+    rounding; the counts are the generated tokens'; the plan interpreter gives the same bits."""
+    import torch
+
+    from megaloop.frontend.ops.sample import sample_tokens
+    from megaloop.frontend.ops.sample_penalty import penalized
+    from megaloop.models.decoding import Decoding
+
+    params, state, _ = prefill()
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, CFG.vocab, (BATCH, PROMPT))  # prefill()'s prompt
+    mask = np.zeros((BATCH, 1, CFG.vocab), bool)
+    np.put_along_axis(mask[:, 0], prompt, True, axis=1)
+    settings = {**SAMPLING, **PENALTIES}
+    row = lambda name, b: settings[name][b, 0]
+    first = np.array([[int(prompt[b, -1])] for b in range(BATCH)])  # a token of the prompt, to be penalised
+    steps = 6
+    decode, token, fed, counts, recorded = build_llama(CFG, BATCH, 1), first, [], np.zeros((BATCH, CFG.vocab)), []
+    for i in range(steps):
+        fed.append(token[:, 0])
+        counts[np.arange(BATCH), token[:, 0]] += 1
+        position = np.full((BATCH, 1), PROMPT + i)
+        out = ml.evaluate(decode, {"tokens": token, "positions": position}, params, state)
+        state, logits = out.state, out.outputs["logits"][:, 0].astype(np.float32)
+        scores = np.stack([
+            penalized(logits[b], counts[b], mask[b, 0], *(row(n, b) for n in ("repetition_penalty", "presence_penalty",
+                      "frequency_penalty"))) for b in range(BATCH)
+        ])  # fmt: skip
+        token = np.array([
+            [int(sample_tokens(scores[b], row("seed", b), PROMPT + i, row("temperature", b), row("top_k", b),
+                               row("top_p", b), row("min_p", b)))] for b in range(BATCH)
+        ])  # fmt: skip
+        recorded.append((torch.log_softmax(torch.as_tensor(logits), -1).numpy(), token[:, 0]))
+    gen = build_llama_generator(CFG, BATCH, sampling=True, argmax_splits=3, decoding=Decoding(True, 3))
+    start = {**prefill()[1], **settings, "prompt_tokens": mask, "token": first, "position": np.full((BATCH, 1), PROMPT)}
+    ref = ml.evaluate(gen, {}, params, start, iterations=steps)
+    got = ref.state["generated"][:, 0, PROMPT : PROMPT + steps, 0].astype(np.int64)
+    assert np.array_equal(got, np.stack(fed, 1)), (got.tolist(), np.stack(fed, 1).tolist())
+    assert np.array_equal(ref.state["token"], token)
+    assert np.array_equal(ref.state["token_counts"][:, 0], counts)
+    assert any(len(set(f)) < len(f) or f[0] in p for f, p in zip(np.stack(fed, 1).tolist(), prompt.tolist()))
+    history = ref.state["logprobs"][:, 0, PROMPT : PROMPT + steps]
+    worst = 0.0
+    for i, (lp, chosen) in enumerate(recorded):
+        for b in range(BATCH):
+            entry = history[b, i]
+            top = np.argsort(-lp[b], kind="stable")[:3]
+            assert entry[1::2].astype(np.int64).tolist() == top.tolist(), (i, b, entry, top)
+            want = np.array([lp[b, chosen[b]], *lp[b, top]])
+            worst = max(worst, float(np.abs(entry[[0, 2, 4, 6]] - want).max()))
+    assert worst <= 4e-6, f"logprobs {worst:.2e} from torch's log_softmax"
+    planned = run_plan(make_plan(gen, processors=5), {}, params, start, iterations=steps, seed=2)
+    for name in ("generated", "token", "token_counts", "logprobs"):
+        assert planned.state[name].tobytes() == ref.state[name].tobytes(), name
+    plain = ml.evaluate(build_llama_generator(CFG, BATCH, sampling=True, argmax_splits=3), {}, params,
+                        {k: v for k, v in start.items() if k in SAMPLING or k in state or k in ("token", "position")},
+                        iterations=steps)  # fmt: skip
+    assert not np.array_equal(plain.state["generated"], ref.state["generated"]), "the penalties changed nothing"

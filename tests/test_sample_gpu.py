@@ -1,5 +1,5 @@
 """sample on a real GPU (skipped without one): the loop kernel's tokens are the CPU reference's bit for
-bit over many rows, vocabulary sizes up to Llama 3's, every dtype, temperatures, top-k and top-p
+bit over many rows, vocabulary sizes up to Llama 3's, every dtype, temperatures, top-k, top-p and min-p
 settings, ties and NaN rows; the same inputs give the same tokens run after run; a bad parameter is a
 data error; the sampling Llama generator draws the reference's tokens. (The CPU runs the same tile
 function through g++: tests/test_sample_codegen.py.)"""
@@ -47,7 +47,8 @@ def cases_graph(draws: int, seed: int) -> tuple[ml.Graph, dict, list]:
             ins = [g.input(f"{key}.x", x.shape, dtype)]
             feeds[f"{key}.x"] = x
             for (name, dt), v in zip(
-                (("s", "int64"), ("o", "int64"), ("t", "float32"), ("k", "int64"), ("p", "float32")), params
+                (("s", "int64"), ("o", "int64"), ("t", "float32"), ("k", "int64"), ("p", "float32"), ("q", "float32")),
+                params,
             ):
                 ins.append(g.input(f"{key}.{name}", rows, dt))
                 feeds[f"{key}.{name}"] = v
@@ -131,3 +132,36 @@ def test_sampling_generator_on_the_gpu_draws_the_references_tokens() -> None:
                 moved += 1
     print(f"24 steps x 4 rows: {same} tokens the reference's, {moved} moved by logit noise {worst:.1e} of {tol:.1e}")
     assert moved <= 24, f"{moved} of 96 draws moved by rounding noise: more than noise explains"
+
+
+def test_penalize_on_the_gpu_is_the_references_bit_for_bit() -> None:
+    """penalize (repetition, presence, frequency) over Llama 3's vocabulary and a small odd one, every
+    logit dtype, then a split sample of the penalised logits with min-p: the GPU's values and tokens the
+    reference's; a repetition penalty of 0 stops the kernel with a data error naming penalize."""
+    from megaloop.runtime.loop import LoopKernel
+    from tests.test_sample_penalty import random_penalties
+
+    rng = np.random.default_rng(17)
+    g = ml.Graph("penalize-gpu")
+    feeds, names = {}, []
+    for c, (shape, dtype) in enumerate([((4, 1, 128256), "bfloat16"), ((3, 333), "float32"), ((2, 1000), "float16")]):
+        rows = shape[:-1]
+        values = random_penalties(rng, shape, dtype)
+        ins = [g.input(f"{c}.{k}", v.shape, {"c": "int32", "m": "bool"}.get(k, dtype if k == "x" else "float32"))
+               for k, v in values.items()]  # fmt: skip
+        feeds.update({f"{c}.{k}": v for k, v in values.items()})
+        y = ml.penalize(*ins)
+        g.output(f"y{c}", y)
+        seed, offset = g.input(f"{c}.s", rows, "int64"), g.input(f"{c}.o", rows, "int64")
+        feeds[f"{c}.s"], feeds[f"{c}.o"] = rng.integers(0, 2**62, rows), rng.integers(0, 2**20, rows)
+        g.output(f"t{c}", ml.sample(y, seed, offset, 0.8, 40, 0.95, 0.02, splits=126 if shape[-1] > 5000 else None))
+        names += [f"y{c}", f"t{c}"]
+    want = ml.evaluate(g, feeds).outputs
+    with LoopKernel(make_plan(g, processors=132)) as k:
+        got = k.run(feeds)
+        bad = [n for n in names if not np.array_equal(got[n], want[n], equal_nan=True)]
+        assert not bad, {n: np.argwhere(got[n] != want[n])[:4].tolist() for n in bad}
+        feeds["1.r"] = feeds["1.r"].copy()
+        feeds["1.r"][2] = 0.0
+        with pytest.raises(ml.errors.DataError, match=r"penalize .*: row 2 .* repetition penalty not > 0"):
+            k.run(feeds)

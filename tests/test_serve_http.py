@@ -120,6 +120,10 @@ def test_completions_are_the_generators(server, gen) -> None:
     for k, ch in enumerate(r.choices):
         prompt = ["Hello", "Hi"][k // 2]
         assert ch.text == gen.generate(prompt, max_new_tokens=6, temperature=0.8, seed=11 + k % 2)[0].text
+    r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.2, seed=2,
+                             extra_body={"top_k": 50, "min_p": 0.05})  # fmt: skip
+    assert r.choices[0].text == gen.generate("Hello", max_new_tokens=6, temperature=1.2, top_k=50, min_p=0.05,
+                                             seed=2)[0].text  # fmt: skip
 
 
 def test_chat_uses_the_chat_template(server, gen) -> None:

@@ -97,14 +97,14 @@ def test_sampled_completions_equal_each_prompt_alone_with_its_seed(gen32) -> Non
     gen = gen32
     e = engine(gen, max_slots=4)  # (fewer slots than requests: some wait in the queue)
     settings = [{"max_tokens": n, "temperature": 0.9, "top_k": [0, 40][i % 2], "top_p": [1.0, 0.9][i % 3 > 0],
-                 "seed": 1000 + 7 * i} for i, n in enumerate(MAX_TOKENS)]  # fmt: skip
+                 "min_p": [0.0, 0.05][i % 4 == 1], "seed": 1000 + 7 * i} for i, n in enumerate(MAX_TOKENS)]  # fmt: skip
     ps = prompts(gen)
     requests = arrive(e, list(zip(ps, settings)), ARRIVALS)
     results = [r.result(120) for r in requests]
     close_and_check(e)
     for i, (p, s, got) in enumerate(zip(ps, settings, results)):
         alone = gen.generate(p, max_new_tokens=s["max_tokens"], temperature=s["temperature"], top_k=s["top_k"],
-                             top_p=s["top_p"], seed=s["seed"])[0]  # fmt: skip
+                             top_p=s["top_p"], min_p=s["min_p"], seed=s["seed"])[0]  # fmt: skip
         assert got.tokens == alone.tokens, f"request {i} {s}: {got.tokens} != {alone.tokens}"
     # the same seeds again: the same tokens; other seeds: other tokens
     e = engine(gen)
@@ -125,6 +125,7 @@ def test_stops_end_of_sequence_stop_strings_stop_tokens(tiny, gen) -> None:
     got = e.submit(ps[4], max_tokens=16).result(60)
     want = with_eos.generate(ps[4], max_new_tokens=16)[0]
     assert got.tokens == want.tokens == alone.tokens[:first] and got.finish_reason == want.finish_reason == "stop"
+    assert got.stop == want.stop == eos
     close_and_check(e)
 
     e = engine(gen)
@@ -134,7 +135,7 @@ def test_stops_end_of_sequence_stop_strings_stop_tokens(tiny, gen) -> None:
     deltas = list(r)
     got = r.result()
     assert got.text == text[: text.index(stop)] == "".join(d.text for d in deltas)
-    assert got.finish_reason == "stop" and got.tokens == alone.tokens[: len(got.tokens)]
+    assert got.finish_reason == "stop" and got.stop == stop and got.tokens == alone.tokens[: len(got.tokens)]
     assert gen.tokenizer.decode(got.tokens).startswith(got.text)
     r = e.submit(ps[4], max_tokens=16, stop_token_ids=[alone.tokens[3]])
     got = r.result(60)
@@ -176,6 +177,7 @@ def test_the_queue_has_a_limit_and_bad_requests_name_their_field(gen) -> None:
         ("stop", ps[0], {"stop": [""]}, "stop must be a non-empty string"),
         ("prompt", [], {}, "the prompt is empty"),
         ("prompt", [10**6], {}, "outside the vocabulary"),
+        ("min_p", ps[0], {"min_p": 1.5}, r"min_p must be a number in \[0, 1\]"),
         ("frequency_penalty", ps[0], {"frequency_penalty": 1.0}, "unknown settings"),
     ]:
         with pytest.raises(RequestError, match=words) as caught:

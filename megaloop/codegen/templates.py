@@ -265,6 +265,7 @@ TEMPLATES: dict[str, Template] = {
     "sample": _sample("sample"),
     "sample_partial": _sample("sample_partial"),
     "sample_combine": _sample("sample_combine"),
+    "penalize": _sample("penalize"),
     "all_reduce": _all_reduce,
     "all_gather": _exchange(lambda c, ms, out: emit_collective.all_gather(c.attrs, ms, out)),
     "reduce_scatter": _exchange(lambda c, ms, out: emit_collective.reduce_scatter(c.attrs, ms, out, c.rank)),

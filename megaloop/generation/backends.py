@@ -20,16 +20,25 @@ import numpy as np
 from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
 from megaloop.generation.progress import Progress
+from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
 from megaloop.reference import evaluate
 
 HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
 
 
-def generator_graph(cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int]) -> Graph:
+def history_names(graph: Graph) -> tuple[str, ...]:
+    """The states read after each run: HISTORY, and the log-probabilities where the graph records them."""
+    return HISTORY + (("logprobs",) if "logprobs" in graph.states else ())
+
+
+def generator_graph(
+    cfg: LlamaConfig, batch: int, sampling: bool, eos_ids: Sequence[int], decoding: Decoding = PLAIN
+) -> Graph:
     """The self-feeding generator, stopping each sequence in the kernel at its stop position or at one
-    of ``eos_ids``; with ``sampling``, drawing the tokens (temperature, top-k, top-p, seed states)."""
-    return build_llama_generator(cfg, batch, sampling=sampling, eos_ids=tuple(eos_ids))
+    of ``eos_ids``; with ``sampling``, drawing the tokens (temperature, top-k, top-p, min-p, seed
+    states); ``decoding``: penalties and log-probabilities (megaloop.models.decoding)."""
+    return build_llama_generator(cfg, batch, sampling=sampling, eos_ids=tuple(eos_ids), decoding=decoding)
 
 
 def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -38,21 +47,26 @@ def start_state(graph: Graph, start: Mapping[str, np.ndarray]) -> dict[str, np.n
     return {k: v for k, v in start.items() if k in graph.states}
 
 
-def first_tokens(logits: np.ndarray, lengths: Sequence[int], sampling: Mapping[str, np.ndarray] | None) -> np.ndarray:
-    """Each sequence's first new token from its [1, vocab] prefill logits: greedy, the argmax (first
-    index on ties, as the generator's); sampled, drawn as the generator draws the next ones (the same
-    op's definition, seed, and the offset of the logits' position, prompt length - 1)."""
-    rows = logits[:, -1]
-    if sampling is None:
-        return rows.astype(np.float32).argmax(-1).astype(np.int64)
+def first_tokens(logits: np.ndarray, lengths: Sequence[int], states: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    """Each sequence's first new token from its [1, vocab] prefill logits, as the generator chooses the
+    next ones from its ``states`` (megaloop.models.decoding): penalised where it has the penalties'
+    states (nothing generated yet, the prompt's tokens); greedy, the argmax (first index on ties);
+    sampled, drawn with the same op's definition, seed, and the offset of the logits' position,
+    prompt length - 1."""
+    rows, states = logits[:, -1].astype(np.float32), states or {}
+    if "repetition_penalty" in states:
+        from megaloop.frontend.ops.sample_penalty import penalized
+
+        per_row = [states[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
+        rows = penalized(rows, states["token_counts"][:, 0], states["prompt_tokens"][:, 0], *per_row)
+    if "temperature" not in states:
+        return rows.argmax(-1).astype(np.int64)
     from megaloop.frontend.ops.sample import sample_tokens
 
     offset = np.asarray(lengths, np.int64) - 1
-    picked = sample_tokens(
-        rows, sampling["seed"][:, 0], offset, sampling["temperature"][:, 0], sampling["top_k"][:, 0],
-        sampling["top_p"][:, 0],
-    )  # fmt: skip
-    return np.asarray(picked, np.int64)
+    seed, temperature, top_k, top_p = (states[k][:, 0] for k in ("seed", "temperature", "top_k", "top_p"))
+    min_p = states["min_p"][:, 0] if "min_p" in states else 0.0
+    return np.asarray(sample_tokens(rows, seed, offset, temperature, top_k, top_p, min_p), np.int64)
 
 
 class CpuBackend:
@@ -63,11 +77,12 @@ class CpuBackend:
 
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
-        eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True,
+        eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         self.params = params
         self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
-        self.generator = generator_graph(cfg, batch, sampling, eos_ids)
+        self.generator = generator_graph(cfg, batch, sampling, eos_ids, decoding)
+        self.history = history_names(self.generator)
         self.state: dict[str, np.ndarray] = {}
 
     def setup_prefill(self) -> None:
@@ -83,7 +98,7 @@ class CpuBackend:
 
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.state = evaluate(self.generator, {}, self.params, self.state, iterations=iterations).state
-        return {n: self.state[n] for n in HISTORY}
+        return {n: self.state[n] for n in self.history}
 
     def chunk(self, step: int) -> int:
         """Iterations per advance: one, so that text streams token by token."""
@@ -103,6 +118,7 @@ class GpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, gpu: Any = None,
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         from megaloop.codegen import generate
         from megaloop.plan.cache import load_or_make_plan
@@ -116,8 +132,9 @@ class GpuBackend:
             gpu = found[0]
         self.gpu, self.params, self.progress = gpu, params, progress
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
-        graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)]
+        graphs = [build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids, decoding)]
         self.generator = graphs[1]
+        self.history = history_names(self.generator)
         self.plans, self.programs = [], []
         # NVRTC releases the GIL: the prefill kernel (the slower to compile) compiles in a thread
         # while the generator is planned; "compile" is then what is left to wait for
@@ -167,7 +184,7 @@ class GpuBackend:
 
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.kernel.run(iterations=iterations)
-        return self.kernel.state(HISTORY)  # a few small states: the KV caches stay on the GPU
+        return self.kernel.state(self.history)  # a few small states: the KV caches stay on the GPU
 
     def chunk(self, step: int) -> int:
         """Iterations per advance: 1, 2, 4, ... up to 16, so that the first tokens show at once and

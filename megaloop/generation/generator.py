@@ -4,11 +4,13 @@
     result = gen.generate("The capital of France is", max_new_tokens=32)
     print(result[0].text, result.stats.summary())
     gen.generate(["Hi", "A longer prompt"], chat=True)          # several prompts of any lengths at once
+    gen.generate("Tell a story", temperature=0.8, min_p=0.05, stop=["\\n\\n"], n=3, logprobs=5)
 
 Prompts of a batch are padded to one prefill step; each sequence's first token comes from its own
 last prompt position and the generator then advances every sequence from its own position (the
-same tokens as generating it alone). A sequence ends at one of the model's end-of-sequence tokens
-or after ``max_new_tokens``.
+same tokens as generating it alone). A sequence ends at one of the model's end-of-sequence tokens,
+at one of its stop strings or after its max_new_tokens. Settings not given come from the
+checkpoint's generation_config.json, then megaloop's defaults (megaloop.generation.settings).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import numpy as np
 from megaloop.errors import MegaloopError
 from megaloop.generation.backends import CpuBackend, GpuBackend, first_tokens
 from megaloop.generation.progress import Progress
+from megaloop.generation.requests import Batch, build_batch, chat_messages, start_states
+from megaloop.generation.sequences import Completion, Sequences, host_logprobs
+from megaloop.generation.settings import GenerationError, GenerationSettings, read_generation_config
 from megaloop.generation.split import SplitCpuBackend, SplitGpuBackend, problem
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
@@ -33,27 +38,15 @@ from megaloop.models.tokenizer import Tokenizer, checkpoint_stop_ids
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or a conversation (chat messages)
 
-
-class GenerationError(MegaloopError, ValueError):
-    """A generation request megaloop cannot serve as asked (prompt, lengths, settings)."""
-
-
-@dataclass
-class Completion:
-    """One sequence's result: its prompt's token ids, the generated ids (without the end-of-sequence
-    token that stopped it), their text, and why it ended ("stop": an end-of-sequence token,
-    "length": max_new_tokens)."""
-
-    prompt_tokens: list[int]
-    tokens: list[int]
-    text: str
-    finish_reason: str
+__all__ = ["Completion", "GenerationError", "GenerationInterrupted", "GenerationResult", "GenerationStats", "Generator"]
 
 
 @dataclass
 class GenerationStats:
     """Times of one ``generate`` call. ``prefill_s``: the prompts to their first tokens; ``decode_s``:
-    the generator's runs (``decode_steps`` iterations, one token of every sequence each)."""
+    the generator's runs (``decode_steps`` iterations, one token of every sequence each). ``seed``: the
+    seed of a sampled call (``seed_drawn``: megaloop drew it); ``from_file``: the settings
+    generation_config.json decided (name -> how the file says it)."""
 
     backend: str
     batch: int
@@ -66,6 +59,10 @@ class GenerationStats:
     new_tokens: int = 0
     setup: dict[str, float] = field(default_factory=dict)
     split: str = ""  # how the graphs were split over devices (one line of Partition.describe)
+    seed: int | None = None
+    seed_drawn: bool = False
+    from_file: dict[str, str] = field(default_factory=dict)
+    interrupted: bool = False
 
     @property
     def per_token_s(self) -> float | None:
@@ -80,7 +77,10 @@ class GenerationStats:
     def summary(self) -> str:
         prompt = "+".join(map(str, self.prompt_tokens)) if self.batch <= 4 else f"{sum(self.prompt_tokens)} in all"
         parts = [f"{self.backend}: {self.batch} sequence{'s' * (self.batch > 1)}, prompt {prompt} tokens"]
-        parts.append(f"prefill {1e3 * self.prefill_s:.1f} ms (first token after {self.first_token_s:.2f} s)")
+        if self.interrupted:
+            parts.append(f"interrupted after {self.new_tokens} new tokens")
+        if self.prefill_s:
+            parts.append(f"prefill {1e3 * self.prefill_s:.1f} ms (first token after {self.first_token_s:.2f} s)")
         if self.decode_steps:
             parts.append(
                 f"{self.decode_steps} decode steps in {self.decode_s:.2f} s: {1e3 * self.per_token_s:.2f} ms/token, "
@@ -93,7 +93,7 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult(Sequence[Completion]):
-    """The completions, in prompt order, and the call's ``stats``."""
+    """The completions, in prompt order (a prompt's n sequences together), and the call's ``stats``."""
 
     completions: list[Completion]
     stats: GenerationStats
@@ -109,6 +109,15 @@ class GenerationResult(Sequence[Completion]):
         return [c.text for c in self.completions]
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C (KeyboardInterrupt) during ``generate``: ``result`` holds what was generated until then
+    (unfinished sequences' finish_reason "interrupted"), the backend already closed."""
+
+    def __init__(self, result: GenerationResult) -> None:
+        super().__init__("generation interrupted")
+        self.result = result
+
+
 BACKENDS = ("auto", "cpu", "gpu")
 
 
@@ -121,7 +130,8 @@ class Generator:
     keeps plans on disk (megaloop.plan.cache). ``devices`` > 1 splits both graphs over that many
     devices with ``ml.parallelize``'s ``strategy`` ("auto", "tp", "pp", "dp"; megaloop.generation.split).
     ``allow_long_context`` lets ``max_seq`` pass the model's context, ``allow_unknown_fields`` loads a
-    config.json with fields megaloop does not know (megaloop.models.load_llama)."""
+    config.json with fields megaloop does not know (megaloop.models.load_llama). ``defaults``:
+    generation_config.json's settings (megaloop.generation.settings)."""
 
     def __init__(
         self,
@@ -152,6 +162,7 @@ class Generator:
             )  # fmt: skip
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
+            self.defaults = read_generation_config(self.folder)
         if (why := problem(devices, strategy, self.cfg)) is not None:
             raise GenerationError(f"Generator: {why}")
         if eos_token_ids is not None:
@@ -181,19 +192,23 @@ class Generator:
         return "cpu", reason
 
     # ---- prompts -----------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, system: str | None = None) -> list[int]:
         """A prompt's token ids: text (with the tokenizer's special tokens, or through the chat
-        template with ``chat``), a conversation (a list of message dicts: the chat template), or ids."""
-        if isinstance(prompt, str):
-            if chat:
-                return self.encode([{"role": "user", "content": prompt}])
-            ids = self._tokenizer("a text prompt").encode(prompt)
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self._tokenizer("a chat prompt").apply_chat_template(list(prompt), add_generation_prompt=True)
+        template with ``chat``, after a ``system`` message where given), a conversation (a list of
+        message dicts: the chat template), or ids."""
+        is_text = isinstance(prompt, str)
+        conversation = isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        if (is_text and (chat or system is not None)) or conversation:
+            messages = chat_messages(prompt if is_text else list(prompt), system, "a chat prompt")
+            text = self._tokenizer("a chat prompt").apply_chat_template(messages, add_generation_prompt=True)
             ids = self._tokenizer("a chat prompt").encode(text, add_special_tokens=False)
+        elif is_text:
+            ids = self._tokenizer("a text prompt").encode(prompt)
         elif isinstance(prompt, (Sequence, np.ndarray)) and all(
             isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
         ):
+            if system is not None:
+                raise GenerationError("a system prompt needs a text or a conversation, not token ids")
             ids = [int(i) for i in prompt]
         else:
             raise GenerationError(
@@ -217,58 +232,87 @@ class Generator:
         self,
         prompts: Prompt | Sequence[Prompt],
         *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | Sequence[int] = 0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | Sequence[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+        n: int | None = None,
+        logprobs: int | None = None,
         chat: bool = False,
+        system: str | None = None,
+        settings: GenerationSettings | Sequence[GenerationSettings] | None = None,
         on_text: Callable[[int, str], None] | None = None,
     ) -> GenerationResult:
         """Complete one prompt or a batch of them (``Prompt``: text, token ids or a conversation).
-        ``temperature`` 0 is greedy; top_k 0 and top_p 1 are off. ``seed``: one per prompt, or one
-        for the batch, prompt i then drawing with seed + i (so that copies of a prompt differ); a
-        sequence's tokens depend on its seed alone, not on the rest of the batch. ``on_text(index,
-        text)`` receives each sequence's text as it is generated."""
+        The settings (megaloop.generation.settings; None: not given here): temperature 0 is greedy,
+        top_k 0, top_p 1, min_p 0 and the penalties 1, 0, 0 are off; ``stop`` strings end a sequence
+        (not included in its text); ``n`` sequences per prompt; ``logprobs`` N: each token's
+        log-probability and the N likeliest alternatives (Completion.logprobs). ``seed``: one for the
+        call, sequence r drawing with seed + r (so that copies of a prompt differ), or one per prompt;
+        any int (mod 2^64); a sampled call without one draws one (``stats.seed``). A sequence's tokens
+        depend on its seed alone, not on the rest of the batch. ``settings``: per-prompt settings (one,
+        or one per prompt) that win over the arguments. ``chat``/``system``: text through the chat
+        template. ``on_text(index, text)`` receives each sequence's text as it is generated (index:
+        the sequence's row, the prompt's when n is 1). Ctrl-C raises GenerationInterrupted with the
+        partial result."""
         items = [prompts] if _is_single(prompts) else list(prompts)
         if not items:
             raise GenerationError("generate: no prompts")
-        ids = [self.encode(p, chat) for p in items]
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        sampling = _sampling(len(ids), temperature, top_k, top_p, seed)
+        ids = [self.encode(p, chat, system) for p in items]
+        prompt_seeds = None
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
+            if not isinstance(seed, Sequence) or len(seed) != len(ids):
+                raise GenerationError(f"generate: seed must be an int or one int per prompt ({len(ids)}), got {seed!r}")
+            prompt_seeds = [GenerationSettings(seed=s).checked("generate").seed for s in seed]
+            seed = None
+        call = GenerationSettings(
+            max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+            frequency_penalty, seed, stop, n, logprobs,
+        ).checked("generate")  # fmt: skip
+        per_prompt = _per_prompt(settings, len(ids))
+        batch = build_batch(ids, call, per_prompt, prompt_seeds, self.defaults, self.cfg.max_seq)
+        if any(r.settings.stop for r in batch.rows) and self.tokenizer is None:
+            raise GenerationError(f"stop strings need the text: {self.folder} has no tokenizer.json")
         try:
-            return self._run(ids, max_new_tokens, sampling, on_text)
+            return self._run(batch, on_text)
         except _SetupFailed as e:  # the loop kernel could not be set up: say so, then the CPU reference
             print(f"megaloop: the loop kernel failed ({e}); running on the CPU reference instead", file=sys.stderr)
             self.backend, self.reason = "cpu", "the loop kernel failed"
-            return self._run(ids, max_new_tokens, sampling, on_text)
+            return self._run(batch, on_text)
 
-    def _backend_for(self, batch: int, lengths: list[int], new: int, sampling: dict | None) -> tuple[Any, int, int]:
+    def _backend_for(self, batch: Batch) -> tuple[Any, int, int]:
+        rows, lengths = len(batch.rows), batch.lengths
         cls = GpuBackend if self.backend == "gpu" else CpuBackend
         split = {"devices": self.devices, "strategy": self.strategy} if self.devices > 1 else {}
         if split:
             cls = SplitGpuBackend if self.backend == "gpu" else SplitCpuBackend
-            if (why := problem(self.devices, self.strategy, self.cfg, batch)) is not None:
+            if (why := problem(self.devices, self.strategy, self.cfg, rows)) is not None:
                 raise GenerationError(f"generate: {why}")
-        need = max(lengths) + new
+        need, longest = max((n + k, n) for n, k in zip(lengths, batch.new))
         if need > self.cfg.max_seq:
             raise GenerationError(
-                f"a prompt of {max(lengths)} tokens and max_new_tokens {new} need {need} positions; the context is "
-                f"{self.cfg.max_seq} (max_position_embeddings or max_seq): shorten the prompt or generate fewer tokens"
+                f"a prompt of {longest} tokens and max_new_tokens {need - longest} need {need} positions; the context "
+                f"is {self.cfg.max_seq} (max_position_embeddings or max_seq): shorten the prompt or generate fewer "
+                "tokens"
             )
         if cls.name == "gpu":  # sizes rounded up, so that plans and kernels serve many requests
             max_seq = min(self.cfg.max_seq, _pow2(max(need, 64)))
             tokens = min(max_seq, _pow2(max(max(lengths), 8)))
         else:  # the reference computes what it is given: no padding beyond the batch's longest prompt
             max_seq, tokens = need, max(lengths)
-        key = (cls.name, batch, tokens, max_seq, sampling is not None)
+        key = (cls.name, rows, tokens, max_seq, batch.sampling, batch.decoding)
         if key not in self._backends:
             cfg = _with_context(self.cfg, max_seq)
             try:
                 backend = cls(
-                    cfg, self.params, batch, tokens, sampling=sampling is not None, eos_ids=self.eos_token_ids,
-                    progress=self.progress, plan_cache=self.plan_cache, **split,
+                    cfg, self.params, rows, tokens, sampling=batch.sampling, eos_ids=self.eos_token_ids,
+                    progress=self.progress, plan_cache=self.plan_cache, decoding=batch.decoding, **split,
                 )  # fmt: skip
             except MegaloopError as e:
                 if cls.name == "gpu" and self.requested == "auto" and not isinstance(e, GenerationError):
@@ -277,128 +321,96 @@ class Generator:
             self._backends = {key: backend}  # one at a time: a GPU backend holds its plans and kernels
         return self._backends[key], tokens, max_seq
 
-    def _run(
-        self, ids: list[list[int]], new: int, sampling: dict | None, on_text: Callable[[int, str], None] | None
-    ) -> GenerationResult:
-        batch, lengths = len(ids), [len(p) for p in ids]
+    def _run(self, batch: Batch, on_text: Callable[[int, str], None] | None) -> GenerationResult:
+        ids, lengths = [r.ids for r in batch.rows], batch.lengths
         before = dict(self._setup_reported)  # setup phases since the last call (the first: the load too)
         began = time.perf_counter() - (self.progress.seconds.get("load", 0.0) if not before else 0.0)
-        backend, tokens, _ = self._backend_for(batch, lengths, new, sampling)
-        stats = GenerationStats(backend.description, batch, lengths)
+        backend, tokens, _ = self._backend_for(batch)
+        stats = GenerationStats(backend.description, len(ids), lengths, seed=batch.seed, seed_drawn=batch.seed_drawn)
+        stats.from_file = dict(batch.from_file)
         stats.split = backend.split.summary() if hasattr(backend, "split") else ""
-        run = _Sequences(ids, new, self.eos_token_ids, self.tokenizer, on_text)
+        run = Sequences(
+            ids, batch.new, self.eos_token_ids, self.tokenizer, on_text,
+            stops=[r.settings.stop for r in batch.rows], logprobs=[r.settings.logprobs for r in batch.rows],
+        )  # fmt: skip
+        states = start_states(batch, self.cfg.vocab)
+        interrupted = False
         try:
-            try:
-                backend.setup_prefill()
-            except MegaloopError as e:
-                if backend.name == "gpu" and self.requested == "auto":
-                    raise _SetupFailed(f"{type(e).__name__}: {e}") from e
-                raise
-            feeds = _prefill_feeds(ids, tokens)
-            t0 = time.perf_counter()
-            first = first_tokens(backend.prefill(feeds), lengths, sampling)
-            stats.prefill_s = time.perf_counter() - t0
-            stats.first_token_s = time.perf_counter() - began
-            run.add(first[:, None], np.ones(batch, np.int64))
-            if not run.done():
-                t0 = time.perf_counter()
-                backend.setup_generator(self._start(first, lengths, new, sampling))
-                stats.handoff_s = time.perf_counter() - t0
-            step = 0
-            while not run.done():
-                n = min(backend.chunk(step), run.steps_left())
-                t0 = time.perf_counter()
-                history = backend.advance(n)
-                stats.decode_s += time.perf_counter() - t0
-                stats.decode_steps += n
-                step += 1
-                run.add_history(history, lengths)
+            self._generate(batch, backend, tokens, run, states, stats, began)
+        except KeyboardInterrupt:
+            interrupted = stats.interrupted = True
         finally:
             backend.close()
-        completions = run.finish()
-        stats.new_tokens = sum(len(c.tokens) + (c.finish_reason == "stop") for c in completions)
+        completions = run.finish(interrupted)
+        for c, r in zip(completions, batch.rows):
+            c.index, c.sample, c.seed = r.index, r.sample, r.seed
+        stats.new_tokens = sum(len(c.tokens) + (c.finish_reason == "stop" and isinstance(c.stop, int))
+                               for c in completions)  # fmt: skip
         stats.setup = {k: v - before.get(k, 0.0) for k, v in self.progress.seconds.items() if v > before.get(k, 0.0)}
         self._setup_reported = dict(self.progress.seconds)
-        return GenerationResult(completions, stats)
+        result = GenerationResult(completions, stats)
+        if interrupted:
+            raise GenerationInterrupted(result)
+        return result
 
-    def _start(self, first: np.ndarray, lengths: list[int], new: int, sampling: dict | None) -> dict[str, np.ndarray]:
+    def _generate(
+        self, batch: Batch, backend: Any, tokens: int, run: Sequences, states: dict, stats: GenerationStats,
+        began: float,
+    ) -> None:  # fmt: skip
+        """The prefill, the first tokens, then the generator's runs until every sequence has ended."""
+        lengths = batch.lengths
+        try:
+            backend.setup_prefill()
+        except MegaloopError as e:
+            if backend.name == "gpu" and self.requested == "auto":
+                raise _SetupFailed(f"{type(e).__name__}: {e}") from e
+            raise
+        feeds = _prefill_feeds([r.ids for r in batch.rows], tokens)
+        t0 = time.perf_counter()
+        logits = backend.prefill(feeds)
+        first = first_tokens(logits, lengths, states)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.first_token_s = time.perf_counter() - began
+        records = None
+        if batch.decoding.logprobs is not None:
+            records = host_logprobs(logits[:, -1], first, batch.decoding.logprobs)[:, None]
+        run.add(first[:, None], np.ones(len(lengths), np.int64), records)
+        if not run.done():
+            t0 = time.perf_counter()
+            backend.setup_generator({**self._start(first, lengths, batch.new), **states})
+            stats.handoff_s = time.perf_counter() - t0
+        step = 0
+        while not run.done():
+            n = min(backend.chunk(step), run.steps_left())
+            t0 = time.perf_counter()
+            history = backend.advance(n)
+            stats.decode_s += time.perf_counter() - t0
+            stats.decode_steps += n
+            step += 1
+            run.add_history(history, lengths)
+
+    def _start(self, first: np.ndarray, lengths: list[int], new: list[int]) -> dict[str, np.ndarray]:
         """The generator's states after the prefill: each sequence's first token at its position, and
         the position where it stops (its new-th token made: L + new - 1)."""
         b = len(lengths)
         position = np.array(lengths, np.int64).reshape(b, 1)
-        start = {"token": first.reshape(b, 1), "position": position, "stop": position + new - 1}
-        if sampling is not None:
-            start.update(sampling)
-        return start
+        return {"token": first.reshape(b, 1), "position": position, "stop": position + np.reshape(new, (b, 1)) - 1}
 
 
 class _SetupFailed(MegaloopError):
     """The GPU backend could not be set up (the caller falls back to the CPU reference)."""
 
 
-class _Sequences:
-    """The batch's tokens as they come: cut at an end-of-sequence token or max_new_tokens, their
-    text streamed to ``on_text``."""
-
-    def __init__(self, prompts: list[list[int]], new: int, eos: Sequence[int], tokenizer: Tokenizer | None,
-                 on_text: Callable[[int, str], None] | None) -> None:  # fmt: skip
-        self.prompts, self.new, self.eos = prompts, new, set(eos)
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.reason: list[str | None] = [None] * len(prompts)
-        self.streams = [tokenizer.stream() for _ in prompts] if tokenizer is not None else None
-        self.tokenizer, self.on_text = tokenizer, on_text
-
-    def done(self) -> bool:
-        return all(r is not None for r in self.reason)
-
-    def steps_left(self) -> int:
-        return max(self.new - len(t) for t, r in zip(self.tokens, self.reason) if r is None)
-
-    def add(self, produced: np.ndarray, counts: np.ndarray) -> None:
-        """Sequence b's next ``counts[b]`` tokens, ``produced[b, :counts[b]]``."""
-        for b, row in enumerate(produced):
-            for token in row[: counts[b]]:
-                if self.reason[b] is not None:
-                    break
-                token = int(token)
-                if token in self.eos:
-                    self.reason[b] = "stop"
-                    break
-                self.tokens[b].append(token)
-                if self.streams is not None and self.on_text is not None:
-                    piece = self.streams[b].push(token)
-                    if piece:
-                        self.on_text(b, piece)
-                if len(self.tokens[b]) >= self.new:
-                    self.reason[b] = "length"
-
-    def add_history(self, history: dict[str, np.ndarray], lengths: list[int]) -> None:
-        """After generator iterations: sequence b has made generated[b, L_b:position_b] and then
-        ``token`` (the next one it would feed), of which the tokens not seen yet are new."""
-        generated = history["generated"][:, 0, :, 0].astype(np.int64)
-        position, token = history["position"][:, 0].astype(np.int64), history["token"][:, 0].astype(np.int64)
-        rows, counts = [], []
-        for b, n in enumerate(lengths):
-            made = [*generated[b, n : position[b]].tolist(), int(token[b])]
-            seen = len(self.tokens[b]) + (self.reason[b] == "stop")
-            rows.append(made[seen:])
-            counts.append(len(made) - seen)
-        width = max(max(counts), 1)
-        padded = np.array([r + [0] * (width - len(r)) for r in rows], np.int64)
-        self.add(padded, np.array(counts))
-
-    def finish(self) -> list[Completion]:
-        out = []
-        for b, prompt in enumerate(self.prompts):
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(self.tokens[b])
-                if self.streams is not None and self.on_text is not None:
-                    rest = self.streams[b].flush()
-                    if rest:
-                        self.on_text(b, rest)
-            out.append(Completion(list(prompt), self.tokens[b], text, self.reason[b] or "length"))
-        return out
+def _per_prompt(settings: Any, count: int) -> list[GenerationSettings]:
+    """Per-prompt settings, checked: none, one for every prompt, or one per prompt."""
+    if settings is None:
+        return [GenerationSettings()] * count
+    if isinstance(settings, GenerationSettings):
+        return [settings.checked("generate: settings")] * count
+    items = list(settings)
+    if len(items) != count or not all(isinstance(s, GenerationSettings) for s in items):
+        raise GenerationError(f"generate: settings must be one GenerationSettings or one per prompt ({count})")
+    return [s.checked(f"generate: settings[{i}]") for i, s in enumerate(items)]
 
 
 def _is_single(prompts: Any) -> bool:
@@ -407,29 +419,6 @@ def _is_single(prompts: Any) -> bool:
     if isinstance(prompts, Sequence) and prompts and all(isinstance(x, dict) for x in prompts):
         return True  # one conversation
     return isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(x, (int, np.integer)) for x in prompts)
-
-
-def _sampling(batch: int, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> dict[str, np.ndarray] | None:
-    """The sampling states of the generator (None: greedy), checked."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise GenerationError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise GenerationError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise GenerationError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
-    one = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
-    seeds = [int(seed) + i for i in range(batch)] if one else list(seed)  # rows apart: a batch's copies differ
-    if len(seeds) != batch or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seeds):
-        raise GenerationError(f"seed must be an int or one int per prompt ({batch}), got {seed!r}")
-    if temperature == 0:
-        return None
-    col = lambda v, dt: np.full((batch, 1), v, dt)
-    return {
-        "temperature": col(temperature, np.float32),
-        "top_k": col(top_k, np.int64),
-        "top_p": col(top_p, np.float32),
-        "seed": np.array(seeds, np.int64).reshape(batch, 1),
-    }
 
 
 def _prefill_feeds(ids: list[list[int]], tokens: int) -> dict[str, np.ndarray]:

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.backends import HISTORY, generator_graph, start_state
+from megaloop.generation.backends import generator_graph, history_names, start_state
 from megaloop.generation.progress import Progress
+from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_prefill
 from megaloop.parallel import Partition, parallelize
 from megaloop.reference import evaluate
@@ -63,14 +64,20 @@ class Split:
         self.params = [self.prefill.shard_parameters(params), self.generator.shard_parameters(params)]
 
     def summary(self) -> str:
-        """One line: how each graph was split (the first line of its ``describe``)."""
-        how = [p.describe().splitlines()[0].partition(": ")[2] for p in (self.prefill, self.generator)]
+        """One line: how each graph was split, what that divides, and the predicted step against one
+        device's (``Partition.summary``)."""
+        how = [p.summary() for p in (self.prefill, self.generator)]
         return f"split over {self.devices} devices ({self.strategy}): prefill {how[0]}; generator {how[1]}"
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """The prefill's and the generator's rank counts (auto may keep one on one device)."""
+        return self.prefill.world_size, self.generator.world_size
 
     def history(self, states: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The generator's HISTORY states put together from the ranks' (each rank's full state or
         just its pieces of those)."""
-        names = local_names(self.generator, HISTORY)
+        names = local_names(self.generator, history_names(self.generator.original))
         mine = [{k: v for k, v in st.items() if k in keep} for st, keep in zip(states, names)]
         return self.generator.gather_state(mine)
 
@@ -78,6 +85,14 @@ class Split:
         """Each rank's first generator state: the prefill's caches (whole) and the start states, cut."""
         whole = {**caches, **start_state(self.generator.original, start)}
         return self.generator.shard_state({k: v for k, v in whole.items() if k in self.generator.original.states})
+
+
+def _ranks_text(ranks: tuple[int, int]) -> str:
+    """ "2 ranks", or "2 ranks for the prefill, 1 for the generator" where auto kept one whole."""
+    prefill, generator = ranks
+    if prefill == generator:
+        return f"{prefill} rank{'s' * (prefill > 1)}"
+    return f"{prefill} rank{'s' * (prefill > 1)} for the prefill, {generator} for the generator"
 
 
 def local_names(partition: Partition, names: Sequence[str]) -> list[set[str]]:
@@ -88,8 +103,10 @@ def local_names(partition: Partition, names: Sequence[str]) -> list[set[str]]:
     ]
 
 
-def _graphs(cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int]) -> tuple[Any, Any]:
-    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids)
+def _graphs(
+    cfg: LlamaConfig, batch: int, tokens: int, sampling: bool, eos_ids: Sequence[int], decoding: Decoding
+) -> tuple[Any, Any]:
+    return build_llama_prefill(cfg, batch, tokens), generator_graph(cfg, batch, sampling, eos_ids, decoding)
 
 
 class SplitCpuBackend:
@@ -100,10 +117,11 @@ class SplitCpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
-        self.description = f"the CPU reference (numpy) as {devices} ranks"
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
+        self.description = f"the CPU reference (numpy) as {_ranks_text(self.split.ranks)}"
         self.state: list[dict[str, np.ndarray]] = []
         self.caches: dict[str, np.ndarray] = {}
 
@@ -143,6 +161,7 @@ class SplitGpuBackend:
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, devices: int = 2, strategy: str = "auto",
+        decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime import gpus
@@ -150,31 +169,34 @@ class SplitGpuBackend:
         found, reason = gpus()
         if not found:
             raise MegaloopError(f"no GPU for the loop kernels: {reason}")
-        self.gpus = [r % len(found) for r in range(devices)]
-        share = max(self.gpus.count(d) for d in set(self.gpus))
-        processors = min(found[d].sm_count for d in set(self.gpus)) // share
-        arch = {found[d].plan_arch for d in set(self.gpus)}
+        arch = {found[r % len(found)].plan_arch for r in range(devices)}
         if len(arch) > 1:
             raise MegaloopError(f"--devices {devices}: the GPUs differ ({sorted(arch)}); one plan serves one kind")
-        used = len(set(self.gpus))
-        self.description = (
-            f"{devices} loop kernels on {used} GPU{'s' * (used > 1)} ({found[0].name}"
-            + (f", {share} ranks a GPU of {processors} SMs each" if share > 1 else "")
-            + ")"
-        )
         self.progress = progress
         with progress.phase("split", 2, unit="graph"):
-            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids), params, devices, strategy)
+            self.split = Split(*_graphs(cfg, batch, tokens, sampling, eos_ids, decoding), params, devices, strategy)
+        # per graph (auto may keep one on one device): rank r on GPU r mod the GPUs, sharing its SMs
+        self.devices = [[r % len(found) for r in range(n)] for n in self.split.ranks]
+        shares = [max(d.count(x) for x in set(d)) for d in self.devices]
+        processors = [min(found[x].sm_count for x in set(d)) // k for d, k in zip(self.devices, shares)]
+        used = len(set(self.devices[0]) | set(self.devices[1]))
+        self.description = (
+            f"{_ranks_text(self.split.ranks).replace('rank', 'loop kernel')} on {used} GPU{'s' * (used > 1)} "
+            f"({found[0].name}"
+            + (f", {max(shares)} ranks a GPU of {min(processors)} SMs each" if max(shares) > 1 else "")
+            + ")"
+        )
         self.plans = []
         with progress.phase("plan", 2, unit="graph") as bar:
-            for part in (self.split.prefill, self.split.generator):
+            for part, share in zip((self.split.prefill, self.split.generator), processors):
                 plan, _ = load_or_make_plan(
-                    part.graphs, use_cache=plan_cache, processors=processors, arch=found[self.gpus[0]].plan_arch
+                    part.graphs, use_cache=plan_cache, processors=share, arch=found[0].plan_arch
                 )
                 self.plans.append(plan)
                 bar.update(1)
         self.group: Any = None
-        self.history_names = [sorted(n) for n in local_names(self.split.generator, HISTORY)]
+        wanted = history_names(self.split.generator.original)
+        self.history_names = [sorted(n) for n in local_names(self.split.generator, wanted)]
 
     def _group(self, which: int, state: Sequence[Mapping[str, Any]] | None = None) -> Any:
         from megaloop.runtime.group import LoopKernelGroup
@@ -182,7 +204,8 @@ class SplitGpuBackend:
         self.close()
         phase = "upload" if which == 0 else "upload generator"  # (the group compiles its ranks' kernels too)
         with self.progress.phase(phase, 1, unit="group"):
-            self.group = LoopKernelGroup(self.plans[which], self.split.params[which], state, devices=self.gpus)
+            params, devices = self.split.params[which], self.devices[which]
+            self.group = LoopKernelGroup(self.plans[which], params, state, devices=devices)
         return self.group
 
     def setup_prefill(self) -> None:

@@ -24,6 +24,7 @@ from megaloop.frontend.ops.matmul import auto_k_splits
 from megaloop.frontend.ops.norm_linear import NORMED_ROWS
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
+from megaloop.models.decoding import PLAIN, Decoding, next_token
 
 
 @dataclass(frozen=True)
@@ -420,9 +421,9 @@ def build_llama_prefill(
     """A prompt step (``build_llama``'s inputs and KV caches) that returns only the logits each
     sequence's next token is chosen from: those of its last prompt token, ``last`` int64 [batch]
     (an index into the step's tokens), so that prompts of different lengths share one padded step.
-    That row of the residual stream is gathered (an embedding lookup in the stream seen as a table
-    of batch * tokens rows) before the final norm and the LM head, which then run on one row a
-    sequence. Output: ``logits`` [batch, 1, vocab]; ``last`` outside [0, tokens) is the caller's error."""
+    That row of the residual stream is picked (the others zeroed and summed away) before the final
+    norm and the LM head, which then run on one row a sequence. Output: ``logits`` [batch, 1, vocab];
+    ``last`` outside [0, tokens) is the caller's error."""
     if cfg.vocab is None:
         raise GraphBuildError("build_llama_prefill: the model needs a vocabulary (cfg.vocab)")
     if tokens > cfg.max_seq:
@@ -434,8 +435,10 @@ def build_llama_prefill(
     x, update = _decoder(g, cfg, ids, positions, kv_splits, PREFILL_FUSIONS)  # (many rows: only split_k applies)
     with g.scope("head"):
         stream = x if update is None else x + update
-        rows = last + g.constant(np.arange(batch, dtype=np.int64) * tokens, "int64", name="row_starts")
-        picked = ops.embedding(stream.reshape(batch * tokens, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
+        # the row kept, the others zeros, summed over the tokens: exactly that row, by an op per sequence
+        # (so that data parallelism cuts the batch through it, not just ``last``)
+        index = g.constant(np.arange(tokens, dtype=np.int64).reshape(1, tokens, 1), "int64", name="token_index")
+        picked = ops.sum(ops.where(ops.equal(index, last.reshape(batch, 1, 1)), stream, 0.0), axis=1, keepdims=True)
     g.output("logits", _head(g, cfg, picked, None, NO_FUSIONS))
     return g
 
@@ -463,6 +466,7 @@ def build_llama_generator(
     sampling: bool = False,
     eos_ids: Sequence[int] = (),
     fusions: Fusions = DECODE_FUSIONS,
+    decoding: Decoding = PLAIN,
 ) -> Graph:
     """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
     ``position`` (both states), records that token in ``generated`` at its position, and makes the
@@ -487,7 +491,8 @@ def build_llama_generator(
     differ: a sequence's draws depend on its seed and positions alone, not on its batch slot.
     Output: ``logits`` [batch, 1, vocab] of the last step. ``argmax_splits``: the next token's argmax
     (or draw) in that many ranges of the vocabulary, each a tile ("auto": ranges of about ARGMAX_RANGE
-    logits); the same tokens whatever it is.
+    logits); the same tokens whatever it is. ``decoding``: penalties before the choice and log-probabilities
+    recorded each step, with their states (megaloop.models.decoding); ``min_p`` is a sampling state too.
     """
     _require_config(cfg, "build_llama_generator")
     if cfg.vocab is None:
@@ -508,10 +513,7 @@ def build_llama_generator(
     logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits, fusions)
     if argmax_splits == "auto":
         argmax_splits = auto_argmax_splits(cfg)
-    if sampling:
-        chosen = _sampled_token(g, batch, logits, position, argmax_splits)
-    else:
-        chosen = ops.argmax(logits, axis=-1, splits=argmax_splits)
+    chosen = next_token(g, logits, token, position, active, written, argmax_splits, sampling, decoding)
     g.assign(token, ops.where(active, chosen, kept))
     g.assign(position, ops.where(active, position + 1, position))
     g.output("logits", logits)
@@ -570,14 +572,3 @@ def _still_generating(g: Graph, token: Tensor, position: Tensor, stop: Tensor, e
         hits = ops.equal(token, g.constant(np.array(eos, np.int64), name="eos_ids"))
         active = ops.logical_and(active, ops.equal(ops.sum(hits.astype("int64"), -1, keepdims=True), 0))
     return active
-
-
-def _sampled_token(g: Graph, batch: int, logits: Tensor, position: Tensor, splits: int | None) -> Tensor:
-    """The next token drawn by ``ml.sample`` (in ``splits`` ranges of the vocabulary) from the per-sequence
-    sampling states: int64 [batch, 1]."""
-    rows = (batch, 1)
-    temperature = g.state("temperature", rows, "float32", init=np.ones(rows, np.float32))
-    top_k = g.state("top_k", rows, "int64")
-    top_p = g.state("top_p", rows, "float32", init=np.ones(rows, np.float32))
-    seed = g.state("seed", rows, "int64", init=np.arange(batch, dtype=np.int64)[:, None])  # rows apart
-    return ops.sample(logits, seed, position, temperature, top_k, top_p, splits=splits)

@@ -83,12 +83,12 @@ class Placed:
 
     def apply(self, node: Node, s: Strategy) -> None:
         for t, p in zip(node.inputs, s.inputs):
-            if t.node.op.kind == "source" and t.node.op.name != "state" and t not in self.home:
+            if t.node.op.name in ("input", "constant") and t not in self.home:
                 continue  # free in any piece: nothing to remember
             have = self.have.get(t, ())
             if p not in have:
                 self.have[t] = (*have, p)
-            if t.node.op.name == "state" and t not in self.home:
+            if t.node.op.name in ("state", "parameter") and t not in self.home:
                 self.home[t] = p
         for t, p in zip(node.outputs, s.outputs):
             self.have[t] = (p,)

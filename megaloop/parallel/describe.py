@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from megaloop.frontend.placement import Partial, Replicate, Shard
+from megaloop.parallel.axes import batch_class
+from megaloop.parallel.shard import Part
 
 _LAYER = re.compile(r"\.(\d+)\.")
 _ID = re.compile(r"_\d+$")
@@ -58,20 +60,93 @@ def describe(partition: Any) -> str:
 
 def _headline(p: Any) -> str:
     plan, pred = p.plan, p.predicted
-    kinds = (
-        ", ".join(f"{KIND_WORDS.get(k, k)} over {s}" for k, s in zip(plan.kinds, plan.mesh.shape) if s > 1)
-        if plan
-        else ""
-    )
-    head = f"Partition of {p.original.name!r} over {p.world_size} device(s)"
-    if plan is not None:
-        head += f": {plan.label}" + (f" ({kinds})" if kinds else "")
+    if plan is None:
+        return f"Partition of {p.original.name!r} over {p.world_size} device(s)"
+    if p.world_size == 1:
+        head = f"Partition of {p.original.name!r}: one device, the program unsplit"
+    else:
+        head = f"Partition of {p.original.name!r} over {p.world_size} device(s): {plan.label} ({how(p)})"
     if pred is not None:
+        alone = p.one_device
+        versus = f" (one device: {alone.step_us:.1f} us)" if alone is not None and p.world_size > 1 else ""
         head += (
-            f"\n  predicted {pred.step_us:.1f} us a step, {pred.exchanged_bytes / 2**20:.2f} MiB exchanged a step, "
-            f"at most {max(pred.memory_bytes) / 2**30:.3f} GiB a device"
+            f"\n  predicted {pred.step_us:.1f} us a step{versus}, {pred.exchanged_bytes / 2**20:.2f} MiB exchanged "
+            f"a step, at most {max(pred.memory_bytes) / 2**30:.3f} GiB a device"
         )
+        shares = work_shares(p)
+        if shares and p.world_size > 1:
+            head += "\n  work a rank, of one device's: " + ", ".join(f"{100 * x:.0f}%" for x in shares)
     return head
+
+
+def summary(p: Any) -> str:
+    """One line: the split, what it divides, its predicted step against one device's."""
+    pred, alone = p.predicted, p.one_device
+    if p.world_size == 1:
+        splits = [c for c in p.candidates if c.predicted is not None and c.plan.mesh.size > 1]
+        fastest = min(splits, key=lambda c: c.predicted.step_us, default=None)
+        if fastest is None:
+            return "one device"
+        return (
+            f"one device, no split predicted faster ({pred.step_us:.1f} us a step; the fastest split, "
+            f"{fastest.plan.label}, {fastest.predicted.step_us:.1f} us)"
+        )
+    text = f"{p.plan.label} ({how(p)})"
+    if pred is not None:
+        text += f", {pred.step_us:.1f} us a step predicted"
+        text += f" against {alone.step_us:.1f} us on one device" if alone is not None else ""
+    return text
+
+
+def how(p: Any) -> str:
+    """What each kind of the plan divides, in words: "tensor parallel over 2: by weights"."""
+    out = []
+    for kind, size in zip(p.plan.kinds, p.plan.mesh.shape):
+        if size > 1:
+            out.append(f"{KIND_WORDS.get(kind, kind)} over {size}: {_divides(p, kind)}")
+    return "; ".join(out)
+
+
+def work_shares(p: Any) -> list[float]:
+    """Each rank's work (its ops' tiles, no exchanges) as a fraction of the unsplit program's."""
+    if p.predicted is None or p.one_device is None:
+        return []
+    whole = p.one_device.detail.get("work_us", [0.0])[0]
+    mine = p.predicted.detail.get("work_us", [])
+    return [w / whole for w in mine] if whole > 0 else []
+
+
+def _divides(p: Any, kind: str) -> str:
+    if kind == "pp":
+        return "by layers" if any(line.count("layer") for line in _stage_lines(p)) else "by program order"
+    if kind == "device":
+        return "by branches"
+    chosen = p.decisions.get(kind, {})
+    n = p.plan.size(kind)
+    cls, batch = batch_class(Part.whole(p.original), n)
+    g = p.original
+    positions = {cls(t, 1) for t in g.inputs.values() if t.ndim >= 2 and t.shape[1] > 1 and cls(t, 0) == batch}
+    full = {name: tuple((0, s) for s in t.shape) for name, t in g.parameters.items()}
+    stored_cut = any(
+        info.kind == "parameter" and info.box != full[info.name] for part in p.parts for info in part.sources.values()
+    )
+    found: set[str] = set()
+    for node, s in chosen.items():
+        for t, x in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs)):
+            if not isinstance(x, Shard):
+                continue
+            if cls(t, x.axis) == batch:
+                found.add("sequences")
+            elif t.node.op.name == "parameter" and stored_cut:  # (a slice of a whole one: features)
+                found.add("weights")
+            elif cls(t, x.axis) in positions:
+                found.add("positions")
+            else:
+                found.add("features")
+    if "weights" in found:  # (the activations a weight's cut makes: heads, features)
+        found.discard("features")
+    words = [w for w in ("sequences", "weights", "positions", "features") if w in found]
+    return "by " + " and ".join(words) if words else "nothing cut: every rank runs the whole program"
 
 
 def _candidate_table(p: Any) -> str:

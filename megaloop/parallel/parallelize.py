@@ -12,7 +12,8 @@ transformation over the previous step's parts, megaloop.parallel.shard and .stag
 
 ``strategy="auto"`` tries every assignment of kinds to the mesh's axes (for an int, every
 factorisation of the devices into pp x dp x tp, and device placement) and keeps the lowest predicted
-step that fits ``memory_per_device``; ``Partition.candidates`` holds the table it compared.
+step that fits ``memory_per_device``; one device (a partition of one rank, the program as it is) wins
+unless a split is predicted faster. ``Partition.candidates`` holds the table it compared.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def parallelize(
     candidates: list[Candidate] = []
     best: Partition | None = None
     tiles: dict = {}
+    alone = build(graph, Plan(Mesh((1,), ("tp",)), ("tp",)), {}, machine, None, tiles)
+    if strategy == "auto" and mesh.size > 1 and not pins and not all(p.forced for p in plans):
+        plans = [alone.plan, *plans]  # (a split must beat one device)
     for plan in plans:
         try:
-            partition = build(graph, plan, pins, machine, memory_per_device, tiles)
+            partition = alone if plan is alone.plan else build(graph, plan, pins, machine, memory_per_device, tiles)
             if memory_per_device is not None and max(partition.predicted.memory_bytes) > memory_per_device:
                 raise PartitionMemoryError("does not fit memory_per_device")
         except GraphBuildError as e:
@@ -89,7 +93,7 @@ def parallelize(
             continue
         candidates.append(Candidate(plan, partition.predicted))
         if best is None or partition.predicted.step_us < best.predicted.step_us:
-            best = partition
+            best = partition  # (ties keep the earlier: one device, then fewer pipeline stages)
     if best is None:
         unfit = [c.plan for c in candidates if c.error == "does not fit memory_per_device"][:4]
         if unfit:
@@ -97,7 +101,17 @@ def parallelize(
             raise too_big(smallest, memory_per_device)
         reasons = "; ".join(f"{c.plan.label}: {c.error}" for c in candidates)
         raise GraphBuildError(f"parallelize: no way to split {graph.name!r} over {mesh}: {reasons}")
-    best.candidates = candidates
+    best.candidates, best.one_device = candidates, alone.predicted
+    if best.world_size == 1 and mesh.size > 1:
+        splits = [c for c in candidates if c.predicted is not None and c.plan.mesh.size > 1]
+        fastest = min(splits, key=lambda c: c.predicted.step_us, default=None)
+        than = (
+            f" (the fastest, {fastest.plan.label}, {fastest.predicted.step_us:.1f} us a step against "
+            f"{best.predicted.step_us:.1f} us)"
+            if fastest
+            else ""
+        )
+        best.notes.append(f"no split over {mesh.size} devices is predicted faster than one device{than}")
     return best
 
 

@@ -40,12 +40,20 @@ class Partition:
         self.decisions: dict[str, dict[Any, Any]] = {}  # pass kind -> original node -> its strategy
         self.exchanges: dict[str, list] = {}  # pass kind -> the conversions it inserted
         self.stage_of: dict[Any, int] = {}  # original node -> pipeline stage or device
+        self.one_device: Prediction | None = None  # the program unsplit, by the same cost model
 
     def describe(self) -> str:
         """Where every parameter and op went and why, in words (megaloop.parallel.describe)."""
         from megaloop.parallel.describe import describe
 
         return describe(self)
+
+    def summary(self) -> str:
+        """One line: the split, what it divides (by sequences, weights, positions, layers), and the
+        predicted step against one device's."""
+        from megaloop.parallel.describe import summary
+
+        return summary(self)
 
     @property
     def world_size(self) -> int:
@@ -88,6 +96,8 @@ class Partition:
     # ---- putting results back together --------------------------------------------------------------
     def gather_outputs(self, results: Sequence[Any]) -> dict[str, np.ndarray]:
         """The single-device graph's outputs from the ranks' (``Evaluation``\\ s or dicts of outputs)."""
+        if hasattr(results, "outputs") or isinstance(results, Mapping):  # (one rank's, unlisted)
+            results = [results]
         per_rank = [r.outputs if hasattr(r, "outputs") else r for r in results]
         if len(per_rank) != len(self.parts):
             raise EvaluationError(f"partition: {len(per_rank)} results for {len(self.parts)} ranks")
@@ -104,6 +114,8 @@ class Partition:
 
     def gather_state(self, states: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The single-device graph's state from the ranks' (e.g. ``Evaluation.state``)."""
+        if isinstance(states, Mapping):  # (one rank's, unlisted)
+            states = [states]
         out = {}
         for name, t in self.original.states.items():
             found = []

@@ -11,11 +11,12 @@ from megaloop.errors import GraphBuildError, PartitionMemoryError
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.placement import OnDevice, Placement, Replicate, Shard, Strategy, even_sizes, resolve
 from megaloop.frontend.tensor import Tensor
+from megaloop.parallel.axes import batch_tensors, never_batch, only_batch
 from megaloop.parallel.cost import Machine, Pricer, exchange_us
 from megaloop.parallel.mesh import Mesh
 from megaloop.parallel.partition import Partition, Prediction
 from megaloop.parallel.predict import node_us, predict_step
-from megaloop.parallel.search import batch_tensors, never_batch, only_batch, search
+from megaloop.parallel.search import search
 from megaloop.parallel.shard import Part, shard
 from megaloop.parallel.stages import device_stages, pipeline_stages, split
 
@@ -103,7 +104,7 @@ def build(
         link = machine.link(range(0, world, max(stride[kind], 1)))
         link_us = lambda b, link=link: exchange_us("send", b, 2, link)
         if kind == "pp":
-            stages = pipeline_stages(graph, cost, n, link_us)
+            stages = pipeline_stages(graph, cost, n, link_us, _origin_held(parts[0]), memory)
         else:
             stages = device_stages(graph, cost, n, link_us, _device_pins(graph, pins, n))
             used = len({stages[nd] for nd in graph.nodes if nd.op.kind not in ("source", "view")})
@@ -124,10 +125,16 @@ def build(
 
 def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
     """Strategies that never cut the batch; asked for by name, also none that keeps a weight matrix
-    (a parameter of two or more axes, one of them cut-able) whole on every device."""
+    (a parameter of two or more axes, one of them cut-able) whole on every device. An embedding table
+    may stay whole (a lookup reads a few rows), unless another op reads it too (an LM head tied to
+    it): a rank stores a parameter once, so the whole table would stand for the head's share."""
     base = never_batch(part, n)
     if not forced:
         return base
+    readers: dict[Tensor, int] = {}
+    for node in part.graph.nodes:
+        for t in set(node.inputs):
+            readers[t] = readers.get(t, 0) + 1
 
     def allow(node: Node, s: Any) -> bool:
         for t, p in zip(node.inputs, s.inputs):
@@ -136,11 +143,12 @@ def _tensor_parallel(part: Part, n: int, forced: bool) -> Any:
                 and t.ndim >= 2
                 and isinstance(p, Replicate)
                 and max(t.shape) >= n
-                and node.op.name not in ("embedding",)
+                and (node.op.name != "embedding" or readers[t] > 1)
             ):
                 return False
         return base(node, s)
 
+    allow.why = getattr(base, "why", "")  # type: ignore[attr-defined]
     return allow
 
 
@@ -200,6 +208,7 @@ def _like(part: Part, first: Part, chosen: dict[Node, Strategy], allow: Any) -> 
         want = by_place.get(i) if i < len(ops) and ops[i] is node.op else None
         return allow(node, s) and (want is None or shape_of(s) == shape_of(want))
 
+    allowed.why = getattr(allow, "why", "")  # type: ignore[attr-defined]
     return allowed
 
 
@@ -266,6 +275,20 @@ def _origin_costs(part: Part, machine: Machine, tiles: dict) -> dict[Node, float
         if origin is not None and node.op.kind not in ("source", "view"):
             cost[origin] = cost.get(origin, 0.0) + node_us(node, machine, tiles)
     return cost
+
+
+def _origin_held(part: Part) -> dict[Node, dict[Tensor, int]]:
+    """Per original node, the bytes of each stored source (parameter, state) a rank reads for it."""
+    held: dict[Node, dict[Tensor, int]] = {}
+    for node in part.graph.nodes:
+        origin = part.origin.get(node)
+        if origin is None or node.op.kind == "source":
+            continue
+        for t in node.inputs:
+            src = t.base
+            if src.node.op.name in ("parameter", "state"):
+                held.setdefault(origin, {})[src] = src.nbytes
+    return held
 
 
 def too_big(partition: Partition, memory: int) -> PartitionMemoryError:

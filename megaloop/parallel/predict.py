@@ -3,8 +3,9 @@
 Ops start once what they read is made (a collective once every member's operand is, a recv once its
 send's is); ops of a rank that become ready together share its processors (a group takes the longest
 of its ops' longest tiles and the sum of their work over the processors); a rank takes at least the
-sum of its groups. The step is the last rank's end. Also: the bytes the ranks exchange in a step and
-the memory each holds (parameters, state, and the intermediates alive at once, by program order).
+sum of its groups. The step is the last rank's end. Also: the bytes the ranks exchange in a step,
+the memory each holds (parameters, state, and the intermediates alive at once, by program order) and
+the work each does (its ops' tiles over its processors: what a split divides).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def predict_step(graphs: Sequence[Graph], machine: Machine, tiles: dict | None =
         "rank_busy_us": busy,
         "exchanged_bytes": sum(_exchanged(mem) for mem in members.values()),
         "memory_bytes": [memory_bytes(g) for g in graphs],
+        "work_us": [sum(cost[v][0] for v, mem in members.items() if mem[0][0] == r) for r in range(len(graphs))],
     }
 
 

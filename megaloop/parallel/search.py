@@ -11,14 +11,13 @@ complete state wins. Why a beam and not an exact search: the live tensors of a l
 few, so few states differ in more than cost, and the beam keeps the search linear in the nodes (a
 32-layer model's thousands of nodes in seconds).
 
-``classes`` tells the axes that go together through the program (the batch axis of every tensor that
-has one), for data parallelism (cut the batch only) and tensor parallelism (never cut it).
+A source with no placement yet is offered to its reader in the pieces its axis class allows
+(``megaloop.parallel.axes.cut_hints``: 3 kv heads over 2 ranks as 2 + 1, not 1.5 + 1.5).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +25,16 @@ from megaloop.errors import GraphBuildError, PartitionMemoryError
 from megaloop.frontend.graph import Node
 from megaloop.frontend.placement import Partial, Placement, Replicate, Shard, Strategy
 from megaloop.frontend.tensor import Tensor
+from megaloop.parallel.axes import Allow, cut_hints
 from megaloop.parallel.choose import strategies_for
 from megaloop.parallel.cost import Pricer, attrs_key
 from megaloop.parallel.reshard import conversion
 from megaloop.parallel.shard import Choice, Part
 
-Allow = Callable[[Node, Strategy], bool]
+# Sources stored once a rank, in the placement their first reader takes (their home); a reader that
+# wants another converts from it (a slice of a whole one is a view). Inputs and constants are handed
+# in as each reader wants them.
+HELD = ("state", "parameter")
 MEMORY_US_PER_BYTE = 1.0 / 2**28  # 1 us per 256 MiB a device holds: between equal times, less memory
 
 
@@ -68,6 +71,7 @@ class _Search:
         self.raw: dict[Any, list] = {}
         self.options: dict[Any, list] = {}
         self.conversions: dict[Any, tuple[float, tuple[int, ...]] | None] = {}
+        self.hints = {self.tid(t): self.pid(p) for t, p in cut_hints(part, members).items()}
 
     def tid(self, t: Tensor) -> int:
         i = self.tensor_id.get(t)
@@ -124,7 +128,7 @@ class _Search:
         found = self.options.get(key)
         if found is not None:
             return found
-        given = tuple(h[0] if h else None for h in have)
+        given = tuple(h[0] if h else self.hints.get(t) for t, h in zip(ins, have))
         found = []
         for s, sin, sout in self.node_strategies(node, given):
             compute, exchange = self.pricer.node(node, s)
@@ -145,7 +149,7 @@ class _Search:
                     made = have[k] or ()
                     if kind != "input" and target not in made:  # (a piece held once, however many read it)
                         memory += _piece_bytes(tensor, self.placements[target], self.members)
-                    if kind == "state":
+                    if kind in HELD:  # stored once a rank: other readers convert from this piece
                         updates.append((t, (target,), target))
                     elif kind != "input" and target not in made:
                         updates.append((t, (*made, target), None))
@@ -171,8 +175,8 @@ def search(
     pins = dict(pins or {})
     g = part.graph
     dp = _Search(part, members, pricer, pins, allow, shared)
-    last = {dp.tid(t): i for t, i in _last_uses(g).items()}
-    home_until = {dp.tid(t): i for t, i in _homes_needed(g).items()}
+    last = {dp.tid(t): i for t, i in _last_uses(g, pins).items()}
+    home_until = {dp.tid(t): i for t, i in _homes_needed(g, pins).items()}
     start = _State(0.0, {}, {}, _pinned_memory(pins, members))
     for t, p in pins.items():
         if t.node.op.kind == "source":
@@ -244,13 +248,14 @@ def _pinned_memory(pins: Mapping[Tensor, Placement], members: int) -> int:
     return sum(_piece_bytes(t, p, members) for t, p in pins.items() if t.node.op.kind == "source")
 
 
-def _homes_needed(g: Any) -> dict[Tensor, int]:
-    """Until which node a state's home placement matters: its last read when an in-place op makes its
-    next value (that op's result carries it from there), else the end (its update converts to it)."""
+def _homes_needed(g: Any, pins: Mapping[Tensor, Placement]) -> dict[Tensor, int]:
+    """Until which node a source's home placement matters: a parameter's or a pinned source's, its
+    last read; a state's, its last read when an in-place op makes its next value (that op's result
+    carries it from there), else the end (its update converts to it)."""
     last: dict[Tensor, int] = {}
     for i, node in enumerate(g.nodes):
         for t in node.inputs:
-            if t.node.op.name == "state":
+            if t.node.op.name in HELD or t in pins:
                 last[t] = i
     end = len(g.nodes)
     for name, state in g.states.items():
@@ -260,7 +265,7 @@ def _homes_needed(g: Any) -> dict[Tensor, int]:
     return last
 
 
-def _last_uses(g: Any) -> dict[Tensor, int]:
+def _last_uses(g: Any, pins: Mapping[Tensor, Placement]) -> dict[Tensor, int]:
     """Index of the last node reading each tensor (state updates and outputs: past the end)."""
     last: dict[Tensor, int] = {}
     for i, node in enumerate(g.nodes):
@@ -272,7 +277,7 @@ def _last_uses(g: Any) -> dict[Tensor, int]:
             last[value] = end
     for t in g.outputs.values():
         last[t] = end
-    last.update(_homes_needed(g))  # a state's own tensor: as long as its home matters
+    last.update(_homes_needed(g, pins))  # a held source's own tensor: as long as its home matters
     return last
 
 
@@ -305,11 +310,11 @@ def _no_strategy(node, st, dp, members, pins, memory_limit, shared) -> GraphBuil
         every = strategies_for(node, members, [None] * len(node.inputs), shared)
         allowed = [s for s in every if dp.allow is None or dp.allow(node, s)]
         made = sorted({str(s.outputs[0]) for s in allowed}) or ["nothing"]
-        rule = " (tensor parallelism never cuts the batch: pin it under data parallelism)"
+        why = getattr(dp.allow, "why", "")
         return GraphBuildError(
             f"partition: {node.op.name} {node.name} cannot satisfy the layout: {'; '.join(pinned)}, but on "
             f"{members} devices it can make its output only {' or '.join(made)}"
-            + (rule if len(allowed) < len(every) else "")
+            + (f" ({why})" if why and len(allowed) < len(every) else "")
             + "; change or drop the pin"
         )
     if memory_limit is not None:
@@ -324,70 +329,3 @@ def _no_strategy(node, st, dp, members, pins, memory_limit, shared) -> GraphBuil
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-# ---- axes that go together ----------------------------------------------------------------------
-
-
-def classes(part: Part, members: int) -> Callable[[Tensor, int], int]:
-    """A function naming the class of (tensor, axis): axes that strategies cut together share one."""
-    parent: dict[Any, Any] = {}
-
-    def find(x: Any) -> Any:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for node in part.graph.nodes:
-        if node.op.kind == "source":
-            continue
-        for s in strategies_for(node, members, [None] * len(node.inputs), shared=False):
-            pairs = (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
-            cut = [(t, p.axis) for t, p in pairs if isinstance(p, Shard)]
-            for a, b in itertools.pairwise(cut):
-                parent[find(a)] = find(b)
-    ids: dict[Any, int] = {}
-    return lambda t, axis: ids.setdefault(find((t, axis)), len(ids))
-
-
-def batch_class(part: Part, members: int) -> tuple[Callable[[Tensor, int], int], int | None]:
-    """The classes and the batch's: of the axes 0 of the inputs and states, the class the outputs' axes 0
-    are in most (by bytes; then the inputs' and states' own bytes): results come per sequence, and an
-    input declared first (a temperature) or a large one read whole (keys) does not decide it."""
-    cls = classes(part, members)
-    g = part.graph
-    weight: dict[int, list[int]] = {}
-    for t in [*g.inputs.values(), *g.states.values()]:
-        if t.ndim:
-            weight.setdefault(cls(t, 0), [0, 0])[1] += t.nbytes
-    for t in g.outputs.values():
-        if t.ndim and cls(t, 0) in weight:
-            weight[cls(t, 0)][0] += t.nbytes
-    return cls, (max(weight, key=lambda c: tuple(weight[c])) if weight else None)
-
-
-def batch_tensors(part: Part) -> list[Tensor]:
-    """The inputs and states whose axis 0 is the batch's, largest first."""
-    cls, batch = batch_class(part, 2)
-    g = part.graph
-    found = [t for t in [*g.inputs.values(), *g.states.values()] if t.ndim and cls(t, 0) == batch]
-    return sorted(found, key=lambda t: -t.nbytes)
-
-
-def only_batch(part: Part, members: int) -> Allow:
-    """Data parallel: strategies that cut nothing but the batch."""
-    cls, batch = batch_class(part, members)
-    return lambda node, s: all(
-        not isinstance(p, Shard) or cls(t, p.axis) == batch
-        for t, p in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
-    )
-
-
-def never_batch(part: Part, members: int) -> Allow:
-    """Tensor parallel: strategies that never cut the batch."""
-    cls, batch = batch_class(part, members)
-    return lambda node, s: all(
-        not isinstance(p, Shard) or cls(t, p.axis) != batch
-        for t, p in (*zip(node.inputs, s.inputs), *zip(node.outputs, s.outputs))
-    )

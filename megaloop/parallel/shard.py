@@ -177,7 +177,7 @@ class _Sharder:
             return have[p]
         if t.node.op.kind == "source" and t not in self.home:  # free: make this piece of it now
             pieces = self._source(t, p)
-            if t.node.op.name == "state":
+            if t.node.op.name in ("state", "parameter"):  # stored once: other pieces come from this one
                 self.home[t] = p
             have[p] = pieces
             return pieces

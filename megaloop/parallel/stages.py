@@ -10,9 +10,10 @@ out again on every stage that needs them rather than sent; a state whose next va
 (the generator's position) then lives on each of those stages. Any other state lives on the stage
 that updates it in place, or first reads it; its next value is sent there.
 
-``pipeline_stages`` cuts a program's order into contiguous stages of about equal cost, where few
-bytes cross; ``device_stages`` places independent branches on different devices (list scheduling
-on the cost model: each node where it would finish first).
+``pipeline_stages`` cuts a program's order into contiguous stages of about equal time (what crosses
+a cut priced in), between a model's layers, each within the memory a device has; ``device_stages``
+places independent branches on different devices (list scheduling on the cost model: each node
+where it would finish first).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from megaloop.errors import GraphBuildError
+from megaloop.errors import GraphBuildError, PartitionMemoryError
 from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.tensor import Tensor
 from megaloop.parallel.shard import Part
@@ -198,10 +199,17 @@ def split(
 
 
 def pipeline_stages(
-    original: Graph, cost: Mapping[Node, float], stages: int, link_us: Callable[[int], float]
+    original: Graph,
+    cost: Mapping[Node, float],
+    stages: int,
+    link_us: Callable[[int], float],
+    held: Mapping[Node, Mapping[Any, int]] | None = None,
+    memory: int | None = None,
 ) -> dict[Node, int]:
-    """Contiguous stages of the original's order with the least cost of the slowest stage (plus what
-    crossing the cuts takes). Cuts go only where few bytes cross: between the layers of a model."""
+    """Contiguous stages of the original's order with the least time of the slowest stage (its nodes'
+    cost plus receiving what crosses the cut before it), cut between a model's layers where there are
+    enough of them. ``held``: per node, the bytes of each stored value it reads (parameters, states:
+    a stage holds each value any of its nodes reads once); ``memory``: the most a stage may hold."""
     nodes = [n for n in original.nodes if n.op.kind != "source"]
     if stages > len(nodes):
         raise GraphBuildError(f"partition: {stages} pipeline stages for a program of {len(nodes)} ops")
@@ -209,16 +217,13 @@ def pipeline_stages(
     for n in nodes:
         prefix.append(prefix[-1] + cost.get(n, 0.0))
     crossing = _crossing_bytes(original, nodes)
-    least = min(crossing[1:-1] or [0])
-    cuts = [i for i in range(1, len(nodes)) if crossing[i] <= 2 * least + 1]
     layer = _layers(nodes)
-    between = [i for i in cuts if layer[i - 1] != layer[i]]  # between a model's layers
-    if len(between) >= stages - 1:
-        cuts = between
+    cuts = [i for i in range(1, len(nodes)) if layer[i - 1] != layer[i]]  # between a model's layers
     if len(cuts) < stages - 1:
         cuts = list(range(1, len(nodes)))
     points = [0, *cuts, len(nodes)]
-    best = _cut_dp(points, prefix, crossing, stages, link_us)
+    fits = _fits(nodes, points, held, memory) if memory is not None and held else None
+    best = _cut_dp(points, prefix, crossing, stages, link_us, fits)
     stage_of = {}
     for s, (lo, hi) in enumerate(itertools.pairwise(best)):
         for n in nodes[lo:hi]:
@@ -226,6 +231,33 @@ def pipeline_stages(
     for n in original.nodes:
         stage_of.setdefault(n, 0)
     return stage_of
+
+
+def _fits(
+    nodes: list[Node], points: list[int], held: Mapping[Node, Mapping[Any, int]], memory: int
+) -> Callable[[int, int], bool]:
+    """Whether the stage of nodes[points[i]:points[j]] holds at most ``memory`` bytes of stored values
+    (each value once, however many of its nodes read it)."""
+    rows: dict[int, list[int]] = {}
+
+    def row(i: int) -> list[int]:  # the bytes held from points[i] to each later point
+        seen: set[Any] = set()
+        total, out = 0, [0] * len(points)
+        for j in range(i + 1, len(points)):
+            for n in nodes[points[j - 1] : points[j]]:
+                for value, nbytes in held.get(n, {}).items():
+                    if value not in seen:
+                        seen.add(value)
+                        total += nbytes
+            out[j] = total
+        return out
+
+    def fits(i: int, j: int) -> bool:
+        if i not in rows:
+            rows[i] = row(i)
+        return rows[i][j] <= memory
+
+    return fits
 
 
 def _layers(nodes: list[Node]) -> list[str]:
@@ -259,8 +291,16 @@ def _crossing_bytes(g: Graph, nodes: list[Node]) -> list[int]:
     return out
 
 
-def _cut_dp(points: list[int], prefix: list[float], crossing: list[int], stages: int, link_us) -> list[int]:
-    """The cut points (indices into the order) that minimise the slowest stage's cost."""
+def _cut_dp(
+    points: list[int],
+    prefix: list[float],
+    crossing: list[int],
+    stages: int,
+    link_us: Callable[[int], float],
+    fits: Callable[[int, int], bool] | None = None,
+) -> list[int]:
+    """The cut points (indices into the order) that minimise the slowest stage's time, each stage
+    within memory where ``fits`` says."""
     inf = float("inf")
     k = len(points)
     best = [[inf] * k for _ in range(stages + 1)]
@@ -269,14 +309,18 @@ def _cut_dp(points: list[int], prefix: list[float], crossing: list[int], stages:
     for s in range(1, stages + 1):
         for j in range(1, k):
             for i in range(j):
-                if best[s - 1][i] == inf:
+                if best[s - 1][i] == inf or (fits is not None and not fits(i, j)):
                     continue
                 seg = prefix[points[j]] - prefix[points[i]] + (link_us(crossing[points[i]]) if i else 0.0)
                 value = max(best[s - 1][i], seg)
                 if value < best[s][j]:
                     best[s][j], back[s][j] = value, i
     if best[stages][k - 1] == inf:
-        raise GraphBuildError(f"partition: the program cannot be cut into {stages} pipeline stages")
+        raise (
+            GraphBuildError(f"partition: the program cannot be cut into {stages} pipeline stages")
+            if fits is None
+            else PartitionMemoryError(f"partition: no cut into {stages} pipeline stages fits memory_per_device")
+        )
     out, j = [], k - 1
     for s in range(stages, 0, -1):
         out.append(points[j])

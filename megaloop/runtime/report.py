@@ -53,9 +53,15 @@ def kernel_error(
         name = rp.ops[op].name if 0 <= op < len(rp.ops) else f"op {op}"
         if kind == 3:  # megaloop.codegen.emit_sample.DATA_KIND: value is the row
             return DataError(
-                f"sample {name}: row {value} (counted in the rows' row-major order) has a temperature, top_k or "
-                "top_p out of range: temperature must be finite and >= 0, top_k >= 0, top_p in (0, 1] (found by "
-                f"task {task} on processor {proc}); the kernel has stopped"
+                f"sample {name}: row {value} (counted in the rows' row-major order) has a temperature, top_k, "
+                "top_p or min_p out of range: temperature must be finite and >= 0, top_k >= 0, top_p in (0, 1], "
+                f"min_p in [0, 1] (found by task {task} on processor {proc}); the kernel has stopped"
+            )
+        if kind == 4:  # megaloop.codegen.emit_sample.PENALTY_KIND: value is the row, limit the token
+            return DataError(
+                f"penalize {name}: row {value} (counted in the rows' row-major order), token {limit} has a count "
+                "below 0, a repetition penalty not > 0 or not finite, or a presence or frequency penalty not finite "
+                f"(found by task {task} on processor {proc}); the kernel has stopped"
             )
         return DataError(
             f"{rp.ops[op].op if 0 <= op < len(rp.ops) else 'op'} {name}: {what} {value} is "

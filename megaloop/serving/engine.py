@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.generator import Completion, GenerationError, Generator
+from megaloop.generation.generator import GenerationError, Generator
 from megaloop.generation.progress import Progress
+from megaloop.generation.sequences import Completion
 from megaloop.generation.split import problem
 from megaloop.models.tokenizer import ChatTemplateError
 from megaloop.serving.backends import CpuStep, GpuStep, SplitCpuStep, SplitGpuStep
@@ -115,7 +116,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: Any, *, chat: bool = False, **settings: Any) -> Request:
         """Queue one prompt (text, token ids, or a conversation: a list of message dicts) with its
-        ``Settings`` (max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids); ``chat`` wraps
+        ``Settings`` (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids); ``chat`` wraps
         a text prompt in the chat template. Raises RequestError for a request that can never run,
         QueueFull when max_queue requests wait already, EngineClosed after close()."""
         self._check_open()

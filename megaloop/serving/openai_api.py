@@ -32,7 +32,8 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # (not OpenAI's: vLLM's and megaloop's extension)
+    top_k: int | None = Field(None, ge=0)  # (not OpenAI's: vLLM's and megaloop's extensions)
+    min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
@@ -64,6 +65,7 @@ class _Common(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": self.top_k or 0,
+            "min_p": self.min_p or 0.0,
             "seed": seed,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),

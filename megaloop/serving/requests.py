@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.generator import Completion
+from megaloop.generation.sequences import Completion, StopMatcher
 from megaloop.models.tokenizer import Tokenizer
 
 MAX_STOPS = 16  # stop strings a request may give (OpenAI's API takes 4)
@@ -36,7 +36,7 @@ class EngineClosed(MegaloopError, RuntimeError):
 @dataclass(frozen=True)
 class Settings:
     """How one request samples and when it stops: ``temperature`` 0 is greedy, top_k 0 and top_p 1 are
-    off, ``seed`` picks the draws (the same seed, the same tokens); the completion ends after
+    off, min_p 0 is off, ``seed`` picks the draws (the same seed, the same tokens); the completion ends after
     ``max_tokens``, at one of the model's end-of-sequence tokens, at one of ``stop_token_ids`` (left out
     of the completion, as the end-of-sequence tokens are) or before one of the ``stop`` strings."""
 
@@ -44,6 +44,7 @@ class Settings:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -60,6 +61,8 @@ class Settings:
             raise bad("top_k", "an int >= 0 (0: off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1] (1: off)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "a number in [0, 1] (0: off)")
         if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
             raise bad("seed", "an int that fits 64 bits")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -78,34 +81,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-class StopMatcher:
-    """Text in, text out, holding back the end of the text that could still begin a stop string;
-    ``stopped``: the stop string found (the text is cut before it, nothing more comes out)."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.held = ""
-        self.stopped: str | None = None
-
-    def push(self, piece: str) -> str:
-        if self.stopped is not None:
-            return ""
-        buf = self.held + piece
-        found = [(at, s) for s in self.stops if (at := buf.find(s)) >= 0]
-        if found:
-            at, self.stopped = min(found)
-            self.held = ""
-            return buf[:at]
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1) if buf.endswith(s[:k])),
-                   default=0)  # fmt: skip
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
-
-    def flush(self) -> str:
-        rest, self.held = ("" if self.stopped is not None else self.held), ""
-        return rest
 
 
 @dataclass
@@ -127,20 +102,21 @@ class _Progress:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     reason: str | None = None
+    stop: str | int | None = None  # the stop string or token that ended it
 
     def __post_init__(self) -> None:
         self.decoder = self.tokenizer.stream() if self.tokenizer is not None else None
         self.matcher = StopMatcher(self.settings.stop)
 
     def add(self, token: int) -> Delta:
-        """One token made by the step; sets ``reason`` where it ends the request."""
+        """One token made by the step; sets ``reason`` (and ``stop``) where it ends the request."""
         if token in self.eos or token in self.settings.stop_token_ids:
-            self.reason = "stop"
+            self.reason, self.stop = "stop", token
             return Delta([], "")
         self.tokens.append(token)
         text = self.matcher.push(self.decoder.push(token)) if self.decoder is not None else ""
         if self.matcher.stopped is not None:
-            self.reason = "stop"
+            self.reason, self.stop = "stop", self.matcher.stopped
         elif len(self.tokens) >= self.settings.max_tokens:
             self.reason = "length"
         self.text += text
@@ -241,7 +217,9 @@ class Request:
                 raise TimeoutError(f"request {self.id} has not finished after {timeout} s")
         self._raise_error()
         p = self._progress
-        return Completion(list(self.prompt_tokens), list(p.tokens), p.text, self.finish_reason or "cancelled")
+        seed = self.settings.seed if self.settings.temperature > 0 else None
+        return Completion(list(self.prompt_tokens), list(p.tokens), p.text, self.finish_reason or "cancelled",
+                          stop=p.stop, seed=seed)  # fmt: skip
 
     async def aresult(self) -> Completion:
         """``result()`` for asyncio code: the whole completion, without blocking the event loop."""

@@ -39,6 +39,7 @@ class SlotTable:
             "temperature": np.ones(col, np.float32),
             "top_k": np.zeros(col, np.int64),
             "top_p": np.ones(col, np.float32),
+            "min_p": np.zeros(col, np.float32),
             "seed": np.arange(s, dtype=np.int64).reshape(col),
             "page_table": self.pages.table,
         }
@@ -67,7 +68,8 @@ class SlotTable:
         st["length"][slot], st["cursor"][slot], st["limit"][slot] = len(prompt), 0, limit
         st["temperature"][slot] = settings.temperature
         st["top_k"][slot], st["top_p"][slot], st["seed"][slot] = settings.top_k, settings.top_p, settings.seed
-        self.dirty |= {"sequence", "length", "cursor", "limit", "temperature", "top_k", "top_p", "seed"}
+        st["min_p"][slot] = settings.min_p
+        self.dirty |= {"sequence", "length", "cursor", "limit", "temperature", "top_k", "top_p", "min_p", "seed"}
         self.requests[slot], self.seen[slot] = request, len(prompt)
         request.status = "running"
         return True

@@ -9,7 +9,8 @@ L positions, M pages a slot, N pages):
 - ``sequence`` int64 [S, L]: each slot's token ids, prompt then completion;
 - ``length``, ``cursor``, ``limit`` int64 [S, 1]: tokens known, tokens in the cache, the length at
   which the slot stops (an end-of-sequence token lowers it to the length; 0: a free slot);
-- ``temperature`` float32, ``top_k`` int64, ``top_p`` float32, ``seed`` int64 [S, 1]: sampling;
+- ``temperature`` float32, ``top_k`` int64, ``top_p`` float32, ``min_p`` float32, ``seed`` int64
+  [S, 1]: sampling (``ml.sample``'s parameters);
 - ``page_table`` int64 [S, M]; per layer ``model.layers.{i}.self_attn.k_pool`` and ``v_pool``
   [N, kv_heads, page_size, head_dim].
 
@@ -31,7 +32,7 @@ from megaloop.frontend.graph import Graph
 from megaloop.frontend.tensor import Tensor
 from megaloop.models.llama import LlamaConfig, auto_argmax_splits, mlp_block
 
-SLOT_STATES = ("sequence", "length", "cursor", "limit", "temperature", "top_k", "top_p", "seed", "page_table")
+SLOT_STATES = ("sequence", "length", "cursor", "limit", "temperature", "top_k", "top_p", "min_p", "seed", "page_table")
 PROGRESS = ("length", "cursor", "limit", "sequence")  # what the host reads after each run
 
 
@@ -206,10 +207,11 @@ def _next_token(g: Graph, cfg: LlamaConfig, shape: StepShape, logits: Tensor, cu
     temperature = g.state("temperature", col, "float32", init=np.ones(col, np.float32))
     top_k = g.state("top_k", col, "int64")
     top_p = g.state("top_p", col, "float32", init=np.ones(col, np.float32))
+    min_p = g.state("min_p", col, "float32")
     seed = g.state("seed", col, "int64", init=np.arange(shape.slots, dtype=np.int64).reshape(col))
     offset = ops.maximum(cursor + rows.count - 1, 0)
     splits = auto_argmax_splits(cfg)
-    return ops.sample(logits, seed, offset, temperature, top_k, top_p, splits=splits).reshape(col)
+    return ops.sample(logits, seed, offset, temperature, top_k, top_p, min_p, splits=splits).reshape(col)
 
 
 def _advance(g: Graph, shape: StepShape, sequence: Tensor, length: Tensor, cursor: Tensor, limit: Tensor,

@@ -46,6 +46,7 @@ from megaloop.frontend.ops.paged import paged_attention, paged_kv_cache_update
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
+from megaloop.frontend.ops.sample_penalty import penalize
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
 from megaloop.frontend.ops.swiglu import swiglu_linear
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
@@ -77,6 +78,7 @@ __all__ = [
     "min",
     "paged_attention",
     "paged_kv_cache_update",
+    "penalize",
     "permute",
     "recv",
     "reduce_scatter",

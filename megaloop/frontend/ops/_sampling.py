@@ -41,6 +41,12 @@ def order_keys(x: np.ndarray) -> np.ndarray:
     return np.where(u >> np.uint32(31), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
 
 
+def key_values(keys: np.ndarray) -> np.ndarray:
+    """The float32 values of uint32 order keys (order_keys' inverse; -0.0 comes back as +0.0)."""
+    k = np.asarray(keys, np.uint32)
+    return np.where(k >> np.uint32(31), k & np.uint32(0x7FFFFFFF), ~k).astype(np.uint32).view(np.float32)
+
+
 def exp2_poly(f: np.ndarray) -> np.ndarray:
     """P(f) ~ 2^f for float32 f in [0, 1], Horner's scheme, each step a rounded multiply then add."""
     p = np.full(f.shape, EXP2_COEFFS[-1], np.float32)
@@ -113,11 +119,24 @@ def top_p_units(top_p: np.ndarray) -> np.ndarray:
     return np.rint(np.asarray(top_p, np.float32) * np.float32(1 << TOP_P_BITS)).astype(np.int64)
 
 
+def min_p_weight(min_p: np.ndarray) -> np.ndarray:
+    """The least weight min-p keeps: floor(q24 * 2^40 / 2^24) = q24 * 2^16 for min_p (float32 in
+    [0, 1]) in units of 2^-24, q24 = rint(min_p * 2^24); uint64 in [0, 2^40] (0: off)."""
+    return top_p_units(min_p).astype(np.uint64) << np.uint64(WEIGHT_BITS - TOP_P_BITS)
+
+
 def sample_rows(
-    x: np.ndarray, seed: np.ndarray, offset: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
+    x: np.ndarray,
+    seed: np.ndarray,
+    offset: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
 ) -> np.ndarray:
     """The token of each row of float32 logits ``x`` [rows, n] for per-row parameters [rows] (valid
-    ones: temperature finite >= 0, top_k >= 0, top_p in (0, 1]). The definition, step by step."""
+    ones: temperature finite >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1]). The definition,
+    step by step."""
     rows, n = x.shape
     first = np.argmax(x, axis=-1)  # the first largest, or the first NaN (numpy's argmax, and ml.argmax's)
     m = x[np.arange(rows), first]
@@ -127,7 +146,7 @@ def sample_rows(
     if not s.size:
         return out
     x, m, temperature = x[s], m[s], temperature[s].astype(np.float32)
-    top_k, p24 = top_k[s].astype(np.int64), top_p_units(top_p[s])
+    top_k, p24, min_w = top_k[s].astype(np.int64), top_p_units(top_p[s]), min_p_weight(min_p[s])
     keys = order_keys(x)
     w = weights(x, m, LOG2E / temperature)
     # top-k: every logit >= the k-th largest (ties at the boundary all kept); off for k = 0 or k >= n
@@ -144,7 +163,8 @@ def sample_rows(
     first_reaching = np.argmax(cum >= target[:, None], axis=-1)
     p_key = np.take_along_axis(np.take_along_axis(keys, order, -1), first_reaching[:, None], -1)[:, 0]
     floor_key = np.where(use_p, np.maximum(p_key, floor_key), floor_key)
-    kept = np.where(keys >= floor_key[:, None], w, np.uint64(0))
+    # min-p (after top-k and top-p): only tokens weighing at least min_p of the largest logit's 2^40
+    kept = np.where((keys >= floor_key[:, None]) & (w >= min_w[:, None]), w, np.uint64(0))
     # the draw: uniform in [0, kept mass), the first index whose running sum of kept weights exceeds it
     running = np.cumsum(kept, axis=-1, dtype=np.uint64)
     r = mulhi64(uniform64(seed[s], offset[s]), running[:, -1])

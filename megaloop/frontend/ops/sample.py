@@ -1,9 +1,10 @@
-"""``sample``: a token drawn from each row of logits (temperature, top-k, top-p), the same bits on the
-numpy reference, the plan interpreter and the GPU.
+"""``sample``: a token drawn from each row of logits (temperature, top-k, top-p, min-p), the same bits
+on the numpy reference, the plan interpreter and the GPU.
 
-``sample(logits, seed, offset, temperature, top_k, top_p)``: logits [..., n] (any float dtype), the
-others per row (shape logits.shape[:-1], or broadcastable to it): seed int64, offset int64 (e.g. the
-position), temperature float32, top_k int64, top_p float32. Output: int64 token ids, logits.shape[:-1].
+``sample(logits, seed, offset, temperature, top_k, top_p, min_p)``: logits [..., n] (any float dtype),
+the others per row (shape logits.shape[:-1], or broadcastable to it): seed int64, offset int64 (e.g.
+the position), temperature float32, top_k int64, top_p float32, min_p float32. Output: int64 token
+ids, logits.shape[:-1].
 The definition, for one row of logits x (as float32), every float step a correctly rounded float32
 operation (megaloop.frontend.ops._sampling holds it as code):
 
@@ -20,7 +21,12 @@ operation (megaloop.frontend.ops._sampling holds it as code):
    with M the weight of the tokens top-k kept and target = floor(M * p24 / 2^24), keep the logits >=
    the largest logit v such that the tokens kept by top-k with logits >= v weigh at least target:
    the fewest top tokens whose weight reaches top_p of M, ties at the boundary all kept.
-5. The draw. (x0, x1) = the first two words of Philox4x32-10 with key (seed low, seed high) and
+5. Min-p (min_p > 0; in units of 2^-24 like top_p: q24 = rint(min_p * 2^24)): of the tokens kept so
+   far, keep those whose weight w_i >= q24 * 2^16, i.e. whose probability is at least min_p of the
+   largest logit's (which weighs 2^40 and always stays). After top-k and top-p, as transformers
+   orders them: top-p's mass M is not reduced by min-p. The weights grow with the logits, so min-p
+   too keeps the logits from a threshold up.
+6. The draw. (x0, x1) = the first two words of Philox4x32-10 with key (seed low, seed high) and
    counter (offset low, offset high, 0, 0); U = x0 + 2^32 x1; r = floor(U * W / 2^64) with W the
    kept tokens' weight. The token is the first index whose running sum of kept weights, in index
    order, exceeds r.
@@ -34,7 +40,8 @@ sequence's tokens depend on its own seed and positions, not on the batch it runs
 refuses rows that share both by broadcasting.
 
 Parameters out of range are data errors (DataError on the reference, the loop kernel stops with
-one): temperature NaN, negative or infinite; top_k negative; top_p NaN or outside (0, 1].
+one): temperature NaN, negative or infinite; top_k negative; top_p NaN or outside (0, 1]; min_p NaN or
+outside [0, 1].
 """
 
 from __future__ import annotations
@@ -54,7 +61,14 @@ from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, TileContext, Tiling, Write, chunks, project
 
-PARAMS = (("seed", "int64"), ("offset", "int64"), ("temperature", "float32"), ("top_k", "int64"), ("top_p", "float32"))
+PARAMS = (
+    ("seed", "int64"),
+    ("offset", "int64"),
+    ("temperature", "float32"),
+    ("top_k", "int64"),
+    ("top_p", "float32"),
+    ("min_p", "float32"),
+)
 FLOPS_PER_LOGIT = 40  # the weight's arithmetic, a few passes over the row
 
 
@@ -70,7 +84,7 @@ def rows_of(call: OpCall) -> tuple[int, ...]:
 
 
 def check_params(call: OpCall, rows: tuple[int, ...], first: int = 1) -> None:
-    """Operands ``first`` .. ``first + 4`` are PARAMS: their dtypes, and shapes that broadcast to ``rows``."""
+    """Operands ``first`` .. ``first + 5`` are PARAMS: their dtypes, and shapes that broadcast to ``rows``."""
     for k, (name, dtype) in enumerate(PARAMS):
         t = call.operands[first + k]
         if t.dtype.name != dtype:
@@ -109,40 +123,42 @@ def _infer(call: OpCall) -> list[OutSpec]:
     return [OutSpec(rows, dtypes.int64)]
 
 
-def invalid_params(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+def invalid_params(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:
     """Rows whose parameters are out of range (see the module docstring)."""
-    t, p = temperature.astype(np.float32), top_p.astype(np.float32)
-    return ~(np.isfinite(t) & (t >= 0)) | (top_k < 0) | ~((p > 0) & (p <= 1))
+    t, p, q = temperature.astype(np.float32), top_p.astype(np.float32), min_p.astype(np.float32)
+    return ~(np.isfinite(t) & (t >= 0)) | (top_k < 0) | ~((p > 0) & (p <= 1)) | ~((q >= 0) & (q <= 1))
 
 
 def row_params(arrays: list[np.ndarray], rows: tuple[int, ...]) -> list[np.ndarray]:
     """PARAMS broadcast to the rows and flattened; rows whose parameters are out of range (refused by
     check_sample_data where they are real: poison in the plan interpreter's tasks) pick the argmax."""
-    seed, offset, temperature, top_k, top_p = (np.broadcast_to(a, rows).reshape(-1) for a in arrays)
-    bad = invalid_params(temperature, top_k, top_p)
+    seed, offset, temperature, top_k, top_p, min_p = (np.broadcast_to(a, rows).reshape(-1) for a in arrays)
+    bad = invalid_params(temperature, top_k, top_p, min_p)
     if np.any(bad):
         temperature = np.where(bad, np.float32(0.0), temperature)
         top_k, top_p = np.where(bad, 0, top_k), np.where(bad, np.float32(1.0), top_p)
-    return [seed, offset, temperature, top_k, top_p]
+        min_p = np.where(bad, np.float32(0.0), min_p)
+    return [seed, offset, temperature, top_k, top_p, min_p]
 
 
 def params_data(first: int, what: str) -> Any:
-    """check_data of an op whose operands ``first`` .. ``first + 4`` are PARAMS (DataError naming the row)."""
+    """check_data of an op whose operands ``first`` .. ``first + 5`` are PARAMS (DataError naming the row)."""
+    count = len(PARAMS)
 
     def check(arrays: list[np.ndarray], attrs: dict[str, Any], known: Any) -> None:
         rows = arrays[0].shape[:-1]
-        params = [np.broadcast_to(a, rows) for a in arrays[first : first + 5]]
+        params = [np.broadcast_to(a, rows) for a in arrays[first : first + count]]
         real = np.ones(rows, bool)
-        for m in known[first : first + 5]:
+        for m in known[first : first + count]:
             if m is not None:
                 real &= np.broadcast_to(m, rows)
         bad = invalid_params(*params[2:]) & real
         if np.any(bad):
             where = tuple(int(v) for v in np.argwhere(bad)[0])
-            t, k, p = (x[where] for x in params[2:])
+            t, k, p, q = (x[where] for x in params[2:])
             raise DataError(
-                f"{what}: row {where} has temperature {t}, top_k {k}, top_p {p}; temperature must be finite and "
-                ">= 0 (0: greedy), top_k >= 0 (0: off), top_p in (0, 1] (1: off)"
+                f"{what}: row {where} has temperature {t}, top_k {k}, top_p {p}, min_p {q}; temperature must be "
+                "finite and >= 0 (0: greedy), top_k >= 0 (0: off), top_p in (0, 1] (1: off), min_p in [0, 1] (0: off)"
             )
 
     return check
@@ -172,7 +188,13 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 
 def sample_tokens(
-    logits: np.ndarray, seed: Any, offset: Any, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0
+    logits: np.ndarray,
+    seed: Any,
+    offset: Any,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> np.ndarray:
     """``sample`` on host arrays (numpy broadcasting of the parameters to logits.shape[:-1]): the same
     tokens as the op, e.g. for a first token drawn from a prefill's logits on the host."""
@@ -185,8 +207,9 @@ def sample_tokens(
         np.asarray(temperature, np.float32),
         np.asarray(top_k, np.int64),
         np.asarray(top_p, np.float32),
+        np.asarray(min_p, np.float32),
     ]
-    params_data(1, "sample_tokens")([x, *arrays], {}, [None] * 6)
+    params_data(1, "sample_tokens")([x, *arrays], {}, [None] * (1 + len(PARAMS)))
     return _reference([x, *arrays], {})
 
 
@@ -209,8 +232,8 @@ SAMPLE = register(
         kind="compute",
         category="sampling",
         doc="A token id drawn from each row of logits [..., n] with per-row seed, offset (int64), temperature "
-        "(float32; 0: argmax), top_k (int64; 0: off) and top_p (float32; 1: off); int64 [...]; the same bits on "
-        "every backend (megaloop.frontend.ops.sample has the exact definition).",
+        "(float32; 0: argmax), top_k (int64; 0: off), top_p (float32; 1: off) and min_p (float32; 0: off); int64 "
+        "[...]; the same bits on every backend (megaloop.frontend.ops.sample has the exact definition).",
         operands=("logits", *(name for name, _ in PARAMS)),
         infer=_infer,
         reference=_reference,
@@ -218,7 +241,7 @@ SAMPLE = register(
         accuracy=Accuracy(ulps=0.0),
         tiling=Tiling({}, _tiles, "a few whole rows a tile: one round over the processors"),
         lowering=Lowering("sample"),
-        placement=_placements.rule(lambda node: row_dims(node, (0,), (1, 2, 3, 4, 5))),
+        placement=_placements.rule(lambda node: row_dims(node, (0,), tuple(range(1, 1 + len(PARAMS))))),
     )
 )
 
@@ -244,11 +267,16 @@ def param_tensor(op: OpDef, logits: Tensor, name: str, dtype: str, value: Any) -
         "temperature": lambda v: v >= 0,
         "top_k": lambda v: v >= 0,
         "top_p": lambda v: 0 < np.float32(v) <= 1,
+        "min_p": lambda v: 0 <= np.float32(v) <= 1,
+        "repetition": lambda v: v > 0,
+        "presence": lambda v: True,
+        "frequency": lambda v: True,
         "seed": lambda v: -(2**63) <= v < 2**63,
         "offset": lambda v: -(2**63) <= v < 2**63,
     }[name]
     if not ok(value):
-        rule = {"temperature": ">= 0", "top_k": ">= 0", "top_p": "in (0, 1]"}.get(name, "an int64")
+        rules = {"temperature": ">= 0", "top_k": ">= 0", "top_p": "in (0, 1]", "min_p": "in [0, 1]"}
+        rule = {**rules, "repetition": "> 0"}.get(name, "an int64")
         raise GraphBuildError(f"{op.name}: {name} must be {rule}, got {value!r}")
     return logits.graph.constant(value, dtype)
 

@@ -14,9 +14,11 @@ three ops:
 3. ``sample_combine``: per row, every element with a key above B = max_r B_r is a candidate, so a
    threshold above B is exact from the candidates alone: top-k's k-th largest key among them when at
    least k exceed B, top-p's boundary when the candidates above top-k's reach the target and the
-   boundary exceeds B. The draw then runs over the kept candidates in index order (or, with no
-   threshold, over the ranges' totals, then within the range it lands in). Where a threshold is not
-   above B, the tile computes the row whole, as ``sample``'s own tile does.
+   boundary exceeds B; min-p's where the bound's own weight (every element at or below B weighs at
+   most that: weights grow with the logits) is below min-p's. The draw then runs over the kept
+   candidates in index order (or, with no threshold, over the ranges' totals, then within the range it
+   lands in). Where a threshold is not above B, the tile computes the row whole, as ``sample``'s own
+   tile does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from megaloop.frontend.ops._sampling import (
     FLT_MIN,
     LOG2E,
     TOP_P_BITS,
+    key_values,
+    min_p_weight,
     mulhi64,
     order_keys,
     sample_rows,
@@ -210,7 +214,16 @@ def _draw(seed: int, offset: int, total: int) -> int:
 
 
 def combine_row(
-    x: np.ndarray, m: float, summary: np.ndarray, chunk: int, seed: int, offset: int, t: float, top_k: int, top_p: float
+    x: np.ndarray,
+    m: float,
+    summary: np.ndarray,
+    chunk: int,
+    seed: int,
+    offset: int,
+    t: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
 ) -> int | None:
     """One drawing row's token from its summary [splits, 2 + 2L], or None where a threshold is not
     above every range's bound (the caller computes the row whole)."""
@@ -241,7 +254,12 @@ def combine_row(
         if floor <= bound:
             return None
     c = LOG2E / np.float32(t)
-    if not floor:  # no threshold: the ranges' totals, then the range the draw lands in, whole
+    min_w = int(min_p_weight(np.float32(min_p)))
+    if not floor and min_w and bound:  # min-p alone: settled if nothing at or below the bound weighs enough
+        at_bound = weights(key_values(np.array([[bound]], np.uint32)), np.array([m], np.float32), np.array([c]))
+        if int(at_bound[0, 0]) >= min_w:
+            return None
+    if not floor and not min_w:  # no threshold: the ranges' totals, then the range the draw lands in, whole
         r = _draw(seed, offset, int(totals.sum(dtype=np.uint64)))
         running = np.cumsum(totals, dtype=np.uint64)
         rng = int(np.argmax(running > np.uint64(r)))
@@ -249,7 +267,7 @@ def combine_row(
         wr = weights(x[None, lo:hi], np.array([m], np.float32), np.array([c], np.float32))[0]
         before = int(running[rng] - totals[rng])
         return lo + int(np.argmax(np.cumsum(wr, dtype=np.uint64) > np.uint64(r - before)))
-    kept = np.where(keys >= floor, w, np.uint64(0))
+    kept = np.where((keys >= floor) & (w >= np.uint64(min_w)), w, np.uint64(0))
     r = _draw(seed, offset, int(kept.sum(dtype=np.uint64)))
     return int(index[int(np.argmax(np.cumsum(kept, dtype=np.uint64) > np.uint64(r)))])
 
@@ -259,16 +277,16 @@ def _combine_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     rows, n = logits.shape[:-1], logits.shape[-1]
     splits = attrs["splits"]
     x = to_compute(logits).astype(np.float32).reshape(-1, n)
-    seed, offset, t, k, p = row_params(arrays[3:], rows)
+    seed, offset, t, k, p, q = row_params(arrays[3:], rows)
     m, first = row_maxima(x, partial.reshape(-1, splits))
     out = first.astype(np.int64)
     summary = summary.reshape(x.shape[0], splits, -1)
     for row in np.flatnonzero(_drawing(m, t)):
         one = slice(row, row + 1)
-        args = (seed[row], offset[row], t[row], k[row], p[row])
+        args = (seed[row], offset[row], t[row], k[row], p[row], q[row])
         token = combine_row(x[row], m[row], summary[row], attrs["chunk"], *args)
         if token is None:  # a threshold not above the candidates' bound: the row whole
-            token = int(sample_rows(x[one], seed[one], offset[one], t[one], k[one], p[one])[0])
+            token = int(sample_rows(x[one], seed[one], offset[one], t[one], k[one], p[one], q[one])[0])
         out[row] = token
     return out.reshape(rows)
 
@@ -304,7 +322,7 @@ SAMPLE_COMBINE = register(
         check_data=params_data(3, "sample_combine"),
         attrs={"splits": "int", "chunk": "int", "candidates": "int"},
         accuracy=Accuracy(ulps=0.0),
-        placement=_placements.rule(lambda node: row_dims(node, (0, 1, 2), (3, 4, 5, 6, 7))),
+        placement=_placements.rule(lambda node: row_dims(node, (0, 1, 2), tuple(range(3, 3 + len(PARAMS))))),
         tiling=Tiling({}, _combine_tiles, "a row a tile, reading the row's candidates (and logits, when needed)"),
         lowering=Lowering("sample_combine"),
     )
@@ -355,6 +373,7 @@ def sample_combine(
     temperature: Tensor,
     top_k: Tensor,
     top_p: Tensor,
+    min_p: Tensor | float = 0.0,
 ) -> Tensor:
     """The tokens of ``logits`` from ``summary``, sample_partial's output for the same logits (the second
     half on its own: tests, and graphs that make the summaries themselves)."""
@@ -362,7 +381,9 @@ def sample_combine(
     if node.op is not SAMPLE_PARTIAL or node.inputs[0] is not logits:
         raise GraphBuildError(f"sample_combine: summary must be sample_partial's output for {logits!r}")
     attrs = {k: node.attrs[k] for k in ("splits", "chunk", "candidates")}
-    return apply(SAMPLE_COMBINE, [logits, node.inputs[1], summary, seed, offset, temperature, top_k, top_p], **attrs)
+    min_p = param_tensor(SAMPLE_COMBINE, logits, "min_p", "float32", min_p)
+    params = [seed, offset, temperature, top_k, top_p, min_p]
+    return apply(SAMPLE_COMBINE, [logits, node.inputs[1], summary, *params], **attrs)
 
 
 def sample(
@@ -372,18 +393,20 @@ def sample(
     temperature: Tensor | float = 1.0,
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
+    min_p: Tensor | float = 0.0,
     *,
     splits: int | None = None,
 ) -> Tensor:
     """A token id drawn from each row of ``logits`` [..., n]: int64 [...]. Each parameter is a tensor of
     the rows' shape (or broadcastable to it) or a Python number: seed, offset (int64; the same seed,
     offset and logits give the same token), temperature (float32; 0: the argmax), top_k (int64; 0:
-    off), top_p (float32; 1: off). The exact definition: megaloop.frontend.ops.sample. ``splits``: the
+    off), top_p (float32; 1: off), min_p (float32; 0: off: tokens less likely than min_p times the
+    likeliest are dropped). The exact definition: megaloop.frontend.ops.sample. ``splits``: the
     rows' logits in that many ranges (at most; whole 16-byte packs each), a tile each, then a tile a
     row (this module's ops): the same tokens, for few rows of a long vocabulary."""
     require_tensor(SAMPLE, "logits", logits)
     splits = check_splits(splits)
-    values = (seed, offset, temperature, top_k, top_p)
+    values = (seed, offset, temperature, top_k, top_p, min_p)
     params = [param_tensor(SAMPLE, logits, name, dt, v) for (name, dt), v in zip(PARAMS, values)]
     if splits is None or splits == 1:
         return apply(SAMPLE, [logits, *params])

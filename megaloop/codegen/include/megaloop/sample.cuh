@@ -5,7 +5,7 @@
 // for bit. Float steps are spelled __fadd_rn / __fsub_rn / __fmul_rn / __fdiv_rn (never contracted
 // into FMAs), weights are integers whose sums are exact in any order, the top-k and top-p thresholds
 // come from a radix select over each logit's distance below the largest in float-key space (counts
-// for top-k, weights for top-p), and the draw finds its chunk of the row by per-chunk sums, then its
+// for top-k, weights for top-p), min-p drops the kept weights below its own, and the draw finds its chunk of the row by per-chunk sums, then its
 // token by a scan of that chunk in index order. The code also compiles on the host
 // (tests/test_sample_codegen.py: g++ with a shim for the CUDA builtins, a fiber per thread).
 #pragma once
@@ -83,9 +83,19 @@ __device__ __forceinline__ u64 uniform64(u64 seed, u64 offset) {
 }
 
 // The parameters' ranges (sample.py): anything else is a data error.
-__device__ __forceinline__ bool valid(float temperature, i64 top_k, float top_p) {
+__device__ __forceinline__ bool valid(float temperature, i64 top_k, float top_p, float min_p) {
     return temperature >= 0.0f && temperature <= __uint_as_float(0x7f7fffffu) && top_k >= 0 && top_p > 0.0f &&
-           top_p <= 1.0f;
+           top_p <= 1.0f && min_p >= 0.0f && min_p <= 1.0f;
+}
+
+// The least weight min-p keeps: min_p in units of 2^-24 (rounded to nearest), times 2^16 (0: off).
+__device__ __forceinline__ u64 min_p_weight(float min_p) {
+    return (u64)__float2ll_rn(__fmul_rn(min_p, 16777216.0f)) << (WEIGHT_BITS - 24);
+}
+
+// The float a key stands for (key_of's inverse; -0.0 comes back as +0.0).
+__device__ __forceinline__ float value_of(u32 key) {
+    return __uint_as_float((key >> 31) ? (key & 0x7fffffffu) : ~key);
 }
 
 // ---- the block's cooperation (blockDim.x a multiple of 32; every thread calls each of these) -------------
@@ -319,11 +329,12 @@ __device__ u32 select(const V& visit, u32 limit, u64 need, bool from_total, u64 
 
 // ---- the draw ------------------------------------------------------------------------------------------
 
-// The first index in [lo, hi) of the row whose running sum of kept weights (d <= limit), from lo, exceeds
-// rest (they must): warp 0, 128 elements at a time (4 a lane, loaded together), in index order; every
-// thread gets it.
+// The first index in [lo, hi) of the row whose running sum of kept weights (d <= limit and weight >=
+// min_w), from lo, exceeds rest (they must): warp 0, 128 elements at a time (4 a lane, loaded together),
+// in index order; every thread gets it.
 template <class T, int STRIDE>
-__device__ i64 scan_for(const T* x, i64 lo, i64 hi, u64 rest, float m, float c, u32 keymax, u32 limit, Shared& s) {
+__device__ i64 scan_for(const T* x, i64 lo, i64 hi, u64 rest, float m, float c, u32 keymax, u32 limit, u64 min_w,
+                        Shared& s) {
     const int lane = threadIdx.x & 31;
     if ((threadIdx.x >> 5) == 0) {
         for (i64 j0 = lo; j0 < hi; j0 += 128) {
@@ -338,6 +349,7 @@ __device__ i64 scan_for(const T* x, i64 lo, i64 hi, u64 rest, float m, float c, 
             for (int q = 0; q < 4; ++q) {
                 const i64 i = j0 + 32 * q + lane;
                 u64 inclusive = i < hi && keymax - key_of(v[q]) <= limit ? weight_of(v[q], m, c) : 0ull;
+                inclusive = inclusive >= min_w ? inclusive : 0ull;
                 for (int o = 1; o < 32; o <<= 1) {
                     const u64 y = __shfl_up_sync(FULL, inclusive, o);
                     if (lane >= o) inclusive += y;
@@ -371,7 +383,8 @@ __device__ __forceinline__ bool drawing(float m, float temperature) {
 // The token of one row of N logits (STRIDE apart), every thread of the block calling it with the same
 // arguments; CHUNK: elements a chunk of the draw's running sums (N <= CHUNK * CHUNKS).
 template <class T, int N, int STRIDE, int CHUNK>
-__device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i64 top_k, float top_p, Shared& s) {
+__device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i64 top_k, float top_p, float min_p,
+                          Shared& s) {
     static_assert((N + CHUNK - 1) / CHUNK <= CHUNKS, "sample: too many chunks for the draw's running sums");
     static_assert(CHUNK % 128 == 0, "sample: chunks are whole rounds of the draw's scan (128 elements)");
     // the largest logit (argmax's: the first, or the first NaN), and the keys' common trailing zeros
@@ -393,6 +406,7 @@ __device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i
     if (top_k >= 1 && top_k < N) limit = select<false>(row, FULL, (u64)top_k, false, 0, zeros, s);
     const u64 p24 = (u64)__float2ll_rn(__fmul_rn(top_p, 16777216.0f));
     if (p24 < (1ull << 24)) limit = select<true>(row, limit, 0, true, p24, zeros, s);
+    const u64 min_w = min_p_weight(min_p);  // min-p, after them: the kept weights below min_w are dropped
     // each chunk's kept weight: a thread's elements come in increasing index order, so it adds what it
     // has of a chunk once it moves on to the next
     constexpr int chunks = (N + CHUNK - 1) / CHUNK;
@@ -407,7 +421,10 @@ __device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i
             at = k;
             sum = 0;
         }
-        if (keymax - key_of(v) <= limit) sum += weight_of(v, m, c);
+        if (keymax - key_of(v) <= limit) {
+            const u64 w = weight_of(v, m, c);
+            sum += w >= min_w ? w : 0ull;
+        }
     });
     if (sum) atomicAdd(&s.chunk[at], sum);
     __syncthreads();
@@ -420,7 +437,7 @@ __device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i
     u64 before;
     first_reaching([&](int q) { return s.chunk[q]; }, chunks, r + 1, k, before, s);
     const i64 end = (i64)(k + 1) * CHUNK < N ? (i64)(k + 1) * CHUNK : N;
-    return scan_for<T, STRIDE>(x, (i64)k * CHUNK, end, r - before, m, c, keymax, limit, s);
+    return scan_for<T, STRIDE>(x, (i64)k * CHUNK, end, r - before, m, c, keymax, limit, min_w, s);
 }
 
 // ---- split over tiles (megaloop/frontend/ops/sample_split.py) --------------------------------------------
@@ -501,7 +518,8 @@ struct CombineShared {
 // candidates do not settle a threshold (sample_row).
 template <class T, int N, int STRIDE, int CHUNK, int R, int RCHUNK, int L>
 __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, const i64* summary, i64 qstride, i64 jstride,
-                               i64 seed, i64 offset, float temperature, i64 top_k, float top_p, CombineShared<R>& cs) {
+                               i64 seed, i64 offset, float temperature, i64 top_k, float top_p, float min_p,
+                               CombineShared<R>& cs) {
     Shared& s = cs.row;
     float m;
     i64 first;
@@ -550,18 +568,22 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
         const u64 target = top_p_target(limit == FULL ? all : kept, p24);
         settled = kept >= target && (limit = select<true>(cand, limit, target, false, 0, zeros, s)) < above;
     }
-    if (!settled) return sample_row<T, N, STRIDE, CHUNK>(x, seed, offset, temperature, top_k, top_p, s);
+    // min-p alone: settled where nothing at or below the bound (weights grow with the logits) weighs enough
+    const u64 min_w = min_p_weight(min_p);
+    if (settled && limit == FULL && min_w && bound) settled = weight_of(value_of(bound), m, c) < min_w;
+    if (!settled) return sample_row<T, N, STRIDE, CHUNK>(x, seed, offset, temperature, top_k, top_p, min_p, s);
     const u64 u = uniform64((u64)seed, (u64)offset);
     int k;
     u64 before;
-    if (limit == FULL) {  // no threshold: the range the draw lands in by the totals, then in it
+    if (limit == FULL && !min_w) {  // no threshold: the range the draw lands in by the totals, then in it
         const u64 r = __umul64hi(u, all);
         first_reaching([&](int q) { return cs.total[q]; }, R, r + 1, k, before, s);
         const i64 end = (i64)(k + 1) * RCHUNK < N ? (i64)(k + 1) * RCHUNK : N;
-        return scan_for<T, STRIDE>(x, (i64)k * RCHUNK, end, r - before, m, c, keymax, FULL, s);
+        return scan_for<T, STRIDE>(x, (i64)k * RCHUNK, end, r - before, m, c, keymax, FULL, 0, s);
     }
     const auto kept_weight = [&](int e) {  // slot e's weight where kept, in index order (ranges, then slots)
-        return cand.held(e) && keymax - (u32)(cand.key_index(e) >> 32) <= limit ? cand.weight(e) : 0ull;
+        const u64 w = cand.held(e) && keymax - (u32)(cand.key_index(e) >> 32) <= limit ? cand.weight(e) : 0ull;
+        return w >= min_w ? w : 0ull;
     };
     u64 kept = 0;
     for (int e = threadIdx.x; e < R * L; e += blockDim.x) kept += kept_weight(e);
@@ -586,19 +608,20 @@ struct Params {
     i64 seed, offset;
     float temperature;
     i64 top_k;
-    float top_p;
+    float top_p, min_p;
 };
-template <class S, class O, class Tp, class K, class P>
-__device__ __forceinline__ Params params_at(const int* o, S seed, O offset, Tp temperature, K top_k, P top_p) {
+template <class S, class O, class Tp, class K, class P, class Q>
+__device__ __forceinline__ Params params_at(const int* o, S seed, O offset, Tp temperature, K top_k, P top_p,
+                                            Q min_p) {
     return {seed.p[seed.offset(o)], offset.p[offset.offset(o)], temperature.p[temperature.offset(o)],
-            top_k.p[top_k.offset(o)], top_p.p[top_p.offset(o)]};
+            top_k.p[top_k.offset(o)], top_p.p[top_p.offset(o)], min_p.p[min_p.offset(o)]};
 }
 
 // Whether the row's parameters are in range; else the kernel stops, reporting the row (row-major
 // among rows of shape ROWS...).
 template <int... ROWS>
 __device__ __forceinline__ bool checked(const Args& a, const Task& t, int tid, const int* o, const Params& p) {
-    if (valid(p.temperature, p.top_k, p.top_p)) return true;
+    if (valid(p.temperature, p.top_k, p.top_p, p.min_p)) return true;
     i64 row = 0;
     int d = 0;
     ((row = row * ROWS + o[d++]), ...);
@@ -608,19 +631,20 @@ __device__ __forceinline__ bool checked(const Args& a, const Task& t, int tid, c
 
 // sample's tile: each row of N logits of the box (rows of shape ROWS...) on the whole block, one after
 // another; x's strides: the rows', then along a row (CHUNK: sample_row's).
-template <int N, int CHUNK, int BYTES, int... ROWS, class X, class S, class O, class Tp, class K, class P, class Out>
+template <int N, int CHUNK, int BYTES, int... ROWS, class X, class S, class O, class Tp, class K, class P, class Q,
+          class Out>
 __device__ __forceinline__ void sample_tile(const Args& a, const Task& t, int tid, X x, S seed, O offset,
-                                            Tp temperature, K top_k, P top_p, Out out) {
+                                            Tp temperature, K top_k, P top_p, Q min_p, Out out) {
     constexpr int R = sizeof...(ROWS);
     static_assert(X::rank == R + 1 && Out::rank == R, "sample: x is rows of logits, out a token a row");
     Shared& sh = shared_as<Shared, BYTES>();
     for (int e = 0; e < box_count<R>(t); ++e) {
         int o[R + 1];
         box_index<R>(t, e, o);
-        const Params p = params_at(o, seed, offset, temperature, top_k, top_p);
+        const Params p = params_at(o, seed, offset, temperature, top_k, top_p, min_p);
         if (!checked<ROWS...>(a, t, tid, o, p)) return;
         const i64 token = sample_row<typename X::type, N, (int)X::inner, CHUNK>(
-            x.p + leading_offset<R>(x, o), p.seed, p.offset, p.temperature, p.top_k, p.top_p, sh);
+            x.p + leading_offset<R>(x, o), p.seed, p.offset, p.temperature, p.top_k, p.top_p, p.min_p, sh);
         if (threadIdx.x == 0) store(out.p + out.offset(o), token);
     }
 }
@@ -651,9 +675,10 @@ __device__ __forceinline__ void sample_partial_tile(const Task& t, X x, Pa parti
 // sample_combine's tile: each row of the box (shape ROWS...) from its RANGES ranges' summaries (L
 // candidates each, ranges of RCHUNK), on the whole block, one after another.
 template <int N, int CHUNK, int RANGES, int RCHUNK, int L, int BYTES, int... ROWS, class X, class Pa, class Su, class S,
-          class O, class Tp, class K, class P, class Out>
+          class O, class Tp, class K, class P, class Q, class Out>
 __device__ __forceinline__ void sample_combine_tile(const Args& a, const Task& t, int tid, X x, Pa partial, Su summary,
-                                                    S seed, O offset, Tp temperature, K top_k, P top_p, Out out) {
+                                                    S seed, O offset, Tp temperature, K top_k, P top_p, Q min_p,
+                                                    Out out) {
     constexpr int R = sizeof...(ROWS);
     static_assert(X::rank == R + 1 && Pa::rank == R + 1 && Su::rank == R + 2 && Out::rank == R,
                   "sample_combine: operand ranks");
@@ -661,14 +686,57 @@ __device__ __forceinline__ void sample_combine_tile(const Args& a, const Task& t
     for (int e = 0; e < box_count<R>(t); ++e) {
         int o[R + 1];
         box_index<R>(t, e, o);
-        const Params p = params_at(o, seed, offset, temperature, top_k, top_p);
+        const Params p = params_at(o, seed, offset, temperature, top_k, top_p, min_p);
         if (!checked<ROWS...>(a, t, tid, o, p)) return;
         const i64 token = sample_combined<typename X::type, N, (int)X::inner, CHUNK, RANGES, RCHUNK, L>(
             x.p + leading_offset<R>(x, o), partial.p + leading_offset<R>(partial, o), Pa::inner,
             summary.p + leading_offset<R>(summary, o), stride_along<R, Su>::value, Su::inner, p.seed, p.offset,
-            p.temperature, p.top_k, p.top_p, sh);
+            p.temperature, p.top_k, p.top_p, p.min_p, sh);
         if (threadIdx.x == 0) store(out.p + out.offset(o), token);
         __syncthreads();  // (the shared memory is the next row's)
+    }
+}
+
+// ---- penalize (megaloop/frontend/ops/sample_penalty.py) --------------------------------------------------
+
+constexpr int PENALTY_KIND = 4;  // ml::fail's kind for a penalty or count out of range (megaloop/runtime/report.py)
+
+// A logit penalised as the definition says, each step a rounded float32 operation (no contraction).
+__device__ __forceinline__ float penalized(float x, i64 count, bool in_prompt, float repetition, float presence,
+                                          float frequency) {
+    if (in_prompt || count > 0) x = x < 0.0f ? __fmul_rn(x, repetition) : __fdiv_rn(x, repetition);
+    x = __fsub_rn(x, __fmul_rn(frequency, (float)count));
+    return count > 0 ? __fsub_rn(x, presence) : x;
+}
+
+__device__ __forceinline__ bool valid_penalties(i64 count, float repetition, float presence, float frequency) {
+    const float big = __uint_as_float(0x7f7fffffu);
+    return count >= 0 && repetition > 0.0f && repetition <= big && fabsf(presence) <= big && fabsf(frequency) <= big;
+}
+
+// penalize's tile: every element of the task's box (logits of shape SHAPE..., the operands in its index
+// space); an element out of range stops the kernel, reporting its row (row-major among the rows) and token.
+template <int... SHAPE, class X, class C, class M, class Rp, class Pr, class Fr, class Out>
+__device__ __forceinline__ void penalize_tile(const Args& a, const Task& t, int tid, X x, C counts, M prompt,
+                                              Rp repetition, Pr presence, Fr frequency, Out out) {
+    constexpr int N = sizeof...(SHAPE);
+    constexpr int dims[N] = {SHAPE...};
+    static_assert(X::rank == N && Out::rank == N, "penalize: the operands in the logits' index space");
+    const int total = box_count<N>(t);
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+        int i[N];
+        box_index<N>(t, e, i);
+        const i64 c = load(counts.p + counts.offset(i));
+        const float r = load(repetition.p + repetition.offset(i)), p = load(presence.p + presence.offset(i));
+        const float f = load(frequency.p + frequency.offset(i));
+        if (!valid_penalties(c, r, p, f)) {
+            i64 row = 0;
+            for (int d = 0; d + 1 < N; ++d) row = row * dims[d] + i[d];
+            fail(a, DATA, blockIdx.x, tid, t.op, row, i[N - 1], PENALTY_KIND, 0);
+            return;
+        }
+        const bool seen = load(prompt.p + prompt.offset(i));
+        store(out.p + out.offset(i), penalized(load(x.p + x.offset(i)), c, seen, r, p, f));
     }
 }
 
