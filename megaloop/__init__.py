@@ -43,6 +43,10 @@ def __getattr__(name: str):
         import megaloop.generation
 
         return getattr(megaloop.generation, name)
+    if name == "Engine":
+        import megaloop.serving.engine
+
+        return megaloop.serving.engine.Engine
     raise AttributeError(f"module 'megaloop' has no attribute {name!r}")
 
 

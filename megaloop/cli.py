@@ -8,6 +8,7 @@ megaloop info     versions, GPUs, and which backend ``demo`` would use
 megaloop generate              text from a Hugging Face checkpoint folder (megaloop/generation/commands.py)
 megaloop make-tiny-checkpoint  a small random Llama with a real tokenizer, to try generate on
 megaloop cache info|clear      the compiled-kernel and plan cache (megaloop/cli_cache.py)
+megaloop serve                 the OpenAI HTTP API for a checkpoint folder (megaloop/serving/commands.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megaloop.frontend.opdef import REGISTRY
 from megaloop.generation.commands import add_commands
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
+from megaloop.serving.commands import add_serve_command
 
 
 def _at_least(low: int):
@@ -475,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
     add_commands(sub)
     add_cache_command(sub)
+    add_serve_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

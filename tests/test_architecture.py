@@ -13,6 +13,7 @@ from megaloop.frontend.opdef import REGISTRY
 ROOT = Path(megaloop.__file__).parent
 
 # What each layer may import (besides itself). Order follows the pipeline.
+RUNTIME_AND_BEFORE = {"core", "frontend", "models", "parallel", "fuse", "plan", "codegen", "reference", "runtime"}
 ALLOWED = {
     "core": set(),
     "frontend": {"core"},
@@ -23,8 +24,9 @@ ALLOWED = {
     "codegen": {"core", "frontend", "parallel", "fuse", "plan"},
     "reference": {"core", "frontend", "parallel", "fuse", "plan"},
     "runtime": {"core", "frontend", "parallel", "fuse", "plan", "codegen"},
-    "generation": {"core", "frontend", "models", "parallel", "fuse", "plan", "codegen", "reference", "runtime"},
-    "api": {"core", "frontend", "models", "parallel", "fuse", "plan", "codegen", "reference", "runtime", "generation"},
+    "generation": RUNTIME_AND_BEFORE,
+    "serving": RUNTIME_AND_BEFORE | {"generation"},
+    "api": RUNTIME_AND_BEFORE | {"generation", "serving"},
 }
 ALLOWED["cli"] = ALLOWED["api"] | {"api"}
 
