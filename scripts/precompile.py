@@ -6,7 +6,8 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
     # device call: carry [".cubin-cache"], command "MEGALOOP_CACHE=$PWD/.cubin-cache bash scripts/gpu_check.sh ..."
 
 Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
-GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options / --compare) and ``profile:CASE``
+GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
+--compare) and ``profile:CASE``
 (scripts/profile_cases.py's case with PROFILE_OPTIONS). A cubin is keyed by its source, the header
 library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
 
