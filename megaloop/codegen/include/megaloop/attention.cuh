@@ -241,14 +241,20 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
             // are, so its first keys and values, q and the new key go out together (one round trip, not
             // three); keys outside the visible range are loaded and masked. attention: the visible range.
             i64 j_lo = 0, j_hi = 0;
-            Pack<T, W> kn, vn;
+            Pack<T, W> kn, vn, kn2, vn2;  // the next step's keys and values, and the one after
+            auto first_keys = [&]() {
+                const i64 j = j_lo + g < TK ? j_lo + g : TK - 1, j2 = j_lo + KPW + g < TK ? j_lo + KPW + g : TK - 1;
+                kn = load_pack<T, W>(kp + j * K2);
+                vn = load_pack<T, W>(vp + j * V2);
+                kn2 = load_pack<T, W>(kp + j2 * K2);
+                vn2 = load_pack<T, W>(vp + j2 * V2);
+            };
             if constexpr (Chunk > 0) {
                 const i64 lo = (i64)t.lo[3] * Chunk, hi = lo + Chunk < TK ? lo + Chunk : TK;
                 const i64 each = (hi - lo + split - 1) / split;
                 j_lo = lo + piece * each;
                 j_hi = j_lo + each < hi ? j_lo + each : hi;
-                kn = load_pack<T, W>(kp + (j_lo + g < TK ? j_lo + g : TK - 1) * K2);
-                vn = load_pack<T, W>(vp + (j_lo + g < TK ? j_lo + g : TK - 1) * V2);
+                first_keys();
             }
             Pack<T, W> qpk;
             [[maybe_unused]] RopeHeadLoad<T, W> q_in, k_in;
@@ -284,20 +290,22 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                 const i64 n = end > begin ? end - begin : 0, each = (n + split - 1) / split;
                 j_lo = begin + piece * each;
                 j_hi = j_lo + each < end ? j_lo + each : end;
-                kn = load_pack<T, W>(kp + (j_lo + g < TK ? j_lo + g : TK - 1) * K2);
-                vn = load_pack<T, W>(vp + (j_lo + g < TK ? j_lo + g : TK - 1) * V2);
+                first_keys();
             }
-            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs
-            // behind the step before; rows past the end are clamped to the last: loaded, never used.
+            // each step's key and value packs are loaded two steps ahead, so that a memory round trip
+            // runs behind the steps before (a decode tile's piece is two steps: one round trip); rows
+            // past the end are clamped to the last: loaded, never used.
             // Every lane runs the same number of steps (the shuffles need the whole warp); lanes past
             // the end of their piece, or outside the visible keys, contribute nothing
             for (i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {
                 const i64 j = j0 + g;
                 const bool live = j < j_hi && j >= begin && j < end;
                 const Pack<T, W> kc = kn, vv = vn;
-                const i64 jn = j + KPW < TK ? j + KPW : TK - 1;
-                kn = load_pack<T, W>(kp + jn * K2);
-                vn = load_pack<T, W>(vp + jn * V2);
+                kn = kn2;
+                vn = vn2;
+                const i64 jn = j + 2 * KPW < TK ? j + 2 * KPW : TK - 1;
+                kn2 = load_pack<T, W>(kp + jn * K2);
+                vn2 = load_pack<T, W>(vp + jn * V2);
                 float s = 0.0f;
                 if (live) s = dot(qpk, kc);
 #pragma unroll
