@@ -234,41 +234,6 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
             h = t.lo[1] + pair / nq;
             i = t.lo[2] + pair % nq;
             const int kh = h / S::group;
-            const T* qrow = q.p + (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
-            const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K> + r * W;
-            const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V> + r * W;
-            // attention_partial: this piece's share of the tile's key range, known before the positions
-            // are, so its first keys and values, q and the new key go out together (one round trip, not
-            // three); keys outside the visible range are loaded and masked. attention: the visible range.
-            i64 j_lo = 0, j_hi = 0;
-            Pack<T, W> kn, vn, kn2, vn2;  // the next step's keys and values, and the one after
-            auto first_keys = [&]() {
-                const i64 j = j_lo + g < TK ? j_lo + g : TK - 1, j2 = j_lo + KPW + g < TK ? j_lo + KPW + g : TK - 1;
-                kn = load_pack<T, W>(kp + j * K2);
-                vn = load_pack<T, W>(vp + j * V2);
-                kn2 = load_pack<T, W>(kp + j2 * K2);
-                vn2 = load_pack<T, W>(vp + j2 * V2);
-            };
-            if constexpr (Chunk > 0) {
-                const i64 lo = (i64)t.lo[3] * Chunk, hi = lo + Chunk < TK ? lo + Chunk : TK;
-                const i64 each = (hi - lo + split - 1) / split;
-                j_lo = lo + piece * each;
-                j_hi = j_lo + each < hi ? j_lo + each : hi;
-                first_keys();
-            }
-            Pack<T, W> qpk;
-            [[maybe_unused]] RopeHeadLoad<T, W> q_in, k_in;
-            [[maybe_unused]] Pack<T, W> v_new;
-            if constexpr (APPEND) {
-                using KN = decltype(app.k);
-                using VN = decltype(app.v);
-                const T* kr = app.k.p + (i64)bi * stride_of<0, KN> + (i64)kh * stride_of<1, KN>;
-                q_in = rope_head_load<App::rd, App::neox, W>(qrow, r, app.inv_freq);
-                k_in = rope_head_load<App::rd, App::neox, W>(kr, r, app.inv_freq);
-                v_new = load_pack<T, W>(app.v.p + (i64)bi * stride_of<0, VN> + (i64)kh * stride_of<1, VN> + r * W);
-            } else {
-                qpk = load_pack<T, W>(qrow + r * W);
-            }
             const auto len = kv_length<TK>(lens, bi);
             if constexpr (is_present<L>::value) {
                 if (len < 0 || len > TK) {
@@ -277,35 +242,44 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
             }
             i64 begin, end;
             visible_keys<S>(qpos, bi, i, len, begin, end);
+            if constexpr (Chunk > 0) {  // attention_partial: only this tile's key range (t.lo[3])
+                const i64 range_lo = (i64)t.lo[3] * Chunk, range_hi = range_lo + Chunk;
+                if (begin < range_lo) begin = range_lo;
+                if (end > range_hi) end = range_hi;
+            }
             if (end > TK) end = TK;
             i64 pn = -1;  // the append form's new key, where this tile's visible keys hold it (piece 0 takes it)
             if constexpr (APPEND) {
                 pn = query_position(qpos, bi, i);
-                qpk = rope_head_turn<App::rd, App::neox, W>(q_in, r, (double)pn);  // rounded as rope would store it
-                const i64 lo = Chunk > 0 ? (i64)t.lo[3] * Chunk : 0;
-                if (pn >= begin && pn < end && pn >= lo && pn < lo + (Chunk > 0 ? Chunk : TK)) end = pn;
+                if (pn >= begin && pn < end) end = pn;
                 else pn = -1;
             }
-            if constexpr (Chunk == 0) {
-                const i64 n = end > begin ? end - begin : 0, each = (n + split - 1) / split;
-                j_lo = begin + piece * each;
-                j_hi = j_lo + each < end ? j_lo + each : end;
-                first_keys();
+            const i64 n = end > begin ? end - begin : 0, chunk = (n + split - 1) / split;
+            const i64 j_lo = begin + piece * chunk, j_hi = j_lo + chunk < end ? j_lo + chunk : end;
+            const T* qrow = q.p + (i64)bi * stride_of<0, Q> + (i64)h * stride_of<1, Q> + (i64)i * stride_of<2, Q>;
+            Pack<T, W> qpk;
+            if constexpr (APPEND) {  // rotated at its position, rounded as rope would store it
+                qpk = rope_head_pack<App::rd, App::neox, W>(qrow, r, (double)query_position(qpos, bi, i),
+                                                            app.inv_freq);
+            } else {
+                qpk = load_pack<T, W>(qrow + r * W);
             }
-            // each step's key and value packs are loaded two steps ahead, so that a memory round trip
-            // runs behind the steps before (a decode tile's piece is two steps: one round trip); rows
-            // past the end are clamped to the last: loaded, never used.
-            // Every lane runs the same number of steps (the shuffles need the whole warp); lanes past
-            // the end of their piece, or outside the visible keys, contribute nothing
+            const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K> + r * W;
+            const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V> + r * W;
+            // each step's key and value packs are loaded a step ahead, so that a memory round trip runs
+            // behind the step before (decode: ~9 steps a warp in turn; a deeper ring measured no gain);
+            // rows past the end are clamped to the last: loaded, never used
+            Pack<T, W> kn = load_pack<T, W>(kp + (j_lo + g < TK ? j_lo + g : TK - 1) * K2);
+            Pack<T, W> vn = load_pack<T, W>(vp + (j_lo + g < TK ? j_lo + g : TK - 1) * V2);
+            // every lane runs the same number of steps (the shuffles need the whole warp); lanes past
+            // the end of their piece contribute nothing
             for (i64 j0 = j_lo; j0 < j_hi; j0 += KPW) {
                 const i64 j = j0 + g;
-                const bool live = j < j_hi && j >= begin && j < end;
+                const bool live = j < j_hi;
                 const Pack<T, W> kc = kn, vv = vn;
-                kn = kn2;
-                vn = vn2;
-                const i64 jn = j + 2 * KPW < TK ? j + 2 * KPW : TK - 1;
-                kn2 = load_pack<T, W>(kp + jn * K2);
-                vn2 = load_pack<T, W>(vp + jn * V2);
+                const i64 jn = j + KPW < TK ? j + KPW : TK - 1;
+                kn = load_pack<T, W>(kp + jn * K2);
+                vn = load_pack<T, W>(vp + jn * V2);
                 float s = 0.0f;
                 if (live) s = dot(qpk, kc);
 #pragma unroll
@@ -316,12 +290,17 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
             }
             if constexpr (APPEND) {
                 if (pn >= 0 && piece == 0) {  // the new key (rope(k_new), as the cache will hold it) and v_new
-                    const Pack<T, W> kc = rope_head_turn<App::rd, App::neox, W>(k_in, r, (double)pn);
+                    using KN = decltype(app.k);
+                    using VN = decltype(app.v);
+                    const T* kr = app.k.p + (i64)bi * stride_of<0, KN> + (i64)kh * stride_of<1, KN>;
+                    const Pack<T, W> kc = rope_head_pack<App::rd, App::neox, W>(kr, r, (double)pn, app.inv_freq);
+                    const Pack<T, W> vv = load_pack<T, W>(app.v.p + (i64)bi * stride_of<0, VN> +
+                                                          (i64)kh * stride_of<1, VN> + r * W);
                     float s = dot(qpk, kc);
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                     if (g == 0) {  // one key group takes it (the merge below adds the groups)
-                        fold_key(s * scale, v_new, m, l, acc);
+                        fold_key(s * scale, vv, m, l, acc);
                     }
                 }
             }

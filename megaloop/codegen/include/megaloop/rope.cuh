@@ -64,63 +64,38 @@ __device__ __forceinline__ float pack_at(const Pack<T, W>& p, int k) {
     }
 }
 
-// What rope_head_turn needs of dims [r W, r W + W) of a head vector: the pack, its partner pack (neox)
-// and the pack's inverse frequencies, loaded before the position is known (attention's append form
-// issues them with its other loads, ahead of the positions' round trip).
-template <class T, int W>
-struct RopeHeadLoad {
-    Pack<T, W> a, b;
-    double f[W];
-};
-
+// Dims [r W, r W + W) of a contiguous head vector x rotated at position pv with rope's formula and
+// rounded to T as rope stores them (attention's append form: q, and the new key as the cache gets it).
+// Packs hold whole runs of pairs: W divides RD / 2 (neox) or RD (interleaved, W even).
 template <int RD, bool Neox, int W, class T>
-__device__ __forceinline__ RopeHeadLoad<T, W> rope_head_load(const T* x, int r, const double* inv_freq) {
+__device__ __forceinline__ Pack<T, W> rope_head_pack(const T* x, int r, double pv, const double* inv_freq) {
     static_assert(Neox ? (RD / 2) % W == 0 : (RD % W == 0 && W % 2 == 0), "rope_head_pack: packs of whole pairs");
     const int d0 = r * W;
-    RopeHeadLoad<T, W> in;
-    in.a = load_pack<T, W>(x + d0);
-    if (d0 >= RD) return in;
-    constexpr int HALF = RD / 2;
-    if constexpr (Neox) in.b = load_pack<T, W>(x + (d0 < HALF ? d0 + HALF : d0 - HALF));
-#pragma unroll
-    for (int k = 0; k < (Neox ? W : W / 2); ++k) in.f[k] = inv_freq[(Neox ? (d0 < HALF ? d0 : d0 - HALF) : d0 / 2) + k];
-    return in;
-}
-
-// The loaded dims rotated at position pv with rope's formula and rounded to T as rope stores them.
-template <int RD, bool Neox, int W, class T>
-__device__ __forceinline__ Pack<T, W> rope_head_turn(const RopeHeadLoad<T, W>& in, int r, double pv) {
-    const int d0 = r * W;
-    if (d0 >= RD) return in.a;  // past rotary_dim: as it is
+    const Pack<T, W> a = load_pack<T, W>(x + d0);
+    if (d0 >= RD) return a;  // past rotary_dim: as it is
     Pack<T, W> out;
     if constexpr (Neox) {
-        const bool first = d0 < RD / 2;
+        constexpr int HALF = RD / 2;
+        const bool first = d0 < HALF;
+        const Pack<T, W> b = load_pack<T, W>(x + (first ? d0 + HALF : d0 - HALF));
 #pragma unroll
         for (int k = 0; k < W; ++k) {
             float s, c;
-            rope_angle(pv, in.f[k], s, c);
-            const float xd = pack_at<W>(in.a, k), xp = pack_at<W>(in.b, k);
+            rope_angle(pv, inv_freq[(first ? d0 : d0 - HALF) + k], s, c);
+            const float xd = pack_at<W>(a, k), xp = pack_at<W>(b, k);
             set(out, k, fmaf(xd, c, first ? -(xp * s) : xp * s));
         }
     } else {
 #pragma unroll
         for (int k = 0; k < W / 2; ++k) {
             float s, c;
-            rope_angle(pv, in.f[k], s, c);
-            const float x1 = get(in.a, 2 * k), x2 = get(in.a, 2 * k + 1);
+            rope_angle(pv, inv_freq[d0 / 2 + k], s, c);
+            const float x1 = get(a, 2 * k), x2 = get(a, 2 * k + 1);
             set(out, 2 * k, fmaf(x1, c, -(x2 * s)));
             set(out, 2 * k + 1, fmaf(x2, c, x1 * s));
         }
     }
     return out;
-}
-
-// Dims [r W, r W + W) of a contiguous head vector x rotated at position pv with rope's formula and
-// rounded to T as rope stores them. Packs hold whole runs of pairs: W divides RD / 2 (neox) or RD
-// (interleaved, W even).
-template <int RD, bool Neox, int W, class T>
-__device__ __forceinline__ Pack<T, W> rope_head_pack(const T* x, int r, double pv, const double* inv_freq) {
-    return rope_head_turn<RD, Neox, W>(rope_head_load<RD, Neox, W>(x, r, inv_freq), r, pv);
 }
 
 // Dim d of a head vector x (element stride XS) rotated at position pv as rope_head_pack, in float
