@@ -183,7 +183,8 @@ def _grouped(
     before = np.fromiter(itertools.chain.from_iterable(reqs), np.int64, int(start[-1]))
     if more_after is None or not len(more_after):
         return before, start
-    key = np.unique(np.concatenate([np.repeat(np.arange(n), sizes), more_after]) * n + np.append(before, more_before))
+    key = np.sort(np.concatenate([np.repeat(np.arange(n), sizes), more_after]) * n + np.append(before, more_before))
+    key = key[np.append(True, key[1:] != key[:-1])]
     return key % n, np.searchsorted(key // n, np.arange(n + 1))
 
 
