@@ -12,6 +12,10 @@ their clocks cover the most), and afterwards every wait whose removal leaves all
 is dropped again. The result is irredundant: removing any single wait leaves some conflicting pair
 unordered, which is what the verifier's mutation tests rely on.
 
+Groups (all of one set before all of another: buffers sharing bytes) enter once tasks are placed, as
+the last member of one set on each processor before the first member of the other on each processor:
+program order does the rest, so the waits are those of the groups spelled out pair by pair.
+
 Iteration 1 is the steady state: lag-0 waits are fixed from iteration 0 (paths between same-
 iteration instances never leave the iteration), then lag-1 requirements (previous iteration's
 instance first) are covered the same way with clocks of iteration 0.

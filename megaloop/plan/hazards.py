@@ -14,7 +14,9 @@ an epoch of its own. A correct plan orders
 
 That is enough: any two conflicting accesses of an element are then ordered through the chain of
 epochs between them. Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
-of the earlier one before the first writers of the later one, and back across iterations.
+of the earlier one before the first writers of the later one, and back across iterations. Those are
+kept as groups of two task sets (``ReuseOrderings``): with thousands of tiles on each side, pair by
+pair they would be millions of orderings.
 
 Both the planner (to derive waits) and the verifier (to check them) use these orderings; all of it is
 numpy over all accesses at once. Tasks are named globally as ``gid = base[rank] + task.id``.
