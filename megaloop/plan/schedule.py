@@ -57,7 +57,7 @@ def list_schedule(
     ``gates``: more predecessors, a whole set at a time (after ``preds[i]`` in the order of producers)."""
     n = len(costs)
     gates = Gates([], []) if gates is None else gates
-    gate_state = _GateState(gates, n)
+    gate_state = _GateState(gates)
     unit = list(range(n))  # the group a position belongs to, named by its first position
     members: dict[int, list[int]] = {}
     for g in groups or []:
@@ -114,8 +114,8 @@ def list_schedule(
                 missing[v] -= 1
                 if missing[v] == 0:
                     heapq.heappush(heap, (depth[v], v))
-            for c in gate_state.placed(i, r, pick, finish[i], depth[u]):
-                v, (at_c, depth_c) = unit[c], gate_state.opened[c]
+            for c, at_c, depth_c in gate_state.placed(i, r, pick, finish[i], depth[u]):
+                v = unit[c]
                 ready[c] = max(ready[c], at_c)
                 depth[v] = max(depth[v], depth_c + 1)
                 missing[v] -= 1
@@ -145,7 +145,7 @@ class _GateState:
     """Which sets are placed, and what opens when one is: per set that follows others, the latest
     finish and depth among them, and the processors its members prefer (``candidates``)."""
 
-    def __init__(self, gates: Gates, n: int) -> None:
+    def __init__(self, gates: Gates) -> None:
         self.gates = gates
         self.member_of: dict[int, list[tuple[int, int]]] = {}  # position -> (before set, place in it)
         self.left = [len(m) for m in gates.sets]
@@ -160,17 +160,17 @@ class _GateState:
         for b in self.into:
             for k, i in enumerate(gates.sets[b]):
                 self.member_of.setdefault(i, []).append((b, k))
-        for a in {a for _, a in gates.pairs}:
+        for a in dict.fromkeys(a for _, a in gates.pairs):
             for i in gates.sets[a]:
                 self.closed_by.setdefault(i, []).append(a)
         self.finish = [0.0] * len(gates.sets)
         self.depth = [0] * len(gates.sets)
         self.first_on: list[dict[tuple[int, int], int]] = [{} for _ in gates.sets]  # (rank, proc) -> first place
-        self.opened: dict[int, tuple[float, int]] = {}
         self.prefer: dict[int, list[tuple[int, int]]] = {}  # after set -> (rank, proc), first producers first
 
-    def placed(self, i: int, rank: int, proc: int, finish: float, depth: int) -> list[int]:
-        """Position ``i`` is placed; the positions whose last gate this opens (``opened`` says when)."""
+    def placed(self, i: int, rank: int, proc: int, finish: float, depth: int) -> list[tuple[int, float, int]]:
+        """Position ``i`` is placed; the positions of the sets it opens, with their producers' latest
+        finish and greatest depth."""
         out = []
         for b, k in self.member_of.get(i, ()):
             self.left[b] -= 1
@@ -185,9 +185,7 @@ class _GateState:
                 self.depth[a] = max(self.depth[a], self.depth[b])
                 self.waiting[a] -= 1
                 if not self.waiting[a]:
-                    for c in self.gates.sets[a]:
-                        self.opened[c] = (self.finish[a], self.depth[a])
-                        out.append(c)
+                    out += [(c, self.finish[a], self.depth[a]) for c in self.gates.sets[a]]
         return out
 
     def candidates(self, i: int, rank: int) -> list[int]:
