@@ -271,8 +271,10 @@ SGD_UPDATE = _define(
     "PGGssc",
     _sgd_update_ref,
     {"momentum": "number", "nesterov": "bool", "weight_decay": "number"},
-    lambda a: f"{_c(a['momentum'])}, {'true' if a['nesterov'] else 'false'}, {_c(a['weight_decay'])}, "
-    f"{int(a['accumulate'])}LL",
+    lambda a: (
+        f"{_c(a['momentum'])}, {'true' if a['nesterov'] else 'false'}, {_c(a['weight_decay'])}, "
+        f"{int(a['accumulate'])}LL"
+    ),
 )
 
 
@@ -337,7 +339,11 @@ def adam_moment(
     sq = require_bool(op, "square", square)
     beta = _number(op, "beta", beta, 0.0, 1.0)
     return _state_update(
-        op, [state, grad, scalar_operand(op, grad, "scale", scale), counter], beta=beta, square=sq, accumulate=accumulate
+        op,
+        [state, grad, scalar_operand(op, grad, "scale", scale), counter],
+        beta=beta,
+        square=sq,
+        accumulate=accumulate,
     )
 
 

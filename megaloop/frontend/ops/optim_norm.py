@@ -141,7 +141,9 @@ def schedule_lr(s: int, attrs: dict[str, Any]) -> float:
 def _lr_infer(call: OpCall) -> list[OutSpec]:
     c = call.operands[0]
     if c.dtype != dtypes.int64 or c.shape != ():
-        raise call.error(DtypeError, f"counter must be an int64 0-d step counter, got {c.dtype.short}{format_shape(c.shape)}")
+        raise call.error(
+            DtypeError, f"counter must be an int64 0-d step counter, got {c.dtype.short}{format_shape(c.shape)}"
+        )
     return [OutSpec((), dtypes.float32)]
 
 
@@ -161,14 +163,22 @@ LR_SCHEDULE = register(
         infer=_lr_infer,
         reference=_lr_ref,
         check_data=check_counter("lr_schedule", 0),
-        attrs={"lr": "number", "min_lr": "number", "warmup": "rank", "total": "count", "kind": SCHEDULES,
-               "accumulate": "count"},
+        attrs={
+            "lr": "number",
+            "min_lr": "number",
+            "warmup": "rank",
+            "total": "count",
+            "kind": SCHEDULES,
+            "accumulate": "count",
+        },
         accuracy=Accuracy(ulps=1.0),
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering(
             "lr_schedule",
-            lambda a: f"{float(a['lr']).hex()}, {float(a['min_lr']).hex()}, {int(a['warmup'])}LL, {int(a['total'])}LL, "
-            f"{SCHEDULES.index(a['kind'])}, {int(a['accumulate'])}LL",
+            lambda a: (
+                f"{float(a['lr']).hex()}, {float(a['min_lr']).hex()}, {int(a['warmup'])}LL, {int(a['total'])}LL, "
+                f"{SCHEDULES.index(a['kind'])}, {int(a['accumulate'])}LL"
+            ),
         ),
         placement=_placements.rule(_placements.elementwise_dims),
     )
