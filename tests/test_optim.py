@@ -101,7 +101,7 @@ def test_adamw_matches_torch(dtype: str, interpret: bool) -> None:
     rng = np.random.default_rng(1)
     total, warmup, lr, min_lr = 8, 2, 1e-2, 1e-3
     sched = ml.optim.Schedule(total=total, warmup=warmup, min_lr=min_lr)
-    attach = lambda g, p, gr: ml.optim.adamw(  # noqa: E731
+    attach = lambda g, p, gr: ml.optim.adamw(
         g, p, gr, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, schedule=sched
     )
     g, opt = graph_with(SHAPES, dtype, dtype, attach)
@@ -142,7 +142,7 @@ def test_iterations_of_one_plan_are_optimizer_steps() -> None:
     """iterations=N on the reference and the plan interpreter: N steps with the same gradients, no host
     work between them, bit for bit the N separate runs."""
     rng = np.random.default_rng(2)
-    attach = lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=3e-3, schedule=ml.optim.Schedule(total=10, warmup=1))  # noqa: E731
+    attach = lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=3e-3, schedule=ml.optim.Schedule(total=10, warmup=1))
     g, opt = graph_with(SHAPES[:2], "bfloat16", "bfloat16", attach)
     master = draw(rng, SHAPES[:2], "float32")
     state = {**{f"p{i}": ml.dtypes.round_to(w, ml.bfloat16) for i, w in enumerate(master)}}
@@ -178,22 +178,22 @@ def test_iterations_of_one_plan_are_optimizer_steps() -> None:
 
 @pytest.mark.parametrize(
     "momentum,nesterov,dampening,decay",
-    [(0.0, False, 0.0, 0.0), (0.0, False, 0.0, 0.05), (0.9, False, 0.0, 0.01), (0.9, True, 0.0, 0.01), (0.8, False, 0.3, 0.0)],
+    [(0.0, False, 0.0, 0.0), (0.0, False, 0.0, 0.05), (0.9, False, 0.0, 0.01), (0.9, True, 0.0, 0.01)]
+    + [(0.8, False, 0.3, 0.0)],
 )
 def test_sgd_matches_torch(momentum: float, nesterov: bool, dampening: float, decay: float) -> None:
     rng = np.random.default_rng(3)
-    attach = lambda g, p, gr: ml.optim.sgd(  # noqa: E731
+    attach = lambda g, p, gr: ml.optim.sgd(
         g, p, gr, lr=0.05, momentum=momentum, nesterov=nesterov, dampening=dampening, weight_decay=decay
     )
     g, opt = graph_with(SHAPES, "float32", "float32", attach)
     weights = draw(rng, SHAPES, "float32")
     steps = [draw(rng, SHAPES, "float32") for _ in range(4)]
-    tp = torch_params(weights)
-    topt = torch.optim.SGD(tp, lr=0.05, momentum=momentum, nesterov=nesterov, dampening=dampening, weight_decay=decay)
+    settings = {"momentum": momentum, "nesterov": nesterov, "dampening": dampening, "weight_decay": decay}
     for interpret in (False, True):
         results = run_steps(g, opt, weights, steps, interpret=interpret)
         tp = torch_params(weights)
-        topt = torch.optim.SGD(tp, lr=0.05, momentum=momentum, nesterov=nesterov, dampening=dampening, weight_decay=decay)
+        topt = torch.optim.SGD(tp, lr=0.05, **settings)
         for s, (grads, (state, _)) in enumerate(zip(steps, results)):
             for p, x in zip(tp, grads):
                 p.grad = torch.tensor(f32(x), dtype=torch.float32)
@@ -214,7 +214,7 @@ def test_global_norm_clipping_matches_clip_grad_norm(max_norm: float) -> None:
     the scale it gives, as torch.nn.utils.clip_grad_norm_ then SGD."""
     shapes = [(300, 257), (5,), (64, 2, 3), ()]  # 300 rows: square_sum splits it into ranges
     rng = np.random.default_rng(4)
-    attach = lambda g, p, gr: ml.optim.sgd(g, p, gr, lr=0.1, max_norm=max_norm)  # noqa: E731
+    attach = lambda g, p, gr: ml.optim.sgd(g, p, gr, lr=0.1, max_norm=max_norm)
     g, opt = graph_with(shapes, "float32", "bfloat16", attach)
     splits = [n.attrs["splits"] for n in g.nodes if n.op.name == "square_sum"]
     assert splits[0] > 1, splits
@@ -241,7 +241,7 @@ def test_gradient_accumulation_matches_summed_micro_batches() -> None:
     rng = np.random.default_rng(5)
     k = 3
     shapes = SHAPES[:3]
-    attach = lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=1e-2, max_norm=2.0, accumulate=k)  # noqa: E731
+    attach = lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=1e-2, max_norm=2.0, accumulate=k)
     g, opt = graph_with(shapes, "bfloat16", "bfloat16", attach)
     master = draw(rng, shapes, "float32")
     weights = [ml.dtypes.round_to(w, ml.bfloat16) for w in master]
@@ -350,7 +350,7 @@ def test_errors_name_the_op_and_what_to_do() -> None:
         ml.adam_moment(p, x, g.state("c32", (), "int32"), beta=0.9)
     with pytest.raises(ml.errors.ShapeError, match="grad must be of shape"):
         ml.adam_moment(p, g.input("y", (5,), "float32"), c, beta=0.9)
-    with pytest.raises(ml.errors.GraphBuildError, match="beta is 1.5"):
+    with pytest.raises(ml.errors.GraphBuildError, match=r"beta is 1\.5"):
         ml.adam_moment(p, x, c, beta=1.5)
     with pytest.raises(ml.errors.GraphBuildError, match="must be a state of graph"):
         ml.optim.adamw(g, {"x": x}, {"x": x}, lr=1e-3)
