@@ -63,7 +63,7 @@ template <class O, class C>
 __device__ __forceinline__ void lr_schedule(const Task& t, O out, C counter, double lr, double min_lr, i64 warmup,
                                             i64 total, int kind, i64 k) {
     if (threadIdx.x != 0) return;
-    const i64 c = scalar(counter), s = (c < 0 ? 0 : c) / k;
+    const i64 c = load(counter.p), s = (c < 0 ? 0 : c) / k;
     double value = lr;
     if (s < warmup) {
         value = lr * (double)s / (double)warmup;
