@@ -14,6 +14,7 @@ rounded, so within one ulp of its own dtype of torch's master rounded."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -309,8 +310,9 @@ def test_lr_schedule_matches_transformers_schedules(kind: str) -> None:
 
 
 def full_step_graph(dtype: str) -> ml.Graph:
-    """An AdamW step with clipping, accumulation and a schedule, and an SGD step beside it."""
-    shapes = [(64, 48), (48,), (3, 5, 7)]
+    """An AdamW step with clipping, accumulation and a schedule, and an SGD step beside it; a transposed
+    gradient's norm (square_sum's strided path)."""
+    shapes = [(64, 48), (48,), (3, 5, 7), ()]
 
     def attach(g, p, gr):
         sched = ml.optim.Schedule(total=100, warmup=10, min_lr=1e-5)
@@ -320,6 +322,7 @@ def full_step_graph(dtype: str) -> ml.Graph:
     params = {f"q{i}": g.state(f"q{i}", s, "float32") for i, s in enumerate(shapes)}
     grads = {f"q{i}": g.input(f"h{i}", s, "float32") for i, s in enumerate(shapes)}
     ml.optim.sgd(g, params, grads, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, prefix="sgd")
+    g.output("transposed_norm", ml.square_sum(grads["q0"].mT, 5))
     return g
 
 
@@ -335,6 +338,7 @@ def test_training_step_plans_verify_and_compile(dtype: str) -> None:
     for call in ("adam_moment<", "adamw_update<", "grad_accumulate<", "sgd_momentum<", "sgd_update<", "square_sum<"):
         assert f"ml::opt::{call}" in src, call
     assert "ml::opt::lr_schedule(" in src
+    assert re.search(r"ml::opt::square_sum<48, 10, false, ml::opt::Dims<64>>", src)  # (the strided path)
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
 
@@ -364,3 +368,30 @@ def test_errors_name_the_op_and_what_to_do() -> None:
     ml.adam_moment(q, h.input("x", (4,), "float32"), cc, beta=0.9)
     with pytest.raises(ml.errors.DataError, match="step counter is -1"):
         ml.evaluate(h, {"x": np.ones(4), "c": np.array(-1)})
+
+
+def test_weight_decay_by_parameter_matches_torch_param_groups() -> None:
+    """No decay for 1-D parameters (norms, biases), as torch users make param groups."""
+    rng = np.random.default_rng(6)
+    shapes = [(12, 8), (8,)]
+    decay = {"p0": 0.1, "p1": 0.0}
+    g, opt = graph_with(
+        shapes, "float32", "float32", lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=0.05, weight_decay=decay)
+    )
+    weights = draw(rng, shapes, "float32")
+    steps = [draw(rng, shapes, "float32") for _ in range(3)]
+    results = run_steps(g, opt, weights, steps)
+    tp = torch_params(weights)
+    topt = torch.optim.AdamW(
+        [{"params": [tp[0]], "weight_decay": 0.1}, {"params": [tp[1]], "weight_decay": 0.0}], lr=0.05
+    )
+    for s, (grads, (state, _)) in enumerate(zip(steps, results)):
+        for p, x in zip(tp, grads):
+            p.grad = torch.tensor(f32(x), dtype=torch.float32)
+        topt.step()
+        for i, p in enumerate(tp):
+            check(f"step {s} p{i}", state[f"p{i}"], p.detach().numpy(), 4 * (s + 1))
+    with pytest.raises(ml.errors.GraphBuildError, match="missing \\['p1'\\]"):
+        graph_with(
+            shapes, "float32", "float32", lambda g, p, gr: ml.optim.adamw(g, p, gr, lr=0.1, weight_decay={"p0": 0.1})
+        )

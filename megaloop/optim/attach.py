@@ -125,6 +125,19 @@ def _all_or_nothing(graph: Graph) -> Iterator[None]:
         raise
 
 
+def _per_parameter(what: str, value: Any, pairs: list[tuple[str, Tensor, Tensor]]) -> dict[str, float]:
+    """``value`` (a number, or a mapping from every parameter's name to one) for each parameter."""
+    names = [n for n, _, _ in pairs]
+    if not isinstance(value, Mapping):
+        return dict.fromkeys(names, value)
+    missing, extra = sorted(set(names) - set(value)), sorted(set(value) - set(names))
+    if missing or extra:
+        raise GraphBuildError(
+            f"optimizer: {what} by parameter must name every parameter and no other: missing {missing}, unknown {extra}"
+        )
+    return {n: value[n] for n in names}
+
+
 class _Builder:
     """The shared part of an optimizer: counter, accumulation, clipping, learning rate, masters."""
 
@@ -221,7 +234,7 @@ def adamw(
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float = 0.01,
+    weight_decay: float | Mapping[str, float] = 0.01,
     schedule: Schedule | None = None,
     max_norm: float | None = None,
     accumulate: int = 1,
@@ -230,10 +243,12 @@ def adamw(
 ) -> Optimizer:
     """torch.optim.AdamW's update of ``params`` (graph states) by ``grads``, each iteration of ``graph``
     a micro-batch of ``accumulate``; ``master``: keep float32 master weights (None: for 16-bit params).
-    Its states are named ``{prefix}.*``. See megaloop.optim.attach for the order of things."""
+    ``weight_decay``: one value, or one a parameter (by name: no decay for norms and biases, say). Its
+    states are named ``{prefix}.*``. See megaloop.optim.attach for the order of things."""
     with _all_or_nothing(graph):
         b = _Builder(graph, prefix, accumulate, master)
         pairs = _pairs(graph, params, grads)
+        decay = _per_parameter("weight_decay", weight_decay, pairs)
         grad_values = b.gradients(pairs)
         scale, norm = b.clip_scale(grad_values, max_norm)
         lr_t = b.learning_rate(lr, schedule)
@@ -264,7 +279,7 @@ def adamw(
                         beta1=betas[0],
                         beta2=betas[1],
                         eps=eps,
-                        weight_decay=weight_decay,
+                        weight_decay=decay[name],
                         accumulate=accumulate,
                     )
                 )
@@ -281,7 +296,7 @@ def sgd(
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: float | Mapping[str, float] = 0.0,
     schedule: Schedule | None = None,
     max_norm: float | None = None,
     accumulate: int = 1,
@@ -293,6 +308,7 @@ def sgd(
     with _all_or_nothing(graph):
         b = _Builder(graph, prefix, accumulate, master)
         pairs = _pairs(graph, params, grads)
+        decay = _per_parameter("weight_decay", weight_decay, pairs)
         grad_values = b.gradients(pairs)
         scale, norm = b.clip_scale(grad_values, max_norm)
         lr_t = b.learning_rate(lr, schedule)
@@ -310,7 +326,7 @@ def sgd(
                         b.counter,
                         momentum=momentum,
                         dampening=dampening,
-                        weight_decay=weight_decay,
+                        weight_decay=decay[name],
                         scale=scale,
                         accumulate=accumulate,
                     )
@@ -323,7 +339,7 @@ def sgd(
                         buf=buf,
                         momentum=momentum,
                         nesterov=nesterov,
-                        weight_decay=weight_decay,
+                        weight_decay=decay[name],
                         scale=scale,
                         accumulate=accumulate,
                     )

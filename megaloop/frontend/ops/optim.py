@@ -418,7 +418,11 @@ def sgd_update(
         raise GraphBuildError("sgd_update: momentum > 0 needs buf, the new momentum buffer (ml.sgd_momentum's result)")
     if nest and mu == 0:
         raise GraphBuildError("sgd_update: nesterov needs momentum > 0 (as torch.optim.SGD)")
-    attrs = {"momentum": mu, "nesterov": nest, "weight_decay": _number(op, "weight_decay", weight_decay, 0.0, 1e30)}
+    attrs = {
+        "momentum": mu,
+        "nesterov": nest,
+        "weight_decay": _number(op, "weight_decay", weight_decay, 0.0, float("inf")),
+    }
     operands = [param, grad, grad if buf is None else buf]
     operands += [scalar_operand(op, param, "lr", lr), scalar_operand(op, grad, "scale", scale), counter]
     return _state_update(op, operands, **attrs, accumulate=accumulate)
