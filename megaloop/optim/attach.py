@@ -243,7 +243,8 @@ def adamw(
 ) -> Optimizer:
     """torch.optim.AdamW's update of ``params`` (graph states) by ``grads``, each iteration of ``graph``
     a micro-batch of ``accumulate``; ``master``: keep float32 master weights (None: for 16-bit params).
-    ``weight_decay``: one value, or one a parameter (by name: no decay for norms and biases, say). Its
+    ``weight_decay``: one value, or one a parameter keyed by the parameter states' names (no decay for
+    norms and biases, say). Its
     states are named ``{prefix}.*``. See megaloop.optim.attach for the order of things."""
     with _all_or_nothing(graph):
         b = _Builder(graph, prefix, accumulate, master)
