@@ -9,10 +9,10 @@
     ml.evaluate(g, {"x": ...}, {"w": ...}).outputs["y"]
 
 Layers, in pipeline order (each imports only the ones before it): dtypes/errors -> frontend (graph,
-tensors, op set) -> models, parallel, fuse (graph rewrites) -> plan -> codegen, reference -> runtime -> cli.
+tensors, op set) -> models, optim, parallel, fuse (graph rewrites) -> plan -> codegen, reference -> runtime -> cli.
 """
 
-from megaloop import errors
+from megaloop import errors, optim
 from megaloop.dtypes import (
     ALL_DTYPES,
     FLOAT_DTYPES,
@@ -78,6 +78,7 @@ __all__ = [
     "int32",
     "int64",
     "match_ranks",
+    "optim",
     "parallelize",
     "spmd",
     *_ops_all,

@@ -13,11 +13,14 @@ from megaloop.frontend.opdef import REGISTRY
 ROOT = Path(megaloop.__file__).parent
 
 # What each layer may import (besides itself). Order follows the pipeline.
-RUNTIME_AND_BEFORE = {"core", "frontend", "models", "parallel", "fuse", "plan", "codegen", "reference", "runtime"}
+RUNTIME_AND_BEFORE = {
+    *("core", "frontend", "models", "optim", "parallel", "fuse", "plan", "codegen", "reference", "runtime")
+}
 ALLOWED = {
     "core": set(),
     "frontend": {"core"},
     "models": {"core", "frontend"},
+    "optim": {"core", "frontend"},  # an optimizer's ops and states attached to a training graph
     "parallel": {"core", "frontend"},
     "fuse": {"core", "frontend"},  # graph rewrites: run on the single-device graph or on each rank's
     "plan": {"core", "frontend", "parallel", "fuse"},

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megaloop.codegen import emit_collective, emit_sample
+from megaloop.codegen import emit_collective, emit_optim, emit_sample
 from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
@@ -164,6 +164,16 @@ def _sample(name: str) -> Template:
     return template
 
 
+def _constants(call: TileCall) -> str:
+    """The C++ constants an optimizer op's Lowering gives for its attributes."""
+    return call.opdef.lowering.expression(call.attrs)  # type: ignore[union-attr]
+
+
+def _optim_update(call: TileCall) -> Lowered:
+    attrs = _with(call, call.block_hints())
+    return Lowered(emit_optim.update(call.op.op, attrs, _constants(call), call.ins, call.outs[0]))
+
+
 def _group(call: TileCall) -> list[tuple[int, int]]:
     """(rank, tensor id on that rank) of every member's operand a collective reads, in group order."""
     plan, rank, op = call.plan, call.rank, call.op
@@ -259,6 +269,9 @@ TEMPLATES: dict[str, Template] = {
     "sample_partial": _sample("sample_partial"),
     "sample_combine": _sample("sample_combine"),
     "penalize": _sample("penalize"),
+    "optim_update": _optim_update,
+    "square_sum": lambda c: Lowered(emit_optim.square_sum(c.attrs, c.ins[0], c.outs[0]), emit_optim.SQUARE_SUM_SHARED),
+    "lr_schedule": lambda c: Lowered(emit_optim.lr_schedule(_constants(c), c.ins[0], c.outs[0])),
     "all_reduce": _all_reduce,
     "all_gather": _exchange(lambda c, ms, out: emit_collective.all_gather(c.attrs, ms, out)),
     "reduce_scatter": _exchange(lambda c, ms, out: emit_collective.reduce_scatter(c.attrs, ms, out, c.rank)),

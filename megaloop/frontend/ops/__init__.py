@@ -41,6 +41,8 @@ from megaloop.frontend.ops.layout import (
 from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.norm_linear import rmsnorm_linear
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
+from megaloop.frontend.ops.optim import adam_moment, adamw_update, grad_accumulate, sgd_momentum, sgd_update
+from megaloop.frontend.ops.optim_norm import lr_schedule, square_sum
 from megaloop.frontend.ops.paged import paged_attention, paged_kv_cache_update
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
@@ -52,6 +54,8 @@ from megaloop.frontend.tensor import BUILDERS as _BUILDERS
 from megaloop.frontend.tensor import Tensor as _Tensor
 
 __all__ = [
+    "adam_moment",
+    "adamw_update",
     "all_gather",
     "all_reduce",
     "argmax",
@@ -65,11 +69,13 @@ __all__ = [
     "copy",
     "embedding",
     "getitem",
+    "grad_accumulate",
     "inv_frequencies",
     "kv_cache_update",
     "layernorm",
     "linear",
     "log_softmax",
+    "lr_schedule",
     "matmul",
     "max",
     "mean",
@@ -89,10 +95,13 @@ __all__ = [
     "sample_combine",
     "sample_partial",
     "send",
+    "sgd_momentum",
+    "sgd_update",
     "slice_",
     "softmax",
     "sources",
     "split",
+    "square_sum",
     "squeeze",
     "sum",
     "swiglu_linear",

@@ -8,3 +8,5 @@
 #include "megaloop/rows.cuh"
 #include "megaloop/reduce.cuh"
 #include "megaloop/rope.cuh"
+#include "megaloop/optim.cuh"
+#include "megaloop/optim_norm.cuh"
