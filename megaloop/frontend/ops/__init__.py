@@ -39,6 +39,7 @@ from megaloop.frontend.ops.layout import (
     transpose,
     unsqueeze,
 )
+from megaloop.frontend.ops.loss import cross_entropy, cross_entropy_grad
 from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.norm_linear import rmsnorm_linear
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
@@ -65,6 +66,8 @@ __all__ = [
     "combine_linear",
     "concat",
     "copy",
+    "cross_entropy",
+    "cross_entropy_grad",
     "embedding",
     "getitem",
     "inv_frequencies",

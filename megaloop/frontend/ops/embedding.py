@@ -8,13 +8,14 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import elementwise as ew
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops.layout import reshape
 from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 
 
@@ -46,6 +47,19 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return table[np.clip(ids, 0, table.shape[0] - 1)]  # check_data refused real ids outside
 
 
+def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """The table's gradient: each id's row of the cotangent summed into that id's row, as the product
+    onehot(ids)^T @ cotangent (float32 accumulation, exact sums, one rounding); the ids take none."""
+    table, ids = call.inputs
+    vocab, dim = table.shape
+    n = ids.size
+    column = reshape(ew.cast(ids, "int64"), (n, 1))
+    every = call.graph.constant(np.arange(vocab, dtype=np.int64).reshape(1, vocab), "int64")
+    onehot = ew.cast(ew.equal(column, every), table.dtype)
+    rows = reshape(call.cotangent(), (n, dim))
+    return [B.matmul(onehot, rows, transpose_a=True), None]
+
+
 EMBEDDING = register(
     OpDef(
         name="embedding",
@@ -61,6 +75,7 @@ EMBEDDING = register(
         tiling=_tilings.EMBEDDING,
         lowering=Lowering("embedding"),
         placement=_placements.rule(lambda node: _dims(node), lambda node, n, given: _by_vocabulary(node, n, given)),
+        vjp=lambda call: _vjp(call),
     )
 )
 
