@@ -16,6 +16,7 @@ from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_combine_linear import combine_linear
+from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
 from megaloop.codegen.emit_paged import paged_attention, paged_kv_update
@@ -253,6 +254,7 @@ TEMPLATES: dict[str, Template] = {
     "combine_linear": _combine_linear,
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
+    "cross_entropy": lambda c: Lowered(cross_entropy(c.op.op, c.attrs, c.ins, c.outs[0])),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),
     "rope_kv_update": _plain(rope_kv_update),

@@ -16,7 +16,7 @@ import numpy as np
 
 from megaloop.dtypes import float32
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_int
 from megaloop.frontend.ops._tilings import ROW_WAVES, _chunk_elements, _streaming
@@ -138,6 +138,7 @@ CROSS_ENTROPY = register(
         check_data=_check_data,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_ROW_TILING,
+        lowering=Lowering("cross_entropy"),
         placement=_placements.rule(_row_dims),
         vjp=_loss_vjp,
     )
@@ -156,6 +157,7 @@ CROSS_ENTROPY_GRAD = register(
         check_data=_check_data,
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_ROW_TILING,
+        lowering=Lowering("cross_entropy"),
         placement=_placements.rule(_row_dims),
     )
 )
