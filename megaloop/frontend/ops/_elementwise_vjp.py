@@ -111,14 +111,15 @@ log = _unary(lambda g, x, out: g / x)
 sqrt = _unary(lambda g, x, out: g * 0.5 / out)
 rsqrt = _unary(lambda g, x, out: g * -0.5 * out * out * out)
 reciprocal = _unary(lambda g, x, out: B.neg(g) * out * out)
-tanh = _unary(lambda g, x, out: g * (1.0 - out * out))
-sigmoid = _unary(lambda g, x, out: g * out * (1.0 - out))
+# (recomputed in float32 from x: 1 - out rounded to a 16-bit float loses the tails' gradient)
+tanh = _unary(lambda g, x, out: g * (1.0 - B.tanh(x) * B.tanh(x)))
+sigmoid = _unary(lambda g, x, out: g * B.sigmoid(x) * (1.0 - B.sigmoid(x)))
 relu = _unary(lambda g, x, out: B.where(B.greater(x, 0.0), g, 0.0))
 erf = _unary(lambda g, x, out: g * (2.0 / math.sqrt(math.pi)) * B.exp(B.neg(x * x)))
 hardsigmoid = _unary(lambda g, x, out: B.where(B.greater(x, -3.0) & B.less(x, 3.0), g / 6.0, 0.0))
-# PyTorch's: 0 below -3, (2x + 3) / 6 up to 3 (inclusive), 1 above
+# PyTorch's: 0 up to -3 (inclusive), (2x + 3) / 6 below 3, 1 from 3 on
 hardswish = _unary(
-    lambda g, x, out: B.where(B.less(x, -3.0), 0.0, B.where(B.less_equal(x, 3.0), g * (x * 2.0 + 3.0) / 6.0, g))
+    lambda g, x, out: B.where(B.less_equal(x, -3.0), 0.0, B.where(B.less(x, 3.0), g * (x * 2.0 + 3.0) / 6.0, g))
 )
 
 
