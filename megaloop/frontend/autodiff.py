@@ -101,10 +101,11 @@ def _seed(graph: Graph, loss: Tensor, seed: Any) -> Tensor:
 
 
 def _depends_on(nodes: list[Node], targets: list[Tensor]) -> set[Tensor]:
-    """The float tensors whose values change with the targets' (the only ones gradients flow along)."""
+    """The float tensors whose values change with the targets' (the only ones gradients flow along); what
+    a collective or a recv gives may change with another rank's targets."""
     live = set(targets)
     for n in nodes:
-        if any(t in live for t in n.inputs):
+        if any(t in live for t in n.inputs) or (n.op.kind in _EXCHANGES and _float_exchange(n)):
             live.update(t for t in n.outputs if t.dtype.is_float)
     return live
 
