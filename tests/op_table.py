@@ -767,6 +767,22 @@ row(
     _embedding_sample,
     fixed={1: "int32"},
 )
+
+
+def _scatter_sample(rng: np.random.Generator) -> Sample:
+    rows, n, d = int(rng.integers(1, 30)), int(rng.integers(1, 40)), int(rng.integers(1, 300))
+    return Sample([(n, d), (n,)], {"rows": rows}, domains=("normal", ("int", 0, rows)))
+
+
+row(
+    "scatter_add",
+    "rows",
+    lambda g, v, i, rows: ml.scatter_add(v, i, rows),
+    lambda v, i, rows, **k: torch.zeros(rows, v.shape[1], dtype=v.dtype).index_add(0, i, v),
+    _scatter_sample,
+    fixed={1: "int64"},
+    reduce_len=lambda s: s.shapes[0][0],
+)
 row(  # a table of ints (the serving step's token ids by slot and position)
     "embedding",
     "int-table",

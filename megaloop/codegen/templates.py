@@ -13,7 +13,16 @@ from typing import Any
 
 from megaloop.codegen import emit_collective, emit_sample
 from megaloop.codegen.abi import MAX_OPERANDS
-from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
+from megaloop.codegen.emit import (
+    Operand,
+    concat,
+    elementwise,
+    embedding,
+    kv_update,
+    rope,
+    rope_kv_update,
+    scatter_add,
+)
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_combine_linear import combine_linear
 from megaloop.codegen.emit_loss import cross_entropy
@@ -254,6 +263,7 @@ TEMPLATES: dict[str, Template] = {
     "combine_linear": _combine_linear,
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
+    "scatter_add": _plain(scatter_add),
     "cross_entropy": lambda c: Lowered(cross_entropy(c.op.op, c.attrs, c.ins, c.outs[0])),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),

@@ -25,7 +25,7 @@ from megaloop.frontend.ops.attention_split import attention, attention_combine, 
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.combine_linear import combine_linear
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
-from megaloop.frontend.ops.embedding import embedding
+from megaloop.frontend.ops.embedding import embedding, scatter_add
 from megaloop.frontend.ops.layout import (
     broadcast_to,
     concat,
@@ -93,6 +93,7 @@ __all__ = [
     "sample",
     "sample_combine",
     "sample_partial",
+    "scatter_add",
     "send",
     "slice_",
     "softmax",
