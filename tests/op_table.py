@@ -1480,6 +1480,7 @@ row(
     one(1, 3),
 )
 
+
 def _loss_sample(extra: bool, ignoring: bool = True) -> Callable[[np.random.Generator], Sample]:
     """logits [*lead, vocab] and targets [*lead] in the vocabulary; ignore_index one of its ids (so that
     some targets are ignored) or -100; with ``extra``, a float32 cotangent of each row."""

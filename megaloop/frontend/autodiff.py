@@ -25,6 +25,7 @@ from megaloop.frontend.graph import Graph, Node
 from megaloop.frontend.opdef import VjpCall
 from megaloop.frontend.ops import _grad
 from megaloop.frontend.ops import elementwise as ew
+from megaloop.frontend.ops.layout import copy
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
@@ -60,7 +61,8 @@ def grad(
         live = _depends_on(nodes, targets)
         for node in reversed(nodes):
             _backward_node(node, cotangents, live)
-    grads = [cotangents[t] if t in cotangents else _grad.zeros(t) for t in targets]
+    # (zeros materialised: a result is a tensor of its own, not a view of a one-element constant)
+    grads = [cotangents[t] if t in cotangents else copy(_grad.zeros(t)) for t in targets]
     if named:
         return {t.node.attrs["name"]: g for t, g in zip(targets, grads)}
     return grads

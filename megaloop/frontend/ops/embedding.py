@@ -122,8 +122,10 @@ def embedding(table: Tensor, ids: Tensor) -> Tensor:
 
 def _scatter_infer(call: OpCall) -> list[OutSpec]:
     values, ids = call.operands
-    if values.ndim != 2 or not values.dtype.is_float:
-        raise call.error(ShapeError, f"values must be a 2-D float tensor [n, dim], got {values!r}")
+    if not values.dtype.is_float:
+        raise call.error(DtypeError, f"values must be floats (a gradient's rows), got {values.dtype.name}")
+    if values.ndim != 2:
+        raise call.error(ShapeError, f"values must be 2-D [n, dim], got {format_shape(values.shape)}")
     if not ids.dtype.is_int or ids.shape != values.shape[:1]:
         raise call.error(
             ShapeError if ids.dtype.is_int else DtypeError,

@@ -51,7 +51,10 @@ def _grad_infer(call: OpCall) -> list[OutSpec]:
     logits, targets = _check(call)
     seed = call.operands[2]
     if seed.dtype != float32 or seed.shape != targets.shape:
-        raise call.error(ShapeError, f"cotangent must be float32{format_shape(targets.shape)}, got {seed!r}")
+        raise call.error(
+            ShapeError if seed.dtype == float32 else DtypeError,
+            f"cotangent must be float32{format_shape(targets.shape)}, got {seed!r}",
+        )
     return [OutSpec(logits.shape, logits.dtype)]
 
 
