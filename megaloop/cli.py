@@ -507,7 +507,6 @@ def _is_usage(e: MegaloopError) -> bool:
     usage += (ml.errors.CacheError,)  # the cache's location or cap as the user set them
     return isinstance(e, (*usage, UsageError, GenerationError, ChatTemplateError, DumpError, TraceError))
 
-
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
 
 

@@ -241,9 +241,7 @@ def matvec_call(
     pieces = (ring[0] if ring else a_.shape[-1] * a_.dtype.itemsize) // 16
     w_step = f["b_col"] * b_.dtype.itemsize
     rows_max = matvec_rows(attrs["codegen"])
-    store = (
-        f"[&](int r, int c, float v) {{ ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)c * {o_col}, v); }}"
-    )
+    store = f"[&](int r, int c, float v) {{ ml::store(out0 + ob + (ml::i64)r * {f['o_step']} + (ml::i64)c * {o_col}, v); }}"
     lines = [
         f"const ml::i64 ab = {f['ab']};",
         f"const ml::i64 ob = (ml::i64)t.lo[{r_}] * {o_row} + (ml::i64)t.lo[{c_}] * {o_col};",

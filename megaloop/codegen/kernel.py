@@ -223,15 +223,7 @@ def _lower(plan: Plan, rank: int, pushed: dict, ring_bytes: int) -> list[Lowered
         ins = [_operand(rp, t) for t in op.inputs]
         outs = [_operand(rp, t) for t in op.outputs]
         call = TileCall(
-            plan,
-            rank,
-            op,
-            opdef,
-            ins,
-            outs,
-            largest.get(op.id, 0),
-            extent.get(op.id, (0, 0)),
-            pushed.get(op.id),
+            plan, rank, op, opdef, ins, outs, largest.get(op.id, 0), extent.get(op.id, (0, 0)), pushed.get(op.id),
             ring_bytes,
         )
         lowered.append(TEMPLATES[opdef.lowering.template](call))

@@ -75,7 +75,7 @@ def _line(raw: bytes, where: str, number: int) -> BatchLine | None:
     except json.JSONDecodeError as e:
         raise BatchFileError(
             f"{where}: a line starting with {{ is a JSON object, but this one is not valid JSON ({e.msg} at column "
-            f'{e.colno}); write a text prompt that starts with {{ as {{"prompt": "..."}}'
+            f"{e.colno}); write a text prompt that starts with {{ as {{\"prompt\": \"...\"}}"
         ) from None
     if not isinstance(obj, dict):
         raise BatchFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")

@@ -89,7 +89,9 @@ def build_batch(
             seed = own + j if own is not None else (base + len(rows) if base is not None else None)
             word = as_seed_word(seed) if seed is not None and settings.temperature > 0 else None
             rows.append(Row(i, j, prompt, settings, word))
-    penalties = any(s.repetition_penalty != 1 or s.presence_penalty != 0 or s.frequency_penalty != 0 for s in resolved)
+    penalties = any(
+        s.repetition_penalty != 1 or s.presence_penalty != 0 or s.frequency_penalty != 0 for s in resolved
+    )
     wanted = [s.logprobs for s in resolved if s.logprobs is not None]
     decoding = Decoding(penalties=penalties, logprobs=max(wanted) if wanted else None)
     return Batch(rows, sampled, decoding, base if sampled else None, drawn, from_file)
