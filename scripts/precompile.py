@@ -7,7 +7,8 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
 
 Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
---compare) and ``profile:CASE``
+--compare), ``profile:CASE`` and ``serve`` (bench/serve's Generator batches and engines, planned and compiled
+through their own code against a stand-in H100 whose LoopKernel never starts; plans land in the plan cache)
 (scripts/profile_cases.py's case with PROFILE_OPTIONS). A cubin is keyed by its source, the header
 library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
 
@@ -59,10 +60,51 @@ def profile_plan(case: str):
     return make_plan(g, processors=132, tiles=matmul_tiles(), options=KernelOptions(**options), fusion=fusion)
 
 
+class _NoKernel(Exception):
+    pass
+
+
+def serve_setup(clients: tuple[int, ...] = (1, 8, 32), slots: int = 32, chunk: int = 32, max_seq: int = 512) -> None:
+    """bench/serve's plans and kernels (its defaults), made by the Generator and the Engine themselves."""
+    import megaloop as ml
+    import megaloop.runtime as runtime
+    import megaloop.runtime.loop as loop
+    from bench.generate_checkpoint import make_checkpoint
+    from bench.serve import prompt_ids
+    from megaloop.runtime.device import GpuInfo
+    from megaloop.serving.engine import Engine
+
+    h100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", (9, 0), 132, 80 << 30)
+    runtime.gpus = lambda: ([h100], "")
+
+    class NoKernel:
+        def __init__(self, *args, **kwargs) -> None:
+            raise _NoKernel
+
+    loop.LoopKernel = NoKernel
+    gen = ml.Generator(make_checkpoint("1b", Path("/tmp/megaloop-checkpoints/1b"), device="cpu"), backend="gpu", max_seq=max_seq,
+                       eos_token_ids=[])  # fmt: skip
+    for batch in (1, *clients):
+        try:
+            gen.generate([prompt_ids(gen, 128, c) for c in range(batch)], max_new_tokens=4)
+        except _NoKernel:
+            pass
+    for n in (slots, 1):
+        try:
+            Engine(gen, backend="gpu", max_slots=n, chunk=chunk, max_seq=max_seq)
+        except _NoKernel:
+            pass
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     plans = []
     for target in sys.argv[1:]:
+        if target == "serve":
+            t0 = time.perf_counter()
+            serve_setup()
+            print(f"serve: planned and compiled in {time.perf_counter() - t0:.0f} s")
+            continue
         plans += generate_plans() if target == "generate" else [profile_plan(target.removeprefix("profile:"))]
     t0 = time.perf_counter()
     sources = [generate(p).source for p in plans]

@@ -13,7 +13,7 @@ import pytest
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama
 from megaloop.models.llama import build_llama_generator, build_llama_prefill
-from megaloop.plan import make_plan, verify_plan
+from megaloop.plan import make_plan, memory, verify_plan
 from megaloop.plan import verify as verify_module
 from megaloop.plan.build import plan_layout, requirements
 from megaloop.plan.deps import hb_order
@@ -44,12 +44,28 @@ CASES = {  # graphs, processors, tiles (None: small tiles for every op, many tas
     "random_default_tiles": lambda: ([_random_program(11)], 3, {}),
     "collectives": lambda: (ml.spmd(collective_program, 3), 5, None),
     "push_all_reduce": lambda: (chain(2, 40), 8, PUSH),
+    "prefill_reuse": lambda: ([build_llama_prefill(CFG, 2, 4)], 12, None),
+    "collectives_reuse": lambda: (ml.spmd(collective_program, 3), 5, None),
 }
 
 
 def _plan(case: str) -> Plan:
+    """``*_reuse``: every intermediate may share bytes (ordered by groups, megaloop.plan.deps.Groups)."""
     graphs, processors, tiles = CASES[case]()
-    return make_plan(graphs, processors=processors, tiles=small_tiles(graphs) if tiles is None else tiles)
+    old = memory.REUSE_MIN_BYTES
+    memory.REUSE_MIN_BYTES = 0 if case.endswith("_reuse") else old
+    try:
+        plan = make_plan(
+            graphs,
+            processors=processors,
+            tiles=small_tiles(graphs) if tiles is None else tiles,
+            scratch_budget=0 if case.endswith("_reuse") else memory.SCRATCH_BUDGET,
+        )
+    finally:
+        memory.REUSE_MIN_BYTES = old
+    if case.endswith("_reuse"):
+        assert any(rp.memory.scratch_bytes < rp.memory.scratch_unshared for rp in plan.ranks), "expected reuse"
+    return plan
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -57,8 +73,14 @@ def test_waits_equal_the_per_task_derivation(case: str) -> None:
     plan = _plan(case)
     base = task_bases(plan)
     seq = [plan.ranks[r].ops[t.op].seq for r, rp in enumerate(plan.ranks) for t in rp.tasks]
-    req0, req1 = requirements(plan, base, seq)
+    req0, req1, groups = requirements(plan, base, seq)
     layout = plan_layout(plan)
+    assert len(groups.before) or not case.endswith("_reuse"), "expected groups of buffers sharing bytes"
+    grouped_order = hb_order(layout, req0, groups)
+    dense0, dense1 = groups.dense(len(seq))  # the groups spelled out, task by task
+    req0 = [a + b for a, b in zip(req0, dense0)]
+    req1 = [a + b for a, b in zip(req1, dense1)]
+    assert hb_order(layout, req0) == grouped_order
     want = slow_planner.derive_waits(layout, req0, req1, hb_order(layout, req0))
     got = [[(base[w.rank] + w.counter, w.lag) for w in t.waits] for rp in plan.ranks for t in rp.tasks]
     assert all(t.signal == t.id for rp in plan.ranks for t in rp.tasks)

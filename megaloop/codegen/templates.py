@@ -24,7 +24,6 @@ from megaloop.codegen.emit import (
     scatter_add,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
-from megaloop.codegen.emit_combine_linear import combine_linear
 from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
@@ -137,11 +136,6 @@ def _matmul(call: TileCall) -> Lowered:
 
 def _rmsnorm_linear(call: TileCall) -> Lowered:
     body, shared, ring = rmsnorm_linear(_with(call, _matmul_hints(call, len(call.ins))), call.ins, call.outs[0])
-    return Lowered(body, shared, ring=(RingStream(1, *ring),) if ring else ())
-
-
-def _combine_linear(call: TileCall) -> Lowered:
-    body, shared, ring = combine_linear(_with(call, _matmul_hints(call)), call.ins, call.outs[0])
     return Lowered(body, shared, ring=(RingStream(1, *ring),) if ring else ())
 
 
@@ -260,7 +254,6 @@ TEMPLATES: dict[str, Template] = {
     "rows": _rows,
     "matmul": _matmul,
     "rmsnorm_linear": _rmsnorm_linear,
-    "combine_linear": _combine_linear,
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
     "scatter_add": _plain(scatter_add),

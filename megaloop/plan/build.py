@@ -31,12 +31,12 @@ from megaloop.frontend.validate import MAX_ARENA_BYTES
 from megaloop.fuse import FuseOptions, fuse
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
-from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
+from megaloop.plan.deps import Groups, Layout, deadlock_cycle, derive_waits, hb_order
 from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
 from megaloop.plan.model import Buffer, Counter, KernelOptions, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
-from megaloop.plan.schedule import list_schedule
-from megaloop.plan.tasks import make_tasks, op_processors, peer_operand, peer_output
+from megaloop.plan.schedule import Gates, list_schedule
+from megaloop.plan.tasks import make_tasks, peer_operand, peer_output
 from megaloop.plan.verify import verify_plan
 
 SOURCE_KINDS = {"input": "input", "parameter": "parameter", "constant": "constant", "state": "state"}
@@ -108,11 +108,6 @@ def _make_plan(
     if not isinstance(options, KernelOptions):
         raise GraphBuildError(f"plan: options must be a megaloop.plan.KernelOptions, got {type(options).__name__}")
     options.check(GraphBuildError, "plan: options")
-    if options.chain_processors >= processors:
-        raise GraphBuildError(
-            f"plan: options.chain_processors {options.chain_processors} leaves none of the {processors} processors "
-            "for the products; give it fewer than processors (or 0: off)"
-        )
     fusion = FuseOptions() if fusion is None else fusion
     if not isinstance(fusion, FuseOptions):
         raise GraphBuildError(f"plan: fusion must be a megaloop.FuseOptions, got {type(fusion).__name__}")
@@ -466,7 +461,7 @@ def schedule_and_link(plan: Plan) -> Hazards:
     flat = [(r, t) for r, rp in enumerate(plan.ranks) for t in rp.tasks]
     seq = [plan.ranks[r].ops[t.op].seq for r, t in flat]
     hazards = Hazards(table := build_access_table(plan), find_orderings(plan, table, np.asarray(seq, np.int64)))
-    req0, req1 = requirements(plan, base, seq, hazards.orderings)
+    req0, req1, groups = requirements(plan, base, seq, hazards.orderings)
     key = [(s, g, 0) for g, s in enumerate(seq)]
     met = [[base[r] + t for r, t in group] for group in meetings(plan)]
     for gids in met:  # a meeting's tiles next to each other (megaloop.plan.rendezvous)
@@ -475,6 +470,13 @@ def schedule_and_link(plan: Plan) -> Hazards:
             key[g] = (first, flat[g][1].coords[0] if flat[g][1].coords else 0, j)
     order = sorted(range(len(flat)), key=lambda g: key[g])
     position = {g: i for i, g in enumerate(order)}
+    at = np.empty(len(order), np.int64)
+    at[order] = np.arange(len(order))
+    same = groups.lag == 0
+    gates = Gates(
+        [at[groups.tasks(s)].tolist() for s in range(len(groups.start) - 1)],
+        list(zip(groups.before[same].tolist(), groups.after[same].tolist())),
+    )
     sched = list_schedule(
         [flat[g][0] for g in order],
         [flat[g][1].cost_ns for g in order],
@@ -482,28 +484,21 @@ def schedule_and_link(plan: Plan) -> Hazards:
         plan.processors,
         plan.world_size,
         [sorted(position[g] for g in gids) for gids in met],  # ... and placed together
-        _allowed(plan, [flat[g] for g in order]),
+        gates,
     )
     for r, rp in enumerate(plan.ranks):
         rp.processors = [[flat[order[i]][1].id for i in lst] for lst in sched.lists[r]]
     plan.estimated_ns = sched.makespan_ns
-    link(plan, req0, req1)
+    link(plan, req0, req1, groups)
     return hazards
-
-
-def _allowed(plan: Plan, tasks: list[tuple[int, Any]]) -> list[tuple[int, int]] | None:
-    """Per (rank, task): the processors it may run on (op_processors), or None: any."""
-    if not plan.options.chain_processors:
-        return None
-    ranges = [{op.id: op_processors(plan, rp, op) for op in rp.ops} for rp in plan.ranks]
-    return [ranges[r][t.op] for r, t in tasks]
 
 
 def requirements(
     plan: Plan, base: list[int], seq: list[int], orderings: Orderings | None = None
-) -> tuple[list[list[int]], list[list[int]]]:
+) -> tuple[list[list[int]], list[list[int]], Groups]:
     """req0[c]: tasks that must finish before c in the same iteration; req1[c]: tasks whose previous
-    iteration must finish before c (see ``hazards``), from ``orderings`` when they were found."""
+    iteration must finish before c (see ``hazards``); and the groups of buffers sharing bytes, kept
+    whole; from ``orderings`` when they were found."""
     if orderings is None:
         orderings = find_orderings(plan, build_access_table(plan), np.asarray(seq, np.int64))
     if orderings.overlapping_writers:
@@ -520,18 +515,19 @@ def requirements(
         bounds = np.searchsorted(after[order], np.arange(len(seq) + 1))
         grouped = before[order].tolist()
         out.append([grouped[bounds[i] : bounds[i + 1]] for i in range(len(seq))])
-    return out[0], out[1]
+    return out[0], out[1], orderings.reuse.groups
 
 
-def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
-    """Counters (one per task) and the irredundant waits that cover the requirements."""
+def link(plan: Plan, req0: list[list[int]], req1: list[list[int]], groups: Groups | None = None) -> None:
+    """Counters (one per task) and the irredundant waits that cover the requirements (and ``groups``)."""
     base = task_bases(plan)
     proc_base = [r * plan.processors for r in range(plan.world_size)]
     layout = plan_layout(plan)
     proc, index = layout.proc, layout.index
-    order = hb_order(layout, req0)
+    groups = Groups.none() if groups is None else groups
+    order = hb_order(layout, req0, groups)
     if order is None:
-        cycle = deadlock_cycle(layout, req0)
+        cycle = deadlock_cycle(layout, req0, groups)
         owner = np.searchsorted(base, cycle, side="right") - 1
 
         def where(g: int, r: int) -> str:
@@ -544,7 +540,7 @@ def link(plan: Plan, req0: list[list[int]], req1: list[list[int]]) -> None:
             + " -> ".join(steps)
             + "; move a task after what it depends on"
         )
-    waits = derive_waits(layout, req0, req1, order)
+    waits = derive_waits(layout, req0, req1, order, groups)
     owner = np.searchsorted(np.asarray(base), waits.producer, side="right") - 1
     flat = list(map(Wait, owner.tolist(), (waits.producer - np.asarray(base)[owner]).tolist(), waits.lag.tolist()))
     start = waits.start.tolist()

@@ -12,6 +12,10 @@ their clocks cover the most), and afterwards every wait whose removal leaves all
 is dropped again. The result is irredundant: removing any single wait leaves some conflicting pair
 unordered, which is what the verifier's mutation tests rely on.
 
+Groups (all of one set before all of another: buffers sharing bytes) enter once tasks are placed, as
+the last member of one set on each processor before the first member of the other on each processor:
+program order does the rest, so the waits are those of the groups spelled out pair by pair.
+
 Iteration 1 is the steady state: lag-0 waits are fixed from iteration 0 (paths between same-
 iteration instances never leave the iteration), then lag-1 requirements (previous iteration's
 instance first) are covered the same way with clocks of iteration 0.
@@ -55,6 +59,44 @@ class Waits:
         return list(zip(self.producer[lo:hi].tolist(), self.lag[lo:hi].tolist()))
 
 
+@dataclass
+class Groups:
+    """Requirements kept as groups: every task of set ``before[k]`` before every task of set
+    ``after[k]``, ``lag[k]`` iterations apart (buffers sharing bytes: the last users of one before the
+    first writers of the other). Set s holds ``members[start[s]:start[s + 1]]`` (sorted). Spelled out
+    task by task, a group of thousands of tiles on each side would be millions of requirements."""
+
+    start: np.ndarray
+    members: np.ndarray
+    before: np.ndarray
+    after: np.ndarray
+    lag: np.ndarray
+
+    @staticmethod
+    def none() -> Groups:
+        empty = np.empty(0, np.int64)
+        return Groups(np.zeros(1, np.int64), empty, empty, empty, empty)
+
+    def tasks(self, s: int) -> np.ndarray:
+        return self.members[self.start[s] : self.start[s + 1]]
+
+    def dense(self, n: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every group as per-task requirements (req0, req1) of ``n`` tasks: small plans and tests only."""
+        out: tuple[list[list[int]], list[list[int]]] = ([[] for _ in range(n)], [[] for _ in range(n)])
+        for b, a, lag in zip(self.before.tolist(), self.after.tolist(), self.lag.tolist()):
+            for c in self.tasks(a).tolist():
+                out[lag][c].extend(self.tasks(b).tolist())
+        return out
+
+    def last_per_processor(self, layout: Layout) -> np.ndarray:
+        """(sets, processors): the highest list position among each set's members, -1 where none."""
+        counts = np.diff(self.start)
+        out = np.full((len(counts), layout.processors), -1, np.int64)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        np.maximum.at(out, (owner, layout.proc[self.members]), layout.index[self.members])
+        return out
+
+
 def program_predecessors(layout: Layout) -> np.ndarray:
     pred = np.full(len(layout.proc), -1, np.int64)
     for lst in layout.lists:
@@ -63,12 +105,12 @@ def program_predecessors(layout: Layout) -> np.ndarray:
     return pred
 
 
-def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
+def hb_order(layout: Layout, req0: list[list[int]], groups: Groups | None = None) -> list[int] | None:
     """The least topological order (smallest task first among those ready) of program order plus
     same-iteration requirements (None on a cycle)."""
     n = len(layout.proc)
     pred = program_predecessors(layout)
-    before, start = _grouped(req0)
+    before, start = _grouped(req0, *_group_pairs(layout, groups, 0))
     has_pred = pred >= 0
     src = np.concatenate([pred[has_pred], before])
     dst = np.concatenate([np.flatnonzero(has_pred), np.repeat(np.arange(n), np.diff(start))])
@@ -88,12 +130,13 @@ def hb_order(layout: Layout, req0: list[list[int]]) -> list[int] | None:
     return order if len(order) == n else None
 
 
-def deadlock_cycle(layout: Layout, req0: list[list[int]]) -> list[int]:
+def deadlock_cycle(layout: Layout, req0: list[list[int]], groups: Groups | None = None) -> list[int]:
     """Tasks that wait on each other in a loop (when ``hb_order`` found none): each needs the one
     before it in the list to have run (program order or a requirement), the first needs the last."""
     n = len(layout.proc)
     pred = program_predecessors(layout)
-    needs = [([int(pred[c])] if pred[c] >= 0 else []) + list(req0[c]) for c in range(n)]
+    before, start = _grouped(req0, *_group_pairs(layout, groups, 0))
+    needs = [([int(pred[c])] if pred[c] >= 0 else []) + before[start[c] : start[c + 1]].tolist() for c in range(n)]
     done = set(hb_order_partial(n, needs))
     start = next(c for c in range(n) if c not in done)
     path: list[int] = []
@@ -132,13 +175,46 @@ def _ranges(start: np.ndarray, stop: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - ends + sizes, sizes)
 
 
-def _grouped(reqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Requirements as arrays: ``before`` (the producers, each task's in its list's order) and
+def _grouped(
+    reqs: list[list[int]], more_after: np.ndarray | None = None, more_before: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Requirements as arrays: ``before`` (the producers, each task's in its list's order; with
+    ``more_after[k]`` -> ``more_before[k]`` added, each task's distinct producers by task number) and
     ``start`` (task c's producers are ``before[start[c]:start[c + 1]]``)."""
-    sizes = np.fromiter(map(len, reqs), np.int64, len(reqs))
+    n = len(reqs)
+    sizes = np.fromiter(map(len, reqs), np.int64, n)
     start = np.concatenate([[0], np.cumsum(sizes)])
     before = np.fromiter(itertools.chain.from_iterable(reqs), np.int64, int(start[-1]))
-    return before, start
+    if more_after is None or not len(more_after):
+        return before, start
+    key = np.sort(np.concatenate([np.repeat(np.arange(n), sizes), more_after]) * n + np.append(before, more_before))
+    key = key[np.append(True, key[1:] != key[:-1])]
+    return key % n, np.searchsorted(key // n, np.arange(n + 1))
+
+
+def _group_pairs(layout: Layout, groups: Groups | None, lag: int) -> tuple[np.ndarray, np.ndarray]:
+    """(after, before) task pairs that stand for the groups of ``lag`` once tasks are placed: the
+    last member of a ``before`` set on each processor before the first member of its ``after`` set on
+    each processor; program order orders the rest (the same happens-before, at most processors^2)."""
+    empty = np.empty(0, np.int64)
+    if groups is None or not np.any(groups.lag == lag):
+        return empty, empty
+    sel = groups.lag == lag
+    last = groups.last_per_processor(layout)
+    needed = np.full((len(last), layout.processors), -1, np.int64)  # per after set: positions to follow
+    np.maximum.at(needed, groups.after[sel], last[groups.before[sel]])
+    lists = [np.asarray(lst, np.int64) for lst in layout.lists]
+    after_parts, before_parts = [], []
+    for a in np.unique(groups.after[sel]).tolist():
+        members = groups.tasks(a)
+        by = np.lexsort((layout.index[members], layout.proc[members]))
+        p = layout.proc[members[by]]
+        firsts = members[by][np.append(True, p[1:] != p[:-1])]
+        procs = np.flatnonzero(needed[a] >= 0)
+        reps = np.array([lists[q][needed[a, q]] for q in procs.tolist()], np.int64)
+        after_parts.append(np.repeat(firsts, len(reps)))
+        before_parts.append(np.tile(reps, len(firsts)))
+    return np.concatenate(after_parts), np.concatenate(before_parts)
 
 
 def levels(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -158,7 +234,9 @@ def levels(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return level
 
 
-def derive_waits(layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int]) -> Waits:
+def derive_waits(
+    layout: Layout, req0: list[list[int]], req1: list[list[int]], order: list[int], groups: Groups | None = None
+) -> Waits:
     """Waits per task, latest producer (in ``order``) first; ``order`` must
     be consistent with program order and req0. Tasks are handled a level (``levels``) at a time."""
     n, g = len(layout.proc), layout.processors
@@ -166,8 +244,8 @@ def derive_waits(layout: Layout, req0: list[list[int]], req1: list[list[int]], o
     lengths = np.array([len(lst) for lst in layout.lists], np.int64)
     pred = program_predecessors(layout)
     has_pred = pred >= 0
-    before0, start0 = _grouped(req0)
-    before1, start1 = _grouped(req1)
+    before0, start0 = _grouped(req0, *_group_pairs(layout, groups, 0))
+    before1, start1 = _grouped(req1, *_group_pairs(layout, groups, 1))
     after0 = np.repeat(np.arange(n), np.diff(start0))
     level = levels(n, np.concatenate([pred[has_pred], before0]), np.concatenate([np.flatnonzero(has_pred), after0]))
     if np.any(level < 0):

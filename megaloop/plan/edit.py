@@ -130,6 +130,5 @@ def rederive_plan(plan: Plan) -> Plan:
         rp.processors = lists
     base = task_bases(plan)
     seq_all = [rp.ops[t.op].seq for rp in plan.ranks for t in rp.tasks]
-    req0, req1 = requirements(plan, base, seq_all)
-    link(plan, req0, req1)
+    link(plan, *requirements(plan, base, seq_all))
     return plan

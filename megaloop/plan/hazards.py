@@ -14,7 +14,9 @@ an epoch of its own. A correct plan orders
 
 That is enough: any two conflicting accesses of an element are then ordered through the chain of
 epochs between them. Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
-of the earlier one before the first writers of the later one, and back across iterations.
+of the earlier one before the first writers of the later one, and back across iterations. Those are
+kept as groups of two task sets (``ReuseOrderings``): with thousands of tiles on each side, pair by
+pair they would be millions of orderings.
 
 Both the planner (to derive waits) and the verifier (to check them) use these orderings; all of it is
 numpy over all accesses at once. Tasks are named globally as ``gid = base[rank] + task.id``.
@@ -30,6 +32,7 @@ import numpy as np
 from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tiling import Box
 from megaloop.plan.bytes import overlapping_pairs
+from megaloop.plan.deps import Groups
 from megaloop.plan.model import READ_ONLY_KINDS, Plan
 
 
@@ -188,6 +191,23 @@ class Orderings:
     after_writes: np.ndarray
     witness: np.ndarray  # per row (str objects): where in the buffer (a box, or "the whole buffer"), or ""
     overlapping_writers: list[tuple[int, int, int, int]]  # (gid, gid, owner, buffer): one op's tiles overlap
+    reuse: ReuseOrderings  # buffers sharing bytes, ordered as wholes
+
+
+@dataclass
+class ReuseOrderings:
+    """Orderings between buffers that share bytes, as groups (all users of one buffer before all
+    first writers of the other), each with its witness: the rank and buffer its writers write."""
+
+    groups: Groups
+    owner: np.ndarray
+    buffer: np.ndarray
+    witness: list[str]
+
+    def count(self) -> int:
+        """How many task-to-task orderings the groups stand for."""
+        sizes = np.diff(self.groups.start)
+        return int(np.sum(sizes[self.groups.before] * sizes[self.groups.after]))
 
 
 @dataclass
@@ -251,6 +271,7 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
     cols: list[list[np.ndarray]] = [[] for _ in range(7)]
     witness: list[np.ndarray] = []
     overlapping: list[tuple[int, int, int, int]] = []
+    reuse = _ReuseParts()
     for r in range(len(table.task)):
         if not len(table.task[r]):
             continue
@@ -301,22 +322,22 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
             ):
                 cols[i].append(v)
             witness.append(np.full(len(left), "", object))
-        _reuse_orderings(plan, table, r, seq_of, cols, witness)
+        _reuse_orderings(plan, table, r, seq_of, reuse)
     if not cols[0] or not sum(len(c) for c in cols[0]):
         empty = np.empty(0, np.int64)
-        return Orderings(*(empty,) * 5, empty.astype(bool), empty.astype(bool), np.empty(0, object), overlapping)
+        return Orderings(
+            *(empty,) * 5, empty.astype(bool), empty.astype(bool), np.empty(0, object), overlapping, reuse.done()
+        )
     data = [np.concatenate(c) for c in cols]
     n_tasks = int(max(data[0].max(), data[1].max())) + 1
     key = (data[0] * n_tasks + data[1]) * 2 + data[2]
     _, keep = np.unique(key, return_index=True)
     keep.sort()
-    return Orderings(*(d[keep] for d in data), np.concatenate(witness)[keep], overlapping)
+    return Orderings(*(d[keep] for d in data), np.concatenate(witness)[keep], overlapping, reuse.done())
 
 
-def _reuse_orderings(
-    plan: Plan, table: AccessTable, r: int, seq_of: np.ndarray, cols: list[list[np.ndarray]], witness: list[np.ndarray]
-) -> None:
-    """Buffers sharing bytes (scratch reuse), ordered as wholes by their lifetimes."""
+def _reuse_orderings(plan: Plan, table: AccessTable, r: int, seq_of: np.ndarray, out: _ReuseParts) -> None:
+    """Buffers sharing bytes (scratch reuse), ordered as wholes by their lifetimes, as groups."""
     rp = plan.ranks[r]
     scratch = [b for b in rp.buffers if b.kind == "scratch"]
     if len(scratch) < 2:
@@ -327,34 +348,53 @@ def _reuse_orderings(
     if not len(i_idx):
         return
     t, w, bufs = table.task[r], table.write[r], table.buffer[r]
+    by = np.argsort(bufs, kind="stable")
+    bounds = np.searchsorted(bufs[by], np.arange(len(rp.buffers) + 1))
+    users: dict[int, int] = {}  # buffer -> set id of its last users
+    writers: dict[int, int] = {}  # buffer -> set id of its first writers (absent: never written)
+    last_seq: dict[int, int] = {}
+    for x in {scratch[k].id for k in np.concatenate([i_idx, j_idx]).tolist()}:
+        acc = by[bounds[x] : bounds[x + 1]]
+        if not len(acc):
+            continue
+        tx, wx, sx = t[acc], w[acc], seq_of[t[acc]]
+        last_seq[x] = int(sx.max())
+        last_write = sx[wx].max() if wx.any() else -1
+        readers_after = ~wx & (sx > last_write)
+        users[x] = out.add_set(np.unique(tx[readers_after] if readers_after.any() else tx[wx & (sx == last_write)]))
+        if wx.any():
+            writers[x] = out.add_set(np.unique(tx[wx & (sx == sx[wx].min())]))
     for i, j in zip(i_idx.tolist(), j_idx.tolist()):
         a, b = scratch[i].id, scratch[j].id
-        sa, sb = bufs == a, bufs == b
-        if not sa.any() or not sb.any():
+        if a not in users or b not in users:
             continue
-        if seq_of[t[sa]].max() > seq_of[t[sb]].max():
-            a, b, sa, sb = b, a, sb, sa
+        if last_seq[a] > last_seq[b]:
+            a, b = b, a
         # a's last epoch before b's first writers; b's last epoch before a's first writers next time
-        for src, dst, lag in ((sa, sb, 0), (sb, sa, 1)):
-            if not (dst & w).any():
-                continue
-            last_write = seq_of[t[src & w]].max() if (src & w).any() else -1
-            readers_after = src & ~w & (seq_of[t] > last_write)
-            users = np.unique(t[readers_after] if readers_after.any() else t[src & w & (seq_of[t] == last_write)])
-            first = seq_of[t[dst & w]].min()
-            writers = np.unique(t[dst & w & (seq_of[t] == first)])
-            left = np.repeat(users, len(writers))
-            right = np.tile(writers, len(users))
-            for k, v in enumerate(
-                (
-                    left,
-                    right,
-                    np.full(len(left), lag),
-                    np.full(len(left), r),
-                    np.full(len(left), b if lag == 0 else a),
-                    np.ones(len(left), bool),
-                    np.ones(len(left), bool),
-                )
-            ):
-                cols[k].append(v)
-            witness.append(np.full(len(left), f"bytes shared with buffer {rp.buffers[a].name!r}", object))
+        for src, dst, lag in ((a, b, 0), (b, a, 1)):
+            if dst in writers:
+                out.add_group(users[src], writers[dst], lag, r, dst, f"bytes shared with buffer {rp.buffers[a].name!r}")
+
+
+class _ReuseParts:
+    """Sets and groups of ``ReuseOrderings`` as they are found."""
+
+    def __init__(self) -> None:
+        self.sets: list[np.ndarray] = []
+        self.groups: list[tuple[int, int, int, int, int]] = []  # before set, after set, lag, owner, buffer
+        self.witness: list[str] = []
+
+    def add_set(self, tasks: np.ndarray) -> int:
+        self.sets.append(tasks)
+        return len(self.sets) - 1
+
+    def add_group(self, before: int, after: int, lag: int, owner: int, buffer: int, witness: str) -> None:
+        self.groups.append((before, after, lag, owner, buffer))
+        self.witness.append(witness)
+
+    def done(self) -> ReuseOrderings:
+        sizes = np.fromiter(map(len, self.sets), np.int64, len(self.sets))
+        members = np.concatenate(self.sets) if self.sets else np.empty(0, np.int64)
+        cols = np.array(self.groups, np.int64).reshape(-1, 5).T
+        groups = Groups(np.concatenate([[0], np.cumsum(sizes)]), members.astype(np.int64), cols[0], cols[1], cols[2])
+        return ReuseOrderings(groups, cols[3], cols[4], self.witness)

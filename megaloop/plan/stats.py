@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megaloop.plan.hazards import build_access_table, find_orderings, task_bases
+from megaloop.plan.hazards import Orderings, build_access_table, find_orderings, task_bases
 from megaloop.plan.memory import align
 from megaloop.plan.model import BUFFER_KINDS, Plan
 from megaloop.plan.rendezvous import exchange_region
@@ -46,7 +46,7 @@ def plan_stats(plan: Plan) -> list[RankStats]:
             seq[base[r] + t.id] = rp.ops[t.op].seq
     orderings = find_orderings(plan, build_access_table(plan), seq)
     same = orderings.lag == 0
-    critical = _longest_path(n, cost, orderings.before[same], orderings.after[same])
+    critical = _longest_path(*_with_groups(cost, orderings, orderings.before[same], orderings.after[same]))[:n]
     makespan = _scheduled_finish(plan, base, cost)
     out = []
     for r, rp in enumerate(plan.ranks):
@@ -135,6 +135,20 @@ def _regions(rp) -> dict[str, int]:
 
 def _scratch_unshared(rp) -> int:
     return sum(align(b.nbytes) for b in rp.buffers if b.kind == "scratch" and not b.peer)
+
+
+def _with_groups(
+    cost: np.ndarray, orderings: Orderings, before: np.ndarray, after: np.ndarray
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Costs and edges with the same-iteration groups (buffers sharing bytes) as free nodes: set s
+    done (n + s) after its members, set s open (n + sets + s) after the sets before it."""
+    n, groups = len(cost), orderings.reuse.groups
+    sets = len(groups.start) - 1
+    owner = np.repeat(np.arange(sets), np.diff(groups.start))
+    same = groups.lag == 0
+    src = [before, groups.members, n + groups.before[same], n + sets + owner]
+    dst = [after, n + owner, n + sets + groups.after[same], groups.members]
+    return n + 2 * sets, np.append(cost, np.zeros(2 * sets)), np.concatenate(src), np.concatenate(dst)
 
 
 def _longest_path(n: int, cost: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:

@@ -28,7 +28,15 @@ import numpy as np
 
 from megaloop.errors import DeadlockError, PlanError, RaceError
 from megaloop.plan.bytes import overlapping_pairs
-from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_orderings, task_bases, task_name
+from megaloop.plan.hazards import (
+    Hazards,
+    Orderings,
+    ReuseOrderings,
+    build_access_table,
+    find_orderings,
+    task_bases,
+    task_name,
+)
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import meetings
 
@@ -77,7 +85,8 @@ def verify_plan(plan: Plan, hazards: Hazards | None = None) -> Report:
     unordered = np.flatnonzero(pos > vc1[after, proc[before]])
     if len(unordered):
         _race(plan, base, orderings, int(unordered[0]))
-    return Report(n, len(waits[0]), len(orderings.before))
+    _check_reuse(plan, base, orderings.reuse, (proc, index, lists), vc1)
+    return Report(n, len(waits[0]), len(orderings.before) + orderings.reuse.count())
 
 
 def _placement(plan: Plan, base: list[int], n: int) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
@@ -406,18 +415,62 @@ def _join(row: np.ndarray, local: np.ndarray, src: np.ndarray, clocks: np.ndarra
     row[at] = np.maximum(row[at], np.maximum.reduceat(clocks[src], first, axis=0))
 
 
+def _check_reuse(
+    plan: Plan, base: list[int], reuse: ReuseOrderings, placement: tuple[np.ndarray, np.ndarray, list], vc1: np.ndarray
+) -> None:
+    """Every task of each group's ``before`` set happens before every task of its ``after`` set:
+    clocks are prefixes of each list, so it is enough that each ``after`` task's clock reaches the
+    last ``before`` task on every processor (one row of processors per task, not one per pair)."""
+    proc, index, lists = placement
+    groups = reuse.groups
+    if not len(groups.before):
+        return
+    lengths = np.array([len(lst) for lst in lists], np.int64)
+    sizes = np.diff(groups.start)
+    last = np.full((len(sizes), len(lists)), -1, np.int64)
+    np.maximum.at(last, (np.repeat(np.arange(len(sizes)), sizes), proc[groups.members]), index[groups.members])
+    for lag in (0, 1):
+        sel = np.flatnonzero(groups.lag == lag)
+        for a in np.unique(groups.after[sel]).tolist():
+            into = sel[groups.after[sel] == a]
+            need = last[groups.before[into]].max(axis=0)
+            pos = np.where(need >= 0, need + (lengths if lag == 0 else 0), -1)
+            y = groups.tasks(a)
+            bad = np.argwhere(vc1[y] < pos)
+            if len(bad):
+                i, p = bad[0].tolist()
+                k = int(into[np.argmax(last[groups.before[into], p])])
+                x = lists[p][need[p]]
+                where = (int(reuse.owner[k]), int(reuse.buffer[k]), reuse.witness[k])
+                _report_race(plan, base, x, int(y[i]), lag, where, (True, True))
+
+
 def _race(plan: Plan, base: list[int], o: Orderings, k: int) -> None:
-    x, y = int(o.before[k]), int(o.after[k])
-    owner = int(o.owner[k])
-    buf = plan.ranks[owner].buffers[int(o.buffer[k])]
+    where = (int(o.owner[k]), int(o.buffer[k]), str(o.witness[k]))
+    _report_race(
+        plan,
+        base,
+        int(o.before[k]),
+        int(o.after[k]),
+        int(o.lag[k]),
+        where,
+        (bool(o.before_writes[k]), bool(o.after_writes[k])),
+    )
+
+
+def _report_race(
+    plan: Plan, base: list[int], x: int, y: int, lag: int, where_: tuple[int, int, str], writes: tuple[bool, bool]
+) -> None:
+    owner, buffer, witness = where_
+    buf = plan.ranks[owner].buffers[buffer]
     what = {
         (True, True): "both write it",
         (True, False): "the first writes, the second reads it",
         (False, True): "the first reads, the second writes it",
-    }[(bool(o.before_writes[k]), bool(o.after_writes[k]))]
-    when = "in the same iteration" if o.lag[k] == 0 else "across iterations (the first of one, the second of the next)"
+    }[writes]
+    when = "in the same iteration" if lag == 0 else "across iterations (the first of one, the second of the next)"
     where = f" of rank {owner}" if plan.world_size > 1 else ""
-    extra = f" ({o.witness[k]})" if o.witness[k] else ""
+    extra = f" ({witness})" if witness else ""
     raise RaceError(
         f"race on buffer {buf.name!r}{where}{extra}: {task_name(plan, base, x)} must finish before "
         f"{task_name(plan, base, y)} {when}; {what}, but nothing orders them"
