@@ -27,6 +27,7 @@ from megaloop.dtypes import (
 )
 from megaloop.errors import MegaloopError
 from megaloop.frontend import REGISTRY, Graph, OpDef, Tensor
+from megaloop.frontend.autodiff import grad
 from megaloop.frontend.ops import *  # noqa: F403 - the op builders are the public API
 from megaloop.frontend.ops import __all__ as _ops_all
 from megaloop.fuse import FuseOptions, fuse
@@ -75,6 +76,7 @@ __all__ = [
     "float16",
     "float32",
     "fuse",
+    "grad",
     "int32",
     "int64",
     "match_ranks",

@@ -766,6 +766,22 @@ row(
     _embedding_sample,
     fixed={1: "int32"},
 )
+
+
+def _scatter_sample(rng: np.random.Generator) -> Sample:
+    rows, n, d = int(rng.integers(1, 30)), int(rng.integers(1, 40)), int(rng.integers(1, 300))
+    return Sample([(n, d), (n,)], {"rows": rows}, domains=("normal", ("int", 0, rows)))
+
+
+row(
+    "scatter_add",
+    "rows",
+    lambda g, v, i, rows: ml.scatter_add(v, i, rows),
+    lambda v, i, rows, **k: torch.zeros(rows, v.shape[1], dtype=v.dtype).index_add(0, i, v),
+    _scatter_sample,
+    fixed={1: "int64"},
+    reduce_len=lambda s: s.shapes[0][0],
+)
 row(  # a table of ints (the serving step's token ids by slot and position)
     "embedding",
     "int-table",
@@ -1632,6 +1648,59 @@ row(
     _lr_ref,
     _lr_sample,
     ("int64",),
+)
+
+
+def _loss_sample(extra: bool, ignoring: bool = True) -> Callable[[np.random.Generator], Sample]:
+    """logits [*lead, vocab] and targets [*lead] in the vocabulary; ignore_index one of its ids (so that
+    some targets are ignored) or -100; with ``extra``, a float32 cotangent of each row."""
+
+    def sample(rng: np.random.Generator) -> Sample:
+        lead, v = rand_shape(rng, 1, 3, 5), int(rng.integers(2, 40))
+        ignore = int(rng.integers(0, v)) if ignoring else -100
+        shapes = [(*lead, v), lead] + ([lead] if extra else [])
+        return Sample(shapes, {"ignore_index": ignore}, domains=("normal", ("int", 0, v), "normal"))
+
+    return sample
+
+
+def _cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, **k: Any) -> torch.Tensor:
+    v = logits.shape[-1]
+    out = F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return out.reshape(targets.shape)
+
+
+def _cross_entropy_grad_ref(logits, targets, c, ignore_index: int, **k: Any) -> torch.Tensor:
+    p = torch.softmax(logits, -1) - F.one_hot(targets, logits.shape[-1]).double()
+    return p * torch.where(targets == ignore_index, 0.0, c)[..., None]
+
+
+row(
+    "cross_entropy",
+    "per-token",
+    lambda g, x, t, ignore_index: ml.cross_entropy(x, t, ignore_index=ignore_index, reduction="none"),
+    _cross_entropy_ref,
+    _loss_sample(False),
+    fixed={1: "int64"},
+    reduce_len=lambda s: s.shapes[0][-1],
+)
+row(
+    "cross_entropy",
+    "mean",
+    lambda g, x, t, ignore_index: ml.cross_entropy(x, t, ignore_index=ignore_index),
+    lambda x, t, ignore_index, **k: F.cross_entropy(x.reshape(-1, x.shape[-1]), t.reshape(-1)),
+    _loss_sample(False, ignoring=False),
+    fixed={1: "int32"},
+    reduce_len=lambda s: int(np.prod(s.shapes[0])),
+)
+row(
+    "cross_entropy_grad",
+    "rows",
+    lambda g, x, t, c, ignore_index: ml.cross_entropy_grad(x, t, c, ignore_index=ignore_index),
+    _cross_entropy_grad_ref,
+    _loss_sample(True),
+    fixed={1: "int64", 2: "float32"},
+    reduce_len=lambda s: s.shapes[0][-1],
 )
 
 # Ops whose behaviour needs several ranks or no operands: tested in the named test files instead.

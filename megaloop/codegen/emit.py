@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.dtypes import DType, round_to
-from megaloop.frontend.ops._tilings import ELEMENTS
+from megaloop.frontend.ops._tilings import ELEMENTS, SCATTER_COLUMNS
 from megaloop.frontend.ops.rope import inv_frequencies
 
 CTYPE = {
@@ -185,6 +185,18 @@ def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out:
         *([f"// packed path: a row in packs of {width}, {EMBEDDING_UNROLL} a thread in flight"] if packed else []),
         f"ml::embedding<{vocab}, {width}, {EMBEDDING_UNROLL}>(a, t, tid, {_at(out.strides, 'out0')}, "
         f"{_at(table.strides, 'in0')}, {_at(ids.strides, 'in1')});",
+    ]
+
+
+def scatter_add(op: str, attrs: dict[str, Any], values: Operand, ids: Operand, out: Operand) -> list[str]:
+    """out[r] = the sum of the values' rows whose id is r (``ml::scatter_add``, megaloop/gather.cuh): a
+    warp an output row, its lanes holding the tile's columns (at most SCATTER_COLUMNS: K a lane)."""
+    per_lane = -(-min(out.shape[1], SCATTER_COLUMNS) // 32)
+    return [
+        *pointers([values, ids, out], 2),
+        f"// a warp a row of the table's gradient, {per_lane} column(s) a lane, every id scanned in order",
+        f"ml::scatter_add<{out.shape[0]}, {ids.shape[0]}, {per_lane}>(a, t, tid, {_at(out.strides, 'out0')}, "
+        f"{_at(values.strides, 'in0')}, {_at(ids.strides, 'in1')});",
     ]
 
 

@@ -13,8 +13,18 @@ from typing import Any
 
 from megaloop.codegen import emit_collective, emit_optim, emit_sample
 from megaloop.codegen.abi import MAX_OPERANDS
-from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
+from megaloop.codegen.emit import (
+    Operand,
+    concat,
+    elementwise,
+    embedding,
+    kv_update,
+    rope,
+    rope_kv_update,
+    scatter_add,
+)
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
+from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
 from megaloop.codegen.emit_paged import paged_attention, paged_kv_update
@@ -256,6 +266,8 @@ TEMPLATES: dict[str, Template] = {
     "rmsnorm_linear": _rmsnorm_linear,
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
+    "scatter_add": _plain(scatter_add),
+    "cross_entropy": lambda c: Lowered(cross_entropy(c.op.op, c.attrs, c.ins, c.outs[0])),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),
     "rope_kv_update": _plain(rope_kv_update),

@@ -107,6 +107,10 @@ class OpDef:
     attrs: Mapping[str, str | tuple[Any, ...]] = field(default_factory=dict)
     # those of them a node may leave out (every reader has a default); the others it must carry
     optional_attrs: frozenset[str] = frozenset()
+    # its vector-Jacobian product, written with the graph API: vjp(call: VjpCall) gives one gradient per
+    # tensor operand (None: none flows there, e.g. ids); None: the op cannot be differentiated
+    # (megaloop/frontend/autodiff.py refuses it by name)
+    vjp: Callable[[VjpCall], Sequence[Tensor | None]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -270,6 +274,45 @@ class OpCall:
         if hint:
             parts.append(f"hint: {hint}")
         return cls("\n  ".join(parts))
+
+
+class VjpCall:
+    """What a vector-Jacobian rule sees: the forward node (its operands, outputs and attributes, all
+    tensors of the graph the backward is added to) and the cotangent of each output (None: no
+    gradient reaches that output; ``cotangent(i)`` gives zeros then)."""
+
+    def __init__(
+        self,
+        node: Any,
+        cotangents: Sequence[Tensor | None],
+        zeros: Callable[[Tensor], Tensor],
+        needs: Sequence[bool],
+    ) -> None:
+        self.node = node
+        self.cotangents = tuple(cotangents)
+        self._zeros = zeros
+        self.needs = tuple(needs)  # per operand: whether its gradient is wanted (rules may skip the others)
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return self.node.inputs
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return self.node.outputs
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.node.attrs
+
+    @property
+    def graph(self) -> Any:
+        return self.node.graph
+
+    def cotangent(self, i: int = 0) -> Tensor:
+        """The gradient reaching output ``i``, zeros of its shape where none does."""
+        g = self.cotangents[i]
+        return g if g is not None else self._zeros(self.outputs[i])
 
 
 def attrs_repr(attrs: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 the Llama, Mistral, Qwen2 and Qwen3 families), tokenizers and chat templates."""
 
 from megaloop.models.checkpoint import load_llama, read_safetensors, write_safetensors
+from megaloop.models.gradients import build_llama_gradients
 from megaloop.models.llama import (
     LlamaConfig,
     build_llama,
@@ -17,6 +18,7 @@ __all__ = [
     "Tokenizer",
     "build_llama",
     "build_llama_generator",
+    "build_llama_gradients",
     "build_llama_prefill",
     "load_llama",
     "make_tiny_checkpoint",

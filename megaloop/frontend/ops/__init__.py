@@ -24,7 +24,7 @@ from megaloop.frontend.ops.attention import kv_cache_update
 from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
-from megaloop.frontend.ops.embedding import embedding
+from megaloop.frontend.ops.embedding import embedding, scatter_add
 from megaloop.frontend.ops.layout import (
     broadcast_to,
     concat,
@@ -38,6 +38,7 @@ from megaloop.frontend.ops.layout import (
     transpose,
     unsqueeze,
 )
+from megaloop.frontend.ops.loss import cross_entropy, cross_entropy_grad
 from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.norm_linear import rmsnorm_linear
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
@@ -67,6 +68,8 @@ __all__ = [
     "broadcast_to",
     "concat",
     "copy",
+    "cross_entropy",
+    "cross_entropy_grad",
     "embedding",
     "getitem",
     "grad_accumulate",
@@ -94,6 +97,7 @@ __all__ = [
     "sample",
     "sample_combine",
     "sample_partial",
+    "scatter_add",
     "send",
     "sgd_momentum",
     "sgd_update",

@@ -323,6 +323,29 @@ def _embedding(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile
 
 EMBEDDING = Tiling({"elements": ELEMENTS}, _embedding, "blocks of ids, whole rows of the table")
 
+# scatter_add: a tile owns rows of the output and at most this many of its columns (a warp's lanes hold
+# them in registers while it scans the ids)
+SCATTER_COLUMNS = 256
+
+
+def _scatter_add(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
+    values, ids = node.inputs
+    rows, dim = node.outputs[0].shape
+    cols = min(dim, SCATTER_COLUMNS)
+    block = max(1, params["elements"] // cols)
+    tiles = []
+    for i, r in enumerate(range(0, rows, block)):
+        for j, c in enumerate(range(0, dim, cols)):
+            box = Box((r, c), (min(rows, r + block), min(dim, c + cols)))
+            # every id is read (which rows are its own is in the data); the values' rows that match move
+            moved = ids.size * ids.dtype.itemsize + 2 * box.size * values.dtype.itemsize
+            reads = (Read(0, Box((0, c), (values.shape[0], box.hi[1]))), Read(1, Box.full(ids.shape)))
+            tiles.append(Tile((i, j), reads, (Write(0, box),), flops=box.size, moved=moved))
+    return tiles
+
+
+SCATTER_ADD = Tiling({"elements": ELEMENTS}, _scatter_add, "blocks of the output's rows, every id scanned")
+
 
 def _rope(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
     x, pos = node.inputs

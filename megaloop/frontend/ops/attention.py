@@ -26,11 +26,13 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend import sources
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._grad import f32
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 
 
@@ -168,6 +170,63 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return out.reshape(b, hq, tq, -1)
 
 
+def visible_keys_tensor(call: VjpCall) -> Tensor | None:
+    """``visible_keys`` built with the graph API: bool [batch, 1, q_len, kv_len] (None: every key)."""
+    absent, attrs = call.attrs.get("absent", ()), call.attrs
+    q, k = call.inputs[:2]
+    extra = dict(zip([s for s in (3, 4) if s not in absent], call.inputs[3:]))
+    b, tq, tk = q.shape[0], q.shape[2], k.shape[2]
+    if 4 not in extra and not attrs["causal"]:
+        return None
+    graph = call.graph
+    j = graph.constant(np.arange(tk, dtype=np.int64).reshape(1, 1, tk), "int64")
+    lengths = B.reshape(B.cast(extra[4], "int64"), (b, 1, 1)) if 4 in extra else None
+    mask = B.less(j, lengths) if lengths is not None else None
+    if attrs["causal"]:
+        if 3 in extra:
+            qpos = B.reshape(B.cast(extra[3], "int64"), (b, tq, 1))
+        else:
+            rows = graph.constant(np.arange(tq, dtype=np.int64).reshape(1, tq, 1) - tq, "int64")
+            qpos = rows + (lengths if lengths is not None else tk)
+        seen = B.less_equal(j, qpos)
+        if attrs["window"] is not None:
+            seen = seen & B.greater(j, qpos - attrs["window"])
+        mask = seen if mask is None else mask & seen
+    return B.reshape(B.broadcast_to(mask, (b, tq, tk)), (b, 1, tq, tk))
+
+
+def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """The scores recomputed (float32) from q and k, then, with P their masked softmax and dO the
+    cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) scale, dQ = dS K, dK = dS^T Q;
+    a kv head's query heads are one block of rows, so GQA's sums over the group fall out of the products."""
+    q, k, v = call.inputs[:3]
+    b, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group, scale = hq // hkv, call.attrs["scale"]
+    qg = B.reshape(f32(q), (b, hkv, group * tq, d))
+    k32, v32 = f32(k), f32(v)
+    scores = B.reshape(B.matmul(qg, k32, transpose_b=True) * scale, (b, hkv, group, tq, tk))
+    mask = visible_keys_tensor(call)
+    if mask is not None:
+        mask = B.reshape(mask, (b, 1, 1, tq, tk))
+        scores = B.where(mask, scores, -1e30)  # a row with no visible key: uniform, then zeroed
+    p = B.softmax(scores, -1)
+    if mask is not None:
+        p = B.where(mask, p, 0.0)
+    p = B.reshape(p, (b, hkv, group * tq, tk))
+    do = B.reshape(f32(call.cotangent()), (b, hkv, group * tq, dv))
+    dp = B.matmul(do, v32, transpose_b=True)
+    ds = p * (dp - B.sum(p * dp, -1, keepdims=True)) * scale
+    grads: list[Tensor | None] = [None] * len(call.inputs)
+    if call.needs[0]:
+        grads[0] = B.cast(B.reshape(B.matmul(ds, k32), (b, hq, tq, d)), q.dtype)
+    if call.needs[1]:
+        grads[1] = B.cast(B.matmul(ds, qg, transpose_a=True), k.dtype)
+    if call.needs[2]:
+        grads[2] = B.cast(B.matmul(p, do, transpose_a=True), v.dtype)
+    return grads
+
+
 ATTENTION = register(
     OpDef(
         name="attention",
@@ -185,6 +244,7 @@ ATTENTION = register(
         tiling=_tilings.ATTENTION,
         lowering=Lowering("attention"),
         placement=_placements.rule(lambda node: attention_dims(node)),
+        vjp=lambda call: _vjp(call),
     )
 )
 
@@ -263,6 +323,28 @@ def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return out
 
 
+def _update_vjp(call: VjpCall) -> list[Tensor | None]:
+    """new's gradient: the cotangent's rows at the positions written (a gather, one row a token); the
+    cache state's old value takes none (the training graphs differentiate parameters, not caches)."""
+    cache, new, positions = call.inputs
+    if call.needs[0]:
+        raise GraphBuildError(
+            f"grad: {call.node.op.name} {call.node.name}: the gradient with respect to the cache state "
+            f"{cache!r} has no rule; differentiate with respect to the parameters and inputs"
+        )
+    b, h, slots, d = cache.shape
+    t = new.shape[2]
+    rows = B.reshape(B.permute(call.cotangent(), (0, 2, 1, 3)), (b * slots, h * d))
+    pos = B.cast(positions, "int64")
+    written = B.greater_equal(pos, 0)
+    first = call.graph.constant((np.arange(b, dtype=np.int64) * slots).reshape(b, 1), "int64")
+    picked = B.embedding(rows, B.where(written, pos, 0) + first)  # [b, t, h * d]
+    picked = B.permute(B.reshape(picked, (b, t, h, d)), (0, 2, 1, 3))
+    if call.attrs.get("ignore_negative"):
+        picked = B.where(B.reshape(written, (b, 1, t, 1)), picked, 0.0)
+    return [None, picked, None]
+
+
 KV_CACHE_UPDATE = register(
     OpDef(
         name="kv_cache_update",
@@ -281,6 +363,7 @@ KV_CACHE_UPDATE = register(
         tiling=_tilings.KV_UPDATE,
         lowering=Lowering("kv_update"),
         placement=CACHE_PLACEMENT,
+        vjp=lambda call: _update_vjp(call),
     )
 )
 

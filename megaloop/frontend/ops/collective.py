@@ -19,7 +19,7 @@ import numpy as np
 from megaloop.dtypes import DType, as_dtype
 from megaloop.errors import GraphBuildError, RankError, ShapeError
 from megaloop.frontend.graph import Graph
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, apply_multi, require_int, require_shape, require_tensor
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
@@ -99,6 +99,41 @@ def _check_reduce_op(call: OpCall) -> None:
     check_kinds(call, call.dtype(0), "fi")
 
 
+# ---- vector-Jacobian rules: each collective's is its adjoint, run by every member alike ----------
+
+
+def _all_reduce_vjp(call: VjpCall) -> list[Tensor]:
+    if call.attrs["op"] != "sum":
+        raise GraphBuildError(
+            f"grad: all_reduce {call.node.name} takes the max over ranks, which has no gradient rule "
+            "(only op='sum' does)"
+        )
+    return [apply(ALL_REDUCE, [call.cotangent()], op="sum", group=call.attrs["group"])]
+
+
+def _all_gather_vjp(call: VjpCall) -> list[Tensor]:
+    attrs = call.attrs
+    return [apply(REDUCE_SCATTER, [call.cotangent()], axis=attrs["axis"], op="sum", group=attrs["group"])]
+
+
+def _reduce_scatter_vjp(call: VjpCall) -> list[Tensor]:
+    attrs = call.attrs
+    if attrs["op"] != "sum":
+        raise GraphBuildError(f"grad: reduce_scatter {call.node.name} takes a max, which has no gradient rule")
+    return [apply(ALL_GATHER, [call.cotangent()], axis=attrs["axis"], group=attrs["group"])]
+
+
+def _send_vjp(call: VjpCall) -> list[Tensor]:
+    """The gradient of what was sent comes back from the receiver, under the same tag."""
+    x = call.inputs[0]
+    return [recv(call.graph, call.attrs["dst"], x.shape, x.dtype, tag=call.attrs["tag"])]
+
+
+def _recv_vjp(call: VjpCall) -> list[Tensor]:
+    send(call.cotangent(), call.attrs["src"], tag=call.attrs["tag"])
+    return []
+
+
 # ---- all_reduce ---------------------------------------------------------------------------------
 
 
@@ -127,6 +162,7 @@ ALL_REDUCE = register(
         tiling=_tilings.ALL_REDUCE,
         lowering=Lowering("all_reduce"),
         placement=_collective_rule(_placements.aligned_dims, linear=True),
+        vjp=lambda call: _all_reduce_vjp(call),
     )
 )
 
@@ -188,6 +224,7 @@ ALL_GATHER = register(
         tiling=_tilings.ALL_GATHER,
         lowering=Lowering("all_gather"),
         placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"])),
+        vjp=lambda call: _all_gather_vjp(call),
     )
 )
 
@@ -234,6 +271,7 @@ REDUCE_SCATTER = register(
         tiling=_tilings.REDUCE_SCATTER,
         lowering=Lowering("reduce_scatter"),
         placement=_collective_rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), linear=True),
+        vjp=lambda call: _reduce_scatter_vjp(call),
     )
 )
 
@@ -281,6 +319,7 @@ SEND = register(
         tiling=_tilings.SEND,  # planned only when the recv pushes (its tile parameter push)
         lowering=Lowering("send"),
         placement=_p2p_rule,
+        vjp=lambda call: _send_vjp(call),
     )
 )
 RECV = register(
@@ -298,6 +337,7 @@ RECV = register(
         tiling=_tilings.RECV,
         lowering=Lowering("recv"),
         placement=_p2p_rule,
+        vjp=lambda call: _recv_vjp(call),
     )
 )
 

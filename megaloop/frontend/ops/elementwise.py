@@ -20,6 +20,7 @@ import numpy as np
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.ops import _elementwise_vjp as _vjp
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -210,6 +211,7 @@ def _binary_op(
     accuracy: Accuracy = _ARITH,
     cuda: str = "",
     placement: Any = ELEMENTWISE,
+    vjp: Any = None,
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
@@ -238,19 +240,32 @@ def _binary_op(
             tiling=_tilings.ELEMENTWISE,
             lowering=Lowering("elementwise", cuda),
             placement=placement,
+            vjp=vjp,
         )
     )
 
 
-ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b", placement=SUMS)
-SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b", placement=SUMS)
-MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b", placement=PRODUCT)
-DIV = _binary_op("div", "a / b (true division; floats only).", np.divide, "f", cuda="a / b", placement=QUOTIENT)
+ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b", placement=SUMS, vjp=_vjp.add)
+SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b", placement=SUMS, vjp=_vjp.sub)
+MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b", placement=PRODUCT, vjp=_vjp.mul)
+DIV = _binary_op(
+    "div", "a / b (true division; floats only).", np.divide, "f", cuda="a / b", placement=QUOTIENT, vjp=_vjp.div
+)
 MAXIMUM = _binary_op(
-    "maximum", "Elementwise max; NaN wins, as in numpy and torch.", np.maximum, "fi", cuda="ml::maximum(a, b)"
+    "maximum",
+    "Elementwise max; NaN wins, as in numpy and torch.",
+    np.maximum,
+    "fi",
+    cuda="ml::maximum(a, b)",
+    vjp=_vjp.maximum,
 )
 MINIMUM = _binary_op(
-    "minimum", "Elementwise min; NaN wins, as in numpy and torch.", np.minimum, "fi", cuda="ml::minimum(a, b)"
+    "minimum",
+    "Elementwise min; NaN wins, as in numpy and torch.",
+    np.minimum,
+    "fi",
+    cuda="ml::minimum(a, b)",
+    vjp=_vjp.minimum,
 )
 POW = _binary_op(
     "pow",
@@ -259,6 +274,7 @@ POW = _binary_op(
     "f",
     accuracy=Accuracy(ulps=2.0),
     cuda="powf(a, b)",
+    vjp=_vjp.power,
 )
 EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool", cuda="a == b")
 NOT_EQUAL = _binary_op(
@@ -281,6 +297,7 @@ SILU_MUL = _binary_op(
     "f",
     accuracy=Accuracy(ulps=3.0),
     cuda="ml::silu(a) * b",
+    vjp=_vjp.silu_mul,
 )
 LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b", cuda="a && b")
 LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b", cuda="a || b")
@@ -382,6 +399,7 @@ WHERE = register(
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a ? b : c"),
         placement=ELEMENTWISE,
+        vjp=_vjp.where,
     )
 )
 
@@ -426,6 +444,7 @@ def _unary_op(
     accuracy: Accuracy = _TRANSCENDENTAL,
     cuda: str | Callable[[dict[str, Any]], str] = "",
     placement: Any = ELEMENTWISE,
+    vjp: Any = None,
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
@@ -453,19 +472,26 @@ def _unary_op(
             tiling=_tilings.ELEMENTWISE,
             lowering=Lowering("elementwise", cuda),
             placement=placement,
+            vjp=vjp,
         )
     )
 
 
-NEG = _unary_op("neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0), cuda="-a", placement=LINEAR_UNARY)
-ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0), cuda="ml::abs_(a)")
-EXP = _unary_op("exp", "Exponential e**x.", np.exp, cuda="expf(a)")
-LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log, cuda="logf(a)")
-SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt, cuda="sqrtf(a)")
-RSQRT = _unary_op("rsqrt", "Reciprocal square root 1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x), cuda="ml::rsqrt_(a)")
-RECIPROCAL = _unary_op("reciprocal", "Reciprocal 1 / x.", lambda x: 1.0 / x, cuda="1.0f / a")
-TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh, cuda="tanhf(a)")
-SIGMOID = _unary_op("sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid, cuda="ml::sigmoid(a)")
+NEG = _unary_op(
+    "neg", "Negation, -x.", np.negative, "fi", Accuracy(ulps=0.0), cuda="-a", placement=LINEAR_UNARY, vjp=_vjp.neg
+)
+ABS = _unary_op("abs", "Absolute value |x|.", np.abs, "fi", Accuracy(ulps=0.0), cuda="ml::abs_(a)", vjp=_vjp.absolute)
+EXP = _unary_op("exp", "Exponential e**x.", np.exp, cuda="expf(a)", vjp=_vjp.exp)
+LOG = _unary_op("log", "Natural logarithm (NaN below 0, -inf at 0).", np.log, cuda="logf(a)", vjp=_vjp.log)
+SQRT = _unary_op("sqrt", "Square root (NaN below 0).", np.sqrt, cuda="sqrtf(a)", vjp=_vjp.sqrt)
+RSQRT = _unary_op(
+    "rsqrt", "Reciprocal square root 1 / sqrt(x).", lambda x: 1.0 / np.sqrt(x), cuda="ml::rsqrt_(a)", vjp=_vjp.rsqrt
+)
+RECIPROCAL = _unary_op("reciprocal", "Reciprocal 1 / x.", lambda x: 1.0 / x, cuda="1.0f / a", vjp=_vjp.reciprocal)
+TANH = _unary_op("tanh", "Hyperbolic tangent.", np.tanh, cuda="tanhf(a)", vjp=_vjp.tanh)
+SIGMOID = _unary_op(
+    "sigmoid", "1 / (1 + e**-x), computed without overflow.", _sigmoid, cuda="ml::sigmoid(a)", vjp=_vjp.sigmoid
+)
 RELU = _unary_op(
     "relu",
     "Rectifier max(x, 0).",
@@ -473,10 +499,17 @@ RELU = _unary_op(
     "fi",
     Accuracy(ulps=0.0),
     cuda="ml::relu(a)",
+    vjp=_vjp.relu,
 )
-GELU = _unary_op("gelu", "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.", _gelu, cuda=_GELU_CUDA)
-SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x), cuda="ml::silu(a)")
-ERF = _unary_op("erf", "The error function.", _erf, cuda="ml::erf_(a)")
+GELU = _unary_op(
+    "gelu",
+    "Gaussian error linear unit: approximate='none' (erf form) or 'tanh'.",
+    _gelu,
+    cuda=_GELU_CUDA,
+    vjp=_vjp.gelu,
+)
+SILU = _unary_op("silu", "x * sigmoid(x) (a.k.a. swish).", lambda x: x * _sigmoid(x), cuda="ml::silu(a)", vjp=_vjp.silu)
+ERF = _unary_op("erf", "The error function.", _erf, cuda="ml::erf_(a)", vjp=_vjp.erf)
 
 
 def _unary_builder(op: OpDef) -> Callable[[Tensor], Tensor]:
@@ -520,6 +553,7 @@ HARDSIGMOID = _unary_op(
     lambda x: _relu6_plus_3(x) / 6.0,
     accuracy=Accuracy(ulps=1.0),
     cuda="ml::hardsigmoid(a)",
+    vjp=_vjp.hardsigmoid,
 )
 HARDSWISH = _unary_op(
     "hardswish",
@@ -527,6 +561,7 @@ HARDSWISH = _unary_op(
     lambda x: x * _relu6_plus_3(x) / 6.0,
     accuracy=Accuracy(ulps=1.0),
     cuda="ml::hardswish(a)",
+    vjp=_vjp.hardswish,
 )
 hardsigmoid = _unary_builder(HARDSIGMOID)
 hardswish = _unary_builder(HARDSWISH)
@@ -588,6 +623,7 @@ CLIP = register(
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", _clip_cuda),
         placement=ELEMENTWISE,
+        vjp=_vjp.clip,
     )
 )
 
@@ -669,6 +705,7 @@ CAST = register(
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),
         placement=ELEMENTWISE,
+        vjp=_vjp.cast,
     )
 )
 

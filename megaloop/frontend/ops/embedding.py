@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DataError, DtypeError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import elementwise as ew
 from megaloop.frontend.ops._build import apply
@@ -16,6 +16,7 @@ from megaloop.frontend.ops.layout import reshape
 from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.validate import as_int
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
@@ -46,6 +47,15 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return table[np.clip(ids, 0, table.shape[0] - 1)]  # check_data refused real ids outside
 
 
+def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """The table's gradient: each id's row of the cotangent summed into that id's row (scatter_add,
+    the lookup's transpose); the ids take none."""
+    table, ids = call.inputs
+    n = ids.size
+    rows = reshape(call.cotangent(), (n, table.shape[1]))
+    return [scatter_add(rows, reshape(ids, (n,)), table.shape[0]), None]
+
+
 EMBEDDING = register(
     OpDef(
         name="embedding",
@@ -61,6 +71,7 @@ EMBEDDING = register(
         tiling=_tilings.EMBEDDING,
         lowering=Lowering("embedding"),
         placement=_placements.rule(lambda node: _dims(node), lambda node, n, given: _by_vocabulary(node, n, given)),
+        vjp=lambda call: _vjp(call),
     )
 )
 
@@ -104,3 +115,69 @@ def _vocabulary_part(call: LocalCall) -> tuple[Tensor, ...]:
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
     return apply(EMBEDDING, [table, ids])
+
+
+# ---- scatter_add: the lookup's transpose ----------------------------------------------------------
+
+
+def _scatter_infer(call: OpCall) -> list[OutSpec]:
+    values, ids = call.operands
+    if not values.dtype.is_float:
+        raise call.error(DtypeError, f"values must be floats (a gradient's rows), got {values.dtype.name}")
+    if values.ndim != 2:
+        raise call.error(ShapeError, f"values must be 2-D [n, dim], got {format_shape(values.shape)}")
+    if not ids.dtype.is_int or ids.shape != values.shape[:1]:
+        raise call.error(
+            ShapeError if ids.dtype.is_int else DtypeError,
+            f"ids must be int32 or int64 [{values.shape[0]}] (one a row of values), got "
+            f"{ids.dtype.name}{format_shape(ids.shape)}",
+        )
+    return [OutSpec((call.attrs["rows"], values.shape[1]), values.dtype)]
+
+
+def _check_scatter_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
+    _check_data([np.empty((attrs["rows"], 0)), arrays[1]], attrs, [None, known[1]])
+
+
+def _scatter_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
+    values, ids = arrays
+    out = np.zeros((attrs["rows"], values.shape[1]), np.float32)
+    np.add.at(out, np.clip(ids, 0, attrs["rows"] - 1), ew.to_compute(values))  # (in order: reproducible)
+    return out
+
+
+def _scatter_dims(node: Any) -> list[_placements.Dim]:
+    """By columns (the ids whole), or by rows of values with their ids (partial sums)."""
+    values = node.inputs[0]
+    out = _placements.OUT
+    return [
+        _placements.Dim(values.shape[1], ((0, 1, 1), (out, 1, 1)), label="by columns"),
+        _placements.Dim(values.shape[0], ((0, 0, 1), (1, 0, 1)), reduce="sum", label="by ids"),
+    ]
+
+
+SCATTER_ADD = register(
+    OpDef(
+        name="scatter_add",
+        kind="compute",
+        category="gather",
+        doc="out[r] = the sum of the rows values[i] whose ids[i] == r (float32, in the order of i, one "
+        "rounding), zeros for a row no id names: embedding's transpose (its gradient). An id outside "
+        "[0, rows) is an error.",
+        operands=("values", "ids"),
+        attrs={"rows": "count"},
+        infer=_scatter_infer,
+        reference=_scatter_reference,
+        check_data=_check_scatter_data,
+        accuracy=Accuracy(ulps=1.0, per_reduction=True),
+        tiling=_tilings.SCATTER_ADD,
+        lowering=Lowering("scatter_add"),
+        placement=_placements.rule(_scatter_dims),
+        vjp=lambda call: [embedding(call.cotangent(), call.inputs[1]), None],
+    )
+)
+
+
+def scatter_add(values: Tensor, ids: Tensor, rows: int) -> Tensor:
+    """A [rows, dim] tensor whose row r sums the rows of ``values`` [n, dim] whose ``ids`` [n] are r."""
+    return apply(SCATTER_ADD, [values, ids], rows=as_int(rows, "scatter_add: rows", minimum=1))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, ViewSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, ViewSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import (
     apply,
@@ -26,6 +26,7 @@ from megaloop.frontend.ops._build import (
     require_shape,
     require_tensor,
 )
+from megaloop.frontend.ops._grad import unbroadcast, zeros
 from megaloop.frontend.placement import LocalCall, Shard
 from megaloop.frontend.shapes import (
     broadcast_shapes,
@@ -33,6 +34,7 @@ from megaloop.frontend.shapes import (
     numel,
     reshape_strides,
 )
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_ints, is_int
 
@@ -47,6 +49,7 @@ def _view_op(
     attrs: dict[str, Any],
     placement: Any,
     operands: tuple[str, ...] = ("x",),
+    vjp: Any = None,
 ) -> OpDef:
     return register(
         OpDef(
@@ -60,6 +63,7 @@ def _view_op(
             reference=reference,
             accuracy=_EXACT,
             placement=placement,
+            vjp=vjp,
         )
     )
 
@@ -78,6 +82,53 @@ def _slice_part(call: LocalCall) -> tuple[Tensor, ...]:
         starts[p.axis] = stops[p.axis] = None
         attrs["starts"], attrs["stops"] = tuple(starts), tuple(stops)
     return call.graph.apply(SLICE, call.operands, attrs)
+
+
+def _unslice(call: VjpCall) -> Tensor:
+    """A slice's gradient: the cotangent put back at the sliced places of x's shape, zeros elsewhere."""
+    x, g = call.inputs[0], call.cotangent()
+    for axis, (start, stop, step) in enumerate(zip(call.attrs["starts"], call.attrs["stops"], call.attrs["steps"])):
+        size = x.shape[axis]
+        start, stop, step = slice(start, stop, step).indices(size)
+        n = g.shape[axis]
+        if n == size and step == 1:
+            continue
+        if step < 0:  # the same places in ascending order: the cotangent reversed
+            g = slice_(g, *_along(g.ndim, axis, None, None, -1))
+            start, step = start + (n - 1) * step, -step
+        g = _spread(g, axis, step)  # n * step places from start
+        g = _pad(g, axis, start, size)
+    return g
+
+
+def _along(ndim: int, axis: int, start: int | None, stop: int | None, step: int) -> tuple[tuple, tuple, tuple]:
+    """slice_'s starts, stops and steps taking [start:stop:step] of one axis, the others whole."""
+    starts, stops, steps = [None] * ndim, [None] * ndim, [1] * ndim
+    starts[axis], stops[axis], steps[axis] = start, stop, step
+    return tuple(starts), tuple(stops), tuple(steps)
+
+
+def _spread(g: Tensor, axis: int, step: int) -> Tensor:
+    """g's entries along ``axis`` each followed by step - 1 zeros."""
+    if step == 1:
+        return g
+    n = g.shape[axis]
+    g = reshape(g, (*g.shape[: axis + 1], 1, *g.shape[axis + 1 :]))
+    gap = zeros(g, (*g.shape[: axis + 1], step - 1, *g.shape[axis + 2 :]))
+    both = B.concat([g, gap], axis + 1)
+    return reshape(both, (*both.shape[:axis], n * step, *both.shape[axis + 2 :]))
+
+
+def _pad(g: Tensor, axis: int, before: int, size: int) -> Tensor:
+    """g placed at ``before`` along ``axis`` of a zero tensor ``size`` long there (cut where it overhangs)."""
+    if before + g.shape[axis] > size:
+        g = slice_(g, *_along(g.ndim, axis, 0, size - before, 1))
+    after = size - before - g.shape[axis]
+    pieces = [zeros(g, (*g.shape[:axis], before, *g.shape[axis + 1 :]))] if before else []
+    pieces.append(g)
+    if after:
+        pieces.append(zeros(g, (*g.shape[:axis], after, *g.shape[axis + 1 :])))
+    return B.concat(pieces, axis) if len(pieces) > 1 else g
 
 
 # ---- reshape ----------------------------------------------------------------------------------
@@ -124,6 +175,7 @@ RESHAPE = _view_op(
     lambda arrays, attrs: np.reshape(arrays[0], attrs["shape"]),
     {"shape": "shape"},
     _placements.rule(_placements.reshape_dims, _placements.partial_unary, build=_reshape_part),
+    vjp=lambda call: [B.reshape(call.cotangent(), call.inputs[0].shape)],
 )
 
 
@@ -179,6 +231,7 @@ PERMUTE = _view_op(
     lambda arrays, attrs: np.transpose(arrays[0], attrs["axes"]),
     {"axes": "ints"},
     _placements.rule(_placements.permute_dims, _placements.partial_unary),
+    vjp=lambda call: [B.permute(call.cotangent(), tuple(int(i) for i in np.argsort(call.attrs["axes"])))],
 )
 
 
@@ -233,6 +286,7 @@ SLICE = _view_op(
     _slice_ref,
     {"starts": "bounds", "stops": "bounds", "steps": "ints"},
     _placements.rule(_placements.slice_dims, _placements.partial_unary, build=_slice_part),
+    vjp=lambda call: [_unslice(call)],
 )
 
 
@@ -320,6 +374,7 @@ BROADCAST_TO = _view_op(
     lambda arrays, attrs: np.broadcast_to(arrays[0], attrs["shape"]),
     {"shape": "shape"},
     _placements.rule(_placements.broadcast_dims, _placements.partial_unary),
+    vjp=lambda call: [unbroadcast(call.cotangent(), call.inputs[0].shape)],
 )
 
 
@@ -361,6 +416,7 @@ SPLIT = _view_op(
     _split_ref,
     {"axis": "int", "sizes": "ints"},
     _placements.rule(lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_unary),
+    vjp=lambda call: [B.concat([call.cotangent(i) for i in range(len(call.outputs))], call.attrs["axis"])],
 )
 
 
@@ -423,6 +479,9 @@ CONCAT = register(
         placement=_placements.rule(
             lambda node: _placements.along_dims(node, node.attrs["axis"]), _placements.partial_all
         ),
+        vjp=lambda call: list(
+            B.split(call.cotangent(), [t.shape[call.attrs["axis"]] for t in call.inputs], call.attrs["axis"])
+        ),
     )
 )
 
@@ -456,6 +515,7 @@ COPY = register(
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),
         placement=_placements.rule(_placements.elementwise_dims, _placements.partial_unary),
+        vjp=lambda call: [call.cotangent()],
     )
 )
 

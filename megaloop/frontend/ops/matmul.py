@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import layout as _layout
 from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._grad import unbroadcast
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -57,6 +58,31 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.matmul(a, b)
 
 
+def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """C = op(A) @ op(B): dop(A) = dC op(B)^T and dop(B) = op(A)^T dC, each one matmul with the
+    operands' transposes folded in; broadcast batch axes summed back."""
+    a, b = call.inputs
+    ta, tb = call.attrs["transpose_a"], call.attrs["transpose_b"]
+    g = call.cotangent()
+    da = db = None
+    if call.needs[0]:
+        da = matmul(b, g, transpose_a=tb, transpose_b=True) if ta else matmul(g, b, transpose_b=not tb)
+        da = unbroadcast(da, a.shape)
+    if call.needs[1]:
+        db = _product(g, a, True, ta, b.shape) if tb else _product(a, g, not ta, False, b.shape)
+        db = unbroadcast(db, b.shape)
+    return [da, db]
+
+
+def _product(x: Tensor, y: Tensor, tx: bool, ty: bool, want: tuple[int, ...]) -> Tensor:
+    """x' @ y' for a gradient of shape ``want``; where ``want`` is one matrix and x, y carry batch axes
+    over the contracted rows (a linear layer's weight), they are folded into those rows first."""
+    if len(want) == 2 and x.ndim > 2 and y.ndim == x.ndim and x.shape[:-2] == y.shape[:-2] and tx and not ty:
+        x = _layout.reshape(x, (-1, x.shape[-1]))
+        y = _layout.reshape(y, (-1, y.shape[-1]))
+    return matmul(x, y, transpose_a=tx, transpose_b=ty)
+
+
 # auto_k_splits: the tiles a wave of the processors takes (132 on an H200), the output tile they are
 # counted in, the shortest K range worth a tile of its own, the most ranges (partials to sum)
 SPLIT_K_TILES, SPLIT_K_TILE, SPLIT_K_MIN_RANGE, SPLIT_K_MAX = 128, (128, 64), 512, 8
@@ -77,6 +103,7 @@ MATMUL = register(
         tiling=_tilings.MATMUL,
         lowering=Lowering("matmul"),
         placement=_placements.rule(_placements.matmul_dims, _placements.partial_each),
+        vjp=lambda call: _vjp(call),
     )
 )
 

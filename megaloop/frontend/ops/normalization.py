@@ -8,11 +8,13 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
+from megaloop.frontend.ops._grad import f32, sum_to_rows
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 
 _ROW = Accuracy(ulps=2.0, per_reduction=True)
@@ -37,6 +39,18 @@ def _log_softmax_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndar
     return z - np.log(np.sum(np.exp(z), axis=attrs["axis"], keepdims=True))
 
 
+def _softmax_vjp(call: VjpCall) -> list[Tensor]:
+    """y (g - sum(g y)) along the axis, in float32."""
+    x, y, g, axis = call.inputs[0], f32(call.outputs[0]), f32(call.cotangent()), call.attrs["axis"]
+    return [B.cast(y * (g - B.sum(g * y, axis, keepdims=True)), x.dtype)]
+
+
+def _log_softmax_vjp(call: VjpCall) -> list[Tensor]:
+    """g - exp(y) sum(g) along the axis, in float32."""
+    x, y, g, axis = call.inputs[0], f32(call.outputs[0]), f32(call.cotangent()), call.attrs["axis"]
+    return [B.cast(g - B.exp(y) * B.sum(g, axis, keepdims=True), x.dtype)]
+
+
 # rows along any axis but the normalised one can be cut; weights stay whole, a residual is cut with x
 _AXIS_ROWS = _placements.rule(lambda node: _placements.rows_dims(node, (node.attrs["axis"],)))
 _LAST_ROWS = _placements.rule(lambda node: _placements.rows_dims(node, (node.outputs[0].ndim - 1,)))
@@ -56,6 +70,7 @@ SOFTMAX = register(
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
         placement=_AXIS_ROWS,
+        vjp=_softmax_vjp,
     )
 )
 LOG_SOFTMAX = register(
@@ -72,6 +87,7 @@ LOG_SOFTMAX = register(
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
         placement=_AXIS_ROWS,
+        vjp=_log_softmax_vjp,
     )
 )
 
@@ -159,6 +175,39 @@ def _rmsnorm_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return _affine(y, arrays, attrs, RMSNORM_OPERANDS)
 
 
+def _norm_vjp(call: VjpCall) -> list[Tensor | None]:
+    """rmsnorm and layernorm in float32: with xhat the normalised row, r its 1/sqrt(var + eps) and
+    gw = g * weight, dx = r (gw - mean(gw) - xhat mean(gw xhat)) (rmsnorm: no mean(gw) term), the
+    weight's gradient sum(g xhat) and the bias's sum(g) over the rows; a residual takes dx too."""
+    layer = call.node.op.name == "layernorm"
+    names = LAYERNORM_OPERANDS if layer else RMSNORM_OPERANDS
+    absent = call.attrs.get("absent", ())
+    present = [n for k, n in enumerate(names, start=1) if k not in absent][: len(call.inputs) - 1]
+    operand = dict(zip(present, call.inputs[1:]))
+    x = call.inputs[0]
+    h = f32(x if "residual" not in operand else B.add(x, operand["residual"]))
+    g, eps = f32(call.cotangent()), call.attrs["eps"]
+    if layer:
+        h = h - B.mean(h, -1, keepdims=True)
+    r = B.rsqrt(B.mean(h * h, -1, keepdims=True) + eps)
+    xhat = h * r
+    gw = g * f32(operand["weight"]) if "weight" in operand else g
+    inner = gw - xhat * B.mean(gw * xhat, -1, keepdims=True)
+    if layer:
+        inner = inner - B.mean(gw, -1, keepdims=True)
+    dx = B.cast(r * inner, x.dtype)
+    width = x.shape[-1]
+    grads = {
+        "weight": lambda: sum_to_rows(g * xhat, width),
+        "bias": lambda: sum_to_rows(g, width),
+        "residual": lambda: dx,
+    }
+    out: list[Tensor | None] = [dx]
+    for name, t, need in zip(present, call.inputs[1:], call.needs[1:]):
+        out.append(B.cast(grads[name](), t.dtype) if need else None)
+    return out
+
+
 LAYERNORM = register(
     OpDef(
         name="layernorm",
@@ -175,6 +224,7 @@ LAYERNORM = register(
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
         placement=_LAST_ROWS,
+        vjp=_norm_vjp,
     )
 )
 RMSNORM = register(
@@ -194,6 +244,7 @@ RMSNORM = register(
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
         placement=_LAST_ROWS,
+        vjp=_norm_vjp,
     )
 )
 

@@ -15,12 +15,14 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import AxisError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._grad import f32
 from megaloop.frontend.ops.elementwise import cast, check_kinds, equal, greater, mul, not_equal, to_compute, where
 from megaloop.frontend.placement import REPLICATE, LocalCall, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import normalize_axes
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 
 
@@ -30,7 +32,33 @@ def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool)
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, placement: Any) -> OpDef:
+def _expand(call: VjpCall, g: Tensor) -> Tensor:
+    """``g`` (of a reduction's output) spread back over the reduced axes of its operand (a view)."""
+    x, axes = call.inputs[0], call.attrs["axis"]
+    kept = reduced_shape(x.shape, axes, True)
+    return B.broadcast_to(B.reshape(g, kept), x.shape)
+
+
+def _sum_vjp(call: VjpCall) -> list[Tensor]:
+    return [_expand(call, call.cotangent())]
+
+
+def _mean_vjp(call: VjpCall) -> list[Tensor]:
+    x = call.inputs[0]
+    count = math.prod(x.shape[a] for a in call.attrs["axis"])
+    return [_expand(call, B.cast(f32(call.cotangent()) * (1.0 / count), x.dtype))]
+
+
+def _extreme_vjp(call: VjpCall) -> list[Tensor]:
+    """max / min: the gradient shared equally by the elements that equal the result (PyTorch's amax)."""
+    x = call.inputs[0]
+    hit = B.equal(x, _expand(call, call.outputs[0]))
+    ties = B.sum(B.cast(hit, "float32"), call.attrs["axis"], keepdims=True)
+    share = _expand(call, f32(call.cotangent())) / B.broadcast_to(ties, x.shape)
+    return [B.cast(B.where(hit, share, 0.0), x.dtype)]
+
+
+def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, placement: Any, vjp: Any = None) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         check_kinds(call, call.dtype(0), kinds)
         axes = call.axes(call.attrs["axis"], len(call.shape(0)))
@@ -58,6 +86,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, pla
             tiling=_tilings.REDUCTION,
             lowering=Lowering("reduction"),
             placement=placement,
+            vjp=vjp,
         )
     )
 
@@ -85,6 +114,7 @@ SUM = _reduction(
     "fi",
     Accuracy(ulps=1.0, per_reduction=True),
     _placements.rule(lambda node: _placements.reduction_dims(node, "sum"), _partial_passes("sum")),
+    _sum_vjp,
 )
 MEAN = _reduction(
     "mean",
@@ -93,6 +123,7 @@ MEAN = _reduction(
     "f",
     Accuracy(ulps=1.0, per_reduction=True),
     _placements.rule(_mean_dims, _partial_passes("sum")),
+    _mean_vjp,
 )
 MAX = _reduction(
     "max",
@@ -101,6 +132,7 @@ MAX = _reduction(
     "fi",
     Accuracy(ulps=0.0),
     _placements.rule(lambda node: _placements.reduction_dims(node, "max"), _partial_passes("max")),
+    _extreme_vjp,
 )
 MIN = _reduction(
     "min",
@@ -109,6 +141,7 @@ MIN = _reduction(
     "fi",
     Accuracy(ulps=0.0),
     _placements.rule(lambda node: _placements.reduction_dims(node, None)),
+    _extreme_vjp,
 )
 
 

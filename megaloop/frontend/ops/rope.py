@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
+from megaloop.frontend.tensor import BUILDERS as B
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import is_int
 
@@ -111,6 +112,13 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.concatenate([out, rest], axis=-1).astype(np.float32)
 
 
+def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """A rotation's transpose is the rotation by minus the angle: rope at the negated positions."""
+    positions = call.inputs[1]
+    attrs = {k: call.attrs[k] for k in ROPE_ATTRS}
+    return [apply(ROPE, [call.cotangent(), B.neg(positions)], **attrs), None]
+
+
 ROPE = register(
     OpDef(
         name="rope",
@@ -126,6 +134,7 @@ ROPE = register(
         tiling=_tilings.ROPE,
         lowering=Lowering("rope"),
         placement=_placements.rule(lambda node: positions_dims(node)),
+        vjp=lambda call: _vjp(call),
     )
 )
 

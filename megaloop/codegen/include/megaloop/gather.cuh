@@ -45,6 +45,46 @@ __device__ __forceinline__ void embedding(const Args& a, const Task& t, int tid,
     });
 }
 
+// out[r, c] = the sum of values[n, c] over the n whose ids[n] == r, in the order of n (float32, one
+// rounding: the same on every run), for the task's box of out: a warp a row, its lanes 32 columns
+// apart holding K columns each, scanning the N ids 32 at a time. An id outside [0, R) is reported.
+template <i64 R, i64 N, int K, class O, class Vals, class Ids>
+__device__ __forceinline__ void scatter_add(const Args& a, const Task& t, int tid, O out, Vals values, Ids ids) {
+    static_assert(O::rank == 2 && Vals::rank == 2 && Ids::rank == 1, "scatter_add: values [n, dim], ids [n]");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int c1 = t.hi[1];
+    for (int r = t.lo[0] + warp; r < t.hi[0]; r += warps) {
+        for (int cb = t.lo[1]; cb < c1; cb += 32 * K) {
+            float acc[K];
+#pragma unroll
+            for (int k = 0; k < K; ++k) acc[k] = 0.0f;
+            for (i64 base = 0; base < N; base += 32) {
+                i64 id = -1;
+                if (base + lane < N) {
+                    id = load(ids.p + (base + lane) * Ids::inner);
+                    if (id < 0 || id >= R) {
+                        fail(a, DATA, blockIdx.x, tid, t.op, id, R, 0, 0);
+                        id = -1;
+                    }
+                }
+                for (unsigned hits = __ballot_sync(0xffffffffu, id == r); hits; hits &= hits - 1) {
+                    const auto* row = values.p + (base + __ffs(hits) - 1) * Vals::outer;
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const int c = cb + lane + 32 * k;
+                        if (c < c1) acc[k] += load(row + (i64)c * Vals::inner);
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int c = cb + lane + 32 * k;
+                if (c < c1) store(out.p + (i64)r * O::outer + (i64)c * O::inner, acc[k]);
+            }
+        }
+    }
+}
+
 // concat's element i from the input whose part of the axis holds i[Axis] (parts of Sizes... in order)
 template <int Axis, int Start, class O>
 __device__ __forceinline__ void concat_part(int*, i64, O) {}

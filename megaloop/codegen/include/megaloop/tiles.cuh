@@ -3,6 +3,7 @@
 #include "megaloop/elementwise.cuh"
 #include "megaloop/cache.cuh"
 #include "megaloop/gather.cuh"
+#include "megaloop/loss.cuh"
 #include "megaloop/matvec.cuh"
 #include "megaloop/paged.cuh"
 #include "megaloop/rows.cuh"
