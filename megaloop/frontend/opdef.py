@@ -82,6 +82,20 @@ class Lowering:
 
 
 @dataclass(frozen=True)
+class Fast:
+    """A faster CPU implementation of an op, for graphs run many times (megaloop.reference.fast).
+    ``make(node)`` runs once per node and returns ``run(operands) -> outputs`` (a list): operands and
+    outputs in their *compute form* (float tensors as float32 arrays holding values of their dtype,
+    others as they are), each output already rounded to its dtype. ``exact``: the reference's bits
+    (else within the op's accuracy contract, e.g. a BLAS order of sums). ``checks_data``: run checks
+    the operands' values itself (else the executor calls ``check_data`` first)."""
+
+    make: Callable[[Any], Callable[[list[np.ndarray]], list[np.ndarray]]]
+    exact: bool = True
+    checks_data: bool = False
+
+
+@dataclass(frozen=True)
 class OpDef:
     name: str
     kind: str
@@ -107,6 +121,7 @@ class OpDef:
     attrs: Mapping[str, str | tuple[Any, ...]] = field(default_factory=dict)
     # those of them a node may leave out (every reader has a default); the others it must carry
     optional_attrs: frozenset[str] = frozenset()
+    fast: Fast | None = None  # a faster CPU implementation (Fast); None: the reference runs there too
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

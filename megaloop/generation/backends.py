@@ -1,7 +1,8 @@
-"""Where generation runs: the CPU reference (numpy evaluation of the graphs) or the GPU's loop
-kernels. Both run the same two graphs: a padded prefill that returns each sequence's next-token
-logits (``build_llama_prefill``), then the self-feeding generator (``build_llama_generator``), its
-KV caches handed over from the prefill.
+"""Where generation runs: the CPU (the graphs prepared once and run by megaloop.reference.fast), the
+CPU reference (``ml.evaluate`` of the graphs: the definition, slow) or the GPU's loop kernels. All
+run the same two graphs: a padded prefill that returns each sequence's next-token logits
+(``build_llama_prefill``), then the self-feeding generator (``build_llama_generator``), its KV caches
+handed over from the prefill.
 
 A backend's steps, in order: ``setup_prefill`` (GPU: upload the weights into the prefill kernel),
 ``prefill`` (each prompt's next-token logits), ``setup_generator`` (the caches handed over; GPU: the
@@ -23,6 +24,7 @@ from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
 from megaloop.reference import evaluate
+from megaloop.reference.fast import ComputeWeights, FastGraph
 
 HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
 
@@ -70,10 +72,13 @@ def first_tokens(logits: np.ndarray, lengths: Sequence[int], states: Mapping[str
 
 
 class CpuBackend:
-    """The numpy reference: ``ml.evaluate`` of the prefill, then of the generator for n iterations."""
+    """The CPU: both graphs prepared once (megaloop.reference.fast), the weights converted to float32
+    once (kept by ``params`` where it is a ComputeWeights, as Generator's is), BLAS products, the KV
+    caches kept in place and handed from the prefill to the generator without a copy. Its values are
+    ml.evaluate's but for attention's order of sums (within attention's accuracy contract)."""
 
     name = "cpu"
-    description = "the CPU reference (numpy)"
+    description = "the CPU (numpy and BLAS)"
 
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
@@ -83,10 +88,59 @@ class CpuBackend:
         self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
         self.generator = generator_graph(cfg, batch, sampling, eos_ids, decoding)
         self.history = history_names(self.generator)
-        self.state: dict[str, np.ndarray] = {}
+        self.progress = progress
+        self.runs: tuple[FastGraph, FastGraph] | None = None
 
     def setup_prefill(self) -> None:
-        pass
+        if self.runs is not None:
+            return
+        weights = self.params if isinstance(self.params, ComputeWeights) else ComputeWeights(self.params)
+        graphs = (self.prefill_graph, self.generator)
+        todo = {n: t for g in graphs for n, t in g.parameters.items() if not weights.has(n, t)}
+        if todo:  # (a Generator's weights are converted by its first call only)
+            size = sum(t.size for t in todo.values())
+            with self.progress.phase("convert", size, unit="weight", unit_scale=True) as bar:
+                for name, t in todo.items():
+                    weights.get(name, t)
+                    bar.update(t.size)
+        self.runs = (FastGraph(graphs[0], weights), FastGraph(graphs[1], weights))
+
+    def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        run = self.runs[0]
+        run.reset()  # (the caches of an earlier prefill went to the generator)
+        with self.progress.steps("prefill", len(run.nodes), unit="op") as bar:
+            return run.run(feeds, on_node=(lambda i: bar.update(1)) if self.progress.enabled else None)["logits"]
+
+    def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
+        prefill, generator = self.runs
+        generator.reset()
+        generator.set_state(prefill.state, adopt=True)  # the caches, no copy
+        generator.set_state(start_state(self.generator, start))
+        prefill.reset()
+
+    def advance(self, iterations: int) -> dict[str, np.ndarray]:
+        self.runs[1].run(iterations=iterations)
+        return self.runs[1].read_state(self.history)
+
+    def chunk(self, step: int) -> int:
+        """Iterations per advance: one, so that text streams token by token."""
+        return 1
+
+    def close(self) -> None:
+        if self.runs is not None:
+            for run in self.runs:
+                run.reset()
+
+
+class ReferenceBackend(CpuBackend):
+    """The CPU reference: ``ml.evaluate`` of the prefill, then of the generator for n iterations (the
+    definition every other backend is tested against; the weights converted on every step)."""
+
+    name = "reference"
+    description = "the CPU reference (numpy)"
+
+    def setup_prefill(self) -> None:
+        self.state: dict[str, np.ndarray] = {}
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         out = evaluate(self.prefill_graph, feeds, self.params)
@@ -99,10 +153,6 @@ class CpuBackend:
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.state = evaluate(self.generator, {}, self.params, self.state, iterations=iterations).state
         return {n: self.state[n] for n in self.history}
-
-    def chunk(self, step: int) -> int:
-        """Iterations per advance: one, so that text streams token by token."""
-        return 1
 
     def close(self) -> None:
         self.state = {}

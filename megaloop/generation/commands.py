@@ -56,7 +56,11 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--n", type=_positive, metavar="N", help="sequences per prompt (default 1)")
     gen.add_argument("--logprobs", type=_logprobs, metavar="N", help="each token's log-probability and N alternatives")
     gen.add_argument("--skip-bad-lines", action="store_true", help="skip a batch file's bad lines (say which)")
-    gen.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
+    gen.add_argument(
+        "--backend", default="auto", choices=["auto", "gpu", "cpu", "reference"],
+        help="auto: a GPU if there is one, else cpu; reference: the numpy definition the others are tested against "
+        "(slow)",
+    )  # fmt: skip
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
     gen.add_argument(
@@ -285,9 +289,8 @@ def _report(say: Reporter, result: Any, args: argparse.Namespace) -> None:
 
 
 def _backend_line(gen: Any) -> str:
-    if gen.backend == "gpu":
-        return f"the loop kernel ({gen.reason})"
-    return f"the CPU reference ({gen.reason})"
+    what = {"gpu": "the loop kernel", "cpu": "the CPU (numpy and BLAS)", "reference": "the CPU reference"}
+    return f"{what[gen.backend]} ({gen.reason})"
 
 
 def cmd_make_tiny_checkpoint(args: argparse.Namespace) -> int:

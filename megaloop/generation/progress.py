@@ -29,5 +29,15 @@ class Progress:
             yield progress
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
+    @contextmanager
+    def steps(self, name: str, total: float, **bar: Any) -> Iterator[Any]:
+        """A bar for work that is not setup (a long prefill), shown only once it has taken a second."""
+        from tqdm import tqdm
+
+        with tqdm(
+            total=total, desc=f"{name:<8}", disable=not self.enabled, file=sys.stderr, leave=False, delay=1.0, **bar
+        ) as progress:
+            yield progress
+
     def summary(self) -> str:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())

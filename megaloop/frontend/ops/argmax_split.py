@@ -22,6 +22,7 @@ from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int
+from megaloop.frontend.ops._fast import VALUES_ONLY
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.ops.reduce import ARGMAX, reduced_shape
 from megaloop.frontend.shapes import format_shape
@@ -93,6 +94,7 @@ ARGMAX_PARTIAL = register(
         attrs={"axis": "int", "splits": "count", "chunk": "count"},
         infer=_partial_infer,
         reference=_partial_reference,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_PARTIAL,
         lowering=Lowering("argmax_partial"),
@@ -141,6 +143,7 @@ ARGMAX_COMBINE = register(
         attrs={"axis": "int", "keepdims": "bool", "splits": "count", "chunk": "count"},
         infer=_combine_infer,
         reference=_combine_reference,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_COMBINE,
         lowering=Lowering("argmax_combine"),

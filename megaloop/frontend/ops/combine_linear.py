@@ -15,9 +15,10 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, float32, round_to
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops.attention_split import _combine_reference
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
@@ -57,6 +58,17 @@ def merged_rows(partial: np.ndarray, dtype: Any) -> np.ndarray:
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     x, w = arrays
     return np.matmul(to_compute(merged_rows(x, attrs["dtype"])), np.swapaxes(to_compute(w), -1, -2))
+
+
+def _fast(node: Any) -> Kernel:
+    """The reference's values, the weight not copied."""
+    dtype, finish = node.attrs["dtype"], rounder(node.outputs[0].dtype)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        rows = merged_rows(arrays[0], dtype).astype(np.float32)
+        return [finish(np.matmul(rows, np.swapaxes(arrays[1], -1, -2)))]
+
+    return run
 
 
 def _as_matmul(node: Any) -> Any:
@@ -99,6 +111,7 @@ COMBINE_LINEAR = register(
         attrs={"dtype": "dtype"},
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=Tiling(
             _tilings.MATMUL.params,

@@ -26,6 +26,7 @@ from megaloop.frontend.ops._build import (
     require_shape,
     require_tensor,
 )
+from megaloop.frontend.ops._fast import MOVES_VALUES
 from megaloop.frontend.placement import LocalCall, Shard
 from megaloop.frontend.shapes import (
     broadcast_shapes,
@@ -58,6 +59,7 @@ def _view_op(
             attrs=attrs,
             infer=infer,
             reference=reference,
+            fast=MOVES_VALUES,
             accuracy=_EXACT,
             placement=placement,
         )
@@ -417,6 +419,7 @@ CONCAT = register(
         attrs={"axis": "int"},
         infer=_concat_infer,
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
+        fast=MOVES_VALUES,
         accuracy=_EXACT,
         tiling=_tilings.CONCAT,
         lowering=Lowering("concat"),
@@ -452,6 +455,7 @@ COPY = register(
         operands=("x",),
         infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
+        fast=MOVES_VALUES,
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),

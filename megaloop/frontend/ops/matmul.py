@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import layout as _layout
 from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._fast import Kernel, dense, rounder
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -57,6 +58,17 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.matmul(a, b)
 
 
+def _fast(node: Any) -> Kernel:
+    """The reference's product on the operands as they are (a weight is not copied each step)."""
+    ta, tb, finish = node.attrs["transpose_a"], node.attrs["transpose_b"], rounder(node.outputs[0].dtype)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        a, b = dense(arrays[0]), dense(arrays[1])
+        return [finish(np.matmul(np.swapaxes(a, -1, -2) if ta else a, np.swapaxes(b, -1, -2) if tb else b))]
+
+    return run
+
+
 # auto_k_splits: the tiles a wave of the processors takes (132 on an H200), the output tile they are
 # counted in, the shortest K range worth a tile of its own, the most ranges (partials to sum)
 SPLIT_K_TILES, SPLIT_K_TILE, SPLIT_K_MIN_RANGE, SPLIT_K_MAX = 128, (128, 64), 512, 8
@@ -73,6 +85,7 @@ MATMUL = register(
         attrs={"transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
         lowering=Lowering("matmul"),
