@@ -23,7 +23,7 @@ DRAWS = 3
 
 def same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
     """Equal values and dtypes, NaN where NaN (the worst difference printed when not)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{what}: {got.dtype}{got.shape}, not {want.shape}"
     g, w = to_f64(got), to_f64(want)
     same = (g == w) | (np.isnan(g) & np.isnan(w))
     if not np.all(same):
@@ -45,7 +45,8 @@ def check_row(row: Row, dtype: str, seed: int) -> None:
         else:  # both within the contract of the truth: within twice it of each other
             acc = REGISTRY[row.op].accuracy
             doubled = type(acc)(ulps=2 * acc.ulps, per_reduction=acc.per_reduction)
-            assert_close(outputs[f"y{k}"], to_f64(want.outputs[f"y{k}"]), t.dtype, doubled, row.reduce_len(sample), what)
+            ref = to_f64(want.outputs[f"y{k}"])
+            assert_close(outputs[f"y{k}"], ref, t.dtype, doubled, row.reduce_len(sample), what)
     for name in want.state:
         same_bits(states[name], want.state[name], f"{row.id} [{dtype}] seed {seed} state {name}")
 
@@ -116,7 +117,7 @@ def test_weights_are_converted_once_and_shared() -> None:
 def test_bad_data_is_refused_naming_the_op() -> None:
     cfg = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=64, layers=1, max_seq=8, vocab=40)
     run = FastGraph(build_llama(cfg, 1, 2), random_parameters(cfg))
-    with pytest.raises(DataError, match="embedding .*id 45 .*outside the table of 40 rows"):
+    with pytest.raises(DataError, match=r"embedding .*id 45 .*outside the table of 40 rows"):
         run.run({"tokens": np.array([[1, 45]]), "positions": np.array([[0, 1]])})
     with pytest.raises(DataError, match=r"kv_cache_update .*position 9 .*outside the cache of 8 slots"):
         run.run({"tokens": np.array([[1, 2]]), "positions": np.array([[0, 9]])})
@@ -128,5 +129,5 @@ def test_bad_data_is_refused_naming_the_op() -> None:
 
 def test_a_rank_graph_is_refused() -> None:
     graphs = ml.spmd(lambda g: g.output("y", ml.all_reduce(g.input("x", (2,), "float32"))), 2)
-    with pytest.raises(EvaluationError, match="rank 0 of 2.*ml.evaluate"):
+    with pytest.raises(EvaluationError, match=r"rank 0 of 2.*ml\.evaluate"):
         FastGraph(graphs[0], {})
