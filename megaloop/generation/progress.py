@@ -11,7 +11,10 @@ from typing import Any
 
 
 class Progress:
-    """``enabled=None``: bars only when stderr is a terminal. The times are kept either way."""
+    """``enabled=None``: bars only when stderr is a terminal. The times are kept either way. ``delay``:
+    the seconds a ``steps`` bar waits before it shows (a short prefill shows none)."""
+
+    delay = 1.0
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
@@ -35,7 +38,7 @@ class Progress:
         from tqdm import tqdm
 
         with tqdm(
-            total=total, desc=f"{name:<8}", disable=not self.enabled, file=sys.stderr, leave=False, delay=1.0, **bar
+            total=total, desc=f"{name:<8}", disable=not self.enabled, file=sys.stderr, leave=False, delay=self.delay, **bar
         ) as progress:
             yield progress
 
