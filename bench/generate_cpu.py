@@ -1,0 +1,193 @@
+"""``megaloop generate``'s CPU path against transformers' ``generate`` on the same CPU and checkpoint:
+first-token latency (prompt to first token, warm, and the first call of a process) and decode
+tokens/s, greedy, both made to generate exactly --new-tokens tokens.
+
+    python -m bench.generate_cpu --threads 1              # 135M shape, both dtypes, 2 prompts: ~15 min here
+    python -m bench.generate_cpu --shapes 0.5b --threads 1 --dtypes checkpoint --prompts 32 --name generate_cpu_0.5b
+
+The checkpoints are random-weight Llamas of published shapes (SmolLM2-135M's; Qwen2.5-0.5B's sizes as
+a Llama) made and saved by transformers in bfloat16, written once into --dir. Each run is a fresh
+process (one system, one thread count: OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set for both), the
+runs of the two systems interleaved, and each figure is the median over --repeats runs: the machine
+may be shared with other work. Results: bench/results/generate_cpu*.json (--name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import write
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
+}  # fmt: skip
+
+# One run of one system in its own process: prints a JSON line "RESULT {...}".
+MEGALOOP_RUN = """
+import json, sys, time
+import megaloop as ml
+folder, dtype, prompt, new, calls = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+t0 = time.perf_counter()
+dtype = None if dtype == "checkpoint" else dtype
+gen = ml.Generator(folder, backend="cpu", dtype=dtype, eos_token_ids=(), progress=False)
+load = time.perf_counter() - t0
+ids = [(7 * i + 5) % 512 for i in range(prompt)]
+out = []
+for _ in range(calls):
+    s = gen.generate(ids, max_new_tokens=new).stats
+    assert s.new_tokens == new, s.summary()
+    out.append({"first_token_s": s.prefill_s, "call_first_token_s": s.first_token_s,
+                "decode_tokens_per_s": s.tokens_per_s, "setup": s.setup})
+print("RESULT " + json.dumps({"load_s": load, "calls": out}))
+"""
+
+TRANSFORMERS_RUN = """
+import json, sys, time
+import torch, transformers
+folder, dtype, prompt, new, calls = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+t0 = time.perf_counter()
+kw = {} if dtype == "checkpoint" else {"dtype": getattr(torch, dtype)}
+model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kw).eval()
+load = time.perf_counter() - t0
+
+class Clock(transformers.generation.streamers.BaseStreamer):
+    def __init__(self): self.times = []
+    def put(self, value): self.times.append(time.perf_counter())
+    def end(self): pass
+
+ids = torch.tensor([[(7 * i + 5) % 512 for i in range(prompt)]])
+out = []
+for _ in range(calls):
+    clock = Clock()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+    ticks = clock.times[1:]  # (the first put is the prompt)
+    assert len(ticks) == new, len(ticks)
+    out.append({"first_token_s": ticks[0] - t0, "decode_tokens_per_s": (new - 1) / (ticks[-1] - ticks[0])})
+print("RESULT " + json.dumps({"load_s": load, "dtype": str(next(model.parameters()).dtype), "calls": out}))
+"""
+
+
+def make_checkpoint(shape: str, folder: Path) -> Path:
+    """The shape's random Llama saved by transformers in bfloat16 (once: reused when it is there)."""
+    import torch
+    import transformers
+
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    t0 = time.perf_counter()
+    cfg = transformers.LlamaConfig(max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
+                                   **SHAPES[shape])  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # a trained model's scale: transformers' 0.02 init gives all but flat logits
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else
+                    torch.randn_like(p) / math.sqrt(p.shape[-1]))  # fmt: skip
+    model.save_pretrained(folder)
+    tiny = Path(tempfile.mkdtemp())
+    subprocess.run([sys.executable, "-m", "megaloop", "make-tiny-checkpoint", str(tiny)], check=True, cwd=ROOT,
+                   env=_env(1), capture_output=True)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, folder / name)
+    print(f"{shape}: saved a random checkpoint to {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return folder
+
+
+def _env(threads: int) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads)}  # fmt: skip
+
+
+def run_once(script: str, folder: Path, dtype: str, threads: int, prompt: int, new: int, calls: int) -> dict:
+    cmd = [sys.executable, "-c", script, str(folder), dtype, str(prompt), str(new), str(calls)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(threads), timeout=1800)
+    wall = time.perf_counter() - t0
+    lines = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"a run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return {**json.loads(lines[-1]), "process_wall_s": wall}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the runs: the first call of a process (cold) and the later calls (warm)."""
+    cold = [r["calls"][0] for r in runs]
+    warm = [c for r in runs for c in r["calls"][1:]]
+
+    def med(xs: list[float]) -> float:
+        return round(statistics.median(xs), 4)
+
+    out = {
+        "runs": len(runs),
+        "load_s": med([r["load_s"] for r in runs]),
+        "cold_first_token_s": med([c.get("call_first_token_s", c["first_token_s"]) for c in cold]),
+        "first_token_s": med([c["first_token_s"] for c in warm]),
+        "decode_tokens_per_s": med([c["decode_tokens_per_s"] for c in warm]),
+        "first_token_s_all": [round(c["first_token_s"], 4) for c in warm],
+        "decode_tokens_per_s_all": [round(c["decode_tokens_per_s"], 2) for c in warm],
+    }
+    if "dtype" in runs[0]:
+        out["torch_dtype"] = runs[0]["dtype"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="135m")
+    ap.add_argument("--dir", default="/tmp/megaloop-cpu-checkpoints", type=Path)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--dtypes", default="checkpoint,float32", help="checkpoint: each system's default")
+    ap.add_argument("--prompts", default="32,256", help="prompt lengths in tokens")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--calls", type=int, default=3, help="generate calls a process (the first is the cold one)")
+    ap.add_argument("--repeats", type=int, default=3, help="processes per system and setting")
+    ap.add_argument("--name", default="generate_cpu", help="the results file's name (bench/results/NAME.json)")
+    args = ap.parse_args()
+    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    results: dict = {"machine": machine, "new_tokens": args.new_tokens, "calls": args.calls, "repeats": args.repeats,
+                     "cases": []}  # fmt: skip
+    for shape in args.shapes.split(","):
+        folder = make_checkpoint(shape, args.dir / f"llama-{shape}")
+        for threads in map(int, args.threads.split(",")):
+            for dtype in args.dtypes.split(","):
+                for prompt in map(int, args.prompts.split(",")):
+                    runs: dict[str, list] = {"megaloop": [], "transformers": []}
+                    for _ in range(args.repeats):  # interleaved: a change in the machine's load hits both
+                        for name, script in (("megaloop", MEGALOOP_RUN), ("transformers", TRANSFORMERS_RUN)):
+                            runs[name].append(run_once(script, folder, dtype, threads, prompt, args.new_tokens,
+                                                       args.calls))  # fmt: skip
+                    case = {"shape": shape, "threads": threads, "dtype": dtype, "prompt_tokens": prompt,
+                            **{name: summarize(r) for name, r in runs.items()}}  # fmt: skip
+                    m, t = case["megaloop"], case["transformers"]
+                    case["decode_speedup"] = round(m["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3)
+                    case["first_token_speedup"] = round(t["first_token_s"] / m["first_token_s"], 3)
+                    results["cases"].append(case)
+                    print(f"{shape} threads {threads} {dtype} prompt {prompt}: decode megaloop "
+                          f"{m['decode_tokens_per_s']:.1f} tok/s vs transformers {t['decode_tokens_per_s']:.1f} "
+                          f"({case['decode_speedup']}x); first token {1e3 * m['first_token_s']:.0f} vs "
+                          f"{1e3 * t['first_token_s']:.0f} ms ({case['first_token_speedup']}x)",
+                          flush=True)  # fmt: skip
+    results["machine"]["load_average_after"] = os.getloadavg()
+    write(args.name, results)
+
+
+if __name__ == "__main__":
+    main()
