@@ -6,18 +6,21 @@ the progress line of a long prefill."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import numpy as np
 import pytest
 
 import megaloop as ml
-from megaloop.generation.backends import CpuBackend, ReferenceBackend
+from megaloop.errors import EvaluationError
+from megaloop.generation import GenerationError
+from megaloop.generation.backends import TORCH_PAYBACK_FLOPS, CpuBackend, ReferenceBackend, prefill_products
 from megaloop.generation.progress import Progress
 from megaloop.models import load_llama
 from megaloop.models.llama import build_llama_generator, build_llama_prefill
 from megaloop.models.tiny import make_tiny_checkpoint
-from megaloop.reference.fast import ComputeWeights, FastGraph
+from megaloop.reference.fast import ComputeWeights, FastGraph, choose_products
 from tests.hf_models import FAMILIES, make_model
 
 # the one inexact op (attention, BLAS sums) differs from the reference by float32 reassociation: a few
@@ -81,9 +84,10 @@ def tiny(tmp_path_factory):
 
 
 def test_generator_text_on_the_cpu_equals_the_reference(tiny) -> None:
-    """Generator(backend="cpu") against backend="reference": a batch of two prompts, greedy and
-    sampled with a seed, then a second call (weights converted once: no convert phase again)."""
-    fast = ml.Generator(tiny, backend="cpu", progress=False)
+    """Generator(backend="cpu") with numpy's products against backend="reference": a batch of two
+    prompts, greedy and sampled with a seed, then a second call (weights converted once: no convert
+    phase again)."""
+    fast = ml.Generator(tiny, backend="cpu", progress=False, cpu_products="numpy")
     ref = ml.Generator(tiny, backend="reference", progress=False)
     prompts = ["Once upon a loop", "A kernel"]
     for kw in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):
@@ -93,6 +97,43 @@ def test_generator_text_on_the_cpu_equals_the_reference(tiny) -> None:
     assert got.stats.backend == "the CPU (numpy and BLAS)" and want.stats.backend == "the CPU reference (numpy)"
     first = fast.generate("Hi", max_new_tokens=3).stats
     assert "convert" not in first.setup, first.setup  # converted by the first call, kept by the Generator
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_torch_products_stay_within_the_contract(family, dtype: str) -> None:
+    """products="torch": a prefill's products of bfloat16 weights (rows >= TORCH_ROWS, split-K ranges
+    of a weight included) by torch's bfloat16 kernels: logits within TOLERANCE of the reference's."""
+    pytest.importorskip("torch")
+    name, folder = family
+    cfg, params = load_llama(folder, dtype=dtype, max_seq=40)
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab, (2, 20))
+    feeds = {"tokens": tokens, "positions": np.tile(np.arange(20), (2, 1)), "last": np.array([19, 12])}
+    graph = build_llama_prefill(cfg, 2, 20)
+    want = ml.evaluate(graph, feeds, params)
+    weights = ComputeWeights(params, products="torch")
+    got = FastGraph(graph, weights, products="torch", verify=True).run(feeds)
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert weights.get(up, graph.parameters[up], torch=True).bf16 is not None
+    assert weights.get(up, graph.parameters[up]).__class__ is np.ndarray  # (numpy's graphs: no twin)
+    assert worst(got["logits"], want.outputs["logits"], f"{name} torch products") <= TOLERANCE[dtype]
+
+
+def test_the_products_choice_is_explicit(tiny) -> None:
+    """auto: torch's products for a prefill only where they repay importing torch, never for decode."""
+    assert choose_products("numpy") == "numpy" and choose_products("auto") in ("numpy", "torch")
+    cfg, params = load_llama(tiny)
+    graph = build_llama_prefill(cfg, 1, 8)
+    payback = int(TORCH_PAYBACK_FLOPS / (2 * sum(t.size for t in graph.parameters.values() if t.ndim == 2))) + 1
+    assert prefill_products(ComputeWeights(params, "numpy"), cfg, graph, 10 * payback) == "numpy"
+    if importlib.util.find_spec("torch") is not None:
+        assert prefill_products(ComputeWeights(params, "torch"), cfg, graph, 8) == "torch"
+    auto = ComputeWeights(params, "auto")
+    assert prefill_products(auto, cfg, graph, 8) == "numpy"
+    assert prefill_products(auto, cfg, graph, payback) == auto.products  # (torch where this machine allows it)
+    with pytest.raises(EvaluationError, match="products must be one of"):
+        choose_products("blas")
+    with pytest.raises(GenerationError, match="cpu_products must be one of"):
+        ml.Generator("/nonexistent", cpu_products="mkl")
 
 
 def test_the_caches_go_from_prefill_to_generator_without_a_copy(tiny) -> None:

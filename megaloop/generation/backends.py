@@ -71,14 +71,29 @@ def first_tokens(logits: np.ndarray, lengths: Sequence[int], states: Mapping[str
     return np.asarray(sample_tokens(rows, seed, offset, temperature, top_k, top_p, min_p), np.int64)
 
 
+# "auto" gives a prefill torch's bfloat16 products (3x numpy's float32 ones at 32 rows on the
+# development machine) only where that saves about what importing torch costs (1.2 s there): at
+# 60 GFLOP/s against 180, products of this many flops
+TORCH_PAYBACK_FLOPS = 1.1e11
+
+
+def prefill_products(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph, rows: int) -> str:
+    """The prefill's products: "torch" for a bfloat16 model where ``weights`` were asked for torch's, or
+    for "auto" (where this machine allows it) where they are worth importing torch for; else "numpy"."""
+    if weights.products == "numpy" or cfg.dtype.name != "bfloat16":
+        return "numpy"
+    flops = 2 * rows * sum(t.size for t in graph.parameters.values() if t.ndim == 2)
+    return "torch" if weights.requested == "torch" or flops >= TORCH_PAYBACK_FLOPS else "numpy"
+
+
 class CpuBackend:
     """The CPU: both graphs prepared once (megaloop.reference.fast), the weights converted to float32
     once (kept by ``params`` where it is a ComputeWeights, as Generator's is), BLAS products, the KV
     caches kept in place and handed from the prefill to the generator without a copy. Its values are
-    ml.evaluate's but for attention's order of sums (within attention's accuracy contract)."""
+    ml.evaluate's but for attention's order of sums (within attention's accuracy contract), and for
+    the prefill's products where the weights' ``products`` is "torch" (bfloat16 products by torch)."""
 
     name = "cpu"
-    description = "the CPU (numpy and BLAS)"
 
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
@@ -90,12 +105,18 @@ class CpuBackend:
         self.history = history_names(self.generator)
         self.progress = progress
         self.runs: tuple[FastGraph, FastGraph] | None = None
+        self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params)
+        self.products = prefill_products(self.weights, cfg, self.prefill_graph, batch * tokens)
+
+    @property
+    def description(self) -> str:
+        torch = self.products == "torch"
+        return "the CPU (numpy and BLAS" + ("; the prefill's bfloat16 products by torch)" if torch else ")")
 
     def setup_prefill(self) -> None:
         if self.runs is not None:
             return
-        weights = self.params if isinstance(self.params, ComputeWeights) else ComputeWeights(self.params)
-        graphs = (self.prefill_graph, self.generator)
+        weights, graphs = self.weights, (self.prefill_graph, self.generator)
         todo = {n: t for g in graphs for n, t in g.parameters.items() if not weights.has(n, t)}
         if todo:  # (a Generator's weights are converted by its first call only)
             size = sum(t.size for t in todo.values())
@@ -103,9 +124,11 @@ class CpuBackend:
                 for name, t in todo.items():
                     weights.get(name, t)
                     bar.update(t.size)
-        self.runs = (FastGraph(graphs[0], weights), FastGraph(graphs[1], weights))
+        self.runs = (FastGraph(graphs[0], weights, products=self.products), FastGraph(graphs[1], weights))
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        if self.runs is None:  # (callers that go straight to the prefill, as the reference allowed)
+            self.setup_prefill()
         run = self.runs[0]
         run.reset()  # (the caches of an earlier prefill went to the generator)
         with self.progress.steps("prefill", len(run.nodes), unit="op") as bar:

@@ -61,6 +61,11 @@ def add_commands(sub: Any) -> None:
         help="auto: a GPU if there is one, else cpu; reference: the numpy definition the others are tested against "
         "(slow)",
     )  # fmt: skip
+    gen.add_argument(
+        "--cpu-products", default="auto", choices=["auto", "numpy", "torch"],
+        help="the CPU's products: numpy's float32 BLAS, or a prefill's bfloat16 products by torch; auto: torch for a "
+        "prefill long enough to pay for importing it, where it is installed and the CPU has bfloat16 dot products",
+    )  # fmt: skip
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
     gen.add_argument(
@@ -157,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = Generator(
         args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress,
         devices=args.devices, strategy=args.strategy, allow_long_context=args.allow_long_context,
-        allow_unknown_fields=args.allow_unknown_config_fields,
+        allow_unknown_fields=args.allow_unknown_config_fields, cpu_products=args.cpu_products,
     )  # fmt: skip
     say.note(f"{args.model} on {_backend_line(gen)}")
     overridden = {field for flag, field, _, _ in SAMPLING_FLAGS if getattr(args, field) is not None}

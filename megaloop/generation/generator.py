@@ -35,7 +35,7 @@ from megaloop.generation.split import SplitCpuBackend, SplitGpuBackend, problem
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
 from megaloop.models.tokenizer import Tokenizer, checkpoint_stop_ids
-from megaloop.reference.fast import ComputeWeights
+from megaloop.reference.fast import PRODUCTS, ComputeWeights
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or a conversation (chat messages)
 
@@ -132,8 +132,11 @@ class Generator:
     keeps plans on disk (megaloop.plan.cache). ``devices`` > 1 splits both graphs over that many
     devices with ``ml.parallelize``'s ``strategy`` ("auto", "tp", "pp", "dp"; megaloop.generation.split).
     ``allow_long_context`` lets ``max_seq`` pass the model's context, ``allow_unknown_fields`` loads a
-    config.json with fields megaloop does not know (megaloop.models.load_llama). ``defaults``:
-    generation_config.json's settings (megaloop.generation.settings)."""
+    config.json with fields megaloop does not know (megaloop.models.load_llama). ``cpu_products``: the
+    CPU's products, "numpy" (the reference's bits but for attention's sums), "torch" (a prefill's
+    bfloat16 products by torch) or "auto" (torch for a prefill long enough to pay for importing it,
+    where torch is installed and the CPU has bfloat16 dot products: backends.prefill_products).
+    ``defaults``: generation_config.json's settings (megaloop.generation.settings)."""
 
     def __init__(
         self,
@@ -149,9 +152,12 @@ class Generator:
         strategy: str = "auto",
         allow_long_context: bool = False,
         allow_unknown_fields: bool = False,
+        cpu_products: str = "auto",
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
+        if cpu_products not in PRODUCTS:
+            raise GenerationError(f"Generator: cpu_products must be one of {PRODUCTS}, got {cpu_products!r}")
         if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
             raise GenerationError(f"Generator: {why}")
         self.devices, self.strategy = devices, strategy
@@ -162,7 +168,7 @@ class Generator:
                 self.folder, max_seq=max_seq, dtype=dtype, allow_long_context=allow_long_context,
                 allow_unknown_fields=allow_unknown_fields,
             )  # fmt: skip
-            self.params = ComputeWeights(params)  # (the CPU converts each weight once, on its first call)
+            self.params = ComputeWeights(params, cpu_products)  # (the CPU converts each weight once, when first used)
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
             self.defaults = read_generation_config(self.folder)

@@ -37,9 +37,8 @@ class Progress:
         """A bar for work that is not setup (a long prefill), shown only once it has taken a second."""
         from tqdm import tqdm
 
-        with tqdm(
-            total=total, desc=f"{name:<8}", disable=not self.enabled, file=sys.stderr, leave=False, delay=self.delay, **bar
-        ) as progress:
+        shown = {"disable": not self.enabled, "file": sys.stderr, "leave": False, "delay": self.delay}
+        with tqdm(total=total, desc=f"{name:<8}", **shown, **bar) as progress:
             yield progress
 
     def summary(self) -> str:

@@ -19,27 +19,54 @@ op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megaloop.dtypes import bfloat16
 from megaloop.errors import DataError, EvaluationError, InternalError
 from megaloop.frontend.graph import Graph, Node, require_results
-from megaloop.frontend.ops._fast import Kernel, compute_np, rounder, to_compute_form
+from megaloop.frontend.ops._fast import Kernel, Weight, compute_np, rounder, to_compute_form
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import match_ranks
+
+PRODUCTS = ("numpy", "torch", "auto")
+
+
+def choose_products(products: str) -> str:
+    """What ``products`` allows on this machine: "numpy", or "torch" ("auto": where torch is installed
+    and the CPU has bfloat16 dot products, AVX512-BF16 or AMX; fixed for a machine)."""
+    if products not in PRODUCTS:
+        raise EvaluationError(f"products must be one of {PRODUCTS}, got {products!r}")
+    if products != "auto":
+        return products
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "numpy"
+    torch = {"avx512_bf16", "amx_bf16"} & flags and importlib.util.find_spec("torch") is not None
+    return "torch" if torch else "numpy"
 
 
 class ComputeWeights(Mapping[str, Any]):
     """Parameters in their compute form, converted on first use and then kept: one copy for every
     graph prepared with this object (a model's prefill and decode graphs share their weights). As a
-    mapping it is ``params`` itself (the arrays as given), for the backends that take those."""
+    mapping it is ``params`` itself (the arrays as given), for the backends that take those.
+    ``products``: what the graphs may use (choose_products): "numpy" (numpy's products only: the
+    reference's bits), "torch" (a graph prepared with products="torch" also gets each bfloat16 matrix
+    as a torch tensor, for its products of many rows: megaloop.frontend.ops._fast.Weight), "auto"."""
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
+    def __init__(self, params: Mapping[str, Any], products: str = "numpy") -> None:
         self.params = params
+        self.requested, self.products = products, choose_products(products)
+        if self.products == "torch" and importlib.util.find_spec("torch") is None:
+            raise EvaluationError("products='torch' needs torch (pip install torch); or use products='numpy'")
         self._converted: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
 
     def __getitem__(self, name: str) -> Any:
         return self.params[name]
@@ -54,15 +81,27 @@ class ComputeWeights(Mapping[str, Any]):
         """Whether ``name`` is converted for tensor ``t`` already."""
         return (name, t.shape, t.dtype.name) in self._converted
 
-    def get(self, name: str, t: Tensor) -> np.ndarray:
-        """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them)."""
+    def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
+        """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
+        ``torch``: a bfloat16 matrix as a Weight with its torch twin (the same float32 memory)."""
         key = (name, t.shape, t.dtype.name)
         found = self._converted.get(key)
         if found is None:
             found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}"), t.dtype)
             found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
             self._converted[key] = found
-        return found
+        if not torch or t.dtype != bfloat16 or t.ndim != 2:
+            return found
+        if self.products != "torch":
+            raise EvaluationError(f"parameter {name!r}: torch products need ComputeWeights(products='torch' or 'auto')")
+        if key not in self._twins:
+            import torch as _torch
+
+            twin = Weight(found.shape, np.float32, found)  # (numpy makes a view of this a view of it)
+            twin.bf16 = _torch.from_numpy(found.astype(bfloat16.np).view(np.int16)).view(_torch.bfloat16)
+            twin.setflags(write=False)
+            self._twins[key] = twin
+        return self._twins[key]
 
     @property
     def nbytes(self) -> int:
@@ -72,9 +111,13 @@ class ComputeWeights(Mapping[str, Any]):
 class FastGraph:
     """``graph`` prepared for repeated runs (module docstring): its states live here between runs,
     as a loop kernel's do. ``params``: a mapping of the graph's parameters or a ``ComputeWeights``.
-    ``verify``: check every op's output shape and dtype as it runs (tests)."""
+    ``products``: "numpy", or "torch" (the products of many rows with a bfloat16 weight by torch's
+    bfloat16 kernels: within matmul's contract, not the reference's bits). ``verify``: check every op's
+    output shape and dtype as it runs (tests)."""
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any] | ComputeWeights, *, verify: bool = False) -> None:
+    def __init__(
+        self, graph: Graph, params: Mapping[str, Any] | ComputeWeights, *, products: str = "numpy", verify: bool = False
+    ) -> None:
         if not isinstance(graph, Graph):
             raise EvaluationError(f"FastGraph: expected a Graph, got {type(graph).__name__}")
         if graph.world_size != 1:
@@ -84,7 +127,10 @@ class FastGraph:
             )
         require_results([graph], "FastGraph")
         self.graph = graph
-        self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params)
+        self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params, products)
+        if products not in ("numpy", "torch"):
+            raise EvaluationError(f"FastGraph: products must be 'numpy' or 'torch', got {products!r}")
+        self.torch = products == "torch"
         missing = [n for n in graph.parameters if n not in self.weights]
         if missing:
             raise EvaluationError(
@@ -119,7 +165,7 @@ class FastGraph:
             slot = self._new_slot(node.outputs[0])
             name, t = node.attrs["name"], node.outputs[0]
             if op.name == "parameter":
-                self._fixed[slot] = self.weights.get(name, t)
+                self._fixed[slot] = self.weights.get(name, t, self.torch)
             elif op.name == "constant":
                 self._fixed[slot] = to_compute_form(np.asarray(node.attrs["value"]), t.dtype)
             elif op.name == "input":

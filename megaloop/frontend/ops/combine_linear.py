@@ -18,7 +18,7 @@ from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
-from megaloop.frontend.ops._fast import Kernel, rounder
+from megaloop.frontend.ops._fast import Kernel, rounder, weight_product
 from megaloop.frontend.ops.attention_split import _combine_reference
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
@@ -66,7 +66,7 @@ def _fast(node: Any) -> Kernel:
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         rows = merged_rows(arrays[0], dtype).astype(np.float32)
-        return [finish(np.matmul(rows, np.swapaxes(arrays[1], -1, -2)))]
+        return [finish(weight_product(rows, arrays[1]))]
 
     return run
 

@@ -12,7 +12,7 @@ from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import layout as _layout
 from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
-from megaloop.frontend.ops._fast import Kernel, dense, rounder
+from megaloop.frontend.ops._fast import Kernel, blas_ready, rounder, weight_product
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -61,9 +61,11 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 def _fast(node: Any) -> Kernel:
     """The reference's product on the operands as they are (a weight is not copied each step)."""
     ta, tb, finish = node.attrs["transpose_a"], node.attrs["transpose_b"], rounder(node.outputs[0].dtype)
+    if tb and not ta:  # x @ w.T: a linear layer's, or its ranges of K (_fast.weight_product)
+        return lambda arrays: [finish(weight_product(arrays[0], arrays[1]))]
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        a, b = dense(arrays[0]), dense(arrays[1])
+        a, b = blas_ready(arrays[0]), blas_ready(np.asarray(arrays[1]))  # (a weight's view: not copied)
         return [finish(np.matmul(np.swapaxes(a, -1, -2) if ta else a, np.swapaxes(b, -1, -2) if tb else b))]
 
     return run

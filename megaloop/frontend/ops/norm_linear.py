@@ -14,7 +14,7 @@ from megaloop.errors import ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
-from megaloop.frontend.ops._fast import Kernel, rounder
+from megaloop.frontend.ops._fast import Kernel, rounder, weight_product
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
 from megaloop.frontend.shapes import format_shape
@@ -61,7 +61,7 @@ def _fast(node: Any) -> Kernel:
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         x, w, g, *residual = arrays
         rows = normed(x, g, residual[0] if residual else None)
-        return [finish(np.matmul(rows, np.swapaxes(w, -1, -2)))]
+        return [finish(weight_product(rows, w))]
 
     return run
 

@@ -14,7 +14,7 @@ from megaloop.errors import GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
-from megaloop.frontend.ops._fast import Kernel, dense, rounder
+from megaloop.frontend.ops._fast import Kernel, dense, rounder, weight_product
 from megaloop.frontend.ops.elementwise import _sigmoid, check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.ops.norm_linear import _as_matmul
 from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
@@ -71,8 +71,8 @@ def _fast(node: Any) -> Kernel:
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         x, gate, up, *norm = arrays
         a = normed(x, norm[0], norm[1] if len(norm) > 1 else None) if norm else dense(x)
-        g = stored(np.matmul(a, gate.T))
-        return [finish(g * _sigmoid(g) * stored(np.matmul(a, up.T)))]
+        g = stored(weight_product(a, gate))
+        return [finish(g * _sigmoid(g) * stored(weight_product(a, up)))]
 
     return run
 
