@@ -1,6 +1,7 @@
 """``megaloop generate``'s CPU path against transformers' ``generate`` on the same CPU and checkpoint:
-first-token latency (prompt to first token, warm, and the first call of a process) and decode
-tokens/s, greedy, both made to generate exactly --new-tokens tokens.
+first-token latency (prompt to first token, warm; and from a process's start, imports and loading
+included, to its first call's first token) and decode tokens/s, greedy, both made to generate
+exactly --new-tokens tokens; megaloop with each --cpu-products choice of --products.
 
     python -m bench.generate_cpu --threads 1              # 135M shape, both dtypes, 2 prompts: ~15 min here
     python -m bench.generate_cpu --shapes 0.5b --threads 1 --dtypes checkpoint --prompts 32 --name generate_cpu_0.5b
@@ -36,27 +37,35 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
 }  # fmt: skip
 
-# One run of one system in its own process: prints a JSON line "RESULT {...}".
+# One run of one system in its own process: prints a JSON line "RESULT {...}". "start_to_first_token_s":
+# from before the imports to the first call's first token (what a one-shot command waits).
 MEGALOOP_RUN = """
-import json, sys, time
+import time
+started = time.perf_counter()
+import json, sys
 import megaloop as ml
-folder, dtype, prompt, new, calls = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+folder, dtype, prompt, new, calls, products = sys.argv[1:7]
+prompt, new, calls = int(prompt), int(new), int(calls)
 t0 = time.perf_counter()
 dtype = None if dtype == "checkpoint" else dtype
-gen = ml.Generator(folder, backend="cpu", dtype=dtype, eos_token_ids=(), progress=False)
+gen = ml.Generator(folder, backend="cpu", dtype=dtype, eos_token_ids=(), progress=False, cpu_products=products)
 load = time.perf_counter() - t0
 ids = [(7 * i + 5) % 512 for i in range(prompt)]
 out = []
 for _ in range(calls):
+    call = time.perf_counter()
     s = gen.generate(ids, max_new_tokens=new).stats
     assert s.new_tokens == new, s.summary()
-    out.append({"first_token_s": s.prefill_s, "call_first_token_s": s.first_token_s,
-                "decode_tokens_per_s": s.tokens_per_s, "setup": s.setup})
+    counted = gen.progress.seconds.get("load", 0.0) if not out else 0.0  # (the first call's counts the load)
+    out.append({"first_token_s": s.prefill_s, "decode_tokens_per_s": s.tokens_per_s, "setup": s.setup,
+                "backend": s.backend, "start_to_first_token_s": call - started + s.first_token_s - counted})
 print("RESULT " + json.dumps({"load_s": load, "calls": out}))
 """
 
 TRANSFORMERS_RUN = """
-import json, sys, time
+import time
+started = time.perf_counter()
+import json, sys
 import torch, transformers
 folder, dtype, prompt, new, calls = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 t0 = time.perf_counter()
@@ -79,7 +88,8 @@ for _ in range(calls):
                        do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
     ticks = clock.times[1:]  # (the first put is the prompt)
     assert len(ticks) == new, len(ticks)
-    out.append({"first_token_s": ticks[0] - t0, "decode_tokens_per_s": (new - 1) / (ticks[-1] - ticks[0])})
+    out.append({"first_token_s": ticks[0] - t0, "decode_tokens_per_s": (new - 1) / (ticks[-1] - ticks[0]),
+                "start_to_first_token_s": ticks[0] - started})
 print("RESULT " + json.dumps({"load_s": load, "dtype": str(next(model.parameters()).dtype), "calls": out}))
 """
 
@@ -116,8 +126,9 @@ def _env(threads: int) -> dict[str, str]:
             "MKL_NUM_THREADS": str(threads)}  # fmt: skip
 
 
-def run_once(script: str, folder: Path, dtype: str, threads: int, prompt: int, new: int, calls: int) -> dict:
-    cmd = [sys.executable, "-c", script, str(folder), dtype, str(prompt), str(new), str(calls)]
+def run_once(script: str, folder: Path, dtype: str, threads: int, prompt: int, new: int, calls: int,
+             products: str = "") -> dict:  # fmt: skip
+    cmd = [sys.executable, "-c", script, str(folder), dtype, str(prompt), str(new), str(calls), products]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(threads), timeout=1800)
     wall = time.perf_counter() - t0
@@ -138,7 +149,7 @@ def summarize(runs: list[dict]) -> dict:
     out = {
         "runs": len(runs),
         "load_s": med([r["load_s"] for r in runs]),
-        "cold_first_token_s": med([c.get("call_first_token_s", c["first_token_s"]) for c in cold]),
+        "start_to_first_token_s": med([c["start_to_first_token_s"] for c in cold]),
         "first_token_s": med([c["first_token_s"] for c in warm]),
         "decode_tokens_per_s": med([c["decode_tokens_per_s"] for c in warm]),
         "first_token_s_all": [round(c["first_token_s"], 4) for c in warm],
@@ -146,6 +157,8 @@ def summarize(runs: list[dict]) -> dict:
     }
     if "dtype" in runs[0]:
         out["torch_dtype"] = runs[0]["dtype"]
+    if "backend" in warm[0]:
+        out["backend"] = warm[0]["backend"]
     return out
 
 
@@ -160,6 +173,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="generate calls a process (the first is the cold one)")
     ap.add_argument("--repeats", type=int, default=3, help="processes per system and setting")
     ap.add_argument("--name", default="generate_cpu", help="the results file's name (bench/results/NAME.json)")
+    ap.add_argument("--products", default="auto,torch", help="megaloop's --cpu-products choices to run")
     args = ap.parse_args()
     machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
     results: dict = {"machine": machine, "new_tokens": args.new_tokens, "calls": args.calls, "repeats": args.repeats,
@@ -169,22 +183,32 @@ def main() -> None:
         for threads in map(int, args.threads.split(",")):
             for dtype in args.dtypes.split(","):
                 for prompt in map(int, args.prompts.split(",")):
-                    runs: dict[str, list] = {"megaloop": [], "transformers": []}
-                    for _ in range(args.repeats):  # interleaved: a change in the machine's load hits both
-                        for name, script in (("megaloop", MEGALOOP_RUN), ("transformers", TRANSFORMERS_RUN)):
+                    # megaloop's products choices (float32 weights: numpy's only), then transformers
+                    systems = [f"megaloop-{p}" for p in (args.products.split(",") if dtype != "float32" else ["auto"])]
+                    runs: dict[str, list] = {name: [] for name in [*systems, "transformers"]}
+                    for _ in range(args.repeats):  # interleaved: a change in the machine's load hits all
+                        for name in runs:
+                            script, products = (TRANSFORMERS_RUN, "") if name == "transformers" else (
+                                MEGALOOP_RUN, name.split("-", 1)[1])  # fmt: skip
                             runs[name].append(run_once(script, folder, dtype, threads, prompt, args.new_tokens,
-                                                       args.calls))  # fmt: skip
+                                                       args.calls, products))  # fmt: skip
                     case = {"shape": shape, "threads": threads, "dtype": dtype, "prompt_tokens": prompt,
                             **{name: summarize(r) for name, r in runs.items()}}  # fmt: skip
-                    m, t = case["megaloop"], case["transformers"]
-                    case["decode_speedup"] = round(m["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3)
-                    case["first_token_speedup"] = round(t["first_token_s"] / m["first_token_s"], 3)
+                    t = case["transformers"]
+                    for name in systems:
+                        m = case[name]
+                        m["decode_speedup"] = round(m["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3)
+                        m["first_token_speedup"] = round(t["first_token_s"] / m["first_token_s"], 3)
+                        m["start_to_first_token_speedup"] = round(
+                            t["start_to_first_token_s"] / m["start_to_first_token_s"], 3
+                        )
+                        print(f"{shape} threads {threads} {dtype} prompt {prompt} {name}: decode "
+                              f"{m['decode_tokens_per_s']:.1f} tok/s vs {t['decode_tokens_per_s']:.1f} "
+                              f"({m['decode_speedup']}x); first token {1e3 * m['first_token_s']:.0f} vs "
+                              f"{1e3 * t['first_token_s']:.0f} ms ({m['first_token_speedup']}x); from the start "
+                              f"{m['start_to_first_token_s']:.2f} vs {t['start_to_first_token_s']:.2f} s",
+                              flush=True)  # fmt: skip
                     results["cases"].append(case)
-                    print(f"{shape} threads {threads} {dtype} prompt {prompt}: decode megaloop "
-                          f"{m['decode_tokens_per_s']:.1f} tok/s vs transformers {t['decode_tokens_per_s']:.1f} "
-                          f"({case['decode_speedup']}x); first token {1e3 * m['first_token_s']:.0f} vs "
-                          f"{1e3 * t['first_token_s']:.0f} ms ({case['first_token_speedup']}x)",
-                          flush=True)  # fmt: skip
     results["machine"]["load_average_after"] = os.getloadavg()
     write(args.name, results)
 

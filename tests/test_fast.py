@@ -131,3 +131,25 @@ def test_a_rank_graph_is_refused() -> None:
     graphs = ml.spmd(lambda g: g.output("y", ml.all_reduce(g.input("x", (2,), "float32"))), 2)
     with pytest.raises(EvaluationError, match=r"rank 0 of 2.*ml\.evaluate"):
         FastGraph(graphs[0], {})
+
+
+def test_torch_products_read_any_view_of_a_weight() -> None:
+    """_fast.weight_product with a Weight's bfloat16 twin: the weight, its transpose and split-K's
+    ranges of K (a view) give torch's products of the same values, within matmul's contract; numpy's
+    where the rows are few."""
+    torch = pytest.importorskip("torch")
+    from megaloop.frontend.ops._fast import TORCH_ROWS, Weight, weight_product
+
+    rng = np.random.default_rng(0)
+    w16 = rng.standard_normal((48, 64)).astype(ml.bfloat16.np)
+    weight = Weight(w16.shape, np.float32, w16.astype(np.float32))
+    weight.bf16 = torch.from_numpy(w16.view(np.int16)).view(torch.bfloat16)
+    x = rng.standard_normal((1, 16, 64)).astype(ml.bfloat16.np).astype(np.float32)
+    ranges = np.swapaxes(weight.reshape(48, 2, 32), 0, 1).reshape(2, 1, 48, 32)  # split-K's view
+    cases = [(x, weight), (x[:, :TORCH_ROWS - 1], weight), (np.moveaxis(x.reshape(1, 16, 2, 32), 2, 0), ranges)]
+    for a, w in cases:
+        want = np.matmul(a.astype(np.float64), np.swapaxes(np.asarray(w, np.float64), -1, -2))
+        got = weight_product(a, w)
+        scale = np.abs(a).max() * np.abs(np.asarray(w)).max() * a.shape[-1]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 2 * ml.bfloat16.eps * scale, (a.shape, w.shape)
+    assert not np.array_equal(weight_product(x, weight), np.matmul(x, weight.T))  # (torch's, rounded to bf16)

@@ -87,8 +87,9 @@ class Fast:
     ``make(node)`` runs once per node and returns ``run(operands) -> outputs`` (a list): operands and
     outputs in their *compute form* (float tensors as float32 arrays holding values of their dtype,
     others as they are), each output already rounded to its dtype. ``exact``: the reference's bits
-    (else within the op's accuracy contract, e.g. a BLAS order of sums). ``checks_data``: run checks
-    the operands' values itself (else the executor calls ``check_data`` first)."""
+    with numpy's products (else within the op's accuracy contract, e.g. a BLAS order of sums; torch's
+    bfloat16 products, where a graph is prepared for them, are within matmul's). ``checks_data``: run
+    checks the operands' values itself (else the executor calls ``check_data`` first)."""
 
     make: Callable[[Any], Callable[[list[np.ndarray]], list[np.ndarray]]]
     exact: bool = True

@@ -117,12 +117,13 @@ class CpuBackend:
         if self.runs is not None:
             return
         weights, graphs = self.weights, (self.prefill_graph, self.generator)
-        todo = {n: t for g in graphs for n, t in g.parameters.items() if not weights.has(n, t)}
+        torch = {g: g is graphs[0] and self.products == "torch" for g in graphs}  # (bfloat16 twins for torch)
+        todo = [(n, t, torch[g]) for g in graphs for n, t in g.parameters.items() if not weights.has(n, t, torch[g])]
         if todo:  # (a Generator's weights are converted by its first call only)
-            size = sum(t.size for t in todo.values())
+            size = sum(t.size for _, t, _ in todo)
             with self.progress.phase("convert", size, unit="weight", unit_scale=True) as bar:
-                for name, t in todo.items():
-                    weights.get(name, t)
+                for name, t, twin in todo:
+                    weights.get(name, t, twin)
                     bar.update(t.size)
         self.runs = (FastGraph(graphs[0], weights, products=self.products), FastGraph(graphs[1], weights))
 

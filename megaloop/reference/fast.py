@@ -77,9 +77,12 @@ class ComputeWeights(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self.params)
 
-    def has(self, name: str, t: Tensor) -> bool:
-        """Whether ``name`` is converted for tensor ``t`` already."""
-        return (name, t.shape, t.dtype.name) in self._converted
+    def has(self, name: str, t: Tensor, torch: bool = False) -> bool:
+        """Whether ``name`` is converted for tensor ``t`` already (``torch``: with its torch twin, where
+        it gets one)."""
+        key = (name, t.shape, t.dtype.name)
+        twin = torch and t.dtype == bfloat16 and t.ndim == 2
+        return key in self._converted and (not twin or key in self._twins)
 
     def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
         """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
