@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from bench.common import cuda_graph, resident_seconds, time_torch, write
 from megaloop.cli import PRESETS
 from megaloop.models import build_llama, build_llama_generator, random_parameters
-from megaloop.models.llama import DECODE_FUSIONS, Fusions, auto_kv_splits
-from megaloop.plan import KernelOptions, make_plan
+from megaloop.models.llama import auto_kv_splits
+from megaloop.plan import FuseOptions, KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
 PROMPT, NEW = 128, 128
@@ -167,10 +167,10 @@ def _greedy(plan, params: dict, start: dict) -> tuple[float, np.ndarray]:
         return seconds, k.state()["generated"][0, 0, PROMPT : PROMPT + NEW, 0].astype(np.int64)
 
 
-def _prefill_plan(cfg, fusions: Fusions):
+def _prefill_plan(cfg, fusion: FuseOptions):
     """The prompt's step (every position's logits) as bench/generate times it."""
-    graph = build_llama(cfg, 1, PROMPT, fusions=fusions)
-    return make_plan(graph, processors=132, tiles={"matmul": {"tensor_cores": 1}})
+    graph = build_llama(cfg, 1, PROMPT)
+    return make_plan(graph, processors=132, tiles={"matmul": {"tensor_cores": 1}}, fusion=fusion)
 
 
 def main() -> None:
@@ -179,14 +179,14 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers generate (minutes of compile)")
     ap.add_argument("--skip-torch-compile", action="store_true", help="no torch.compile step (a minute of compile)")
     ap.add_argument("--options", default="{}", help="the generator plan's KernelOptions, as JSON")
-    ap.add_argument("--fusions", default="", help="the generator's Fusions: swiglu, none, ... (default: both)")
-    ap.add_argument("--compare", nargs="*", default=[], help="more Fusions to time the greedy generator with")
+    ap.add_argument("--fusion", default="all", help="the generator's rewrites (FuseOptions.parse): all, none, -x,+y")
+    ap.add_argument("--compare", nargs="*", default=[], help="more FuseOptions to time the greedy generator with")
     ap.add_argument(
         "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"
     )
-    ap.add_argument("--compare-prefill", nargs="*", default=[], help="more Fusions to time the prefill with")
+    ap.add_argument("--compare-prefill", nargs="*", default=[], help="more FuseOptions to time the prefill with")
     args = ap.parse_args()
-    fusions = Fusions.parse(args.fusions) if args.fusions else DECODE_FUSIONS
+    fusion = FuseOptions.parse(args.fusion)
     options = KernelOptions(**json.loads(args.options))
     preset, name = SHAPES[args.shape]
     base = PRESETS[preset]
@@ -196,18 +196,18 @@ def main() -> None:
     prompt = rng.integers(0, cfg.vocab, (1, PROMPT))
     results: dict = {"model": f"{preset} shape, random weights, bf16", "prompt": PROMPT, "new_tokens": NEW}
     results["options"] = dataclasses.asdict(options)
-    results["fusions"] = dataclasses.asdict(fusions)
+    results["fusion"] = fusion.to_dict()
 
     results.update(torch_side(cfg, params, not args.skip_torch_compile))
     torch.cuda.empty_cache()  # before the loop kernels take the GPU
 
     t0 = time.perf_counter()
-    prefill_plan = _prefill_plan(cfg, DECODE_FUSIONS)
-    gen_graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=fusions)
-    gen_plan = make_plan(gen_graph, processors=132, options=options)
+    prefill_plan = _prefill_plan(cfg, FuseOptions())
+    gen_graph = build_llama_generator(cfg, 1, kv_splits=_splits())
+    gen_plan = make_plan(gen_graph, processors=132, options=options, fusion=fusion)
     results["plan_s"] = time.perf_counter() - t0
-    sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True, fusions=fusions)
-    sampling_plan = make_plan(sampling, processors=132, options=options)
+    sampling = build_llama_generator(cfg, 1, kv_splits=_splits(), sampling=True)
+    sampling_plan = make_plan(sampling, processors=132, options=options, fusion=fusion)
     with LoopKernel(prefill_plan, params) as k:
         feeds = {"tokens": prompt, "positions": np.arange(PROMPT)[None]}
         logits = k.run(feeds)["logits"]
@@ -217,17 +217,16 @@ def main() -> None:
         # the step alone, its inputs in place (run again: it writes the same KV cache rows with the same values)
         results["loop_prefill_ms"] = resident_seconds(k, 1) * 1e3
         state = k.state()
-    for text in args.compare_prefill:  # the same prefill built with other Fusions (split_k), in this run
-        with LoopKernel(_prefill_plan(cfg, Fusions.parse(text)), params) as k:
+    for text in args.compare_prefill:  # the same prefill with other rewrites (-split_k_linear), in this run
+        with LoopKernel(_prefill_plan(cfg, FuseOptions.parse(text)), params) as k:
             other = k.run(feeds)["logits"]
             entry = {"ms": resident_seconds(k, 1) * 1e3, "logits_max_diff": float(np.abs(other - logits).max())}
         results.setdefault("compare_prefill", {})[text] = entry
         print("prefill", text, entry, flush=True)
     start = {**state, "token": logits[:, -1].astype(np.float32).argmax(-1)[:, None], "position": np.array([[PROMPT]])}
     seconds, tokens = _greedy(gen_plan, params, start)
-    for text in args.compare:  # the same greedy generation with other Fusions, in this run
-        graph = build_llama_generator(cfg, 1, kv_splits=_splits(), fusions=Fusions.parse(text))
-        plan = make_plan(graph, processors=132, options=options)
+    for text in args.compare:  # the same greedy generation with other rewrites, in this run
+        plan = make_plan(gen_graph, processors=132, options=options, fusion=FuseOptions.parse(text))
         s, toks = _greedy(plan, params, start)
         results.setdefault("compare", {})[text] = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
         print(text, results["compare"][text], flush=True)

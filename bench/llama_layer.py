@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import megaloop as ml
 from bench.common import matmul_tiles, resident_seconds, time_torch, write
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import DECODE_FUSIONS, Fusions, auto_kv_splits, decoder_layer_parts
+from megaloop.models.llama import auto_kv_splits, decoder_layer_parts
 from megaloop.plan import make_plan
 from megaloop.runtime.loop import LoopKernel
 
@@ -81,17 +81,15 @@ def layer_config(hidden: int, tokens: int) -> LlamaConfig:
     )
 
 
-def dependent_decode_graph(
-    cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None, fusions: Fusions = DECODE_FUSIONS
-) -> ml.Graph:
+def dependent_decode_graph(cfg: LlamaConfig, x0: np.ndarray, kv_splits: int | str | None) -> ml.Graph:
     """The decode step of build_llama (one layer, the final norm) with ``hidden`` a state that each
     step's output replaces (in place: the final norm writes it, no copy); x0 [sequences, 1, hidden].
-    ``fusions``: the small ops its projections' tiles make (megaloop.models.llama.Fusions)."""
+    Plain, as build_llama's: make_plan fuses it (its ``fusion`` options)."""
     g = ml.Graph("llama-layer-dependent")
     positions = g.input("positions", (x0.shape[0], 1), "int64")
     x = g.state("hidden", (x0.shape[0], 1, cfg.hidden), cfg.dtype, init=x0)
-    h, update = decoder_layer_parts(g, cfg, x, None, positions, 0, kv_splits, fusions)
-    y = ml.rmsnorm(h, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps, residual=update)
+    h, update = decoder_layer_parts(g, cfg, x, None, positions, 0, kv_splits)
+    y = ml.rmsnorm(h + update, g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype), eps=cfg.rms_eps)
     g.output("hidden", y)
     g.assign(x, y)
     return g

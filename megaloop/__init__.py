@@ -9,7 +9,7 @@
     ml.evaluate(g, {"x": ...}, {"w": ...}).outputs["y"]
 
 Layers, in pipeline order (each imports only the ones before it): dtypes/errors -> frontend (graph,
-tensors, op set) -> models, parallel -> plan -> codegen, reference -> runtime -> cli.
+tensors, op set) -> models, parallel, fuse (graph rewrites) -> plan -> codegen, reference -> runtime -> cli.
 """
 
 from megaloop import errors
@@ -29,6 +29,7 @@ from megaloop.errors import MegaloopError
 from megaloop.frontend import REGISTRY, Graph, OpDef, Tensor
 from megaloop.frontend.ops import *  # noqa: F403 - the op builders are the public API
 from megaloop.frontend.ops import __all__ as _ops_all
+from megaloop.fuse import FuseOptions, fuse
 from megaloop.parallel import Mesh, OnDevice, Partial, Partition, Replicate, Shard, match_ranks, parallelize, spmd
 from megaloop.reference import Evaluation, evaluate
 
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         import megaloop.generation
 
         return getattr(megaloop.generation, name)
+    if name == "Engine":
+        import megaloop.serving.engine
+
+        return megaloop.serving.engine.Engine
     raise AttributeError(f"module 'megaloop' has no attribute {name!r}")
 
 
@@ -51,6 +56,7 @@ __all__ = [
     "REGISTRY",
     "DType",
     "Evaluation",
+    "FuseOptions",
     "Graph",
     "MegaloopError",
     "Mesh",
@@ -68,6 +74,7 @@ __all__ = [
     "evaluate",
     "float16",
     "float32",
+    "fuse",
     "int32",
     "int64",
     "match_ranks",

@@ -8,6 +8,7 @@ megaloop info     versions, GPUs, and which backend ``demo`` would use
 megaloop generate              text from a Hugging Face checkpoint folder (megaloop/generation/commands.py)
 megaloop make-tiny-checkpoint  a small random Llama with a real tokenizer, to try generate on
 megaloop cache info|clear      the compiled-kernel and plan cache (megaloop/cli_cache.py)
+megaloop serve                 the OpenAI HTTP API for a checkpoint folder (megaloop/serving/commands.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megaloop.frontend.opdef import REGISTRY
 from megaloop.generation.commands import add_commands
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
+from megaloop.serving.commands import add_serve_command
 
 
 def _at_least(low: int):
@@ -278,6 +280,14 @@ def _tile_overrides(items: list[str], command: str = "plan") -> dict[str, dict[s
     return out
 
 
+def _fusion(text: str, command: str) -> ml.FuseOptions:
+    """--fusion's rules (docs/fuse.md), or an exit naming the option."""
+    try:
+        return ml.FuseOptions.parse(text)
+    except ml.MegaloopError as e:
+        raise SystemExit(f"megaloop {command}: --fusion {text!r}: {e}") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from megaloop.codegen.dump import check_folder, dump
     from megaloop.plan import make_plan
@@ -288,6 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _writable_file("plan", Path(args.save), args.force)
     if args.dump:
         check_folder(args.dump, args.force)
+    fusion = _fusion(args.fusion, "plan")
     print(f"megaloop plan: planning {args.preset} (Ctrl-C stops)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
@@ -296,10 +307,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.devices is not None or args.mesh is not None:
         from megaloop.cli_parallel import partition_for_cli
 
-        graphs = partition_for_cli(graph, args)
+        graphs = partition_for_cli(graph, args, fusion)
         t1 = time.perf_counter()
+    tiles = _tile_overrides(args.tile)
     plan = make_plan(
-        graphs, processors=args.processors, arch=args.arch, tiles=_tile_overrides(args.tile), reuse=not args.no_reuse
+        graphs, processors=args.processors, arch=args.arch, tiles=tiles, reuse=not args.no_reuse, fusion=fusion
     )
     t2 = time.perf_counter()
     print(
@@ -345,7 +357,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     arch = found[0].plan_arch if found else "sm_90"
     graph = build_llama(cfg, args.batch, args.tokens, f"{args.preset}-{args.batch}x{args.tokens}")
     t0 = time.perf_counter()
-    plan = make_plan(graph, processors=processors, arch=arch, tiles=_tile_overrides(args.tile, "profile"))
+    tiles, fusion = _tile_overrides(args.tile, "profile"), _fusion(args.fusion, "profile")
+    plan = make_plan(graph, processors=processors, arch=arch, tiles=tiles, fusion=fusion)
     print(
         f"{args.preset}: planned {len(plan.ranks[0].tasks)} tasks on {processors} processors in "
         f"{time.perf_counter() - t0:.1f} s"
@@ -432,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME:PARAM=INT",
         help="override a tile parameter, e.g. matmul:block_m=64 (repeatable)",
     )
+    fusion_help = "graph rewrites (docs/fuse.md): all, none, -RULE,+RULE,... (the default ones less, more) or RULE,..."
+    plan.add_argument("--fusion", default="all", metavar="RULES", help=fusion_help)
     plan.add_argument("--no-reuse", action="store_true", help="give every intermediate its own memory")
     plan.add_argument("--devices", type=COUNT, help="split the model over this many GPUs (ml.parallelize)")
     plan.add_argument("--mesh", metavar="AxB", help="a device mesh, e.g. 2x8: two nodes of eight GPUs")
@@ -453,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     profile.add_argument("--iterations", type=COUNT, default=3, help="iterations to record")
     profile.add_argument("--tile", action="append", default=[], metavar="NAME:PARAM=INT", help="as for plan")
+    profile.add_argument("--fusion", default="all", metavar="RULES", help="as for plan")
     profile.add_argument("--estimate", action="store_true", help="the cost model's timeline even with a GPU")
     profile.add_argument("--out", default="megaloop-profile", help="folder for trace.json and timeline.png")
     profile.add_argument("--force", action="store_true", help="replace trace.json and timeline.png in --out")
@@ -461,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="versions and GPUs").set_defaults(fn=cmd_info)
     add_commands(sub)
     add_cache_command(sub)
+    add_serve_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -9,6 +9,7 @@ from typing import Any
 
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
+from megaloop.fuse import FuseOptions, fuse
 from megaloop.parallel import H200, Mesh, parallelize
 
 
@@ -37,7 +38,7 @@ def parse_strategy(text: str) -> Any:
     return out
 
 
-def partition_for_cli(graph: Graph, args: argparse.Namespace) -> list[Graph]:
+def partition_for_cli(graph: Graph, args: argparse.Namespace, fusion: FuseOptions | None = None) -> list[Graph]:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if mesh is not None and args.devices is not None and mesh.size != args.devices:
         raise GraphBuildError(f"--mesh {args.mesh} has {mesh.size} devices but --devices says {args.devices}")
@@ -47,7 +48,7 @@ def partition_for_cli(graph: Graph, args: argparse.Namespace) -> list[Graph]:
     if isinstance(strategy, str) and mesh is not None and len(mesh.shape) > 1 and strategy != "auto":
         strategy = {name: strategy for name in mesh.names}
     t0 = time.perf_counter()
-    partition = parallelize(graph, devices, strategy, machine=machine)
+    partition = parallelize(fuse(graph, fusion), devices, strategy, machine=machine)  # (fused first: docs/fuse.md)
     print(f"partitioned in {time.perf_counter() - t0:.1f} s")
     print(partition.describe())
     print()

@@ -17,8 +17,7 @@ import numpy as np
 from bench.common import commit, device_name, matmul_tiles, resident_seconds
 from bench.llama_layer import CONTEXT, dependent_decode_graph, layer_config
 from megaloop.models import random_parameters
-from megaloop.models.llama import DECODE_FUSIONS, Fusions
-from megaloop.plan import KernelOptions, make_plan
+from megaloop.plan import FuseOptions, KernelOptions, make_plan
 from megaloop.runtime.loop import LoopKernel
 
 SEQUENCES = int(os.environ.get("DECODE_SEQUENCES", "1"))  # batched decode: e.g. 4 (fold_batch=1, the default, or 0)
@@ -39,11 +38,12 @@ VARIANTS = {
     "no_ring": {"options": {"weight_ring_slots": 0}},
     "ring16": {"options": {"weight_ring_slots": 16}},
     "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
-    # small ops made by the projections' tiles (megaloop.models.llama.Fusions): the norms (rmsnorm_linear
-    # tiles norming their own rows), silu(gate) * up in the gate/up tiles' epilogue (swiglu_linear), both
-    "apart": {"fusions": "none"},
-    "norms_inside": {"fusions": "norms"},
-    "swiglu": {"fusions": "swiglu"},
+    # small ops made by the projections' tiles (the plan's FuseOptions, docs/fuse.md): the norms
+    # (rmsnorm_linear tiles norming their own rows), silu(gate) * up in the gate/up tiles' epilogue
+    # (swiglu_linear), both; each without attention's append form
+    "apart": {"fusion": "-rmsnorm_linear,-swiglu_linear,-attention_append,-split_k_linear"},
+    "norms_inside": {"fusion": "-swiglu_linear,-attention_append,-split_k_linear"},
+    "swiglu": {"fusion": "-rmsnorm_linear,-attention_append,-split_k_linear"},
     "default_again": {},
 }
 
@@ -56,9 +56,9 @@ def step_us(hidden: int, variant: dict) -> float:
     params = random_parameters(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 1, hidden)).astype(np.float32)
     options = KernelOptions(**variant.get("options", {}))
-    fusions = Fusions.parse(variant["fusions"]) if "fusions" in variant else DECODE_FUSIONS
-    graph = dependent_decode_graph(cfg, x, "auto", fusions)
-    plan = make_plan(graph, processors=132, tiles=tiles, options=options)
+    fusion = FuseOptions.parse(variant.get("fusion", "all"))
+    graph = dependent_decode_graph(cfg, x, "auto")
+    plan = make_plan(graph, processors=132, tiles=tiles, options=options, fusion=fusion)
     with LoopKernel(plan, params) as k:
         k.run({"positions": np.full((SEQUENCES, 1), CONTEXT)}, iterations=3)
         return resident_seconds(k, 200) * 1e6

@@ -5,8 +5,9 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
     MEGALOOP_CACHE=$PWD/.cubin-cache python scripts/precompile.py generate profile:generate1b
     # device call: carry [".cubin-cache"], command "MEGALOOP_CACHE=$PWD/.cubin-cache bash scripts/gpu_check.sh ..."
 
-Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS and
-GENERATE_COMPARE_OPTIONS as JSON, as its --options / --compare-options) and ``profile:CASE``
+Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
+GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
+--compare) and ``profile:CASE``
 (scripts/profile_cases.py's case with PROFILE_OPTIONS). A cubin is keyed by its source, the header
 library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import matmul_tiles
 from megaloop.codegen.kernel import generate
-from megaloop.plan import KernelOptions, make_plan
+from megaloop.plan import FuseOptions, KernelOptions, make_plan
 from megaloop.runtime.compile import compile_many
 
 
@@ -34,13 +35,15 @@ def generate_plans() -> list:
     base = PRESETS["llama3.2-1b"]
     cfg = type(base)(**{**base.__dict__, "max_seq": bg.PROMPT + bg.NEW})
     options = KernelOptions(**json.loads(os.environ.get("GENERATE_OPTIONS", "{}")))
-    plans = [bg._prefill_plan(cfg, bg.DECODE_FUSIONS)]
+    plans = [bg._prefill_plan(cfg, FuseOptions())]
     for sampling in (False, True):
         graph = build_llama_generator(cfg, 1, kv_splits=bg._splits(), sampling=sampling)
         plans.append(make_plan(graph, processors=132, options=options))
+    graph = build_llama_generator(cfg, 1, kv_splits=bg._splits())
     for text in json.loads(os.environ.get("GENERATE_COMPARE_OPTIONS", "[]")):
-        graph = build_llama_generator(cfg, 1, kv_splits=bg._splits())
         plans.append(make_plan(graph, processors=132, options=KernelOptions(**text)))
+    for text in json.loads(os.environ.get("GENERATE_COMPARE", "[]")):  # (as --compare: FuseOptions.parse)
+        plans.append(make_plan(graph, processors=132, options=options, fusion=FuseOptions.parse(text)))
     return plans
 
 
@@ -52,7 +55,8 @@ def profile_plan(case: str):
         key, _, value = item.partition("=")
         options[key.strip()] = int(value)
     g, *_ = pc.CASES[case]()
-    return make_plan(g, processors=132, tiles=matmul_tiles(), options=KernelOptions(**options))
+    fusion = FuseOptions.parse(os.environ.get("PROFILE_FUSION") or pc.FUSION.get(case, "all"))  # (as profile_cases)
+    return make_plan(g, processors=132, tiles=matmul_tiles(), options=KernelOptions(**options), fusion=fusion)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import megaloop as ml
 from bench.common import matmul_tiles
 from bench.llama_layer import CONTEXT, layer_config
 from megaloop.models import build_llama, random_parameters
-from megaloop.plan import KernelOptions, make_plan
+from megaloop.plan import FuseOptions, KernelOptions, make_plan
 from megaloop.runtime import gpus, trace
 
 
@@ -81,17 +81,16 @@ def prefill_case():
     return build_llama(cfg, 1, 128), random_parameters(cfg, seed=0), feeds
 
 
-def generate_case(splits: int | str | None = "auto", fusions: str | None = None, preset: str = "llama3.2-1b"):
+def generate_case(splits: int | str | None = "auto", preset: str = "llama3.2-1b"):
     """bench/generate.py's self-feeding Llama-3.2-1B-shaped generator (16 layers, the LM head, the argmax)
     at position 128 of 256: the whole decode step that the benchmark times per token."""
     from megaloop.cli import PRESETS
-    from megaloop.models import Fusions, build_llama_generator
+    from megaloop.models import build_llama_generator
 
     base = PRESETS[preset]
     cfg = type(base)(**{**base.__dict__, "max_seq": 256})
     state = {"token": np.array([[17]]), "position": np.array([[128]])}
-    chosen = {} if fusions is None else {"fusions": Fusions.parse(fusions)}
-    graph = build_llama_generator(cfg, 1, kv_splits=splits, **chosen)
+    graph = build_llama_generator(cfg, 1, kv_splits=splits)
     return graph, random_parameters(cfg, seed=0), {}, state
 
 
@@ -105,7 +104,7 @@ CASES = {
     "prefill4096": lambda: llama_case(4096, 512),
     "gemm4096": lambda: gemm_case(4096),
     "generate1b": generate_case,  # the whole 16-layer step with the LM head and argmax
-    "generate1b_noappend": lambda: generate_case(fusions="norms,swiglu"),  # without Fusions.append
+    "generate1b_noappend": generate_case,  # without attention's append form (FUSION)
     "generate8b": lambda: generate_case(preset="llama3-8b"),  # bench/generate --shape 8b's step
     "prefill1b": prefill_case,  # bench/generate's 128-token prefill
     "silu_chain": lambda: chain_case("silu"),
@@ -113,6 +112,9 @@ CASES = {
     "rmsnorm8192": lambda: rows_case("rmsnorm"),
     "softmax8192": lambda: rows_case("softmax"),
 }
+# the graph rewrites a case is planned with, where not all of them (FuseOptions.parse; PROFILE_FUSION
+# overrides every case's: "-split_k_linear", "none")
+FUSION = {"generate1b_noappend": "-attention_append"}
 
 
 def report(name: str, tl: trace.Timeline, out: Path) -> None:
@@ -168,7 +170,9 @@ def main() -> None:
         raise SystemExit(f"PROFILE_OPTIONS: {e}; the options are {[f.name for f in fields(KernelOptions)]}") from None
     for name in sys.argv[1:] or list(CASES):
         g, params, feeds, *state = CASES[name]()  # (a case that starts from a state gives it fourth)
-        plan = make_plan(g, processors=found[0].sm_count if found else 132, tiles=tiles, options=kernel_options)
+        fusion = FuseOptions.parse(os.environ.get("PROFILE_FUSION") or FUSION.get(name, "all"))
+        processors = found[0].sm_count if found else 132
+        plan = make_plan(g, processors=processors, tiles=tiles, options=kernel_options, fusion=fusion)
         if found:
             from megaloop.runtime.loop import LoopKernel
 

@@ -767,6 +767,15 @@ row(
     _embedding_sample,
     fixed={1: "int32"},
 )
+row(  # a table of ints (the serving step's token ids by slot and position)
+    "embedding",
+    "int-table",
+    lambda g, t, i: ml.embedding(t, i),
+    lambda t, i, **k: t[i],
+    _embedding_sample,
+    INTS,
+    fixed={1: "int64"},
+)
 
 
 def llama3_inv_freq(dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:
@@ -1189,6 +1198,82 @@ row(
     lambda c, n, p, dtype, **kw: _cache_ref(c, rnd(rope_ref(n, p[:, None, :], **kw), dtype), p),
     _rope_cache_sample,
     fixed={2: "int64"},
+    states=(0,),
+)
+
+# the paged KV cache (a serving step's rows of any slots): a page table that is one permutation of the
+# pool's pages (built from a flat row of distinct page ids), rows of random slots at distinct positions
+# (some unused: -1), grouped-query heads, a sliding window, a head_dim not a power of two
+def _paged_sample(update: bool) -> Callable[[np.random.Generator], Sample]:
+    def draw(rng: np.random.Generator) -> Sample:
+        slots, per_slot, page = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.choice([1, 2, 4, 8]))
+        pages = slots * per_slot + int(rng.integers(0, 4))
+        hkv, group, d = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([4, 6, 16, 40]))
+        b, t = (1, int(rng.integers(1, 7))) if update else (int(rng.integers(1, 3)), int(rng.integers(1, 5)))
+        t = min(t, per_slot * page)
+        kw = {"slots": slots, "per_slot": per_slot, "window": None if rng.random() < 0.6 else int(rng.integers(1, 6))}
+        pos = ("distinct", per_slot * page)
+        if update:
+            shapes = [(pages, hkv, page, d), (b, hkv, t, d), (slots * per_slot,), (b, t), (b, t), (b, t)]
+            domains = ("normal", "normal", ("distinct", pages), ("int", 0, slots), pos, "bool")
+        else:
+            shapes = [(b, hkv * group, t, d), (pages, hkv, page, d), (pages, hkv, page, d), (slots * per_slot,),
+                      (b, t), (b, t), (b, t)]  # fmt: skip
+            domains = ("normal", "normal", "normal", ("distinct", pages), ("int", 0, slots), pos, "bool")
+        return Sample(shapes, kw, domains)
+
+    return draw
+
+
+def _paged_rows(slot, pos, used):
+    return [(bi, ti) for bi in range(pos.shape[0]) for ti in range(pos.shape[1]) if used[bi, ti]]
+
+
+def _paged_gather(pool, table_row):
+    """A slot's keys (values) as one cache [1, kv_heads, pages_per_slot * page_size, dim]."""
+    return pool[table_row].permute(1, 0, 2, 3).reshape(1, pool.shape[1], -1, pool.shape[3])
+
+
+def _paged_attention_ref(q, kp, vp, table, slot, pos, used, *, slots, per_slot, window, dtype):
+    table = table.reshape(slots, per_slot)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for bi, ti in _paged_rows(slot, pos, used):
+        row = table[slot[bi, ti]]
+        k, v = _paged_gather(kp, row), _paged_gather(vp, row)
+        qpos = pos[bi, ti].reshape(1, 1)
+        out[bi, :, ti] = attention_ref(q[bi : bi + 1, :, ti : ti + 1], k, v, qpos, causal=True, window=window)[0, :, 0]
+    return out
+
+
+def _paged_update_ref(pool, new, table, slot, pos, used, *, slots, per_slot, window, dtype):
+    table, page = table.reshape(slots, per_slot), pool.shape[2]
+    out = pool.clone()
+    for bi, ti in _paged_rows(slot, pos, used):
+        p = int(pos[bi, ti])
+        out[table[slot[bi, ti], p // page], :, p % page] = new[bi, :, ti]
+    return out
+
+
+row(
+    "paged_attention",
+    "rows-of-slots",
+    lambda g, q, kp, vp, tab, sl, pos, used, slots, per_slot, window: ml.paged_attention(
+        q, kp, vp, tab.reshape(slots, per_slot), sl, ml.where(used, pos, -1), window=window
+    ),
+    _paged_attention_ref,
+    _paged_sample(update=False),
+    fixed={3: "int64", 4: "int64", 5: "int64", 6: "bool"},
+    reduce_len=lambda s: s.shapes[1][2] * s.kw["per_slot"] + s.shapes[0][3],
+)
+row(
+    "paged_kv_cache_update",
+    "rows-of-slots",
+    lambda g, pool, new, tab, sl, pos, used, slots, per_slot, window: ml.paged_kv_cache_update(
+        pool, new, tab.reshape(slots, per_slot), sl, ml.where(used, pos, -1)
+    ),
+    _paged_update_ref,
+    _paged_sample(update=True),
+    fixed={2: "int64", 3: "int64", 4: "int64", 5: "bool"},
     states=(0,),
 )
 

@@ -13,19 +13,22 @@ from megaloop.frontend.opdef import REGISTRY
 ROOT = Path(megaloop.__file__).parent
 
 # What each layer may import (besides itself). Order follows the pipeline.
+RUNTIME_AND_BEFORE = {"core", "frontend", "models", "parallel", "fuse", "plan", "codegen", "reference", "runtime"}
 ALLOWED = {
     "core": set(),
     "frontend": {"core"},
     "models": {"core", "frontend"},
     "parallel": {"core", "frontend"},
-    "plan": {"core", "frontend", "parallel"},
-    "codegen": {"core", "frontend", "parallel", "plan"},
-    "reference": {"core", "frontend", "parallel", "plan"},
-    "runtime": {"core", "frontend", "parallel", "plan", "codegen"},
-    "generation": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime"},
-    "cli": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation", "api"},
-    "api": {"core", "frontend", "models", "parallel", "plan", "codegen", "reference", "runtime", "generation"},
+    "fuse": {"core", "frontend"},  # graph rewrites: run on the single-device graph or on each rank's
+    "plan": {"core", "frontend", "parallel", "fuse"},
+    "codegen": {"core", "frontend", "parallel", "fuse", "plan"},
+    "reference": {"core", "frontend", "parallel", "fuse", "plan"},
+    "runtime": {"core", "frontend", "parallel", "fuse", "plan", "codegen"},
+    "generation": RUNTIME_AND_BEFORE,
+    "serving": RUNTIME_AND_BEFORE | {"generation"},
+    "api": RUNTIME_AND_BEFORE | {"generation", "serving"},
 }
+ALLOWED["cli"] = ALLOWED["api"] | {"api"}
 
 
 def layer_of(module: str) -> str:
@@ -86,7 +89,7 @@ def test_files_stay_small() -> None:
 
 # Packages whose modules import each other at the top only, in one direction: a lower module that needs
 # something of a higher one is handed it (tensor.BUILDERS, plan.model.CONVENIENCES), never imports it.
-ONE_WAY = ("megaloop.frontend", "megaloop.plan")
+ONE_WAY = ("megaloop.frontend", "megaloop.fuse", "megaloop.plan")
 
 
 def module_of(path: Path) -> str:
@@ -186,3 +189,16 @@ def test_codegen_lowers_ops_by_their_opdef_alone() -> None:
     tree = ast.parse((ROOT / "codegen" / "kernel.py").read_text())
     named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not named & set(REGISTRY), f"codegen/kernel.py names ops: {sorted(named & set(REGISTRY))}"
+
+
+def test_every_fusion_rule_makes_a_registered_op_at_registered_roots() -> None:
+    """Rules are declared one module a fused op (megaloop/fuse/rules/), found by reading the folder."""
+    from megaloop.fuse import ordered_rules
+
+    rules = ordered_rules()
+    modules = {p.stem for p in (ROOT / "fuse" / "rules").glob("*.py") if p.stem != "__init__"}
+    assert len(modules) >= 7 and {r.fire.__module__.rsplit(".", 1)[1] for r in rules} == modules
+    for r in rules:
+        assert r.makes in REGISTRY and set(r.roots) <= set(REGISTRY), r.name
+        order = [x.name for x in rules]
+        assert len(r.doc) > 20 and all(order.index(a) < order.index(r.name) for a in r.after), r.name

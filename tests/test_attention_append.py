@@ -20,7 +20,7 @@ from megaloop.codegen import generate
 from megaloop.errors import DataError, GraphBuildError
 from megaloop.frontend.ops.attention_split import ATTENTION_PARTIAL
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import DECODE_FUSIONS, NO_FUSIONS, Fusions, build_llama_generator
+from megaloop.models.llama import build_llama_generator
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
 from tests.helpers import assert_close
@@ -205,15 +205,10 @@ def test_more_than_one_query_a_sequence_is_refused() -> None:
 CFG = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=2, max_seq=12, vocab=40)
 
 
-def test_fusions_parse_append() -> None:
-    assert Fusions.parse("norms,swiglu,append,split_k") == DECODE_FUSIONS and DECODE_FUSIONS.append
-    assert Fusions.parse("append") == Fusions(append=True)
-
-
 def test_the_decode_layer_writes_its_caches_after_attention() -> None:
     """No rope stage; attention reads the caches' old values and the projections; the writes read the
     projections only, so nothing on the way to the next layer waits for them."""
-    g = build_llama(CFG, 2, 1, "decode", kv_splits=3)
+    g = ml.fuse(build_llama(CFG, 2, 1, "decode", kv_splits=3))
     names = [n.op.name for n in g.nodes if n.op.tiling]
     assert "rope" not in names and names.count("attention_partial") == 2
     for node in g.nodes:
@@ -223,7 +218,7 @@ def test_the_decode_layer_writes_its_caches_after_attention() -> None:
         if node.op.name in ("rope_kv_cache_update", "kv_cache_update"):
             assert node.inputs[0].node.op.name == "state"
             assert not any(node in (t.node for t in other.inputs) for other in g.nodes)  # no reader
-    unfused = build_llama(CFG, 2, 1, "decode", kv_splits=3, fusions=NO_FUSIONS)
+    unfused = ml.fuse(build_llama(CFG, 2, 1, "decode", kv_splits=3), ml.FuseOptions(off=("attention_append",)))
     assert [n.op.name for n in unfused.nodes if n.op.tiling].count("rope") == 2  # q's, a layer
 
 
@@ -235,8 +230,9 @@ def test_generation_with_append_equals_the_unfused_model(dtype) -> None:
     params = random_parameters(cfg, seed=5)
     state = {"token": np.array([[3], [7]]), "position": np.array([[0], [4]])}
     out = {}
-    for name, fusions in (("none", NO_FUSIONS), ("append", Fusions(append=True)), ("all", DECODE_FUSIONS)):
-        g = build_llama_generator(cfg, 2, kv_splits=3, fusions=fusions)
+    plain = build_llama_generator(cfg, 2, kv_splits=3)
+    for name, off in (("none", ("attention_append",)), ("append", ("rmsnorm_linear", "swiglu_linear")), ("all", ())):
+        g = ml.fuse(plain, ml.FuseOptions(off=off))
         out[name] = ml.evaluate(g, {}, params, state, iterations=7)
     want = out["none"]
     for name in ("append", "all"):
@@ -256,7 +252,7 @@ def test_generation_with_append_through_the_plan(processors) -> None:
     """Random legal orders of the tasks, several iterations: bitwise the graph's evaluation (the cache
     writes after every read of the old values, before the next step's reads)."""
     params = random_parameters(CFG, seed=5)
-    g = build_llama_generator(CFG, 2, kv_splits=3, fusions=DECODE_FUSIONS)
+    g = build_llama_generator(CFG, 2, kv_splits=3)  # (plain: the plan's graph is fused)
     state = {"token": np.array([[3], [7]]), "position": np.array([[0], [4]])}
     plan = make_plan(g, processors=processors, tiles=small_tiles([g]))
     refs = {n: ml.evaluate(g, {}, params, state, iterations=n) for n in (1, 3, 5)}

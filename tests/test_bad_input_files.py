@@ -458,6 +458,8 @@ COMMANDS = [
     L("plan-tile-garbage", ["plan", "--tile", "matmul"], "NAME:PARAM=INT"),
     L("plan-tile-zero", ["plan", "--tile", "matmul:block_m=0"], "block_m"),
     L("plan-tile-unknown", ["plan", "--tile", "matmul:nope=2"], "nope"),
+    L("plan-fusion-unknown", ["plan", "--fusion", "norms"], "--fusion 'norms'", "unknown rule", "swiglu_linear"),
+    L("profile-fusion-mixed", ["profile", "--estimate", "--fusion", "silu_mul,-split_k_linear"], "either name the"),
     L("plan-save-a-folder", ["plan", "--save", "."], "folder"),
     L("unknown-command", ["fly"], "invalid choice"),
     L("no-command", [], "required"),

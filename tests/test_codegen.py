@@ -15,7 +15,6 @@ import megaloop as ml
 from megaloop import errors
 from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama
-from megaloop.models.llama import NO_FUSIONS
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.compile import CompileError, compile_cubin
 from tests.op_table import ROWS, build_row
@@ -414,7 +413,8 @@ def test_llama_decode_matmuls_take_the_skinny_path_with_streamed_weights() -> No
         (NO_RING, ("at most 8 rows: tensor cores", ", true>(in0 + ab")),
         (None, ("ml::ring_matvec<",)),
     ):
-        src = generate(make_plan(build_llama(cfg, 1, 1, fusions=NO_FUSIONS), processors=132, options=options)).source
+        apart = ml.FuseOptions(off=("rmsnorm_linear", "swiglu_linear", "attention_append", "split_k_linear"))
+        src = generate(make_plan(build_llama(cfg, 1, 1), processors=132, options=options, fusion=apart)).source
         matmuls = [f for f in re.split(r"\n// sig_\d+: ", src) if f.startswith("matmul ")]  # a function a signature
         assert len(matmuls) >= 4  # q / o, k / v, gate / up, down, the head: shapes that differ
         for body in matmuls:

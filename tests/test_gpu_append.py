@@ -5,15 +5,13 @@ generator without it, tokens and caches. The CPU side: tests/test_attention_appe
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 import megaloop as ml
 from megaloop.frontend.ops.attention_split import ATTENTION_PARTIAL
 from megaloop.models import LlamaConfig, random_parameters
-from megaloop.models.llama import DECODE_FUSIONS, NO_FUSIONS, build_llama_generator
+from megaloop.models.llama import build_llama_generator
 from megaloop.plan import make_plan
 from megaloop.runtime.device import gpus
 from tests.helpers import assert_close
@@ -58,13 +56,15 @@ def test_decode_steps_with_append_equal_those_without(dtype) -> None:
     params = random_parameters(cfg, seed=3)
     state = {"token": np.array([[3], [7]]), "position": np.array([[0], [40]])}
     tokens = {}
-    for name, fusions in (("append", DECODE_FUSIONS), ("none", dataclasses.replace(DECODE_FUSIONS, append=False))):
-        g = build_llama_generator(cfg, 2, kv_splits=4, fusions=fusions)
-        assert any(n.op.name == "attention_partial" and "theta" in n.attrs for n in g.nodes) == (name == "append")
-        with loop_kernel(make_plan(g, processors=132), params, state) as k:
+    g = build_llama_generator(cfg, 2, kv_splits=4)
+    for name, fusion in (("append", ml.FuseOptions()), ("none", ml.FuseOptions(off=("attention_append",)))):
+        plan = make_plan(g, processors=132, fusion=fusion)
+        appends = any(n.op.name == "attention_partial" and "theta" in n.attrs for n in plan.ranks[0].graph.nodes)
+        assert appends == (name == "append")
+        with loop_kernel(plan, params, state) as k:
             k.run({}, iterations=12)
             tokens[name] = k.state()
-    ref = ml.evaluate(build_llama_generator(cfg, 2, kv_splits=4, fusions=NO_FUSIONS), {}, params, state, iterations=12)
+    ref = ml.evaluate(g, {}, params, state, iterations=12)
     got, base = tokens["append"]["generated"], tokens["none"]["generated"]
     if dtype == "bfloat16":
         assert np.array_equal(got[:, :, :3], base[:, :, :3]) and np.array_equal(got[:, :, 40:43], base[:, :, 40:43])

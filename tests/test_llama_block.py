@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS
 from tests.helpers import to_torch64
 
 CFG = LlamaConfig(
@@ -197,7 +196,7 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
     from megaloop.models.llama import decoder_layer
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, max_seq=16, vocab=40)
-    g = build_llama(cfg, 1, 1, fusions=NO_FUSIONS)  # (the norms as ops of their own)
+    g = ml.fuse(build_llama(cfg, 1, 1), ml.FuseOptions(off=("rmsnorm_linear",)))  # (the norms as ops of their own)
     norms = [n for n in g.nodes if n.op.name == "rmsnorm"]
     assert len(norms) == 2 * cfg.layers + 1
     assert len(norms[0].inputs) == 2 and norms[0].inputs[0].node.op.name == "embedding"
@@ -228,21 +227,22 @@ def test_norms_do_not_wait_for_the_residual_add() -> None:
     assert got.tobytes() == want.tobytes(), np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
 
 
-def test_decode_rotates_keys_on_their_way_into_the_cache(monkeypatch) -> None:
-    """Decode steps (one token) write each layer's key with rope_kv_cache_update (no rope op between the
-    key projection and the cache: a stage fewer before attention); prefill keeps rope then
+def test_decode_rotates_keys_on_their_way_into_the_cache() -> None:
+    """Decode steps (one token) write each layer's key with rope_kv_cache_update once fused (no rope op
+    between the key projection and the cache: a stage fewer before attention); prefill keeps rope then
     kv_cache_update. The same values either way: test_two_layer_block_matches_pytorch checks both
-    against PyTorch, and here the decode step's logits and caches equal the graph built with the two
-    ops, bit for bit, through the reference and a plan."""
-    import megaloop.models.llama as llama
+    against PyTorch, and here the fused decode step's logits and caches equal the plain graph's (rope
+    then kv_cache_update), bit for bit, through the reference and a plan."""
     from megaloop.plan import make_plan
     from megaloop.reference.interpreter import run_plan
 
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=2, max_seq=16, vocab=40)
-    decode, prefill = build_llama(cfg, 2, 1), build_llama(cfg, 2, 5)
+    plain, prefill = build_llama(cfg, 2, 1), ml.fuse(build_llama(cfg, 2, 5))
+    decode = ml.fuse(plain)
     ops_of = [n.op.name for n in decode.nodes], [n.op.name for n in prefill.nodes]
     assert ops_of[0].count("rope_kv_cache_update") == 2 and ops_of[0].count("rope") == 2  # q's rope
     assert "rope_kv_cache_update" not in ops_of[1] and ops_of[1].count("rope") == 4
+    assert "rope_kv_cache_update" not in [n.op.name for n in plain.nodes]
     params = random_parameters(cfg, seed=4)
     rng = np.random.default_rng(4)
     state = ml.evaluate(
@@ -250,18 +250,11 @@ def test_decode_rotates_keys_on_their_way_into_the_cache(monkeypatch) -> None:
     ).state
     feeds = {"tokens": rng.integers(0, 40, (2, 1)), "positions": np.array([[5], [9]])}
     fused = ml.evaluate(decode, feeds, params, state)
-    monkeypatch.setattr(  # the same decode step with rope then kv_cache_update for the keys
-        llama.ops,
-        "rope_kv_cache_update",
-        lambda c, n, p, **kw: ml.kv_cache_update(c, ml.rope(n, p.reshape(p.shape[0], 1, p.shape[1]), **kw), p),
-    )
-    unfused = build_llama(cfg, 2, 1)
-    assert "rope_kv_cache_update" not in [n.op.name for n in unfused.nodes]
-    want = ml.evaluate(unfused, feeds, params, state)
+    want = ml.evaluate(plain, feeds, params, state)
     assert fused.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
     for name in want.state:
         assert fused.state[name].tobytes() == want.state[name].tobytes(), name
-    planned = run_plan(make_plan(decode, processors=6), feeds, params, state, seed=1)
+    planned = run_plan(make_plan(plain, processors=6), feeds, params, state, seed=1)
     assert planned.outputs["logits"].tobytes() == want.outputs["logits"].tobytes()
 
 

@@ -10,7 +10,6 @@ import pytest
 import megaloop as ml
 from megaloop.errors import CollectiveMismatchError, GraphBuildError
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
-from megaloop.models.llama import NO_FUSIONS
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
 from tests.helpers import worst_error_text
@@ -198,7 +197,7 @@ def test_a_dropped_exchange_is_caught(strategy: str, devices: int) -> None:
 
 def test_bad_input_is_refused_clearly() -> None:
     cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, vocab=50, max_seq=16)
-    g = build_llama(cfg, 1, 1, fusions=NO_FUSIONS)  # (a norm of its own to pin)
+    g = build_llama(cfg, 1, 1)  # (plain: norms of their own to pin)
     with pytest.raises(GraphBuildError, match=r"k_cache.*cannot hold"):
         ml.parallelize(g, 4, "tp", layout={"model.layers.0.self_attn.k_cache": ml.Shard(1)})
     norm = next(n for n in g.nodes if n.op.name == "rmsnorm")

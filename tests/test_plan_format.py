@@ -46,6 +46,22 @@ def test_round_trip(setup, tmp_path) -> None:
     assert '"format": "megaloop-plan"' in text and "layers.0.attn.matmul" in text
 
 
+def test_the_fusion_options_travel_in_the_file(setup, tmp_path) -> None:
+    """The rewrites that made the plan's graph (FuseOptions) are saved with it and read back."""
+    g, _, params, feeds, ref = setup
+    fusion = ml.FuseOptions(off=("rmsnorm_linear", "norm_residual"))
+    plan = make_plan(g, processors=5, fusion=fusion)
+    assert [n.op.name for n in plan.ranks[0].graph.nodes].count("rmsnorm") == 3  # (each norm a stage)
+    plan.save(tmp_path / "fusion.json")
+    loaded = Plan.load(tmp_path / "fusion.json")
+    assert loaded.fusion == fusion and json.loads((tmp_path / "fusion.json").read_text())["fusion"] == {
+        "enabled": True,
+        "off": ["norm_residual", "rmsnorm_linear"],
+        "on": [],
+    }
+    matches(loaded, params, feeds, ref)
+
+
 def test_edited_tile_size(setup, tmp_path) -> None:
     _, plan, params, feeds, ref = setup
     data = plan_to_dict(plan)
@@ -109,7 +125,10 @@ def test_impossible_order_is_refused(setup) -> None:
     "edit, field",
     [
         (lambda d: d.pop("version"), r"plan\.version: missing"),
-        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 3"),
+        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 4"),
+        (lambda d: d.pop("fusion"), r"plan\.fusion: missing"),
+        (lambda d: d["fusion"].update(off=["fold"]), r"plan\.fusion\.off: unknown rule 'fold'; the rules are"),
+        (lambda d: d["fusion"].update(enabled="yes"), r"plan\.fusion\.enabled: expected a bool, got str"),
         (lambda d: d.update(format="other"), r"plan\.format"),
         (lambda d: d.update(processors="many"), r"plan\.processors: expected an int, got str"),
         (lambda d: d["ranks"][0]["buffers"][0].update(kind="heap"), r"plan\.ranks\[0\]\.buffers\[0\]\.kind"),

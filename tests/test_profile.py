@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
+import megaloop as ml
 from megaloop.cli import main
 from megaloop.models import LlamaConfig, build_llama
-from megaloop.models.llama import NO_FUSIONS
 from megaloop.plan import make_plan
 from megaloop.runtime import trace
 
@@ -21,8 +21,9 @@ CFG = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1, max
 
 @pytest.fixture(scope="module")
 def plan():
-    g = build_llama(CFG, 1, 3, fusions=NO_FUSIONS)  # (its norms tasks of their own)
-    return make_plan(g, processors=5, tiles={"matmul": {"block_m": 2, "block_n": 8}})
+    g = build_llama(CFG, 1, 3)
+    apart = ml.FuseOptions(off=("rmsnorm_linear", "swiglu_linear"))  # (its norms tasks of their own)
+    return make_plan(g, processors=5, tiles={"matmul": {"block_m": 2, "block_n": 8}}, fusion=apart)
 
 
 def test_estimate_respects_program_order_and_waits(plan) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 import megaloop as ml
 from megaloop.codegen import generate
-from megaloop.models import Fusions, LlamaConfig, build_llama
+from megaloop.models import LlamaConfig, build_llama
 from megaloop.plan import KernelOptions, Plan, make_plan
 from megaloop.runtime.compile import compile_cubin, spills
 
@@ -174,31 +174,33 @@ def test_rmsnorm_linear_tiles_take_the_path_their_layout_allows(k, n, dtype, row
 
 
 @pytest.mark.parametrize(
-    "fusions,counts",
+    "off,counts",
     [
-        (Fusions(norms=True), {"rmsnorm_linear": 5, "rmsnorm": 1, "silu_mul": 1, "swiglu_linear": 0}),
-        (Fusions(swiglu=True), {"rmsnorm_linear": 0, "rmsnorm": 3, "silu_mul": 0, "swiglu_linear": 1}),
-        (Fusions(norms=True, swiglu=True), {"rmsnorm_linear": 3, "rmsnorm": 1, "silu_mul": 0, "swiglu_linear": 1}),
+        (("swiglu_linear",), {"rmsnorm_linear": 5, "rmsnorm": 1, "silu_mul": 1, "swiglu_linear": 0}),
+        (("rmsnorm_linear",), {"rmsnorm_linear": 0, "rmsnorm": 3, "silu_mul": 0, "swiglu_linear": 1}),
+        ((), {"rmsnorm_linear": 3, "rmsnorm": 1, "silu_mul": 0, "swiglu_linear": 1}),
     ],
     ids=["norms", "swiglu", "both"],
 )
-def test_fused_small_ops_leave_no_stage_and_the_same_values(fusions: Fusions, counts: dict) -> None:
-    """decoder_layer_parts with Fusions on one sequence's decode step: the norms inside q/k/v and
-    gate/up (rmsnorm_linear, swiglu_linear), silu(gate) * up inside gate/up (swiglu_linear); the
-    values equal the layer with its small ops apart, bit for bit on the reference; over several
-    sequences the small ops stay apart (the final norm is the output's: always apart)."""
+def test_fused_small_ops_leave_no_stage_and_the_same_values(off: tuple, counts: dict) -> None:
+    """The decode step fused (ml.fuse) on one sequence: the norms inside q/k/v and gate/up
+    (rmsnorm_linear, swiglu_linear), silu(gate) * up inside gate/up (swiglu_linear); the values equal
+    the layer with its small ops apart, bit for bit on the reference; over several sequences the small
+    ops stay apart (the final norm is the output's: always apart)."""
     from bench.llama_layer import dependent_decode_graph
     from megaloop.models import random_parameters
 
     cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1, max_seq=32, vocab=None)
     params = random_parameters(cfg, seed=3)
     x0 = np.random.default_rng(3).standard_normal((1, 1, 256)).astype(np.float32)
-    fused, apart = (dependent_decode_graph(cfg, x0, None, f) for f in (fusions, Fusions()))
+    plain = dependent_decode_graph(cfg, x0, None)
+    fused = ml.fuse(plain, ml.FuseOptions(off=off))
+    apart = ml.fuse(plain, ml.FuseOptions(off=("rmsnorm_linear", "swiglu_linear")))
     ops = [n.op.name for n in fused.nodes]
     assert {op: ops.count(op) for op in counts} == counts
     assert [n.op.name for n in apart.nodes].count("rmsnorm") == 3
     feeds = {"positions": np.array([[7]])}
     got, want = (ml.evaluate(g, feeds, params).outputs["hidden"] for g in (fused, apart))
     np.testing.assert_array_equal(got, want)  # the same roundings: bit for bit on the reference
-    batched = dependent_decode_graph(cfg, np.zeros((2, 1, 256), np.float32), None, fusions)
+    batched = ml.fuse(dependent_decode_graph(cfg, np.zeros((2, 1, 256), np.float32), None), ml.FuseOptions(off=off))
     assert not {"rmsnorm_linear", "swiglu_linear"} & {n.op.name for n in batched.nodes}

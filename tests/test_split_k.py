@@ -1,4 +1,4 @@
-"""Split-K products (ops.split_k_linear, auto_k_splits, the Llama builders' Fusions.split_k): the
+"""Split-K products (ops.split_k_linear, auto_k_splits, the split_k_linear rewrite of megaloop.fuse): the
 choice of splits, the plan interpreter (random legal orders) against numpy float64, the Llama
 prefill with and without it, the thread-per-element reduction its sum takes, and the kernel compiling."""
 
@@ -12,7 +12,6 @@ from megaloop import errors
 from megaloop.codegen import generate
 from megaloop.frontend.ops.matmul import auto_k_splits
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS, PREFILL_FUSIONS
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
 from megaloop.runtime.compile import compile_cubin
@@ -98,12 +97,12 @@ def test_the_split_sum_takes_a_thread_an_element_and_compiles() -> None:
 
 
 def test_llama_prefill_with_split_projections_matches_the_single_products() -> None:
-    """A small Llama prefill with Fusions.split_k (all seven projections over ranges of K: its rows are
-    many and its projections narrow) against the same model without: the float64 reference of each,
+    """A small Llama prefill fused with split_k_linear (all seven projections over ranges of K: its rows
+    are many and its projections narrow) against the same model without: the float64 reference of each,
     and the plan interpreter of the split one."""
     cfg = LlamaConfig(hidden=1024, heads=8, kv_heads=2, intermediate=2048, layers=1, max_seq=64, vocab=None)
-    split = build_llama(cfg, 1, 32, fusions=PREFILL_FUSIONS)
-    whole = build_llama(cfg, 1, 32, fusions=NO_FUSIONS)
+    whole = build_llama(cfg, 1, 32)
+    split = ml.fuse(whole)
     sums = [n for n in split.nodes if n.op.name == "sum"]
     assert len(sums) == 7, [n.name for n in sums]  # every projection: 16-32 output tiles each
     assert not any(n.op.name == "sum" for n in whole.nodes)

@@ -10,7 +10,6 @@ import pytest
 
 import megaloop as ml
 from megaloop.models import LlamaConfig, build_llama, random_parameters
-from megaloop.models.llama import NO_FUSIONS
 from megaloop.plan import make_plan
 from megaloop.plan.format import plan_from_dict, plan_to_dict
 from megaloop.reference.interpreter import run_plan
@@ -110,11 +109,12 @@ def test_decode_step_keeps_its_results() -> None:
     """A Llama decode step with the switches on (sibling tiles of 24 columns and the like) against the
     graph's reference evaluation, in random legal orders; its silu_mul in several tiles."""
     cfg = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=2752, layers=1, max_seq=32, vocab=None)
-    g = build_llama(cfg, 1, 1, fusions=NO_FUSIONS)  # (silu_mul an op of its own)
+    g = build_llama(cfg, 1, 1)
     params = random_parameters(cfg, seed=2)
     rng = np.random.default_rng(4)
     feeds = {"hidden": rng.standard_normal((1, 1, 256)).astype(np.float32), "positions": np.array([[9]])}
-    plan = make_plan(g, processors=16)
+    apart = ml.FuseOptions(off=("rmsnorm_linear", "swiglu_linear", "attention_append"))  # (silu_mul an op of its own)
+    plan = make_plan(g, processors=16, fusion=apart)
     rp = plan.ranks[0]
     (silu_mul,) = [op.id for op in rp.ops if op.op == "silu_mul"]
     assert len([t for t in rp.tasks if t.op == silu_mul]) == 2  # 2752 values: 1376 + 1376
@@ -133,8 +133,12 @@ def test_files_saved_before_the_switches_load_as_they_were_made() -> None:
     ]
     g.output("y", ml.silu(ys[1]) * ys[2])
     g.output("k", ys[0])
+    apart = ml.FuseOptions.none()  # (the plain ops whose tile switches these are)
     old = make_plan(
-        g, processors=132, tiles={"matmul": {"share": 0}, "silu": {"split_small": 0}, "mul": {"split_small": 0}}
+        g,
+        processors=132,
+        tiles={"matmul": {"share": 0}, "silu": {"split_small": 0}, "mul": {"split_small": 0}},
+        fusion=apart,
     )
     data = plan_to_dict(old)
     for op in data["ranks"][0]["ops"]:
@@ -142,7 +146,7 @@ def test_files_saved_before_the_switches_load_as_they_were_made() -> None:
         op["tile"].pop("split_small", None)
     loaded = plan_from_dict(data)
     assert len(loaded.ranks[0].tasks) == len(old.ranks[0].tasks)
-    assert len(loaded.ranks[0].tasks) != len(make_plan(g, processors=132).ranks[0].tasks)
+    assert len(loaded.ranks[0].tasks) != len(make_plan(g, processors=132, fusion=apart).ranks[0].tasks)
     rng = np.random.default_rng(5)
     params = {
         f"w{i}": ml.dtypes.round_to(rng.standard_normal((n, 2048)), ml.bfloat16)
@@ -169,7 +173,7 @@ def test_tall_sibling_tiles_only_get_wider() -> None:
         for i, n in enumerate((k, k // 4, k // 4)):
             g.output(f"y{i}", ml.matmul(x, g.parameter(f"w{i}", (n, k), ml.bfloat16), transpose_b=True))
         for share, want in ((0, q_alone), (1, q_shared)):
-            rp = make_plan(g, processors=132, tiles={"matmul": {"share": share}}).ranks[0]
+            rp = make_plan(g, processors=132, tiles={"matmul": {"share": share}}, fusion=ml.FuseOptions.none()).ranks[0]
             q_tiles = [t for t in rp.tasks if t.op == rp.ops[0].id]
             assert max(width(t) for t in q_tiles) == want, (k, share)
 
@@ -230,8 +234,9 @@ def test_files_saved_before_split_full_keep_one_tile_ops_whole() -> None:
     g = ml.Graph("full")
     x = g.input("x", (1, 8192), ml.bfloat16)
     g.output("y", ml.silu(x) * x)
-    assert {len(make_plan(g, processors=132).ranks[0].tasks)} == {8}  # silu and mul: 4 tiles each
-    old = make_plan(g, processors=132, tiles={op: {"split_full": 0} for op in ("silu", "mul")})
+    apart = ml.FuseOptions.none()  # (silu and mul, not silu_mul)
+    assert {len(make_plan(g, processors=132, fusion=apart).ranks[0].tasks)} == {8}  # silu and mul: 4 tiles each
+    old = make_plan(g, processors=132, tiles={op: {"split_full": 0} for op in ("silu", "mul")}, fusion=apart)
     assert len(old.ranks[0].tasks) == 2
     data = plan_to_dict(old)
     for op in data["ranks"][0]["ops"]:

@@ -18,6 +18,7 @@ from megaloop.codegen.emit_attention import attention, attention_combine, attent
 from megaloop.codegen.emit_combine_linear import combine_linear
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
+from megaloop.codegen.emit_paged import paged_attention, paged_kv_update
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.emit_swiglu import swiglu_linear
@@ -259,6 +260,8 @@ TEMPLATES: dict[str, Template] = {
     "attention": _attention_with(attention, limits=True),
     "attention_partial": _attention_with(attention_partial, limits=True),
     "attention_combine": _attention_with(attention_combine, limits=False),
+    "paged_attention": lambda c: Lowered(paged_attention(c.op.op, c.attrs, c.ins, c.outs[0])),
+    "paged_kv_update": lambda c: Lowered(paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),
     "sample": _sample("sample"),
     "sample_partial": _sample("sample_partial"),
     "sample_combine": _sample("sample_combine"),

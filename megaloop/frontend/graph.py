@@ -331,6 +331,38 @@ class Graph:
             self.outputs, self.state_updates = tables
             raise
 
+    def reorder(self, nodes: Sequence[Node]) -> None:
+        """Make ``nodes`` the graph's nodes, in that order: after a rewrite (megaloop.fuse) rewired some
+        operands and left some nodes out. Each node must come after the producers of its operands and
+        every output and state's next value be among them; ids follow the order, every node is checked
+        again by its op's rules (a view takes its operand's new layout). On an error nothing changes."""
+        position = {n: i for i, n in enumerate(nodes)}
+        for i, n in enumerate(nodes):
+            if n.graph is not self:
+                raise GraphBuildError(f"reorder: {n!r} is not a node of graph {self.name!r}")
+            late = [t for t in n.inputs if position.get(t.node, i) >= i]
+            if late:
+                raise GraphBuildError(f"reorder: {n.op.name} {n.name} reads {late[0]!r}, which is not made before it")
+        for what, table in (("output", self.outputs), ("state", self.state_updates)):
+            for name, t in table.items():
+                if t.node not in position:
+                    raise GraphBuildError(f"reorder: {what} {name!r} is {t!r}, whose node is left out")
+        saved = (list(self.nodes), [n.id for n in nodes])
+        layouts = [(t, t._base, t.strides, t.offset) for n in nodes for t in n.outputs]
+        try:
+            self.nodes = list(nodes)
+            for i, n in enumerate(self.nodes):
+                n.id = i
+            for n in self.nodes:
+                self._reinfer(n)
+        except MegaloopError:
+            self.nodes = saved[0]
+            for n, nid in zip(nodes, saved[1]):
+                n.id = nid
+            for t, base, strides, offset in layouts:
+                t._base, t.strides, t.offset = base, strides, offset
+            raise
+
     def _reinfer(self, n: Node) -> None:
         """Run a node's shape rule again on its (possibly rewired) operands and update view layouts."""
         call = OpCall(n.op, n.inputs, n.attrs, n.scope, self)

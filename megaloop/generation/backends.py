@@ -20,6 +20,7 @@ import numpy as np
 
 from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
+from megaloop.fuse import fuse
 from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
@@ -100,8 +101,9 @@ class CpuBackend:
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         self.params = params
-        self.prefill_graph = build_llama_prefill(cfg, batch, tokens)
-        self.generator = generator_graph(cfg, batch, sampling, eos_ids, decoding)
+        # fused as make_plan fuses the GPU's (megaloop.fuse): the same values (split-K sums included)
+        self.prefill_graph = fuse(build_llama_prefill(cfg, batch, tokens))
+        self.generator = fuse(generator_graph(cfg, batch, sampling, eos_ids, decoding))
         self.history = history_names(self.generator)
         self.progress = progress
         self.runs: tuple[FastGraph, FastGraph] | None = None

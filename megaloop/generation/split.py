@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
+from megaloop.fuse import fuse
 from megaloop.generation.backends import generator_graph, history_names, start_state
 from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
@@ -59,8 +60,10 @@ class Split:
 
     def __init__(self, prefill: Any, generator: Any, params: Mapping[str, Any], devices: int, strategy: str) -> None:
         self.devices, self.strategy = devices, strategy
-        self.prefill: Partition = parallelize(prefill, devices, strategy)
-        self.generator: Partition = parallelize(generator, devices, strategy)
+        # fused before the split (megaloop.fuse, docs/fuse.md): the partitioner prices the fused ops and
+        # keeps each whole by its placement rules; make_plan fuses each rank's graph again
+        self.prefill: Partition = parallelize(fuse(prefill), devices, strategy)
+        self.generator: Partition = parallelize(fuse(generator), devices, strategy)
         self.params = [self.prefill.shard_parameters(params), self.generator.shard_parameters(params)]
 
     def summary(self) -> str:

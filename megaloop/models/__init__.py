@@ -3,7 +3,6 @@ the Llama, Mistral, Qwen2 and Qwen3 families), tokenizers and chat templates."""
 
 from megaloop.models.checkpoint import load_llama, read_safetensors, write_safetensors
 from megaloop.models.llama import (
-    Fusions,
     LlamaConfig,
     build_llama,
     build_llama_generator,
@@ -14,7 +13,6 @@ from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.models.tokenizer import Tokenizer
 
 __all__ = [
-    "Fusions",
     "LlamaConfig",
     "Tokenizer",
     "build_llama",

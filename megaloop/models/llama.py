@@ -5,13 +5,17 @@ Parameter names follow the Hugging Face checkpoint keys (``model.layers.0.self_a
 linear weights are stored [out_features, in_features] as there, so a checkpoint loads by name. One
 graph is one step: ``tokens`` new tokens per sequence at the given positions, attending to everything
 already in the cache (prefill when tokens > 1, decode when tokens == 1).
+
+The graphs are plain: every norm, product, rotation, cache write and attention an op of its own.
+Which of them the loop kernel makes together (the norms inside the projections of a decode step,
+q's rope and the new key inside attention, products over ranges of K for a prefill, ...) is decided
+when the graph is planned: ``make_plan`` rewrites it (megaloop.fuse, docs/fuse.md).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,8 +24,6 @@ import megaloop.frontend.ops as ops
 from megaloop.dtypes import DType, as_dtype, bfloat16
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
-from megaloop.frontend.ops.matmul import auto_k_splits
-from megaloop.frontend.ops.norm_linear import NORMED_ROWS
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
 from megaloop.models.decoding import PLAIN, Decoding, next_token
@@ -161,113 +163,12 @@ def auto_kv_splits(cfg: LlamaConfig, batch: int, tokens: int) -> int | None:
     return splits if splits > 1 else None
 
 
-@dataclass(frozen=True)
-class Fusions:
-    """Which small ops of a decode step (a few rows a sequence) the projections' tiles make themselves,
-    so that they are no stage of their own: ``norms``, each rmsnorm inside the projections that follow
-    it (rmsnorm_linear, swiglu_linear); ``swiglu``, silu(gate) * up in the gate and up projections'
-    epilogue (swiglu_linear); ``append``, q's rope and the new key and value in the attention tiles
-    (attention_partial's append form), the cache writes after attention, off its path. The builders
-    make all three (DECODE_FUSIONS): docs/runtime.md ("Step 2"). ``split_k``, for steps of many rows
-    (a prefill): each projection whose output tiles would not fill the processors as products over
-    ranges of K, then their sum (ops.split_k_linear, auto_k_splits)."""
-
-    norms: bool = False
-    swiglu: bool = False
-    append: bool = False
-    split_k: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> Fusions:
-        """ "norms,swiglu,append,split_k", "swiglu", "none" or ""."""
-        names = {n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"}
-        unknown = names - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(
-                f"fusions: unknown {sorted(unknown)}; known: norms, swiglu, append, split_k (comma-separated) or none"
-            )
-        return cls(**{n: True for n in names})
-
-
-NO_FUSIONS = Fusions()  # every small op a stage of its own
-# norms and swiglu: 1109 against 1183 us a token (bench/results/generate.json); split_k applies to
-# steps of many rows only (a prefill)
-DECODE_FUSIONS = Fusions(norms=True, swiglu=True, append=True, split_k=True)
-PREFILL_FUSIONS = Fusions(split_k=True)
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A block's input as its projections take it: ``x`` as it is (already normed), or, with ``norm``
-    (weight, residual, eps), the rmsnorm that the projections' tiles make themselves."""
-
-    x: Tensor
-    norm: tuple[Tensor, Tensor | None, float] | None = None
-    split_k: bool = False
-
-    def __call__(self, w: Tensor) -> Tensor:
-        if self.norm is None:
-            return split_linear(self.x, w, split_k=self.split_k)
-        weight, residual, eps = self.norm
-        return ops.rmsnorm_linear(self.x, w, weight, eps=eps, residual=residual)
-
-    def swiglu(self, gate: Tensor, up: Tensor, fused: bool) -> Tensor:
-        """silu(h @ gate.T) * (h @ up.T): in the projections' tiles where ``fused`` and few rows."""
-        if fused and few_rows(self.x):
-            if self.norm is None:
-                return ops.swiglu_linear(self.x, gate, up)
-            weight, residual, eps = self.norm
-            return ops.swiglu_linear(self.x, gate, up, norm_weight=weight, eps=eps, residual=residual)
-        return ops.silu_mul(self(gate), self(up))
-
-
-def split_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, split_k: bool = False) -> Tensor:
-    """ops.linear, over ranges of K (auto_k_splits) where ``split_k`` and its tiles are few."""
-    rows, batches = x.shape[-2], math.prod(x.shape[:-2])  # (a tile takes one sequence's rows)
-    splits = auto_k_splits(rows, w.shape[0], w.shape[1], batches) if split_k else None
-    return ops.linear(x, w, bias, k_splits=splits)
-
-
-def few_rows(x: Tensor) -> bool:
-    """One sequence of at most NORMED_ROWS rows (a decode step): what a tile norming its rows takes."""
-    return math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS
-
-
-def projection(x: Tensor | Projection) -> Projection:
-    """A block's input as the object that projects it."""
-    return x if isinstance(x, Projection) else Projection(x)
-
-
-def normed_projection(
-    cfg: LlamaConfig,
-    x: Tensor,
-    norm_weight: Tensor,
-    residual: Tensor | None,
-    inside: bool = False,
-    split_k: bool = False,
-) -> Projection:
-    """rmsnorm(x, norm_weight, residual=residual) as the following projections take it: the norm once,
-    then the projections of its output; ``inside``: each projection's tiles norm the rows themselves
-    (no norm stage), where few_rows(x) (a decode step)."""
-    if inside and few_rows(x):
-        return Projection(x, (norm_weight, residual, cfg.rms_eps))
-    return Projection(ops.rmsnorm(x, norm_weight, eps=cfg.rms_eps, residual=residual), split_k=split_k)
-
-
 def attention_block(
-    g: Graph,
-    cfg: LlamaConfig,
-    x: Tensor | Projection,
-    positions: Tensor,
-    layer: int,
-    kv_splits: int | str | None = "auto",
-    append: bool = False,
-    split_k: bool = False,
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, layer: int, kv_splits: int | str | None = "auto"
 ) -> Tensor:
-    """``x`` [batch, tokens, hidden], or the function that projects the block's (normed) input.
-    ``append``: on a decode step over split keys, attention's append form; ``split_k``: the output
-    projection over ranges of K where its tiles are few (Fusions)."""
-    project = projection(x)
+    """``x`` [batch, tokens, hidden] (normed): the q, k and v projections, q and k rotated at their
+    positions, the new keys and values written into the caches, attention over them (``kv_splits``:
+    its keys in that many ranges, "auto": ``auto_kv_splits``), the output projection."""
     b, t = positions.shape
     if kv_splits == "auto":
         kv_splits = auto_kv_splits(cfg, b, t)
@@ -275,9 +176,7 @@ def attention_block(
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.attention_shapes().items()}
 
     def heads(n: str, count: int) -> Tensor:  # the n projection, [b, t, count*hd] -> [b, count, t, hd] (a view)
-        y = project(w[f"{n}_proj.weight"])
-        if f"{n}_proj.bias" in w:
-            y = y + w[f"{n}_proj.bias"]
+        y = ops.linear(x, w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"))
         y = y.reshape(b, t, count, hd)
         if f"{n}_norm.weight" in w:  # Qwen3: each head's q and k normed over head_dim before rope
             y = ops.rmsnorm(y, w[f"{n}_norm.weight"], eps=cfg.rms_eps)
@@ -286,53 +185,29 @@ def attention_block(
     rope_pos = positions.reshape(b, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
-    window = cfg.window(layer)
-    if append and t == 1 and kv_splits is not None:
-        # the tiles rotate q and take the new key and value themselves; the caches' writes read only the
-        # projections, so they run beside attention (after its reads of the old values), off its path
-        q, k, v = heads("q", cfg.heads), heads("k", cfg.kv_heads), heads("v", cfg.kv_heads)
-        k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
-        v_cache = g.state(p + "v_cache", cache_shape, cfg.dtype)
-        o = ops.attention(
-            q, k_cache, v_cache, causal=True, q_positions=positions, window=window, kv_splits=kv_splits,
-            k_new=k, v_new=v, rope=rope_args,
-        )  # fmt: skip
-        o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
-        out = ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
-        ops.rope_kv_cache_update(k_cache, k, positions, **rope_args)
-        ops.kv_cache_update(v_cache, v, positions)
-        return out
     q = ops.rope(heads("q", cfg.heads), rope_pos, **rope_args)
     k = heads("k", cfg.kv_heads)
     v = heads("v", cfg.kv_heads)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
-    if t == 1:  # decode: the key rotated on its way into the cache, one stage fewer before attention
-        k_all = ops.rope_kv_cache_update(k_cache, k, positions, **rope_args)
-    else:  # prefill: rope's packed tiles over every token, then the cache's (one task a head for both)
-        k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
+    k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
-    o = ops.attention(q, k_all, v_all, causal=True, q_positions=positions, window=window, kv_splits=kv_splits)
+    o = ops.attention(
+        q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits
+    )
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
-    return split_linear(o, w["o_proj.weight"], w.get("o_proj.bias"), split_k)
+    return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
-def mlp_block(
-    g: Graph, cfg: LlamaConfig, x: Tensor | Projection, layer: int, fused_swiglu: bool = False, split_k: bool = False
-) -> Tensor:
-    """``x`` [batch, tokens, hidden], or the Projection of the block's (normed) input; ``fused_swiglu``:
-    silu(gate) * up made by the gate and up tiles (swiglu_linear) where the rows are few; ``split_k``:
-    the down projection over ranges of K where its tiles are few."""
-    project = projection(x)
+def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
+    """``x`` [batch, tokens, hidden] (normed): SwiGLU, silu(x @ gate.T) * (x @ up.T), then the down
+    projection."""
     p = f"model.layers.{layer}.mlp."
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
-    gate, up, down = w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"]
+    gate = ops.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
+    up = ops.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
-    # dtype before the product, so results differ by that rounding). The gate and up projections share
-    # the processors (matmul tile switch share), so they end together (docs/experiments.md).
-    if cfg.mlp_bias:  # Llama's mlp_bias: every projection has one
-        g_, u_ = project(gate) + w["gate_proj.bias"], project(up) + w["up_proj.bias"]
-        return split_linear(ops.silu_mul(g_, u_), down, w["down_proj.bias"], split_k)
-    return split_linear(project.swiglu(gate, up, fused_swiglu), down, split_k=split_k)
+    # dtype before the product, so results differ by that rounding)
+    return ops.linear(ops.silu_mul(gate, up), w["down_proj.weight"], w.get("down_proj.bias"))
 
 
 def decoder_layer(
@@ -351,14 +226,10 @@ def decoder_layer_parts(
     positions: Tensor,
     layer: int,
     kv_splits: int | str | None = "auto",
-    fusions: Fusions = DECODE_FUSIONS,
 ) -> tuple[Tensor, Tensor]:
     """The layer on the residual stream ``x + update`` (``x`` alone when ``update`` is None), returned
-    the same way: ``(h, mlp)`` whose sum is the layer's output. Each norm takes the stream's last
-    update as its ``residual`` (the same values as norming the sum: rmsnorm rounds x + residual as the
-    add does), so it starts without waiting for the add, which runs beside it for the next residual
-    only: on a decode step one task and one dependency fewer on the critical path, twice a layer.
-    ``fusions``: the small ops its projections' tiles make themselves on a decode step (Fusions)."""
+    the same way: ``(h, mlp)`` whose sum is the layer's output (the next layer, or the head, adds
+    them: the sum is made in the scope of the layer it ends)."""
     p = f"model.layers.{layer}."
     stream = x
     if update is not None:  # the previous layer's output, summed where a profile looks for it
@@ -368,12 +239,10 @@ def decoder_layer_parts(
         ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
         ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
         with g.scope("attn"):
-            project = normed_projection(cfg, x, ln1, update, fusions.norms, fusions.split_k)
-            attn = attention_block(g, cfg, project, positions, layer, kv_splits, fusions.append, fusions.split_k)
+            attn = attention_block(g, cfg, ops.rmsnorm(stream, ln1, eps=cfg.rms_eps), positions, layer, kv_splits)
             h = stream + attn
         with g.scope("mlp"):
-            project = normed_projection(cfg, attn, ln2, stream, fusions.norms, fusions.split_k)
-            return h, mlp_block(g, cfg, project, layer, fusions.swiglu, fusions.split_k)
+            return h, mlp_block(g, cfg, ops.rmsnorm(h, ln2, eps=cfg.rms_eps), layer)
 
 
 def _require_config(cfg: Any, who: str) -> None:
@@ -388,7 +257,6 @@ def build_llama(
     name: str = "llama",
     *,
     kv_splits: int | str | None = "auto",
-    fusions: Fusions = DECODE_FUSIONS,
 ) -> Graph:
     """One step of the model for ``tokens`` new tokens per sequence. ``kv_splits`` splits each
     attention's cache into that many key ranges computed by separate tiles (decode over a long cache);
@@ -396,8 +264,8 @@ def build_llama(
 
     Inputs: ``positions`` int64 [batch, tokens] (where the new tokens go in the cache) and either
     ``tokens`` int64 [batch, tokens] (when cfg.vocab is set) or ``hidden`` [batch, tokens, hidden].
-    Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``. ``fusions``: the
-    small ops of a decode step that the projections' tiles make (Fusions; the same values either way).
+    Outputs: ``logits`` [batch, tokens, vocab] (with a vocabulary) or ``hidden``. The graph is plain
+    (norms, products, rope, cache writes, attention apart); ``make_plan`` fuses them (megaloop.fuse).
     """
     _require_config(cfg, "build_llama")
     batch = as_int(batch, "build_llama: batch", minimum=1)
@@ -410,7 +278,7 @@ def build_llama(
         x = g.input("tokens", (batch, tokens), "int64")
     else:
         x = g.input("hidden", (batch, tokens, cfg.hidden), cfg.dtype)
-    out = _model(g, cfg, x, positions, kv_splits, fusions)
+    out = _model(g, cfg, x, positions, kv_splits)
     g.output("hidden" if cfg.vocab is None else "logits", out)
     return g
 
@@ -432,14 +300,14 @@ def build_llama_prefill(
     positions = g.input("positions", (batch, tokens), "int64")
     ids = g.input("tokens", (batch, tokens), "int64")
     last = g.input("last", (batch,), "int64")
-    x, update = _decoder(g, cfg, ids, positions, kv_splits, PREFILL_FUSIONS)  # (many rows: only split_k applies)
+    x, update = _decoder(g, cfg, ids, positions, kv_splits)
     with g.scope("head"):
         stream = x if update is None else x + update
         # the row kept, the others zeros, summed over the tokens: exactly that row, by an op per sequence
         # (so that data parallelism cuts the batch through it, not just ``last``)
         index = g.constant(np.arange(tokens, dtype=np.int64).reshape(1, tokens, 1), "int64", name="token_index")
         picked = ops.sum(ops.where(ops.equal(index, last.reshape(batch, 1, 1)), stream, 0.0), axis=1, keepdims=True)
-    g.output("logits", _head(g, cfg, picked, None, NO_FUSIONS))
+    g.output("logits", _head(g, cfg, picked, None))
     return g
 
 
@@ -465,7 +333,6 @@ def build_llama_generator(
     argmax_splits: int | str | None = "auto",
     sampling: bool = False,
     eos_ids: Sequence[int] = (),
-    fusions: Fusions = DECODE_FUSIONS,
     decoding: Decoding = PLAIN,
 ) -> Graph:
     """Decoding that feeds itself: each loop iteration runs one decode step on the ``token`` at
@@ -510,7 +377,7 @@ def build_llama_generator(
     kept = ops.where(active, 0, token)
     written = ops.where(active, position, -1)  # a finished sequence writes nothing
     ops.kv_cache_update(history, token.astype("float32").reshape(batch, 1, 1, 1), written, ignore_negative=True)
-    logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits, fusions)
+    logits = _model(g, cfg, token, ops.minimum(position, cfg.max_seq - 1), kv_splits)
     if argmax_splits == "auto":
         argmax_splits = auto_argmax_splits(cfg)
     chosen = next_token(g, logits, token, position, active, written, argmax_splits, sampling, decoding)
@@ -520,16 +387,14 @@ def build_llama_generator(
     return g
 
 
-def _model(
-    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions
-) -> Tensor:
+def _model(g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None) -> Tensor:
     """Embedding (when ``x`` holds token ids), the decoder layers, the final norm and the LM head."""
-    x, update = _decoder(g, cfg, x, positions, kv_splits, fusions)
-    return _head(g, cfg, x, update, fusions)
+    x, update = _decoder(g, cfg, x, positions, kv_splits)
+    return _head(g, cfg, x, update)
 
 
 def _decoder(
-    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None, fusions: Fusions
+    g: Graph, cfg: LlamaConfig, x: Tensor, positions: Tensor, kv_splits: int | str | None
 ) -> tuple[Tensor, Tensor | None]:
     """Embedding (when ``x`` holds token ids) and the decoder layers: the residual stream as
     ``(x, update)``, whose sum it is (decoder_layer_parts)."""
@@ -537,19 +402,19 @@ def _decoder(
         x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), x)
     update = None
     for layer in range(cfg.layers):
-        x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits, fusions)
+        x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits)
     return x, update
 
 
-def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None, fusions: Fusions) -> Tensor:
+def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tensor:
     """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
     norm = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
+    normed = ops.rmsnorm(x if update is None else x + update, norm, eps=cfg.rms_eps)
     if cfg.vocab is None:
-        return ops.rmsnorm(x, norm, eps=cfg.rms_eps, residual=update)
-    project = normed_projection(cfg, x, norm, update, fusions.norms)
+        return normed
     if cfg.tie_word_embeddings:
-        return project(g.parameters["model.embed_tokens.weight"])
-    return project(g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
+        return ops.linear(normed, g.parameters["model.embed_tokens.weight"])
+    return ops.linear(normed, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
 
 
 def _eos_ids(cfg: LlamaConfig, eos_ids: Sequence[int]) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from megaloop.frontend.tiling import (
     max_resident_processors,
 )
 from megaloop.frontend.validate import MAX_ARENA_BYTES
+from megaloop.fuse import FuseOptions, fuse
 from megaloop.parallel.ranks import RankMatching, match_ranks
 from megaloop.plan import memory
 from megaloop.plan.deps import Layout, deadlock_cycle, derive_waits, hb_order
@@ -53,6 +54,7 @@ def make_plan(
     scratch_budget: int = memory.SCRATCH_BUDGET,
     verify: bool = True,
     options: KernelOptions | None = None,
+    fusion: FuseOptions | None = None,
 ) -> Plan:
     """Plan one graph, or one graph per rank (rank order), for ``processors`` thread blocks per GPU.
 
@@ -60,10 +62,12 @@ def make_plan(
     (``"matmul"``), the node name winning: ``tiles={"matmul": {"block_m": 64}}``. Intermediates share
     memory only when they would need more than ``scratch_budget`` bytes otherwise (``reuse=False``:
     never); see ``megaloop.plan.memory``. ``shared_memory`` (bytes per processor) defaults to the
-    architecture's limit. ``options`` (megaloop.plan.KernelOptions) say how the loop kernel is built."""
+    architecture's limit. ``options`` (megaloop.plan.KernelOptions) say how the loop kernel is built.
+    ``fusion`` (megaloop.FuseOptions; default: every rule) says which graph rewrites (megaloop.fuse)
+    each rank's graph gets first: the plan's graphs are the rewritten ones, the given ones unchanged."""
     with collector_paused():
         return _make_plan(
-            graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify, options
+            graphs, processors, arch, tiles, warps, shared_memory, reuse, scratch_budget, verify, options, fusion
         )
 
 
@@ -92,6 +96,7 @@ def _make_plan(
     scratch_budget: int,
     verify: bool,
     options: KernelOptions | None,
+    fusion: FuseOptions | None,
 ) -> Plan:
     glist = [graphs] if isinstance(graphs, Graph) else list(graphs)
     if shared_memory is None and arch in SHARED_MEMORY_PER_BLOCK:
@@ -108,10 +113,14 @@ def _make_plan(
             f"plan: options.chain_processors {options.chain_processors} leaves none of the {processors} processors "
             "for the products; give it fewer than processors (or 0: off)"
         )
+    fusion = FuseOptions() if fusion is None else fusion
+    if not isinstance(fusion, FuseOptions):
+        raise GraphBuildError(f"plan: fusion must be a megaloop.FuseOptions, got {type(fusion).__name__}")
     tiles = _check_tiles(tiles)
     if not glist or not all(isinstance(g, Graph) for g in glist):
         raise GraphBuildError(f"plan: expected a Graph or a list of rank Graphs, got {graphs!r:.80}")
     require_results(glist, "plan")
+    glist = [fuse(g, fusion) for g in glist]
     matching = match_ranks(glist)
     ranks = [lower_rank(g, r, matching, arch, tiles) for r, g in enumerate(glist)]
     number_ops(ranks)
@@ -123,6 +132,7 @@ def _make_plan(
         ranks=ranks,
         overrides=tiles,
         options=options,
+        fusion=fusion,
         matching=matching,
     )
     _check_overrides(plan, tiles)
@@ -172,7 +182,8 @@ def _check_overrides(plan: Plan, tiles: dict[str, dict[str, int]]) -> None:
     unknown = sorted(set(tiles) - known)
     if unknown:
         raise GraphBuildError(
-            f"plan: tile overrides for {unknown} name neither an op with tiles nor a node of the graph"
+            f"plan: tile overrides for {unknown} name neither an op with tiles nor a node of the graph (as fused: "
+            "a node the fuse stage replaced is gone; name its fused op's node, or plan with fusion= that keeps it)"
         )
 
 

@@ -3,7 +3,7 @@
 Planning a Llama-3.1-8B-sized generator takes tens of seconds; the plan of the same graph with the
 same settings is the same plan, so it is kept. An entry's key hashes the graph's content (its JSON,
 the one plan files embed: ops, shapes, attributes, names), the planning settings, the plan format's
-version, megaloop's version and the source of the code that makes plans (frontend, parallel, plan):
+version, megaloop's version and the source of the code that makes plans (frontend, parallel, fuse, plan):
 a change to the planner makes new entries rather than reusing stale ones. Entries are written
 atomically and carry a digest of their bytes; one that is unreadable or damaged is planned again
 and overwritten. They are pickles, not plan JSON, which an 8B model's prefill plan reads back from
@@ -38,7 +38,7 @@ from megaloop.plan.build import collector_paused, make_plan
 from megaloop.plan.model import FORMAT, VERSION, Plan, Task, Wait
 
 PACKAGE = Path(__file__).resolve().parent.parent
-PLANNER_SOURCES = ("frontend", "parallel", "plan", "dtypes.py", "errors.py", "__init__.py")
+PLANNER_SOURCES = ("frontend", "parallel", "fuse", "plan", "dtypes.py", "errors.py", "__init__.py")
 HEADER = b"megaloop plan cache, sha256 "
 
 

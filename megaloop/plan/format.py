@@ -16,6 +16,7 @@ from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.serialize import graph_from_dict, graph_to_dict
 from megaloop.frontend.tiling import Box
 from megaloop.frontend.validate import MAX_ARENA_BYTES
+from megaloop.fuse.options import FuseOptions
 from megaloop.parallel.ranks import match_ranks
 from megaloop.plan.build import check_settings
 from megaloop.plan.edit import check_structure, check_tasks_match_tiles, rederive_plan
@@ -47,6 +48,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "shared_memory": plan.shared_memory,
         "overrides": plan.overrides,
         "options": dataclasses.asdict(plan.options),
+        "fusion": plan.fusion.to_dict(),
         "estimated_ns": plan.estimated_ns,
         "ranks": [_rank_to_dict(rp) for rp in plan.ranks],
     }
@@ -285,6 +287,7 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
         ranks=[],
         overrides=root.get("overrides", dict),
         options=_options(root.at("options")),
+        fusion=_fusion(root.at("fusion")),
         estimated_ns=float(root.get("estimated_ns", (int, float))),
     )
     check_settings(plan.arch, plan.processors, plan.warps, plan.shared_memory, PlanFormatError, "plan")
@@ -317,6 +320,20 @@ def _options(r: _Reader) -> KernelOptions:
     options = KernelOptions(**{name: r.get(name, int) for name in fields if name in r.obj})
     options.check(PlanFormatError, r.path)
     return options
+
+
+def _fusion(r: _Reader) -> FuseOptions:
+    unknown = sorted(set(r.obj) - {"enabled", "off", "on"})
+    if unknown:
+        raise PlanFormatError(f"{r.path}: unknown field {unknown[0]!r}; fusion has 'enabled', 'off' and 'on'")
+    names = {}
+    for key in ("off", "on"):
+        names[key] = r.get(key, list)
+        if not all(isinstance(name, str) for name in names[key]):
+            raise PlanFormatError(f"{r.path}.{key}: expected a list of rule names, got {names[key]!r:.80}")
+    fusion = FuseOptions(r.get("enabled", bool), tuple(names["off"]), tuple(names["on"]))
+    fusion.check(PlanFormatError, r.path)
+    return fusion
 
 
 def _rank_from(rr: _Reader, r: int) -> RankPlan:

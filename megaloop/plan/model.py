@@ -20,13 +20,14 @@ from typing import Any, NamedTuple
 from megaloop.dtypes import DType
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.tiling import Box
+from megaloop.fuse.options import FuseOptions
 
 # What Plan's conveniences call (save, load: megaloop.plan.format; verify: verify_plan; stats:
 # plan_stats). Those modules build on this one, so megaloop/plan/__init__.py hands them over.
 CONVENIENCES = SimpleNamespace()
 
 FORMAT = "megaloop-plan"
-VERSION = 3  # 2: "options" (KernelOptions); 3: the weight ring's options
+VERSION = 4  # 2: "options" (KernelOptions); 3: the weight ring's options; 4: "fusion" (FuseOptions)
 
 # buffer kinds: read-only while a run is in flight (written by the host between runs) ...
 READ_ONLY_KINDS = ("parameter", "constant", "input")
@@ -178,6 +179,7 @@ class Plan:
     overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # tile overrides it was made with
     estimated_ns: float = 0.0  # the scheduler's estimate of one iteration
     options: KernelOptions = field(default_factory=KernelOptions)
+    fusion: FuseOptions = field(default_factory=FuseOptions)  # the rewrites that made the ranks' graphs
     matching: Any = None  # megaloop.parallel.RankMatching of the graphs (derived, not saved)
 
     @property

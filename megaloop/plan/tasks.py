@@ -75,16 +75,27 @@ def processor_share(rp: RankPlan, op: PlanOp) -> float:
     tiling uses it."""
     if not _shares(op) or len(op.inputs) < 2 or not rp.is_parameter(op.inputs[1]):
         return 1.0
-    # against weights: none can wait for another (a B computed from a sibling's output would)
+    # against weights, reading the same activations (a norm's residual too): none can wait for another
+    # (a B, or a residual, computed from a sibling's output would)
+    rows = _activations(rp, op)
     siblings = [
         o
         for o in rp.ops
-        if _shares(o) and len(o.inputs) > 1 and o.inputs[0] == op.inputs[0] and rp.is_parameter(o.inputs[1])
+        if _shares(o)
+        and len(o.inputs) > 1
+        and o.inputs[0] == op.inputs[0]
+        and rp.is_parameter(o.inputs[1])
+        and _activations(rp, o) == rows
     ]
     if len(siblings) < 2:
         return 1.0
     size = {o.id: math.prod(rp.tensors[o.outputs[0]].shape) for o in siblings}
     return size[op.id] / sum(size.values())
+
+
+def _activations(rp: RankPlan, op: PlanOp) -> list[int]:
+    """The op's operands that are no parameters (a product's rows, and a norm's residual), in order."""
+    return [t for t in op.inputs if not rp.is_parameter(t)]
 
 
 def _shares(op: PlanOp) -> bool:

@@ -48,7 +48,8 @@ def kernel_error(
         )
     if code == DATA:
         proc, task, op, value, limit, kind, _, _ = info
-        what = ["id", "cache position", "kv length"][kind] if 0 <= kind < 3 else "index"
+        kinds = {0: "id", 1: "cache position", 2: "kv length", 4: "page (a page table entry)", 5: "slot"}
+        what = kinds.get(kind, "index")
         name = rp.ops[op].name if 0 <= op < len(rp.ops) else f"op {op}"
         if kind == 3:  # megaloop.codegen.emit_sample.DATA_KIND: value is the row
             return DataError(

@@ -42,6 +42,7 @@ from megaloop.frontend.ops.layout import (
 from megaloop.frontend.ops.matmul import linear, matmul
 from megaloop.frontend.ops.norm_linear import rmsnorm_linear
 from megaloop.frontend.ops.normalization import layernorm, log_softmax, rmsnorm, softmax
+from megaloop.frontend.ops.paged import paged_attention, paged_kv_cache_update
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
@@ -75,6 +76,8 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "paged_attention",
+    "paged_kv_cache_update",
     "penalize",
     "permute",
     "recv",

@@ -25,8 +25,8 @@ def _infer(call: OpCall) -> list[OutSpec]:
         raise call.error(ShapeError, f"table must be 2-D [vocab, dim], got {format_shape(table.shape)}")
     if not ids.dtype.is_int:
         raise call.error(DtypeError, f"ids must be int32 or int64, got {ids.dtype.name}")
-    if not table.dtype.is_float:
-        raise call.error(DtypeError, f"table must hold floats, got {table.dtype.name}")
+    if table.dtype.is_bool:
+        raise call.error(DtypeError, "table must hold numbers (floats or ints), got bool")
     return [OutSpec((*ids.shape, table.shape[1]), table.dtype)]
 
 
@@ -52,7 +52,7 @@ EMBEDDING = register(
         name="embedding",
         kind="compute",
         category="gather",
-        doc="table[ids]: rows of a [vocab, dim] table for integer ids of any shape; "
+        doc="table[ids]: rows of a [vocab, dim] table (floats or ints) for integer ids of any shape; "
         "an id outside [0, vocab) is an error.",
         operands=("table", "ids"),
         infer=_infer,
@@ -101,7 +101,7 @@ def _vocabulary_part(call: LocalCall) -> tuple[Tensor, ...]:
     valid = ew.logical_and(ew.greater_equal(ids, 0), ew.less(ids, vocab))
     local = ew.where(ew.logical_and(valid, ew.logical_not(mine)), 0, ew.sub(ids, lo))
     rows = embedding(table, local)
-    return (ew.where(reshape(mine, (*mine.shape, 1)), rows, 0.0),)
+    return (ew.where(reshape(mine, (*mine.shape, 1)), rows, 0.0 if table.dtype.is_float else 0),)
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:

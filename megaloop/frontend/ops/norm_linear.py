@@ -1,6 +1,6 @@
 """rmsnorm_linear: rmsnorm(x [+ residual], norm_weight) @ w.T as one op, so that on a decode step
-the projections' own tiles norm their few rows and the norm is no stage of its own
-(megaloop.models.llama.normed_projection(inside=True), for at most NORMED_ROWS rows a sequence)."""
+the projections' own tiles norm their few rows and the norm is no stage of its own (made by the fuse
+stage, megaloop/fuse/rules/rmsnorm_linear.py, for one sequence of at most NORMED_ROWS rows)."""
 
 from __future__ import annotations
 

@@ -257,8 +257,8 @@ def _eps(op: OpDef, eps: Any) -> float:
 # residual: the norm of x + residual, rounded to x's dtype as an add would store it, without waiting
 # for that add: a transformer layer's norm of its residual stream (h = x + attention(...); norm(h))
 # becomes norm(attention(...), residual=x) beside h = x + attention(...), which only the next residual
-# add reads (megaloop.models.llama): on a decode step one task and one dependency fewer on the critical
-# path, twice a layer.
+# add reads (the fuse stage makes it: megaloop/fuse/rules/norm_residual.py): on a decode step one task
+# and one dependency fewer on the critical path, twice a layer.
 
 
 def _norm(op: OpDef, x: Tensor, optional: dict[str, Tensor | None], eps: float) -> Tensor:

@@ -1,6 +1,7 @@
 """swiglu_linear: silu(x @ gate.T) * (x @ up.T) as one op, optionally of rmsnorm(x [+ residual]), so
 that on a decode step the gate and up projections' tiles make SwiGLU's product in their epilogue and
-silu_mul is no stage of its own (megaloop.models.llama.mlp_block, for a few rows a sequence)."""
+silu_mul is no stage of its own (made by the fuse stage, megaloop/fuse/rules/swiglu_linear.py, for a
+few rows of one sequence)."""
 
 from __future__ import annotations
 

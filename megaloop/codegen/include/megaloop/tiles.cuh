@@ -4,6 +4,7 @@
 #include "megaloop/cache.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/matvec.cuh"
+#include "megaloop/paged.cuh"
 #include "megaloop/rows.cuh"
 #include "megaloop/reduce.cuh"
 #include "megaloop/rope.cuh"

@@ -1,0 +1,199 @@
+"""Where the engine's step runs: the CPU reference (``ml.evaluate`` of the step graph, its states kept
+here) or one loop kernel resident on a GPU (its states in the kernel's arena). Both take the same
+four calls: ``write`` states (whole), ``run`` n steps, ``read`` states, ``close``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from megaloop.errors import MegaloopError
+from megaloop.frontend.graph import Graph
+from megaloop.generation.progress import Progress
+from megaloop.reference import evaluate
+
+
+def initial_state(graph: Graph) -> dict[str, np.ndarray]:
+    """Every state's first value: its init, else zeros."""
+    out = {}
+    for name, t in graph.states.items():
+        init = t.node.attrs.get("init")
+        out[name] = np.array(init) if init is not None else np.zeros(t.shape, t.dtype.np)
+    return out
+
+
+class CpuStep:
+    """The numpy reference: each run evaluates the step graph n times, the states carried here."""
+
+    name = "cpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress | None = None,
+                 plan_cache: bool = True) -> None:  # fmt: skip
+        self.graph, self.params = graph, params
+        self.state = initial_state(graph)
+        self.description = "the CPU reference (numpy): slow, for checking and for machines without a GPU"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        self.state.update({k: np.array(v) for k, v in states.items()})
+
+    def run(self, iterations: int) -> None:
+        self.state = evaluate(self.graph, {}, self.params, self.state, iterations=iterations).state
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return {n: self.state[n] for n in names}
+
+    def close(self) -> None:
+        self.state = {}
+
+
+class GpuStep:
+    """One loop kernel that stays resident while the engine lives: the plan (cached on disk), the
+    kernel (compiled, cached), the weights uploaded once; a run rings the doorbell for n steps."""
+
+    name = "gpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
+                 gpu: Any = None) -> None:  # fmt: skip
+        from megaloop.codegen import generate
+        from megaloop.plan.cache import load_or_make_plan
+        from megaloop.runtime import gpus
+        from megaloop.runtime.compile import compile_cubin
+        from megaloop.runtime.loop import LoopKernel
+
+        if gpu is None:
+            found, reason = gpus()
+            if not found:
+                raise MegaloopError(f"no GPU for the loop kernel: {reason}")
+            gpu = found[0]
+        self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
+        with progress.phase("plan", 1, unit="graph") as bar:
+            self.plan, _ = load_or_make_plan(graph, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
+            program = generate(self.plan)
+            bar.update(1)
+        with progress.phase("compile", 1, unit="kernel") as bar:
+            compile_cubin(program.source, gpu.arch)  # (cached on disk: LoopKernel finds it there)
+            bar.update(1)
+        nbytes = sum(int(np.asarray(v).nbytes) for v in params.values())
+        with progress.phase("upload", nbytes, unit="B", unit_scale=True) as bar:
+            self.kernel = LoopKernel(self.plan, params, initial_state(graph), program=program, device=gpu.index)
+            bar.update(nbytes)
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        if states:
+            self.kernel.set_state(states)
+
+    def run(self, iterations: int) -> None:
+        self.kernel.start(iterations)  # (not run(): it would read the outputs back every time)
+        self.kernel.wait()
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.kernel.state(names)
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.stop()
+            self.kernel = None
+
+
+class _Ranks:
+    """The step split over devices (``ml.parallelize``): each state written as its ranks' pieces, read
+    back put together from the ranks that hold them."""
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], devices: int, strategy: str) -> None:
+        from megaloop.parallel import parallelize
+
+        self.split = parallelize(graph, devices, strategy)
+        self.params = self.split.shard_parameters(params)
+        self.how = self.split.describe().splitlines()[0].partition(": ")[2]
+
+    def pieces(self, states: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return self.split.shard_state(states)
+
+    def names(self, names: Sequence[str]) -> list[list[str]]:
+        """Per rank, the local names of its pieces of ``names``."""
+        wanted = set(names)
+        return [
+            sorted(n.attrs["name"] for n, info in part.sources.items() if info.kind == "state" and info.name in wanted)
+            for part in self.split.parts
+        ]
+
+    def gather(self, states: Sequence[Mapping[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+        whole = self.split.gather_state(states)
+        return {n: whole[n] for n in names}
+
+
+class SplitCpuStep:
+    """The CPU reference over N ranks: the ranks' step graphs in one ``ml.evaluate``, exchanges included."""
+
+    name = "cpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
+                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        with progress.phase("split", 1, unit="graph"):
+            self.ranks = _Ranks(graph, params, devices, strategy)
+        self.state = self.ranks.pieces(initial_state(graph))
+        self.description = f"the CPU reference (numpy) as {devices} ranks: {self.ranks.how}"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        for mine, piece in zip(self.state, self.ranks.pieces(states)):
+            mine.update({k: np.array(v) for k, v in piece.items()})
+
+    def run(self, iterations: int) -> None:
+        r = self.ranks
+        results = evaluate(r.split.graphs, [{}] * r.split.world_size, r.params, self.state, iterations=iterations)
+        self.state = [x.state for x in results]
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.ranks.gather(self.state, names)
+
+    def close(self) -> None:
+        self.state = []
+
+
+class SplitGpuStep:
+    """N loop kernels (``LoopKernelGroup``), resident while the engine lives: rank r on GPU r mod the
+    GPUs found, ranks sharing a GPU with its SMs divided between them."""
+
+    name = "gpu"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
+                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        from megaloop.plan.cache import load_or_make_plan
+        from megaloop.runtime import gpus
+        from megaloop.runtime.group import LoopKernelGroup
+
+        found, reason = gpus()
+        if not found:
+            raise MegaloopError(f"no GPU for the loop kernels: {reason}")
+        self.gpus = [r % len(found) for r in range(devices)]
+        share = max(self.gpus.count(d) for d in set(self.gpus))
+        processors = min(found[d].sm_count for d in set(self.gpus)) // share
+        with progress.phase("split", 1, unit="graph"):
+            self.ranks = _Ranks(graph, params, devices, strategy)
+        with progress.phase("plan", 1, unit="graph"):
+            plan, _ = load_or_make_plan(self.ranks.split.graphs, use_cache=plan_cache, processors=processors,
+                                        arch=found[self.gpus[0]].plan_arch)  # fmt: skip
+        with progress.phase("upload", 1, unit="group"):  # (the group compiles its ranks' kernels too)
+            state = self.ranks.pieces(initial_state(graph))
+            self.group: Any = LoopKernelGroup(plan, self.ranks.params, state, devices=self.gpus)
+        self.description = f"{devices} loop kernels on {len(set(self.gpus))} GPU(s) ({found[0].name}): {self.ranks.how}"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        for kernel, piece in zip(self.group.kernels, self.ranks.pieces(states)):
+            if piece:
+                kernel.set_state(piece)
+
+    def run(self, iterations: int) -> None:
+        self.group.start(iterations)
+        self.group.wait()
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        local = self.ranks.names(names)
+        return self.ranks.gather([k.state(n) for k, n in zip(self.group.kernels, local)], names)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
