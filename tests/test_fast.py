@@ -153,3 +153,21 @@ def test_torch_products_read_any_view_of_a_weight() -> None:
         scale = np.abs(a).max() * np.abs(np.asarray(w)).max() * a.shape[-1]
         assert got.shape == want.shape and np.abs(got - want).max() <= 2 * ml.bfloat16.eps * scale, (a.shape, w.shape)
     assert not np.array_equal(weight_product(x, weight), np.matmul(x, weight.T))  # (torch's, rounded to bf16)
+
+
+def test_bfloat16_rounding_is_ml_dtypes_on_both_sides_of_the_small_path() -> None:
+    """rounder(bfloat16) (ml_dtypes' round trip below SMALL_ROUNDING values, integer arithmetic above)
+    against ml_dtypes itself, bit for bit: ties, overflow to inf, NaN, inf, signed zeros, subnormals."""
+    from megaloop.frontend.ops._fast import SMALL_ROUNDING, rounder
+
+    rng = np.random.default_rng(3)
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.39e38, 1e-40, 1.00390625, 1.01171875],
+                       np.float32)  # fmt: skip
+    for size in (SMALL_ROUNDING - 1, SMALL_ROUNDING, 4 * SMALL_ROUNDING):
+        bits = rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32)
+        a = np.concatenate([special, bits.view(np.float32)])[:size]
+        with np.errstate(all="ignore"):  # (NaN casts: the fast path runs so)
+            got = rounder(ml.bfloat16)(a)
+            want = a.astype(ml.bfloat16.np).astype(np.float32)
+        assert got.dtype == np.float32
+        same_bits(got, want, f"{size} values")

@@ -108,10 +108,18 @@ def _float32(a: Any) -> np.ndarray:
     return a if a.dtype == F32 else a.astype(np.float32)
 
 
+# Below this many values ml_dtypes' own round trip is faster (2 calls against 8: 1.5 against 6 us
+# at 576 values); above it the integer arithmetic is (26 against 64 us at 49152)
+SMALL_ROUNDING = 4096
+
+
 def _to_bfloat16(a: Any) -> np.ndarray:
     """Float32 values rounded to the nearest bfloat16 (ties to even) as float32: ml_dtypes' rounding
-    (overflow to inf included) by integer arithmetic on a copy, 2.5x faster; NaNs through ml_dtypes."""
+    (overflow to inf included); for large arrays by integer arithmetic on a copy, 2.5x faster (NaNs
+    through ml_dtypes)."""
     a = _float32(a)
+    if a.size < SMALL_ROUNDING:
+        return a.astype(bfloat16.np).astype(np.float32)
     bits = (a.view(np.uint32) >> 16) & 1
     bits += 0x7FFF
     bits += a.view(np.uint32)
