@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -170,3 +171,21 @@ def test_a_long_prefill_shows_a_progress_line(tiny, capsys) -> None:
     ops = len(backend.runs[0].nodes)
     assert re.search(rf"prefill\s*:.*\d+/{ops} \[", err), err[-400:]
     assert "prefill" not in progress.seconds  # not a setup phase: the stats count it as the prefill
+
+
+def test_the_cli_shows_a_long_prefills_progress_on_stderr_but_not_with_q(tiny, capsys, monkeypatch) -> None:
+    """`megaloop generate` in a terminal: the prefill's bar on stderr once the prefill has taken
+    Progress.delay (here 0), nothing of it on stdout, and none with -q."""
+    from megaloop.cli import main
+
+    monkeypatch.setattr(Progress, "delay", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # (capsys's stderr, as a terminal would be)
+    run = ["generate", "--model", str(tiny), "--prompt", "Once upon a loop " * 8, "--backend", "cpu",
+           "--max-new-tokens", "2"]  # fmt: skip
+    assert main(run) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"prefill\s*:.*\d+/\d+ \[", err), err[-400:]
+    assert not re.search(r"prefill\s*:", out), out
+    assert main([*run, "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert not re.search(r"prefill\s*:", err) and out.strip(), (out, err[-400:])
