@@ -3,11 +3,11 @@ first-token latency (prompt to first token, warm; and from a process's start, im
 included, to its first call's first token) and decode tokens/s, greedy, both made to generate
 exactly --new-tokens tokens; megaloop with each --cpu-products choice of --products.
 
-    python -m bench.generate_cpu --threads 1              # 135M shape, both dtypes, 2 prompts: ~15 min here
-    python -m bench.generate_cpu --shapes 0.5b --threads 1 --dtypes checkpoint --prompts 32 --name generate_cpu_0.5b
+    python -m bench.generate_cpu                          # 135M shape, both dtypes, 1 and 2 threads
+    python -m bench.generate_cpu --shapes 0.5b --threads 2 --name generate_cpu_0.5b
 
-The checkpoints are random-weight Llamas of published shapes (SmolLM2-135M's; Qwen2.5-0.5B's sizes as
-a Llama) made and saved by transformers in bfloat16, written once into --dir. Each run is a fresh
+The checkpoints are random-weight models of published shapes (SmolLM2-135M's Llama; Qwen2.5-0.5B's
+Qwen2, biases included) made and saved by transformers in bfloat16, written once into --dir. Each run is a fresh
 process (one system, one thread count: OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set for both), the
 runs of the two systems interleaved, and each figure is the median over --repeats runs: the machine
 may be shared with other work. Results: bench/results/generate_cpu*.json (--name).
@@ -30,11 +30,11 @@ from pathlib import Path
 from bench.common import write
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {
-    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
+SHAPES = {  # (family, transformers config fields)
+    "135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0)),
+    "0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0)),
 }  # fmt: skip
 
 # One run of one system in its own process: prints a JSON line "RESULT {...}". "start_to_first_token_s":
@@ -102,14 +102,20 @@ def make_checkpoint(shape: str, folder: Path) -> Path:
     if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
         return folder
     t0 = time.perf_counter()
-    cfg = transformers.LlamaConfig(max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
-                                   **SHAPES[shape])  # fmt: skip
+    family, fields = SHAPES[shape]
+    config, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]  # fmt: skip
+    cfg = config(max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, **fields)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model_class(cfg).to(torch.bfloat16)
     with torch.no_grad():  # a trained model's scale: transformers' 0.02 init gives all but flat logits
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else
-                    torch.randn_like(p) / math.sqrt(p.shape[-1]))  # fmt: skip
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:  # (qwen2's biases)
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
     model.save_pretrained(folder)
     tiny = Path(tempfile.mkdtemp())
     subprocess.run([sys.executable, "-m", "megaloop", "make-tiny-checkpoint", str(tiny)], check=True, cwd=ROOT,
@@ -162,24 +168,46 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
+def describe_machine() -> dict:
+    """The CPU (model, cores, the flags that choose kernels), memory, the libraries' versions, and the
+    load average (the machine may be shared: other work slows both systems)."""
+    import numpy
+    import torch
+    import transformers
+
+    info = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+        flags = set(next(line for line in text.splitlines() if line.startswith("flags")).split())
+        info["cpu_flags"] = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"})
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    blas = numpy.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    return {"cpus": os.cpu_count(), **info, "python": sys.version.split()[0], "numpy": numpy.__version__,
+            "numpy_blas": f"{blas.get('name')} {blas.get('version')}", "torch": torch.__version__,
+            "transformers": transformers.__version__, "load_average": os.getloadavg()}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="135m")
     ap.add_argument("--dir", default="/tmp/megaloop-cpu-checkpoints", type=Path)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--dtypes", default="checkpoint,float32", help="checkpoint: each system's default")
-    ap.add_argument("--prompts", default="32,256", help="prompt lengths in tokens")
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--calls", type=int, default=3, help="generate calls a process (the first is the cold one)")
+    ap.add_argument("--prompts", default="256", help="prompt lengths in tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=2, help="generate calls a process (the first is the cold one)")
     ap.add_argument("--repeats", type=int, default=3, help="processes per system and setting")
     ap.add_argument("--name", default="generate_cpu", help="the results file's name (bench/results/NAME.json)")
     ap.add_argument("--products", default="auto,torch", help="megaloop's --cpu-products choices to run")
     args = ap.parse_args()
-    machine = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    machine = describe_machine()
     results: dict = {"machine": machine, "new_tokens": args.new_tokens, "calls": args.calls, "repeats": args.repeats,
                      "cases": []}  # fmt: skip
     for shape in args.shapes.split(","):
-        folder = make_checkpoint(shape, args.dir / f"llama-{shape}")
+        folder = make_checkpoint(shape, args.dir / f"{SHAPES[shape][0]}-{shape}")
         for threads in map(int, args.threads.split(",")):
             for dtype in args.dtypes.split(","):
                 for prompt in map(int, args.prompts.split(",")):
