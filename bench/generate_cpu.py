@@ -237,8 +237,8 @@ def main() -> None:
                               f"{m['start_to_first_token_s']:.2f} vs {t['start_to_first_token_s']:.2f} s",
                               flush=True)  # fmt: skip
                     results["cases"].append(case)
-    results["machine"]["load_average_after"] = os.getloadavg()
-    write(args.name, results)
+                    results["machine"]["load_average_after"] = os.getloadavg()
+                    write(args.name, results, quiet=True)  # after each case: a run cut short keeps its cases
 
 
 if __name__ == "__main__":
