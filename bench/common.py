@@ -100,7 +100,7 @@ def resident_seconds(kernel, iterations: int, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-def write(name: str, results: dict[str, Any]) -> Path:
+def write(name: str, results: dict[str, Any], quiet: bool = False) -> Path:
     out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
@@ -112,7 +112,8 @@ def write(name: str, results: dict[str, Any]) -> Path:
         **results,
     }
     path.write_text(json.dumps(payload, indent=1))
-    print(json.dumps(payload, indent=1))
+    if not quiet:
+        print(json.dumps(payload, indent=1))
     return path
 
 

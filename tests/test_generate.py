@@ -47,7 +47,7 @@ def test_generate_streams_text_and_reports_timing(tiny, gen, capsys) -> None:
     want = gen.generate(PROMPTS[1], max_new_tokens=12)[0]
     assert out == want.text + "\n"  # stdout is the text alone
     assert want.finish_reason == "length" and len(want.tokens) == 12
-    assert "on the CPU reference (asked for)" in err and re.search(TIMING, err), err
+    assert "on the CPU (numpy and BLAS) (asked for)" in err and re.search(TIMING, err), err
 
 
 def test_text_arrives_piece_by_piece(gen) -> None:

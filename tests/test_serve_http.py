@@ -99,7 +99,7 @@ def test_models_and_health(server) -> None:
     assert (
         health["status"] == "ok"
         and health["slots"] == 8
-        and "CPU reference" in health["device"]
+        and "the CPU (numpy and BLAS)" in health["device"]
         and health["backend"] == "cpu"
     )
 
@@ -346,7 +346,7 @@ def test_the_command_drains_on_sigterm(tiny, tmp_path) -> None:
         assert finish == "length"
         assert proc.wait(60) == 0
         err = log.read_text()
-        assert "running on the CPU reference (asked for): correct, but slowly" in err, err
+        assert "running on the CPU (numpy and BLAS) (asked for)" in err, err
         assert "megaloop serve: stopped" in err
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{url}/health", timeout=2)

@@ -1,9 +1,10 @@
-"""megaloop.Engine on the CPU reference (docs/serving.md): 8 requests of mixed prompt lengths arriving at
+"""megaloop.Engine on the CPU (docs/serving.md): 8 requests of mixed prompt lengths arriving at
 different steps, each completion equal to the same prompt generated alone with megaloop's Generator
 (greedy and sampled, token for token and text for text); the page pool's rules checked after every run
 and every page back at the end; stops (end-of-sequence ids, stop strings, stop tokens), cancellation,
 the queue's limit, refused requests, async streaming; the step graph planned (and verified) and run by
-the plan interpreter bit for bit; a slot's logits bit for bit whatever the other slots do."""
+the plan interpreter bit for bit; a slot's logits bit for bit whatever the other slots do; the CPU's
+fast step against the reference's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import megaloop as ml
 from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
-from megaloop.serving.backends import initial_state
+from megaloop.serving.backends import CpuStep, ReferenceStep, initial_state
 from megaloop.serving.engine import Engine
 from megaloop.serving.pages import PagePool
 from megaloop.serving.requests import QueueFull, RequestError
@@ -314,3 +315,50 @@ def test_the_step_split_over_two_devices(gen32, strategy: str) -> None:
     close_and_check(e)
     for p, c in zip(ps, got):
         assert c.tokens == gen32.generate(p, max_new_tokens=8, temperature=0.8, seed=3)[0].tokens
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_cpu_step_is_the_references_within_attentions_contract(tiny, dtype: str) -> None:
+    """CpuStep (the fast path) against ReferenceStep (ml.evaluate) over 12 steps of 3 slots, prefill
+    chunks and decode: the same tokens and lengths, the page pools within attention's tolerance
+    (float32 4e-6 relative to the pool's scale, bfloat16 a few bfloat16 steps of it: the BLAS order of
+    sums), the pools written in place."""
+    gen = ml.Generator(tiny, backend="cpu", max_seq=128, dtype=dtype)
+    shape = StepShape(slots=3, chunk=4, page_size=4, pages=40, max_seq=48)
+    g = build_serving_step(gen.cfg, shape, gen.eos_token_ids)
+    ps = prompts(gen)
+    st = slot_states(shape, g, {0: (ps[4], 9), 2: (ps[2], 10)})
+    st["temperature"][2] = 0.8
+    fast, ref = CpuStep(g, gen.params), ReferenceStep(g, gen.params)
+    fast.write(st)
+    ref.write(st)
+    pools = [n for n in g.states if "pool" in n]
+    buffer = fast.fast.state[pools[0]]
+    worst = 0.0
+    for step in range(12):
+        fast.run(1)
+        ref.run(1)
+        for name, t in g.states.items():
+            got, want = fast.read([name])[name], ref.read([name])[name]
+            if not t.dtype.is_float:
+                assert np.array_equal(got, want), f"step {step}: state {name}: {got} != {want}"
+                continue
+            g64, w64 = got.astype(np.float64), want.astype(np.float64)
+            err = float(np.max(np.abs(g64 - w64), initial=0.0)) / max(1.0, float(np.max(np.abs(w64), initial=0.0)))
+            worst = max(worst, err)
+            assert err <= (4e-6 if dtype == "float32" else 4 * ml.bfloat16.eps), f"step {step}: {name}: {err:.2e}"
+    assert fast.fast.state[pools[0]] is buffer, "the pool was copied, not written in place"
+    assert int(fast.read(["length"])["length"][0, 0]) > len(ps[4]), "the step generated"
+    print(f"worst relative difference of a float state: {worst:.2e}")
+
+
+def test_the_engine_on_the_cpu_gives_the_references_completions(gen) -> None:
+    ps = prompts(gen)[:4]
+    results = {}
+    for backend in ("cpu", "reference"):
+        e = engine(gen, backend=backend, max_slots=4)
+        assert e.step.name == backend
+        requests = [e.submit(p, max_tokens=n) for p, n in zip(ps, MAX_TOKENS)]
+        results[backend] = [r.result(120).tokens for r in requests]
+        close_and_check(e)
+    assert results["cpu"] == results["reference"]

@@ -82,6 +82,21 @@ class Lowering:
 
 
 @dataclass(frozen=True)
+class Fast:
+    """A faster CPU implementation of an op, for graphs run many times (megaloop.reference.fast).
+    ``make(node)`` runs once per node and returns ``run(operands) -> outputs`` (a list): operands and
+    outputs in their *compute form* (float tensors as float32 arrays holding values of their dtype,
+    others as they are), each output already rounded to its dtype. ``exact``: the reference's bits
+    with numpy's products (else within the op's accuracy contract, e.g. a BLAS order of sums; torch's
+    bfloat16 products, where a graph is prepared for them, are within matmul's). ``checks_data``: run
+    checks the operands' values itself (else the executor calls ``check_data`` first)."""
+
+    make: Callable[[Any], Callable[[list[np.ndarray]], list[np.ndarray]]]
+    exact: bool = True
+    checks_data: bool = False
+
+
+@dataclass(frozen=True)
 class OpDef:
     name: str
     kind: str
@@ -111,6 +126,7 @@ class OpDef:
     # tensor operand (None: none flows there, e.g. ids); None: the op cannot be differentiated
     # (megaloop/frontend/autodiff.py refuses it by name)
     vjp: Callable[[VjpCall], Sequence[Tensor | None]] | None = None
+    fast: Fast | None = None  # a faster CPU implementation (Fast); None: the reference runs there too
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -1,7 +1,8 @@
-"""Where generation runs: the CPU reference (numpy evaluation of the graphs) or the GPU's loop
-kernels. Both run the same two graphs: a padded prefill that returns each sequence's next-token
-logits (``build_llama_prefill``), then the self-feeding generator (``build_llama_generator``), its
-KV caches handed over from the prefill.
+"""Where generation runs: the CPU (the graphs prepared once and run by megaloop.reference.fast), the
+CPU reference (``ml.evaluate`` of the graphs: the definition, slow) or the GPU's loop kernels. All
+run the same two graphs: a padded prefill that returns each sequence's next-token logits
+(``build_llama_prefill``), then the self-feeding generator (``build_llama_generator``), its KV caches
+handed over from the prefill.
 
 A backend's steps, in order: ``setup_prefill`` (GPU: upload the weights into the prefill kernel),
 ``prefill`` (each prompt's next-token logits), ``setup_generator`` (the caches handed over; GPU: the
@@ -24,6 +25,7 @@ from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
 from megaloop.reference import evaluate
+from megaloop.reference.fast import ComputeWeights, FastGraph
 
 HISTORY = ("generated", "token", "position")  # the generator's states a step's tokens are read from
 
@@ -70,11 +72,29 @@ def first_tokens(logits: np.ndarray, lengths: Sequence[int], states: Mapping[str
     return np.asarray(sample_tokens(rows, seed, offset, temperature, top_k, top_p, min_p), np.int64)
 
 
+# "auto" gives a prefill torch's bfloat16 products (3x numpy's float32 ones at 32 rows on the
+# development machine) only where that saves about what importing torch costs (1.2 s there): at
+# 60 GFLOP/s against 180, products of this many flops
+TORCH_PAYBACK_FLOPS = 1.1e11
+
+
+def prefill_products(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph, rows: int) -> str:
+    """The prefill's products: "torch" for a bfloat16 model where ``weights`` were asked for torch's, or
+    for "auto" (where this machine allows it) where they are worth importing torch for; else "numpy"."""
+    if weights.products == "numpy" or cfg.dtype.name != "bfloat16":
+        return "numpy"
+    flops = 2 * rows * sum(t.size for t in graph.parameters.values() if t.ndim == 2)
+    return "torch" if weights.requested == "torch" or flops >= TORCH_PAYBACK_FLOPS else "numpy"
+
+
 class CpuBackend:
-    """The numpy reference: ``ml.evaluate`` of the prefill, then of the generator for n iterations."""
+    """The CPU: both graphs prepared once (megaloop.reference.fast), the weights converted to float32
+    once (kept by ``params`` where it is a ComputeWeights, as Generator's is), BLAS products, the KV
+    caches kept in place and handed from the prefill to the generator without a copy. Its values are
+    ml.evaluate's but for attention's order of sums (within attention's accuracy contract), and for
+    the prefill's products where the weights' ``products`` is "torch" (bfloat16 products by torch)."""
 
     name = "cpu"
-    description = "the CPU reference (numpy)"
 
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
@@ -85,10 +105,68 @@ class CpuBackend:
         self.prefill_graph = fuse(build_llama_prefill(cfg, batch, tokens))
         self.generator = fuse(generator_graph(cfg, batch, sampling, eos_ids, decoding))
         self.history = history_names(self.generator)
-        self.state: dict[str, np.ndarray] = {}
+        self.progress = progress
+        self.runs: tuple[FastGraph, FastGraph] | None = None
+        self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params)
+        self.products = prefill_products(self.weights, cfg, self.prefill_graph, batch * tokens)
+
+    @property
+    def description(self) -> str:
+        torch = self.products == "torch"
+        return "the CPU (numpy and BLAS" + ("; the prefill's bfloat16 products by torch)" if torch else ")")
 
     def setup_prefill(self) -> None:
-        pass
+        if self.runs is not None:
+            return
+        weights, graphs = self.weights, (self.prefill_graph, self.generator)
+        torch = {g: g is graphs[0] and self.products == "torch" for g in graphs}  # (bfloat16 twins for torch)
+        todo = [(n, t, torch[g]) for g in graphs for n, t in g.parameters.items() if not weights.has(n, t, torch[g])]
+        if todo:  # (a Generator's weights are converted by its first call only)
+            size = sum(t.size for _, t, _ in todo)
+            with self.progress.phase("convert", size, unit="weight", unit_scale=True) as bar:
+                for name, t, twin in todo:
+                    weights.get(name, t, twin)
+                    bar.update(t.size)
+        self.runs = (FastGraph(graphs[0], weights, products=self.products), FastGraph(graphs[1], weights))
+
+    def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        if self.runs is None:  # (callers that go straight to the prefill, as the reference allowed)
+            self.setup_prefill()
+        run = self.runs[0]
+        run.reset()  # (the caches of an earlier prefill went to the generator)
+        with self.progress.steps("prefill", len(run.nodes), unit="op") as bar:
+            return run.run(feeds, on_node=(lambda i: bar.update(1)) if self.progress.enabled else None)["logits"]
+
+    def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
+        prefill, generator = self.runs
+        generator.reset()
+        generator.set_state(prefill.state, adopt=True)  # the caches, no copy
+        generator.set_state(start_state(self.generator, start))
+        prefill.reset()
+
+    def advance(self, iterations: int) -> dict[str, np.ndarray]:
+        self.runs[1].run(iterations=iterations)
+        return self.runs[1].read_state(self.history)
+
+    def chunk(self, step: int) -> int:
+        """Iterations per advance: one, so that text streams token by token."""
+        return 1
+
+    def close(self) -> None:
+        if self.runs is not None:
+            for run in self.runs:
+                run.reset()
+
+
+class ReferenceBackend(CpuBackend):
+    """The CPU reference: ``ml.evaluate`` of the prefill, then of the generator for n iterations (the
+    definition every other backend is tested against; the weights converted on every step)."""
+
+    name = "reference"
+    description = "the CPU reference (numpy)"
+
+    def setup_prefill(self) -> None:
+        self.state: dict[str, np.ndarray] = {}
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         out = evaluate(self.prefill_graph, feeds, self.params)
@@ -101,10 +179,6 @@ class CpuBackend:
     def advance(self, iterations: int) -> dict[str, np.ndarray]:
         self.state = evaluate(self.generator, {}, self.params, self.state, iterations=iterations).state
         return {n: self.state[n] for n in self.history}
-
-    def chunk(self, step: int) -> int:
-        """Iterations per advance: one, so that text streams token by token."""
-        return 1
 
     def close(self) -> None:
         self.state = {}

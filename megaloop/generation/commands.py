@@ -56,7 +56,16 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--n", type=_positive, metavar="N", help="sequences per prompt (default 1)")
     gen.add_argument("--logprobs", type=_logprobs, metavar="N", help="each token's log-probability and N alternatives")
     gen.add_argument("--skip-bad-lines", action="store_true", help="skip a batch file's bad lines (say which)")
-    gen.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
+    gen.add_argument(
+        "--backend", default="auto", choices=["auto", "gpu", "cpu", "reference"],
+        help="auto: a GPU if there is one, else cpu; reference: the numpy definition the others are tested against "
+        "(slow)",
+    )  # fmt: skip
+    gen.add_argument(
+        "--cpu-products", default="auto", choices=["auto", "numpy", "torch"],
+        help="the CPU's products: numpy's float32 BLAS, or a prefill's bfloat16 products by torch; auto: torch for a "
+        "prefill long enough to pay for importing it, where it is installed and the CPU has bfloat16 dot products",
+    )  # fmt: skip
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
     gen.add_argument(
@@ -153,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = Generator(
         args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress,
         devices=args.devices, strategy=args.strategy, allow_long_context=args.allow_long_context,
-        allow_unknown_fields=args.allow_unknown_config_fields,
+        allow_unknown_fields=args.allow_unknown_config_fields, cpu_products=args.cpu_products,
     )  # fmt: skip
     say.note(f"{args.model} on {_backend_line(gen)}")
     overridden = {field for flag, field, _, _ in SAMPLING_FLAGS if getattr(args, field) is not None}
@@ -285,9 +294,8 @@ def _report(say: Reporter, result: Any, args: argparse.Namespace) -> None:
 
 
 def _backend_line(gen: Any) -> str:
-    if gen.backend == "gpu":
-        return f"the loop kernel ({gen.reason})"
-    return f"the CPU reference ({gen.reason})"
+    what = {"gpu": "the loop kernel", "cpu": "the CPU (numpy and BLAS)", "reference": "the CPU reference"}
+    return f"{what[gen.backend]} ({gen.reason})"
 
 
 def cmd_make_tiny_checkpoint(args: argparse.Namespace) -> int:

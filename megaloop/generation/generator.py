@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import MegaloopError
-from megaloop.generation.backends import CpuBackend, GpuBackend, first_tokens
+from megaloop.generation.backends import CpuBackend, GpuBackend, ReferenceBackend, first_tokens
 from megaloop.generation.progress import Progress
 from megaloop.generation.requests import Batch, build_batch, chat_messages, start_states
 from megaloop.generation.sequences import Completion, Sequences, host_logprobs
@@ -35,6 +35,7 @@ from megaloop.generation.split import SplitCpuBackend, SplitGpuBackend, problem
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
 from megaloop.models.tokenizer import Tokenizer, checkpoint_stop_ids
+from megaloop.reference.fast import PRODUCTS, ComputeWeights
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or a conversation (chat messages)
 
@@ -118,20 +119,24 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.result = result
 
 
-BACKENDS = ("auto", "cpu", "gpu")
+BACKENDS = ("auto", "cpu", "gpu", "reference")
 
 
 class Generator:
     """A checkpoint folder (config.json, safetensors, and tokenizer.json for text prompts) ready to
-    generate. ``backend``: "gpu" (the loop kernel), "cpu" (the numpy reference), "auto" (the loop
-    kernel where there is a GPU). ``dtype`` overrides the config's; ``max_seq`` caps the context
+    generate. ``backend``: "gpu" (the loop kernel), "cpu" (the CPU: megaloop.reference.fast, weights
+    converted once and kept), "reference" (ml.evaluate, the definition: slow), "auto" (the loop kernel
+    where there is a GPU, else "cpu"). ``dtype`` overrides the config's; ``max_seq`` caps the context
     (default: the model's max_position_embeddings); ``eos_token_ids`` replaces the checkpoint's stop
     tokens; ``progress`` shows setup bars on stderr (None: when it is a terminal); ``plan_cache``
     keeps plans on disk (megaloop.plan.cache). ``devices`` > 1 splits both graphs over that many
     devices with ``ml.parallelize``'s ``strategy`` ("auto", "tp", "pp", "dp"; megaloop.generation.split).
     ``allow_long_context`` lets ``max_seq`` pass the model's context, ``allow_unknown_fields`` loads a
-    config.json with fields megaloop does not know (megaloop.models.load_llama). ``defaults``:
-    generation_config.json's settings (megaloop.generation.settings)."""
+    config.json with fields megaloop does not know (megaloop.models.load_llama). ``cpu_products``: the
+    CPU's products, "numpy" (the reference's bits but for attention's sums), "torch" (a prefill's
+    bfloat16 products by torch) or "auto" (torch for a prefill long enough to pay for importing it,
+    where torch is installed and the CPU has bfloat16 dot products: backends.prefill_products).
+    ``defaults``: generation_config.json's settings (megaloop.generation.settings)."""
 
     def __init__(
         self,
@@ -147,19 +152,23 @@ class Generator:
         strategy: str = "auto",
         allow_long_context: bool = False,
         allow_unknown_fields: bool = False,
+        cpu_products: str = "auto",
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
+        if cpu_products not in PRODUCTS:
+            raise GenerationError(f"Generator: cpu_products must be one of {PRODUCTS}, got {cpu_products!r}")
         if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
             raise GenerationError(f"Generator: {why}")
         self.devices, self.strategy = devices, strategy
         self.folder = Path(model_dir)
         self.progress = Progress(progress)
         with self.progress.phase("load", 1, unit="model"):
-            self.cfg, self.params = load_llama(
+            self.cfg, params = load_llama(
                 self.folder, max_seq=max_seq, dtype=dtype, allow_long_context=allow_long_context,
                 allow_unknown_fields=allow_unknown_fields,
             )  # fmt: skip
+            self.params = ComputeWeights(params, cpu_products)  # (the CPU converts each weight once, when first used)
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
             self.defaults = read_generation_config(self.folder)
@@ -182,8 +191,8 @@ class Generator:
     def _choose(backend: str) -> tuple[str, str]:
         from megaloop.runtime import gpus
 
-        if backend == "cpu":
-            return "cpu", "asked for"
+        if backend in ("cpu", "reference"):
+            return backend, "asked for"
         found, reason = gpus()
         if found:
             return "gpu", f"{found[0].name}"
@@ -281,14 +290,14 @@ class Generator:
             raise GenerationError(f"stop strings need the text: {self.folder} has no tokenizer.json")
         try:
             return self._run(batch, on_text)
-        except _SetupFailed as e:  # the loop kernel could not be set up: say so, then the CPU reference
-            print(f"megaloop: the loop kernel failed ({e}); running on the CPU reference instead", file=sys.stderr)
+        except _SetupFailed as e:  # the loop kernel could not be set up: say so, then the CPU
+            print(f"megaloop: the loop kernel failed ({e}); running on the CPU instead", file=sys.stderr)
             self.backend, self.reason = "cpu", "the loop kernel failed"
             return self._run(batch, on_text)
 
     def _backend_for(self, batch: Batch) -> tuple[Any, int, int]:
         rows, lengths = len(batch.rows), batch.lengths
-        cls = GpuBackend if self.backend == "gpu" else CpuBackend
+        cls = {"gpu": GpuBackend, "cpu": CpuBackend, "reference": ReferenceBackend}[self.backend]
         split = {"devices": self.devices, "strategy": self.strategy} if self.devices > 1 else {}
         if split:
             cls = SplitGpuBackend if self.backend == "gpu" else SplitCpuBackend
@@ -304,7 +313,7 @@ class Generator:
         if cls.name == "gpu":  # sizes rounded up, so that plans and kernels serve many requests
             max_seq = min(self.cfg.max_seq, _pow2(max(need, 64)))
             tokens = min(max_seq, _pow2(max(max(lengths), 8)))
-        else:  # the reference computes what it is given: no padding beyond the batch's longest prompt
+        else:  # the CPU computes what it is given: no padding beyond the batch's longest prompt
             max_seq, tokens = need, max(lengths)
         key = (cls.name, rows, tokens, max_seq, batch.sampling, batch.decoding)
         if key not in self._backends:

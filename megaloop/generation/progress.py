@@ -11,7 +11,10 @@ from typing import Any
 
 
 class Progress:
-    """``enabled=None``: bars only when stderr is a terminal. The times are kept either way."""
+    """``enabled=None``: bars only when stderr is a terminal. The times are kept either way. ``delay``:
+    the seconds a ``steps`` bar waits before it shows (a short prefill shows none)."""
+
+    delay = 1.0
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
@@ -28,6 +31,15 @@ class Progress:
         ) as progress:
             yield progress
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def steps(self, name: str, total: float, **bar: Any) -> Iterator[Any]:
+        """A bar for work that is not setup (a long prefill), shown only once it has taken a second."""
+        from tqdm import tqdm
+
+        shown = {"disable": not self.enabled, "file": sys.stderr, "leave": False, "delay": self.delay}
+        with tqdm(total=total, desc=f"{name:<8}", **shown, **bar) as progress:
+            yield progress
 
     def summary(self) -> str:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())

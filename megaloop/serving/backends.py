@@ -1,6 +1,7 @@
-"""Where the engine's step runs: the CPU reference (``ml.evaluate`` of the step graph, its states kept
-here) or one loop kernel resident on a GPU (its states in the kernel's arena). Both take the same
-four calls: ``write`` states (whole), ``run`` n steps, ``read`` states, ``close``."""
+"""Where the engine's step runs: the CPU (the step graph prepared once, megaloop.reference.fast), the
+CPU reference (``ml.evaluate`` of it, its states kept here) or one loop kernel resident on a GPU (its
+states in the kernel's arena). Each takes the same four calls: ``write`` states (whole), ``run`` n
+steps, ``read`` states, ``close``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
 from megaloop.generation.progress import Progress
 from megaloop.reference import evaluate
+from megaloop.reference.fast import FastGraph
 
 
 def initial_state(graph: Graph) -> dict[str, np.ndarray]:
@@ -25,15 +27,42 @@ def initial_state(graph: Graph) -> dict[str, np.ndarray]:
 
 
 class CpuStep:
-    """The numpy reference: each run evaluates the step graph n times, the states carried here."""
+    """The CPU: the step graph prepared once (megaloop.reference.fast: the weights converted once, shared
+    with the Generator's graphs where ``params`` is its ComputeWeights; BLAS products; the page pools
+    written in place), its states kept between runs. Its values are ml.evaluate's but for attention's
+    order of sums (within attention's contract: tests/test_serving_engine.py holds it to ReferenceStep)."""
 
     name = "cpu"
 
     def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress | None = None,
                  plan_cache: bool = True) -> None:  # fmt: skip
+        self.fast = FastGraph(graph, params)
+        self.description = "the CPU (numpy and BLAS)"
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        self.fast.set_state(states)
+
+    def run(self, iterations: int) -> None:
+        self.fast.run(iterations=iterations)
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.fast.read_state(names)
+
+    def close(self) -> None:
+        self.fast.reset()
+
+
+class ReferenceStep:
+    """The numpy reference: each run evaluates the step graph n times, the states carried here (the
+    definition; the weights converted on every step)."""
+
+    name = "reference"
+
+    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress | None = None,
+                 plan_cache: bool = True) -> None:  # fmt: skip
         self.graph, self.params = graph, params
         self.state = initial_state(graph)
-        self.description = "the CPU reference (numpy): slow, for checking and for machines without a GPU"
+        self.description = "the CPU reference (numpy): slow, for checking"
 
     def write(self, states: Mapping[str, np.ndarray]) -> None:
         self.state.update({k: np.array(v) for k, v in states.items()})

@@ -62,7 +62,8 @@ def add_serve_command(sub: Any) -> None:
                    help="requests that may wait for a slot; more get 429 (default 256)")  # fmt: skip
     p.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")  # fmt: skip
-    p.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: a GPU if there is one")
+    p.add_argument("--backend", default="auto", choices=["auto", "gpu", "cpu", "reference"],
+                   help="auto: a GPU if there is one; reference: the CPU reference (the definition, slow)")  # fmt: skip
     p.add_argument("--devices", type=_at_least(1), default=1, metavar="N", help="devices to split the step over")
     p.add_argument("--strategy", default="auto", choices=["auto", "tp", "pp", "dp"],
                    help="how --devices splits it (ml.parallelize; auto: the cost model picks)")  # fmt: skip
@@ -93,9 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except MegaloopError as e:
         raise SystemExit(f"megaloop serve: {e}") from None
-    if engine.backend_name == "cpu":
+    if engine.backend_name in ("cpu", "reference"):
         why = "asked for" if engine.reason == "asked for" else f"no GPU: {engine.reason}"
-        say(f"megaloop serve: running on the CPU reference ({why}): correct, but slowly")
+        say(f"megaloop serve: running on {engine.step.description} ({why})")
     else:
         say(f"megaloop serve: running on {engine.description}")
     shape = engine.shape

@@ -31,7 +31,7 @@ from megaloop.generation.progress import Progress
 from megaloop.generation.sequences import Completion
 from megaloop.generation.split import problem
 from megaloop.models.tokenizer import ChatTemplateError
-from megaloop.serving.backends import CpuStep, GpuStep, SplitCpuStep, SplitGpuStep
+from megaloop.serving.backends import CpuStep, GpuStep, ReferenceStep, SplitCpuStep, SplitGpuStep
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError, Settings, _Progress
 from megaloop.serving.slots import Event, SlotTable
 from megaloop.serving.step import PROGRESS, StepShape, build_serving_step
@@ -91,7 +91,7 @@ class Engine:
             step = SplitGpuStep if self.backend_name == "gpu" else SplitCpuStep
             self.step = step(self.graph, self.generator.params, progress, self.generator.plan_cache, devices, strategy)
         else:
-            step = GpuStep if self.backend_name == "gpu" else CpuStep
+            step = {"gpu": GpuStep, "cpu": CpuStep, "reference": ReferenceStep}[self.backend_name]
             self.step = step(self.graph, self.generator.params, progress, plan_cache=self.generator.plan_cache)
         self.slots = SlotTable(self.shape)
         self.queue: collections.deque[Request] = collections.deque()

@@ -19,9 +19,10 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int
+from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.ops.reduce import ARGMAX, reduced_shape
 from megaloop.frontend.shapes import format_shape
@@ -82,6 +83,23 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     return np.stack(parts, axis=a).astype(np.int64)
 
 
+def _partial_fast(node: Any) -> Kernel:
+    """The whole ranges as rows of one argmax (the first largest or first NaN of each), the last,
+    shorter range apart."""
+    a, chunk, splits = node.attrs["axis"], node.attrs["chunk"], node.attrs["splits"]
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        x = np.moveaxis(arrays[0], a, -1)
+        whole = min(splits, x.shape[-1] // chunk)
+        rows = x[..., : whole * chunk].reshape(*x.shape[:-1], whole, chunk)
+        found = [np.argmax(rows, axis=-1) + np.arange(0, whole * chunk, chunk)]
+        if whole < splits:
+            found.append(np.argmax(x[..., whole * chunk :], axis=-1)[..., None] + whole * chunk)
+        return [np.moveaxis(np.concatenate(found, axis=-1).astype(np.int64), -1, a)]
+
+    return run
+
+
 ARGMAX_PARTIAL = register(
     OpDef(
         name="argmax_partial",
@@ -93,6 +111,7 @@ ARGMAX_PARTIAL = register(
         attrs={"axis": "int", "splits": "count", "chunk": "count"},
         infer=_partial_infer,
         reference=_partial_reference,
+        fast=Fast(_partial_fast),
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_PARTIAL,
         lowering=Lowering("argmax_partial"),
@@ -141,6 +160,7 @@ ARGMAX_COMBINE = register(
         attrs={"axis": "int", "keepdims": "bool", "splits": "count", "chunk": "count"},
         infer=_combine_infer,
         reference=_combine_reference,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ARGMAX_COMBINE,
         lowering=Lowering("argmax_combine"),

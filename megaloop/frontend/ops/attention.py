@@ -26,9 +26,10 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend import sources
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops._grad import f32
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -225,6 +226,61 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     if call.needs[2]:
         grads[2] = B.cast(B.matmul(p, do, transpose_a=True), v.dtype)
     return grads
+# ---- the fast CPU path: BLAS products over the visible keys (OpDef.fast) ------------------------------
+
+SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (16 MiB)
+
+
+def key_range(mask: np.ndarray) -> tuple[int, int]:
+    """The keys [lo, hi) that some query of ``mask`` [..., tk] sees (lo == hi: none)."""
+    seen = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(axis=0))
+    return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
+
+
+def masked_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """q k^T * scale for compute-form q [b, hq, tq, d] and k [b, hkv, n, d] as a BLAS product, -inf
+    where ``mask`` [b, tq, n] hides a key: [b, hkv, hq / hkv, tq, n], query heads grouped by kv head."""
+    b, hq, tq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    scores = np.matmul(q.reshape(b, hkv, (hq // hkv) * tq, d), np.swapaxes(k, -1, -2))
+    scores = scores.reshape(b, hkv, hq // hkv, tq, n) * np.float32(scale)
+    return np.where(mask[:, None, None], scores, np.float32(-np.inf))
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """The reference's softmax(q k^T * scale + mask) v with BLAS products, in blocks of queries, each
+    over the keys its queries see."""
+    b, hq, tq, _ = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    out = np.zeros((b, hkv, hq // hkv, tq, dv), np.float32)
+    block = max(1, min(tq, SCORES_PER_BLOCK // max(1, b * hq * tk)))
+    for q0 in range(0, tq, block):
+        rows = mask[:, q0 : q0 + block]
+        lo, hi = key_range(rows)
+        if lo == hi:
+            continue  # (no key visible: zeros, as the reference)
+        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], scale)
+        row_max = np.max(scores, axis=-1, keepdims=True)
+        p = np.exp(scores - np.where(np.isfinite(row_max), row_max, np.float32(0)))
+        denom = np.sum(p, axis=-1, keepdims=True)
+        p /= np.where(denom > 0, denom, np.float32(1))
+        n = p.shape[3]
+        o = np.matmul(p.reshape(b, hkv, -1, hi - lo), v[:, :, lo:hi])
+        out[:, :, :, q0 : q0 + n] = o.reshape(b, hkv, hq // hkv, n, dv)
+    return out.reshape(b, hq, tq, dv)
+
+
+def _fast(node: Any) -> Kernel:
+    attrs, finish = node.attrs, rounder(node.outputs[0].dtype)
+    slot = _tilings.attention_slots(attrs)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        q, k, v = arrays[:3]
+        qpos, lengths = (arrays[slot[s]] if s in slot else None for s in (3, 4))
+        mask = visible_keys(q.shape[0], q.shape[2], k.shape[2], attrs, qpos, lengths)
+        return [finish(_attend(q, k, v, mask, attrs["scale"]))]
+
+    return run
 
 
 ATTENTION = register(
@@ -239,6 +295,7 @@ ATTENTION = register(
         optional_attrs=frozenset({"absent"}),
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast, exact=False),
         check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
@@ -343,6 +400,21 @@ def _update_vjp(call: VjpCall) -> list[Tensor | None]:
     if call.attrs.get("ignore_negative"):
         picked = B.where(B.reshape(written, (b, 1, t, 1)), picked, 0.0)
     return [None, picked, None]
+def write_slots(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """The fast path's kv_cache_update: ``new`` written into ``cache`` (a state's buffer) in place,
+    once check_update_data's rules hold (checked here at numpy speed; it names what is wrong)."""
+    write = pos >= 0 if attrs.get("ignore_negative") else None
+    bad = pos >= cache.shape[2] if write is not None else (pos < 0) | (pos >= cache.shape[2])
+    slots = pos if write is None else np.where(write, pos, -1 - np.arange(pos.shape[1]))  # (distinct skips)
+    repeats = pos.shape[1] > 1 and np.any(np.diff(np.sort(slots, axis=1), axis=1) == 0)
+    if np.any(bad) or repeats:
+        check_update_data([cache, new, pos], attrs, [None] * 3)
+    if write is None:
+        rows, tokens = np.divmod(np.arange(pos.size), pos.shape[1])
+    else:
+        rows, tokens = np.nonzero(write)
+    cache[rows, :, pos[rows, tokens]] = new[rows, :, tokens]
+    return cache
 
 
 KV_CACHE_UPDATE = register(
@@ -355,6 +427,7 @@ KV_CACHE_UPDATE = register(
         operands=("cache", "new", "positions"),
         infer=_update_infer,
         reference=_update_ref,
+        fast=Fast(lambda node: lambda arrays: [write_slots(*arrays, node.attrs)], checks_data=True),
         check_data=check_update_data,
         attrs={"ignore_negative": "bool"},
         optional_attrs=frozenset({"ignore_negative"}),

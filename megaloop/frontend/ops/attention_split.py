@@ -20,13 +20,21 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, float32
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
-from megaloop.frontend.ops.attention import ATTENTION, attention_dims, check_attention_data, visible_keys
+from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, rounder
+from megaloop.frontend.ops.attention import (
+    ATTENTION,
+    attention_dims,
+    check_attention_data,
+    key_range,
+    masked_scores,
+    visible_keys,
+)
 from megaloop.frontend.ops.attention import _infer as _attention_infer
 from megaloop.frontend.ops.elementwise import to_compute
-from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, rope_attrs
+from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, frequencies, rope_attrs, rotated
 from megaloop.frontend.ops.rope import _reference as _rope_reference
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
@@ -131,6 +139,63 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     return out.reshape(b, hq, tq, splits, dv + 2)
 
 
+def _partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """The reference's key ranges from compute-form q, k, v with BLAS products over the keys that
+    some query sees."""
+    b, hq, tq, _ = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    splits = attrs["splits"]
+    out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
+    out[..., dv] = -np.inf
+    lo, hi = key_range(mask)
+    scores = masked_scores(q, k[:, :, lo:hi], mask[:, :, lo:hi], attrs["scale"]) if lo < hi else None
+    for s in range(splits):
+        a, c = split_bounds(tk, splits, s)
+        a, c = max(a, lo), min(c, hi)
+        if scores is None or a >= c:
+            continue  # (no key visible: output 0, max -inf, sum 0, as the reference)
+        part = scores[..., a - lo : c - lo]
+        m = np.max(part, axis=-1)
+        p = np.exp(part - np.where(np.isfinite(m), m, np.float32(0))[..., None])
+        acc = np.matmul(p.reshape(b, hkv, -1, c - a), v[:, :, a:c])
+        out[..., s, :dv] = acc.reshape(b, hkv, hq // hkv, tq, dv)
+        out[..., s, dv] = m
+        out[..., s, dv + 1] = np.sum(p, axis=-1)
+    return out.reshape(b, hq, tq, splits, dv + 2)
+
+
+def _partial_fast(node: Any) -> Kernel:
+    """BLAS products (_partials); the append form writes the rotated new key and value into the caches
+    for the product and puts the old rows back after it (the reference's copies of the caches, minus
+    the copying)."""
+    attrs, slot = node.attrs, _tilings.attention_slots(node.attrs)
+    append = "theta" in attrs
+    inv = frequencies(attrs) if append else None
+    q_stored, k_stored = rounder(node.inputs[0].dtype), rounder(node.inputs[1].dtype)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        q, k, v = arrays[:3]
+        qpos, lengths = (arrays[slot[s]] if s in slot else None for s in (3, 4))
+        mask = visible_keys(q.shape[0], q.shape[2], k.shape[2], attrs, qpos, lengths)
+        if not append:
+            return [_partials(q, k, v, mask, attrs)]
+        b = q.shape[0]
+        at = qpos.reshape(b, 1, 1)
+        q = q_stored(rotated(q, at, attrs, inv))
+        rows, slots = np.arange(b), np.clip(qpos[:, 0], 0, k.shape[2] - 1)
+        k_new, v_new = k_stored(rotated(arrays[slot[5]], at, attrs, inv))[:, :, 0], arrays[slot[6]][:, :, 0]
+        if not (k.flags.writeable and v.flags.writeable) or np.may_share_memory(k, v):
+            k, v = k.copy(), v.copy()
+        kept = k[rows, :, slots].copy(), v[rows, :, slots].copy()
+        k[rows, :, slots], v[rows, :, slots] = k_new, v_new
+        try:
+            return [_partials(q, k, v, mask, attrs)]
+        finally:
+            k[rows, :, slots], v[rows, :, slots] = kept
+
+    return run
+
+
 APPEND_ATTRS = ROPE_ATTRS  # the append form's: rope's (a node with them is the append form)
 
 ATTENTION_PARTIAL = register(
@@ -153,6 +218,7 @@ ATTENTION_PARTIAL = register(
         optional_attrs=frozenset({"absent", *APPEND_ATTRS}),
         infer=_partial_infer,
         reference=_partial_reference,
+        fast=Fast(_partial_fast, exact=False),
         check_data=_check_partial_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_PARTIAL,
@@ -195,6 +261,7 @@ ATTENTION_COMBINE = register(
         attrs={"dtype": "dtype"},
         infer=_combine_infer,
         reference=_combine_reference,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION_COMBINE,
         lowering=Lowering("attention_combine"),

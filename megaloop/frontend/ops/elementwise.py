@@ -19,10 +19,11 @@ import numpy as np
 
 from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _elementwise_vjp as _vjp
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
+from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, rounder
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
 
@@ -225,6 +226,13 @@ def _binary_op(
         a, b = with_scalars([to_compute(x) for x in arrays], attrs, 2, storage)
         return fn(a, b)
 
+    def fast(node: Any) -> Kernel:  # a comparison's number rounded to the tensor's dtype, as above
+        attrs, finish = node.attrs, rounder(node.outputs[0].dtype)
+        if not attrs.get("scalars"):
+            return lambda arrays: [finish(fn(arrays[0], arrays[1]))]
+        storage = node.inputs[0].dtype.np if result == "bool" else None
+        return lambda arrays: [finish(fn(*with_scalars(arrays, attrs, 2, storage)))]
+
     return register(
         OpDef(
             name=name,
@@ -236,6 +244,7 @@ def _binary_op(
             optional_attrs=frozenset({"scalars"}),
             infer=infer,
             reference=reference,
+            fast=Fast(fast),
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
             lowering=Lowering("elementwise", cuda),
@@ -395,6 +404,7 @@ WHERE = register(
         optional_attrs=frozenset({"scalars"}),
         infer=_where_infer,
         reference=_where_ref,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a ? b : c"),
@@ -457,6 +467,10 @@ def _unary_op(
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
         return fn(to_compute(arrays[0]), **attrs)
 
+    def fast(node: Any) -> Kernel:
+        attrs, finish = node.attrs, rounder(node.outputs[0].dtype)
+        return lambda arrays: [finish(fn(arrays[0], **attrs))]
+
     return register(
         OpDef(
             name=name,
@@ -468,6 +482,7 @@ def _unary_op(
             optional_attrs=frozenset({"approximate"}) if name == "gelu" else frozenset(),
             infer=infer,
             reference=reference,
+            fast=Fast(fast),
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
             lowering=Lowering("elementwise", cuda),
@@ -619,6 +634,7 @@ CLIP = register(
         optional_attrs=frozenset({"min", "max"}),
         infer=_clip_infer,
         reference=_clip_ref,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", _clip_cuda),
@@ -654,6 +670,7 @@ LOGICAL_NOT = register(
         operands=("x",),
         infer=_logical_not_infer,
         reference=lambda arrays, attrs: np.logical_not(arrays[0]),
+        fast=VALUES_ONLY,
         accuracy=Accuracy(0.0),
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "!a"),
@@ -701,6 +718,7 @@ CAST = register(
         attrs={"dtype": "dtype"},
         infer=_cast_infer,
         reference=_cast_ref,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.5),
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),

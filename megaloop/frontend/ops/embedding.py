@@ -12,6 +12,7 @@ from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, 
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import elementwise as ew
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._fast import MOVES_VALUES
 from megaloop.frontend.ops.layout import reshape
 from megaloop.frontend.placement import REPLICATE, LocalCall, Partial, Shard, Strategy, bounds, even_sizes
 from megaloop.frontend.shapes import format_shape
@@ -66,6 +67,7 @@ EMBEDDING = register(
         operands=("table", "ids"),
         infer=_infer,
         reference=_reference,
+        fast=MOVES_VALUES,
         check_data=_check_data,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.EMBEDDING,

@@ -26,6 +26,7 @@ from megaloop.frontend.ops._build import (
     require_shape,
     require_tensor,
 )
+from megaloop.frontend.ops._fast import MOVES_VALUES
 from megaloop.frontend.ops._grad import unbroadcast, zeros
 from megaloop.frontend.placement import LocalCall, Shard
 from megaloop.frontend.shapes import (
@@ -61,6 +62,7 @@ def _view_op(
             attrs=attrs,
             infer=infer,
             reference=reference,
+            fast=MOVES_VALUES,
             accuracy=_EXACT,
             placement=placement,
             vjp=vjp,
@@ -473,6 +475,7 @@ CONCAT = register(
         attrs={"axis": "int"},
         infer=_concat_infer,
         reference=lambda arrays, attrs: np.concatenate(arrays, axis=attrs["axis"]),
+        fast=MOVES_VALUES,
         accuracy=_EXACT,
         tiling=_tilings.CONCAT,
         lowering=Lowering("concat"),
@@ -511,6 +514,7 @@ COPY = register(
         operands=("x",),
         infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
+        fast=MOVES_VALUES,
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),

@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops import layout as _layout
 from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._fast import Kernel, blas_ready, rounder, weight_product
 from megaloop.frontend.ops._grad import unbroadcast
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -81,6 +82,17 @@ def _product(x: Tensor, y: Tensor, tx: bool, ty: bool, want: tuple[int, ...]) ->
         x = _layout.reshape(x, (-1, x.shape[-1]))
         y = _layout.reshape(y, (-1, y.shape[-1]))
     return matmul(x, y, transpose_a=tx, transpose_b=ty)
+def _fast(node: Any) -> Kernel:
+    """The reference's product on the operands as they are (a weight is not copied each step)."""
+    ta, tb, finish = node.attrs["transpose_a"], node.attrs["transpose_b"], rounder(node.outputs[0].dtype)
+    if tb and not ta:  # x @ w.T: a linear layer's, or its ranges of K (_fast.weight_product)
+        return lambda arrays: [finish(weight_product(arrays[0], arrays[1]))]
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        a, b = blas_ready(arrays[0]), blas_ready(np.asarray(arrays[1]))  # (a weight's view: not copied)
+        return [finish(np.matmul(np.swapaxes(a, -1, -2) if ta else a, np.swapaxes(b, -1, -2) if tb else b))]
+
+    return run
 
 
 # auto_k_splits: the tiles a wave of the processors takes (132 on an H200), the output tile they are
@@ -99,6 +111,7 @@ MATMUL = register(
         attrs={"transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
         lowering=Lowering("matmul"),

@@ -11,11 +11,12 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._fast import Kernel, rounder, weight_product
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
-from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref
+from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, Tiling
@@ -52,6 +53,19 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return np.matmul(to_compute(round_to(normed, as_dtype(x.dtype))), np.swapaxes(to_compute(w), -1, -2))
 
 
+def _fast(node: Any) -> Kernel:
+    """The reference's values from compute-form operands, the weight not copied."""
+    finish = rounder(node.outputs[0].dtype)
+    normed = rms_rows(node, node.attrs["eps"], rounder(node.inputs[0].dtype))
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        x, w, g, *residual = arrays
+        rows = normed(x, g, residual[0] if residual else None)
+        return [finish(weight_product(rows, w))]
+
+    return run
+
+
 def _as_matmul(node: Any, inputs: Any) -> Any:
     """The node as the matmul x @ w.T that the matmul tiling and placement rules read."""
     return SimpleNamespace(inputs=inputs, outputs=node.outputs, attrs={"transpose_a": False, "transpose_b": True})
@@ -85,6 +99,7 @@ RMSNORM_LINEAR = register(
         attrs={"eps": "number"},
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=Tiling(
             _tilings.MATMUL.params,

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
+from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, dense, rounder
 from megaloop.frontend.ops._grad import f32, sum_to_rows
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -66,6 +68,7 @@ SOFTMAX = register(
         attrs={"axis": "int"},
         infer=_axis_infer,
         reference=_softmax_ref,
+        fast=VALUES_ONLY,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
@@ -83,6 +86,7 @@ LOG_SOFTMAX = register(
         attrs={"axis": "int"},
         infer=_axis_infer,
         reference=_log_softmax_ref,
+        fast=VALUES_ONLY,
         accuracy=_ROW,
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
@@ -206,6 +210,47 @@ def _norm_vjp(call: VjpCall) -> list[Tensor | None]:
     for name, t, need in zip(present, call.inputs[1:], call.needs[1:]):
         out.append(B.cast(grads[name](), t.dtype) if need else None)
     return out
+def _norm_fast(reference: Any, names: tuple[str, ...]) -> Fast:
+    """A norm's reference on compute-form operands, its residual sum first rounded to x's dtype here
+    (the one place the reference reads an operand's dtype)."""
+
+    def make(node: Any) -> Kernel:
+        attrs, finish = node.attrs, rounder(node.outputs[0].dtype)
+        absent = attrs.get("absent", ())
+        present = [n for i, n in enumerate(names, start=1) if i not in absent]
+        if "residual" not in present:
+            return lambda arrays: [finish(reference(arrays, attrs))]
+        at = present.index("residual") + 1
+        rest = [i for i in range(1, len(present) + 1) if i != at]
+        plain = {**attrs, "absent": tuple(sorted((*absent, names.index("residual") + 1)))}
+        rows = rounder(node.inputs[0].dtype)
+        return lambda arrays: [finish(reference([rows(arrays[0] + arrays[at]), *(arrays[i] for i in rest)], plain))]
+
+    return Fast(make)
+
+
+def rms_rows(node: Any, eps: float, stored: Any) -> Callable[..., np.ndarray]:
+    """``rows(x, weight, residual)``: rmsnorm(x, weight, eps, residual) as an rmsnorm op computes it
+    from compute-form operands, in compute form and rounded by ``stored`` (a rounder): the reference's
+    arithmetic in the same order (np.mean is this sum divided by the count), without its overheads."""
+    eps32, residual_stored = np.float32(eps), rounder(node.inputs[0].dtype)
+
+    def rows(x: np.ndarray, weight: np.ndarray | None, residual: np.ndarray | None) -> np.ndarray:
+        x = residual_stored(x + residual) if residual is not None else dense(x)
+        ms = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])
+        y = x / np.sqrt(ms + eps32)
+        return stored(y if weight is None else y * weight)
+
+    return rows
+
+
+def _rmsnorm_fast(node: Any) -> Kernel:
+    absent = node.attrs.get("absent", ())
+    present = [n for i, n in enumerate(RMSNORM_OPERANDS, start=1) if i not in absent]
+    at = {n: present.index(n) + 1 for n in present}
+    rows = rms_rows(node, node.attrs["eps"], rounder(node.outputs[0].dtype))
+    w, r = at.get("weight"), at.get("residual")
+    return lambda arrays: [rows(arrays[0], arrays[w] if w else None, arrays[r] if r else None)]
 
 
 LAYERNORM = register(
@@ -220,6 +265,7 @@ LAYERNORM = register(
         optional_attrs=frozenset({"absent"}),
         infer=_norm_infer,
         reference=_layernorm_ref,
+        fast=_norm_fast(_layernorm_ref, LAYERNORM_OPERANDS),
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),
@@ -240,6 +286,7 @@ RMSNORM = register(
         optional_attrs=frozenset({"absent"}),
         infer=_norm_infer,
         reference=_rmsnorm_ref,
+        fast=Fast(_rmsnorm_fast),
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),

@@ -31,10 +31,12 @@ import numpy as np
 
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend import sources
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
+from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops.attention import ATTENTION
+from megaloop.frontend.ops.attention import _attend as _attend_blas
 from megaloop.frontend.ops.attention import _reference as _attention_reference
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -229,6 +231,84 @@ def _update_ref(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return out
 
 
+# ---- the fast CPU path (OpDef.fast): a slot's rows at once, BLAS products over the pages they read ----
+
+
+def _fast_rows(table: np.ndarray, slots: np.ndarray, pos: np.ndarray, pages: int, page: int,
+               window: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
+    """The used rows (batch, token indices) and each one's first page read, or None where check_data
+    would refuse something (a slot, position or page out of range): the caller lets it say what."""
+    bi, ti = np.nonzero(pos >= 0)
+    p, s = pos[bi, ti], slots[bi, ti]
+    if np.any(p >= table.shape[1] * page) or np.any((s < 0) | (s >= table.shape[0])):
+        return None
+    first = np.zeros_like(p) if window is None else np.maximum(0, p - window + 1) // page
+    cols = np.arange(table.shape[1])
+    read = (cols >= first[:, None]) & (cols <= (p // page)[:, None])
+    ids = table[s]
+    if np.any(read & ((ids < 0) | (ids >= pages))):
+        return None
+    return bi, ti, first
+
+
+def _gather_range(pool: np.ndarray, table_row: np.ndarray) -> np.ndarray:
+    """The pages ``table_row`` names as one run of positions [1, kv_heads, len * page_size, dim]."""
+    pages = pool[table_row]
+    return pages.transpose(1, 0, 2, 3).reshape(1, pool.shape[1], -1, pool.shape[3])
+
+
+def _attention_fast(node: Any) -> Kernel:
+    window, scale = node.attrs["window"], node.attrs["scale"]
+    finish = rounder(node.outputs[0].dtype)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        q, k_pool, v_pool, table, slots, pos = arrays
+        page = k_pool.shape[2]
+        rows = _fast_rows(table, slots, pos, k_pool.shape[0], page, window)
+        if rows is None:
+            _check_attention_data(arrays, node.attrs, [None] * 6)  # (names the row and value)
+            return [finish(_attention_ref(arrays, node.attrs))]
+        bi, ti, first = rows
+        out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v_pool.shape[3]), np.float32)
+        for s in np.unique(slots[bi, ti]):
+            mine = slots[bi, ti] == s
+            b, t, p = bi[mine], ti[mine], pos[bi[mine], ti[mine]]
+            lo, hi = int(first[mine].min()), int(p.max()) // page + 1
+            k, v = (_gather_range(pool, table[s, lo:hi]) for pool in (k_pool, v_pool))
+            if not (np.isfinite(k).all() and np.isfinite(v).all()):  # (the reference zeroes keys a row cannot see)
+                return [finish(_attention_ref(arrays, node.attrs))]
+            keys = np.arange(lo * page, hi * page)
+            visible = keys <= p[:, None]
+            if window is not None:
+                visible &= keys > (p - window)[:, None]
+            o = _attend_blas(np.swapaxes(q[b, :, t], 0, 1)[None], k, v, visible[None], scale)
+            out[b, :, t] = np.swapaxes(o[0], 0, 1)
+        return [finish(out)]
+
+    return run
+
+
+def _update_fast(node: Any) -> Kernel:
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        pool, new, table, slots, pos = arrays
+        page = pool.shape[2]
+        rows = _fast_rows(table, slots, pos, pool.shape[0], page, 1)  # (window 1: a row's own page)
+        if rows is not None:
+            bi, ti, _ = rows
+            p = pos[bi, ti]
+            pages = table[slots[bi, ti], p // page]
+            places = pages * page + p % page
+            if np.unique(places).size < places.size:
+                rows = None
+        if rows is None:
+            _check_update_data(arrays, node.attrs, [None] * 5)  # (names the rows and values)
+            return [_update_ref(arrays, node.attrs)]
+        pool[pages, :, p % page] = new[bi, :, ti]  # in place: the pool is the state's buffer
+        return [pool]
+
+    return run
+
+
 # ---- tilings --------------------------------------------------------------------------------------------
 
 
@@ -321,6 +401,7 @@ PAGED_ATTENTION = register(
         infer=_attention_infer,
         reference=_attention_ref,
         check_data=_check_attention_data,
+        fast=Fast(_attention_fast, exact=False, checks_data=True),
         accuracy=ATTENTION.accuracy,
         tiling=PAGED_ATTENTION_TILING,
         lowering=Lowering("paged_attention"),
@@ -339,6 +420,7 @@ PAGED_KV_CACHE_UPDATE = register(
         infer=_update_infer,
         reference=_update_ref,
         check_data=_check_update_data,
+        fast=Fast(_update_fast, checks_data=True),
         accuracy=Accuracy(ulps=0.0),
         inplace_operand=0,
         tiling=PAGED_UPDATE_TILING,

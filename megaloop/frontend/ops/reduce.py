@@ -18,6 +18,7 @@ from megaloop.errors import AxisError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
+from megaloop.frontend.ops._fast import VALUES_ONLY
 from megaloop.frontend.ops._grad import f32
 from megaloop.frontend.ops.elementwise import cast, check_kinds, equal, greater, mul, not_equal, to_compute, where
 from megaloop.frontend.placement import REPLICATE, LocalCall, Shard, Strategy, bounds, even_sizes
@@ -82,6 +83,7 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, pla
             attrs={"axis": "axes", "keepdims": "bool"},
             infer=infer,
             reference=reference,
+            fast=VALUES_ONLY,
             accuracy=accuracy,
             tiling=_tilings.REDUCTION,
             lowering=Lowering("reduction"),
@@ -231,6 +233,7 @@ ARGMAX = register(
         attrs={"axis": "axes", "keepdims": "bool"},
         infer=_argmax_infer,
         reference=_argmax_ref,
+        fast=VALUES_ONLY,
         accuracy=Accuracy(ulps=0.0),
         tiling=_tilings.REDUCTION,
         lowering=Lowering("reduction"),

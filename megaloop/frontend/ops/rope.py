@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
+from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops.elementwise import check_kinds
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import BUILDERS as B
@@ -117,6 +118,32 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     positions = call.inputs[1]
     attrs = {k: call.attrs[k] for k in ROPE_ATTRS}
     return [apply(ROPE, [call.cotangent(), B.neg(positions)], **attrs), None]
+def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray) -> np.ndarray:
+    """The reference's float32 result, each angle's sine and cosine computed once for all the heads
+    that share its position (positions broadcast to x's shape without its last axis; ``inv``:
+    inv_frequencies of the attributes)."""
+    rd = attrs["rotary_dim"]
+    angle = pos.astype(np.float64)[..., None] * inv  # (broadcasts against x's leading axes)
+    cos, sin = np.cos(angle), np.sin(angle)
+    x64 = x.astype(np.float64)
+    rot, rest = x64[..., :rd], x64[..., rd:]
+    if attrs["layout"] == "neox":
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+        out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    return np.concatenate([out, rest], axis=-1).astype(np.float32)
+
+
+def frequencies(attrs: dict[str, Any]) -> np.ndarray:
+    """inv_frequencies of a node's rope attributes (its rotary_dim set by its shape rule)."""
+    return inv_frequencies(attrs["rotary_dim"], attrs["theta"], attrs["scaling"])
+
+
+def _fast(node: Any) -> Kernel:
+    attrs, inv, finish = node.attrs, frequencies(node.attrs), rounder(node.outputs[0].dtype)
+    return lambda arrays: [finish(rotated(arrays[0], arrays[1], attrs, inv))]
 
 
 ROPE = register(
@@ -130,6 +157,7 @@ ROPE = register(
         attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=2.0),
         tiling=_tilings.ROPE,
         lowering=Lowering("rope"),

@@ -14,10 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _tilings
-from megaloop.frontend.ops.attention import CACHE_PLACEMENT, _update_infer, _update_ref, cache_update, check_update_data
-from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, rope_attrs
+from megaloop.frontend.ops._fast import Kernel, rounder
+from megaloop.frontend.ops.attention import (
+    CACHE_PLACEMENT,
+    _update_infer,
+    _update_ref,
+    cache_update,
+    check_update_data,
+    write_slots,
+)
+from megaloop.frontend.ops.rope import ROPE_ATTRS, check_rotary, frequencies, rope_attrs, rotated
 from megaloop.frontend.ops.rope import _reference as _rope_reference
 from megaloop.frontend.tensor import Tensor
 
@@ -35,6 +43,18 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return _update_ref([cache, rotated, pos], attrs)
 
 
+def _fast(node: Any) -> Kernel:
+    """new rotated (rounded to its dtype, as rope stores it), then written into the cache in place."""
+    attrs, inv, stored = node.attrs, frequencies(node.attrs), rounder(node.inputs[1].dtype)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        cache, new, pos = arrays
+        b, t = pos.shape
+        return [write_slots(cache, stored(rotated(new, pos.reshape(b, 1, t), attrs, inv)), pos, attrs)]
+
+    return run
+
+
 ROPE_KV_CACHE_UPDATE = register(
     OpDef(
         name="rope_kv_cache_update",
@@ -47,6 +67,7 @@ ROPE_KV_CACHE_UPDATE = register(
         attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast, checks_data=True),
         check_data=check_update_data,
         accuracy=Accuracy(ulps=2.0),
         inplace_operand=0,

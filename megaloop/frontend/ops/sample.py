@@ -55,6 +55,7 @@ from megaloop import dtypes
 from megaloop.errors import DataError, DtypeError, GraphBuildError, NonFiniteError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
+from megaloop.frontend.ops._fast import VALUES_ONLY
 from megaloop.frontend.ops._sampling import MAX_VOCAB, sample_rows
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
@@ -237,6 +238,7 @@ SAMPLE = register(
         operands=("logits", *(name for name, _ in PARAMS)),
         infer=_infer,
         reference=_reference,
+        fast=VALUES_ONLY,
         check_data=params_data(1, "sample"),
         accuracy=Accuracy(ulps=0.0),
         tiling=Tiling({}, _tiles, "a few whole rows a tile: one round over the processors"),

@@ -29,6 +29,7 @@ from megaloop.errors import DataError, DtypeError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_tensor
+from megaloop.frontend.ops._fast import VALUES_ONLY
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.ops.sample import param_tensor
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -111,6 +112,7 @@ PENALIZE = register(
         operands=("logits", "counts", "prompt_mask", *PENALTIES),
         infer=_infer,
         reference=_reference,
+        fast=VALUES_ONLY,
         check_data=_check_data,
         accuracy=Accuracy(ulps=2.0),  # (against float64: two or three float32 roundings)
         tiling=_tilings.ELEMENTWISE,

@@ -33,6 +33,7 @@ from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_tensor
+from megaloop.frontend.ops._fast import VALUES_ONLY
 from megaloop.frontend.ops._sampling import (
     FLT_MIN,
     LOG2E,
@@ -187,6 +188,7 @@ SAMPLE_PARTIAL = register(
         operands=("logits", "partial", "temperature"),
         infer=_partial_infer,
         reference=_partial_reference,
+        fast=VALUES_ONLY,
         attrs={"splits": "int", "chunk": "int", "candidates": "int"},
         accuracy=Accuracy(ulps=0.0),
         placement=_placements.rule(lambda node: row_dims(node, (0, 1), (2,))),
@@ -319,6 +321,7 @@ SAMPLE_COMBINE = register(
         operands=("logits", "partial", "summary", *(name for name, _ in PARAMS)),
         infer=_combine_infer,
         reference=_combine_reference,
+        fast=VALUES_ONLY,
         check_data=params_data(3, "sample_combine"),
         attrs={"splits": "int", "chunk": "int", "candidates": "int"},
         accuracy=Accuracy(ulps=0.0),

@@ -12,12 +12,13 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
 from megaloop.errors import GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, register
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
+from megaloop.frontend.ops._fast import Kernel, dense, rounder, weight_product
 from megaloop.frontend.ops.elementwise import _sigmoid, check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.ops.norm_linear import _as_matmul
-from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref
+from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, Tiling
@@ -63,6 +64,20 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     return g * _sigmoid(g) * u
 
 
+def _fast(node: Any) -> Kernel:
+    """The reference's values from compute-form operands, the weights not copied."""
+    stored, finish = rounder(node.inputs[0].dtype), rounder(node.outputs[0].dtype)
+    normed = rms_rows(node, node.attrs.get("eps", 0.0), stored)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        x, gate, up, *norm = arrays
+        a = normed(x, norm[0], norm[1] if len(norm) > 1 else None) if norm else dense(x)
+        g = stored(weight_product(a, gate))
+        return [finish(g * _sigmoid(g) * stored(weight_product(a, up)))]
+
+    return run
+
+
 def _tiles(node: Any, params: dict[str, int], ctx: Any) -> list[Tile]:
     """The gate matmul's tiles, each also reading up's rows of its columns (twice the bytes and flops),
     the norm's weight whole and its rows' residual."""
@@ -102,6 +117,7 @@ SWIGLU_LINEAR = register(
         optional_attrs=frozenset({"eps"}),
         infer=_infer,
         reference=_reference,
+        fast=Fast(_fast),
         accuracy=Accuracy(ulps=4.0, per_reduction=True),
         tiling=Tiling(
             _tilings.MATMUL.params,

@@ -1,0 +1,352 @@
+"""A graph prepared once and run many times on the CPU: what ``megaloop generate`` runs without a GPU.
+
+It runs the graph's own ops with ``ml.evaluate``'s semantics (each op's result rounded to its dtype,
+the same rounding points), but:
+
+- values stay in their compute form between ops (float tensors as float32 arrays holding values of
+  their dtype: megaloop.frontend.ops._fast), and the parameters are converted to it once
+  (``ComputeWeights``, shared by the graphs that read them), not on every step;
+- an op with a fast implementation (``OpDef.fast``) runs it: BLAS products without copies of their
+  weights, states (KV caches) written in place and kept between runs instead of copied;
+- the graph is checked and ordered once, when it is prepared; no view layouts are checked per run.
+
+An op without one runs its reference on operands put back into their storage dtypes, so every graph
+runs. Exactness: every op's result has the reference's bits, except where an op's ``Fast`` says
+``exact=False`` (attention: BLAS products in another order of sums), whose results stay within the
+op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this path to
+(tests/test_fast.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megaloop.dtypes import bfloat16
+from megaloop.errors import DataError, EvaluationError, InternalError
+from megaloop.frontend.graph import Graph, Node, require_results
+from megaloop.frontend.ops._fast import Kernel, Weight, compute_np, rounder, to_compute_form
+from megaloop.frontend.tensor import Tensor
+from megaloop.frontend.values import coerce
+from megaloop.parallel.ranks import match_ranks
+
+PRODUCTS = ("numpy", "torch", "auto")
+
+
+def choose_products(products: str) -> str:
+    """What ``products`` allows on this machine: "numpy", or "torch" ("auto": where torch is installed
+    and the CPU has bfloat16 dot products, AVX512-BF16 or AMX; fixed for a machine)."""
+    if products not in PRODUCTS:
+        raise EvaluationError(f"products must be one of {PRODUCTS}, got {products!r}")
+    if products != "auto":
+        return products
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "numpy"
+    torch = {"avx512_bf16", "amx_bf16"} & flags and importlib.util.find_spec("torch") is not None
+    return "torch" if torch else "numpy"
+
+
+class ComputeWeights(Mapping[str, Any]):
+    """Parameters in their compute form, converted on first use and then kept: one copy for every
+    graph prepared with this object (a model's prefill and decode graphs share their weights). As a
+    mapping it is ``params`` itself (the arrays as given), for the backends that take those.
+    ``products``: what the graphs may use (choose_products): "numpy" (numpy's products only: the
+    reference's bits), "torch" (a graph prepared with products="torch" also gets each bfloat16 matrix
+    as a torch tensor, for its products of many rows: megaloop.frontend.ops._fast.Weight), "auto"."""
+
+    def __init__(self, params: Mapping[str, Any], products: str = "numpy") -> None:
+        self.params = params
+        self.requested, self.products = products, choose_products(products)
+        if self.products == "torch" and importlib.util.find_spec("torch") is None:
+            raise EvaluationError("products='torch' needs torch (pip install torch); or use products='numpy'")
+        self._converted: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        return self.params[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def has(self, name: str, t: Tensor, torch: bool = False) -> bool:
+        """Whether ``name`` is converted for tensor ``t`` already (``torch``: with its torch twin, where
+        it gets one)."""
+        key = (name, t.shape, t.dtype.name)
+        twin = torch and t.dtype == bfloat16 and t.ndim == 2
+        return key in self._converted and (not twin or key in self._twins)
+
+    def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
+        """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
+        ``torch``: a bfloat16 matrix as a Weight with its torch twin (the same float32 memory)."""
+        key = (name, t.shape, t.dtype.name)
+        found = self._converted.get(key)
+        if found is None:
+            found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}"), t.dtype)
+            found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
+            self._converted[key] = found
+        if not torch or t.dtype != bfloat16 or t.ndim != 2:
+            return found
+        if self.products != "torch":
+            raise EvaluationError(f"parameter {name!r}: torch products need ComputeWeights(products='torch' or 'auto')")
+        if key not in self._twins:
+            import torch as _torch
+
+            twin = Weight(found.shape, np.float32, found)  # (numpy makes a view of this a view of it)
+            twin.bf16 = _torch.from_numpy(found.astype(bfloat16.np).view(np.int16)).view(_torch.bfloat16)
+            twin.setflags(write=False)
+            self._twins[key] = twin
+        return self._twins[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._converted.values())
+
+
+class FastGraph:
+    """``graph`` prepared for repeated runs (module docstring): its states live here between runs,
+    as a loop kernel's do. ``params``: a mapping of the graph's parameters or a ``ComputeWeights``.
+    ``products``: "numpy", or "torch" (the products of many rows with a bfloat16 weight by torch's
+    bfloat16 kernels: within matmul's contract, not the reference's bits). ``verify``: check every op's
+    output shape and dtype as it runs (tests)."""
+
+    def __init__(
+        self, graph: Graph, params: Mapping[str, Any] | ComputeWeights, *, products: str = "numpy", verify: bool = False
+    ) -> None:
+        if not isinstance(graph, Graph):
+            raise EvaluationError(f"FastGraph: expected a Graph, got {type(graph).__name__}")
+        if graph.world_size != 1:
+            raise EvaluationError(
+                f"FastGraph: graph {graph.name!r} is rank {graph.rank} of {graph.world_size}; the fast CPU path runs "
+                "one rank's graph: evaluate several ranks with ml.evaluate"
+            )
+        require_results([graph], "FastGraph")
+        self.graph = graph
+        self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params, products)
+        if products not in ("numpy", "torch"):
+            raise EvaluationError(f"FastGraph: products must be 'numpy' or 'torch', got {products!r}")
+        self.torch = products == "torch"
+        missing = [n for n in graph.parameters if n not in self.weights]
+        if missing:
+            raise EvaluationError(
+                f"graph {graph.name!r}: missing parameters {missing[:8]}; expected {list(graph.parameters)[:8]}..."
+            )
+        order = [node for _, node in match_ranks([graph]).order]  # an op's in-place write after its readers
+        self._slot: dict[Tensor, int] = {}
+        self._size = 0  # slots of values in a run
+        self._fixed: dict[int, np.ndarray] = {}  # parameters and constants
+        self._inputs: dict[str, int] = {}
+        self._states: dict[str, int] = {}
+        self.nodes: list[Node] = []  # the nodes that run, in order (a step each)
+        self._steps: list[tuple[Kernel, list[int], list[int]]] = []
+        snapshots = _read_after_overwrite(graph, order)
+        for node in order:
+            self._prepare(node, verify)
+        for t in snapshots:  # (a state read at the end but overwritten in place: its value kept first)
+            self._snapshot(t)
+        self._outputs = {name: (self._slot[t], t) for name, t in graph.outputs.items()}
+        self._updates = {name: self._slot[t] for name, t in graph.state_updates.items()}
+        self.state: dict[str, np.ndarray] = {}
+        self.reset()
+
+    # ---- preparing ----------------------------------------------------------------------------------
+    def _new_slot(self, t: Tensor) -> int:
+        self._slot[t], self._size = self._size, self._size + 1
+        return self._slot[t]
+
+    def _prepare(self, node: Node, verify: bool) -> None:
+        op = node.op
+        if op.kind == "source":
+            slot = self._new_slot(node.outputs[0])
+            name, t = node.attrs["name"], node.outputs[0]
+            if op.name == "parameter":
+                self._fixed[slot] = self.weights.get(name, t, self.torch)
+            elif op.name == "constant":
+                self._fixed[slot] = to_compute_form(np.asarray(node.attrs["value"]), t.dtype)
+            elif op.name == "input":
+                self._inputs[name] = slot
+            else:
+                self._states[name] = slot
+            return
+        if op.kind in ("collective", "p2p"):
+            raise EvaluationError(
+                f"{op.name} {node.name}: graph {self.graph.name!r} exchanges values with other ranks; the fast CPU "
+                "path runs one rank: evaluate several ranks with ml.evaluate"
+            )
+        kernel = op.fast.make(node) if op.fast is not None else _storage_kernel(node)
+        if op.check_data is not None and (op.fast is None or not op.fast.checks_data):
+            kernel = _checked(kernel, node)
+        if verify:
+            kernel = _verified(kernel, node)
+        ins = [self._slot[t] for t in node.inputs]
+        self.nodes.append(node)
+        self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
+
+    def _snapshot(self, t: Tensor) -> None:
+        """Copy ``t`` where it is made, before an op overwrites its storage, and read the copy at the end."""
+        slot = self._slot[t]
+        copy = self._new_slot(t)
+        made_by = next((i for i, n in enumerate(self.nodes) if t in n.outputs), -1)
+        self._steps.insert(made_by + 1, (lambda arrays: [arrays[0].copy()], [slot], [copy]))
+        self.nodes.insert(made_by + 1, t.node)
+
+    # ---- states -------------------------------------------------------------------------------------
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Every state to its first value (its init, else zeros), then those of ``state`` given."""
+        fresh = {}
+        for name, t in self.graph.states.items():
+            init = t.node.attrs.get("init")
+            value = np.array(init, copy=True) if init is not None else np.zeros(t.shape, t.dtype.np)
+            fresh[name] = to_compute_form(value, t.dtype)
+        self.state = fresh
+        if state:
+            self.set_state(state)
+
+    def set_state(self, state: Mapping[str, Any], *, adopt: bool = False) -> None:
+        """Replace the states named in ``state`` (arrays of any dtype, checked as ml.evaluate checks them).
+        ``adopt``: the arrays are already in compute form (another FastGraph's ``state``) and are taken
+        as they are, no copy: that graph must not run on them again (``reset`` it first)."""
+        unknown = [n for n in state if n not in self.graph.states]
+        if unknown:
+            raise EvaluationError(
+                f"graph {self.graph.name!r}: unknown state {unknown}; the graph's states are {list(self.graph.states)}"
+            )
+        for name, value in state.items():
+            t = self.graph.states[name]
+            as_is = isinstance(value, np.ndarray) and value.shape == t.shape and value.dtype == compute_np(t.dtype)
+            if adopt and as_is:
+                self.state[name] = value
+            else:
+                self.state[name] = to_compute_form(coerce(value, t, f"state {name!r}"), t.dtype)
+
+    def read_state(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the states (all, or ``names``) in their dtypes, as ml.evaluate returns them."""
+        names = list(self.graph.states) if names is None else names
+        return {n: _stored(self.state[n], self.graph.states[n]) for n in names}
+
+    # ---- running ------------------------------------------------------------------------------------
+    def run(
+        self,
+        inputs: Mapping[str, Any] | None = None,
+        iterations: int = 1,
+        on_node: Callable[[int], None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run the graph ``iterations`` times on ``inputs`` (the same each time), from the states kept
+        here; return the last iteration's outputs (copies, in their dtypes). ``on_node(i)`` is called
+        after ``self.nodes[i]`` ran (a progress bar)."""
+        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
+            raise EvaluationError(f"iterations must be an int >= 1, got {iterations!r}")
+        given = dict(inputs or {})
+        missing = [n for n in self._inputs if n not in given]
+        extra = [n for n in given if n not in self._inputs]
+        if missing or extra:
+            raise EvaluationError(
+                f"graph {self.graph.name!r}: missing inputs {missing}, unknown inputs {extra}; expected "
+                f"{list(self._inputs)}"
+            )
+        values: list[Any] = [None] * self._size
+        for slot, value in self._fixed.items():
+            values[slot] = value
+        for name, slot in self._inputs.items():
+            t = self.graph.inputs[name]
+            values[slot] = to_compute_form(coerce(given[name], t, f"input {name!r}"), t.dtype)
+        with np.errstate(all="ignore"):  # NaN/inf follow IEEE rules, as on the GPU
+            for _ in range(iterations):
+                self._iterate(values, on_node)
+        return {name: _stored(values[slot], t) for name, (slot, t) in self._outputs.items()}
+
+    def _iterate(self, values: list[Any], on_node: Callable[[int], None] | None) -> None:
+        for name, slot in self._states.items():
+            values[slot] = self.state[name]
+        i = 0
+        try:
+            for i, (kernel, ins, outs) in enumerate(self._steps):
+                for o, r in zip(outs, kernel([values[j] for j in ins])):
+                    values[o] = r
+                if on_node is not None:
+                    on_node(i)
+        except DataError as e:
+            node = self.nodes[i]
+            raise DataError(f"{node.op.name} {node.name} (graph {self.graph.name!r}): {e}") from None
+        for name, slot in self._updates.items():
+            new = values[slot]  # an op that wrote the state in place returned its buffer: kept, not copied
+            self.state[name] = new if new is self.state[name] else np.array(new, copy=True)
+
+
+def evaluate_fast(
+    graph: Graph,
+    inputs: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | ComputeWeights | None = None,
+    state: Mapping[str, Any] | None = None,
+    *,
+    iterations: int = 1,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``ml.evaluate`` of one graph on the fast path: (outputs, states after the last iteration)."""
+    run = FastGraph(graph, params or {})
+    run.reset(state)
+    outputs = run.run(inputs, iterations)
+    return outputs, run.read_state()
+
+
+# ---- kernels the executor wraps around an op's ------------------------------------------------------
+
+
+def _stored(value: np.ndarray, t: Tensor) -> np.ndarray:
+    """A compute-form value as a new array of ``t``'s dtype."""
+    return np.array(value, dtype=t.dtype.np, copy=True)
+
+
+def _storage_kernel(node: Node) -> Kernel:
+    """An op without a fast implementation: its reference on the operands in their storage dtypes,
+    its outputs rounded (as ml.evaluate stores them) and back in compute form."""
+    reference, attrs = node.op.reference, node.attrs
+    if reference is None:
+        raise EvaluationError(f"{node.op.name} {node.name}: the op has no reference to run on the CPU")
+    storage = [t.dtype.np for t in node.inputs]
+    finish = [rounder(t.dtype) for t in node.outputs]
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        result = reference([a.astype(d, copy=False) for a, d in zip(arrays, storage)], attrs)
+        results = result if isinstance(result, list) else [result]
+        return [f(r) for f, r in zip(finish, results)]
+
+    return run
+
+
+def _checked(kernel: Kernel, node: Node) -> Kernel:
+    check, attrs, unknown = node.op.check_data, node.attrs, [None] * len(node.inputs)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        check(arrays, attrs, unknown)  # type: ignore[misc]
+        return kernel(arrays)
+
+    return run
+
+
+def _verified(kernel: Kernel, node: Node) -> Kernel:
+    want = [(t.shape, compute_np(t.dtype)) for t in node.outputs]
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        out = kernel(arrays)
+        got = [(np.shape(a), np.asarray(a).dtype) for a in out]
+        if got != want:
+            raise InternalError(f"{node!r}: its fast kernel gave {got}, the shape rule says {want}")
+        return out
+
+    return run
+
+
+def _read_after_overwrite(graph: Graph, order: list[Node]) -> list[Tensor]:
+    """Outputs and state updates that read a storage an op overwrites in place (other than that op's
+    own result): ml.evaluate gives them the value before the write, so the fast path copies them."""
+    overwritten = {n.inputs[n.op.inplace_operand].base: n for n in order if n.op.inplace_operand is not None}
+    read = list(graph.outputs.values()) + list(graph.state_updates.values())
+    return list(dict.fromkeys(t for t in read if t.base in overwritten and t not in overwritten[t.base].outputs))
