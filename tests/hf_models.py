@@ -42,6 +42,39 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
+    # Gemma 2: sandwich norms, (1 + w) weights, GeGLU, scaled embeddings, softcapped scores and logits,
+    # query_pre_attn_scalar; layer 0 sliding (window 5), layer 1 global
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+         "final_logit_softcapping": 4.0, "num_hidden_layers": 3},
+    ),
+    # Gemma 3: per-head q/k norms, a local rope base on the sliding layers (0 and 1), linear scaling on the global one
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16, "num_hidden_layers": 3,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}},
+    ),
+    # Phi-3 128k-style: fused qkv and gate_up, longrope switching to its long factors at position 16
+    "phi3-longrope": (
+        "Phi3Config",
+        {"original_max_position_embeddings": 16, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0],
+                             "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16}},
+    ),
+    # Phi-4-mini-style: 3/4 of each head rotated, tied embeddings, longrope with a given attention_factor
+    "phi4-mini": (
+        "Phi3Config",
+        {"hidden_size": 64, "tie_word_embeddings": True, "original_max_position_embeddings": 16, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                             "long_factor": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0],
+                             "original_max_position_embeddings": 16, "attention_factor": 1.25}},
+    ),
+    # OLMo 2: norms after attention and MLP, q/k norms over the whole projections
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0, "eos_token_id": 1}),
 }  # fmt: skip
 
 
@@ -49,7 +82,7 @@ def make_model(name: str, folder: Path, seed: int = 0):
     """The family's tiny model with weights of a trained model's scale (transformers' init is 0.02,
     whose logits are all but flat), saved to ``folder``; returns the model (float32, eval mode)."""
     cls_name, settings = FAMILIES[name]
-    config = getattr(transformers, cls_name)(**SIZE, **settings, attn_implementation="eager")
+    config = getattr(transformers, cls_name)(**{**SIZE, **settings}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _trained_scale(model)

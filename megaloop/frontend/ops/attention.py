@@ -8,7 +8,8 @@ Which keys a query sees: key j is visible to query i of batch b when
   j < kv_lengths[b]                       (only the valid prefix of a cache; default: all kv_len keys)
   and j <= q_positions[b, i]              (if causal)
   and j > q_positions[b, i] - window      (if a sliding window is set; needs causal)
-q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
+With ``softcap`` c, each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2's attention
+logit softcapping). q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
 "bottom-right" alignment of FlashAttention; for q_len == kv_len it is the usual causal mask). A
 query that sees no key returns zeros, not NaN.
 
@@ -80,6 +81,9 @@ def _infer(call: OpCall) -> list[OutSpec]:
         )
     if call.attrs["scale"] is None:
         call.attrs["scale"] = 1.0 / math.sqrt(d)
+    cap = call.attrs.get("softcap")
+    if cap is not None and not cap > 0:
+        raise call.error(GraphBuildError, f"softcap must be None or a number > 0, got {cap!r}")
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
 
 
@@ -137,6 +141,14 @@ def visible_keys(
     return mask
 
 
+def softcapped(scores: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """The scaled scores after the op's logit softcapping, c * tanh(s / c) (as they are without one)."""
+    cap = attrs.get("softcap")
+    if cap is None:
+        return scores
+    return (np.float32(cap) * np.tanh(scores / np.float32(cap))).astype(np.float32)
+
+
 def check_attention_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
     """kv_lengths (when given) must lie in [0, kv_len]."""
     absent = attrs.get("absent", ())
@@ -157,7 +169,7 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     hkv, tk = k.shape[1], k.shape[2]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))  # [b, tq, tk]
     qg = q.reshape(b, hkv, hq // hkv, tq, -1)  # query heads grouped by the kv head they read
-    scores = np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"])
+    scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
     scores = np.where(mask[:, None, None], scores, -np.inf)
     row_max = np.max(scores, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -173,11 +185,11 @@ ATTENTION = register(
         name="attention",
         kind="compute",
         category="attention",
-        doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
+        doc="softmax(softcap(q k^T * scale) + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
         "see megaloop.frontend.ops.attention for the exact mask.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
-        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
-        optional_attrs=frozenset({"absent"}),
+        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints", "softcap": "number?"},
+        optional_attrs=frozenset({"absent", "softcap"}),
         infer=_infer,
         reference=_reference,
         check_data=check_attention_data,
