@@ -375,7 +375,7 @@ def _family_settings(
     attention scale and softcaps (Gemma), the scaled embeddings, rope's rotary dims (Phi-3)."""
     out: dict[str, Any] = {}
     act = c.get(family.activation_field, "silu")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise refuse(family.activation_field, act, f"megaloop builds MLPs gated by {sorted(ACTIVATIONS)}")
     out["activation"] = ACTIVATIONS[act]
     if "query_pre_attn_scalar" in family.fields:
