@@ -115,12 +115,23 @@ def shrink(published: dict) -> dict:
     out.update(hidden_size=8 * tiny_heads, intermediate_size=48, num_hidden_layers=2, vocab_size=96)
     if "head_dim" in published:
         out["head_dim"] = 8 if published["head_dim"] * heads == published["hidden_size"] else 16
+    _shrink_longrope(published, out)
     for key, value in published.items():  # token ids into the small vocabulary (transformers checks pad's)
         if key.endswith("_token_id") and isinstance(value, int):
             out[key] = value % 96
         elif key.endswith("_token_id") and isinstance(value, list):
             out[key] = [v % 96 for v in value]
     return out
+
+
+def _shrink_longrope(published: dict, out: dict) -> None:
+    """longrope's factor lists cut to the tiny head's rotary pairs (their first ones)."""
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = published.get(field)
+        if isinstance(rope, dict) and "short_factor" in rope:
+            head = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
+            pairs = int(head * rope.get("partial_rotary_factor", published.get("partial_rotary_factor", 1.0))) // 2
+            out[field] = {**rope, **{k: rope[k][:pairs] for k in ("short_factor", "long_factor")}}
 
 
 def make_published(config: dict, folder: Path, seed: int = 0):
