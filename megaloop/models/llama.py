@@ -120,6 +120,11 @@ class LlamaConfig:
             return self.local_rope_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def later_variants(self) -> list[str]:
+        """The fields of the variants added with Gemma, Phi-3 and OLMo 2 that this config sets (builders
+        that do not make them yet refuse such a config by these names)."""
+        return [name for name in LATER_VARIANTS if getattr(self, name) != LATER_VARIANTS[name]]
+
     def norm_names(self) -> tuple[str, ...]:
         """A layer's norms (names before ``.weight``), in the order the layer applies them."""
         return NORM_NAMES[self.norms]
@@ -185,6 +190,10 @@ NORM_NAMES = {
     "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
 }
 ACTIVATIONS = ("silu", "gelu_tanh")
+LATER_VARIANTS = {
+    "norms": "pre", "qk_norm_over": "head", "norm_offset": 0.0, "activation": "silu", "embed_scale": None,
+    "attn_scale": None, "attn_softcap": None, "final_softcap": None, "rotary_dim": None, "local_rope_theta": None,
+}  # fmt: skip
 
 
 def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
