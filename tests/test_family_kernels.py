@@ -102,3 +102,21 @@ def test_their_kernels_compile(plans) -> None:
     assert "/* softcap 5 */" in sources[2] and "/* softcap 5 */" in sources[3]  # (the tiles that cap)
     cubins = compile_many(sources, "sm_90a")
     assert all(c[:4] == b"\x7fELF" for c in cubins)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
+def test_the_new_families_split_over_two_devices_compute_the_same_logits(family) -> None:
+    """tp2 and dp2 (rows at different positions: Phi-3's longrope switch is the batch's, so a split by
+    sequences must share the maximum position) give the one-device logits within float32 rounding."""
+    cfg = LlamaConfig(**{**FAMILY_CFGS[family].__dict__, "dtype": "float32", "max_seq": 16})
+    params = random_parameters(cfg, seed=5)
+    g = build_llama(cfg, 2, 6)
+    feeds = {"tokens": np.arange(12).reshape(2, 6), "positions": np.array([np.arange(6), np.arange(6) + 4])}
+    want = ml.evaluate(g, feeds, params).outputs["logits"]
+    for strategy in ("tp", "dp"):
+        split = ml.parallelize(g, 2, strategy)
+        ranks = ml.evaluate(split.graphs, split.shard_inputs(feeds), split.shard_parameters(params))
+        got = split.gather_outputs(ranks)["logits"]
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        print(family, strategy, f"worst relative difference {err:.2e}")
+        assert err < 1e-5
