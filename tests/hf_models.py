@@ -78,11 +78,12 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def make_model(name: str, folder: Path, seed: int = 0):
-    """The family's tiny model with weights of a trained model's scale (transformers' init is 0.02,
-    whose logits are all but flat), saved to ``folder``; returns the model (float32, eval mode)."""
+def make_model(name: str, folder: Path, seed: int = 0, **changes):
+    """The family's tiny model (its settings with ``changes``) with weights of a trained model's scale
+    (transformers' init is 0.02, whose logits are all but flat), saved to ``folder``; returns the model
+    (float32, eval mode)."""
     cls_name, settings = FAMILIES[name]
-    config = getattr(transformers, cls_name)(**{**SIZE, **settings}, attn_implementation="eager")
+    config = getattr(transformers, cls_name)(**{**SIZE, **settings, **changes}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _trained_scale(model)

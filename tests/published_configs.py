@@ -590,6 +590,7 @@ PUBLISHED = {
                                      "sliding_layers": tuple(range(0, 26, 2)), "activation": "gelu_tanh",
                                      "embed_scale": 48.0, "tie_word_embeddings": True}),
     "gemma-3-1b-it": (GEMMA3_1B_IT, {"qk_norm": True, "sliding_window": 512, "local_rope_theta": 10000.0,
+                                     "local_rope_layers": tuple(i for i in range(26) if (i + 1) % 6),
                                      "rope_theta": 1e6, "attn_softcap": None, "final_softcap": None,
                                      "sliding_layers": tuple(i for i in range(26) if (i + 1) % 6)}),
     "Phi-3-mini-4k-instruct": (PHI3_MINI_4K, {"kv_heads": 32, "sliding_window": 2047, "rope_scaling": None}),

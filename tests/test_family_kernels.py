@@ -29,7 +29,7 @@ FAMILY_CFGS = {
     ),
     "gemma3": LlamaConfig(
         **SMALL, norms="sandwich", norm_offset=1.0, activation="gelu_tanh", embed_scale=8.0, qk_norm=True,
-        sliding_window=4, sliding_layers=(0,), local_rope_theta=100.0,
+        sliding_window=4, sliding_layers=(0,), local_rope_theta=100.0, local_rope_layers=(0,),
         rope_scaling={"type": "linear", "factor": 2.0},
     ),
     "phi3": LlamaConfig(
@@ -45,7 +45,7 @@ FAMILY_CFGS = {
 MIXED = LlamaConfig(
     **{**FAMILY_CFGS["phi3"].__dict__, "norms": "sandwich", "norm_offset": 1.0, "activation": "gelu_tanh",
        "embed_scale": 8.0, "attn_softcap": 5.0, "final_softcap": 6.0, "sliding_layers": (0,),
-       "local_rope_theta": 100.0}
+       "local_rope_theta": 100.0, "local_rope_layers": (0,)}
 )  # fmt: skip
 PREFILL_FEEDS = {
     "tokens": np.arange(16).reshape(2, 8),

@@ -100,6 +100,7 @@ ACCEPTED = [
     pytest.param(config("gemma3_text", sliding_window=32, sliding_window_pattern=2, rope_local_base_freq=10000.0,
                         rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}),
                  {"qk_norm": True, "qk_norm_over": "head", "sliding_layers": (0, 2), "local_rope_theta": 10000.0,
+                  "local_rope_layers": (0, 2),
                   "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 8.0}, "attn_softcap": None,
                   "final_softcap": None}, id="gemma3-4.x"),
     pytest.param(config("gemma3_text", sliding_window=32, layer_types=["sliding_attention"] * 3 + ["full_attention"],
@@ -110,6 +111,9 @@ ACCEPTED = [
     pytest.param(config("gemma3_text", sliding_window=32, num_hidden_layers=6),
                  {"sliding_layers": (0, 1, 2, 3, 4), "local_rope_theta": 10000.0, "rope_theta": 1e6},
                  id="gemma3-default-pattern"),
+    pytest.param(config("gemma3_text", sliding_window=512, sliding_window_pattern=2),
+                 {"sliding_window": None, "sliding_layers": None, "local_rope_layers": (0, 2)},
+                 id="gemma3-window-past-the-context"),
     # Phi-3: longrope (4.x "su", 5.x "longrope"), Phi-4-mini's partial rotary dims and its remote-code fields
     pytest.param(config("phi3", original_max_position_embeddings=64, sliding_window=2047,
                         rope_scaling={"type": "su", "short_factor": SHORT, "long_factor": LONG}),

@@ -105,6 +105,21 @@ def test_longrope_steps_across_the_switch_match_transformers_forward(name: str, 
             assert worst(got[i - PROMPT + 1][0], out.logits[0, 0].double().numpy(), f"{name} position {i}") < TOL
 
 
+def test_gemma3_keeps_its_local_rope_where_the_window_is_past_the_cache(tmp_path) -> None:
+    """A sliding window longer than the cache masks nothing and is left out (at load, and by the
+    Generator for its shorter cache), but Gemma 3's sliding layers keep their own rope theta: the
+    greedy tokens are still transformers'."""
+    model = make_model("gemma3", tmp_path, sliding_window=100)
+    cfg, _ = load_llama(tmp_path, dtype="float32")
+    assert cfg.sliding_window is None and cfg.local_rope_layers == (0, 1) and cfg.local_rope_theta == 100.0
+    ids = torch.tensor([[0, *np.random.default_rng(3).integers(1, 96, 6).tolist()]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    gen = ml.Generator(tmp_path, backend="cpu", dtype="float32", eos_token_ids=(), max_seq=48)
+    assert gen.generate(ids[0].tolist(), max_new_tokens=32)[0].tokens == out[0, 7:].tolist()
+
+
 def test_features_are_what_the_logits_depend_on(tmp_path) -> None:
     """The comparisons can fail: without the window, the q/k norms, the biases, llama3 scaling, the
     softcap, the local rope, longrope or its attention factor the logits are far from transformers'."""
@@ -115,7 +130,7 @@ def test_features_are_what_the_logits_depend_on(tmp_path) -> None:
         "llama-linear-bias": {"mlp_bias": False},
         "llama3-tied": {"rope_scaling": None},
         "gemma2": {"attn_softcap": None},
-        "gemma3": {"local_rope_theta": None},
+        "gemma3": {"local_rope_layers": ()},
         "olmo2": {"qk_norm_over": "head", "qk_norm": False},
         "phi4-mini": {"rope_scaling": lambda cfg: {**cfg.rope_scaling, "attention_factor": 1.0}},
         "phi3-longrope": {"rope_scaling": lambda cfg: {**cfg.rope_scaling, "type": "linear", "factor": 1.0}},

@@ -325,8 +325,8 @@ def llama_config(
     attention_bias = c.bool("attention_bias") if "attention_bias" in family.fields else False
     window, sliding = _windows(c, family, layers)
     local_theta = local_rope_theta(config, family) if window is not None else None
-    # a window that never drops a key of this cache is left out, unless it marks the local rope's layers
-    if window is not None and window >= max_seq and local_theta is None:
+    local_layers = (sliding if sliding is not None else tuple(range(layers))) if local_theta is not None else ()
+    if window is not None and window >= max_seq:  # the window never drops a key of this cache
         window = sliding = None
     settings = dict(
         hidden=hidden,
@@ -352,7 +352,7 @@ def llama_config(
         **_family_settings(c, family, head_dim, hidden, scaling),
     )
     if local_theta is not None:
-        settings["local_rope_theta"] = local_theta
+        settings.update(local_rope_theta=local_theta, local_rope_layers=local_layers)
     try:
         built = LlamaConfig(**settings)
     except MegaloopError as e:

@@ -59,8 +59,9 @@ class LlamaConfig:
     # Gemma 2/3, OLMo 2, Phi-3 (module docstring). norms: "pre" (Llama: before attention and MLP),
     # "sandwich" (Gemma: before and after each), "post" (OLMo 2: after each, on the block's output);
     # qk_norm_over: "head" (Qwen3, Gemma 3: each head) or "projection" (OLMo 2: the whole q and k);
-    # norm_offset: norms multiply by (offset + weight) (Gemma: 1); local_rope_theta: the sliding
-    # layers' rope (unscaled); rope_scaling may be longrope (hf_config: short/long factors).
+    # norm_offset: norms multiply by (offset + weight) (Gemma: 1); local_rope_theta: the rope (unscaled)
+    # of local_rope_layers (Gemma 3's sliding layers, kept where a window past the cache is dropped);
+    # rope_scaling may be longrope (hf_config: short/long factors).
     norms: str = "pre"
     qk_norm_over: str = "head"
     norm_offset: float = 0.0
@@ -71,6 +72,7 @@ class LlamaConfig:
     final_softcap: float | None = None  # logits softcapped likewise
     rotary_dim: int | None = None  # dims of a head that rope turns (None: all)
     local_rope_theta: float | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -113,10 +115,18 @@ class LlamaConfig:
         rd, hd = self.rotary_dim, self.head_dim
         if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd % 2 or not 2 <= rd <= hd):
             raise GraphBuildError(f"LlamaConfig: rotary_dim must be None or even in [2, {self.head_dim}], got {rd!r}")
+        local = self.local_rope_layers
+        if not isinstance(local, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in local) or (
+            local and (self.local_rope_theta is None or not all(0 <= i < self.layers for i in local))
+        ):
+            raise GraphBuildError(
+                f"LlamaConfig: local_rope_layers {local!r} must be a tuple of layer indices below {self.layers}, "
+                "with local_rope_theta set"
+            )
 
     def rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
-        """Rope's theta and scaling on ``layer``: a sliding layer's own (unscaled) where local_rope_theta is set."""
-        if self.local_rope_theta is not None and self.window(layer) is not None:
+        """Rope's theta and scaling on ``layer``: local_rope_theta, unscaled, on the local_rope_layers."""
+        if layer in self.local_rope_layers:
             return self.local_rope_theta, None
         return self.rope_theta, self.rope_scaling
 
@@ -193,6 +203,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 LATER_VARIANTS = {
     "norms": "pre", "qk_norm_over": "head", "norm_offset": 0.0, "activation": "silu", "embed_scale": None,
     "attn_scale": None, "attn_softcap": None, "final_softcap": None, "rotary_dim": None, "local_rope_theta": None,
+    "local_rope_layers": (),
 }  # fmt: skip
 
 
