@@ -12,6 +12,7 @@
 // its append form (AttnAppend) rotates q on load and takes the key at q's position from k_new.
 #pragma once
 #include "megaloop/elementwise.cuh"
+#include "megaloop/math.cuh"
 #include "megaloop/mma.cuh"
 #include "megaloop/rope.cuh"
 #include "megaloop/types.cuh"
@@ -21,7 +22,7 @@ namespace ml {
 
 // An op's shapes and mask (megaloop/frontend/ops/attention.py): Group query heads a kv head, Tq queries
 // and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none); the
-// scores' softcap as the bits of its float32 (0: none; C++17 takes no float template arguments).
+// scores' softcap as the bits of its float32 (0: none; C++17 takes no float template arguments; ml::softcap).
 template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0, unsigned CapBits = 0u>
 struct AttnShape {
     static_assert(Group > 0 && D > 0 && Dv > 0 && Window >= 0, "AttnShape: query heads a kv head, dims, window >= 0");
@@ -30,21 +31,6 @@ struct AttnShape {
     static constexpr bool causal = Causal;
     static constexpr unsigned cap_bits = CapBits;
 };
-
-// A scaled score after logit softcapping by c, the float32 of CapBits (0: none): c tanh(s / c). Scores
-// in log2 units (the tensor-core path) pass unit = log2(e): the same curve in those units.
-template <unsigned CapBits>
-__device__ __forceinline__ float softcap(float s, float unit = 1.0f) {
-    if constexpr (CapBits == 0u) {
-        return s;
-    } else {
-        constexpr unsigned bits = CapBits;
-        float c;
-        memcpy(&c, &bits, sizeof c);
-        c *= unit;
-        return c * tanhf(s / c);
-    }
-}
 
 // an i64 the front end folds as it would a literal: a length of Tk passed on as a value instead made
 // the visible range's code a few instructions longer
