@@ -1077,35 +1077,6 @@ row(
 )
 
 
-# combine_linear: attention_combine's merge (rounded to the dtype, as stored) of attention_partial's
-# ranges, heads concatenated, times w.T; decode-shaped (the tiles' merged rows) and wider samples.
-def _combine_linear_sample(rng: np.random.Generator) -> Sample:
-    s = _partial_sample(rng)
-    (b, hq, _, d), n = s.shapes[0], int(rng.integers(1, 40))
-    if rng.random() < 0.5:  # a decode step: one query, 16-byte rows of the merged heads
-        d = 8 * int(rng.integers(1, 5))
-        s = Sample([(b, hq, 1, d), (b, s.shapes[1][1], s.kw["tk"], d), (b, s.shapes[1][1], s.kw["tk"], d)], s.kw)
-        s.kw["d"] = d
-    return Sample([*s.shapes, (n, hq * d)], s.kw)
-
-
-def _combine_linear_ref(q, k, v, w, *, tk, d, splits, dtype):
-    o = rnd(attention_ref(q, k, v), dtype)  # [b, hq, tq, d]
-    b, hq, tq, _ = o.shape
-    return F.linear(o.transpose(1, 2).reshape(b, tq, hq * d), w)
-
-
-row(
-    "combine_linear",
-    "all-visible",
-    lambda g, q, k, v, w, tk, d, splits: ml.combine_linear(ml.attention_partial(q, k, v, splits=splits), w),
-    _combine_linear_ref,
-    _combine_linear_sample,
-    reduce_len=lambda s: s.kw["tk"] + s.kw["d"] * s.shapes[0][1],
-    cancels=True,
-)
-
-
 # attention_partial's append form (a decode step): q [b, 1, hq, d] and the new key and value [b, 1, hkv, d]
 # as the projections give them (taken as transposed views), the caches' old values, one position a
 # sequence; head widths for both the split-key path and the warp-a-row one

@@ -15,7 +15,6 @@ from megaloop.codegen import emit_collective, emit_sample
 from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.emit import Operand, concat, elementwise, embedding, kv_update, rope, rope_kv_update
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
-from megaloop.codegen.emit_combine_linear import combine_linear
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
 from megaloop.codegen.emit_paged import paged_attention, paged_kv_update
@@ -127,11 +126,6 @@ def _matmul(call: TileCall) -> Lowered:
 
 def _rmsnorm_linear(call: TileCall) -> Lowered:
     body, shared, ring = rmsnorm_linear(_with(call, _matmul_hints(call, len(call.ins))), call.ins, call.outs[0])
-    return Lowered(body, shared, ring=(RingStream(1, *ring),) if ring else ())
-
-
-def _combine_linear(call: TileCall) -> Lowered:
-    body, shared, ring = combine_linear(_with(call, _matmul_hints(call)), call.ins, call.outs[0])
     return Lowered(body, shared, ring=(RingStream(1, *ring),) if ring else ())
 
 
@@ -250,7 +244,6 @@ TEMPLATES: dict[str, Template] = {
     "rows": _rows,
     "matmul": _matmul,
     "rmsnorm_linear": _rmsnorm_linear,
-    "combine_linear": _combine_linear,
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
     "rope": _plain(rope, hints=True),

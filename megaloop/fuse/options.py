@@ -50,7 +50,7 @@ class FuseOptions:
 
     @classmethod
     def parse(cls, text: str) -> FuseOptions:
-        """Command-line form: "all" (or ""): the default rules; "none"; "-split_k_linear,+combine_linear"
+        """Command-line form: "all" (or ""): the default rules; "none"; "-split_k_linear,+name"
         (the default rules, less or more those); "rmsnorm_linear,swiglu_linear" (only those)."""
         names = [n.strip() for n in str(text).split(",") if n.strip()]
         if names in ([], ["all"]):

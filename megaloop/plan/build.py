@@ -36,7 +36,7 @@ from megaloop.plan.hazards import Hazards, Orderings, build_access_table, find_o
 from megaloop.plan.model import Buffer, Counter, KernelOptions, Plan, PlanOp, PlanTensor, RankPlan, Wait
 from megaloop.plan.rendezvous import meetings
 from megaloop.plan.schedule import list_schedule
-from megaloop.plan.tasks import make_tasks, op_processors, peer_operand, peer_output
+from megaloop.plan.tasks import make_tasks, peer_operand, peer_output
 from megaloop.plan.verify import verify_plan
 
 SOURCE_KINDS = {"input": "input", "parameter": "parameter", "constant": "constant", "state": "state"}
@@ -108,11 +108,6 @@ def _make_plan(
     if not isinstance(options, KernelOptions):
         raise GraphBuildError(f"plan: options must be a megaloop.plan.KernelOptions, got {type(options).__name__}")
     options.check(GraphBuildError, "plan: options")
-    if options.chain_processors >= processors:
-        raise GraphBuildError(
-            f"plan: options.chain_processors {options.chain_processors} leaves none of the {processors} processors "
-            "for the products; give it fewer than processors (or 0: off)"
-        )
     fusion = FuseOptions() if fusion is None else fusion
     if not isinstance(fusion, FuseOptions):
         raise GraphBuildError(f"plan: fusion must be a megaloop.FuseOptions, got {type(fusion).__name__}")
@@ -482,21 +477,12 @@ def schedule_and_link(plan: Plan) -> Hazards:
         plan.processors,
         plan.world_size,
         [sorted(position[g] for g in gids) for gids in met],  # ... and placed together
-        _allowed(plan, [flat[g] for g in order]),
     )
     for r, rp in enumerate(plan.ranks):
         rp.processors = [[flat[order[i]][1].id for i in lst] for lst in sched.lists[r]]
     plan.estimated_ns = sched.makespan_ns
     link(plan, req0, req1)
     return hazards
-
-
-def _allowed(plan: Plan, tasks: list[tuple[int, Any]]) -> list[tuple[int, int]] | None:
-    """Per (rank, task): the processors it may run on (op_processors), or None: any."""
-    if not plan.options.chain_processors:
-        return None
-    ranges = [{op.id: op_processors(plan, rp, op) for op in rp.ops} for rp in plan.ranks]
-    return [ranges[r][t.op] for r, t in tasks]
 
 
 def requirements(

@@ -148,10 +148,6 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
-    # processors (the last ones) that run only the tasks streaming no weights (a decode step's attention,
-    # adds, argmax ranges), so that their loads never wait behind bulk copies; the products take the
-    # others (0: every task anywhere). docs/runtime.md, "Loop kernel v3"
-    chain_processors: int = 0
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -160,7 +156,6 @@ class KernelOptions:
             ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
             ("weight_ring_slots", self.weight_ring_slots, 0, 64),
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
-            ("chain_processors", self.chain_processors, 0, 1 << 16),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -47,12 +47,11 @@ def list_schedule(
     processors: int,
     world: int,
     groups: list[list[int]] | None = None,
-    allowed: list[tuple[int, int]] | None = None,
 ) -> Schedule:
     """``ranks[i]``, ``costs[i]`` and ``preds[i]`` (positions of same-iteration predecessors, all < i)
     describe task i of a sequence already in dependency order. ``groups``: positions that are placed
     one right after another (a meeting's tiles, megaloop.plan.rendezvous), as one task whose producers
-    are all its members' producers. ``allowed[i]``: the processors [first, last) task i may run on."""
+    are all its members' producers."""
     n = len(costs)
     unit = list(range(n))  # the group a position belongs to, named by its first position
     members: dict[int, list[int]] = {}
@@ -81,15 +80,12 @@ def list_schedule(
         _, u = heapq.heappop(heap)
         for i in members.get(u, (u,)):
             r, fr = ranks[i], free[ranks[i]]
-            lo, hi = allowed[i] if allowed is not None else (0, processors)
             at = ready[i]  # every producer is placed (one in its own group just before it)
-            earliest = min(fr[lo:hi])
+            earliest = min(fr)
             soonest = max(earliest, at)
-            pick = next(
-                (proc[p] for p in preds[i] if ranks[p] == r and lo <= proc[p] < hi and fr[proc[p]] <= soonest), None
-            )
+            pick = next((proc[p] for p in preds[i] if ranks[p] == r and fr[proc[p]] <= soonest), None)
             if pick is None:
-                pick = lo + fr[lo:hi].index(earliest)
+                pick = fr.index(earliest)
             proc[i] = pick
             start[i] = max(fr[pick], at)
             finish[i] = start[i] + costs[i]

@@ -45,25 +45,8 @@ def op_node(rp: RankPlan, op: PlanOp) -> Any:
 
 def tiles_of(plan: Plan, rank: int, op: PlanOp) -> list[Any]:
     rp = plan.ranks[rank]
-    processors = op_processors(plan, rp, op)
-    ctx = TileContext(rank, plan.world_size, processors[1] - processors[0], plan.warps, processor_share(rp, op))
+    ctx = TileContext(rank, plan.world_size, plan.processors, plan.warps, processor_share(rp, op))
     return REGISTRY[op.op].tiling.make(op_node(rp, op), op.tile, ctx)
-
-
-def op_processors(plan: Plan, rp: RankPlan, op: PlanOp) -> tuple[int, int]:
-    """The processors [first, last) the op's tasks may run on: with ``chain_processors`` N, the
-    weight-streaming products (streams_weights) the first P - N, every other op the last N."""
-    chain = plan.options.chain_processors
-    if not chain:
-        return 0, plan.processors
-    split = plan.processors - chain
-    return (0, split) if streams_weights(rp, op) else (split, plan.processors)
-
-
-def streams_weights(rp: RankPlan, op: PlanOp) -> bool:
-    """A product against a parameter (its operand 1) that sizes its tiles by the processors it has (the
-    matmul family's ``share`` switch): the ops whose tiles stream weights."""
-    return _shares(op) and len(op.inputs) > 1 and rp.is_parameter(op.inputs[1])
 
 
 def processor_share(rp: RankPlan, op: PlanOp) -> float:

@@ -23,7 +23,6 @@ from megaloop.frontend.ops.argmax_split import argmax, argmax_combine, argmax_pa
 from megaloop.frontend.ops.attention import kv_cache_update
 from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
-from megaloop.frontend.ops.combine_linear import combine_linear
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
 from megaloop.frontend.ops.embedding import embedding
 from megaloop.frontend.ops.layout import (
@@ -62,7 +61,6 @@ __all__ = [
     "attention_combine",
     "attention_partial",
     "broadcast_to",
-    "combine_linear",
     "concat",
     "copy",
     "embedding",

@@ -89,47 +89,6 @@ struct NormedRows {
     __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return stage[row * PIECES + i]; }
 };
 
-// attention_combine's merge of one row's key ranges, all heads (combine_linear's rows of A): a warp
-// a head, lanes over the values, the operations of attention_combine's tile in its order; stage[h Dv
-// + d] = the merged value rounded to T. x(h, s, i): the partial result [heads, splits, Dv + 2].
-template <class T, int Splits, int Dv, class X>
-__device__ __forceinline__ void merge_heads(T* stage, int heads, X x) {
-    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int h = threadIdx.x >> 5; h < heads; h += warps) {
-        float top = neg_inf();
-        for (int s = 0; s < Splits; ++s) top = x(h, s, Dv) > top ? x(h, s, Dv) : top;
-        const float base = top == neg_inf() ? 0.0f : top;
-        float total = 0.0f;
-        for (int s = 0; s < Splits; ++s) total += x(h, s, Dv + 1) * expf(x(h, s, Dv) - base);
-        for (int d = lane; d < Dv; d += 32) {
-            float acc = 0.0f;
-            for (int s = 0; s < Splits; ++s) acc += x(h, s, d) * expf(x(h, s, Dv) - base);
-            store(stage + h * Dv + d, total > 0.0f ? acc / total : 0.0f);
-        }
-    }
-}
-
-// combine_linear's rows of A: each row's heads merged into `stage` (ROWS x PIECES packs) by the block
-// first; x points at the tile's first row of the partial results, `step` its rows' stride and hs, ss
-// the heads' and the ranges' strides (the last axis contiguous).
-template <class T, int PIECES, int ROWS, int Splits, int Dv>
-struct CombinedRows {
-    static constexpr int N = 16 / sizeof(T);
-    const float* x;
-    i64 step, hs, ss;
-    Pack<T, N>* stage;
-
-    __device__ __forceinline__ void prepare(int nr, int) {
-        for (int row = 0; row < nr; ++row) {
-            const float* xr = x + row * step;
-            merge_heads<T, Splits, Dv>(reinterpret_cast<T*>(stage + row * PIECES), N * PIECES / Dv,
-                                       [&](int h, int s, int i) { return xr[h * hs + s * ss + i]; });
-        }
-        __syncthreads();
-    }
-    __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return stage[row * PIECES + i]; }
-};
-
 // One warp: `count` weight rows starting at `w` (`w_step` bytes apart), each against the tile's nr
 // rows; store(row, c0 + column, sum).
 template <class T, int PIECES, int ROWS, class Rows, class Store>
@@ -218,26 +177,6 @@ __device__ __forceinline__ void norm_linear_elements(int rows, int cols, int k, 
         for (int i = lane; i < k; i += 32) s += rounded<T>(x(row, i) * inv * g(i)) * w(col, i);
         s = warp_sum(s);
         if (lane == 0) store(row, col, s);
-    }
-}
-
-// combine_linear on any layout, a row at a time: the row's heads merged into `stage` (K values of T),
-// then a warp an output element. x(row, h, s, i): the partial results; w(column, i); store(row,
-// column, value).
-template <class T, int Splits, int Dv, class X, class W, class Store>
-__device__ __forceinline__ void combine_linear_elements(T* stage, int rows, int cols, int heads, X x, W w,
-                                                        Store store) {
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = heads * Dv;
-    for (int row = 0; row < rows; ++row) {
-        merge_heads<T, Splits, Dv>(stage, heads, [&](int h, int s, int i) { return x(row, h, s, i); });
-        __syncthreads();
-        for (int c = warp; c < cols; c += warps) {
-            float acc = 0.0f;
-            for (int i = lane; i < k; i += 32) acc += load(stage + i) * w(c, i);
-            acc = warp_sum(acc);
-            if (lane == 0) store(row, c, acc);
-        }
-        __syncthreads();  // (the next row's merge overwrites the stage)
     }
 }
 
