@@ -57,10 +57,11 @@ FAMILIES = {
          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}},
     ),
-    # Phi-3 128k-style: fused qkv and gate_up, longrope switching to its long factors at position 16
+    # Phi-3 128k-style: fused qkv and gate_up, longrope switching to its long factors at position 16, a
+    # sliding window (6) on every layer
     "phi3-longrope": (
         "Phi3Config",
-        {"original_max_position_embeddings": 16, "pad_token_id": 0,
+        {"original_max_position_embeddings": 16, "pad_token_id": 0, "sliding_window": 6,
          "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0],
                              "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16}},
     ),
