@@ -99,7 +99,7 @@ def test_longrope_steps_across_the_switch_match_transformers_forward(name: str, 
         assert worst(got[0], out.logits[0].double().numpy(), f"{name} prefill") < TOL
         for i in range(PROMPT, seq.shape[1]):
             out = model(
-                torch.tensor(seq[:, i : i + 1]), past_key_values=out.past_key_values, use_cache=True,
+                torch.tensor(seq[:, i : i + 1]), cache=out.cache, use_cache=True,
                 position_ids=torch.tensor([[i]]),
             )  # fmt: skip
             assert worst(got[i - PROMPT + 1][0], out.logits[0, 0].double().numpy(), f"{name} position {i}") < TOL
