@@ -258,12 +258,13 @@ def attention_block(
             y = norm(cfg, y, w[f"{n}_norm.weight"])
         return y.transpose(1, 2)
 
+    rope_pos = positions.reshape(b, 1, t)
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
-    q = rotate(cfg, layer, heads("q", cfg.heads), positions)
+    q = rotate(cfg, layer, heads("q", cfg.heads), positions, rope_pos)
     k = heads("k", cfg.kv_heads)
     v = heads("v", cfg.kv_heads)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
-    k_all = ops.kv_cache_update(k_cache, rotate(cfg, layer, k, positions), positions)
+    k_all = ops.kv_cache_update(k_cache, rotate(cfg, layer, k, positions, rope_pos), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
     o = ops.attention(
         q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits,
@@ -273,14 +274,13 @@ def attention_block(
     return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
-def rotate(cfg: LlamaConfig, layer: int, x: Tensor, positions: Tensor) -> Tensor:
-    """Rope of ``x`` [b, heads, t, hd] at ``positions`` [b, t] with the layer's theta and scaling.
+def rotate(cfg: LlamaConfig, layer: int, x: Tensor, positions: Tensor, pos: Tensor) -> Tensor:
+    """Rope of ``x`` [b, heads, t, hd] at ``positions`` [b, t] (``pos``: them as [b, 1, t]) with the
+    layer's theta and scaling.
     longrope (Phi-3) turns the step by its short factors, or by its long ones when a position of the
     step (of any sequence) is at original_max_position_embeddings or past it, as transformers does;
     then both are scaled by its attention_factor."""
-    b, _, t, _ = x.shape
     theta, scaling = cfg.rope(layer)
-    pos = positions.reshape(b, 1, t)
     if scaling is None or scaling["type"] != "longrope":
         return ops.rope(x, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim)
     turn = {name: {"type": "longrope", "factors": scaling[name]} for name in ("short_factor", "long_factor")}
