@@ -153,9 +153,11 @@ class LlamaConfig:
             shapes["model.embed_tokens.weight"] = (self.vocab, d)
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            shapes.update({f"{p}{n}.weight": (d,) for n in self.norm_names()})
+            norms = self.norm_names()  # (in the order random_parameters has always drawn Llama's)
+            shapes.update({f"{p}{n}.weight": (d,) for n in norms if n == "input_layernorm"})
             for name, shape in self.attention_shapes().items():
                 shapes[p + "self_attn." + name] = shape
+            shapes.update({f"{p}{n}.weight": (d,) for n in norms if n != "input_layernorm"})
             for name, shape in self.mlp_shapes().items():
                 shapes[p + "mlp." + name] = shape
         shapes["model.norm.weight"] = (d,)
