@@ -824,6 +824,9 @@ def rope_ref(
         inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
     elif scaling["type"] == "linear":
         inv = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)) / scaling["factor"]
+    elif scaling["type"] == "longrope":  # transformers' form: 1 / (factor * theta^(2i/rd))
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        inv = 1.0 / (factors * theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
     else:
         inv = llama3_inv_freq(
             rd,
@@ -860,6 +863,20 @@ def _rope_sample(rotary: bool = False, three_d: bool = False) -> Callable[[np.ra
     return sample
 
 
+def _rope_fixed(d: int, rotary: int) -> Callable[[np.random.Generator], Sample]:
+    """[b, h, t, d] with ``rotary`` dims turned: a head width longrope's factors are written for."""
+
+    def sample(rng: np.random.Generator) -> Sample:
+        b, h, t = (int(v) for v in rng.integers(1, 5, 3))
+        return Sample([(b, h, t, d), (b, 1, t)], {"rotary_dim": rotary})
+
+    return sample
+
+
+def _longrope(pairs: int) -> dict:
+    return {"type": "longrope", "factors": tuple(float(f) for f in np.geomspace(1.0, 40.0, pairs))}
+
+
 _LLAMA3 = {
     "type": "llama3",
     "factor": 8.0,
@@ -875,6 +892,7 @@ for label, extra, sampler in [
     ("llama3-scaling", {"theta": 500000.0, "scaling": _LLAMA3}, _rope_sample()),
     ("linear-scaling", {"scaling": {"type": "linear", "factor": 4.0}}, _rope_sample()),
     ("3d", {"theta": 1e6}, _rope_sample(three_d=True)),
+    ("longrope-partial", {"scaling": _longrope(6)}, _rope_fixed(16, 12)),
 ]:
     row(
         "rope",
@@ -904,6 +922,7 @@ for label, extra, sampler in [
     ("wide-partial-neox", {"layout": "neox"}, _rope_wide(128, rotary=48)),
     ("wide-partial-interleaved", {"layout": "interleaved"}, _rope_wide(128, rotary=80)),
     ("wide-llama3", {"theta": 500000.0, "scaling": _LLAMA3}, _rope_wide(128)),
+    ("wide-longrope", {"scaling": _longrope(32)}, _rope_wide(64)),
 ]:
     row(
         "rope",
@@ -918,8 +937,9 @@ for label, extra, sampler in [
 # ---- attention ---------------------------------------------------------------------------------------
 
 
-def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, **kw):
-    """Dense float64 attention with an explicit mask, via torch's SDPA; rows that see no key are 0."""
+def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, softcap=None, **kw):
+    """Dense float64 attention with an explicit mask, via torch's SDPA (written out with a softcap,
+    which SDPA lacks: c * tanh(s / c) of the scaled scores); rows that see no key are 0."""
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     lens = torch.full((b,), tk) if lens is None else lens
@@ -933,9 +953,13 @@ def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, s
             mask = mask & (j[None, None, :] > qpos[:, :, None] - window)
     mask = mask[:, None]  # [b, 1, tq, tk]
     rep = hq // hkv
-    out = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=scale
-    )
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, -math.inf)
+        out = torch.nan_to_num(torch.softmax(scores, -1)) @ v
     return torch.where(mask.any(-1, keepdim=True), out, torch.zeros(()))
 
 
@@ -1028,6 +1052,12 @@ _attn_row("split-window", _attn_sample(gqa=True, positions=True), positions=True
 # the loop that recomputes them; a value width that is not whole warps leaves lanes without a value
 _attn_row("split-many", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=20)
 _attn_row("split-vdim", _attn_sample(gqa=False, dv=True), scale=0.3, kv_splits=3)
+# logit softcapping (Gemma 2) on each path: a warp a row, tensor cores, split keys, key ranges
+_attn_row("softcap-causal-gqa", _attn_sample(gqa=True), causal=True, softcap=1.5)
+_attn_row("blocks-softcap-window", _attn_sample(gqa=True, positions=True, blocks=True), positions=True, causal=True,
+          window=37, softcap=2.0)  # fmt: skip
+_attn_row("split-softcap", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3,
+          softcap=1.5, scale=0.7)  # fmt: skip
 
 
 def _partial_sample(rng: np.random.Generator) -> Sample:
@@ -1077,12 +1107,14 @@ def _append_sample(rng: np.random.Generator) -> Sample:
     return Sample(shapes, {"tk": tk, "d": d, "splits": splits}, domains)
 
 
-def _append_build(q, k, v, pos, k_new, v_new, splits):
+def _append_build(q, k, v, pos, k_new, v_new, splits, softcap=None):
     new = {"k_new": k_new.transpose(1, 2), "v_new": v_new.transpose(1, 2)}
-    return ml.attention(q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={})
+    return ml.attention(
+        q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={}, softcap=softcap
+    )
 
 
-def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype):
+def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype, softcap=None):
     """rope (its output rounded to the dtype, as stored), the caches written at pos, then attention."""
     rounded = _ROUNDED[dtype]
     q = rope_ref(q.transpose(1, 2), pos[:, None, :]).to(rounded).double()
@@ -1091,18 +1123,19 @@ def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype):
     for bi in range(k.shape[0]):
         k[bi, :, pos[bi, 0]] = k_new[bi, :, 0]
         v[bi, :, pos[bi, 0]] = v_new[bi, 0]
-    return attention_ref(q, k, v, pos, causal=True)
+    return attention_ref(q, k, v, pos, causal=True, softcap=softcap)
 
 
-row(
-    "attention_combine",
-    "append-decode",
-    lambda g, q, k, v, pos, kn, vn, tk, d, splits: _append_build(q, k, v, pos, kn, vn, splits),
-    _append_ref,
-    _append_sample,
-    fixed={3: "int64"},
-    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
-)
+for _label, _cap in (("append-decode", None), ("append-decode-softcap", 1.5)):
+    row(
+        "attention_combine",
+        _label,
+        lambda g, q, k, v, pos, kn, vn, tk, d, splits, _c=_cap: _append_build(q, k, v, pos, kn, vn, splits, _c),
+        lambda *a, _c=_cap, **kw: _append_ref(*a, **kw, softcap=_c),
+        _append_sample,
+        fixed={3: "int64"},
+        reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
+    )
 
 
 def _cache_sample(rng: np.random.Generator) -> Sample:

@@ -28,7 +28,7 @@ from tests.test_row_templates import tile_functions
 
 OPS = ("attention", "attention_partial", "attention_combine")
 CALLS = {op: f"ml::{op}<" for op in OPS}
-SHAPE = r"ml::AttnShape<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+)>"
+SHAPE = r"ml::AttnShape<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+)(?:, /\* softcap [^*]* \*/ \d+u)?>"
 ATTENTION = re.compile(rf"ml::attention<{SHAPE}, (\d+), (true|false)>\(")
 PARTIAL = re.compile(rf"ml::attention_partial<{SHAPE}, (\d+), (true|false)>\(")
 HEADER = Path(emit_attention.__file__).parent / "include" / "megaloop" / "attention.cuh"

@@ -1,7 +1,8 @@
 """``megaloop generate`` on the loop kernel (skipped without a GPU): the tiny checkpoint's greedy
 tokens equal to the CPU reference's, batched and alone; checkpoints of every family saved by
-transformers equal to transformers' generate (float32); the command line on the GPU. The CPU
-paths of all of it: tests/test_generate.py, tests/test_hf_models.py, tests/test_family_kernels.py."""
+transformers (Gemma 2/3, Phi-3 and OLMo 2 included) equal to transformers' generate (float32); the
+command line on the GPU. The CPU paths of all of it: tests/test_generate.py, tests/test_hf_models.py,
+tests/test_family_kernels.py."""
 
 from __future__ import annotations
 
@@ -69,6 +70,43 @@ def test_every_family_on_the_loop_kernel_matches_transformers(name, tmp_path) ->
                              eos_token_id=None, pad_token_id=0)  # fmt: skip
     got = ml.Generator(tmp_path, backend="gpu", dtype="float32", eos_token_ids=()).generate(prompt, max_new_tokens=16)
     assert got[0].tokens == out[0, len(prompt) :].tolist()
+
+
+NEW_FAMILIES = ["gemma2", "gemma3", "phi3-longrope", "phi4-mini", "olmo2"]
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_the_new_families_on_the_loop_kernel_match_transformers(name, tmp_path) -> None:
+    """Gemma 2/3 (softcaps, sandwich norms, local rope, GeGLU), Phi-3/Phi-4-mini (fused weights,
+    longrope: a prompt past its switch, as in tests/test_hf_models.py), OLMo 2: 32 greedy tokens of the
+    loop kernel equal to transformers' generate (float32)."""
+    from tests.hf_models import make_model, torch
+    from tests.test_hf_models import PROMPT_LENGTH
+
+    model = make_model(name, tmp_path)
+    prompt = [0, *np.random.default_rng(1).integers(1, 96, PROMPT_LENGTH.get(name, 7) - 1).tolist()]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    got = ml.Generator(tmp_path, backend="gpu", dtype="float32", eos_token_ids=()).generate(prompt, max_new_tokens=32)
+    assert got[0].tokens == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_the_new_families_on_the_loop_kernel_are_the_cpu_reference(name, tmp_path) -> None:
+    """Batched, short prompts (Phi-3's longrope switches to its long factors during decoding), float32
+    and bfloat16 (the tensor-core prefill with softcapped scores): the loop kernel's greedy tokens are
+    the CPU reference's (bfloat16: the first ones, which no near tie has parted)."""
+    from tests.hf_models import make_model
+
+    make_model(name, tmp_path)
+    prompts = [[0, *np.random.default_rng(s).integers(1, 96, n).tolist()] for s, n in ((1, 6), (2, 17), (3, 2))]
+    for dtype, agree in (("float32", 40), ("bfloat16", 2)):
+        gpu = ml.Generator(tmp_path, backend="gpu", dtype=dtype, eos_token_ids=()).generate(prompts, max_new_tokens=40)
+        cpu = ml.Generator(tmp_path, backend="cpu", dtype=dtype, eos_token_ids=()).generate(prompts, max_new_tokens=40)
+        for g, c in zip(gpu, cpu):
+            assert g.tokens[:agree] == c.tokens[:agree], (dtype, g.tokens, c.tokens)
 
 
 def test_the_command_on_the_gpu(tiny, capsys) -> None:

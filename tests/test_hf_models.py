@@ -61,9 +61,16 @@ def test_logits_match_transformers(family) -> None:
         assert worst(step[0], ref[PROMPT + i], f"{name} decode step {i}") < TOL
 
 
+# Phi-3's longrope: a prompt past original_max_position_embeddings (16), so that every step uses the
+# long factors (the logits test's 14 positions use the short ones). A generation that crosses it makes
+# transformers' generate recompute the cache with the long factors; megaloop keeps the keys it has
+# (test_longrope_steps_across_the_switch_match_transformers_forward; docs/models.md).
+PROMPT_LENGTH = {"phi3-longrope": 20, "phi4-mini": 20}
+
+
 def test_greedy_tokens_match_transformers_generate(family) -> None:
     name, folder, model = family
-    prompt = np.random.default_rng(1).integers(0, 96, 7).tolist()
+    prompt = np.random.default_rng(1).integers(0, 96, PROMPT_LENGTH.get(name, 7)).tolist()
     ids = torch.tensor([[0, *prompt[1:]]])  # id 0 is pad_token_id: the mask keeps generate from hiding it
     with torch.no_grad():
         out = model.generate(
@@ -78,15 +85,55 @@ def test_greedy_tokens_match_transformers_generate(family) -> None:
     assert result[0].finish_reason == "length" and len(want) == 32
 
 
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi4-mini"])
+def test_longrope_steps_across_the_switch_match_transformers_forward(name: str, tmp_path) -> None:
+    """Decode steps from position 8 to 21 (the long factors from 16 on: a step of a position past
+    original_max_position_embeddings turns q and the new key by them) equal transformers' forward
+    with its cache fed the same steps, within 1e-5."""
+    model = make_model(name, tmp_path)
+    cfg, params = load_llama(tmp_path, dtype="float32")
+    seq = np.random.default_rng(0).integers(0, cfg.vocab, (1, 22))
+    got = megaloop_logits(cfg, params, seq)
+    with torch.no_grad():
+        out = model(torch.tensor(seq[:, :PROMPT]), use_cache=True)
+        assert worst(got[0], out.logits[0].double().numpy(), f"{name} prefill") < TOL
+        for i in range(PROMPT, seq.shape[1]):
+            out = model(
+                torch.tensor(seq[:, i : i + 1]), cache=out.cache, use_cache=True,
+                position_ids=torch.tensor([[i]]),
+            )  # fmt: skip
+            assert worst(got[i - PROMPT + 1][0], out.logits[0, 0].double().numpy(), f"{name} position {i}") < TOL
+
+
+def test_gemma3_keeps_its_local_rope_where_the_window_is_past_the_cache(tmp_path) -> None:
+    """A sliding window longer than the cache masks nothing and is left out (at load, and by the
+    Generator for its shorter cache), but Gemma 3's sliding layers keep their own rope theta: the
+    greedy tokens are still transformers'."""
+    model = make_model("gemma3", tmp_path, sliding_window=100)
+    cfg, _ = load_llama(tmp_path, dtype="float32")
+    assert cfg.sliding_window is None and cfg.local_rope_layers == (0, 1) and cfg.local_rope_theta == 100.0
+    ids = torch.tensor([[0, *np.random.default_rng(3).integers(1, 96, 6).tolist()]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    gen = ml.Generator(tmp_path, backend="cpu", dtype="float32", eos_token_ids=(), max_seq=48)
+    assert gen.generate(ids[0].tolist(), max_new_tokens=32)[0].tokens == out[0, 7:].tolist()
+
+
 def test_features_are_what_the_logits_depend_on(tmp_path) -> None:
-    """The comparisons can fail: without the window, the q/k norms, the biases or llama3 scaling the
-    logits are far from transformers'."""
+    """The comparisons can fail: without the window, the q/k norms, the biases, llama3 scaling, the
+    softcap, the local rope, longrope or its attention factor the logits are far from transformers'."""
     checks = {
         "mistral-window": {"sliding_window": None},
         "qwen2-window": {"sliding_layers": None},  # the window on every layer instead of layer 1's
         "qwen3": {"qk_norm": False},
         "llama-linear-bias": {"mlp_bias": False},
         "llama3-tied": {"rope_scaling": None},
+        "gemma2": {"attn_softcap": None},
+        "gemma3": {"local_rope_layers": ()},
+        "olmo2": {"qk_norm_over": "head", "qk_norm": False},
+        "phi4-mini": {"rope_scaling": lambda cfg: {**cfg.rope_scaling, "attention_factor": 1.0}},
+        "phi3-longrope": {"rope_scaling": lambda cfg: {**cfg.rope_scaling, "type": "linear", "factor": 1.0}},
     }
     for name, change in checks.items():
         model = make_model(name, tmp_path / name)
@@ -94,7 +141,7 @@ def test_features_are_what_the_logits_depend_on(tmp_path) -> None:
         seq = np.random.default_rng(0).integers(0, cfg.vocab, (1, PROMPT + DECODE))
         with torch.no_grad():
             ref = model(torch.tensor(seq)).logits[0].double().numpy()
-        wrong = dataclasses.replace(cfg, **change)
+        wrong = dataclasses.replace(cfg, **{k: v(cfg) if callable(v) else v for k, v in change.items()})
         kept = {n: params[n] for n in wrong.parameter_shapes()}
         logits = megaloop_logits(wrong, kept, seq)
         assert worst(logits[-1][0], ref[-1], f"{name} with {change}") > 1e-3

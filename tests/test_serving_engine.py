@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 import megaloop as ml
+from megaloop.errors import GraphBuildError
+from megaloop.models import LlamaConfig
 from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
@@ -362,3 +364,18 @@ def test_the_engine_on_the_cpu_gives_the_references_completions(gen) -> None:
         results[backend] = [r.result(120).tokens for r in requests]
         close_and_check(e)
     assert results["cpu"] == results["reference"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"attn_softcap": 5.0}, {"norms": "post"}, {"activation": "gelu_tanh"},
+     {"rope_scaling": {"type": "longrope", "short_factor": (1.0,) * 4, "long_factor": (2.0,) * 4,
+                       "original_max_position_embeddings": 8, "attention_factor": 1.0}}],
+)  # fmt: skip
+def test_the_step_refuses_the_layers_it_does_not_build(variant) -> None:
+    """Gemma's, Phi-3's and OLMo 2's variants are built by the generation graphs only: the serving step
+    refuses a model with them, naming them (never a step of another model)."""
+    cfg = LlamaConfig(hidden=32, heads=4, kv_heads=2, intermediate=64, layers=1, vocab=40, max_seq=16,
+                                **variant)  # fmt: skip
+    with pytest.raises(GraphBuildError, match=rf"build_serving_step:.*{next(iter(variant))}.*megaloop generate"):
+        build_serving_step(cfg, StepShape(slots=2, chunk=4, page_size=4, pages=8, max_seq=16))

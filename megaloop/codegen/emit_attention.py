@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from megaloop.codegen.emit import Operand, float_literal, pointers, rope_frequencies
 from megaloop.frontend.ops._tilings import attention_slots
 
@@ -32,12 +34,20 @@ def _operands(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> str:
 
 
 def _shape(attrs: dict[str, Any], ins: list[Operand]) -> str:
-    """``ml::AttnShape<group, tq, tk, d, dv, causal, window>`` (window 0: none)."""
+    """``ml::AttnShape<group, tq, tk, d, dv, causal, window[, softcap]>`` (window 0: none; the softcap
+    as the bits of its float32, after a comment giving its value)."""
     q, k, v = ins[:3]
     causal = bool(attrs["causal"])
     window = attrs.get("window") if causal else None
     dims = (q.shape[1] // k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
-    return f"ml::AttnShape<{', '.join(map(str, dims))}, {'true' if causal else 'false'}, {window or 0}>"
+    cap = attrs.get("softcap")
+    bits = f", /* softcap {cap:g} */ {float32_bits(cap)}u" if cap is not None else ""
+    return f"ml::AttnShape<{', '.join(map(str, dims))}, {'true' if causal else 'false'}, {window or 0}{bits}>"
+
+
+def float32_bits(value: float) -> int:
+    """The bits of ``value`` rounded to float32, as an unsigned int."""
+    return int(np.array(value, np.float32).view(np.uint32))
 
 
 def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:

@@ -186,7 +186,10 @@ def _ints(v: Any, low: int | None = None) -> bool:
 def _scaling(v: Any) -> bool:
     if v is None:
         return True
-    return isinstance(v, dict) and all(isinstance(k, str) and (_number(x) or isinstance(x, str)) for k, x in v.items())
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and (_number(x) or isinstance(x, str) or (isinstance(x, tuple) and all(map(_number, x))))
+        for k, x in v.items()
+    )
 
 
 def _is_dtype(v: Any) -> bool:
@@ -214,7 +217,7 @@ ATTR_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: isinstance(v, dict) and all(_int(k) and k >= 0 and _number(x) for k, x in v.items()),
         "a dict from operand slots to finite numbers",
     ),
-    "scaling": (_scaling, "null or a dict from names to numbers"),
+    "scaling": (_scaling, "null or a dict from names to numbers (or tuples of numbers)"),
 }
 
 

@@ -1,5 +1,6 @@
-"""Models built with the graph API (Llama-family today), their Hugging Face checkpoints (configs of
-the Llama, Mistral, Qwen2 and Qwen3 families), tokenizers and chat templates."""
+"""Models built with the graph API (Llama-family decoders), their Hugging Face checkpoints (configs of
+the Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3 and OLMo 2 families: docs/models.md), tokenizers
+and chat templates."""
 
 from megaloop.models.checkpoint import load_llama, read_safetensors, write_safetensors
 from megaloop.models.gradients import build_llama_gradients

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from megaloop.errors import CheckpointError
-from megaloop.models.hf_config import llama_config, rope_interleaved
+from megaloop.models.hf_config import family_of, llama_config, rope_interleaved
 from megaloop.models.llama import LlamaConfig
 
 DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
@@ -231,6 +231,8 @@ def load_llama(
         part = read_safetensors(folder / name)
         tensors.update(part)
         source.update(dict.fromkeys(part, name))
+    if family_of(config).fused:
+        tensors = split_fused(folder, cfg, tensors, source)
     shapes = cfg.parameter_shapes()
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         _check_tied(folder, tensors)
@@ -249,6 +251,43 @@ def load_llama(
     _check_dtypes(folder, cfg, {n: tensors[n] for n in shapes}, source)
     params = {n: tensors[n] for n in shapes}
     return cfg, deinterleave_rope(cfg, params) if interleaved else params
+
+
+# fused projections (Phi-3) -> the parts megaloop's layer reads, by rows: name -> ((part, rows), ...)
+def fused_parts(cfg: LlamaConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    q, kv, f = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.intermediate
+    return {
+        "self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+        "mlp.gate_up_proj": (("mlp.gate_proj", f), ("mlp.up_proj", f)),
+    }
+
+
+def split_fused(
+    folder: Path, cfg: LlamaConfig, tensors: dict[str, np.ndarray], source: dict[str, str]
+) -> dict[str, np.ndarray]:
+    """Each layer's fused q/k/v and gate/up projections (weights and biases) split by rows into the
+    parts megaloop's layer reads (views: nothing is copied); a fused tensor of the wrong size is a
+    CheckpointError naming it and the sizes expected."""
+    out = dict(tensors)
+    for i in range(cfg.layers):
+        for fused, parts in fused_parts(cfg).items():
+            for suffix in ("weight", "bias"):
+                name = f"model.layers.{i}.{fused}.{suffix}"
+                if name not in out:
+                    continue
+                value = out.pop(name)
+                rows = [n for _, n in parts]
+                if value.ndim < 1 or value.shape[0] != sum(rows):
+                    raise CheckpointError(
+                        f"{folder / source[name]}: tensor {name!r} has shape {list(value.shape)}; it holds "
+                        f"{' + '.join(p for p, _ in parts)} ({' + '.join(map(str, rows))} = {sum(rows)} rows)"
+                    )
+                at = 0
+                for part, n in parts:
+                    key = f"model.layers.{i}.{part}.{suffix}"
+                    out[key], at = value[at : at + n], at + n
+                    source[key] = source[name]
+    return out
 
 
 def _check_dtypes(folder: Path, cfg: LlamaConfig, params: dict[str, np.ndarray], source: dict[str, str]) -> None:

@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` -> LlamaConfig, for the families megaloop builds: Llama 1/2/3/3.1/3.2,
-Mistral, Qwen2/2.5 and Qwen3.
+Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text), Phi-3/Phi-4-mini and OLMo 2.
 
 Both layouts transformers writes are read: 4.x (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and
 5.x (``rope_parameters``, ``dtype``). Every field that changes the model is checked against what
@@ -17,7 +17,7 @@ import math
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megaloop.dtypes import as_dtype
@@ -36,7 +36,19 @@ class Family:
     defaults: Mapping[str, Any]
     qkv_bias: bool = False  # Qwen2: q/k/v biases, no o bias, whatever the config says
     qk_norm: bool = False  # Qwen3: RMSNorm of each head's q and k
-    windows: str = "none"  # "all": sliding_window on every layer (Mistral); "qwen": use_sliding_window etc.
+    # "all": sliding_window on every layer (Mistral, Phi-3); "qwen": use_sliding_window etc.; "types":
+    # layer_types, else every window_pattern-th layer global, the others sliding (Gemma)
+    windows: str = "none"
+    window_pattern: int = 0
+    # LlamaConfig fields the architecture fixes (Gemma's sandwich norms, OLMo 2's post norms, ...)
+    builds: Mapping[str, Any] = field(default_factory=dict)
+    activation_field: str = "hidden_act"  # where the MLP's activation is (Gemma: hidden_activation)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3: Phi-4-mini rotates 3/4)
+    fused: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3), split at load
+    native_auto_map: bool = False  # transformers runs its own class, not the repository's code
+    # fields of the family's remote code that transformers' class ignores, accepted at these values only
+    neutral: Mapping[str, Any] = field(default_factory=dict)
 
 
 _QWEN_WINDOW = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
@@ -47,6 +59,20 @@ _QWEN_DEFAULTS = {
     "sliding_window": 4096,
     "max_window_layers": 28,
 }
+_GEMMA_FIELDS = frozenset(
+    {"attention_bias", "sliding_window", "layer_types", "query_pre_attn_scalar", "final_logit_softcapping",
+     "attn_logit_softcapping", "hidden_activation", "use_bidirectional_attention", "cache_implementation"}
+)  # fmt: skip
+_GEMMA_DEFAULTS = {
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rms_norm_eps": 1e-6,
+}
+_GEMMA_BUILDS = {"norms": "sandwich", "norm_offset": 1.0}
 FAMILIES = {
     f.model_type: f
     for f in (
@@ -72,8 +98,54 @@ FAMILIES = {
             qk_norm=True,
             windows="qwen",
         ),
+        Family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            _GEMMA_FIELDS,
+            {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,
+             "attn_logit_softcapping": 50.0},
+            windows="types",
+            window_pattern=2,
+            builds=_GEMMA_BUILDS,
+            activation_field="hidden_activation",
+            embed_scale=True,
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            _GEMMA_FIELDS | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"},
+            {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+             "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
+            qk_norm=True,
+            windows="types",
+            window_pattern=6,
+            builds=_GEMMA_BUILDS,
+            activation_field="hidden_activation",
+            embed_scale=True,
+        ),
+        Family(
+            "phi3",
+            "Phi3ForCausalLM",
+            frozenset({"original_max_position_embeddings", "sliding_window"}),
+            {"max_position_embeddings": 4096, "sliding_window": None},
+            windows="all",
+            partial_rotary=True,
+            fused=True,
+            native_auto_map=True,
+            # Phi-4-mini's: no biases, every layer's attention full, no interpolation
+            neutral={"attention_bias": False, "mlp_bias": False, "lm_head_bias": False, "full_attn_mod": 1,
+                     "interpolate_factor": 1},
+        ),
+        Family(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            frozenset({"attention_bias"}),
+            {"max_position_embeddings": 2048},
+            qk_norm=True,
+            builds={"norms": "post", "qk_norm_over": "projection"},
+        ),
     )
-}
+}  # fmt: skip
 ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 
 # Fields every family reads (besides the family's own).
@@ -145,22 +217,22 @@ CHANGES_THE_MODEL = {
          "router_aux_loss_coef", "interleave_moe_layer_step"),
         _MOE,
     ),
-    "final_logit_softcapping": "megaloop builds no logit softcapping",
-    "attn_logit_softcapping": "megaloop builds no attention-score softcapping",
-    "query_pre_attn_scalar": "megaloop scales attention scores by 1/sqrt(head_dim) only",
+    "final_logit_softcapping": "megaloop softcaps the logits of gemma2 and gemma3_text models only",
+    "attn_logit_softcapping": "megaloop softcaps attention scores of gemma2 and gemma3_text models only",
+    "query_pre_attn_scalar": "megaloop reads it for gemma2 and gemma3_text models only",
     "embedding_multiplier": "megaloop does not scale the embeddings",
     "logits_scaling": "megaloop does not scale the logits",
     "logit_scale": "megaloop does not scale the logits",
     "residual_multiplier": "megaloop does not scale the residual branches",
     "attention_multiplier": "megaloop scales attention scores by 1/sqrt(head_dim) only",
-    "use_qk_norm": "q/k norms are Qwen3's (model_type qwen3)",
-    "qk_layernorm": "q/k norms are Qwen3's (model_type qwen3)",
+    "use_qk_norm": "q/k norms are those of qwen3, gemma3_text and olmo2 (by model_type)",
+    "qk_layernorm": "q/k norms are those of qwen3, gemma3_text and olmo2 (by model_type)",
     "no_rope_layers": "megaloop applies rope on every layer",
     "no_rope_layer_interval": "megaloop applies rope on every layer",
     "attention_chunk_size": "megaloop builds no chunked attention",
     "mrope_section": "multimodal rope (Qwen2-VL) is not part of the models megaloop builds",
-    "rope_local_base_freq": "megaloop uses one rope theta for every layer",
-    "sliding_window_pattern": "megaloop builds the windows of the families it knows only",
+    "rope_local_base_freq": "megaloop reads a local rope theta for gemma3_text models only",
+    "sliding_window_pattern": "megaloop reads it for gemma3_text models only",
     "use_parallel_residual": "megaloop builds sequential residual blocks",
     "vision_config": "megaloop builds the text models only",
     "text_config": "a multimodal model's config: megaloop builds the text models only",
@@ -170,6 +242,13 @@ ROPE_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
+}
+ROPE_OPTIONAL = {  # read when present
+    "default": (),
+    "linear": (),
+    "llama3": (),
+    "longrope": ("original_max_position_embeddings", "factor", "attention_factor"),
 }
 
 
@@ -239,15 +318,14 @@ def llama_config(
         head_dim = hidden // heads
     if head_dim % 2:
         raise refuse("head_dim", head_dim, "rotary embeddings need an even head_dim")
-    act = c.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise refuse("hidden_act", act, "megaloop builds SwiGLU MLPs (silu)")
     layers = c.int("num_hidden_layers")
     positions = c.int("max_position_embeddings")
     max_seq = _context(max_seq, positions, allow_long_context)
-    theta, scaling = rope_settings(config, positions)
+    theta, scaling = rope_settings(config, positions, family)
     attention_bias = c.bool("attention_bias") if "attention_bias" in family.fields else False
     window, sliding = _windows(c, family, layers)
+    local_theta = local_rope_theta(config, family) if window is not None else None
+    local_layers = (sliding if sliding is not None else tuple(range(layers))) if local_theta is not None else ()
     if window is not None and window >= max_seq:  # the window never drops a key of this cache
         window = sliding = None
     settings = dict(
@@ -270,7 +348,11 @@ def llama_config(
         sliding_window=window,
         sliding_layers=sliding,
         tie_word_embeddings=c.bool("tie_word_embeddings"),
+        **family.builds,
+        **_family_settings(c, family, head_dim, hidden, scaling),
     )
+    if local_theta is not None:
+        settings.update(local_rope_theta=local_theta, local_rope_layers=local_layers)
     try:
         built = LlamaConfig(**settings)
     except MegaloopError as e:
@@ -282,6 +364,53 @@ def llama_config(
             stacklevel=2,
         )
     return built
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _family_settings(
+    c: _Reader, family: Family, head_dim: int, hidden: int, scaling: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The LlamaConfig fields that the family's own config fields set: the MLP's activation, the
+    attention scale and softcaps (Gemma), the scaled embeddings, rope's rotary dims (Phi-3)."""
+    out: dict[str, Any] = {}
+    act = c.get(family.activation_field, "silu")
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise refuse(family.activation_field, act, f"megaloop builds MLPs gated by {sorted(ACTIVATIONS)}")
+    out["activation"] = ACTIVATIONS[act]
+    if "query_pre_attn_scalar" in family.fields:
+        out["attn_scale"] = c.number("query_pre_attn_scalar", 256) ** -0.5
+    for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        if key in family.fields and c.get(key) is not None:
+            out[name] = c.number(key, 1.0)
+    if family.embed_scale:
+        out["embed_scale"] = math.sqrt(hidden)
+    if "use_bidirectional_attention" in family.fields and c.bool("use_bidirectional_attention"):
+        raise refuse("use_bidirectional_attention", True, "megaloop builds causal language models")
+    partial = _partial_rotary(c.config)
+    if partial not in (1, 1.0, None):
+        if not family.partial_rotary:
+            why = f"megaloop's {family.model_type} models rotate the whole head"
+            raise refuse("partial_rotary_factor", partial, why)
+        rotary = int(head_dim * positive_number("partial_rotary_factor", partial))
+        if rotary % 2 or not 2 <= rotary <= head_dim:
+            raise refuse("partial_rotary_factor", partial, f"head_dim {head_dim} * it must be an even count >= 2")
+        out["rotary_dim"] = rotary
+    rotary = out.get("rotary_dim", head_dim)
+    if scaling is not None and scaling["type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != rotary // 2:
+                count = f"{len(scaling[key])} factors"
+                raise refuse(f"rope_scaling.{key}", count, f"expected {rotary // 2}, one a rotary pair")
+    return out
+
+
+def _partial_rotary(config: Mapping[str, Any]) -> Any:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        return 1.0
+    return rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
 
 
 def _context(max_seq: Any, positions: int, allow_long_context: bool) -> int:
@@ -318,11 +447,16 @@ def _check_fields(config: Mapping[str, Any], family: Family, allow_unknown: bool
     ignored (only with ``allow_unknown``)."""
     if config.get("quantization_config") is not None:
         raise refuse("quantization_config", config["quantization_config"], "megaloop reads unquantized weights only")
-    if config.get("auto_map") is not None:
+    if config.get("auto_map") is not None and not family.native_auto_map:
         raise refuse("auto_map", config["auto_map"], "the model comes with its own code, which megaloop does not run")
     ignored = []
     for key, value in config.items():
         if key in MODEL_FIELDS or key in family.fields or key in IGNORED or key == "rope_interleaved":
+            continue
+        if key == "auto_map" or key in family.neutral:  # (auto_map: checked above)
+            if key != "auto_map" and value != family.neutral[key]:
+                why = f"megaloop builds {family.model_type} models with {key} = {family.neutral[key]!r} only"
+                raise refuse(key, value, why)
             continue
         if TOKEN_IDS.match(key):
             continue
@@ -399,9 +533,27 @@ def _dtype(config: Mapping[str, Any]) -> str:
     return DTYPES[name]
 
 
-def rope_settings(config: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
-    """Rope's theta and scaling (rope's ``scaling`` argument, or None) from either layout: 4.x's
-    ``rope_theta`` + ``rope_scaling``, 5.x's ``rope_parameters`` (which holds the theta)."""
+def rope_settings(
+    config: Mapping[str, Any], max_positions: int, family: Family | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """Rope's theta and scaling (LlamaConfig's ``rope_scaling``, or None) from either layout: 4.x's
+    ``rope_theta`` + ``rope_scaling``, 5.x's ``rope_parameters`` (which holds the theta; per layer type
+    for Gemma 3, whose full_attention layers' rope this is: local_rope_theta reads the others')."""
+    field, rope = _rope_parameters(config)
+    if any(isinstance(v, Mapping) for v in rope.values()):
+        if family is None or "rope_local_base_freq" not in family.fields or set(rope) != set(LAYER_TYPES):
+            raise refuse(field, rope, "rope parameters per layer type are megaloop's for gemma3_text models only")
+        field, rope = f"{field}.full_attention", rope["full_attention"]
+        if not isinstance(rope, Mapping):
+            raise refuse(field, rope, "expected an object such as {'rope_type': 'default', 'rope_theta': 1e6}")
+    return _rope_of(config, field, rope, max_positions, family)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _rope_parameters(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """Which field holds rope's parameters, and them ({} when neither does)."""
     params, scaling = config.get("rope_parameters"), config.get("rope_scaling")
     if params is not None and scaling is not None and params != scaling:
         raise refuse("rope_scaling", scaling, f"config.json also has rope_parameters = {params!r}; give one")
@@ -409,24 +561,44 @@ def rope_settings(config: Mapping[str, Any], max_positions: int) -> tuple[float,
     rope = scaling if scaling is not None else params if params is not None else {}
     if not isinstance(rope, Mapping):
         raise refuse(field, rope, "expected an object such as {'rope_type': 'llama3', 'factor': 8.0, ...}")
-    if any(isinstance(v, Mapping) for v in rope.values()):
-        raise refuse(field, rope, "rope parameters per layer type are not part of the models megaloop builds")
+    return field, rope
+
+
+def local_rope_theta(config: Mapping[str, Any], family: Family) -> float | None:
+    """The sliding layers' rope theta where it is their own (Gemma 3: rope_local_base_freq, or 5.x's
+    rope_parameters.sliding_attention, which must be unscaled), else None."""
+    if "rope_local_base_freq" not in family.fields:
+        return None
+    field, rope = _rope_parameters(config)
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), Mapping) else None
+    if local is None:
+        return positive_number("rope_local_base_freq", config.get("rope_local_base_freq", 10000.0))
+    theta, scaling = _rope_of(config, f"{field}.sliding_attention", local, 0, family)
+    if scaling is not None:
+        raise refuse(f"{field}.sliding_attention", local, "megaloop builds Gemma 3's sliding layers with unscaled rope")
+    return theta
+
+
+def _rope_of(
+    config: Mapping[str, Any], field: str, rope: Mapping[str, Any], max_positions: int, family: Family | None
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one rope parameter object, checked."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     if not isinstance(kind, str) or kind not in ROPE_KEYS:
         raise refuse(f"{field}.rope_type", kind, f"megaloop implements rope types {sorted(ROPE_KEYS)}")
     theta_field = f"{field}.rope_theta" if "rope_theta" in rope else "rope_theta"
-    theta = rope["rope_theta"] if "rope_theta" in rope else config.get("rope_theta", 10000.0)
+    theta = rope["rope_theta"] if "rope_theta" in rope else config.get("rope_theta", _default_theta(family))
     if positive_number(theta_field, theta) <= 1.0:
         raise refuse(theta_field, theta, "expected a number > 1")
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (1, 1.0, None):
-        raise refuse("partial_rotary_factor", partial, "megaloop's Llama-family models rotate the whole head")
-    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[kind]}
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[kind], *ROPE_OPTIONAL[kind]}
     for key, value in rope.items():
         if key not in known:
             raise refuse(f"{field}.{key}", value, f"not a setting of rope type {kind!r} that megaloop implements")
     if kind == "default":
         return float(theta), None
+    if kind == "longrope":
+        return float(theta), _longrope(config, field, rope, max_positions)
     out: dict[str, Any] = {"type": kind}
     for key in ROPE_KEYS[kind]:
         value = rope.get(key, max_positions if key == "original_max_position_embeddings" else None)
@@ -438,20 +610,55 @@ def rope_settings(config: Mapping[str, Any], max_positions: int) -> tuple[float,
     return float(theta), out
 
 
+def _default_theta(family: Family | None) -> float:
+    return float(family.defaults.get("rope_theta", 10000.0)) if family is not None else 10000.0
+
+
+def _longrope(config: Mapping[str, Any], field: str, rope: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
+    """longrope's (Phi-3's) settings as transformers reads them: the short and long factors, the
+    context they switch at (original_max_position_embeddings, in the object or beside it) and the
+    factor cos and sin are scaled by (attention_factor, else from max_position_embeddings / that)."""
+    out: dict[str, Any] = {"type": "longrope"}
+    for key in ("short_factor", "long_factor"):
+        factors = rope.get(key)
+        if not isinstance(factors, list) or not factors:
+            raise refuse(f"{field}.{key}", factors, "longrope needs a list of factors, one a rotary pair")
+        out[key] = tuple(positive_number(f"{field}.{key}", f) for f in factors)
+    where = field if "original_max_position_embeddings" in rope else "original_max_position_embeddings"
+    original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 2:
+        raise refuse(where, original, "longrope needs original_max_position_embeddings, an integer >= 2")
+    out["original_max_position_embeddings"] = original
+    factor = rope.get("factor")
+    factor = positive_number(f"{field}.factor", factor) if factor is not None else max_positions / original
+    attention = rope.get("attention_factor")
+    if attention is not None:
+        out["attention_factor"] = positive_number(f"{field}.attention_factor", attention)
+    else:
+        out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return out
+
+
 def _windows(c: _Reader, family: Family, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
     """The sliding window and the layers it applies to (None: all), as transformers 5 applies them:
-    Mistral on every layer; Qwen2/3 only with use_sliding_window, on the layers ``layer_types`` names
-    sliding_attention (by default those from max_window_layers on)."""
+    Mistral and Phi-3 on every layer; Qwen2/3 only with use_sliding_window, on the layers ``layer_types``
+    names sliding_attention (by default those from max_window_layers on); Gemma on the layers
+    ``layer_types`` names, by default all but every 2nd (Gemma 2) or sliding_window_pattern-th (Gemma 3)."""
     if family.windows == "none":
         return None, None
     window = c.int("sliding_window", none=None)
     if family.windows == "all":
         return window, None
-    if not c.bool("use_sliding_window"):
-        window = None
-    start = c.int("max_window_layers", minimum=0)
     types = c.get("layer_types")
+    if family.windows == "types" and types is None:  # Gemma: every pattern-th layer global
+        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", family.window_pattern))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise refuse("sliding_window_pattern", pattern, "expected an integer >= 1")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if family.windows == "qwen" and not c.bool("use_sliding_window"):
+        window = None
     if types is None:
+        start = c.int("max_window_layers", minimum=0)
         types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers:
         raise refuse("layer_types", types, f"expected a list of {layers} layer types")

@@ -1,5 +1,8 @@
 """Llama-family decoder built with the graph API: RMSNorm, grouped-query attention with RoPE and a
-KV cache, SwiGLU MLP, residuals.
+KV cache, SwiGLU MLP, residuals; with the variants of the families megaloop loads (LlamaConfig's
+fields): Gemma 2/3's sandwich norms, (1 + w) norm weights, GeGLU, scaled embeddings, softcapped
+attention scores and logits and local rope on sliding layers, OLMo 2's norms after each block and of
+whole q/k projections, Phi-3's longrope and partial rotary dims. Each is made of general ops.
 
 Parameter names follow the Hugging Face checkpoint keys (``model.layers.0.self_attn.q_proj.weight``),
 linear weights are stored [out_features, in_features] as there, so a checkpoint loads by name. One
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import megaloop.frontend.ops as ops
-from megaloop.dtypes import DType, as_dtype, bfloat16
+from megaloop.dtypes import DType, as_dtype, bfloat16, round_to
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.tensor import Tensor
@@ -53,6 +56,23 @@ class LlamaConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None  # the layers with the window (None: all of them)
     tie_word_embeddings: bool = False
+    # Gemma 2/3, OLMo 2, Phi-3 (module docstring). norms: "pre" (Llama: before attention and MLP),
+    # "sandwich" (Gemma: before and after each), "post" (OLMo 2: after each, on the block's output);
+    # qk_norm_over: "head" (Qwen3, Gemma 3: each head) or "projection" (OLMo 2: the whole q and k);
+    # norm_offset: norms multiply by (offset + weight) (Gemma: 1); local_rope_theta: the rope (unscaled)
+    # of local_rope_layers (Gemma 3's sliding layers, kept where a window past the cache is dropped);
+    # rope_scaling may be longrope (hf_config: short/long factors).
+    norms: str = "pre"
+    qk_norm_over: str = "head"
+    norm_offset: float = 0.0
+    activation: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # attention's score scale (None: 1/sqrt(head_dim))
+    attn_softcap: float | None = None  # scores softcapped: c * tanh(s / c)
+    final_softcap: float | None = None  # logits softcapped likewise
+    rotary_dim: int | None = None  # dims of a head that rope turns (None: all)
+    local_rope_theta: float | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -84,6 +104,40 @@ class LlamaConfig:
                     "with a sliding_window set"
                 )
             object.__setattr__(self, "sliding_layers", tuple(sorted(set(layers))))
+        choices = (("norms", NORMS), ("qk_norm_over", ("head", "projection")), ("activation", ACTIVATIONS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise GraphBuildError(f"LlamaConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise GraphBuildError(f"LlamaConfig: {name} must be None or a number > 0, got {value!r}")
+        rd, hd = self.rotary_dim, self.head_dim
+        if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd % 2 or not 2 <= rd <= hd):
+            raise GraphBuildError(f"LlamaConfig: rotary_dim must be None or even in [2, {self.head_dim}], got {rd!r}")
+        local = self.local_rope_layers
+        if not isinstance(local, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in local) or (
+            local and (self.local_rope_theta is None or not all(0 <= i < self.layers for i in local))
+        ):
+            raise GraphBuildError(
+                f"LlamaConfig: local_rope_layers {local!r} must be a tuple of layer indices below {self.layers}, "
+                "with local_rope_theta set"
+            )
+
+    def rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """Rope's theta and scaling on ``layer``: local_rope_theta, unscaled, on the local_rope_layers."""
+        if layer in self.local_rope_layers:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def later_variants(self) -> list[str]:
+        """The fields of the variants added with Gemma, Phi-3 and OLMo 2 that this config sets (builders
+        that do not make them yet refuse such a config by these names)."""
+        return [name for name in LATER_VARIANTS if getattr(self, name) != LATER_VARIANTS[name]]
+
+    def norm_names(self) -> tuple[str, ...]:
+        """A layer's norms (names before ``.weight``), in the order the layer applies them."""
+        return NORM_NAMES[self.norms]
 
     def window(self, layer: int) -> int | None:
         """The sliding attention window of ``layer`` (None: it attends to every earlier position)."""
@@ -99,10 +153,11 @@ class LlamaConfig:
             shapes["model.embed_tokens.weight"] = (self.vocab, d)
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (d,)
+            norms = self.norm_names()  # (in the order random_parameters has always drawn Llama's)
+            shapes.update({f"{p}{n}.weight": (d,) for n in norms if n == "input_layernorm"})
             for name, shape in self.attention_shapes().items():
                 shapes[p + "self_attn." + name] = shape
-            shapes[p + "post_attention_layernorm.weight"] = (d,)
+            shapes.update({f"{p}{n}.weight": (d,) for n in norms if n != "input_layernorm"})
             for name, shape in self.mlp_shapes().items():
                 shapes[p + "mlp." + name] = shape
         shapes["model.norm.weight"] = (d,)
@@ -120,8 +175,10 @@ class LlamaConfig:
             shapes.update({f"{n}_proj.bias": (s[0],) for n, s in out.items()})
         if self.o_bias:
             shapes["o_proj.bias"] = (d,)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_over == "head":
             shapes.update({"q_norm.weight": (hd,), "k_norm.weight": (hd,)})
+        elif self.qk_norm:
+            shapes.update({"q_norm.weight": out["q"][:1], "k_norm.weight": out["k"][:1]})
         return shapes
 
     def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -131,6 +188,25 @@ class LlamaConfig:
         if self.mlp_bias:
             shapes.update({"gate_proj.bias": (f,), "up_proj.bias": (f,), "down_proj.bias": (d,)})
         return shapes
+
+
+NORMS = ("pre", "sandwich", "post")
+NORM_NAMES = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+ACTIVATIONS = ("silu", "gelu_tanh")
+LATER_VARIANTS = {
+    "norms": "pre", "qk_norm_over": "head", "norm_offset": 0.0, "activation": "silu", "embed_scale": None,
+    "attn_scale": None, "attn_softcap": None, "final_softcap": None, "rotary_dim": None, "local_rope_theta": None,
+    "local_rope_layers": (),
+}  # fmt: skip
 
 
 def random_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -177,37 +253,67 @@ def attention_block(
 
     def heads(n: str, count: int) -> Tensor:  # the n projection, [b, t, count*hd] -> [b, count, t, hd] (a view)
         y = ops.linear(x, w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"))
+        if f"{n}_norm.weight" in w and cfg.qk_norm_over == "projection":  # OLMo 2: the whole projection
+            y = norm(cfg, y, w[f"{n}_norm.weight"])
         y = y.reshape(b, t, count, hd)
-        if f"{n}_norm.weight" in w:  # Qwen3: each head's q and k normed over head_dim before rope
-            y = ops.rmsnorm(y, w[f"{n}_norm.weight"], eps=cfg.rms_eps)
+        if f"{n}_norm.weight" in w and cfg.qk_norm_over == "head":  # Qwen3, Gemma 3: each head before rope
+            y = norm(cfg, y, w[f"{n}_norm.weight"])
         return y.transpose(1, 2)
 
     rope_pos = positions.reshape(b, 1, t)
-    rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
     cache_shape = (b, cfg.kv_heads, cfg.max_seq, hd)
-    q = ops.rope(heads("q", cfg.heads), rope_pos, **rope_args)
+    q = rotate(cfg, layer, heads("q", cfg.heads), positions, rope_pos)
     k = heads("k", cfg.kv_heads)
     v = heads("v", cfg.kv_heads)
     k_cache = g.state(p + "k_cache", cache_shape, cfg.dtype)
-    k_all = ops.kv_cache_update(k_cache, ops.rope(k, rope_pos, **rope_args), positions)
+    k_all = ops.kv_cache_update(k_cache, rotate(cfg, layer, k, positions, rope_pos), positions)
     v_all = ops.kv_cache_update(g.state(p + "v_cache", cache_shape, cfg.dtype), v, positions)
     o = ops.attention(
-        q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits
-    )
+        q, k_all, v_all, causal=True, q_positions=positions, window=cfg.window(layer), kv_splits=kv_splits,
+        scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+    )  # fmt: skip
     o = o.transpose(1, 2).reshape(b, t, cfg.heads * hd)
     return ops.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
+def rotate(cfg: LlamaConfig, layer: int, x: Tensor, positions: Tensor, pos: Tensor) -> Tensor:
+    """Rope of ``x`` [b, heads, t, hd] at ``positions`` [b, t] (``pos``: them as [b, 1, t]) with the
+    layer's theta and scaling.
+    longrope (Phi-3) turns the step by its short factors, or by its long ones when a position of the
+    step (of any sequence) is at original_max_position_embeddings or past it, as transformers does;
+    then both are scaled by its attention_factor."""
+    theta, scaling = cfg.rope(layer)
+    if scaling is None or scaling["type"] != "longrope":
+        return ops.rope(x, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim)
+    turn = {name: {"type": "longrope", "factors": scaling[name]} for name in ("short_factor", "long_factor")}
+    y = ops.rope(x, pos, theta=theta, scaling=turn["short_factor"], rotary_dim=cfg.rotary_dim)
+    if cfg.max_seq > scaling["original_max_position_embeddings"] and turn["long_factor"] != turn["short_factor"]:
+        long = ops.rope(x, pos, theta=theta, scaling=turn["long_factor"], rotary_dim=cfg.rotary_dim)
+        y = ops.where(ops.greater_equal(ops.max(positions), scaling["original_max_position_embeddings"]), long, y)
+    factor, rd, hd = scaling["attention_factor"], cfg.rotary_dim or cfg.head_dim, cfg.head_dim
+    if factor == 1.0 or rd == hd:
+        return y if factor == 1.0 else y * factor
+    # only the rotated dims are scaled (transformers scales cos and sin)
+    scale = np.concatenate([np.full(rd, factor), np.ones(hd - rd)]).astype(np.float32)
+    return y * x.graph.constant(scale, cfg.dtype, name=f"rope_attention_factor_{len(x.graph.nodes)}")
+
+
+def norm(cfg: LlamaConfig, x: Tensor, weight: Tensor) -> Tensor:
+    """RMSNorm over x's last axis, multiplied by (cfg.norm_offset + weight) (Gemma's 1 + w)."""
+    return ops.rmsnorm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, eps=cfg.rms_eps)
+
+
 def mlp_block(g: Graph, cfg: LlamaConfig, x: Tensor, layer: int) -> Tensor:
-    """``x`` [batch, tokens, hidden] (normed): SwiGLU, silu(x @ gate.T) * (x @ up.T), then the down
-    projection."""
+    """``x`` [batch, tokens, hidden] (normed): SwiGLU, silu(x @ gate.T) * (x @ up.T), or GeGLU (gelu's
+    tanh form for silu), then the down projection."""
     p = f"model.layers.{layer}.mlp."
     w = {name: g.parameter(p + name, shape, cfg.dtype) for name, shape in cfg.mlp_shapes().items()}
     gate = ops.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     up = ops.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
     # silu(gate) * up as one op (silu kept in float32: Hugging Face's LlamaMLP rounds it to the model's
     # dtype before the product, so results differ by that rounding)
-    return ops.linear(ops.silu_mul(gate, up), w["down_proj.weight"], w.get("down_proj.bias"))
+    gated = ops.silu_mul(gate, up) if cfg.activation == "silu" else ops.gelu(gate, approximate="tanh") * up
+    return ops.linear(gated, w["down_proj.weight"], w.get("down_proj.bias"))
 
 
 def decoder_layer(
@@ -236,13 +342,18 @@ def decoder_layer_parts(
         with g.scope(f"layers.{layer - 1}"), g.scope("mlp"):
             stream = x + update
     with g.scope(f"layers.{layer}"):
-        ln1 = g.parameter(p + "input_layernorm.weight", (cfg.hidden,), cfg.dtype)
-        ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
+        ln = {n: g.parameter(f"{p}{n}.weight", (cfg.hidden,), cfg.dtype) for n in cfg.norm_names()}
+        before = ln.get("input_layernorm")
+        after = ln.get("post_attention_layernorm") if cfg.norms != "pre" else None
         with g.scope("attn"):
-            attn = attention_block(g, cfg, ops.rmsnorm(stream, ln1, eps=cfg.rms_eps), positions, layer, kv_splits)
-            h = stream + attn
+            normed = norm(cfg, stream, before) if before is not None else stream
+            attn = attention_block(g, cfg, normed, positions, layer, kv_splits)
+            h = stream + (norm(cfg, attn, after) if after is not None else attn)
+        before = ln["post_attention_layernorm"] if cfg.norms == "pre" else ln.get("pre_feedforward_layernorm")
+        after = ln.get("post_feedforward_layernorm")
         with g.scope("mlp"):
-            return h, mlp_block(g, cfg, ops.rmsnorm(h, ln2, eps=cfg.rms_eps), layer)
+            mlp = mlp_block(g, cfg, norm(cfg, h, before) if before is not None else h, layer)
+            return h, norm(cfg, mlp, after) if after is not None else mlp
 
 
 def _require_config(cfg: Any, who: str) -> None:
@@ -400,6 +511,8 @@ def _decoder(
     ``(x, update)``, whose sum it is (decoder_layer_parts)."""
     if cfg.vocab is not None:
         x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), x)
+        if cfg.embed_scale is not None:  # rounded to the model's dtype first, as transformers' Gemma does
+            x = x * float(round_to(np.asarray(cfg.embed_scale, np.float32), cfg.dtype).astype(np.float32))
     update = None
     for layer in range(cfg.layers):
         x, update = decoder_layer_parts(g, cfg, x, update, positions, layer, kv_splits)
@@ -408,13 +521,17 @@ def _decoder(
 
 def _head(g: Graph, cfg: LlamaConfig, x: Tensor, update: Tensor | None) -> Tensor:
     """The final norm of the stream ``x + update`` and the LM head (the embedding when tied)."""
-    norm = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
-    normed = ops.rmsnorm(x if update is None else x + update, norm, eps=cfg.rms_eps)
+    weight = g.parameter("model.norm.weight", (cfg.hidden,), cfg.dtype)
+    normed = norm(cfg, x if update is None else x + update, weight)
     if cfg.vocab is None:
         return normed
     if cfg.tie_word_embeddings:
-        return ops.linear(normed, g.parameters["model.embed_tokens.weight"])
-    return ops.linear(normed, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
+        logits = ops.linear(normed, g.parameters["model.embed_tokens.weight"])
+    else:
+        logits = ops.linear(normed, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
+    if cfg.final_softcap is None:
+        return logits
+    return ops.tanh(logits / cfg.final_softcap) * cfg.final_softcap  # (Gemma 2's softcapping)
 
 
 def _eos_ids(cfg: LlamaConfig, eos_ids: Sequence[int]) -> tuple[int, ...]:

@@ -80,6 +80,13 @@ def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int
     end a sequence; ``logits``: also output each slot's last row's logits [S, 1, vocab]."""
     if not isinstance(cfg, LlamaConfig) or cfg.vocab is None:
         raise GraphBuildError("build_serving_step: cfg must be a LlamaConfig with a vocabulary (cfg.vocab)")
+    longrope = cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope"
+    if cfg.later_variants() or longrope:
+        names = cfg.later_variants() + (["rope_scaling (longrope)"] if longrope else [])
+        raise GraphBuildError(
+            f"build_serving_step: the serving step builds the Llama, Mistral and Qwen layers; this model's {names} "
+            "(Gemma 2/3, Phi-3, OLMo 2) are not part of it yet. Run the model with megaloop generate"
+        )
     if shape.max_seq > cfg.max_seq:
         raise GraphBuildError(
             f"build_serving_step: max_seq {shape.max_seq} is past the model's context {cfg.max_seq} (cfg.max_seq)"

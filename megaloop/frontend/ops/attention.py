@@ -8,7 +8,8 @@ Which keys a query sees: key j is visible to query i of batch b when
   j < kv_lengths[b]                       (only the valid prefix of a cache; default: all kv_len keys)
   and j <= q_positions[b, i]              (if causal)
   and j > q_positions[b, i] - window      (if a sliding window is set; needs causal)
-q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
+With ``softcap`` c, each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2's attention
+logit softcapping). q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
 "bottom-right" alignment of FlashAttention; for q_len == kv_len it is the usual causal mask). A
 query that sees no key returns zeros, not NaN.
 
@@ -83,6 +84,9 @@ def _infer(call: OpCall) -> list[OutSpec]:
         )
     if call.attrs["scale"] is None:
         call.attrs["scale"] = 1.0 / math.sqrt(d)
+    cap = call.attrs.get("softcap")
+    if cap is not None and not cap > 0:
+        raise call.error(GraphBuildError, f"softcap must be None or a number > 0, got {cap!r}")
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
 
 
@@ -140,6 +144,14 @@ def visible_keys(
     return mask
 
 
+def softcapped(scores: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """The scaled scores after the op's logit softcapping, c * tanh(s / c) (as they are without one)."""
+    cap = attrs.get("softcap")
+    if cap is None:
+        return scores
+    return (np.float32(cap) * np.tanh(scores / np.float32(cap))).astype(np.float32)
+
+
 def check_attention_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Sequence[np.ndarray | None]) -> None:
     """kv_lengths (when given) must lie in [0, kv_len]."""
     absent = attrs.get("absent", ())
@@ -160,7 +172,7 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     hkv, tk = k.shape[1], k.shape[2]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))  # [b, tq, tk]
     qg = q.reshape(b, hkv, hq // hkv, tq, -1)  # query heads grouped by the kv head they read
-    scores = np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"])
+    scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
     scores = np.where(mask[:, None, None], scores, -np.inf)
     row_max = np.max(scores, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -237,17 +249,18 @@ def key_range(mask: np.ndarray) -> tuple[int, int]:
     return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
 
 
-def masked_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """q k^T * scale for compute-form q [b, hq, tq, d] and k [b, hkv, n, d] as a BLAS product, -inf
-    where ``mask`` [b, tq, n] hides a key: [b, hkv, hq / hkv, tq, n], query heads grouped by kv head."""
+def masked_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """q k^T * scale (softcapped as the op's attributes say) for compute-form q [b, hq, tq, d] and k
+    [b, hkv, n, d] as a BLAS product, -inf where ``mask`` [b, tq, n] hides a key: [b, hkv, hq / hkv,
+    tq, n], query heads grouped by kv head."""
     b, hq, tq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     scores = np.matmul(q.reshape(b, hkv, (hq // hkv) * tq, d), np.swapaxes(k, -1, -2))
-    scores = scores.reshape(b, hkv, hq // hkv, tq, n) * np.float32(scale)
+    scores = softcapped(scores.reshape(b, hkv, hq // hkv, tq, n) * np.float32(attrs["scale"]), attrs)
     return np.where(mask[:, None, None], scores, np.float32(-np.inf))
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
     """The reference's softmax(q k^T * scale + mask) v with BLAS products, in blocks of queries, each
     over the keys its queries see."""
     b, hq, tq, _ = q.shape
@@ -259,7 +272,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale
         lo, hi = key_range(rows)
         if lo == hi:
             continue  # (no key visible: zeros, as the reference)
-        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], scale)
+        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], attrs)
         row_max = np.max(scores, axis=-1, keepdims=True)
         p = np.exp(scores - np.where(np.isfinite(row_max), row_max, np.float32(0)))
         denom = np.sum(p, axis=-1, keepdims=True)
@@ -278,7 +291,7 @@ def _fast(node: Any) -> Kernel:
         q, k, v = arrays[:3]
         qpos, lengths = (arrays[slot[s]] if s in slot else None for s in (3, 4))
         mask = visible_keys(q.shape[0], q.shape[2], k.shape[2], attrs, qpos, lengths)
-        return [finish(_attend(q, k, v, mask, attrs["scale"]))]
+        return [finish(_attend(q, k, v, mask, attrs))]
 
     return run
 
@@ -288,11 +301,11 @@ ATTENTION = register(
         name="attention",
         kind="compute",
         category="attention",
-        doc="softmax(q k^T * scale + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
+        doc="softmax(softcap(q k^T * scale) + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
         "see megaloop.frontend.ops.attention for the exact mask.",
         operands=("q", "k", "v", "q_positions", "kv_lengths"),
-        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints"},
-        optional_attrs=frozenset({"absent"}),
+        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints", "softcap": "number?"},
+        optional_attrs=frozenset({"absent", "softcap"}),
         infer=_infer,
         reference=_reference,
         fast=Fast(_fast, exact=False),

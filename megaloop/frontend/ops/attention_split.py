@@ -30,6 +30,7 @@ from megaloop.frontend.ops.attention import (
     check_attention_data,
     key_range,
     masked_scores,
+    softcapped,
     visible_keys,
 )
 from megaloop.frontend.ops.attention import _infer as _attention_infer
@@ -122,7 +123,7 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     splits = attrs["splits"]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))
     qg = q.reshape(b, hkv, hq // hkv, tq, -1)
-    scores = np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"])
+    scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
     scores = np.where(mask[:, None, None], scores, -np.inf).astype(np.float32)
     out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
     out[..., dv] = -np.inf
@@ -148,7 +149,7 @@ def _partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, att
     out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
     out[..., dv] = -np.inf
     lo, hi = key_range(mask)
-    scores = masked_scores(q, k[:, :, lo:hi], mask[:, :, lo:hi], attrs["scale"]) if lo < hi else None
+    scores = masked_scores(q, k[:, :, lo:hi], mask[:, :, lo:hi], attrs) if lo < hi else None
     for s in range(splits):
         a, c = split_bounds(tk, splits, s)
         a, c = max(a, lo), min(c, hi)
@@ -213,9 +214,10 @@ ATTENTION_PARTIAL = register(
             "window": "count?",
             "scale": "number?",
             "absent": "ints",
+            "softcap": "number?",
             **APPEND_ATTRS,
         },
-        optional_attrs=frozenset({"absent", *APPEND_ATTRS}),
+        optional_attrs=frozenset({"absent", "softcap", *APPEND_ATTRS}),
         infer=_partial_infer,
         reference=_partial_reference,
         fast=Fast(_partial_fast, exact=False),
@@ -300,11 +302,13 @@ def attention(
     k_new: Tensor | None = None,
     v_new: Tensor | None = None,
     rope: dict[str, Any] | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention (megaloop/frontend/ops/attention.py). ``kv_splits``: split the keys into that many ranges
     computed by separate tiles and merged after (this module's two ops): for few queries over many keys
     (decode). ``k_new``, ``v_new`` and ``rope`` (rope's keywords: theta, layout, rotary_dim, scaling):
-    the append form of a decode step (module docstring), k and v the caches' old values, q un-roped."""
+    the append form of a decode step (module docstring), k and v the caches' old values, q un-roped.
+    ``softcap`` c: each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2)."""
     optional = {3: q_positions, 4: kv_lengths}
     operands = [q, k, v] + [t for t in optional.values() if t is not None]
     absent = tuple(s for s, t in optional.items() if t is None)
@@ -314,6 +318,8 @@ def attention(
         scale = float(require_scalar(ATTENTION, "scale", scale))
     causal = require_bool(ATTENTION, "causal", causal)
     attrs = {"causal": causal, "window": window, "scale": scale, **({"absent": absent} if absent else {})}
+    if softcap is not None:
+        attrs["softcap"] = float(require_scalar(ATTENTION, "softcap", softcap))
     append = (k_new, v_new, rope) != (None, None, None)
     if append:
         attrs.update(_append_attrs(k_new, v_new, rope, kv_splits, q_positions))

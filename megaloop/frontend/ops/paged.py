@@ -258,7 +258,7 @@ def _gather_range(pool: np.ndarray, table_row: np.ndarray) -> np.ndarray:
 
 
 def _attention_fast(node: Any) -> Kernel:
-    window, scale = node.attrs["window"], node.attrs["scale"]
+    window = node.attrs["window"]
     finish = rounder(node.outputs[0].dtype)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -281,7 +281,7 @@ def _attention_fast(node: Any) -> Kernel:
             visible = keys <= p[:, None]
             if window is not None:
                 visible &= keys > (p - window)[:, None]
-            o = _attend_blas(np.swapaxes(q[b, :, t], 0, 1)[None], k, v, visible[None], scale)
+            o = _attend_blas(np.swapaxes(q[b, :, t], 0, 1)[None], k, v, visible[None], node.attrs)
             out[b, :, t] = np.swapaxes(o[0], 0, 1)
         return [finish(out)]
 

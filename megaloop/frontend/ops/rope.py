@@ -24,12 +24,14 @@ from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import is_int
 
 LAYOUTS = ("neox", "interleaved")
-SCALING_TYPES = ("linear", "llama3")
+SCALING_TYPES = ("linear", "llama3", "longrope")
 ROPE_ATTRS = {"theta": "number", "layout": LAYOUTS, "rotary_dim": "count?", "scaling": "scaling"}
 
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
-    """The rotary_dim/2 angular frequencies (float64), after Llama-3-style or linear scaling."""
+    """The rotary_dim/2 angular frequencies (float64), after Llama-3-style or linear scaling, or
+    divided one by one by longrope's ``factors`` (Phi-3's short or long factors: which of them a model
+    uses where is its builder's choice)."""
     number = isinstance(theta, (int, float, np.number)) and not isinstance(theta, bool)
     if not (is_int(rotary_dim) and rotary_dim >= 2 and number and (scaling is None or isinstance(scaling, dict))):
         raise GraphBuildError(
@@ -41,6 +43,14 @@ def inv_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | Non
         return inv
     if scaling["type"] == "linear":
         return inv / scaling["factor"]
+    if scaling["type"] == "longrope":
+        factors = np.asarray(scaling["factors"], np.float64)
+        if factors.shape != inv.shape:
+            raise GraphBuildError(
+                f"inv_frequencies: longrope scaling has {factors.size} factors; rotary_dim {rotary_dim} needs "
+                f"{inv.size} (one a pair)"
+            )
+        return inv / factors
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -91,6 +101,12 @@ def check_rotary(call: OpCall, head_dim: int) -> None:
         rd = call.attrs["rotary_dim"] = head_dim
     if rd % 2 or not 2 <= rd <= head_dim:
         raise call.error(ShapeError, f"rotary_dim {rd} must be even and between 2 and head_dim {head_dim}")
+    scaling = call.attrs["scaling"]
+    if scaling is not None and scaling["type"] == "longrope" and len(scaling["factors"]) != rd // 2:
+        raise call.error(
+            ShapeError,
+            f"longrope scaling has {len(scaling['factors'])} factors; rotary_dim {rd} needs {rd // 2} (one a pair)",
+        )
     if call.attrs["layout"] not in LAYOUTS:
         raise call.error(GraphBuildError, f"layout must be one of {LAYOUTS}, got {call.attrs['layout']!r}")
 
@@ -180,7 +196,18 @@ def _check_scaling(scaling: Any, op: OpDef | None = None) -> dict[str, Any] | No
     needed = {
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": ("factors",),
     }
+    if s["type"] == "longrope":
+        factors = s.get("factors")
+        if not isinstance(factors, (tuple, list)) or not factors:
+            raise GraphBuildError(
+                f"{op.name}: longrope scaling needs 'factors', one number a rotary pair, got {factors!r:.80}"
+            )
+        s["factors"] = tuple(float(require_scalar(op, "scaling['factors']", f)) for f in factors)
+        if min(s["factors"]) <= 0:
+            raise GraphBuildError(f"{op.name}: longrope's factors must be > 0, got {min(s['factors'])}")
+        return {"type": "longrope", "factors": s["factors"]}
     for key in needed[s["type"]]:
         if key not in s:
             raise GraphBuildError(f"{op.name}: {s['type']} scaling needs {key!r} (got keys {sorted(s)})")

@@ -84,6 +84,7 @@ def _fire(node: Node, rw: Rewriter) -> bool:
         out = ops.attention(
             rope_q.inputs[0], k_cache, v_cache, causal=True, q_positions=positions, window=attrs["window"],
             scale=attrs["scale"], kv_splits=attrs["splits"], k_new=k_new, v_new=v_new, rope=rope,
+            softcap=attrs.get("softcap"),
         )  # fmt: skip
     with rw.build(anchor, after=True):
         ops.rope_kv_cache_update(k_cache, k_new, k_write.inputs[2], **rope)

@@ -12,6 +12,7 @@
 // its append form (AttnAppend) rotates q on load and takes the key at q's position from k_new.
 #pragma once
 #include "megaloop/elementwise.cuh"
+#include "megaloop/math.cuh"
 #include "megaloop/mma.cuh"
 #include "megaloop/rope.cuh"
 #include "megaloop/types.cuh"
@@ -20,13 +21,15 @@
 namespace ml {
 
 // An op's shapes and mask (megaloop/frontend/ops/attention.py): Group query heads a kv head, Tq queries
-// and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none).
-template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0>
+// and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none); the
+// scores' softcap as the bits of its float32 (0: none; C++17 takes no float template arguments; ml::softcap).
+template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0, unsigned CapBits = 0u>
 struct AttnShape {
     static_assert(Group > 0 && D > 0 && Dv > 0 && Window >= 0, "AttnShape: query heads a kv head, dims, window >= 0");
     static_assert(Window == 0 || Causal, "AttnShape: a sliding window needs causal attention");
     static constexpr int group = Group, tq = Tq, tk = Tk, d = D, dv = Dv, window = Window;
     static constexpr bool causal = Causal;
+    static constexpr unsigned cap_bits = CapBits;
 };
 
 // an i64 the front end folds as it would a literal: a length of Tk passed on as a value instead made
@@ -149,7 +152,7 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
             float s = 0.0f;
             ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                       if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);)
-            s = warp_sum(s) * scale;
+            s = softcap<S::cap_bits>(warp_sum(s) * scale);
             const float mn = s > m ? s : m;
             const float corr = expf(m - mn), p = expf(s - mn);
             l = l * corr + p;
@@ -168,7 +171,7 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
                 ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                           if (dd < D) s += qv[c] * rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, dd,
                                                                                      (double)pn, app.inv_freq);)
-                s = warp_sum(s) * scale;
+                s = softcap<S::cap_bits>(warp_sum(s) * scale);
                 const float mn = s > m ? s : m;
                 const float corr = expf(m - mn), p = expf(s - mn);
                 l = l * corr + p;
@@ -285,7 +288,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                 if (live) {
-                    fold_key(s * scale, vv, m, l, acc);
+                    fold_key(softcap<S::cap_bits>(s * scale), vv, m, l, acc);
                 }
             }
             if constexpr (APPEND) {
@@ -300,7 +303,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                     if (g == 0) {  // one key group takes it (the merge below adds the groups)
-                        fold_key(s * scale, vv, m, l, acc);
+                        fold_key(softcap<S::cap_bits>(s * scale), vv, m, l, acc);
                     }
                 }
             }
@@ -425,7 +428,7 @@ __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
 // of the tile's kv head (keys k_row / v_row apart); nh heads x nq queries; tk keys in all.
 // range(r, begin, end): the keys [begin, end) query r (0 <= r < nq, the same for every head) sees.
 // store(head, r, dim, value) writes the normalised output (zeros for a query that sees no key).
-template <typename T, int D, int SPLIT, typename Range, typename Store>
+template <typename T, int D, int SPLIT, unsigned Cap = 0u, typename Range, typename Store>
 __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row, int nh, int nq, const T* k, i64 k_row,
                                               const T* v, i64 v_row, int tk, float scale_log2, void* smem,
                                               Range range, Store store) {
@@ -532,7 +535,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
                     for (int e = 0; e < 4; ++e) {
                         const i64 j = j0 + 8 * n + 2 * qd + (e & 1);
                         const bool seen = (e < 2) ? (j >= b0 && j < e0) : (j >= b1 && j < e1);
-                        s[n][e] = seen ? s[n][e] * scale_log2 : NEG;
+                        s[n][e] = seen ? softcap<Cap>(s[n][e] * scale_log2, 1.4426950408889634f) : NEG;
                     }
                     mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
                     mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
@@ -659,7 +662,7 @@ __device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t,
         first = begin;
         last = bad_len ? begin : end;  // a bad length is reported above; nothing is read
     };
-    attention_mma<T, S::d, Split>(
+    attention_mma<T, S::d, Split, S::cap_bits>(
         q.p + (i64)bi * stride_of<0, Q> + (i64)h0 * stride_of<1, Q> + (i64)s0 * stride_of<2, Q>, stride_of<1, Q>,
         stride_of<2, Q>, t.hi[1] - h0, t.hi[2] - s0, k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>,
         stride_of<2, K>, v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>, stride_of<2, V>, S::tk,

@@ -34,5 +34,18 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return (float)(0.5 * d * (1.0 + tanh(0.79788456080286535588 * (d + 0.044715 * d * d * d))));
 }
 __device__ __forceinline__ float erf_(float x) { return (float)erf((double)x); }
+// logit softcapping by c, the float32 whose bits are CapBits (0: none): c tanh(s / c); scores in
+// log2 units (attention's tensor-core path) pass unit = log2(e), the same curve in those units
+template <unsigned CapBits>
+__device__ __forceinline__ float softcap(float s, float unit = 1.0f) {
+    if constexpr (CapBits == 0u) {
+        return s;
+    } else {
+        constexpr unsigned bits = CapBits;
+        float c;
+        memcpy(&c, &bits, sizeof c);
+        return c * unit * tanhf(s / (c * unit));
+    }
+}
 
 }  // namespace ml
