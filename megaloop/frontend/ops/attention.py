@@ -211,7 +211,8 @@ def visible_keys_tensor(call: VjpCall) -> Tensor | None:
 def _vjp(call: VjpCall) -> list[Tensor | None]:
     """The scores recomputed (float32) from q and k, then, with P their masked softmax and dO the
     cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) scale, dQ = dS K, dK = dS^T Q;
-    a kv head's query heads are one block of rows, so GQA's sums over the group fall out of the products."""
+    a kv head's query heads are one block of rows, so GQA's sums over the group fall out of the products.
+    With a softcap, dS is taken through c tanh(s / c)."""
     q, k, v = call.inputs[:3]
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -219,6 +220,11 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     qg = B.reshape(f32(q), (b, hkv, group * tq, d))
     k32, v32 = f32(k), f32(v)
     scores = B.reshape(B.matmul(qg, k32, transpose_b=True) * scale, (b, hkv, group, tq, tk))
+    cap = call.attrs.get("softcap")
+    turned = None  # softcap c: scores c tanh(s / c), whose derivative is 1 - tanh^2
+    if cap is not None:
+        turned = B.tanh(scores * (1.0 / cap))
+        scores = turned * cap
     mask = visible_keys_tensor(call)
     if mask is not None:
         mask = B.reshape(mask, (b, 1, 1, tq, tk))
@@ -229,7 +235,10 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     p = B.reshape(p, (b, hkv, group * tq, tk))
     do = B.reshape(f32(call.cotangent()), (b, hkv, group * tq, dv))
     dp = B.matmul(do, v32, transpose_b=True)
-    ds = p * (dp - B.sum(p * dp, -1, keepdims=True)) * scale
+    ds = p * (dp - B.sum(p * dp, -1, keepdims=True))
+    if turned is not None:
+        ds = ds * B.reshape(1.0 - turned * turned, (b, hkv, group * tq, tk))
+    ds = ds * scale
     grads: list[Tensor | None] = [None] * len(call.inputs)
     if call.needs[0]:
         grads[0] = B.cast(B.reshape(B.matmul(ds, k32), (b, hq, tq, d)), q.dtype)
@@ -238,6 +247,8 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     if call.needs[2]:
         grads[2] = B.cast(B.matmul(p, do, transpose_a=True), v.dtype)
     return grads
+
+
 # ---- the fast CPU path: BLAS products over the visible keys (OpDef.fast) ------------------------------
 
 SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (16 MiB)
