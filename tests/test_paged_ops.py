@@ -214,22 +214,26 @@ def test_kernels_compile(arch: str) -> None:
 
 # ---- the generated tiles on the CPU -----------------------------------------------------------------------
 
-# The lanes of a warp as threads: __shfl_xor_sync an exchange between two barriers, warp_sum the GPU's
-# butterfly over it (v += the value of lane ^ o, o = 16 .. 1), so the sums are the GPU's bit for bit.
+# The lanes of a warp as coroutines of one thread (ucontext): each exchange of __shfl_xor_sync is a point
+# where every lane yields to the next, so the lanes run in lockstep as a warp's do, without 32 threads
+# and their barriers (slow on a loaded 2-core machine); warp_sum is the GPU's butterfly (v += the value
+# of lane ^ o, o = 16 .. 1), so the sums are the GPU's bit for bit.
 WARPS = r"""
-#include <barrier>
-#include <thread>
+#include <functional>
+#include <ucontext.h>
 #include <vector>
 namespace ml {
 inline float neg_inf() { return -INFINITY; }
-static thread_local int lane_id;
-static std::barrier<>* lanes;
+static int lane_id;
 static float exchange[32];
+static ucontext_t scheduler, lane_context[32];
+static std::function<void(int)>* lane_body;
+inline void lanes_meet() { swapcontext(&lane_context[lane_id], &scheduler); }  // resumed after every lane came
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     exchange[lane_id] = v;
-    lanes->arrive_and_wait();
+    lanes_meet();
     const float w = exchange[lane_id ^ o];
-    lanes->arrive_and_wait();
+    lanes_meet();
     return w;
 }
 template <int W> inline float lanes_sum(float v) {
@@ -237,16 +241,13 @@ template <int W> inline float lanes_sum(float v) {
     return v;
 }
 inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        exchange[lane_id] = v;
-        lanes->arrive_and_wait();
-        const float w = exchange[lane_id ^ o];
-        lanes->arrive_and_wait();
-        v += w;
-    }
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+static void lane_entry(int lane) { (*lane_body)(lane); }
 template <int N, class F> inline void for_box_warps(const Task& t, F f) {  // one warp, its elements in turn
+    constexpr size_t STACK = 1 << 18;
+    static std::vector<char> stacks(32 * STACK);
     int ext[N + 1];
     i64 total = 1;
     for (int d = 0; d < N; ++d) { ext[d] = t.hi[d] - t.lo[d]; total *= ext[d]; }
@@ -254,11 +255,25 @@ template <int N, class F> inline void for_box_warps(const Task& t, F f) {  // on
         int i[N + 1];
         i64 r = e;
         for (int d = N - 1; d >= 0; --d) { i[d] = t.lo[d] + (int)(r % ext[d]); r /= ext[d]; }
-        std::barrier<> b(32);
-        lanes = &b;
-        std::vector<std::thread> threads;
-        for (int lane = 0; lane < 32; ++lane) threads.emplace_back([&, lane] { lane_id = lane; f(i, lane); });
-        for (auto& th : threads) th.join();
+        bool done[32] = {};
+        std::function<void(int)> body = [&](int lane) { f(i, lane); done[lane] = true; };
+        lane_body = &body;
+        for (int lane = 0; lane < 32; ++lane) {
+            getcontext(&lane_context[lane]);
+            lane_context[lane].uc_stack.ss_sp = stacks.data() + lane * STACK;
+            lane_context[lane].uc_stack.ss_size = STACK;
+            lane_context[lane].uc_link = &scheduler;
+            makecontext(&lane_context[lane], (void (*)())lane_entry, 1, lane);
+        }
+        for (bool running = true; running;) {  // rounds: each lane on to its next meeting point (or its end)
+            running = false;
+            for (int lane = 0; lane < 32; ++lane) {
+                if (done[lane]) continue;
+                lane_id = lane;
+                swapcontext(&scheduler, &lane_context[lane]);
+                running = true;
+            }
+        }
     }
 }
 }  // namespace ml
