@@ -124,32 +124,17 @@ def test_ring_kernels_compile_for_hopper_and_keep_a_path_before_it() -> None:
     assert spills(src) == {}
     for arch in ("sm_80", "sm_86", "sm_89"):
         assert compile_cubin(src, arch, use_cache=False)
-    capped = KernelOptions(weight_ring_slots=12, weight_ring_in_flight=3)  # the ring topped up from the waits
-    assert spills(generate(make_plan(build_llama(cfg, 1, 1), processors=16, options=capped)).source) == {}
 
 
 def test_ring_options_travel_in_the_plan_file_and_bad_ones_name_the_field(tmp_path) -> None:
-    options = KernelOptions(weight_ring_slots=16, weight_ring_slot_bytes=8192, weight_ring_in_flight=3)
+    options = KernelOptions(weight_ring_slots=16, weight_ring_slot_bytes=8192)
     plan = make_plan(decode_matmuls(), processors=8, options=options)
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
     assert loaded.options == options
     assert generate(loaded).source == generate(plan).source
     assert "#define ML_RING_SLOTS 16" in generate(loaded).source
-    assert "#define ML_RING_IN_FLIGHT 3" in generate(loaded).source
-    # 0 (or more than the slots): every slot may be in flight
-    for cap in (0, 20):
-        text = generate(
-            make_plan(decode_matmuls(), processors=8, options=dataclasses.replace(options, weight_ring_in_flight=cap))
-        ).source
-        assert "#define ML_RING_IN_FLIGHT 16" in text
-    bad = (
-        ("weight_ring_slots", 65),
-        ("weight_ring_slot_bytes", 1000),
-        ("weight_ring_slot_bytes", 4100),
-        ("weight_ring_in_flight", -1),
-    )
-    for field, value in bad:
+    for field, value in (("weight_ring_slots", 65), ("weight_ring_slot_bytes", 1000), ("weight_ring_slot_bytes", 4100)):
         with pytest.raises(ml.errors.MegaloopError, match=field):
             make_plan(decode_matmuls(), processors=8, options=dataclasses.replace(KernelOptions(), **{field: value}))
 

@@ -100,10 +100,9 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     ring_layout = None
     if rings:
         offset = -(-shared // 128) * 128
-        total = offset + options.weight_ring_slots * (ring_bytes + 12) + 16  # slots, barriers, pending, cursors
+        total = offset + options.weight_ring_slots * (ring_bytes + 12)
         if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
-            slots, cap = options.weight_ring_slots, options.weight_ring_in_flight
-            ring_layout = (slots, ring_bytes, offset, cap if 0 < cap < slots else slots)
+            ring_layout = (options.weight_ring_slots, ring_bytes, offset)
             shared = total
         else:  # no room beside the other tiles' shared memory: the ring stays out of this kernel
             lowered, rings = _lower(plan, rank, pushed, 0), {}
@@ -287,16 +286,15 @@ def _source(
     name: str,
     n_tasks: int,
     options: KernelOptions,
-    ring: tuple[int, int, int, int] | None,
+    ring: tuple[int, int, int] | None,
 ) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
     # (only where a tile uses it: other kernels keep their text)
     include = '#include "megaloop/sample.cuh"\n' if any("ml::smp::" in f for f in functions) else ""
     slot = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
     hooks = "ml::NoRing"
-    if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes, offset, copies in flight
-        names = ("SLOTS", "SLOT_BYTES", "OFFSET", "IN_FLIGHT")
-        slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(names, ring))
+    if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes and offset
+        slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))
         include += '#include "megaloop/ring.cuh"\n'
         hooks = "ml::WeightRing"
     return f"""// megaloop loop kernel for graph {name!r}: {n_tasks} tasks, {len(functions)} tile functions.

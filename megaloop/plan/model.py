@@ -148,9 +148,6 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
-    # the ring's copies in flight at once (0: every free slot): few enough that a dependent load does
-    # not queue behind them, the rest of the slots filled while the processor waits
-    weight_ring_in_flight: int = 0
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -159,7 +156,6 @@ class KernelOptions:
             ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
             ("weight_ring_slots", self.weight_ring_slots, 0, 64),
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
-            ("weight_ring_in_flight", self.weight_ring_in_flight, 0, 64),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

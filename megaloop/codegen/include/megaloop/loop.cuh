@@ -132,7 +132,6 @@ constexpr int WAIT_BATCH = 4;
 #ifndef ML_POLL_SLEEP_NS
 #define ML_POLL_SLEEP_NS 256
 #endif
-template <class Ring>
 __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc) {
     // The abort flag is read while polling, not before: a task whose producers are done runs anyway
     // (the iteration's end or the next wait that cannot be met notices the abort), and the flag's L2
@@ -195,7 +194,6 @@ __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int pr
             }
             // short: a dependency's latency is on the critical path of every decode step, and the
             // polls hit the L2 (132 blocks every 256 ns is far below what it serves)
-            if ((threadIdx.x & 31) == 0) Ring::idle(a, k, proc);  // (the weight ring fills meanwhile)
             if (ML_POLL_SLEEP_NS > 0) {
                 __nanosleep(backoff);
                 backoff = backoff * 2 < ML_POLL_SLEEP_NS ? backoff * 2 : ML_POLL_SLEEP_NS;

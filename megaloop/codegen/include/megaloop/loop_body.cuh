@@ -12,7 +12,6 @@ struct NoRing {
     static __device__ __forceinline__ void init() {}
     static __device__ __forceinline__ void start(const Args&, u64, int) {}
     static __device__ __forceinline__ void drain(const Args&, u64, int) {}
-    static __device__ __forceinline__ void idle(const Args&, u64, int) {}
 };
 
 // Thread 0, after the block's barrier that follows the task: the profile stamps, then the signal.
@@ -79,7 +78,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             const TaskSlot& s = slots[q];
             u64 start = 0;
             if (threadIdx.x < 32) {
-                const bool ready = wait_task<Ring>(a, s, k, proc);
+                const bool ready = wait_task(a, s, k, proc);
                 if (threadIdx.x == 0) {
                     go = ready;
                     start = now_ns();

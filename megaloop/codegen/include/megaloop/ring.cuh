@@ -5,10 +5,10 @@
 //
 // The chunks of processor p are listed in task order (a.ring_chunks[a.ring_begin[p] ..]); chunk i of
 // iteration k is the ring's g = k C + i (C chunks an iteration) and lives in slot g % RING_SLOTS, whose
-// warp (slot % warps) consumes it, within the iteration (the host may write parameters between runs).
-// Chunks are issued in order, at most RING_IN_FLIGHT copies not yet landed, into slots already
-// consumed (ring_top_up): by the consumers, and by the waits, so the ring fills while the processor
-// waits and a dependent load queues behind few copies. Before sm_90 the tiles read global memory.
+// warp (slot % warps) consumes it and then issues chunk g + RING_SLOTS into the same slot, within the
+// iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
+// ahead across tasks and their waits, with no producer warp and no empty barriers. Compiled for an
+// architecture before sm_90 (no bulk copies), the tiles read the chunks' rows from global memory.
 #pragma once
 #include "megaloop/loop.cuh"
 #include "megaloop/matvec.cuh"
@@ -19,28 +19,24 @@ namespace ml {
 constexpr int RING_SLOTS = ML_RING_SLOTS;
 constexpr int RING_SLOT_BYTES = ML_RING_SLOT_BYTES;
 constexpr int RING_OFFSET = ML_RING_OFFSET;  // past every other tile's dynamic shared memory
-constexpr int RING_IN_FLIGHT = ML_RING_IN_FLIGHT;
 #if __CUDA_ARCH__ >= 900
 constexpr bool RING_COPIES = true;
 #else
 constexpr bool RING_COPIES = false;  // ring_issue and ring_wait do nothing; ring_matvec reads global memory
 #endif
 static_assert(RING_SLOTS > 0 && RING_SLOT_BYTES % 16 == 0 && RING_OFFSET % 128 == 0, "weight ring layout");
-static_assert(RING_IN_FLIGHT > 0 && RING_IN_FLIGHT <= RING_SLOTS, "weight ring: copies in flight");
 
 struct Ring {
     unsigned char* data;  // RING_SLOTS x RING_SLOT_BYTES
     u64* full;            // a barrier a slot: its chunk has landed
-    int* pending;         // a slot's chunk not yet consumed (in flight or landed): its phase, or -1
-    int* cursor;          // [0] the iteration's next chunk to issue, [1] its first not known landed, [2] a lock
+    int* pending;         // a slot's copy in flight: the phase it completes, or -1
 };
 
 __device__ __forceinline__ Ring ring() {
     extern __shared__ float4 ml_smem4[];
     unsigned char* base = reinterpret_cast<unsigned char*>(ml_smem4) + RING_OFFSET;
     u64* full = reinterpret_cast<u64*>(base + (i64)RING_SLOTS * RING_SLOT_BYTES);
-    int* pending = reinterpret_cast<int*>(full + RING_SLOTS);
-    return {base, full, pending, pending + RING_SLOTS};
+    return {base, full, reinterpret_cast<int*>(full + RING_SLOTS)};
 }
 
 __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared_address(r.full + slot); }
@@ -49,7 +45,6 @@ __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared
 __device__ __forceinline__ void ring_init() {
     const Ring r = ring();
     for (int s = 0; s < RING_SLOTS; ++s) r.pending[s] = -1;
-    r.cursor[0] = r.cursor[1] = r.cursor[2] = 0;
 #if __CUDA_ARCH__ >= 900
     for (int s = 0; s < RING_SLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
@@ -82,51 +77,6 @@ __device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, in
 #endif
 }
 
-// One lane, holding the ring's lock: issue the iteration's next chunks in order while fewer than
-// RING_IN_FLIGHT copies have not landed and the next chunk's slot has been consumed.
-__device__ __forceinline__ void ring_fill(const Args& a, u64 k, int proc) {
-#if __CUDA_ARCH__ >= 900
-    const Ring r = ring();
-    const int n = ring_chunks(a, proc);
-    volatile int* cur = r.cursor;
-    int issued = cur[0], landed = cur[1];
-    const u64 g0 = k * (u64)n;
-    while (landed < issued) {  // copies land about in order: count from the oldest
-        const u64 g = g0 + (u64)landed;
-        u32 done;
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(ring_bar(r, (int)(g % RING_SLOTS))), "r"((int)((g / RING_SLOTS) & 1))
-            : "memory");
-        if (!done) break;
-        ++landed;
-    }
-    while (issued < n && issued - landed < RING_IN_FLIGHT) {
-        const u64 g = g0 + (u64)issued;
-        const int slot = (int)(g % RING_SLOTS);
-        if (((volatile int*)r.pending)[slot] >= 0) break;  // its last chunk not yet consumed
-        __threadfence_block();  // (the consumer's reads of the slot before its flag, seen here)
-        ring_issue(a, a.ring_chunks[a.ring_begin[proc] + issued], slot, (int)((g / RING_SLOTS) & 1));
-        ++issued;
-    }
-    cur[0] = issued;
-    cur[1] = landed;
-#endif
-}
-
-// One lane, from any warp: top the ring up unless another lane is doing it (it issues what this one would).
-__device__ __forceinline__ void ring_top_up(const Args& a, u64 k, int proc) {
-#if __CUDA_ARCH__ >= 900
-    const Ring r = ring();
-    if (atomicCAS(r.cursor + 2, 0, 1) != 0) return;
-    __threadfence_block();
-    ring_fill(a, k, proc);
-    __threadfence_block();
-    atomicExch(r.cursor + 2, 0);
-#endif
-}
-
 // The whole warp: until `slot` completes `phase`; false once the watchdog timeout passed (reported
 // as counter -3, the slot and phase: megaloop/runtime/report.py) or another block gave up. tid < 0:
 // draining, where only the copy's own time counts (bounded by 10 ms, no report).
@@ -144,7 +94,6 @@ __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u6
             : "r"(bar), "r"(phase)
             : "memory");
         if (__all_sync(0xffffffffu, done)) return true;
-        if (tid >= 0 && (threadIdx.x & 31) == 0) ring_top_up(a, k, proc);  // (this chunk may not be out yet)
         if ((polls & 63) == 0) {
             bool quit = false;
             if ((threadIdx.x & 31) == 0) {
@@ -158,12 +107,16 @@ __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u6
 #endif
 }
 
-// Thread 0, at the start of iteration k (after the block's barrier; every chunk of k - 1 consumed).
+// Every warp, at the start of iteration k (after the block's barrier): the iteration's first chunks.
 __device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
-    if (!RING_COPIES || threadIdx.x != 0 || ring_chunks(a, proc) == 0) return;
-    const Ring r = ring();
-    r.cursor[0] = r.cursor[1] = 0;
-    ring_fill(a, k, proc);
+    const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    if (!RING_COPIES || (threadIdx.x & 31) != 0 || n == 0) return;
+    const u64 g0 = k * (u64)n;
+    for (int i = 0; i < n && i < RING_SLOTS; ++i) {
+        const int slot = (int)((g0 + i) % RING_SLOTS);
+        if (slot % warps == warp)
+            ring_issue(a, a.ring_chunks[a.ring_begin[proc] + i], slot, (int)(((g0 + i) / RING_SLOTS) & 1));
+    }
 }
 
 // Warp 0, before the block leaves (after a barrier): no copy may still be writing its shared memory.
@@ -190,6 +143,9 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
         const u64 g = base + (u64)j;
         const int slot = (int)(g % RING_SLOTS);
         if (slot % warps != warp) continue;
+        const int next = t.ring_first + first + j + RING_SLOTS;  // the chunk this slot takes next, this iteration
+        RingChunk following;
+        if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
         if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
         const int c0 = j * per_chunk, in_chunk = min(per_chunk, cols - c0);
         if constexpr (RING_COPIES)
@@ -198,9 +154,8 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
             warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, in_chunk, rows, nr, store);
         __syncwarp();
         if (lane == 0) {
-            __threadfence_block();
-            ((volatile int*)r.pending)[slot] = -1;
-            ring_top_up(a, k, proc);
+            r.pending[slot] = -1;
+            if (next < n) ring_issue(a, following, slot, (int)(((g + RING_SLOTS) / RING_SLOTS) & 1));
         }
     }
 }
@@ -220,10 +175,6 @@ struct WeightRing {
     static __device__ __forceinline__ void init() { ring_init(); }
     static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
     static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
-    // one lane of a warp waiting for a task's producers
-    static __device__ __forceinline__ void idle(const Args& a, u64 k, int proc) {
-        if (RING_COPIES && ring_chunks(a, proc) > 0) ring_top_up(a, k, proc);
-    }
 };
 
 }  // namespace ml
