@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -158,14 +159,19 @@ def test_the_command_on_the_gpu_with_the_new_settings(tiny, capsys) -> None:
     assert "on the loop kernel" in err and "drawn: --seed" in err
 
 
-def test_ctrl_c_on_the_loop_kernel_stops_cleanly(tiny) -> None:
+def test_ctrl_c_on_the_loop_kernel_stops_cleanly(tiny, tmp_path) -> None:
     """SIGINT while the generator's loop kernel runs: the text so far and a newline, the timings, exit
-    status 130, no traceback; the kernel stopped (a second run in a new process works)."""
+    status 130, no traceback; the kernel stopped (a second run in a new process works). The tiny
+    model with a 32K context, so that its run lasts seconds on a GPU (2048 tokens take ~0.1 s)."""
     from tests.test_generate_cli import interrupt
 
-    args = ["generate", "--model", str(tiny), "--prompt", "Once", "--max-new-tokens", "1500", "--temperature", "1",
+    long = tmp_path / "tiny-32k"
+    shutil.copytree(tiny, long)
+    config = json.loads((long / "config.json").read_text())
+    (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    args = ["generate", "--model", str(long), "--prompt", "Once", "--max-new-tokens", "32000", "--temperature", "1",
             "--seed", "1", "--no-progress"]  # fmt: skip
-    code, out, err, took = interrupt(args, ready="", after=0.5)
+    code, out, err, took = interrupt(args, ready="", after=0.3)
     assert code == 130 and took < 10 and "Traceback" not in err, (code, took, err)
     assert out.endswith("\n") and "interrupted after" in err and "on the loop kernel" in err
     assert main(["generate", "--model", str(tiny), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
