@@ -44,9 +44,14 @@ def read_texts(files: Sequence[str | Path]) -> list[tuple[Path, str]]:
 
 def tokenize(tokenizer: Tokenizer, files: Sequence[str | Path]) -> np.ndarray:
     """The files' tokens, one document after another (module docstring), as int64."""
+    return tokenize_texts(tokenizer, [text for _, text in read_texts(files)])
+
+
+def tokenize_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> np.ndarray:
+    """The texts' tokens, each text a document (module docstring), as int64."""
     eos = tokenizer.token_id(tokenizer.special_tokens.get("eos_token"))
     pieces = []
-    for _, text in read_texts(files):
+    for text in texts:
         ids = tokenizer.encode(text)
         if eos is not None and (not ids or ids[-1] != eos):
             ids = [*ids, eos]
