@@ -38,12 +38,17 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``megaloop.Generator`` (and its result types), imported when first used: they bring in the
-    runtime, the tokenizer and jinja2, which building and evaluating graphs do not need."""
+    """``megaloop.Generator`` (and its result types), ``megaloop.Engine`` and ``megaloop.Trainer`` (with
+    its settings), imported when first used: they bring in the runtime, the tokenizer and jinja2, which
+    building and evaluating graphs do not need."""
     if name in ("Generator", "GenerationResult", "Completion", "GenerationSettings", "GenerationInterrupted"):
         import megaloop.generation
 
         return getattr(megaloop.generation, name)
+    if name in ("Trainer", "TrainSettings", "TrainResult", "OptimizerSettings"):
+        import megaloop.training.trainer
+
+        return getattr(megaloop.training.trainer, name)
     if name == "Engine":
         import megaloop.serving.engine
 

@@ -9,6 +9,7 @@ megaloop generate              text from a Hugging Face checkpoint folder (megal
 megaloop make-tiny-checkpoint  a small random Llama with a real tokenizer, to try generate on
 megaloop cache info|clear      the compiled-kernel and plan cache (megaloop/cli_cache.py)
 megaloop serve                 the OpenAI HTTP API for a checkpoint folder (megaloop/serving/commands.py)
+megaloop train                 fine-tune a checkpoint folder on text files (megaloop/training/commands.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megaloop.generation.commands import add_commands
 from megaloop.models import LlamaConfig, build_llama, build_llama_generator, random_parameters
 from megaloop.runtime import gpus
 from megaloop.serving.commands import add_serve_command
+from megaloop.training.commands import add_train_command
 
 
 def _at_least(low: int):
@@ -478,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     add_commands(sub)
     add_cache_command(sub)
     add_serve_command(sub)
+    add_train_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -1684,6 +1684,23 @@ row(
 )
 
 
+def _step_batch_sample(rng: np.random.Generator) -> Sample:
+    """data [n, *batch] and a counter past n now and then (the data wraps around)."""
+    n = int(rng.integers(1, 6))
+    return Sample([(n, *rand_shape(rng, 0, 3)), ()], domains=("normal", ("int", 0, 3 * n)))
+
+
+row(
+    "step_batch",
+    "wraps",
+    lambda g, d, c: ml.step_batch(d, c),
+    lambda d, c, **k: d[int(c) % d.shape[0]],
+    _step_batch_sample,
+    FLOATS + INTS,
+    fixed={1: "int64"},
+)
+
+
 def _loss_sample(extra: bool, ignoring: bool = True) -> Callable[[np.random.Generator], Sample]:
     """logits [*lead, vocab] and targets [*lead] in the vocabulary; ignore_index one of its ids (so that
     some targets are ignored) or -100; with ``extra``, a float32 cotangent of each row."""

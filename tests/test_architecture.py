@@ -29,7 +29,8 @@ ALLOWED = {
     "runtime": {"core", "frontend", "parallel", "fuse", "plan", "codegen"},
     "generation": RUNTIME_AND_BEFORE,
     "serving": RUNTIME_AND_BEFORE | {"generation"},
-    "api": RUNTIME_AND_BEFORE | {"generation", "serving"},
+    "training": RUNTIME_AND_BEFORE,  # Trainer: the training step as loop iterations, checkpoints, the command
+    "api": RUNTIME_AND_BEFORE | {"generation", "serving", "training"},
 }
 ALLOWED["cli"] = ALLOWED["api"] | {"api"}
 

@@ -188,6 +188,17 @@ def embedding(op: str, attrs: dict[str, Any], table: Operand, ids: Operand, out:
     ]
 
 
+def step_batch(op: str, attrs: dict[str, Any], data: Operand, counter: Operand, out: Operand) -> list[str]:
+    """out = data[counter mod n] (``ml::step_batch``, megaloop/gather.cuh): the box copied element by
+    element from the counter's row (a step's batch of token ids: a few KB a step)."""
+    return [
+        *pointers([data, counter, out], 2),
+        f"// the step's batch: row (counter mod {data.shape[0]}) of the data",
+        f"ml::step_batch<{data.shape[0]}, {data.strides[0]}>(a, t, tid, {_at(out.strides, 'out0')}, "
+        f"{_at(data.strides[1:], 'in0', len(out.shape))}, ml::at<>(in1));",
+    ]
+
+
 def scatter_add(op: str, attrs: dict[str, Any], values: Operand, ids: Operand, out: Operand) -> list[str]:
     """out[r] = the sum of the values' rows whose id is r (``ml::scatter_add``, megaloop/gather.cuh): a
     warp an output row, its lanes holding the tile's columns (at most SCATTER_COLUMNS: K a lane)."""

@@ -22,6 +22,7 @@ from megaloop.codegen.emit import (
     rope,
     rope_kv_update,
     scatter_add,
+    step_batch,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_loss import cross_entropy
@@ -267,6 +268,7 @@ TEMPLATES: dict[str, Template] = {
     "swiglu_linear": _swiglu_linear,
     "embedding": _plain(embedding),
     "scatter_add": _plain(scatter_add),
+    "step_batch": _plain(step_batch),
     "cross_entropy": lambda c: Lowered(cross_entropy(c.op.op, c.attrs, c.ins, c.outs[0])),
     "rope": _plain(rope, hints=True),
     "kv_update": _plain(kv_update, hints=True),

@@ -3,7 +3,7 @@ the Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3 and OLMo 2 families: docs/mod
 and chat templates."""
 
 from megaloop.models.checkpoint import load_llama, read_safetensors, write_safetensors
-from megaloop.models.gradients import build_llama_gradients
+from megaloop.models.gradients import build_llama_gradients, llama_loss
 from megaloop.models.llama import (
     LlamaConfig,
     build_llama,
@@ -21,6 +21,7 @@ __all__ = [
     "build_llama_generator",
     "build_llama_gradients",
     "build_llama_prefill",
+    "llama_loss",
     "load_llama",
     "make_tiny_checkpoint",
     "random_parameters",

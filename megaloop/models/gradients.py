@@ -14,6 +14,7 @@ import megaloop.frontend.ops as ops
 from megaloop.errors import GraphBuildError
 from megaloop.frontend.autodiff import grad
 from megaloop.frontend.graph import Graph
+from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
 from megaloop.models.llama import LlamaConfig, _model
 
@@ -33,12 +34,22 @@ def build_llama_gradients(
     g = Graph(name)
     ids = g.input("tokens", (batch, tokens), "int64")
     targets = g.input("targets", (batch, tokens), "int64")
-    positions = g.constant(np.tile(np.arange(tokens, dtype=np.int64), (batch, 1)), "int64", name="positions")
-    logits = _model(g, cfg, ids, positions, None)
-    with g.scope("loss"):
-        loss = ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+    loss, logits = llama_loss(g, cfg, ids, targets, ignore_index=ignore_index)
     g.output("loss", loss)
     g.output("logits", logits)
     for key, value in grad(g, loss).items():
         g.output(f"grad.{key}", value)
     return g
+
+
+def llama_loss(
+    g: Graph, cfg: LlamaConfig, ids: Tensor, targets: Tensor, *, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
+    """(the mean cross-entropy, the logits) of the model on ``ids`` [batch, tokens] (int, each row a
+    sequence from position 0) against ``targets`` of that shape, built into ``g`` (the parameters
+    named as the checkpoint's keys; the KV caches are states of cfg.max_seq positions)."""
+    batch, tokens = ids.shape
+    positions = g.constant(np.tile(np.arange(tokens, dtype=np.int64), (batch, 1)), "int64", name="positions")
+    logits = _model(g, cfg, ids, positions, None)
+    with g.scope("loss"):
+        return ops.cross_entropy(logits, targets, ignore_index=ignore_index), logits

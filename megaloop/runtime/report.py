@@ -57,6 +57,11 @@ def kernel_error(
                 "top_p or min_p out of range: temperature must be finite and >= 0, top_k >= 0, top_p in (0, 1], "
                 f"min_p in [0, 1] (found by task {task} on processor {proc}); the kernel has stopped"
             )
+        if kind == 6:  # megaloop/gather.cuh STEP_COUNTER_KIND: value is the counter, limit the batches
+            return DataError(
+                f"step_batch {name}: the step counter is {value}; it counts the steps done and must be >= 0 (the "
+                f"data holds {limit} batches; found by task {task} on processor {proc}); the kernel has stopped"
+            )
         if kind == 4:  # megaloop.codegen.emit_sample.PENALTY_KIND: value is the row, limit the token
             return DataError(
                 f"penalize {name}: row {value} (counted in the rows' row-major order), token {limit} has a count "

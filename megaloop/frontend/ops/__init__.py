@@ -50,6 +50,7 @@ from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
 from megaloop.frontend.ops.sample_penalty import penalize
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
+from megaloop.frontend.ops.step_batch import step_batch
 from megaloop.frontend.ops.swiglu import swiglu_linear
 from megaloop.frontend.tensor import BUILDERS as _BUILDERS
 from megaloop.frontend.tensor import Tensor as _Tensor
@@ -107,6 +108,7 @@ __all__ = [
     "split",
     "square_sum",
     "squeeze",
+    "step_batch",
     "sum",
     "swiglu_linear",
     "transpose",

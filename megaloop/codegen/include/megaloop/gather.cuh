@@ -45,6 +45,21 @@ __device__ __forceinline__ void embedding(const Args& a, const Task& t, int tid,
     });
 }
 
+// out[...] = data[c mod R, ...] for the step counter c (0-d): a training step's batch out of data
+// uploaded once, wrapping around at its end. RowStride is data's first stride; Data holds the strides
+// of its other axes in out's index space. A counter below 0 is reported (STEP_COUNTER_KIND).
+constexpr i64 STEP_COUNTER_KIND = 6;  // ml::fail's kind (megaloop/runtime/report.py)
+template <i64 R, i64 RowStride, class O, class Data, class C>
+__device__ __forceinline__ void step_batch(const Args& a, const Task& t, int tid, O out, Data data, C counter) {
+    const i64 c = load(counter.p);
+    if (c < 0) {
+        if (threadIdx.x == 0) fail(a, DATA, blockIdx.x, tid, t.op, c, R, STEP_COUNTER_KIND, 0);
+        return;
+    }
+    const auto* row = data.p + (c % R) * RowStride;
+    for_box<O::rank>(t, [&](const int* i) { store(out.p + out.offset(i), load(row + data.offset(i))); });
+}
+
 // out[r, c] = the sum of values[n, c] over the n whose ids[n] == r, in the order of n (float32, one
 // rounding: the same on every run), for the task's box of out: a warp a row, its lanes 32 columns
 // apart holding K columns each, scanning the N ids 32 at a time. An id outside [0, R) is reported.
