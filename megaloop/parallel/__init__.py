@@ -7,6 +7,8 @@ from megaloop.parallel.cost import H200, Link, Machine
 from megaloop.parallel.mesh import Mesh
 from megaloop.parallel.parallelize import parallelize
 from megaloop.parallel.partition import Partition, Prediction
+from megaloop.parallel.training import TrainingOptions, parallelize_training
+from megaloop.parallel.train_split import MemoryAccount, TrainingSplit
 from megaloop.parallel.ranks import Collective, RankMatching, Transfer, match_ranks, spmd
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "Collective",
     "Link",
     "Machine",
+    "MemoryAccount",
     "Mesh",
     "OnDevice",
     "Partial",
@@ -23,8 +26,11 @@ __all__ = [
     "RankMatching",
     "Replicate",
     "Shard",
+    "TrainingOptions",
+    "TrainingSplit",
     "Transfer",
     "match_ranks",
     "parallelize",
+    "parallelize_training",
     "spmd",
 ]
