@@ -30,6 +30,7 @@ class MemoryAccount:
     optimizer: int = 0
     activations: int = 0
     other_state: int = 0
+    saved: int = 0  # forward values the backward reads (what recompute=True cuts), within activations
     largest: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # kind -> biggest tensors
 
     @property
@@ -58,9 +59,23 @@ def account(g: Graph, step: RankStep) -> MemoryAccount:
     out.gradients = step.grad_bytes + sum(n for _, n in kinds.get("accumulation", []))
     held = sum(t.nbytes for n in g.nodes if n.op.kind == "source" for t in n.outputs)
     out.activations = max(memory_bytes(g) - held, 0)
+    out.saved = saved_for_backward(g)
     out.largest = {k: sorted(v, key=lambda x: -x[1]) for k, v in kinds.items()}
     out.largest["accumulation"] = kinds.get("accumulation", [])
     return out
+
+
+def saved_for_backward(g: Graph) -> int:
+    """Bytes of the forward's intermediates that the backward reads (kept from one to the other)."""
+    saved: dict[Any, int] = {}
+    for n in g.nodes:
+        if n.scope == "grad" or n.scope.startswith("grad."):
+            for t in n.inputs:
+                src = t.base.node
+                if src.op.kind != "source" and not src.scope.startswith(("grad", "recompute")):
+                    if src.op.inplace_operand is None:
+                        saved[t.base] = t.base.nbytes
+    return sum(saved.values())
 
 
 @dataclass

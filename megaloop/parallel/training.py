@@ -36,7 +36,7 @@ from megaloop.parallel.recompute import recompute_layers
 from megaloop.parallel.train_split import Candidate, TrainingSplit, account, too_big
 
 KINDS = ("pp", "dp", "zero1", "zero2", "tp")  # mesh axes outermost first: tp ranks are neighbours
-_TOKEN = re.compile(r"^(pp|dp|zero1|zero2|tp)(\d*)$")
+_TOKEN = re.compile(r"^(pp|dp|zero1|zero2|tp)_?(\d*)$")  # "zero2_4": ZeRO-2 over 4
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def parallelize_training(
 
     ``strategy``: None (the cost model picks among every split that fits ``memory_per_device``,
     default the machine's memory), "dp", "zero1", "zero2", "tp", "pp", or axes joined by "x" with
-    sizes, e.g. "pp2xtp2", "dp2xtp2", "zero2x2xtp2" ("zero2" is the ZeRO stage; sizes left out take
+    sizes, e.g. "pp2xtp2", "dp2xtp2", "zero2_2xtp2" ("zero2" is the ZeRO stage, "_2" its size; sizes left out take
     what is left of ``devices``). ``micro_batches``: chains a pipeline cuts the batch into (default:
     one a stage), run one forward one backward. ``recompute``: recompute each layer's forward in its
     backward instead of keeping its activations. ``bucket_mb``: the gradient exchange's bucket size."""
@@ -136,6 +136,7 @@ def parallelize_training(
 def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> TrainingSplit:
     """The training split ``opt`` describes (no choosing)."""
     forward = _split_forward(graph, opt, machine)
+    notes: list[str] = []
     steps = [ts.RankStep(weights=ts.weights_to_states(part)) for part in forward.parts]
     holders: dict[ts.Piece, list[int]] = {}
     dtypes: dict[ts.Piece, Any] = {}
@@ -152,8 +153,8 @@ def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> Trainin
     )
     grads = [ts.backward(part, opt.loss, loss_holders, step.weights) for part, step in zip(forward.parts, steps)]
     if opt.recompute:
-        for part in forward.parts:
-            recompute_layers(part.graph)
+        copied = [recompute_layers(part.graph) for part in forward.parts]
+        notes.append(f"recompute: {max(copied)} forward nodes a rank run again in the backward (layers' activations)")
     order = _program_order(graph)
     decay = opt.optimizer.get("weight_decay", 0.0)
     buckets = ts.make_buckets(
@@ -166,13 +167,19 @@ def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> Trainin
         if step.optimizer.grad_norm is not None:
             part.graph.output("train.grad_norm", step.optimizer.grad_norm)
     if opt.micro_batches > 1 and dict(opt.axes).get("pp", 1) > 1:
-        one_forward_one_backward(forward, dict(opt.axes)["pp"])
+        gates = one_forward_one_backward(forward, dict(opt.axes)["pp"])
+        notes.append(
+            f"1F1B: {gates} gates hold each stage's later micro-batches until an earlier one's backward is done"
+            if gates
+            else "1F1B gates would make the ranks wait on each other in a cycle: the planner's order (forward first)"
+        )
     graphs = [p.graph for p in forward.parts]
     for g in graphs:
         g.validate()
     step_model = predict_step(graphs, machine)
     predicted = Prediction(step_model["step_us"], step_model["exchanged_bytes"], step_model["memory_bytes"], step_model)
     split = TrainingSplit(graph, forward, opt, steps, buckets, groups, predicted)
+    split.notes = notes
     split.memory = [account(p.graph, s) for p, s in zip(forward.parts, steps)]
     return split
 
@@ -236,7 +243,7 @@ def _candidates(devices: int, strategy: str | None) -> list[tuple[tuple[str, int
 
 
 def _label(axes: tuple[tuple[str, int], ...]) -> str:
-    return "x".join(f"{k}{s}" for k, s in axes) or "1 device"
+    return "x".join(f"{k}_{s}" if k.startswith("zero") else f"{k}{s}" for k, s in axes) or "1 device"
 
 
 def _loss_name(graph: Graph, loss: Tensor | str) -> str:
@@ -257,13 +264,7 @@ def _loss_name(graph: Graph, loss: Tensor | str) -> str:
         raise GraphBuildError(f"parallelize_training: loss must be a tensor of {graph.name!r} or its output's name")
     if t.size != 1 or not t.dtype.is_float:
         raise GraphBuildError(f"parallelize_training: the loss {t!r} must be one float value (e.g. ml.cross_entropy's mean)")
-    if graph.states and any(v.dtype.is_float and not _in_place(graph, n) for n, v in graph.states.items()):
-        pass  # (states the forward carries, such as KV caches, stay as they are)
     return loss
-
-
-def _in_place(graph: Graph, name: str) -> bool:
-    return name in graph.state_updates
 
 
 def _program_order(graph: Graph) -> dict[str, int]:
