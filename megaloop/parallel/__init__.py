@@ -7,9 +7,9 @@ from megaloop.parallel.cost import H200, Link, Machine
 from megaloop.parallel.mesh import Mesh
 from megaloop.parallel.parallelize import parallelize
 from megaloop.parallel.partition import Partition, Prediction
-from megaloop.parallel.training import TrainingOptions, parallelize_training
-from megaloop.parallel.train_split import MemoryAccount, TrainingSplit
 from megaloop.parallel.ranks import Collective, RankMatching, Transfer, match_ranks, spmd
+from megaloop.parallel.train_split import MemoryAccount, TrainingSplit
+from megaloop.parallel.training import TrainingOptions, parallelize_training
 
 __all__ = [
     "H200",

@@ -52,7 +52,9 @@ def describe(split: Any) -> str:
                 lines.append(f"  {mark} {c.options.strategy:<16} {c.error}")
                 continue
             fit = "" if limit is None or c.peak_bytes <= limit else f"  does not fit {_size(limit)}"
-            lines.append(f"  {mark} {c.options.strategy:<16} {c.predicted.step_us:10.1f} us  {_size(c.peak_bytes):>10}{fit}")
+            lines.append(
+                f"  {mark} {c.options.strategy:<16} {c.predicted.step_us:10.1f} us  {_size(c.peak_bytes):>10}{fit}"
+            )
     lines += ["", "Memory a rank (parameters, gradients, optimizer states, activations at their peak, other state):"]
     for r, m in enumerate(split.memory):
         lines.append(
@@ -61,9 +63,15 @@ def describe(split: Any) -> str:
         )
     if split.buckets:
         lines += ["", "Gradient exchange (in the order the backward makes them, each as soon as its gradients exist):"]
-        how = {0: "all_reduce", 1: "all_reduce, own shard updated, all_gather", 2: "reduce_scatter, own shard updated, all_gather"}
+        how = {
+            0: "all_reduce",
+            1: "all_reduce, own shard updated, all_gather",
+            2: "reduce_scatter, own shard updated, all_gather",
+        }
         for b in split.buckets:
-            names = ", ".join(p.name for p in b.pieces[:3]) + (f" and {len(b.pieces) - 3} more" if len(b.pieces) > 3 else "")
+            names = ", ".join(p.name for p in b.pieces[:3]) + (
+                f" and {len(b.pieces) - 3} more" if len(b.pieces) > 3 else ""
+            )
             lines.append(f"  bucket {b.index}: ranks {list(b.group)}, {_size(b.nbytes)} ({how[o.zero]}): {names}")
     lines += ["", "The forward's split:", split.forward.describe()]
     return "\n".join(lines)

@@ -186,7 +186,10 @@ class TrainingSplit:
                 covered[piece.name][sl] = True
         bad = [n for n, c in covered.items() if not c.all()]
         if bad or set(out) != set(self.original.parameters):
-            raise EvaluationError(f"parallelize_training: the ranks' states do not cover {bad or sorted(set(self.original.parameters) - set(out))}")
+            raise EvaluationError(
+                "parallelize_training: the ranks' states do not cover "
+                f"{bad or sorted(set(self.original.parameters) - set(out))}"
+            )
         return out
 
     # ---- accounts ---------------------------------------------------------------------------------------
@@ -218,7 +221,9 @@ def too_big(split: TrainingSplit, limit: int, explicit: bool) -> PartitionMemory
     worst = max(kinds, key=kinds.get)
     key = {"parameters": "parameters", "optimizer states": "optimizer", "other state (KV caches)": "other_state"}
     names = ", ".join(f"{n} {_size(b)}" for n, b in m.largest.get(key.get(worst, ""), [])[:3])
-    what = f"{split.options.strategy} needs" if explicit else f"the smallest split tried, {split.options.strategy}, needs"
+    what = (
+        f"{split.options.strategy} needs" if explicit else f"the smallest split tried, {split.options.strategy}, needs"
+    )
     return PartitionMemoryError(
         f"parallelize_training: memory_per_device = {_size(limit)} is too little; {what} {_size(m.total)} on rank {r}: "
         + ", ".join(f"{k} {_size(v)}" for k, v in kinds.items())

@@ -155,7 +155,9 @@ def _bucket(index: int, group: tuple[int, ...], pieces: list[Piece], dtype: Any,
     total = sum(p.size for p in pieces)
     n = len(group)
     length = -(-total // n) * n if zero else total
-    return Bucket(index, group, list(pieces), dtype, [int(o) for o in offsets], length, f"zero.shard{index}" if zero else "")
+    return Bucket(
+        index, group, list(pieces), dtype, [int(o) for o in offsets], length, f"zero.shard{index}" if zero else ""
+    )
 
 
 def _flat(g: Graph, grads: list[Tensor], pad: int, dtype: Any) -> Tensor:
@@ -262,7 +264,8 @@ def shard_value(bucket: Bucket, member: int, weights: Mapping[str, Any]) -> np.n
     flat = np.zeros(bucket.length, np.float32)
     for piece, off in zip(bucket.pieces, bucket.offsets):
         sl = tuple(slice(lo, hi) for lo, hi in piece.box)
-        flat[off : off + piece.size] = np.asarray(weights[piece.name], dtype=np.float64)[sl].astype(np.float32).reshape(-1)
+        flat[off : off + piece.size] = (
+            np.asarray(weights[piece.name], dtype=np.float64)[sl].astype(np.float32).reshape(-1)
+        )
     span = bucket.length // len(bucket.group)
     return flat[member * span : (member + 1) * span]
-

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megaloop.errors import GraphBuildError, PartitionMemoryError
+from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.validate import as_int
@@ -95,7 +95,7 @@ def parallelize_training(
     devices = as_int(devices, "parallelize_training: devices", minimum=1)
     if not isinstance(optimizer, OptimizerSpec):
         raise GraphBuildError(
-            f"parallelize_training: optimizer must be an ml.optim.OptimizerSpec (e.g. OptimizerSpec('adamw', lr=3e-4)), "
+            "parallelize_training: optimizer must be an ml.optim.OptimizerSpec (e.g. OptimizerSpec('adamw', lr=3e-4)), "
             f"got {optimizer!r:.80}"
         )
     loss_name = _loss_name(graph, loss)
@@ -103,7 +103,9 @@ def parallelize_training(
         micro_batches = as_int(micro_batches, "parallelize_training: micro_batches", minimum=1)
     if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
         raise GraphBuildError(f"parallelize_training: bucket_mb must be a number > 0, got {bucket_mb!r}")
-    limit = machine.memory_bytes if memory_per_device is None else as_int(memory_per_device, "memory_per_device", minimum=1)
+    limit = (
+        machine.memory_bytes if memory_per_device is None else as_int(memory_per_device, "memory_per_device", minimum=1)
+    )
     options = [
         TrainingOptions(_label(axes), axes, micro_batches or 1, bool(recompute), float(bucket_mb), loss_name, optimizer)
         for axes in _candidates(devices, strategy)
@@ -118,14 +120,20 @@ def parallelize_training(
             built.append((opt, None, str(e).splitlines()[0]))
     fits = [s for _, s, _ in built if s is not None and s.peak_bytes <= limit]
     candidates = [
-        Candidate(o, s.predicted if s else None, s.peak_bytes if s else 0, err or ("" if s.peak_bytes <= limit else "does not fit"))
+        Candidate(
+            o,
+            s.predicted if s else None,
+            s.peak_bytes if s else 0,
+            err or ("" if s.peak_bytes <= limit else "does not fit"),
+        )
         for o, s, err in built
     ]
     if not fits:
         made = [s for _, s, _ in built if s is not None]
         if not made:
             raise GraphBuildError(
-                "parallelize_training: no split works: " + "; ".join(f"{c.options.strategy}: {c.error}" for c in candidates)
+                "parallelize_training: no split works: "
+                + "; ".join(f"{c.options.strategy}: {c.error}" for c in candidates)
             )
         raise too_big(min(made, key=lambda s: s.peak_bytes), limit, explicit=strategy is not None)
     best = min(fits, key=lambda s: (s.predicted.step_us, s.peak_bytes))  # (ties: earlier, fewer bytes)
@@ -148,9 +156,7 @@ def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> Trainin
     for piece, rs in holders.items():
         if len(rs) != len(set(rs)):
             raise GraphBuildError(f"parallelize_training: a rank holds {piece.name} {piece.box} twice")
-    loss_holders = sum(
-        1 for part in forward.parts if any(o[0] == opt.loss for o in part.outputs.values())
-    )
+    loss_holders = sum(1 for part in forward.parts if any(o[0] == opt.loss for o in part.outputs.values()))
     grads = [ts.backward(part, opt.loss, loss_holders, step.weights) for part, step in zip(forward.parts, steps)]
     if opt.recompute:
         copied = [recompute_layers(part.graph) for part in forward.parts]
@@ -210,14 +216,17 @@ def _candidates(devices: int, strategy: str | None) -> list[tuple[tuple[str, int
                 out.append(axes)
         return out
     if not isinstance(strategy, str):
-        raise GraphBuildError(f"parallelize_training: strategy must be None or a string like 'pp2xtp2', got {strategy!r}")
+        raise GraphBuildError(
+            f"parallelize_training: strategy must be None or a string like 'pp2xtp2', got {strategy!r}"
+        )
     tokens = strategy.split("x")
     parsed = []
     for tok in tokens:
         m = _TOKEN.match(tok)
         if m is None:
             raise GraphBuildError(
-                f"parallelize_training: strategy {strategy!r}: {tok!r} is not one of {list(KINDS)} with an optional size "
+                f"parallelize_training: strategy {strategy!r}: {tok!r} is not one of {list(KINDS)} with an optional "
+                "size "
                 "(e.g. 'dp', 'zero2', 'pp2xtp2')"
             )
         parsed.append((m.group(1), int(m.group(2)) if m.group(2) else None))
@@ -252,7 +261,8 @@ def _loss_name(graph: Graph, loss: Tensor | str) -> str:
     if isinstance(loss, str):
         if loss not in graph.outputs:
             raise GraphBuildError(
-                f"parallelize_training: graph {graph.name!r} has no output {loss!r} (its outputs: {sorted(graph.outputs)})"
+                f"parallelize_training: graph {graph.name!r} has no output {loss!r} "
+                f"(its outputs: {sorted(graph.outputs)})"
             )
         t = graph.outputs[loss]
     elif isinstance(loss, Tensor) and loss.graph is graph:
@@ -263,7 +273,9 @@ def _loss_name(graph: Graph, loss: Tensor | str) -> str:
     else:
         raise GraphBuildError(f"parallelize_training: loss must be a tensor of {graph.name!r} or its output's name")
     if t.size != 1 or not t.dtype.is_float:
-        raise GraphBuildError(f"parallelize_training: the loss {t!r} must be one float value (e.g. ml.cross_entropy's mean)")
+        raise GraphBuildError(
+            f"parallelize_training: the loss {t!r} must be one float value (e.g. ml.cross_entropy's mean)"
+        )
     return loss
 
 
