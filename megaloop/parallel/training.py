@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megaloop.errors import GraphBuildError
@@ -107,7 +107,15 @@ def parallelize_training(
         machine.memory_bytes if memory_per_device is None else as_int(memory_per_device, "memory_per_device", minimum=1)
     )
     options = [
-        TrainingOptions(_label(axes), axes, micro_batches or 1, bool(recompute), float(bucket_mb), loss_name, optimizer)
+        TrainingOptions(
+            _label(axes),
+            axes,
+            (micro_batches or 1) if strategy is not None or dict(axes).get("pp", 1) > 1 else 1,
+            bool(recompute),
+            float(bucket_mb),
+            loss_name,
+            optimizer,
+        )
         for axes in _candidates(devices, strategy)
     ]
     built: list[tuple[TrainingOptions, TrainingSplit | None, str]] = []
@@ -121,7 +129,7 @@ def parallelize_training(
     fits = [s for _, s, _ in built if s is not None and s.peak_bytes <= limit]
     candidates = [
         Candidate(
-            o,
+            s.options if s else o,
             s.predicted if s else None,
             s.peak_bytes if s else 0,
             err or ("" if s.peak_bytes <= limit else "does not fit"),
@@ -144,6 +152,8 @@ def parallelize_training(
 def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> TrainingSplit:
     """The training split ``opt`` describes (no choosing)."""
     forward = _split_forward(graph, opt, machine)
+    if forward.plan.micro_batches != opt.micro_batches:  # (a pipeline's default: one chain a stage)
+        opt = replace(opt, micro_batches=forward.plan.micro_batches)
     notes: list[str] = []
     steps = [ts.RankStep(weights=ts.weights_to_states(part)) for part in forward.parts]
     holders: dict[ts.Piece, list[int]] = {}
@@ -192,12 +202,12 @@ def build_split(graph: Graph, opt: TrainingOptions, machine: Machine) -> Trainin
 
 def _split_forward(graph: Graph, opt: TrainingOptions, machine: Machine) -> Partition:
     axes = [(("dp" if k.startswith("zero") else k), s) for k, s in opt.axes]
-    if opt.world == 1:
-        clone = _clone(graph)
-        return build(clone, Plan(Mesh((1,), ("tp",)), ("tp",)), {}, machine, None)
     pp = dict(axes).get("pp", 1)
     if opt.micro_batches > 1 and pp == 1:
         raise GraphBuildError(f"parallelize_training: micro_batches are for a pipeline; {opt.strategy} has no pp axis")
+    if opt.world == 1:
+        clone = _clone(graph)
+        return build(clone, Plan(Mesh((1,), ("tp",)), ("tp",)), {}, machine, None)
     mesh = Mesh(tuple(s for _, s in axes), tuple(k for k, _ in axes))
     mb = opt.micro_batches if pp > 1 and opt.micro_batches > 1 else None
     return parallelize(graph, mesh, {k: k for k, _ in axes}, micro_batches=mb, machine=machine)
