@@ -31,7 +31,18 @@ from megaloop.frontend.autodiff import grad
 from megaloop.frontend.ops import *  # noqa: F403 - the op builders are the public API
 from megaloop.frontend.ops import __all__ as _ops_all
 from megaloop.fuse import FuseOptions, fuse
-from megaloop.parallel import Mesh, OnDevice, Partial, Partition, Replicate, Shard, match_ranks, parallelize, spmd
+from megaloop.parallel import (
+    Mesh,
+    OnDevice,
+    Partial,
+    Partition,
+    Replicate,
+    Shard,
+    match_ranks,
+    parallelize,
+    parallelize_training,
+    spmd,
+)
 from megaloop.reference import Evaluation, evaluate
 
 __version__ = "0.1.0"
@@ -87,6 +98,7 @@ __all__ = [
     "match_ranks",
     "optim",
     "parallelize",
+    "parallelize_training",
     "spmd",
     *_ops_all,
 ]

@@ -21,7 +21,7 @@ ALLOWED = {
     "frontend": {"core"},
     "models": {"core", "frontend"},
     "optim": {"core", "frontend"},  # an optimizer's ops and states attached to a training graph
-    "parallel": {"core", "frontend"},
+    "parallel": {"core", "frontend", "optim"},  # a split training step attaches its optimizer
     "fuse": {"core", "frontend"},  # graph rewrites: run on the single-device graph or on each rank's
     "plan": {"core", "frontend", "parallel", "fuse"},
     "codegen": {"core", "frontend", "parallel", "fuse", "plan"},

@@ -10,6 +10,7 @@ micro-batch; N iterations run N / accumulate optimizer steps with no host work.
     ml.evaluate(g, feeds, state={**weights, **state}, iterations=10)
 """
 
-from megaloop.optim.attach import Optimizer, Schedule, adamw, sgd
+from megaloop.optim.attach import NormOver, Optimizer, Schedule, adamw, sgd
+from megaloop.optim.spec import OptimizerSpec
 
-__all__ = ["Optimizer", "Schedule", "adamw", "sgd"]
+__all__ = ["NormOver", "Optimizer", "OptimizerSpec", "Schedule", "adamw", "sgd"]

@@ -50,6 +50,16 @@ class Schedule:
             raise GraphBuildError(f"Schedule: kind must be one of {list(SCHEDULES)}, got {self.kind!r}")
 
 
+@dataclass(frozen=True)
+class NormOver:
+    """Clipping over several ranks (a split training step, megaloop.parallel.training): each rank's
+    gradients are pieces of the whole; ``shares[i]`` weighs gradient i's square sum (1 / the number of
+    ranks holding the same piece) and the weighted sums are all-reduced over ``group``."""
+
+    group: tuple[int, ...]
+    shares: tuple[float, ...]
+
+
 @dataclass
 class Optimizer:
     """What ``adamw`` or ``sgd`` added to a graph: the step counter (micro-batches done), this iteration's
@@ -164,7 +174,9 @@ class _Builder:
             for n, p, g in pairs
         ]
 
-    def clip_scale(self, grads: list[Tensor], max_norm: float | None) -> tuple[Tensor, Tensor | None]:
+    def clip_scale(
+        self, grads: list[Tensor], max_norm: float | None, norm_over: NormOver | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """(the scale the gradients take: clipping times 1 / K, the mean gradients' global norm)."""
         if max_norm is None:
             return self.graph.constant(1.0 / self.k, "float32", name=f"{self.prefix}.grad_scale"), None
@@ -172,10 +184,13 @@ class _Builder:
             raise GraphBuildError(f"optimizer: max_norm must be a number > 0 (or None: no clipping), got {max_norm!r}")
         with self.graph.scope(f"{self.prefix}.clip"):
             sums = [ops.square_sum(g) for g in grads]
+            if norm_over is not None:  # (a piece held by k ranks counts 1/k on each)
+                sums = [s if w == 1.0 else s * float(w) for s, w in zip(sums, norm_over.shares)]
             while len(sums) > 1 or sums[0].ndim:
                 groups = [sums[i : i + CONCAT_GROUP] for i in range(0, len(sums), CONCAT_GROUP)]
                 sums = [ops.sum(s[0] if len(s) == 1 else ops.concat([x.reshape(-1) for x in s], 0)) for s in groups]
-            norm = ops.sqrt(sums[0])
+            total = sums[0] if norm_over is None else ops.all_reduce(sums[0], group=norm_over.group)
+            norm = ops.sqrt(total)
             if self.k > 1:
                 norm = norm * (1.0 / self.k)
             coef = ops.minimum(float(max_norm) / (norm + CLIP_EPS), 1.0)
@@ -240,6 +255,7 @@ def adamw(
     accumulate: int = 1,
     master: bool | None = None,
     prefix: str = "optim",
+    norm_over: NormOver | None = None,
 ) -> Optimizer:
     """torch.optim.AdamW's update of ``params`` (graph states) by ``grads``, each iteration of ``graph``
     a micro-batch of ``accumulate``; ``master``: keep float32 master weights (None: for 16-bit params).
@@ -251,7 +267,7 @@ def adamw(
         pairs = _pairs(graph, params, grads)
         decay = _per_parameter("weight_decay", weight_decay, pairs)
         grad_values = b.gradients(pairs)
-        scale, norm = b.clip_scale(grad_values, max_norm)
+        scale, norm = b.clip_scale(grad_values, max_norm, norm_over)
         lr_t = b.learning_rate(lr, schedule)
         masters: dict[str, str] = {}
         targets, news = [], []
@@ -303,6 +319,7 @@ def sgd(
     accumulate: int = 1,
     master: bool | None = None,
     prefix: str = "optim",
+    norm_over: NormOver | None = None,
 ) -> Optimizer:
     """torch.optim.SGD's update (momentum, dampening, Nesterov, L2 weight decay) of ``params`` (graph
     states) by ``grads``; the rest as ``adamw``."""
@@ -311,7 +328,7 @@ def sgd(
         pairs = _pairs(graph, params, grads)
         decay = _per_parameter("weight_decay", weight_decay, pairs)
         grad_values = b.gradients(pairs)
-        scale, norm = b.clip_scale(grad_values, max_norm)
+        scale, norm = b.clip_scale(grad_values, max_norm, norm_over)
         lr_t = b.learning_rate(lr, schedule)
         masters: dict[str, str] = {}
         targets, news = [], []

@@ -8,12 +8,15 @@ from megaloop.parallel.mesh import Mesh
 from megaloop.parallel.parallelize import parallelize
 from megaloop.parallel.partition import Partition, Prediction
 from megaloop.parallel.ranks import Collective, RankMatching, Transfer, match_ranks, spmd
+from megaloop.parallel.train_split import MemoryAccount, TrainingSplit
+from megaloop.parallel.training import TrainingOptions, parallelize_training
 
 __all__ = [
     "H200",
     "Collective",
     "Link",
     "Machine",
+    "MemoryAccount",
     "Mesh",
     "OnDevice",
     "Partial",
@@ -23,8 +26,11 @@ __all__ = [
     "RankMatching",
     "Replicate",
     "Shard",
+    "TrainingOptions",
+    "TrainingSplit",
     "Transfer",
     "match_ranks",
     "parallelize",
+    "parallelize_training",
     "spmd",
 ]
