@@ -213,6 +213,34 @@ def _split_forward(graph: Graph, opt: TrainingOptions, machine: Machine) -> Part
     return parallelize(graph, mesh, {k: k for k, _ in axes}, micro_batches=mb, machine=machine)
 
 
+def split_axes(strategy: str, devices: int) -> tuple[tuple[str, int], ...]:
+    """The mesh axes (kind, size), outermost first, that a named ``strategy`` gives over ``devices``;
+    a strategy parallelize_training would refuse is refused here the same way."""
+    return _candidates(as_int(devices, "parallelize_training: devices", minimum=1), strategy)[0]
+
+
+def parse_strategy(strategy: str) -> list[tuple[str, int | None]]:
+    """A named strategy's axes as (kind, size or None where left out), in the order given; an
+    unknown kind or a kind named twice is refused."""
+    if not isinstance(strategy, str):
+        raise GraphBuildError(
+            f"parallelize_training: strategy must be None or a string like 'pp2xtp2', got {strategy!r}"
+        )
+    parsed = []
+    for tok in strategy.split("x"):
+        m = _TOKEN.match(tok)
+        if m is None:
+            raise GraphBuildError(
+                f"parallelize_training: strategy {strategy!r}: {tok!r} is not one of {list(KINDS)} with an optional "
+                "size (e.g. 'dp', 'zero2', 'pp2xtp2')"
+            )
+        parsed.append((m.group(1), int(m.group(2)) if m.group(2) else None))
+    kinds = [k for k, _ in parsed]
+    if len(set(("dp" if k.startswith("zero") else k) for k in kinds)) != len(kinds):
+        raise GraphBuildError(f"parallelize_training: strategy {strategy!r} names a kind twice")
+    return parsed
+
+
 def _candidates(devices: int, strategy: str | None) -> list[tuple[tuple[str, int], ...]]:
     if strategy is None:
         out = []
@@ -225,24 +253,7 @@ def _candidates(devices: int, strategy: str | None) -> list[tuple[tuple[str, int
                 axes = tuple((k, s) for k, s in (("pp", pp), (dkind, dp), ("tp", tp)) if s > 1)
                 out.append(axes)
         return out
-    if not isinstance(strategy, str):
-        raise GraphBuildError(
-            f"parallelize_training: strategy must be None or a string like 'pp2xtp2', got {strategy!r}"
-        )
-    tokens = strategy.split("x")
-    parsed = []
-    for tok in tokens:
-        m = _TOKEN.match(tok)
-        if m is None:
-            raise GraphBuildError(
-                f"parallelize_training: strategy {strategy!r}: {tok!r} is not one of {list(KINDS)} with an optional "
-                "size "
-                "(e.g. 'dp', 'zero2', 'pp2xtp2')"
-            )
-        parsed.append((m.group(1), int(m.group(2)) if m.group(2) else None))
-    kinds = [k for k, _ in parsed]
-    if len(set(("dp" if k.startswith("zero") else k) for k in kinds)) != len(kinds):
-        raise GraphBuildError(f"parallelize_training: strategy {strategy!r} names a kind twice")
+    parsed = parse_strategy(strategy)
     known = 1
     for _, s in parsed:
         known *= s or 1

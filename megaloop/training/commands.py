@@ -40,6 +40,16 @@ def _int(low: int):
     return parse
 
 
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU numbers joined by commas (0,0,1,1), got {text!r}") from None
+    if any(g < 0 for g in out):
+        raise argparse.ArgumentTypeError(f"GPU numbers are >= 0, got {text!r}")
+    return out
+
+
 def add_train_command(sub: Any) -> None:
     """Add ``train`` to megaloop's argparse subparsers."""
     p = sub.add_parser(
@@ -68,8 +78,17 @@ def add_train_command(sub: Any) -> None:
         "--backend", default="auto", choices=["auto", "gpu", "cpu", "reference"],
         help="auto: the GPU if there is one, else cpu (the fast CPU path, slow); reference: the numpy definition",
     )  # fmt: skip
-    p.add_argument("--devices", type=_int(1), default=1, metavar="N", help="devices to split the step over (1)")
-    p.add_argument("--strategy", default="auto", metavar="NAME", help="auto, dp, zero1, zero2, tp or pp")
+    p.add_argument("--devices", type=_int(1), default=1, metavar="N", help="ranks to split the step over (1)")
+    p.add_argument(
+        "--strategy", default="auto", metavar="NAME",
+        help="how: auto (the cost model picks), dp, zero1, zero2, tp, pp, or axes with sizes: pp2xtp2, zero2_2xtp2",
+    )  # fmt: skip
+    p.add_argument("--micro-batches", type=_int(1), metavar="M", help="a pipeline's chains (default one a stage)")
+    p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in its backward")
+    p.add_argument(
+        "--gpus", type=_gpu_list, metavar="LIST",
+        help="the GPU of each rank, e.g. 0,0 (ranks sharing GPU 0); default rank r on GPU r",
+    )  # fmt: skip
     p.add_argument("--save-every", type=_int(1), metavar="K", help="also checkpoint every K steps (checkpoint-K/)")
     p.add_argument("--seed", type=_int(0), default=0, metavar="N", help="orders the data's windows (default 0)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output folder")
@@ -80,21 +99,20 @@ def add_train_command(sub: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from megaloop.runtime.device import gpus
     from megaloop.training.graph import OptimizerSettings
-    from megaloop.training.trainer import STRATEGIES, Trainer, TrainSettings
+    from megaloop.training.trainer import Trainer, TrainSettings
 
-    if args.strategy not in STRATEGIES:
-        raise UsageError(f"megaloop train: unknown --strategy {args.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     backend = args.backend if args.backend != "auto" else ("gpu" if gpus()[0] else "cpu")
     optimizer = OptimizerSettings(
         lr=args.lr, min_lr=min(args.min_lr, args.lr), schedule=args.schedule, warmup=args.warmup,
         weight_decay=args.weight_decay, max_norm=args.max_grad_norm or None, accumulate=args.grad_accum,
     )  # fmt: skip
-    settings = TrainSettings(
-        steps=args.steps, batch=args.batch, seq=args.seq, optimizer=optimizer, dtype=args.dtype, backend=backend,
-        devices=args.devices, strategy=args.strategy, save_every=args.save_every, seed=args.seed,
-    )  # fmt: skip
     progress = False if args.no_progress else None
     try:
+        settings = TrainSettings(
+            steps=args.steps, batch=args.batch, seq=args.seq, optimizer=optimizer, dtype=args.dtype, backend=backend,
+            devices=args.devices, strategy=args.strategy, micro_batches=args.micro_batches, recompute=args.recompute,
+            gpus=args.gpus, save_every=args.save_every, seed=args.seed,
+        )  # fmt: skip
         trainer = Trainer(args.model, settings, output=args.output, overwrite=args.overwrite, progress=progress)
         result = trainer.train(args.data)
     except UsageError as e:

@@ -11,7 +11,8 @@ States of the graph (besides the optimizer's ``optim.*`` and the KV caches the f
   window s mod batches (tokens [:, :seq] predicting [:, 1:]);
 - ``train.step`` int64: the steps (micro-batches) done;
 - ``train.losses`` float32 [1, 1, iterations, 1]: micro-batch s's mean loss at [0, 0, s, 0], so that
-  the host reads every step's loss after running many of them at once.
+  the host reads every step's loss after running many of them at once; ``train.lrs`` and
+  ``train.grad_norms`` (with clipping) the same for the learning rate and the gradients' norm.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from megaloop.errors import GraphBuildError
 from megaloop.frontend import sources
 from megaloop.frontend.autodiff import grad
 from megaloop.frontend.graph import Graph
+from megaloop.frontend.tensor import Tensor
 from megaloop.models.gradients import llama_loss
 from megaloop.models.llama import LlamaConfig
-from megaloop.optim import Optimizer, Schedule, adamw, sgd
+from megaloop.optim import Optimizer, OptimizerSpec, Schedule
 
 DATA, STEP, LOSSES = "data.tokens", "train.step", "train.losses"
+LRS, NORMS = "train.lrs", "train.grad_norms"
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -69,6 +72,16 @@ class OptimizerSettings:
 
     def decay_of(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, float]:
         return {n: self.weight_decay if self.decay_all or len(s) > 1 else 0.0 for n, s in shapes.items()}
+
+    def spec(self, shapes: Mapping[str, tuple[int, ...]], updates: int) -> OptimizerSpec:
+        """The optimizer for weights of these shapes (by name) over a run of ``updates`` updates, as
+        one device's step and every rank of a split one attach it."""
+        schedule = Schedule(total=max(1, updates), warmup=self.warmup, min_lr=self.min_lr, kind=self.schedule)
+        common = {"lr": self.lr, "weight_decay": self.decay_of(shapes), "schedule": schedule}
+        common.update(max_norm=self.max_norm, accumulate=self.accumulate)
+        if self.kind == "sgd":
+            return OptimizerSpec("sgd", momentum=self.momentum, **common)
+        return OptimizerSpec("adamw", betas=self.betas, eps=self.eps, **common)
 
 
 @dataclass
@@ -154,10 +167,10 @@ def build_training_graph(
     grads = grad(g, loss)
     parameters_as_states(g)
     weights = {n: g.states[n] for n in grads}
-    settings = _optimizer(g, opt, weights, grads, iterations // opt.accumulate)
-    history = g.state(LOSSES, (1, 1, iterations, 1), "float32")
+    spec = opt.spec({n: t.shape for n, t in weights.items()}, iterations // opt.accumulate)
+    settings = spec.attach(g, weights, grads)
+    histories(g, iterations, step, {LOSSES: loss, LRS: settings.lr, NORMS: settings.grad_norm})
     with g.scope("train"):
-        ops.kv_cache_update(history, loss.reshape(1, 1, 1, 1), step.reshape(1, 1))
         g.assign(step, step + 1)
     g.output("loss", loss)
     g.output("lr", settings.lr)
@@ -166,10 +179,12 @@ def build_training_graph(
     return TrainingGraph(g, settings, cfg, batch, seq, batches, iterations, tuple(weights), opt.accumulate)
 
 
-def _optimizer(g: Graph, opt: OptimizerSettings, weights: dict, grads: dict, updates: int) -> Optimizer:
-    schedule = Schedule(total=max(1, updates), warmup=opt.warmup, min_lr=opt.min_lr, kind=opt.schedule)
-    decay = opt.decay_of({n: t.shape for n, t in weights.items()})
-    common = {"lr": opt.lr, "weight_decay": decay, "schedule": schedule, "max_norm": opt.max_norm}
-    if opt.kind == "sgd":
-        return sgd(g, weights, grads, momentum=opt.momentum, accumulate=opt.accumulate, **common)
-    return adamw(g, weights, grads, betas=opt.betas, eps=opt.eps, accumulate=opt.accumulate, **common)
+def histories(g: Graph, iterations: int, step: Tensor, values: Mapping[str, Tensor | None]) -> None:
+    """Each value (one float a step) written into a state [1, 1, iterations, 1] of its name at the
+    step counter, so that the host reads a run's every step at once."""
+    for name, value in values.items():
+        if value is not None:
+            history = g.state(name, (1, 1, iterations, 1), "float32")
+            with g.scope("train"):
+                value = value if value.dtype.name == "float32" else ops.cast(value, "float32")
+                ops.kv_cache_update(history, value.reshape(1, 1, 1, 1), step.reshape(1, 1))

@@ -26,7 +26,6 @@ import numpy as np
 
 from megaloop.dtypes import as_dtype
 from megaloop.errors import UsageError
-from megaloop.frontend.graph import Graph
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.hf_config import family_of, rope_interleaved
 from megaloop.models.llama import LlamaConfig
@@ -34,10 +33,10 @@ from megaloop.models.tokenizer import Tokenizer
 from megaloop.training import data as training_data
 from megaloop.training.checkpoint import check_output, save_checkpoint
 from megaloop.training.flops import model_flops_per_token, peak_flops
-from megaloop.training.graph import LOSSES, OptimizerSettings, TrainingGraph, build_training_graph
-from megaloop.training.runners import BACKENDS, make_runner
+from megaloop.training.graph import LOSSES, LRS, NORMS, OptimizerSettings, TrainingGraph, build_training_graph
+from megaloop.training.runners import BACKENDS, make_ranks_runner, make_runner
+from megaloop.training.split import SplitTraining, build_split_training, check_strategy, rank_histories
 
-STRATEGIES = ("auto", "dp", "zero1", "zero2", "tp", "pp")
 TRAIN_DTYPES = ("bfloat16", "float32")
 GPU_STEPS_A_RUN = 10  # optimizer steps a loop kernel run takes between progress reads (the default)
 
@@ -48,9 +47,12 @@ class TrainSettings:
     ``accumulate`` micro-batches); ``dtype`` the compute dtype (None: the checkpoint's; bfloat16 keeps
     float32 master weights and moments); ``backend`` "cpu" (the fast CPU path, slow), "reference"
     (the numpy definition, slower) or "gpu"; ``devices`` and ``strategy`` how the step is split
-    (one device today); a checkpoint every ``save_every`` steps (None: at the end only); ``seed``
-    orders the data's windows; ``steps_per_run``: steps between progress reads (None: 1 on the CPU,
-    10 on the GPU)."""
+    (``ml.parallelize_training``'s names: "auto" the cost model's choice, "dp", "zero1", "zero2",
+    "tp", "pp", or axes with sizes such as "pp2xtp2"), ``micro_batches`` a pipeline's chains,
+    ``recompute`` each layer's activations in its backward, ``gpus`` the GPU of each rank (None: rank
+    r on GPU r, or round robin when there are fewer: ranks then share a GPU); a checkpoint every
+    ``save_every`` steps (None: at the end only); ``seed`` orders the data's windows;
+    ``steps_per_run``: steps between progress reads (None: 1 on the CPU, 10 on the GPU)."""
 
     steps: int
     batch: int = 8
@@ -60,6 +62,9 @@ class TrainSettings:
     backend: str = "cpu"
     devices: int = 1
     strategy: str = "auto"
+    micro_batches: int | None = None
+    recompute: bool = False
+    gpus: tuple[int, ...] | None = None
     save_every: int | None = None
     seed: int = 0
     steps_per_run: int | None = None
@@ -67,13 +72,20 @@ class TrainSettings:
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq", "devices"):
             _count(name, getattr(self, name))
-        for name in ("save_every", "steps_per_run"):
+        for name in ("save_every", "steps_per_run", "micro_batches"):
             if getattr(self, name) is not None:
                 _count(name, getattr(self, name))
         if self.backend not in BACKENDS:
             raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        check_strategy(self.strategy, self.devices)
+        if self.devices == 1 and (self.micro_batches or 1) > 1:
+            raise UsageError(
+                "micro_batches (--micro-batches) cut a pipeline's batch; give --devices and a 'pp' strategy"
+            )
+        if self.gpus is not None:
+            object.__setattr__(self, "gpus", tuple(self.gpus))
+            if len(self.gpus) != self.devices:
+                raise UsageError(f"gpus {list(self.gpus)}: give one GPU for each of the {self.devices} devices")
         if self.dtype is not None and self.dtype not in TRAIN_DTYPES:
             why = " (16-bit floats without bfloat16's range need loss scaling, which megaloop does not do)"
             raise UsageError(
@@ -99,19 +111,6 @@ class TrainResult:
     tokens_per_second: float
     mfu: float | None
     output: Path | None
-
-
-def rank_graphs(training: TrainingGraph, devices: int, strategy: str) -> list[Graph]:
-    """The graph each rank runs: one device runs the step as built; splitting it over more devices
-    (data parallel, ZeRO, tensor or pipeline parallel) is the partitioner's, not yet wired here."""
-    if strategy not in STRATEGIES:
-        raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if devices == 1:
-        return [training.graph]
-    raise UsageError(
-        f"training on {devices} devices with strategy {strategy!r} is not yet supported: the partitioner of training "
-        "graphs (megaloop/parallel) is not wired into Trainer yet; train on one device (--devices 1)"
-    )
 
 
 class Trainer:
@@ -152,7 +151,7 @@ class Trainer:
                 f"seq {settings.seq} is beyond the model's {self.cfg.max_seq} positions (max_position_embeddings)"
             )
         self.stored = {n: np.asarray(v).dtype for n, v in self.params.items()}
-        self.training: TrainingGraph | None = None
+        self.training: TrainingGraph | SplitTraining | None = None
         self.runner: Any = None
         self.steps_done = 0
 
@@ -199,16 +198,28 @@ class Trainer:
                 f"the data holds {windows.shape[0]} batches of {s.batch} x {s.seq + 1} tokens for "
                 f"{s.steps * accumulate} micro-batches: later steps read it again from the start"
             )
-        self.training = build_training_graph(
-            self.cfg, batch=s.batch, seq=s.seq, batches=windows.shape[0], iterations=s.steps * accumulate,
-            optimizer=s.optimizer,
-        )  # fmt: skip
-        (graph,) = rank_graphs(self.training, s.devices, s.strategy)
-        if s.backend != "gpu":
-            self._say(
-                f"training on the CPU ({s.backend} backend): correct but slow; --backend gpu uses the loop kernel"
-            )
-        self.runner = make_runner(s.backend, graph, self.training.initial_state(self.params, windows), self.progress)
+        sizes = {"batch": s.batch, "seq": s.seq, "batches": windows.shape[0], "iterations": s.steps * accumulate}
+        if s.devices == 1:
+            self.training = build_training_graph(self.cfg, optimizer=s.optimizer, **sizes)
+            state = self.training.initial_state(self.params, windows)
+            if s.backend != "gpu":
+                self._say(
+                    f"training on the CPU ({s.backend} backend): correct but slow; --backend gpu uses the loop kernel"
+                )
+            self.runner = make_runner(s.backend, self.training.graph, state, self.progress)
+        else:
+            self.training = build_split_training(
+                self.cfg, optimizer=s.optimizer, devices=s.devices, strategy=s.strategy,
+                micro_batches=s.micro_batches, recompute=s.recompute, **sizes,
+            )  # fmt: skip
+            self._say(f"the step split over {s.devices} ranks: {self.training.split.summary()}")
+            if s.backend != "gpu":
+                self._say(
+                    f"training {s.devices} ranks on the CPU: every rank on the numpy reference (the fast CPU path runs "
+                    "one device only): correct but very slow; --backend gpu uses the loop kernels"
+                )
+            states = self.training.initial_state(self.params, windows)
+            self.runner = make_ranks_runner(s.backend, self.training.graphs, states, s.gpus, self.progress)
         try:
             return self._loop()
         finally:
@@ -232,13 +243,16 @@ class Trainer:
                     n = min(n, s.save_every - self.steps_done % s.save_every)
                 t0 = time.perf_counter()
                 self.runner.run(n * k)
-                history = self.runner.read([LOSSES])[LOSSES].reshape(-1)
+                history = self.runner.read([n for n in (LOSSES, LRS, NORMS) if self._holds(n)])
                 seconds += time.perf_counter() - t0
-                micro += [float(x) for x in history[len(micro) : len(micro) + n * k]]
+                micro += [float(x) for x in history[LOSSES].reshape(-1)[len(micro) : len(micro) + n * k]]
                 self.steps_done += n
                 rate = tokens_a_step * self.steps_done / seconds
                 mfu = flops * self.steps_done / seconds / peak if peak else None
-                bar.set_postfix_str(_postfix(float(np.mean(micro[-k:])), rate, mfu), refresh=False)
+                last_of = {h: float(v.reshape(-1)[len(micro) - 1]) for h, v in history.items()}
+                bar.set_postfix_str(
+                    _postfix(float(np.mean(micro[-k:])), last_of.get(LRS), last_of.get(NORMS), rate, mfu), refresh=False
+                )
                 bar.update(n)
                 if s.save_every and self.steps_done % s.save_every == 0 and self.steps_done < s.steps and self.output:
                     last = self.save(self.output / f"checkpoint-{self.steps_done}", micro)
@@ -249,6 +263,18 @@ class Trainer:
         mfu = flops * s.steps / seconds / peak if peak and seconds else None
         return TrainResult(losses, micro, seconds, rate, mfu, last)
 
+    def _holds(self, name: str) -> bool:
+        graphs = self.training.graphs if isinstance(self.training, SplitTraining) else [self.training.graph]
+        return any(name in g.states for g in graphs)
+
+    def histories(self) -> list[dict[str, list[float]]]:
+        """Each rank's loss (the ranks that hold it), learning rate and gradient norm (with clipping)
+        for every micro-batch run so far: a split's ranks hold one device's values."""
+        if self.training is None or self.runner is None:
+            return []
+        graphs = self.training.graphs if isinstance(self.training, SplitTraining) else [self.training.graph]
+        return rank_histories(graphs, self.runner.read_ranks, self.steps_done * self.settings.optimizer.accumulate)
+
     def _say(self, text: str) -> None:
         print(f"megaloop train: {text}", file=sys.stderr)
 
@@ -258,6 +284,9 @@ class Trainer:
         in (a 16-bit weight from its float32 master, rounded once)."""
         if self.training is None or self.runner is None:
             return {n: np.asarray(v) for n, v in self.params.items()}
+        if isinstance(self.training, SplitTraining):
+            values = self.training.masters(self.runner.read_ranks)
+            return {n: _stored_as(v, self.stored[n]) for n, v in values.items()}
         masters = self.training.optimizer.masters
         values = self.runner.read([masters.get(n, n) for n in self.training.weights])
         return {n: _stored_as(values[masters.get(n, n)], self.stored[n]) for n in self.training.weights}
@@ -298,5 +327,8 @@ def _stored_as(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(value).astype(dtype)
 
 
-def _postfix(loss: float, rate: float, mfu: float | None) -> str:
-    return f"loss {loss:.4f}, {rate:,.0f} tok/s, MFU {f'{100 * mfu:.1f}%' if mfu is not None else 'n/a'}"
+def _postfix(loss: float, lr: float | None, norm: float | None, rate: float, mfu: float | None) -> str:
+    lr_text = f", lr {lr:.2e}" if lr is not None else ""
+    norm_text = f", grad norm {norm:.3g}" if norm is not None else ""
+    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    return f"loss {loss:.4f}{lr_text}{norm_text}, {rate:,.0f} tok/s, MFU {mfu_text}"
