@@ -75,7 +75,7 @@ def test_train_writes_a_checkpoint_transformers_and_generate_load(tiny, text, tm
         ("seq-too-long", ("seq 4096", "2048 positions")),
         ("output-not-empty", ("not empty", "--overwrite")),
         ("strategy", ("unknown --strategy", "'ring'")),
-        ("devices", ("2 devices", "not yet")),
+        ("devices", ("--strategy 'pp2xtp2' does not fit --devices 2",)),
         ("too-little-data", ("fewer than one batch",)),
         ("output-is-model", ("checkpoint being trained",)),
     ],
@@ -94,7 +94,7 @@ def test_hostile_inputs_are_refused(case, words, tiny, text, tmp_path, capsys) -
     elif case == "strategy":
         extra = ["--strategy", "ring"]
     elif case == "devices":
-        extra = ["--devices", "2", "--strategy", "dp"]
+        extra = ["--devices", "2", "--strategy", "pp2xtp2"]
     elif case == "too-little-data":
         data = tmp_path / "short.txt"
         data.write_text("a few words")

@@ -192,7 +192,7 @@ def test_bad_arguments_are_named() -> None:
         ml.parallelize_training(g, "los", ADAMW, devices=2)
     with pytest.raises(errors.GraphBuildError, match="OptimizerSpec"):
         ml.parallelize_training(g, "loss", {"lr": 1.0}, devices=2)
-    with pytest.raises(errors.GraphBuildError, match="over 2 devices"):
+    with pytest.raises(errors.GraphBuildError, match="uses 4 devices"):
         ml.parallelize_training(g, "loss", ADAMW, devices=2, strategy="pp2xtp2")
 
 

@@ -258,7 +258,11 @@ def _candidates(devices: int, strategy: str | None) -> list[tuple[tuple[str, int
     for _, s in parsed:
         known *= s or 1
     missing = [k for k, s in parsed if s is None]
-    if len(missing) > 1 or devices % known:
+    if devices % known:
+        raise GraphBuildError(
+            f"parallelize_training: strategy {strategy!r} uses {known} devices (or a multiple), not {devices}"
+        )
+    if len(missing) > 1:
         raise GraphBuildError(
             f"parallelize_training: strategy {strategy!r} over {devices} devices: give the sizes (e.g. 'pp2xtp2')"
         )
