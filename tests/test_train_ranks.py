@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers import LlamaConfig as HFConfig
-from transformers import LlamaForCausalLM
 
 import megaloop as ml
 from megaloop.cli import main
