@@ -129,7 +129,7 @@ def test_megaloop_train_on_two_ranks_writes_one_devices_checkpoint(tmp_path, cap
         args += ["--backend", "reference", "--steps", "3", "--batch", "2", "--seq", "32", "--lr", "3e-3"]
         assert main([*args, "--no-progress", *extra]) == 0
     printed = capsys.readouterr()
-    assert "split over 2 ranks: dp2" in printed.err and "trained 3 steps on reference" in printed.out, printed
+    assert "split over 2 ranks: dp2" in printed.err and "trained 3 steps on reference (dp2)" in printed.out, printed
     one, dp = (load_file(str(outs[k] / "model.safetensors")) for k in ("one", "dp2"))
     assert sorted(one) == sorted(dp) and "lm_head.weight" not in dp
     assert all(one[n].dtype == dp[n].dtype == ml.bfloat16.np for n in one)

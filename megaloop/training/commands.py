@@ -118,8 +118,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     except UsageError as e:
         raise UsageError(f"megaloop train: {e}") from None
     mfu = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a"
+    where = "" if result.split == "1 device" else f" ({result.split})"
     print(
-        f"trained {len(result.losses)} steps on {backend}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
+        f"trained {len(result.losses)} steps on {backend}{where}: "
+        f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
         f"{result.tokens_per_second:,.0f} tokens/s, MFU {mfu}; checkpoint in {result.output}"
     )
     return 0

@@ -103,7 +103,7 @@ class TrainResult:
     """``losses``: each optimizer step's mean loss (over its micro-batches); ``micro_losses``: every
     iteration's; ``tokens_per_second`` over the runs of the loop (setup not counted); ``mfu``: model
     FLOP utilisation (None where the device's peak is unknown: the CPU); ``output``: the last
-    checkpoint written."""
+    checkpoint written; ``split``: how the step was split over ranks ("dp2", "pp2xtp2", "1 device")."""
 
     losses: list[float]
     micro_losses: list[float]
@@ -111,6 +111,7 @@ class TrainResult:
     tokens_per_second: float
     mfu: float | None
     output: Path | None
+    split: str = "1 device"  # the strategy the step ran as (parallelize_training's label)
 
 
 class Trainer:
@@ -261,7 +262,8 @@ class Trainer:
         losses = [float(np.mean(micro[i * k : (i + 1) * k])) for i in range(len(micro) // k)]
         rate = tokens_a_step * s.steps / seconds if seconds else 0.0
         mfu = flops * s.steps / seconds / peak if peak and seconds else None
-        return TrainResult(losses, micro, seconds, rate, mfu, last)
+        split = self.training.split.options.strategy if isinstance(self.training, SplitTraining) else "1 device"
+        return TrainResult(losses, micro, seconds, rate, mfu, last, split)
 
     def _holds(self, name: str) -> bool:
         graphs = self.training.graphs if isinstance(self.training, SplitTraining) else [self.training.graph]
