@@ -1,7 +1,8 @@
 """``Trainer``: fine-tune a Llama-family checkpoint (a Hugging Face folder, or a config and weights
 built in Python) on token data, the whole run as loop iterations: each iteration is one micro-batch
-of the training graph (megaloop/training/graph.py), many of them run at once with no host work
-between them; the host only reads the loss history to report progress, and the weights to write a
+of the training graph (megaloop/training/graph.py; split over ``devices`` ranks by
+megaloop/training/split.py), many of them run at once with no host work between them; the host only
+reads the histories (loss, lr, gradient norm) to report progress, and the weights to write a
 checkpoint every ``save_every`` steps and at the end.
 
     trainer = ml.Trainer("tiny-llama", ml.TrainSettings(steps=100, batch=8, seq=256, backend="gpu"),
@@ -234,6 +235,8 @@ class Trainer:
         tokens_a_step = s.batch * s.seq * k
         flops = model_flops_per_token(self.cfg, s.seq) * tokens_a_step
         peak = peak_flops(getattr(getattr(self.runner, "gpu", None), "name", ""), self.cfg.dtype.name)
+        if peak is not None:  # (ranks sharing a GPU share its peak)
+            peak *= len(set(getattr(self.runner, "devices", [0])))
         micro: list[float] = []
         seconds, last = 0.0, None
         bar = tqdm(total=s.steps, desc="train", unit="step", file=sys.stderr, disable=not self.progress)
