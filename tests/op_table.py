@@ -937,30 +937,41 @@ for label, extra, sampler in [
 # ---- attention ---------------------------------------------------------------------------------------
 
 
-def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, softcap=None, **kw):
+def attention_ref(
+    q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, softcap=None, mask=None, **kw
+):
     """Dense float64 attention with an explicit mask, via torch's SDPA (written out with a softcap,
-    which SDPA lacks: c * tanh(s / c) of the scaled scores); rows that see no key are 0."""
+    which SDPA lacks: c * tanh(s / c) of the scaled scores); ``mask``: the op's mask operand, bool or
+    additive (-inf hides a key); rows that see no key are 0."""
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     lens = torch.full((b,), tk) if lens is None else lens
     if qpos is None:
         qpos = lens[:, None] - tq + torch.arange(tq)[None, :]
     j = torch.arange(tk)
-    mask = j[None, None, :] < lens[:, None, None]
+    seen = j[None, None, :] < lens[:, None, None]
     if causal:
-        mask = mask & (j[None, None, :] <= qpos[:, :, None])
+        seen = seen & (j[None, None, :] <= qpos[:, :, None])
         if window is not None:
-            mask = mask & (j[None, None, :] > qpos[:, :, None] - window)
-    mask = mask[:, None]  # [b, 1, tq, tk]
+            seen = seen & (j[None, None, :] > qpos[:, :, None] - window)
+    seen = seen[:, None]  # [b, 1, tq, tk]
+    bias = None
+    if mask is not None:
+        seen = seen & (mask if mask.dtype == torch.bool else mask != -math.inf)
+        bias = None if mask.dtype == torch.bool else mask
+    anything = seen.any(-1, keepdim=True)
+    # SDPA's mask: a row that sees no key attends to every key (no NaN, in the gradient too), then is 0
+    attn = seen | ~anything if bias is None else torch.where(anything, torch.where(seen, bias, -math.inf), 0.0)
     rep = hq // hkv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
     else:
         scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, -math.inf)
-        out = torch.nan_to_num(torch.softmax(scores, -1)) @ v
-    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros(()))
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~attn, -math.inf) if attn.dtype == torch.bool else scores + attn
+        out = torch.softmax(scores, -1) @ v
+    return torch.where(anything, out, torch.zeros(()))
 
 
 def _attn_sample(
@@ -970,9 +981,11 @@ def _attn_sample(
     lengths: bool = False,
     dv: bool = False,
     blocks: bool = False,
+    mask: str | None = None,
 ) -> Callable[[np.random.Generator], Sample]:
     """``blocks``: shapes of the tensor-core path (16-bit heads of 16..128 in steps of 16, blocks of 16
-    queries or more, several key blocks of 64, query counts and key counts that are not whole blocks)."""
+    queries or more, several key blocks of 64, query counts and key counts that are not whole blocks).
+    ``mask`` "bool" or "additive": a mask operand last, of one of the shapes that broadcast to the scores."""
 
     def sample(rng: np.random.Generator) -> Sample:
         b = int(rng.integers(1, 4))
@@ -992,6 +1005,13 @@ def _attn_sample(
         if lengths:
             shapes.append((b,))
             domains.append(("int", 1, tk + 1))
+        if mask is not None:
+            options = [(b, hq, tq, tk), (b, 1, 1, tk), (tq, tk), (hq, 1, tk), (tk,)]
+            # (a bool mask broadcast over the keys hides whole rows; an additive one there adds a constant
+            # to a row, which changes nothing: its gradient is 0 in exact arithmetic, float32 noise here)
+            options += [(1, 1, 1, 1), (b, 1, tq, 1)] if mask == "bool" else []
+            shapes.append(options[int(rng.integers(len(options)))])
+            domains.append("bool" if mask == "bool" else ("choice", 0.0, -1.5, 0.75, 2.0, -math.inf))
         return Sample(shapes, {"tk": tk, "d": d}, tuple(domains))
 
     return sample
@@ -1003,22 +1023,27 @@ def _attn_row(
     positions: bool = False,
     lengths: bool = False,
     kv_splits: int | None = None,
+    mask: str | None = None,
     **opts: Any,
 ) -> None:
     """A row of attention, or with ``kv_splits`` of its split form (attention_partial, then the
-    attention_combine this row is filed under), against the same dense reference."""
+    attention_combine this row is filed under), against the same dense reference. ``mask``: the
+    sampler's mask operand ("bool" or "additive", of the row's dtype), last."""
 
     def build(g, q, k, v, *extra, tk, d):
         qp = extra[0] if positions else None
-        ln = extra[-1] if lengths else None
-        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, kv_splits=kv_splits, **opts)
+        ln = extra[positions] if lengths else None
+        m = extra[-1] if mask else None
+        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, kv_splits=kv_splits, mask=m, **opts)
 
     def ref(q, k, v, *extra, tk, d, dtype):
         qp = extra[0] if positions else None
-        ln = extra[-1] if lengths else None
-        return attention_ref(q, k, v, qp, ln, **opts)
+        ln = extra[positions] if lengths else None
+        return attention_ref(q, k, v, qp, ln, mask=extra[-1] if mask else None, **opts)
 
     fixed = {i: "int64" for i in range(3, 3 + positions + lengths)}
+    if mask == "bool":
+        fixed[3 + positions + lengths] = "bool"
     op = "attention" if kv_splits is None else "attention_combine"
     row(op, label, build, ref, sampler, fixed=fixed, reduce_len=lambda s: s.kw["tk"] + s.kw["d"])
 
@@ -1058,6 +1083,18 @@ _attn_row("blocks-softcap-window", _attn_sample(gqa=True, positions=True, blocks
           window=37, softcap=2.0)  # fmt: skip
 _attn_row("split-softcap", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3,
           softcap=1.5, scale=0.7)  # fmt: skip
+# a mask operand (bool or additive, of shapes that broadcast) with each mask rule, on each path
+_attn_row("mask-bool", _attn_sample(gqa=True, mask="bool"), mask="bool")
+_attn_row("mask-additive-causal", _attn_sample(gqa=True, mask="additive"), mask="additive", causal=True)
+_attn_row("mask-additive-softcap-window", _attn_sample(gqa=True, positions=True, mask="additive"), positions=True,
+          mask="additive", causal=True, window=5, softcap=1.5)  # fmt: skip
+_attn_row("blocks-mask-bool-causal", _attn_sample(gqa=True, blocks=True, mask="bool"), mask="bool", causal=True)
+_attn_row("blocks-mask-additive-softcap", _attn_sample(gqa=True, positions=True, lengths=True, blocks=True,
+          mask="additive"), positions=True, lengths=True, mask="additive", causal=True, window=37, softcap=2.0)  # fmt: skip
+_attn_row("split-mask-additive", _attn_sample(gqa=True, tq1=True, lengths=True, mask="additive"), lengths=True,
+          mask="additive", causal=True, kv_splits=3)  # fmt: skip
+_attn_row("split-mask-bool-window", _attn_sample(gqa=True, positions=True, mask="bool"), positions=True, mask="bool",
+          causal=True, window=5, kv_splits=4)  # fmt: skip
 
 
 def _partial_sample(rng: np.random.Generator) -> Sample:
