@@ -1144,14 +1144,22 @@ def _append_sample(rng: np.random.Generator) -> Sample:
     return Sample(shapes, {"tk": tk, "d": d, "splits": splits}, domains)
 
 
-def _append_build(q, k, v, pos, k_new, v_new, splits, softcap=None):
+def _append_masked_sample(rng: np.random.Generator) -> Sample:
+    """_append_sample's, and a bool mask over the keys of each sequence (the new key's slot included)."""
+    sample = _append_sample(rng)
+    b, tk = sample.shapes[0][0], sample.kw["tk"]
+    return Sample([*sample.shapes, (b, 1, 1, tk)], sample.kw, (*sample.domains, "bool"))
+
+
+def _append_build(q, k, v, pos, k_new, v_new, splits, softcap=None, mask=None):
     new = {"k_new": k_new.transpose(1, 2), "v_new": v_new.transpose(1, 2)}
     return ml.attention(
-        q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={}, softcap=softcap
-    )
+        q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={}, softcap=softcap,
+        mask=mask,
+    )  # fmt: skip
 
 
-def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype, softcap=None):
+def _append_ref(q, k, v, pos, k_new, v_new, mask=None, *, tk, d, splits, dtype, softcap=None):
     """rope (its output rounded to the dtype, as stored), the caches written at pos, then attention."""
     rounded = _ROUNDED[dtype]
     q = rope_ref(q.transpose(1, 2), pos[:, None, :]).to(rounded).double()
@@ -1160,8 +1168,18 @@ def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype, softcap=Non
     for bi in range(k.shape[0]):
         k[bi, :, pos[bi, 0]] = k_new[bi, :, 0]
         v[bi, :, pos[bi, 0]] = v_new[bi, 0]
-    return attention_ref(q, k, v, pos, causal=True, softcap=softcap)
+    return attention_ref(q, k, v, pos, causal=True, softcap=softcap, mask=mask)
 
+
+row(
+    "attention_combine",
+    "append-decode-mask",
+    lambda g, q, k, v, pos, kn, vn, m, tk, d, splits: _append_build(q, k, v, pos, kn, vn, splits, mask=m),
+    _append_ref,
+    _append_masked_sample,
+    fixed={3: "int64", 6: "bool"},
+    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
+)
 
 for _label, _cap in (("append-decode", None), ("append-decode-softcap", 1.5)):
     row(
