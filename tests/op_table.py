@@ -152,6 +152,31 @@ row(
 )
 row("pow", "broadcast", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), domains=("positive", "unit"))
 row("pow", "scalar-exponent", lambda g, a: a**2.0, lambda a, **k: a**2.0, one())
+# numpy's integer power, floor_divide and remainder (negative operands, zero divisors: 0 as numpy gives)
+row("pow", "int", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), INTS,
+    domains=(("int", -9, 10), ("int", 0, 6)))  # fmt: skip
+row("pow", "int-scalar-exponent", lambda g, a: a**3, lambda a, **k: a**3, one(), INTS)
+
+
+def _numpy_division(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's floor_divide or remainder with numpy's integer zero divisor (0; torch raises)."""
+
+    def ref(a, b, **k):
+        if a.dtype.is_floating_point:
+            return fn(a, b)
+        return torch.where(b == 0, 0, fn(a, torch.where(b == 0, 1, b)))
+
+    return ref
+
+
+for _name, _fn in (("floor_divide", torch.floor_divide), ("remainder", torch.remainder)):
+    _build = getattr(ml, _name)
+    row(_name, "broadcast", lambda g, a, b, _b=_build: _b(a, b), _numpy_division(_fn), many(2), FLOATS + INTS,
+        domains=(("int", -20, 21), ("int", -4, 5)))  # fmt: skip
+    row(_name, "float", lambda g, a, b, _b=_build: _b(a, b), _numpy_division(_fn), many(2), FLOATS,
+        domains=("ties", ("choice", -2.5, -0.5, 0.25, 1.5, 4.0)))  # fmt: skip
+    row(_name, "scalar", lambda g, a, _b=_build: _b(a, -3), lambda a, _f=_fn, **k: _f(a, -3), one(), FLOATS + INTS,
+        domains=(("int", -20, 21),))  # fmt: skip
 row("add", "scalar", lambda g, a: a + 0.3, lambda a, **k: a + 0.3, one())
 row("add", "int-scalar", lambda g, a: 7 + a, lambda a, **k: 7 + a, one(), INTS)
 row("sub", "scalar-left", lambda g, a: 2.0 - a, lambda a, **k: 2.0 - a, one())
