@@ -1114,8 +1114,9 @@ _attn_row("mask-additive-causal", _attn_sample(gqa=True, mask="additive"), mask=
 _attn_row("mask-additive-softcap-window", _attn_sample(gqa=True, positions=True, mask="additive"), positions=True,
           mask="additive", causal=True, window=5, softcap=1.5)  # fmt: skip
 _attn_row("blocks-mask-bool-causal", _attn_sample(gqa=True, blocks=True, mask="bool"), mask="bool", causal=True)
-_attn_row("blocks-mask-additive-softcap", _attn_sample(gqa=True, positions=True, lengths=True, blocks=True,
-          mask="additive"), positions=True, lengths=True, mask="additive", causal=True, window=37, softcap=2.0)  # fmt: skip
+_attn_row("blocks-mask-additive-softcap",
+          _attn_sample(gqa=True, positions=True, lengths=True, blocks=True, mask="additive"), positions=True,
+          lengths=True, mask="additive", causal=True, window=37, softcap=2.0)  # fmt: skip
 _attn_row("split-mask-additive", _attn_sample(gqa=True, tq1=True, lengths=True, mask="additive"), lengths=True,
           mask="additive", causal=True, kv_splits=3)  # fmt: skip
 _attn_row("split-mask-bool-window", _attn_sample(gqa=True, positions=True, mask="bool"), positions=True, mask="bool",

@@ -11,7 +11,8 @@ Which keys a query sees: key j is visible to query i of batch b when
 With ``softcap`` c, each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2's attention
 logit softcapping). An optional ``mask`` operand, broadcasting to [batch, heads, q_len, kv_len]
 (right-aligned; its heads axis 1 or heads), hides more keys: bool (True: attend, as torch's
-scaled_dot_product_attention) or float (added to the softcapped scores; -inf hides the key). q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
+scaled_dot_product_attention) or float (added to the softcapped scores; -inf hides the key).
+q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
 "bottom-right" alignment of FlashAttention; for q_len == kv_len it is the usual causal mask). A
 query that sees no key returns zeros, not NaN.
 
