@@ -527,6 +527,8 @@ def _update_vjp(call: VjpCall) -> list[Tensor | None]:
     if call.attrs.get("ignore_negative"):
         picked = B.where(B.reshape(written, (b, 1, t, 1)), picked, 0.0)
     return [None, picked, None]
+
+
 def write_slots(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
     """The fast path's kv_cache_update: ``new`` written into ``cache`` (a state's buffer) in place,
     once check_update_data's rules hold (checked here at numpy speed; it names what is wrong)."""

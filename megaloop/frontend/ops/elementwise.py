@@ -283,6 +283,8 @@ MINIMUM = _binary_op(
     cuda="ml::minimum(a, b)",
     vjp=_vjp.minimum,
 )
+
+
 def _quietly(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     """numpy's ``fn`` without its warnings (a zero divisor, an integer overflow): its values are the op's."""
 
