@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
+from megaloop.frontend.ops.rope import LAYOUTS
 from tests.helpers import TORCH_DTYPES, random_values
 from tests.sample_ref import sample_partial_ref, sample_ref
 
@@ -958,6 +959,46 @@ for label, extra, sampler in [
         domains=("normal", ("int", 0, 1_000_000)),  # far positions: the float64 angle and its reduction
         fixed={1: "int64"},
     )
+
+
+def rope_table_ref(x, cos, sin, *, layout="neox", rotary_dim=None, per_pair=False, **kw):
+    """x * cos + rotate(x) * sin over the first rotary_dim dims (transformers' apply_rotary_pos_emb for
+    neox tables of a value a dim), a pair's value at both its dims where ``per_pair``."""
+    rd = rotary_dim or cos.shape[-1]
+    neox = layout == "neox"
+    if per_pair:
+        cos, sin = ((torch.cat([t, t], -1) if neox else t.repeat_interleave(2, -1)) for t in (cos, sin))
+    rot = x[..., :rd]
+    if neox:
+        turned = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], -1)
+    else:
+        turned = torch.stack([-rot[..., 1::2], rot[..., 0::2]], -1).flatten(-2)
+    return torch.cat([rot * cos + turned * sin, x[..., rd:]], -1)
+
+
+def _rope_table_sample(per_pair: bool, partial: bool) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        b, h, t = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        hd = 2 * int(rng.integers(1, 33))
+        rd = 2 * int(rng.integers(1, hd // 2 + 1)) if partial else hd
+        n = rd // 2 if per_pair else rd
+        tables = [(t, n), (b, 1, t, n), (1, n), (b, h, t, n)][int(rng.integers(4))]
+        kw = {"rotary_dim": rd} if per_pair or partial else {}
+        return Sample([(b, h, t, hd), tables, tables], kw, ("normal", "unit", "unit"))
+
+    return sample
+
+
+for _layout in LAYOUTS:
+    for _pairs, _partial in ((False, False), (True, False), (False, True), (True, True)):
+        row(
+            "rope_table",
+            f"{_layout}{'-pairs' if _pairs else ''}{'-partial' if _partial else ''}",
+            lambda g, x, c, s, _l=_layout, **kw: ml.rope_table(x, c, s, layout=_l, **kw),
+            lambda x, c, s, _l=_layout, _p=_pairs, **kw: rope_table_ref(x, c, s, layout=_l, per_pair=_p, **kw),
+            _rope_table_sample(_pairs, _partial),
+            reduce_len=lambda s: 2,
+        )
 
 # ---- attention ---------------------------------------------------------------------------------------
 
