@@ -233,16 +233,16 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))  # [b, tq, tk]
-    qg = q.reshape(b, hkv, hq // hkv, tq, -1)  # query heads grouped by the kv head they read
+    qg = q.reshape(b, hkv, hq // hkv, tq, q.shape[3])  # query heads grouped by the kv head they read
     scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
     scores = masked(np.where(mask[:, None, None], scores, -np.inf), grouped_mask(arrays, attrs, hkv))
-    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (no key: -inf, then zeros)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     denom = np.sum(p, axis=-1, keepdims=True)
     p = p / np.where(denom > 0, denom, 1.0)
     out = np.einsum("bhgqk,bhkd->bhgqd", p.astype(np.float32), v)
-    return out.reshape(b, hq, tq, -1)
+    return out.reshape(b, hq, tq, v.shape[3])
 
 
 def visible_keys_tensor(call: VjpCall) -> Tensor | None:
@@ -346,6 +346,8 @@ SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (1
 
 def key_range(mask: np.ndarray) -> tuple[int, int]:
     """The keys [lo, hi) that some query of ``mask`` [..., tk] sees (lo == hi: none)."""
+    if mask.size == 0:
+        return (0, 0)
     seen = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(axis=0))
     return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
 

@@ -125,7 +125,7 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     splits = attrs["splits"]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))
-    qg = q.reshape(b, hkv, hq // hkv, tq, -1)
+    qg = q.reshape(b, hkv, hq // hkv, tq, q.shape[3])
     scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
     scores = masked(np.where(mask[:, None, None], scores, -np.inf), grouped_mask(arrays, attrs, hkv))
     scores = scores.astype(np.float32)
