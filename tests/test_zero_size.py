@@ -34,8 +34,12 @@ CASES: list[tuple[str, dict[str, tuple], Callable[..., Any], Callable[..., Any]]
     ("add-batch0", {"x": ((0, 4), F32)}, lambda x: x + 1.0, lambda x: x + 1.0),
     ("mul-broadcast", {"x": ((0, 4), "bfloat16"), "y": ((4,), "bfloat16")}, lambda x, y: x * y, lambda x, y: x * y),
     ("exp-empty-last", {"x": ((3, 0), F32)}, ml.exp, np.exp),
-    ("where", {"c": ((0, 2), "bool"), "x": ((0, 2), F32)}, lambda c, x: ml.where(c, x, 0.0),
-     lambda c, x: np.where(c, x, 0.0)),  # fmt: skip
+    (
+        "where",
+        {"c": ((0, 2), "bool"), "x": ((0, 2), F32)},
+        lambda c, x: ml.where(c, x, 0.0),
+        lambda c, x: np.where(c, x, 0.0),
+    ),
     ("floor-divide-int", {"x": ((0, 3), "int64")}, lambda x: x // 3, lambda x: x // 3),
     ("sum-over-empty", {"x": ((3, 0), F32)}, lambda x: ml.sum(x, 1), lambda x: np.sum(x, 1)),
     ("sum-of-empty-rows", {"x": ((0, 3), F32)}, lambda x: ml.sum(x, 1), lambda x: np.sum(x, 1)),
@@ -49,19 +53,39 @@ CASES: list[tuple[str, dict[str, tuple], Callable[..., Any], Callable[..., Any]]
     ("matmul-k0", {"a": ((2, 0), F32), "b": ((0, 3), F32)}, ml.matmul, np.matmul),
     ("linear-n0", {"a": ((2, 4), F32), "w": ((0, 4), F32)}, ml.linear, lambda a, w: a @ w.T),
     ("reshape", {"x": ((0, 4), F32)}, lambda x: ml.reshape(x, (2, 0, 2)), lambda x: x.reshape(2, 0, 2)),
-    ("permute", {"x": ((0, 4, 2), F32)}, lambda x: ml.permute(x, (2, 0, 1)) * 2.0,
-     lambda x: np.transpose(x, (2, 0, 1)) * 2),  # fmt: skip
+    (
+        "permute",
+        {"x": ((0, 4, 2), F32)},
+        lambda x: ml.permute(x, (2, 0, 1)) * 2.0,
+        lambda x: np.transpose(x, (2, 0, 1)) * 2,
+    ),
     ("empty-slice", {"x": ((3, 4), F32)}, lambda x: x[1:1] * 2.0, lambda x: x[1:1] * 2),
-    ("concat-with-empty", {"x": ((0, 4), F32), "y": ((2, 4), F32)}, lambda x, y: ml.concat([x, y], 0),
-     lambda x, y: np.concatenate([x, y], 0)),  # fmt: skip
+    (
+        "concat-with-empty",
+        {"x": ((0, 4), F32), "y": ((2, 4), F32)},
+        lambda x, y: ml.concat([x, y], 0),
+        lambda x, y: np.concatenate([x, y], 0),
+    ),
     ("embedding-no-ids", {"t": ((10, 4), F32), "i": ((0,), "int64")}, ml.embedding, lambda t, i: t[i]),
-    ("attention-batch0", {n: ((0, 2, 3, 8), F32) for n in "qkv"}, lambda q, k, v: ml.attention(q, k, v, causal=True),
-     lambda q, k, v: q),  # fmt: skip
-    ("attention-no-keys", {"q": ((1, 2, 3, 8), F32), "k": ((1, 2, 0, 8), F32), "v": ((1, 2, 0, 8), F32)},
-     lambda q, k, v: ml.attention(q, k, v), lambda q, k, v: np.zeros(q.shape, np.float32)),  # fmt: skip
+    (
+        "attention-batch0",
+        {n: ((0, 2, 3, 8), F32) for n in "qkv"},
+        lambda q, k, v: ml.attention(q, k, v, causal=True),
+        lambda q, k, v: q,
+    ),
+    (
+        "attention-no-keys",
+        {"q": ((1, 2, 3, 8), F32), "k": ((1, 2, 0, 8), F32), "v": ((1, 2, 0, 8), F32)},
+        lambda q, k, v: ml.attention(q, k, v),
+        lambda q, k, v: np.zeros(q.shape, np.float32),
+    ),
     ("rope-batch0", {"x": ((0, 2, 3, 8), F32), "p": ((0, 1, 3), "int64")}, ml.rope, lambda x, p: x),
-    ("cross-entropy-no-rows", {"x": ((0, 5), F32), "t": ((0,), "int64")}, ml.cross_entropy,
-     lambda x, t: np.float32(F.cross_entropy(_t(x), _t(t)).nan_to_num(0.0))),  # fmt: skip
+    (
+        "cross-entropy-no-rows",
+        {"x": ((0, 5), F32), "t": ((0,), "int64")},
+        ml.cross_entropy,
+        lambda x, t: np.float32(F.cross_entropy(_t(x), _t(t)).nan_to_num(0.0)),
+    ),
 ]
 
 

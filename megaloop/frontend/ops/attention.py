@@ -367,7 +367,12 @@ def masked_scores(
 
 
 def _attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any], extra: np.ndarray | None
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray,
+    attrs: dict[str, Any],
+    extra: np.ndarray | None = None,
 ) -> np.ndarray:
     """The reference's softmax(q k^T * scale + mask) v with BLAS products, in blocks of queries, each
     over the keys its queries see (``extra``: the mask operand, grouped_mask's)."""

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from megaloop import dtypes
-from megaloop.errors import BroadcastError, DataError, DtypeError, GraphBuildError, NonFiniteError
-from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, first_bad, register
+from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _elementwise_vjp as _vjp
+from megaloop.frontend.ops import _integer as _int
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, rounder
@@ -285,66 +286,24 @@ MINIMUM = _binary_op(
 )
 
 
-def _quietly(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """numpy's ``fn`` without its warnings (a zero divisor, an integer overflow): its values are the op's."""
-
-    def run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            return fn(a, b)
-
-    return run
-
-
-def _power(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """numpy's power; an integer exponent below 0 is refused before (_check_power_data), so one here is
-    a value no task computes with (the plan interpreter's poison): taken as 0."""
-    if b.dtype.kind in "iu":
-        b = np.maximum(b, 0)
-    return _quietly(np.power)(a, b)
-
-
-def _check_power(call: OpCall, dtype: dtypes.DType) -> None:
-    exponent = call.attrs.get("scalars", {}).get(1)
-    if dtype.is_int and exponent is not None and exponent < 0:
-        raise call.error(
-            GraphBuildError,
-            f"an integer tensor to the negative power {exponent}: numpy refuses it (integers to negative "
-            "integer powers are not allowed)",
-            hint="cast the base to a float dtype first",
-        )
-
-
-def _check_power_data(arrays: list[np.ndarray], attrs: dict[str, Any], known: Any) -> None:
-    """An integer exponent tensor must hold no negative value (numpy's ValueError)."""
-    if 1 in attrs.get("scalars", {}) or arrays[-1].dtype.kind not in "iu":
-        return
-    exponent, real = arrays[-1], known[-1]
-    where = first_bad(exponent < 0, real)
-    if where is not None:
-        raise DataError(
-            f"pow: exponent{list(where)} is {int(exponent[where])}: integers to negative integer powers are "
-            "not allowed (numpy's rule); cast the base to a float dtype"
-        )
-
-
 POW = _binary_op(
     "pow",
     "a ** b; on integers numpy's power (wrapping on overflow; a negative exponent refused: at build "
     "time where it is a number, a data error where it is a tensor); a negative float base with a "
     "fractional power gives NaN.",
-    _power,
+    _int.power,
     "fi",
     accuracy=Accuracy(ulps=2.0),
     cuda="ml::power(a, b)",
     vjp=_vjp.power,
-    check=_check_power,
-    check_data=_check_power_data,
+    check=_int.check_power,
+    check_data=_int.check_power_data,
 )
 FLOOR_DIVIDE = _binary_op(
     "floor_divide",
     "a // b, numpy's floor_divide: the quotient rounded toward -inf (ints: 0 for a zero divisor, as "
     "numpy; floats: numpy's divmod, a / b for a zero divisor).",
-    _quietly(np.floor_divide),
+    _int.quietly(np.floor_divide),
     "fi",
     accuracy=Accuracy(ulps=0.0),
     cuda="ml::floor_divide(a, b)",
@@ -353,7 +312,7 @@ REMAINDER = _binary_op(
     "remainder",
     "a % b, numpy's remainder: the sign of the divisor, a - b * floor_divide(a, b) (ints: 0 for a zero "
     "divisor, as numpy; floats: numpy's divmod, NaN for a zero divisor).",
-    _quietly(np.remainder),
+    _int.quietly(np.remainder),
     "fi",
     accuracy=Accuracy(ulps=0.0),
     cuda="ml::remainder(a, b)",

@@ -91,13 +91,14 @@ __device__ __forceinline__ i64 query_position(const QP& qpos, int bi, int i) {
 // (False hides the key), the value of a float one (added to the softcapped score); 0 without one.
 __device__ __forceinline__ float mask_score(bool seen) { return seen ? 0.0f : neg_inf(); }
 __device__ __forceinline__ float mask_score(float added) { return added; }
+// s with the mask's term added (s itself without a mask)
 template <class M>
-__device__ __forceinline__ float mask_term(const M& mask, int bi, int h, int i, i64 j) {
+__device__ __forceinline__ float with_mask(float s, const M& mask, int bi, int h, int i, i64 j) {
     if constexpr (!is_present<M>::value) {
-        return 0.0f;
+        return s;
     } else {
-        return mask_score(load(mask.p + (i64)bi * stride_of<0, M> + (i64)h * stride_of<1, M> +
-                               (i64)i * stride_of<2, M> + j * stride_of<3, M>));
+        return s + mask_score(load(mask.p + (i64)bi * stride_of<0, M> + (i64)h * stride_of<1, M> +
+                                   (i64)i * stride_of<2, M> + j * stride_of<3, M>));
     }
 }
 
@@ -192,7 +193,7 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
             float s = 0.0f;
             ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                       if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);)
-            s = softcap<S::cap_bits>(warp_sum(s) * scale) + mask_term(mask, bi, h, i, j);
+            s = with_mask(softcap<S::cap_bits>(warp_sum(s) * scale), mask, bi, h, i, j);
             if (is_present<M>::value && s == neg_inf()) continue;  // hidden by the mask (the warp agrees)
             const float mn = s > m ? s : m;
             const float corr = expf(m - mn), p = expf(s - mn);
@@ -212,7 +213,7 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
                 ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                           if (dd < D) s += qv[c] * rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, dd,
                                                                                      (double)pn, app.inv_freq);)
-                s = softcap<S::cap_bits>(warp_sum(s) * scale) + mask_term(mask, bi, h, i, pn);
+                s = with_mask(softcap<S::cap_bits>(warp_sum(s) * scale), mask, bi, h, i, pn);
                 if (!is_present<M>::value || s != neg_inf()) {
                     const float mn = s > m ? s : m;
                     const float corr = expf(m - mn), p = expf(s - mn);
@@ -331,7 +332,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                 if (live) {
-                    const float sm = softcap<S::cap_bits>(s * scale) + mask_term(mask, bi, h, i, j);
+                    const float sm = with_mask(softcap<S::cap_bits>(s * scale), mask, bi, h, i, j);
                     if (!is_present<M>::value || sm != neg_inf()) fold_key(sm, vv, m, l, acc);
                 }
             }
@@ -346,7 +347,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                     float s = dot(qpk, kc);
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
-                    const float sm = softcap<S::cap_bits>(s * scale) + mask_term(mask, bi, h, i, pn);
+                    const float sm = with_mask(softcap<S::cap_bits>(s * scale), mask, bi, h, i, pn);
                     if (g == 0 && (!is_present<M>::value || sm != neg_inf())) {  // one key group takes it
                         fold_key(sm, vv, m, l, acc);  // (the merge below adds the groups)
                     }
@@ -506,7 +507,8 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
         if (r1 < nq) range(r1, b1, e1);
         if (e0 <= b0) b0 = e0 = 0;
         if (e1 <= b1) b1 = e1 = 0;
-        const auto mask0 = mask.row(hh, min(r0, nq - 1)), mask1 = mask.row(hh, min(r1, nq - 1));
+        [[maybe_unused]] const auto mask0 = mask.row(hh, min(r0, nq - 1));
+        [[maybe_unused]] const auto mask1 = mask.row(hh, min(r1, nq - 1));
         // this warp's keys: the union of its rows' ranges; the block's: the union over the warps
         int lo = (int)tk, hi = 0;
         if (e0 > b0) { lo = (int)b0; hi = (int)e0; }
