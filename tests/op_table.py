@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import megaloop as ml
+from megaloop.frontend.ops.rope import LAYOUTS
 from tests.helpers import TORCH_DTYPES, random_values
 from tests.sample_ref import sample_partial_ref, sample_ref
 
@@ -152,6 +153,31 @@ row(
 )
 row("pow", "broadcast", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), domains=("positive", "unit"))
 row("pow", "scalar-exponent", lambda g, a: a**2.0, lambda a, **k: a**2.0, one())
+# numpy's integer power, floor_divide and remainder (negative operands, zero divisors: 0 as numpy gives)
+row("pow", "int", lambda g, a, b: a**b, lambda a, b, **k: torch.pow(a, b), many(2), INTS,
+    domains=(("int", -9, 10), ("int", 0, 6)))  # fmt: skip
+row("pow", "int-scalar-exponent", lambda g, a: a**3, lambda a, **k: a**3, one(), INTS)
+
+
+def _numpy_division(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's floor_divide or remainder with numpy's integer zero divisor (0; torch raises)."""
+
+    def ref(a, b, **k):
+        if a.dtype.is_floating_point:
+            return fn(a, b)
+        return torch.where(b == 0, 0, fn(a, torch.where(b == 0, 1, b)))
+
+    return ref
+
+
+for _name, _fn in (("floor_divide", torch.floor_divide), ("remainder", torch.remainder)):
+    _build = getattr(ml, _name)
+    row(_name, "broadcast", lambda g, a, b, _b=_build: _b(a, b), _numpy_division(_fn), many(2), FLOATS + INTS,
+        domains=(("int", -20, 21), ("int", -4, 5)))  # fmt: skip
+    row(_name, "float", lambda g, a, b, _b=_build: _b(a, b), _numpy_division(_fn), many(2), FLOATS,
+        domains=("ties", ("choice", -2.5, -0.5, 0.25, 1.5, 4.0)))  # fmt: skip
+    row(_name, "scalar", lambda g, a, _b=_build: _b(a, -3), lambda a, _f=_fn, **k: _f(a, -3), one(), FLOATS + INTS,
+        domains=(("int", -20, 21),))  # fmt: skip
 row("add", "scalar", lambda g, a: a + 0.3, lambda a, **k: a + 0.3, one())
 row("add", "int-scalar", lambda g, a: 7 + a, lambda a, **k: 7 + a, one(), INTS)
 row("sub", "scalar-left", lambda g, a: 2.0 - a, lambda a, **k: 2.0 - a, one())
@@ -934,33 +960,84 @@ for label, extra, sampler in [
         fixed={1: "int64"},
     )
 
+
+def rope_table_ref(x, cos, sin, *, layout="neox", rotary_dim=None, per_pair=False, **kw):
+    """x * cos + rotate(x) * sin over the first rotary_dim dims (transformers' apply_rotary_pos_emb for
+    neox tables of a value a dim), a pair's value at both its dims where ``per_pair``."""
+    rd = rotary_dim or cos.shape[-1]
+    neox = layout == "neox"
+    if per_pair:
+        cos, sin = ((torch.cat([t, t], -1) if neox else t.repeat_interleave(2, -1)) for t in (cos, sin))
+    rot = x[..., :rd]
+    if neox:
+        turned = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], -1)
+    else:
+        turned = torch.stack([-rot[..., 1::2], rot[..., 0::2]], -1).flatten(-2)
+    return torch.cat([rot * cos + turned * sin, x[..., rd:]], -1)
+
+
+def _rope_table_sample(per_pair: bool, partial: bool) -> Callable[[np.random.Generator], Sample]:
+    def sample(rng: np.random.Generator) -> Sample:
+        b, h, t = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        hd = 2 * int(rng.integers(1, 33))
+        rd = 2 * int(rng.integers(1, hd // 2 + 1)) if partial else hd
+        n = rd // 2 if per_pair else rd
+        tables = [(t, n), (b, 1, t, n), (1, n), (b, h, t, n)][int(rng.integers(4))]
+        kw = {"rotary_dim": rd} if per_pair or partial else {}
+        return Sample([(b, h, t, hd), tables, tables], kw, ("normal", "unit", "unit"))
+
+    return sample
+
+
+for _layout in LAYOUTS:
+    for _pairs, _partial in ((False, False), (True, False), (False, True), (True, True)):
+        row(
+            "rope_table",
+            f"{_layout}{'-pairs' if _pairs else ''}{'-partial' if _partial else ''}",
+            lambda g, x, c, s, _l=_layout, **kw: ml.rope_table(x, c, s, layout=_l, **kw),
+            lambda x, c, s, _l=_layout, _p=_pairs, **kw: rope_table_ref(x, c, s, layout=_l, per_pair=_p, **kw),
+            _rope_table_sample(_pairs, _partial),
+            reduce_len=lambda s: 2,
+        )
+
 # ---- attention ---------------------------------------------------------------------------------------
 
 
-def attention_ref(q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, softcap=None, **kw):
+def attention_ref(
+    q, k, v, qpos=None, lens=None, *, causal=False, window=None, scale=None, softcap=None, mask=None, **kw
+):
     """Dense float64 attention with an explicit mask, via torch's SDPA (written out with a softcap,
-    which SDPA lacks: c * tanh(s / c) of the scaled scores); rows that see no key are 0."""
+    which SDPA lacks: c * tanh(s / c) of the scaled scores); ``mask``: the op's mask operand, bool or
+    additive (-inf hides a key); rows that see no key are 0."""
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     lens = torch.full((b,), tk) if lens is None else lens
     if qpos is None:
         qpos = lens[:, None] - tq + torch.arange(tq)[None, :]
     j = torch.arange(tk)
-    mask = j[None, None, :] < lens[:, None, None]
+    seen = j[None, None, :] < lens[:, None, None]
     if causal:
-        mask = mask & (j[None, None, :] <= qpos[:, :, None])
+        seen = seen & (j[None, None, :] <= qpos[:, :, None])
         if window is not None:
-            mask = mask & (j[None, None, :] > qpos[:, :, None] - window)
-    mask = mask[:, None]  # [b, 1, tq, tk]
+            seen = seen & (j[None, None, :] > qpos[:, :, None] - window)
+    seen = seen[:, None]  # [b, 1, tq, tk]
+    bias = None
+    if mask is not None:
+        seen = seen & (mask if mask.dtype == torch.bool else mask != -math.inf)
+        bias = None if mask.dtype == torch.bool else mask
+    anything = seen.any(-1, keepdim=True)
+    # SDPA's mask: a row that sees no key attends to every key (no NaN, in the gradient too), then is 0
+    attn = seen | ~anything if bias is None else torch.where(anything, torch.where(seen, bias, -math.inf), 0.0)
     rep = hq // hkv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
     else:
         scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, -math.inf)
-        out = torch.nan_to_num(torch.softmax(scores, -1)) @ v
-    return torch.where(mask.any(-1, keepdim=True), out, torch.zeros(()))
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~attn, -math.inf) if attn.dtype == torch.bool else scores + attn
+        out = torch.softmax(scores, -1) @ v
+    return torch.where(anything, out, torch.zeros(()))
 
 
 def _attn_sample(
@@ -970,9 +1047,11 @@ def _attn_sample(
     lengths: bool = False,
     dv: bool = False,
     blocks: bool = False,
+    mask: str | None = None,
 ) -> Callable[[np.random.Generator], Sample]:
     """``blocks``: shapes of the tensor-core path (16-bit heads of 16..128 in steps of 16, blocks of 16
-    queries or more, several key blocks of 64, query counts and key counts that are not whole blocks)."""
+    queries or more, several key blocks of 64, query counts and key counts that are not whole blocks).
+    ``mask`` "bool" or "additive": a mask operand last, of one of the shapes that broadcast to the scores."""
 
     def sample(rng: np.random.Generator) -> Sample:
         b = int(rng.integers(1, 4))
@@ -992,6 +1071,13 @@ def _attn_sample(
         if lengths:
             shapes.append((b,))
             domains.append(("int", 1, tk + 1))
+        if mask is not None:
+            options = [(b, hq, tq, tk), (b, 1, 1, tk), (tq, tk), (hq, 1, tk), (tk,)]
+            # (a bool mask broadcast over the keys hides whole rows; an additive one there adds a constant
+            # to a row, which changes nothing: its gradient is 0 in exact arithmetic, float32 noise here)
+            options += [(1, 1, 1, 1), (b, 1, tq, 1)] if mask == "bool" else []
+            shapes.append(options[int(rng.integers(len(options)))])
+            domains.append("bool" if mask == "bool" else ("choice", 0.0, -1.5, 0.75, 2.0, -math.inf))
         return Sample(shapes, {"tk": tk, "d": d}, tuple(domains))
 
     return sample
@@ -1003,22 +1089,27 @@ def _attn_row(
     positions: bool = False,
     lengths: bool = False,
     kv_splits: int | None = None,
+    mask: str | None = None,
     **opts: Any,
 ) -> None:
     """A row of attention, or with ``kv_splits`` of its split form (attention_partial, then the
-    attention_combine this row is filed under), against the same dense reference."""
+    attention_combine this row is filed under), against the same dense reference. ``mask``: the
+    sampler's mask operand ("bool" or "additive", of the row's dtype), last."""
 
     def build(g, q, k, v, *extra, tk, d):
         qp = extra[0] if positions else None
-        ln = extra[-1] if lengths else None
-        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, kv_splits=kv_splits, **opts)
+        ln = extra[positions] if lengths else None
+        m = extra[-1] if mask else None
+        return ml.attention(q, k, v, q_positions=qp, kv_lengths=ln, kv_splits=kv_splits, mask=m, **opts)
 
     def ref(q, k, v, *extra, tk, d, dtype):
         qp = extra[0] if positions else None
-        ln = extra[-1] if lengths else None
-        return attention_ref(q, k, v, qp, ln, **opts)
+        ln = extra[positions] if lengths else None
+        return attention_ref(q, k, v, qp, ln, mask=extra[-1] if mask else None, **opts)
 
     fixed = {i: "int64" for i in range(3, 3 + positions + lengths)}
+    if mask == "bool":
+        fixed[3 + positions + lengths] = "bool"
     op = "attention" if kv_splits is None else "attention_combine"
     row(op, label, build, ref, sampler, fixed=fixed, reduce_len=lambda s: s.kw["tk"] + s.kw["d"])
 
@@ -1058,6 +1149,19 @@ _attn_row("blocks-softcap-window", _attn_sample(gqa=True, positions=True, blocks
           window=37, softcap=2.0)  # fmt: skip
 _attn_row("split-softcap", _attn_sample(gqa=True, tq1=True, lengths=True), lengths=True, causal=True, kv_splits=3,
           softcap=1.5, scale=0.7)  # fmt: skip
+# a mask operand (bool or additive, of shapes that broadcast) with each mask rule, on each path
+_attn_row("mask-bool", _attn_sample(gqa=True, mask="bool"), mask="bool")
+_attn_row("mask-additive-causal", _attn_sample(gqa=True, mask="additive"), mask="additive", causal=True)
+_attn_row("mask-additive-softcap-window", _attn_sample(gqa=True, positions=True, mask="additive"), positions=True,
+          mask="additive", causal=True, window=5, softcap=1.5)  # fmt: skip
+_attn_row("blocks-mask-bool-causal", _attn_sample(gqa=True, blocks=True, mask="bool"), mask="bool", causal=True)
+_attn_row("blocks-mask-additive-softcap",
+          _attn_sample(gqa=True, positions=True, lengths=True, blocks=True, mask="additive"), positions=True,
+          lengths=True, mask="additive", causal=True, window=37, softcap=2.0)  # fmt: skip
+_attn_row("split-mask-additive", _attn_sample(gqa=True, tq1=True, lengths=True, mask="additive"), lengths=True,
+          mask="additive", causal=True, kv_splits=3)  # fmt: skip
+_attn_row("split-mask-bool-window", _attn_sample(gqa=True, positions=True, mask="bool"), positions=True, mask="bool",
+          causal=True, window=5, kv_splits=4)  # fmt: skip
 
 
 def _partial_sample(rng: np.random.Generator) -> Sample:
@@ -1107,14 +1211,22 @@ def _append_sample(rng: np.random.Generator) -> Sample:
     return Sample(shapes, {"tk": tk, "d": d, "splits": splits}, domains)
 
 
-def _append_build(q, k, v, pos, k_new, v_new, splits, softcap=None):
+def _append_masked_sample(rng: np.random.Generator) -> Sample:
+    """_append_sample's, and a bool mask over the keys of each sequence (the new key's slot included)."""
+    sample = _append_sample(rng)
+    b, tk = sample.shapes[0][0], sample.kw["tk"]
+    return Sample([*sample.shapes, (b, 1, 1, tk)], sample.kw, (*sample.domains, "bool"))
+
+
+def _append_build(q, k, v, pos, k_new, v_new, splits, softcap=None, mask=None):
     new = {"k_new": k_new.transpose(1, 2), "v_new": v_new.transpose(1, 2)}
     return ml.attention(
-        q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={}, softcap=softcap
-    )
+        q.transpose(1, 2), k, v, causal=True, q_positions=pos, kv_splits=splits, **new, rope={}, softcap=softcap,
+        mask=mask,
+    )  # fmt: skip
 
 
-def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype, softcap=None):
+def _append_ref(q, k, v, pos, k_new, v_new, mask=None, *, tk, d, splits, dtype, softcap=None):
     """rope (its output rounded to the dtype, as stored), the caches written at pos, then attention."""
     rounded = _ROUNDED[dtype]
     q = rope_ref(q.transpose(1, 2), pos[:, None, :]).to(rounded).double()
@@ -1123,8 +1235,18 @@ def _append_ref(q, k, v, pos, k_new, v_new, *, tk, d, splits, dtype, softcap=Non
     for bi in range(k.shape[0]):
         k[bi, :, pos[bi, 0]] = k_new[bi, :, 0]
         v[bi, :, pos[bi, 0]] = v_new[bi, 0]
-    return attention_ref(q, k, v, pos, causal=True, softcap=softcap)
+    return attention_ref(q, k, v, pos, causal=True, softcap=softcap, mask=mask)
 
+
+row(
+    "attention_combine",
+    "append-decode-mask",
+    lambda g, q, k, v, pos, kn, vn, m, tk, d, splits: _append_build(q, k, v, pos, kn, vn, splits, mask=m),
+    _append_ref,
+    _append_masked_sample,
+    fixed={3: "int64", 6: "bool"},
+    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
+)
 
 for _label, _cap in (("append-decode", None), ("append-decode-softcap", 1.5)):
     row(

@@ -207,8 +207,8 @@ def test_non_tensor_operand(g: ml.Graph) -> None:
 
 
 def test_bad_shapes_and_names(g: ml.Graph) -> None:
-    with pytest.raises(errors.ShapeError, match="every dimension must be an int >= 1"):
-        g.input("x", (2, 0), ml.float32)
+    with pytest.raises(errors.ShapeError, match="every dimension must be an int >= 0"):
+        g.input("x", (2, -1), ml.float32)
     with pytest.raises(errors.ShapeError, match="every dimension"):
         g.input("x2", (2, 1.5), ml.float32)
     g.input("x", (2,), ml.float32)
@@ -218,8 +218,7 @@ def test_bad_shapes_and_names(g: ml.Graph) -> None:
         g.input("y", (2,), "float8")
     with pytest.raises(errors.ShapeError, match="cannot reshape 2 elements into"):
         g.inputs["x"].reshape(3)
-    with pytest.raises(errors.ShapeError, match="is empty"):
-        g.inputs["x"][2:]
+    assert g.inputs["x"][2:].shape == (0,)  # an empty slice is an empty tensor (tests/test_zero_size.py)
 
 
 def test_op_specific_rules(g: ml.Graph) -> None:

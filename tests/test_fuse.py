@@ -147,6 +147,17 @@ def split_products(rows: int = 32, n: int = 64, k: int = 1024, batch: int = 1):
     return build
 
 
+def empty_operand(concat: bool = False):
+    """A sum over an empty axis (its zeros no data decides), or a concat with an empty piece."""
+
+    def build(g: ml.Graph, dt: ml.DType) -> None:
+        x = g.input("x", (3, 0), dt)
+        y = ml.concat([x, g.input("y", (3, 2), dt)], 1) if concat else ml.sum(x, 1)
+        g.output("y", y * 2.0)
+
+    return build
+
+
 CASES = [
     Case("residual", residual_norm(), "norm_residual", True, {"add": -1}),
     Case("residual-kept-add", residual_norm(share=True), "norm_residual", True, {}),
@@ -181,6 +192,8 @@ CASES = [
     Case("split-k-not-decode", split_products(rows=1), "split_k_linear", False, {}),
     Case("split-k-not-wide", split_products(n=8192, k=1024, rows=64), "split_k_linear", False, {}),
     Case("split-k-not-short-k", split_products(k=512), "split_k_linear", False, {}),
+    Case("empty-sum", empty_operand(), "empty_inputs", True, {"sum": -1}),
+    Case("empty-piece-of-concat", empty_operand(concat=True), "empty_inputs", False, {}),
 ]
 
 

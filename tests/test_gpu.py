@@ -605,3 +605,26 @@ def test_rope_into_the_cache_is_rope_then_the_update_bit_for_bit(tokens: int, la
         written[bi, feeds["pos"][bi]] = True
     untouched = caches[True].transpose(0, 2, 1, 3)[~written]
     assert np.array_equal(untouched.view(np.uint16), state["cache"].transpose(0, 2, 1, 3)[~written].view(np.uint16))
+
+
+def test_zero_size_axes_run_on_the_loop_kernel() -> None:
+    """tests/test_zero_size.py's cases that make tasks (a concat with an empty piece, products and
+    sums over empty axes made constants, empty results beside full ones) on the GPU, against the
+    reference, outputs of no element included."""
+    from tests.test_zero_size import CASES, _graph
+
+    g = ml.Graph("zero-size-gpu")
+    feeds, names = {}, []
+    for i, (name, inputs, build, _) in enumerate(CASES):
+        sub, f = _graph(name, {f"c{i}.{n}": spec for n, spec in inputs.items()}, build)
+        with g.scope(f"c{i}"):
+            ins = [g.input(n, t.shape, t.dtype) for n, t in sub.inputs.items()]
+            g.output(f"y{i}", build(*ins))
+        feeds.update(f)
+        names.append(f"y{i}")
+    want = ml.evaluate(g, feeds).outputs
+    with loop_kernel(make_plan(g, processors=16)) as k:
+        got = k.run(feeds)
+    for n in names:
+        assert got[n].shape == want[n].shape, n
+        assert np.array_equal(np.asarray(got[n], np.float64), np.asarray(want[n], np.float64), equal_nan=True), n

@@ -251,6 +251,26 @@ def rope(op: str, attrs: dict[str, Any], x: Operand, pos: Operand, out: Operand)
     ]
 
 
+def rope_table(op: str, attrs: dict[str, Any], x: Operand, cos: Operand, sin: Operand, out: Operand) -> list[str]:
+    """rope_table (``ml::rope_table``, megaloop/rope.cuh), element by element in float64: the tables'
+    strides in x's index space (their leading axes right-aligned, 0 where they broadcast), their last
+    axis their own."""
+    nd = len(x.shape)
+    rd, neox = attrs["rotary_dim"], attrs["layout"] == "neox"
+    per_pair = cos.shape[-1] != rd
+
+    def table(o: Operand, pointer: str) -> str:
+        lead = [0 if n == 1 else st for n, st in zip(o.shape[:-1], o.strides[:-1])]
+        return _at([*([0] * (nd - len(o.shape))), *lead, o.strides[-1]], pointer)
+
+    return [
+        *pointers([x, cos, sin, out], 3),
+        f"// tables of a value a {'pair' if per_pair else 'dim'}, {rd} of {x.shape[-1]} dims turned",
+        f"ml::rope_table<{rd}, {_bool(neox)}, {_bool(per_pair)}>(t, {_at(out.strides, 'out0')}, "
+        f"{_at(x.strides, 'in0')}, {table(cos, 'in1')}, {table(sin, 'in2')});",
+    ]
+
+
 def _rope_width(x: Operand, out: Operand, rd: int, neox: bool, rows: int, threads: int) -> int:
     """Elements a load for the per-pair path (0: not taken): the widest pack (16 bytes down to one
     element, two for interleaved pairs) that the layout allows and that still gives a task's ``rows``

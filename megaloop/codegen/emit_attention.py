@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.codegen.emit import Operand, float_literal, pointers, rope_frequencies
-from megaloop.frontend.ops._tilings import attention_slots
+from megaloop.frontend.ops._tilings import MASK, attention_slots
 
 
 def _at(o: Operand | None, pointer: str) -> str:
@@ -21,11 +21,25 @@ def _at(o: Operand | None, pointer: str) -> str:
     return f"ml::at<{', '.join(str(st) for st in o.strides)}>({pointer})" if o is not None else "ml::Absent{}"
 
 
+def _mask(attrs: dict[str, Any], ins: list[Operand]) -> str:
+    """The mask operand (or Absent) with its strides in the scores' [batch, heads, queries, keys] index
+    space: 0 along the axes it broadcasts."""
+    slot = attention_slots(attrs)
+    if MASK not in slot:
+        return _at(None, "")
+    mask = ins[slot[MASK]]
+    lead = 4 - len(mask.shape)
+    strides = (0,) * lead + tuple(0 if n == 1 else st for n, st in zip(mask.shape, mask.strides))
+    return _at(Operand(mask.dtype, (1,) * lead + mask.shape, strides), f"in{slot[MASK]}")
+
+
 def _operands(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> str:
-    """The call's operands: out, q, k, v, then the query positions and key lengths (or Absent), then
-    for attention_partial's append form ``ml::attn_append<rotary_dim, neox>(inv_freq, k_new, v_new)``."""
+    """The call's operands: out, q, k, v, then the query positions and key lengths (or Absent), the
+    mask (or Absent), then for attention_partial's append form ``ml::attn_append<rotary_dim,
+    neox>(inv_freq, k_new, v_new)``."""
     slot = attention_slots(attrs)
     extra = [_at(ins[slot[s]], f"in{slot[s]}") if s in slot else _at(None, "") for s in (3, 4)]
+    extra.append(_mask(attrs, ins))
     if 5 in slot:
         new = ", ".join(_at(ins[slot[s]], f"in{slot[s]}") for s in (5, 6))
         neox = "true" if attrs["layout"] == "neox" else "false"

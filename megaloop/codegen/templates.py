@@ -21,6 +21,7 @@ from megaloop.codegen.emit import (
     kv_update,
     rope,
     rope_kv_update,
+    rope_table,
     scatter_add,
     step_batch,
 )
@@ -271,6 +272,7 @@ TEMPLATES: dict[str, Template] = {
     "step_batch": _plain(step_batch),
     "cross_entropy": lambda c: Lowered(cross_entropy(c.op.op, c.attrs, c.ins, c.outs[0])),
     "rope": _plain(rope, hints=True),
+    "rope_table": _plain(rope_table),
     "kv_update": _plain(kv_update, hints=True),
     "rope_kv_update": _plain(rope_kv_update),
     "concat": lambda c: Lowered(concat(c.op.op, c.attrs, c.ins, c.outs[0])),

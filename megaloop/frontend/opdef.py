@@ -207,7 +207,7 @@ ATTR_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "number?": (lambda v: v is None or _number(v), "null or a finite number"),
     "name": (lambda v: isinstance(v, str) and bool(v) and not any(c.isspace() for c in v), "a name (no spaces)"),
     "ints": (_ints, "a tuple of ints"),
-    "shape": (lambda v: _ints(v, 1), "a tuple of ints >= 1"),
+    "shape": (lambda v: _ints(v, 0), "a tuple of ints >= 0"),
     "axes": (lambda v: v is None or _int(v) or _ints(v), "null, an int or a tuple of ints"),
     "ranks?": (lambda v: v is None or _ints(v, 0), "null or a tuple of ranks"),
     "bounds": (lambda v: isinstance(v, tuple) and all(x is None or _int(x) for x in v), "a tuple of ints or nulls"),

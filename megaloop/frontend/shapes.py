@@ -87,6 +87,8 @@ def reshape_strides(shape: Shape, strides: Shape, new_shape: Shape) -> Shape | N
     contiguous (stride[i] == stride[i+1] * size[i+1]), and the new run's strides are then the
     contiguous strides of the new sizes scaled by the run's innermost stride.
     """
+    if 0 in new_shape:  # no element: any layout views it (contiguous strides, as a fresh tensor's)
+        return contiguous_strides(new_shape)
     old = [(s, st) for s, st in zip(shape, strides) if s != 1]
     new_strides = [0] * len(new_shape)
     oi = 0

@@ -111,14 +111,16 @@ class Tensor:
     __array_ufunc__ = None  # numpy defers to our reflected operators: np.float32(2) * x works
 
     def __floordiv__(self, other: Any) -> Tensor:
-        raise GraphBuildError(f"// is not supported on {self!r}; megaloop has true division only (megaloop.div)")
+        return BUILDERS.floor_divide(self, other)
 
-    __rfloordiv__ = __floordiv__
+    def __rfloordiv__(self, other: Any) -> Tensor:
+        return BUILDERS.floor_divide(other, self)
 
     def __mod__(self, other: Any) -> Tensor:
-        raise GraphBuildError(f"% is not supported on {self!r}")
+        return BUILDERS.remainder(self, other)
 
-    __rmod__ = __mod__
+    def __rmod__(self, other: Any) -> Tensor:
+        return BUILDERS.remainder(other, self)
 
     # ---- arithmetic (each one is an op from megaloop.frontend.ops) ----------------------------
     def __add__(self, other: Any) -> Tensor:

@@ -87,14 +87,14 @@ def as_ints(
 
 
 def as_shape(value: Any, what: str, *, itemsize: int | None = None, error: type[Exception] = ShapeError) -> Shape:
-    """A static shape: an int (one axis) or an ordered sequence of ints in [1, MAX_DIM]; with
-    ``itemsize``, a tensor of at most MAX_TENSOR_BYTES."""
+    """A static shape: an int (one axis) or an ordered sequence of ints in [0, MAX_DIM] (0: an empty
+    axis, docs/ops.md); with ``itemsize``, a tensor of at most MAX_TENSOR_BYTES."""
     dims = [value] if is_int(value) else _sequence(value, f"{what}: shape", "ints", error)
     for i, d in enumerate(dims):
-        if not is_int(d) or d < 1:
+        if not is_int(d) or d < 0:
             raise error(
-                f"{what}: shape {_shape_text(value)} is invalid; every dimension must be an int >= 1 "
-                f"(dimension {i} is {_show(d)}; megaloop plans static shapes; use 1 for a placeholder dimension)"
+                f"{what}: shape {_shape_text(value)} is invalid; every dimension must be an int >= 0 "
+                f"(dimension {i} is {_show(d)}; megaloop plans static shapes)"
             )
         if d > MAX_DIM:
             raise error(

@@ -217,6 +217,8 @@ def lower_rank(
     for r, node in matching.order:
         if r != rank or node.op.tiling is None:
             continue
+        if node.op.kind == "compute" and not any(t.size for t in node.outputs):
+            continue  # an empty result: nothing to compute (docs/ops.md, zero-size axes)
         if node.op.name == "send" and not recv_pushes(matching.transfer_of[node], arch, tiles):
             continue  # the recv pulls: the send has nothing to do
         ops.append(

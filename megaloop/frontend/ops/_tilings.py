@@ -360,12 +360,26 @@ def _rope(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
 ROPE = Tiling({"elements": ELEMENTS}, _rope, "blocks of whole head vectors with their positions")
 
 
+MASK = 7  # attention's mask operand in attention_slots (its last input, where ``masked`` is set)
+
+
 def attention_slots(attrs: dict[str, Any]) -> dict[int, int]:
     """Where attention's optional operands are among a node's inputs (slot -> input index): q_positions
     (3) and kv_lengths (4) unless ``absent`` names them, then attention_partial's append form's k_new (5)
-    and v_new (6), which a node has where it carries rope's attributes (attention_split.py)."""
+    and v_new (6), which a node has where it carries rope's attributes (attention_split.py), then the
+    mask (MASK) where the node is ``masked``."""
     slots = [s for s in (3, 4) if s not in attrs.get("absent", ())] + ([5, 6] if "theta" in attrs else [])
+    slots += [MASK] if attrs.get("masked") else []
     return {s: 3 + n for n, s in enumerate(slots)}
+
+
+def mask_box(mask: Any, b: int, h0: int, h1: int, q0: int, q1: int, k0: int, k1: int) -> Box:
+    """The box of attention's mask (broadcasting to [batch, heads, queries, keys], right-aligned) that
+    the rows of batch item b, query heads [h0, h1), queries [q0, q1) read over keys [k0, k1)."""
+    full = ((b, b + 1), (h0, h1), (q0, q1), (k0, k1))[4 - mask.ndim :]
+    lo = tuple(0 if n == 1 else a for n, (a, _) in zip(mask.shape, full))
+    hi = tuple(1 if n == 1 else c for n, (_, c) in zip(mask.shape, full))
+    return Box(lo, hi)
 
 
 def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits: int | None) -> list[Tile]:
@@ -405,6 +419,9 @@ def _attention_tiles(node: Any, params: dict[str, int], ctx: TileContext, splits
                             reads.append(Read(slot[3], Box((bi, s), (bi + 1, e))))
                         if 4 in slot:
                             reads.append(Read(slot[4], Box((bi,), (bi + 1,))))
+                        if MASK in slot and lo < hi:  # (the range's every key: the append form's is data)
+                            mask = node.inputs[slot[MASK]]
+                            reads.append(Read(slot[MASK], mask_box(mask, bi, h0, h1, s, e, lo, hi)))
                         # the append form: every range may hold the new key (a position is data)
                         for n, width in ((5, d), (6, dv)):
                             if n in slot:

@@ -9,7 +9,10 @@ Which keys a query sees: key j is visible to query i of batch b when
   and j <= q_positions[b, i]              (if causal)
   and j > q_positions[b, i] - window      (if a sliding window is set; needs causal)
 With ``softcap`` c, each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2's attention
-logit softcapping). q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
+logit softcapping). An optional ``mask`` operand, broadcasting to [batch, heads, q_len, kv_len]
+(right-aligned; its heads axis 1 or heads), hides more keys: bool (True: attend, as torch's
+scaled_dot_product_attention) or float (added to the softcapped scores; -inf hides the key).
+q_positions defaults to the last q_len places of the valid prefix, kv_lengths[b] - q_len + i (the
 "bottom-right" alignment of FlashAttention; for q_len == kv_len it is the usual causal mask). A
 query that sees no key returns zeros, not NaN.
 
@@ -31,7 +34,8 @@ from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, Out
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops._fast import Kernel, rounder
-from megaloop.frontend.ops._grad import f32
+from megaloop.frontend.ops._grad import f32, unbroadcast
+from megaloop.frontend.ops._tilings import MASK
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import BUILDERS as B
@@ -82,12 +86,31 @@ def _infer(call: OpCall) -> list[OutSpec]:
             "q_positions only matter for a causal mask; pass causal=True",
             hint="to limit the keys of a non-causal attention, use kv_lengths",
         )
+    if call.attrs.get("masked"):
+        check_mask(call, call.operands[_tilings.attention_slots(call.attrs)[MASK]], (b, hq, tq, k.shape[2]))
     if call.attrs["scale"] is None:
         call.attrs["scale"] = 1.0 / math.sqrt(d)
     cap = call.attrs.get("softcap")
     if cap is not None and not cap > 0:
         raise call.error(GraphBuildError, f"softcap must be None or a number > 0, got {cap!r}")
     return [OutSpec((b, hq, tq, v.shape[3]), dtype)]
+
+
+def check_mask(call: OpCall, mask: Tensor, scores: tuple[int, int, int, int]) -> None:
+    """The mask operand: bool or float, broadcasting to the scores [batch, heads, q_len, kv_len]."""
+    if not (mask.dtype.is_bool or mask.dtype.is_float):
+        raise call.error(
+            DtypeError,
+            f"mask must be bool (True: attend) or a float dtype (added to the scores), got {mask.dtype.name}",
+        )
+    fits = mask.ndim <= 4 and all(n in (1, want) for n, want in zip(mask.shape[::-1], scores[::-1]))
+    if not fits:
+        raise call.error(
+            ShapeError,
+            f"mask {format_shape(mask.shape)} must broadcast to the scores [batch, heads, q_len, kv_len] = "
+            f"{format_shape(scores)} (each axis 1 or the scores' size, right-aligned)",
+            hint="for a [batch, kv_len] padding mask, pass mask.reshape(batch, 1, 1, kv_len)",
+        )
 
 
 def attention_dims(node: Any) -> list[_placements.Dim]:
@@ -101,13 +124,22 @@ def attention_dims(node: Any) -> list[_placements.Dim]:
     group = hq // k.shape[1]
     extras = [(slot[s], 0, 1) for s in (3, 4, 5, 6) if s in slot]
     new = [(slot[s], 1, 1) for s in (5, 6) if s in slot]
+    cut = {0: [], 1: [], 2: []}  # the mask's axes that are not broadcast, by the scores' axis they walk
+    if MASK in slot:
+        mask = node.inputs[slot[MASK]]
+        for a, n in enumerate(mask.shape):
+            axis = a + 4 - mask.ndim
+            if n > 1 and axis < 3:
+                cut[axis].append((slot[MASK], a, group if axis == 1 else 1))
+    extras += cut[0]
+    new += cut[1]
     dims = [
         _placements.Dim(b, ((0, 0, 1), (1, 0, 1), (2, 0, 1), *extras, (out, 0, 1)), label="by sequences"),
         _placements.Dim(k.shape[1], ((0, 1, group), (1, 1, 1), (2, 1, 1), *new, (out, 1, group)), label="by heads"),
     ]
     if 3 in slot or not node.attrs["causal"]:
         qpos = ((slot[3], 1, 1),) if 3 in slot else ()
-        dims.append(_placements.Dim(tq, ((0, 2, 1), *qpos, (out, 2, 1)), label="by queries"))
+        dims.append(_placements.Dim(tq, ((0, 2, 1), *qpos, *cut[2], (out, 2, 1)), label="by queries"))
     return dims
 
 
@@ -164,6 +196,36 @@ def check_attention_data(arrays: list[np.ndarray], attrs: dict[str, Any], known:
         raise DataError(f"kv_lengths[{where[0]}] is {int(lengths[where])}; kv_lengths must lie in [0, {tk}]")
 
 
+def grouped_mask(arrays: list[np.ndarray], attrs: dict[str, Any], hkv: int) -> np.ndarray | None:
+    """The node's mask operand (None: none) as [batch | 1, hkv | 1, group | 1, q_len | 1, kv_len | 1],
+    to broadcast against scores whose query heads are grouped by kv head."""
+    slot = _tilings.attention_slots(attrs)
+    if MASK not in slot:
+        return None
+    mask = arrays[slot[MASK]]
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    b, h, q, k = mask.shape
+    mask = mask.reshape(b, hkv, h // hkv, q, k) if h > 1 else mask.reshape(b, 1, 1, q, k)
+    return mask if mask.dtype == np.bool_ else to_compute(mask).astype(np.float32, copy=False)
+
+
+def mask_block(mask: np.ndarray | None, queries: slice, keys: slice) -> np.ndarray | None:
+    """A grouped mask's part for those queries and keys (its broadcast axes as they are)."""
+    if mask is None:
+        return None
+    return mask[..., queries if mask.shape[-2] > 1 else slice(None), keys if mask.shape[-1] > 1 else slice(None)]
+
+
+def masked(scores: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Scores with a grouped mask (part) applied: -inf where a bool mask is False, else the float mask
+    added."""
+    if mask is None:
+        return scores
+    if mask.dtype == np.bool_:
+        return np.where(mask, scores, np.float32(-np.inf))
+    return scores + mask
+
+
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     absent = attrs.get("absent", ())
     q, k, v = (to_compute(a) for a in arrays[:3])
@@ -171,16 +233,16 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))  # [b, tq, tk]
-    qg = q.reshape(b, hkv, hq // hkv, tq, -1)  # query heads grouped by the kv head they read
+    qg = q.reshape(b, hkv, hq // hkv, tq, q.shape[3])  # query heads grouped by the kv head they read
     scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
-    scores = np.where(mask[:, None, None], scores, -np.inf)
-    row_max = np.max(scores, axis=-1, keepdims=True)
+    scores = masked(np.where(mask[:, None, None], scores, -np.inf), grouped_mask(arrays, attrs, hkv))
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (no key: -inf, then zeros)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     denom = np.sum(p, axis=-1, keepdims=True)
     p = p / np.where(denom > 0, denom, 1.0)
     out = np.einsum("bhgqk,bhkd->bhgqd", p.astype(np.float32), v)
-    return out.reshape(b, hq, tq, -1)
+    return out.reshape(b, hq, tq, v.shape[3])
 
 
 def visible_keys_tensor(call: VjpCall) -> Tensor | None:
@@ -226,8 +288,9 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
         turned = B.tanh(scores * (1.0 / cap))
         scores = turned * cap
     mask = visible_keys_tensor(call)
+    mask = mask if mask is None else B.reshape(mask, (b, 1, 1, tq, tk))
+    scores, mask = _with_mask_operand(call, scores, mask)
     if mask is not None:
-        mask = B.reshape(mask, (b, 1, 1, tq, tk))
         scores = B.where(mask, scores, -1e30)  # a row with no visible key: uniform, then zeroed
     p = B.softmax(scores, -1)
     if mask is not None:
@@ -236,10 +299,14 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     do = B.reshape(f32(call.cotangent()), (b, hkv, group * tq, dv))
     dp = B.matmul(do, v32, transpose_b=True)
     ds = p * (dp - B.sum(p * dp, -1, keepdims=True))
+    grads: list[Tensor | None] = [None] * len(call.inputs)
+    slot = _tilings.attention_slots(call.attrs)
+    if MASK in slot and call.needs[slot[MASK]]:  # a float mask: the scores' own gradient, summed back
+        m = call.inputs[slot[MASK]]
+        grads[slot[MASK]] = B.cast(unbroadcast(B.reshape(ds, (b, hq, tq, tk)), m.shape), m.dtype)
     if turned is not None:
         ds = ds * B.reshape(1.0 - turned * turned, (b, hkv, group * tq, tk))
     ds = ds * scale
-    grads: list[Tensor | None] = [None] * len(call.inputs)
     if call.needs[0]:
         grads[0] = B.cast(B.reshape(B.matmul(ds, k32), (b, hq, tq, d)), q.dtype)
     if call.needs[1]:
@@ -249,6 +316,29 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     return grads
 
 
+def _with_mask_operand(call: VjpCall, scores: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The grouped scores [b, hkv, group, tq, tk] with the mask operand applied (a float one added),
+    and the bool mask of the keys seen (None: all): visible_keys' and the operand's (False where it
+    is False, or -inf)."""
+    slot = _tilings.attention_slots(call.attrs)
+    if MASK not in slot:
+        return scores, mask
+    b, hkv, group, tq, tk = scores.shape
+    m = call.inputs[slot[MASK]]
+    m4 = B.reshape(m, (1,) * (4 - m.ndim) + m.shape)
+    n = m4.shape
+    grouped = (n[0], hkv, group, n[2], n[3]) if n[1] > 1 else (n[0], 1, 1, n[2], n[3])
+    m5 = B.reshape(m4, grouped)
+    if m.dtype.is_bool:
+        seen = m5
+    else:
+        hidden = call.graph.constant(np.array(-np.inf, m.dtype.np), m.dtype, allow_nonfinite=True)
+        seen = B.not_equal(m5, hidden)
+        scores = scores + f32(m5)
+    seen = B.broadcast_to(seen, (b, hkv, group, tq, tk))
+    return scores, seen if mask is None else B.logical_and(seen, mask)
+
+
 # ---- the fast CPU path: BLAS products over the visible keys (OpDef.fast) ------------------------------
 
 SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (16 MiB)
@@ -256,24 +346,36 @@ SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (1
 
 def key_range(mask: np.ndarray) -> tuple[int, int]:
     """The keys [lo, hi) that some query of ``mask`` [..., tk] sees (lo == hi: none)."""
+    if mask.size == 0:
+        return (0, 0)
     seen = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(axis=0))
     return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
 
 
-def masked_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+def masked_scores(
+    q: np.ndarray, k: np.ndarray, mask: np.ndarray, attrs: dict[str, Any], extra: np.ndarray | None = None
+) -> np.ndarray:
     """q k^T * scale (softcapped as the op's attributes say) for compute-form q [b, hq, tq, d] and k
-    [b, hkv, n, d] as a BLAS product, -inf where ``mask`` [b, tq, n] hides a key: [b, hkv, hq / hkv,
-    tq, n], query heads grouped by kv head."""
+    [b, hkv, n, d] as a BLAS product, -inf where ``mask`` [b, tq, n] hides a key, then the mask
+    operand's part ``extra`` (grouped_mask's) applied: [b, hkv, hq / hkv, tq, n], query heads grouped
+    by kv head."""
     b, hq, tq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     scores = np.matmul(q.reshape(b, hkv, (hq // hkv) * tq, d), np.swapaxes(k, -1, -2))
     scores = softcapped(scores.reshape(b, hkv, hq // hkv, tq, n) * np.float32(attrs["scale"]), attrs)
-    return np.where(mask[:, None, None], scores, np.float32(-np.inf))
+    return masked(np.where(mask[:, None, None], scores, np.float32(-np.inf)), extra)
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+def _attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray,
+    attrs: dict[str, Any],
+    extra: np.ndarray | None = None,
+) -> np.ndarray:
     """The reference's softmax(q k^T * scale + mask) v with BLAS products, in blocks of queries, each
-    over the keys its queries see."""
+    over the keys its queries see (``extra``: the mask operand, grouped_mask's)."""
     b, hq, tq, _ = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     out = np.zeros((b, hkv, hq // hkv, tq, dv), np.float32)
@@ -283,7 +385,8 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs
         lo, hi = key_range(rows)
         if lo == hi:
             continue  # (no key visible: zeros, as the reference)
-        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], attrs)
+        part = mask_block(extra, slice(q0, q0 + block), slice(lo, hi))
+        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], attrs, part)
         row_max = np.max(scores, axis=-1, keepdims=True)
         p = np.exp(scores - np.where(np.isfinite(row_max), row_max, np.float32(0)))
         denom = np.sum(p, axis=-1, keepdims=True)
@@ -302,7 +405,7 @@ def _fast(node: Any) -> Kernel:
         q, k, v = arrays[:3]
         qpos, lengths = (arrays[slot[s]] if s in slot else None for s in (3, 4))
         mask = visible_keys(q.shape[0], q.shape[2], k.shape[2], attrs, qpos, lengths)
-        return [finish(_attend(q, k, v, mask, attrs))]
+        return [finish(_attend(q, k, v, mask, attrs, grouped_mask(arrays, attrs, k.shape[1])))]
 
     return run
 
@@ -312,11 +415,18 @@ ATTENTION = register(
         name="attention",
         kind="compute",
         category="attention",
-        doc="softmax(softcap(q k^T * scale) + mask) v with causal/GQA/sliding-window/KV-prefix masking; "
-        "see megaloop.frontend.ops.attention for the exact mask.",
-        operands=("q", "k", "v", "q_positions", "kv_lengths"),
-        attrs={"causal": "bool", "window": "count?", "scale": "number?", "absent": "ints", "softcap": "number?"},
-        optional_attrs=frozenset({"absent", "softcap"}),
+        doc="softmax(softcap(q k^T * scale) + mask) v with causal/GQA/sliding-window/KV-prefix masking and an "
+        "optional bool or additive mask operand; see megaloop.frontend.ops.attention for the exact mask.",
+        operands=("q", "k", "v", "q_positions", "kv_lengths", "mask"),
+        attrs={
+            "causal": "bool",
+            "window": "count?",
+            "scale": "number?",
+            "absent": "ints",
+            "softcap": "number?",
+            "masked": "bool",
+        },
+        optional_attrs=frozenset({"absent", "softcap", "masked"}),
         infer=_infer,
         reference=_reference,
         fast=Fast(_fast, exact=False),
@@ -424,6 +534,8 @@ def _update_vjp(call: VjpCall) -> list[Tensor | None]:
     if call.attrs.get("ignore_negative"):
         picked = B.where(B.reshape(written, (b, 1, t, 1)), picked, 0.0)
     return [None, picked, None]
+
+
 def write_slots(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
     """The fast path's kv_cache_update: ``new`` written into ``cache`` (a state's buffer) in place,
     once check_update_data's rules hold (checked here at numpy speed; it names what is wrong)."""

@@ -28,7 +28,10 @@ from megaloop.frontend.ops.attention import (
     ATTENTION,
     attention_dims,
     check_attention_data,
+    grouped_mask,
     key_range,
+    mask_block,
+    masked,
     masked_scores,
     softcapped,
     visible_keys,
@@ -122,9 +125,10 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     splits = attrs["splits"]
     mask = visible_keys(b, tq, tk, attrs, extra.get(3), extra.get(4))
-    qg = q.reshape(b, hkv, hq // hkv, tq, -1)
+    qg = q.reshape(b, hkv, hq // hkv, tq, q.shape[3])
     scores = softcapped(np.einsum("bhgqd,bhkd->bhgqk", qg, k) * np.float32(attrs["scale"]), attrs)
-    scores = np.where(mask[:, None, None], scores, -np.inf).astype(np.float32)
+    scores = masked(np.where(mask[:, None, None], scores, -np.inf), grouped_mask(arrays, attrs, hkv))
+    scores = scores.astype(np.float32)
     out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
     out[..., dv] = -np.inf
     for s in range(splits):
@@ -140,16 +144,19 @@ def _partial_reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.nd
     return out.reshape(b, hq, tq, splits, dv + 2)
 
 
-def _partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+def _partials(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, attrs: dict[str, Any], extra: np.ndarray | None
+) -> np.ndarray:
     """The reference's key ranges from compute-form q, k, v with BLAS products over the keys that
-    some query sees."""
+    some query sees (``extra``: the mask operand, grouped_mask's)."""
     b, hq, tq, _ = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     splits = attrs["splits"]
     out = np.zeros((b, hkv, hq // hkv, tq, splits, dv + 2), np.float32)
     out[..., dv] = -np.inf
     lo, hi = key_range(mask)
-    scores = masked_scores(q, k[:, :, lo:hi], mask[:, :, lo:hi], attrs) if lo < hi else None
+    part = mask_block(extra, slice(None), slice(lo, hi))
+    scores = masked_scores(q, k[:, :, lo:hi], mask[:, :, lo:hi], attrs, part) if lo < hi else None
     for s in range(splits):
         a, c = split_bounds(tk, splits, s)
         a, c = max(a, lo), min(c, hi)
@@ -178,8 +185,9 @@ def _partial_fast(node: Any) -> Kernel:
         q, k, v = arrays[:3]
         qpos, lengths = (arrays[slot[s]] if s in slot else None for s in (3, 4))
         mask = visible_keys(q.shape[0], q.shape[2], k.shape[2], attrs, qpos, lengths)
+        extra = grouped_mask(arrays, attrs, k.shape[1])
         if not append:
-            return [_partials(q, k, v, mask, attrs)]
+            return [_partials(q, k, v, mask, attrs, extra)]
         b = q.shape[0]
         at = qpos.reshape(b, 1, 1)
         q = q_stored(rotated(q, at, attrs, inv))
@@ -190,7 +198,7 @@ def _partial_fast(node: Any) -> Kernel:
         kept = k[rows, :, slots].copy(), v[rows, :, slots].copy()
         k[rows, :, slots], v[rows, :, slots] = k_new, v_new
         try:
-            return [_partials(q, k, v, mask, attrs)]
+            return [_partials(q, k, v, mask, attrs, extra)]
         finally:
             k[rows, :, slots], v[rows, :, slots] = kept
 
@@ -207,7 +215,7 @@ ATTENTION_PARTIAL = register(
         doc="attention over each of `splits` key ranges: unnormalised output, max score and exp-sum per "
         "range (float32); with k_new, v_new and rope's attributes, the append form of a decode step (q "
         "un-roped, the new key and value not yet in the caches); see megaloop.frontend.ops.attention_split.",
-        operands=("q", "k", "v", "q_positions", "kv_lengths", "k_new", "v_new"),
+        operands=("q", "k", "v", "q_positions", "kv_lengths", "k_new", "v_new", "mask"),
         attrs={
             "splits": "count",
             "causal": "bool",
@@ -215,9 +223,10 @@ ATTENTION_PARTIAL = register(
             "scale": "number?",
             "absent": "ints",
             "softcap": "number?",
+            "masked": "bool",
             **APPEND_ATTRS,
         },
-        optional_attrs=frozenset({"absent", "softcap", *APPEND_ATTRS}),
+        optional_attrs=frozenset({"absent", "softcap", "masked", *APPEND_ATTRS}),
         infer=_partial_infer,
         reference=_partial_reference,
         fast=Fast(_partial_fast, exact=False),
@@ -303,12 +312,15 @@ def attention(
     v_new: Tensor | None = None,
     rope: dict[str, Any] | None = None,
     softcap: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Attention (megaloop/frontend/ops/attention.py). ``kv_splits``: split the keys into that many ranges
     computed by separate tiles and merged after (this module's two ops): for few queries over many keys
     (decode). ``k_new``, ``v_new`` and ``rope`` (rope's keywords: theta, layout, rotary_dim, scaling):
     the append form of a decode step (module docstring), k and v the caches' old values, q un-roped.
-    ``softcap`` c: each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2)."""
+    ``softcap`` c: each scaled score s becomes c * tanh(s / c) before the mask (Gemma 2). ``mask``: bool
+    (True: attend) or float (added to the scores), broadcasting to [batch, heads, q_len, kv_len], as
+    torch's scaled_dot_product_attention's attn_mask; it hides keys on top of causal and window."""
     optional = {3: q_positions, 4: kv_lengths}
     operands = [q, k, v] + [t for t in optional.values() if t is not None]
     absent = tuple(s for s, t in optional.items() if t is None)
@@ -324,12 +336,17 @@ def attention(
     if append:
         attrs.update(_append_attrs(k_new, v_new, rope, kv_splits, q_positions))
         operands += [k_new, v_new]
+    if mask is not None:
+        attrs["masked"] = True
+        operands.append(mask)
     if kv_splits is not None:
         kv_splits = require_int(ATTENTION, "kv_splits", kv_splits, minimum=1)
         tk = k.shape[2] if isinstance(k, Tensor) and k.ndim == 4 else 1
         chunk = -(-tk // kv_splits)
         splits = -(-tk // chunk)  # no empty range: tk = 9 in 4 splits is 3 ranges of 3
         if splits > 1 or append:  # attention_partial then attention_combine
+            if mask is not None and not append:  # (its inputs named by the partial's operands)
+                attrs["absent"] = (*absent, 5, 6)
             partial = apply(ATTENTION_PARTIAL, operands, splits=splits, **attrs)
             return apply(ATTENTION_COMBINE, [partial], dtype=operands[0].dtype)
     return apply(ATTENTION, operands, **attrs)

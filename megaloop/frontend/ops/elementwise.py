@@ -21,6 +21,7 @@ from megaloop import dtypes
 from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFiniteError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _elementwise_vjp as _vjp
+from megaloop.frontend.ops import _integer as _int
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, rounder
@@ -38,6 +39,7 @@ __all__ = [
     "equal",
     "erf",
     "exp",
+    "floor_divide",
     "gelu",
     "greater",
     "greater_equal",
@@ -57,6 +59,7 @@ __all__ = [
     "pow",
     "reciprocal",
     "relu",
+    "remainder",
     "rsqrt",
     "scale",
     "sigmoid",
@@ -213,12 +216,16 @@ def _binary_op(
     cuda: str = "",
     placement: Any = ELEMENTWISE,
     vjp: Any = None,
+    check: Callable[[OpCall, dtypes.DType], None] | None = None,
+    check_data: Any = None,
 ) -> OpDef:
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
         dtype = tensor_dtype(call)
         check_kinds(call, dtype, kinds)
         check_scalars(call, dtype)
+        if check is not None:
+            check(call, dtype)
         return [OutSpec(shape, dtypes.bool_ if result == "bool" else dtype)]
 
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -245,6 +252,7 @@ def _binary_op(
             infer=infer,
             reference=reference,
             fast=Fast(fast),
+            check_data=check_data,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
             lowering=Lowering("elementwise", cuda),
@@ -276,14 +284,38 @@ MINIMUM = _binary_op(
     cuda="ml::minimum(a, b)",
     vjp=_vjp.minimum,
 )
+
+
 POW = _binary_op(
     "pow",
-    "a ** b (floats only; a negative base with a fractional power gives NaN).",
-    np.power,
-    "f",
+    "a ** b; on integers numpy's power (wrapping on overflow; a negative exponent refused: at build "
+    "time where it is a number, a data error where it is a tensor); a negative float base with a "
+    "fractional power gives NaN.",
+    _int.power,
+    "fi",
     accuracy=Accuracy(ulps=2.0),
-    cuda="powf(a, b)",
+    cuda="ml::power(a, b)",
     vjp=_vjp.power,
+    check=_int.check_power,
+    check_data=_int.check_power_data,
+)
+FLOOR_DIVIDE = _binary_op(
+    "floor_divide",
+    "a // b, numpy's floor_divide: the quotient rounded toward -inf (ints: 0 for a zero divisor, as "
+    "numpy; floats: numpy's divmod, a / b for a zero divisor).",
+    _int.quietly(np.floor_divide),
+    "fi",
+    accuracy=Accuracy(ulps=0.0),
+    cuda="ml::floor_divide(a, b)",
+)
+REMAINDER = _binary_op(
+    "remainder",
+    "a % b, numpy's remainder: the sign of the divisor, a - b * floor_divide(a, b) (ints: 0 for a zero "
+    "divisor, as numpy; floats: numpy's divmod, NaN for a zero divisor).",
+    _int.quietly(np.remainder),
+    "fi",
+    accuracy=Accuracy(ulps=0.0),
+    cuda="ml::remainder(a, b)",
 )
 EQUAL = _binary_op("equal", "a == b elementwise, giving bool.", np.equal, "fib", result="bool", cuda="a == b")
 NOT_EQUAL = _binary_op(
@@ -335,6 +367,8 @@ div = _binary_builder(DIV)
 maximum = _binary_builder(MAXIMUM)
 minimum = _binary_builder(MINIMUM)
 pow = _binary_builder(POW)
+floor_divide = _binary_builder(FLOOR_DIVIDE)
+remainder = _binary_builder(REMAINDER)
 equal = _binary_builder(EQUAL)
 not_equal = _binary_builder(NOT_EQUAL)
 less = _binary_builder(LESS)

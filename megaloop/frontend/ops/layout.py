@@ -140,12 +140,14 @@ def _resolve_shape(x: Tensor, shape: Sequence[Any]) -> tuple[int, ...]:
     """Replace one -1 by the size that keeps the element count; ShapeError naming the problem."""
     dims = list(as_ints(shape, f"reshape: {x!r} to {shape!r:.60}: shape", error=ShapeError))
     for d in dims:
-        if d < 1 and d != -1:
-            raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: sizes must be ints >= 1 (one may be -1)")
+        if d < 0 and d != -1:
+            raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: sizes must be ints >= 0 (one may be -1)")
     if dims.count(-1) > 1:
         raise ShapeError(f"reshape: {x!r} to {tuple(shape)}: only one size can be -1")
     if -1 in dims:
         known = numel(tuple(d for d in dims if d != -1))
+        if known == 0:  # (numpy's rule: any size would do)
+            raise ShapeError(f"reshape: cannot infer -1 in {tuple(shape)}: the other sizes hold no element")
         if x.size % known:
             raise ShapeError(f"reshape: cannot infer -1 in {tuple(shape)} for {x.size} elements of {x!r}")
         dims[dims.index(-1)] = x.size // known
@@ -264,12 +266,6 @@ def _slice_infer(call: OpCall) -> list[OutSpec]:
             raise call.error(GraphBuildError, f"step of axis {axis} is 0")
         start, stop, step = slice(start, stop, step).indices(size)
         n = len(range(start, stop, step))
-        if n == 0:
-            raise call.error(
-                ShapeError,
-                f"axis {axis} (size {size}) sliced [{start}:{stop}:{step}] is empty; "
-                "megaloop tensors cannot have empty axes",
-            )
         shape.append(n)
         strides.append(stride * step)
         offset += start * stride

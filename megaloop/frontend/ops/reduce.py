@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from megaloop import dtypes
-from megaloop.errors import AxisError
+from megaloop.errors import AxisError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_bool
@@ -64,13 +64,23 @@ def _reduction(name: str, doc: str, fn: Any, kinds: str, accuracy: Accuracy, pla
         check_kinds(call, call.dtype(0), kinds)
         axes = call.axes(call.attrs["axis"], len(call.shape(0)))
         call.attrs["axis"] = axes  # canonical form for later layers
-        return [OutSpec(reduced_shape(call.shape(0), axes, call.attrs["keepdims"]), call.dtype(0))]
+        out = reduced_shape(call.shape(0), axes, call.attrs["keepdims"])
+        if name in ("max", "min") and math.prod(out) and not math.prod(call.shape(0)[a] for a in axes):
+            raise call.error(
+                ShapeError,
+                f"{name} over axes {list(axes)} of {list(call.shape(0))}: an empty axis has no {name} "
+                "(numpy raises: no identity)",
+                hint="slice so that the reduced axes are not empty",
+            )
+        return [OutSpec(out, call.dtype(0))]
 
     def reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
         x = arrays[0]
         axes = normalize_axes(attrs["axis"], x.ndim)
         if x.dtype.kind in "iu" and name == "sum":
             return np.sum(x.astype(np.int64), axis=axes, keepdims=attrs["keepdims"]).astype(x.dtype)
+        if name == "mean" and not math.prod(x.shape[a] for a in axes):  # numpy's NaN, without its warning
+            return np.full(reduced_shape(x.shape, axes, attrs["keepdims"]), np.nan, np.float32)
         return fn(to_compute(x), axis=axes, keepdims=attrs["keepdims"])
 
     return register(
@@ -172,6 +182,8 @@ def _argmax_infer(call: OpCall) -> list[OutSpec]:
     axis, keepdims = call.attrs["axis"], call.attrs["keepdims"]
     shape = call.shape(0)
     if axis is None:
+        if not math.prod(shape):
+            raise call.error(ShapeError, f"argmax of an empty tensor {list(shape)}: it has no largest value")
         return [OutSpec(tuple(1 for _ in shape) if keepdims else (), dtypes.int64)]
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise call.error(
@@ -180,6 +192,8 @@ def _argmax_infer(call: OpCall) -> list[OutSpec]:
             hint="argmax reduces a single axis; reshape to merge axes first",
         )
     a = call.attrs["axis"] = call.axis(axis, len(shape))
+    if shape[a] == 0 and math.prod(d for i, d in enumerate(shape) if i != a):
+        raise call.error(ShapeError, f"argmax over axis {a} of size 0: an empty axis has no largest value")
     return [OutSpec(reduced_shape(shape, (a,), keepdims), dtypes.int64)]
 
 

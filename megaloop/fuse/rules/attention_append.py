@@ -15,7 +15,7 @@ from typing import Any
 
 import megaloop.frontend.ops as ops
 from megaloop.frontend.graph import Node
-from megaloop.frontend.ops._tilings import attention_slots
+from megaloop.frontend.ops._tilings import MASK, attention_slots
 from megaloop.frontend.tensor import Tensor
 from megaloop.fuse.patterns import linear, made_by, rope_attrs, same_values
 from megaloop.fuse.rewrite import Rewriter
@@ -84,7 +84,7 @@ def _fire(node: Node, rw: Rewriter) -> bool:
         out = ops.attention(
             rope_q.inputs[0], k_cache, v_cache, causal=True, q_positions=positions, window=attrs["window"],
             scale=attrs["scale"], kv_splits=attrs["splits"], k_new=k_new, v_new=v_new, rope=rope,
-            softcap=attrs.get("softcap"),
+            softcap=attrs.get("softcap"), mask=node.inputs[slot[MASK]] if MASK in slot else None,
         )  # fmt: skip
     with rw.build(anchor, after=True):
         ops.rope_kv_cache_update(k_cache, k_new, k_write.inputs[2], **rope)

@@ -86,6 +86,47 @@ __device__ __forceinline__ i64 query_position(const QP& qpos, int bi, int i) {
     return load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
 }
 
+// The mask operand's term for key j of query i of head h, batch item bi (its strides in the scores'
+// [batch, heads, queries, keys] index space, 0 where it broadcasts): 0 or -inf for a bool mask
+// (False hides the key), the value of a float one (added to the softcapped score); 0 without one.
+__device__ __forceinline__ float mask_score(bool seen) { return seen ? 0.0f : neg_inf(); }
+__device__ __forceinline__ float mask_score(float added) { return added; }
+// s with the mask's term added (s itself without a mask)
+template <class M>
+__device__ __forceinline__ float with_mask(float s, const M& mask, int bi, int h, int i, i64 j) {
+    if constexpr (!is_present<M>::value) {
+        return s;
+    } else {
+        return s + mask_score(load(mask.p + (i64)bi * stride_of<0, M> + (i64)h * stride_of<1, M> +
+                                   (i64)i * stride_of<2, M> + j * stride_of<3, M>));
+    }
+}
+
+// The tensor-core path's mask (attention_mma's Bias): row(hh, r) is the mask row of head hh, query r
+// of the tile, its term of key j row(j); found once a unit of queries, so the loop over keys adds
+// only j's offset. NoMask: none.
+template <class M>
+struct MaskRow {
+    const typename M::type* p;
+    __device__ __forceinline__ float operator()(i64 j) const { return mask_score(load(p + j * stride_of<3, M>)); }
+};
+template <class M>
+struct MaskRows {
+    static constexpr bool present = true;
+    M mask;
+    int bi, h0, s0;
+    __device__ __forceinline__ MaskRow<M> row(int hh, int r) const {
+        return {mask.p + (i64)bi * stride_of<0, M> + (i64)(h0 + hh) * stride_of<1, M> + (i64)(s0 + r) * stride_of<2, M>};
+    }
+};
+struct NoMask {
+    static constexpr bool present = false;
+    __device__ __forceinline__ NoMask row(int, int) const { return {}; }
+    __device__ __forceinline__ float operator()(i64) const { return 0.0f; }
+};
+template <class M, bool = is_present<M>::value> struct mask_rows_of { using type = MaskRows<M>; };
+template <class M> struct mask_rows_of<M, false> { using type = NoMask; };
+
 // for (int C = 0; C < N; ++C) { ... }, written once without a loop where N is 1 (up to 32 dims): a
 // one-trip loop left to the optimiser came out a few instructions longer
 #define ML_CHUNKS(C, N, ...)            \
@@ -101,9 +142,9 @@ __device__ __forceinline__ i64 query_position(const QP& qpos, int bi, int i) {
 // A warp per (batch, head, query): the scores one key at a time (the head's dims over the lanes, a
 // warp sum), the online softmax over [begin, end). Chunk > 0: attention_partial's key range o[3]
 // (out: [..., split, Dv + 2], unnormalised, then m and l), else the normalised output.
-template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class App = Absent>
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class M, class App = Absent>
 __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t, int tid, float scale, O out, Q q,
-                                                    K k, V v, QP qpos, L lens, App app = {}) {
+                                                    K k, V v, QP qpos, L lens, M mask, App app = {}) {
     constexpr bool APPEND = is_present<App>::value;
     static_assert(!APPEND || (Chunk > 0 && is_present<QP>::value), "append form: attention_partial's, with positions");
     constexpr int D = S::d, DV = S::dv, TK = S::tk, DL = (D + 31) / 32, VL = (DV + 31) / 32;
@@ -152,7 +193,8 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
             float s = 0.0f;
             ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                       if (dd < D) s += qv[c] * load(k.p + kb + j * stride_of<2, K> + (i64)dd * stride_of<3, K>);)
-            s = softcap<S::cap_bits>(warp_sum(s) * scale);
+            s = with_mask(softcap<S::cap_bits>(warp_sum(s) * scale), mask, bi, h, i, j);
+            if (is_present<M>::value && s == neg_inf()) continue;  // hidden by the mask (the warp agrees)
             const float mn = s > m ? s : m;
             const float corr = expf(m - mn), p = expf(s - mn);
             l = l * corr + p;
@@ -171,13 +213,15 @@ __device__ __forceinline__ void attention_warp_rows(const Args& a, const Task& t
                 ML_CHUNKS(c, DL, const int dd = lane + 32 * c;
                           if (dd < D) s += qv[c] * rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, dd,
                                                                                      (double)pn, app.inv_freq);)
-                s = softcap<S::cap_bits>(warp_sum(s) * scale);
-                const float mn = s > m ? s : m;
-                const float corr = expf(m - mn), p = expf(s - mn);
-                l = l * corr + p;
-                ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
-                          acc[c] = acc[c] * corr + (dd < DV ? p * load(vr + (i64)dd * stride_of<3, VN>) : 0.0f);)
-                m = mn;
+                s = with_mask(softcap<S::cap_bits>(warp_sum(s) * scale), mask, bi, h, i, pn);
+                if (!is_present<M>::value || s != neg_inf()) {
+                    const float mn = s > m ? s : m;
+                    const float corr = expf(m - mn), p = expf(s - mn);
+                    l = l * corr + p;
+                    ML_CHUNKS(c, VL, const int dd = lane + 32 * c;
+                              acc[c] = acc[c] * corr + (dd < DV ? p * load(vr + (i64)dd * stride_of<3, VN>) : 0.0f);)
+                    m = mn;
+                }
             }
         }
         const i64 ob = (i64)bi * stride_of<0, O> + (i64)h * stride_of<1, O> + (i64)i * stride_of<2, O> +
@@ -210,9 +254,9 @@ __device__ __forceinline__ void fold_key(float s, const Pack<T, W>& v, float& m,
     m = mn;
 }
 
-template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class App = Absent>
+template <class S, int Chunk, class O, class Q, class K, class V, class QP, class L, class M, class App = Absent>
 __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& t, int tid, float scale, O out, Q q,
-                                                     K k, V v, QP qpos, L lens, App app = {}) {
+                                                     K k, V v, QP qpos, L lens, M mask, App app = {}) {
     constexpr bool APPEND = is_present<App>::value;
     static_assert(!APPEND || (Chunk > 0 && is_present<QP>::value), "append form: attention_partial's, with positions");
     using T = typename Q::type;
@@ -288,7 +332,8 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
                 if (live) {
-                    fold_key(softcap<S::cap_bits>(s * scale), vv, m, l, acc);
+                    const float sm = with_mask(softcap<S::cap_bits>(s * scale), mask, bi, h, i, j);
+                    if (!is_present<M>::value || sm != neg_inf()) fold_key(sm, vv, m, l, acc);
                 }
             }
             if constexpr (APPEND) {
@@ -302,8 +347,9 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                     float s = dot(qpk, kc);
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LPK);
-                    if (g == 0) {  // one key group takes it (the merge below adds the groups)
-                        fold_key(softcap<S::cap_bits>(s * scale), vv, m, l, acc);
+                    const float sm = with_mask(softcap<S::cap_bits>(s * scale), mask, bi, h, i, pn);
+                    if (g == 0 && (!is_present<M>::value || sm != neg_inf())) {  // one key group takes it
+                        fold_key(sm, vv, m, l, acc);  // (the merge below adds the groups)
                     }
                 }
             }
@@ -428,10 +474,11 @@ __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
 // of the tile's kv head (keys k_row / v_row apart); nh heads x nq queries; tk keys in all.
 // range(r, begin, end): the keys [begin, end) query r (0 <= r < nq, the same for every head) sees.
 // store(head, r, dim, value) writes the normalised output (zeros for a query that sees no key).
-template <typename T, int D, int SPLIT, unsigned Cap = 0u, typename Range, typename Store>
+// mask: MaskRows (its row(head, r)(key) added to each visible score, natural units; -inf hides it) or NoMask.
+template <typename T, int D, int SPLIT, unsigned Cap = 0u, typename Range, typename Store, typename Mask = NoMask>
 __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row, int nh, int nq, const T* k, i64 k_row,
                                               const T* v, i64 v_row, int tk, float scale_log2, void* smem,
-                                              Range range, Store store) {
+                                              Range range, Store store, Mask mask = {}) {
     static_assert(D % 16 == 0 && D <= 128, "head dimensions of 16..128 in steps of 16");
     static_assert(SPLIT == 1 || SPLIT == 2, "a unit's keys over one or two warps");
     constexpr int LD = D + 8, KS = D / 16, NT = ATT_BK / 8, DT = D / 8;
@@ -460,6 +507,8 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
         if (r1 < nq) range(r1, b1, e1);
         if (e0 <= b0) b0 = e0 = 0;
         if (e1 <= b1) b1 = e1 = 0;
+        [[maybe_unused]] const auto mask0 = mask.row(hh, min(r0, nq - 1));
+        [[maybe_unused]] const auto mask1 = mask.row(hh, min(r1, nq - 1));
         // this warp's keys: the union of its rows' ranges; the block's: the union over the warps
         int lo = (int)tk, hi = 0;
         if (e0 > b0) { lo = (int)b0; hi = (int)e0; }
@@ -536,6 +585,9 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
                         const i64 j = j0 + 8 * n + 2 * qd + (e & 1);
                         const bool seen = (e < 2) ? (j >= b0 && j < e0) : (j >= b1 && j < e1);
                         s[n][e] = seen ? softcap<Cap>(s[n][e] * scale_log2, 1.4426950408889634f) : NEG;
+                        if constexpr (Mask::present) {
+                            if (seen) s[n][e] += (e < 2 ? mask0(j) : mask1(j)) * 1.4426950408889634f;
+                        }
                     }
                     mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
                     mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
@@ -645,9 +697,9 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
 
 // The tile on tensor cores: the tile's heads (one kv head's) and block of queries through
 // attention_mma<T, D, Split>, each query's visible keys by the rule of the other paths.
-template <class S, int Split, class O, class Q, class K, class V, class QP, class L>
+template <class S, int Split, class O, class Q, class K, class V, class QP, class L, class M>
 __device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t, int tid, float scale_log2, O out,
-                                                   Q q, K k, V v, QP qpos, L lens) {
+                                                   Q q, K k, V v, QP qpos, L lens, M mask) {
     using T = typename Q::type;
     extern __shared__ float4 ml_smem4[];
     const int bi = t.lo[0], h0 = t.lo[1], s0 = t.lo[2];
@@ -662,6 +714,9 @@ __device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t,
         first = begin;
         last = bad_len ? begin : end;  // a bad length is reported above; nothing is read
     };
+    using Mask = typename mask_rows_of<M>::type;
+    Mask rows{};
+    if constexpr (is_present<M>::value) rows = {mask, bi, h0, s0};
     attention_mma<T, S::d, Split, S::cap_bits>(
         q.p + (i64)bi * stride_of<0, Q> + (i64)h0 * stride_of<1, Q> + (i64)s0 * stride_of<2, Q>, stride_of<1, Q>,
         stride_of<2, Q>, t.hi[1] - h0, t.hi[2] - s0, k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>,
@@ -670,7 +725,8 @@ __device__ __forceinline__ void attention_mma_tile(const Args& a, const Task& t,
             store(out.p + (i64)bi * stride_of<0, O> + (i64)(h0 + hh) * stride_of<1, O> +
                       (i64)(s0 + r) * stride_of<2, O> + (i64)dd * stride_of<3, O>,
                   val);
-        });
+        },
+        rows);
 }
 
 // q, k and v 16-byte aligned (the tensor-core and split-key paths load them in 16-byte packs)
@@ -682,41 +738,42 @@ __device__ __forceinline__ bool aligned_heads(const Q& q, const K& k, const V& v
 // One tile of attention (queries of the query heads of one kv head; out [B, Hq, Tq, Dv]): on tensor
 // cores where Mma (attention_mma's Split, 1 or 2), else split keys where SplitKeys, either only where q,
 // k and v are 16-byte aligned; else a warp per row. scale_log2: scale * log2(e), rounded once.
-template <class S, int Mma, bool SplitKeys, class O, class Q, class K, class V, class QP, class L>
+template <class S, int Mma, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class M>
 __device__ __forceinline__ void attention(const Args& a, const Task& t, int tid, float scale, float scale_log2, O out,
-                                          Q q, K k, V v, QP qpos, L lens) {
+                                          Q q, K k, V v, QP qpos, L lens, M mask) {
     static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4 && O::rank == 4, "attention: 4-D q, k, v, out");
     if constexpr (Mma > 0) {
         if (aligned_heads(q, k, v)) {
-            attention_mma_tile<S, Mma>(a, t, tid, scale_log2, out, q, k, v, qpos, lens);
+            attention_mma_tile<S, Mma>(a, t, tid, scale_log2, out, q, k, v, qpos, lens, mask);
             return;
         }
     }
     if constexpr (SplitKeys) {
         if (aligned_heads(q, k, v)) {
-            attention_split_keys<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens);
+            attention_split_keys<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens, mask);
             return;
         }
     }
-    attention_warp_rows<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens);
+    attention_warp_rows<S, 0>(a, t, tid, scale, out, q, k, v, qpos, lens, mask);
 }
 
 // One tile of attention_partial: key range t.lo[3] of Chunk keys; out [B, Hq, Tq, splits, Dv + 2]
 // float32, the unnormalised output, its max score m and exp-sum l. Split keys where SplitKeys and aligned
 // (the append form's k_new and v_new too). app: AttnAppend for the append form, else Absent.
-template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class App = Absent>
+template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class M,
+          class App = Absent>
 __device__ __forceinline__ void attention_partial(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
-                                                  V v, QP qpos, L lens, App app = {}) {
+                                                  V v, QP qpos, L lens, M mask, App app = {}) {
     static_assert(Chunk > 0 && O::rank == 5, "attention_partial: key ranges of Chunk keys, 5-D out");
     if constexpr (SplitKeys) {
         bool ok = aligned_heads(q, k, v);
         if constexpr (is_present<App>::value) ok = ok && aligned(app.k.p, 16) && aligned(app.v.p, 16);
         if (ok) {
-            attention_split_keys<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, app);
+            attention_split_keys<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, mask, app);
             return;
         }
     }
-    attention_warp_rows<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, app);
+    attention_warp_rows<S, Chunk>(a, t, tid, scale, out, q, k, v, qpos, lens, mask, app);
 }
 
 // One tile of attention_combine, a warp per (batch, head, query): the largest m over the Splits key

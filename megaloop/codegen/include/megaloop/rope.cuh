@@ -250,4 +250,30 @@ __device__ __forceinline__ void rope(const Task& t, const double* inv_freq, O ou
     });
 }
 
+// rope_table's tile, element by element: for d < RD with partner p (neox: d +- RD/2; interleaved:
+// d ^ 1), out[d] = x[d] cos[f] -+ x[p] sin[f] (minus for the pair's first dim), f = d, or its pair's
+// index where PerPair; in float64 (the products of float32 values are exact there: the reference's
+// bits), rounded once; dims past RD copied. The tables' strides are in x's index space (their last
+// axis indexes f).
+template <int RD, bool Neox, bool PerPair, class O, class X, class C, class S>
+__device__ __forceinline__ void rope_table(const Task& t, O out, X x, C cos, S sin) {
+    constexpr int N = X::rank, HALF = RD / 2;
+    static_assert(O::rank == N && C::rank == N && S::rank == N, "rope_table: out, cos and sin in x's index space");
+    for_box<N>(t, [&](const int* i) {
+        const int d = i[N - 1];
+        const i64 xd = x.offset(i);
+        if (d >= RD) {
+            store(out.p + out.offset(i), load(x.p + xd));
+            return;
+        }
+        const int p = Neox ? (d < HALF ? d + HALF : d - HALF) : d ^ 1;
+        const bool first = Neox ? d < HALF : !(d & 1);
+        const int f = PerPair ? (Neox ? d % HALF : d / 2) : d;
+        const double c = load(cos.p + cos.offset(i) + (i64)(f - d) * C::inner);
+        const double s = load(sin.p + sin.offset(i) + (i64)(f - d) * S::inner);
+        const double a = load(x.p + xd), b = load(x.p + xd + (i64)(p - d) * X::inner);
+        store(out.p + out.offset(i), (float)(a * c + (first ? -b : b) * s));
+    });
+}
+
 }  // namespace ml
