@@ -202,7 +202,11 @@ def grouped_mask(arrays: list[np.ndarray], attrs: dict[str, Any], hkv: int) -> n
     slot = _tilings.attention_slots(attrs)
     if MASK not in slot:
         return None
-    mask = arrays[slot[MASK]]
+    return group_heads(arrays[slot[MASK]], hkv)
+
+
+def group_heads(mask: np.ndarray, hkv: int) -> np.ndarray:
+    """A mask operand broadcasting to [batch, heads, q_len, kv_len] as grouped_mask gives it."""
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     b, h, q, k = mask.shape
     mask = mask.reshape(b, hkv, h // hkv, q, k) if h > 1 else mask.reshape(b, 1, 1, q, k)
