@@ -18,13 +18,23 @@ from megaloop.codegen import generate
 from megaloop.plan import make_plan
 from megaloop.reference.fast import FastGraph
 from megaloop.reference.interpreter import run_plan
+from megaloop.runtime.compile import compile_cubin
 
 # (name, b, hq, hkv, tq, tk, d, keywords: causal, window, softcap, q_positions, kv_lengths, mask)
 CASES: list[tuple[str, int, int, int, int, int, int, dict[str, Any]]] = [
     ("causal_gqa", 2, 4, 2, 9, 9, 16, {"causal": True}),
     ("window_softcap", 1, 2, 1, 12, 12, 8, {"causal": True, "window": 4, "softcap": 5.0}),
     ("prefix_lengths_float_mask", 2, 2, 2, 5, 11, 8, {"kv_lengths": [11, 0], "mask": "float"}),
-    ("positions_bool_mask", 2, 3, 1, 4, 10, 8, {"causal": True, "q_positions": [[2, 5, 6, 9], [0, 1, 7, 8]], "mask": "bool"}),
+    (
+        "positions_bool_mask",
+        2,
+        3,
+        1,
+        4,
+        10,
+        8,
+        {"causal": True, "q_positions": [[2, 5, 6, 9], [0, 1, 7, 8]], "mask": "bool"},
+    ),
 ]
 ULPS = 16  # of the gradient's largest magnitude, times sqrt(kv_len): sums of products over the keys
 
@@ -48,21 +58,21 @@ def _inputs(case: tuple, dtype: str, seed: int) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _graph(case: tuple, dtype: str, arrays: dict[str, np.ndarray]) -> ml.Graph:
-    name, b, hq, hkv, tq, tk, d, kw = case
-    g = ml.Graph(name)
-    q, k, v, do = (g.input(n, arrays[n].shape, dtype) for n in ("q", "k", "v", "do"))
+def _graph(case: tuple, dtype: str, arrays: dict[str, np.ndarray], g: ml.Graph | None = None, at: str = "") -> ml.Graph:
+    """The case's attention_grad on inputs q, k, v, do (and mask), outputs dq, dk, dv (names after ``at``)."""
+    kw = case[-1]
+    g = g or ml.Graph(case[0])
+    q, k, v, do = (g.input(at + n, arrays[n].shape, dtype) for n in ("q", "k", "v", "do"))
     opts: dict[str, Any] = {key: kw[key] for key in ("causal", "window", "softcap") if key in kw}
     if "q_positions" in kw:
         opts["q_positions"] = g.constant(np.array(kw["q_positions"], np.int64), "int64")
     if "kv_lengths" in kw:
         opts["kv_lengths"] = g.constant(np.array(kw["kv_lengths"], np.int64), "int64")
     if "mask" in arrays:
-        opts["mask"] = g.input("mask", arrays["mask"].shape, "bool" if arrays["mask"].dtype == bool else dtype)
-    o = ml.attention(q, k, v, **opts)
-    dq, dk, dv = ml.attention_grad(q, k, v, o, do, **opts)
+        opts["mask"] = g.input(at + "mask", arrays["mask"].shape, "bool" if arrays["mask"].dtype == bool else dtype)
+    dq, dk, dv = ml.attention_grad(q, k, v, do, **opts)
     for n, t in (("dq", dq), ("dk", dk), ("dv", dv)):
-        g.output(n, t)
+        g.output(at + n, t)
     return g
 
 
@@ -79,7 +89,8 @@ def torch_gradients(case: tuple, arrays: dict[str, np.ndarray]) -> dict[str, np.
     j = torch.arange(tk).view(1, 1, 1, tk)
     seen = j < lengths
     if kw.get("causal"):
-        pos = torch.tensor(kw["q_positions"]).view(b, 1, tq, 1) if "q_positions" in kw else lengths - tq + torch.arange(tq).view(1, 1, tq, 1)
+        rows = torch.arange(tq).view(1, 1, tq, 1)
+        pos = torch.tensor(kw["q_positions"]).view(b, 1, tq, 1) if "q_positions" in kw else lengths - tq + rows
         seen = seen & (j <= pos)
         if "window" in kw:
             seen = seen & (j > pos - kw["window"])
@@ -114,3 +125,48 @@ def test_gradients_match_torch_autograd(case: tuple, dtype: str) -> None:
     fast = FastGraph(g, {})
     check(fast.run(arrays), want, dtype, case[5], "fast")
     check(run_plan(make_plan(g, processors=5), arrays, {}, seed=1).outputs, want, dtype, case[5], "interpreter")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_loop_kernel_code_compiles(arch: str) -> None:
+    """Every case's three parts in one loop kernel (bfloat16; float32 for the float mask's case)."""
+    g = ml.Graph("grads")
+    for n, case in enumerate(CASES):
+        dtype = "float32" if case[-1].get("mask") == "float" else "bfloat16"
+        _graph(case, dtype, _inputs(case, dtype, seed=n), g, f"c{n}.")
+    src = generate(make_plan(g, processors=8)).source
+    for part in ("rows", "dq", "dkv"):
+        assert f"ml::attention_grad_{part}<ml::AttnShape<" in src
+    assert compile_cubin(src, arch, use_cache=False)[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_loop_kernel_matches_torch_autograd(case: tuple, dtype: str) -> None:
+    """The three parts' tiles in the loop kernel on a GPU, against torch autograd (skips without one)."""
+    from megaloop.runtime.device import gpus
+    from megaloop.runtime.loop import LoopKernel
+
+    if not gpus()[0]:
+        pytest.skip("no GPU: " + gpus()[1])
+    arrays = _inputs(case, dtype, seed=len(case[0]))
+    g = _graph(case, dtype, arrays)
+    with LoopKernel(make_plan(g, processors=16), {}) as kernel:
+        got = kernel.run(arrays)
+    check(got, torch_gradients(case, arrays), dtype, case[5], "loop kernel")
+
+
+def test_attention_rule_uses_the_op_and_stores_no_scores() -> None:
+    """ml.grad of an attention: attention_grad's three parts, no tensor as large as the scores."""
+    b, hq, hkv, t, d = 1, 4, 2, 32, 8
+    g = ml.Graph("rule")
+    q = g.parameter("q", (b, hq, t, d), "float32")
+    k, v = (g.parameter(n, (b, hkv, t, d), "float32") for n in ("k", "v"))
+    loss = ml.sum(ml.attention(q, k, v, causal=True, window=8) * g.input("c", (b, hq, t, d), "float32"))
+    grads = ml.grad(g, loss, [q, k, v])
+    parts = [n.attrs["part"] for n in g.nodes if n.op.name == "attention_grad"]
+    assert sorted(parts) == ["dkv", "dq", "rows"]
+    largest = max(o.size for n in g.nodes for o in n.outputs)
+    assert largest < b * hq * t * t, f"a tensor of {largest} elements: the scores are {b * hq * t * t}"
+    assert all(x.shape == y.shape for x, y in zip(grads, (q, k, v)))

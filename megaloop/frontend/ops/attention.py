@@ -275,6 +275,26 @@ def visible_keys_tensor(call: VjpCall) -> Tensor | None:
 
 
 def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """``attention_grad`` (the scores recomputed a block of keys at a time, megaloop/frontend/ops/
+    attention_grad.py), or plain_vjp where a float mask operand needs its own gradient."""
+    slot = _tilings.attention_slots(call.attrs)
+    if MASK in slot and call.needs[slot[MASK]]:
+        return plain_vjp(call)
+    attrs = call.attrs
+    opts = {"causal": attrs["causal"], "window": attrs["window"], "scale": attrs["scale"]}
+    opts.update({"softcap": attrs["softcap"]} if attrs.get("softcap") is not None else {})
+    for s, name in ((3, "q_positions"), (4, "kv_lengths"), (MASK, "mask")):
+        if s in slot:
+            opts[name] = call.inputs[slot[s]]
+    q, k, v = call.inputs[:3]
+    dq, dk, dv = B.attention_grad(q, k, v, call.cotangent(), **opts)
+    grads: list[Tensor | None] = [None] * len(call.inputs)
+    for i, g in enumerate((dq, dk, dv)):
+        grads[i] = g if call.needs[i] else None
+    return grads
+
+
+def plain_vjp(call: VjpCall) -> list[Tensor | None]:
     """The scores recomputed (float32) from q and k, then, with P their masked softmax and dO the
     cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) scale, dQ = dS K, dK = dS^T Q;
     a kv head's query heads are one block of rows, so GQA's sums over the group fall out of the products.

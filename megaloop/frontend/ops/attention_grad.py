@@ -3,14 +3,15 @@ at a time (float32), so the [heads, queries, keys] probabilities are never store
 
 ``attention_grad`` is one op in three parts (attribute ``part``), each node one float32 result:
 
-- ``rows``: each query row's log-sum-exp of its masked scores and delta = rowsum(dO * O), [b, hq, tq, 2]
-  (a row that sees no key: log-sum-exp +inf, so its probabilities are 0);
+- ``rows``: each query row's log-sum-exp of its masked scores and delta = rowsum(P dP), [b, hq, tq, 2],
+  one online pass over the keys (delta is dO . O, but from the float32 P, not the output rounded to
+  its dtype; a row that sees no key: log-sum-exp +inf, so its probabilities are 0, delta 0);
 - ``dq``: dQ = dS K [b, hq, tq, d], one pass over the keys, reading ``rows``;
 - ``dkv``: dK = dS^T Q and dV = P^T dO side by side, [b, hkv, tk, d + dv], a pass over the queries of
   each block of keys (a kv head's query heads summed there: grouped-query attention), reading ``rows``.
 
 With P = exp(S - lse) and dP = dO V^T, dS = P (dP - delta) scale (through the softcap's 1 - tanh^2).
-Operands: q, k, v, the forward's output o, its cotangent do, then ``rows`` (the dq and dkv parts), then
+Operands: q, k, v, the cotangent do of attention's output, then ``rows`` (the dq and dkv parts), then
 attention's optional q_positions, kv_lengths and mask (``absent`` and ``masked`` as attention's).
 ``ml.attention_grad`` builds the three and gives dq, dk, dv rounded once to q's, k's and v's dtypes.
 """
@@ -28,7 +29,7 @@ from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, Out
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
 from megaloop.frontend.ops._tilings import mask_box
-from megaloop.frontend.ops.attention import ATTENTION, check_mask, group_heads, mask_block, masked, visible_keys
+from megaloop.frontend.ops.attention import ATTENTION, group_heads, mask_block, masked, visible_keys
 from megaloop.frontend.ops.elementwise import to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import BUILDERS as B
@@ -36,7 +37,7 @@ from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, TileContext, Tiling, Write, same
 
 PARTS = ("rows", "dq", "dkv")
-ROWS, QPOS, KVLEN, MASK = 5, 6, 7, 8  # the optional operands' slots
+ROWS, QPOS, KVLEN, MASK = 4, 5, 6, 7  # the optional operands' slots
 SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of keys holds at most (16 MiB)
 
 
@@ -45,25 +46,28 @@ def grad_slots(attrs: dict[str, Any]) -> dict[int, int]:
     present = [ROWS] if attrs["part"] != "rows" else []
     present += [s for s in (QPOS, KVLEN) if s not in attrs.get("absent", ())]
     present += [MASK] if attrs.get("masked") else []
-    return {s: 5 + n for n, s in enumerate(present)}
+    return {s: 4 + n for n, s in enumerate(present)}
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
     attrs, slot = call.attrs, grad_slots(call.attrs)
-    q, k, v, o, do = call.operands[:5]
+    q, k, v, do = call.operands[:4]
     forward = [q, k, v] + [call.operands[slot[s]] for s in (QPOS, KVLEN, MASK) if s in slot]
     fattrs = {key: attrs[key] for key in ("causal", "window", "scale", "softcap", "masked") if key in attrs}
-    fattrs["absent"] = tuple(s - 3 for s in attrs.get("absent", ()))  # attention's slots 3 and 4
+    fattrs["absent"] = tuple(s - 2 for s in attrs.get("absent", ()))  # attention's slots 3 and 4
     spec = ATTENTION.infer(OpCall(ATTENTION, tuple(forward), fattrs, call.where))[0]
     attrs["scale"] = fattrs["scale"]
-    for name, t in (("o", o), ("do", do)):
-        if t.shape != spec.shape or not t.dtype.is_float:
-            raise call.error(ShapeError, f"{name} must be attention's output, float{format_shape(spec.shape)}; got {t!r}")
+    if do.shape != spec.shape or not do.dtype.is_float:
+        raise call.error(
+            ShapeError, f"do must be a float cotangent of attention's {format_shape(spec.shape)}, got {do!r}"
+        )
     b, hq, tq, d = q.shape
     if ROWS in slot:
         rows = call.operands[slot[ROWS]]
         if rows.shape != (b, hq, tq, 2) or rows.dtype != float32:
-            raise call.error(ShapeError, f"rows must be the rows part's float32{format_shape((b, hq, tq, 2))}, got {rows!r}")
+            raise call.error(
+                ShapeError, f"rows must be the rows part's float32{format_shape((b, hq, tq, 2))}, got {rows!r}"
+            )
     if attrs["part"] == "rows":
         return [OutSpec((b, hq, tq, 2), float32)]
     if attrs["part"] == "dq":
@@ -99,7 +103,7 @@ def _block_scores(
 def backward(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     """The node's result from its operands (any float dtype), in float32 blocks of keys."""
     slot = grad_slots(attrs)
-    q, k, v, o, do = (to_compute(a).astype(np.float32, copy=False) for a in arrays[:5])
+    q, k, v, do = (to_compute(a).astype(np.float32, copy=False) for a in arrays[:4])
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -116,16 +120,20 @@ def backward(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
     if attrs["part"] == "rows":
         top = np.full((b, hkv, group, tq, 1), -np.inf, np.float32)
-        total = np.zeros_like(top)
-        for lo, hi in blocks:  # the online softmax's max and sum over the blocks
+        total, dots = np.zeros_like(top), np.zeros_like(top)
+        for lo, hi in blocks:  # the online softmax's max, sum and sum of p dP over the blocks
             s = scores(lo, hi)[0]
             new = np.maximum(top, np.max(s, axis=-1, keepdims=True))
             base = np.where(np.isfinite(new), new, np.float32(0))
-            total = total * np.exp(top - base) + np.sum(np.exp(s - base), axis=-1, keepdims=True)
+            p, shrink = np.exp(s - base), np.exp(top - base)
+            dp = np.matmul(dog, np.swapaxes(v[:, :, lo:hi], -1, -2)).reshape(p.shape)
+            total = total * shrink + np.sum(p, axis=-1, keepdims=True)
+            dots = dots * shrink + np.sum(p * dp, axis=-1, keepdims=True)
             top = new
-        lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), np.float32(np.inf))
-        delta = np.sum(do * o, axis=-1, dtype=np.float32)
-        return np.stack([lse.reshape(b, hq, tq), delta], axis=-1).astype(np.float32)
+        some = total > 0
+        lse = np.where(some, top + np.log(np.where(some, total, 1)), np.float32(np.inf))
+        delta = np.where(some, dots / np.where(some, total, 1), np.float32(0))
+        return np.concatenate([lse, delta], axis=-1).reshape(b, hq, tq, 2).astype(np.float32)
     rows = arrays[slot[ROWS]].astype(np.float32, copy=False).reshape(b, hkv, group, tq, 2)
     lse, delta = rows[..., :1], rows[..., 1:]
     out = np.zeros((b, hkv, group * tq, d) if attrs["part"] == "dq" else (b, hkv, tk, d + dv), np.float32)
@@ -162,21 +170,27 @@ def _tiles(node: Any, params: dict[str, int], ctx: TileContext) -> list[Tile]:
                 q0, q1, k0, k1 = (0, tq, s, e) if by_keys else (s, e, 0, tk)
                 qbox = Box((bi, h0, q0, 0), (bi + 1, h1, q1, d))
                 reads = [Read(0, qbox), Read(1, Box((bi, h, k0, 0), (bi + 1, h + 1, k1, d)))]
-                if attrs["part"] != "rows":
-                    reads.append(Read(2, Box((bi, h, k0, 0), (bi + 1, h + 1, k1, dv))))
+                reads.append(Read(2, Box((bi, h, k0, 0), (bi + 1, h + 1, k1, dv))))
+                reads.append(Read(3, Box((bi, h0, q0, 0), (bi + 1, h1, q1, dv))))
+                if ROWS in slot:
                     reads.append(Read(slot[ROWS], Box((bi, h0, q0, 0), (bi + 1, h1, q1, 2))))
-                else:
-                    reads.append(Read(3, Box((bi, h0, q0, 0), (bi + 1, h1, q1, dv))))
-                reads.append(Read(4, Box((bi, h0, q0, 0), (bi + 1, h1, q1, dv))))
                 if QPOS in slot:
                     reads.append(Read(slot[QPOS], Box((bi, q0), (bi + 1, q1))))
                 if KVLEN in slot:
                     reads.append(Read(slot[KVLEN], Box((bi,), (bi + 1,))))
                 if MASK in slot:
                     reads.append(Read(slot[MASK], mask_box(node.inputs[slot[MASK]], bi, h0, h1, q0, q1, k0, k1)))
-                out = Box((bi, h, s, 0), (bi + 1, h + 1, e, width)) if by_keys else Box((bi, h0, s, 0), (bi + 1, h1, e, width))
-                passes = {"rows": d, "dq": 2 * d + dv, "dkv": 2 * d + 2 * dv}[attrs["part"]]
-                tiles.append(Tile((bi, h, s // block), tuple(reads), (Write(0, out),), 2 * group * (q1 - q0) * (k1 - k0) * passes))
+                out = (
+                    Box((bi, h, s, 0), (bi + 1, h + 1, e, width))
+                    if by_keys
+                    else Box((bi, h0, s, 0), (bi + 1, h1, e, width))
+                )
+                passes = {"rows": d + dv, "dq": 2 * d + dv, "dkv": 2 * d + 2 * dv}[attrs["part"]]
+                tiles.append(
+                    Tile(
+                        (bi, h, s // block), tuple(reads), (Write(0, out),), 2 * group * (q1 - q0) * (k1 - k0) * passes
+                    )
+                )
     return tiles
 
 
@@ -192,8 +206,8 @@ def _dims(node: Any) -> list[_placements.Dim]:
     slot, out = grad_slots(node.attrs), _placements.OUT
     q, k = node.inputs[:2]
     group = q.shape[1] // k.shape[1]
-    per_query = [(i, 1, group) for i in (0, 3, 4)] + ([(slot[ROWS], 1, group)] if ROWS in slot else [])
-    seqs = [(i, 0, 1) for i in range(5)] + [(slot[s], 0, 1) for s in (ROWS, QPOS, KVLEN) if s in slot]
+    per_query = [(i, 1, group) for i in (0, 3)] + ([(slot[ROWS], 1, group)] if ROWS in slot else [])
+    seqs = [(i, 0, 1) for i in range(4)] + [(slot[s], 0, 1) for s in (ROWS, QPOS, KVLEN) if s in slot]
     heads = per_query + [(1, 1, 1), (2, 1, 1)]
     if MASK in slot:
         mask = node.inputs[slot[MASK]]
@@ -217,7 +231,7 @@ ATTENTION_GRAD = register(
         category="attention",
         doc="attention's backward in three parts (rows: log-sum-exp and rowsum(dO O); dq; dk and dv), the "
         "scores recomputed a block of keys at a time in float32; see megaloop.frontend.ops.attention_grad.",
-        operands=("q", "k", "v", "o", "do", "rows", "q_positions", "kv_lengths", "mask"),
+        operands=("q", "k", "v", "do", "rows", "q_positions", "kv_lengths", "mask"),
         attrs={
             "part": PARTS,
             "causal": "bool",
@@ -244,7 +258,6 @@ def attention_grad(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    o: Tensor,
     do: Tensor,
     *,
     causal: bool = False,
@@ -255,8 +268,8 @@ def attention_grad(
     softcap: float | None = None,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of ``attention(q, k, v, ...)`` (the same keywords) whose output is ``o`` and its
-    cotangent ``do``: float32 sums rounded once to q's, k's and v's dtypes. A float mask's own gradient
+    """dq, dk, dv of ``attention(q, k, v, ...)`` (the same keywords) for the cotangent ``do`` of its
+    output: float32 sums rounded once to q's, k's and v's dtypes. A float mask's own gradient
     is not given (attention's rule then takes its plain-op form)."""
     op = ATTENTION_GRAD
     attrs: dict[str, Any] = {"causal": require_bool(op, "causal", causal), "window": None, "scale": None}
@@ -273,11 +286,10 @@ def attention_grad(
     if mask is not None:
         attrs["masked"] = True
         extra.append(mask)
-    rows = apply(op, [q, k, v, o, do, *extra], part="rows", **attrs)
-    dq = apply(op, [q, k, v, o, do, rows, *extra], part="dq", **attrs)
-    dkv = apply(op, [q, k, v, o, do, rows, *extra], part="dkv", **attrs)
+    rows = apply(op, [q, k, v, do, *extra], part="rows", **attrs)
+    dq = apply(op, [q, k, v, do, rows, *extra], part="dq", **attrs)
+    dkv = apply(op, [q, k, v, do, rows, *extra], part="dkv", **attrs)
     d = q.shape[3]
     dk = B.slice_(dkv, (None, None, None, 0), (None, None, None, d))
     dv = B.slice_(dkv, (None, None, None, d), (None, None, None, None))
     return B.cast(dq, q.dtype), B.cast(dk, k.dtype), B.cast(dv, v.dtype)
-
