@@ -170,3 +170,16 @@ def test_attention_rule_uses_the_op_and_stores_no_scores() -> None:
     largest = max(o.size for n in g.nodes for o in n.outputs)
     assert largest < b * hq * t * t, f"a tensor of {largest} elements: the scores are {b * hq * t * t}"
     assert all(x.shape == y.shape for x, y in zip(grads, (q, k, v)))
+
+
+def test_only_the_parts_asked_for_are_built() -> None:
+    g = ml.Graph("wrt")
+    q, k, v, do = (g.input(n, (1, 2, 4, 8), "float32") for n in ("q", "k", "v", "do"))
+    dq, dk, dv = ml.attention_grad(q, k, v, do, causal=True, wrt="q")
+    assert dk is None and dv is None and dq.shape == q.shape
+    assert sorted(n.attrs["part"] for n in g.nodes if n.op.name == "attention_grad") == ["dq", "rows"]
+    assert ml.attention_grad(q, k, v, do, wrt="v")[0] is None
+    with pytest.raises(ml.errors.GraphBuildError, match="wrt must name some of q, k and v"):
+        ml.attention_grad(q, k, v, do, wrt="x")
+    with pytest.raises(ml.errors.ShapeError, match="do must be a float cotangent"):
+        ml.attention_grad(q, k, v, g.input("bad", (1, 2, 3, 8), "float32"))

@@ -287,10 +287,10 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
         if s in slot:
             opts[name] = call.inputs[slot[s]]
     q, k, v = call.inputs[:3]
-    dq, dk, dv = B.attention_grad(q, k, v, call.cotangent(), **opts)
+    wrt = "".join(n for n, need in zip("qkv", call.needs) if need)
     grads: list[Tensor | None] = [None] * len(call.inputs)
-    for i, g in enumerate((dq, dk, dv)):
-        grads[i] = g if call.needs[i] else None
+    if wrt:
+        grads[:3] = B.attention_grad(q, k, v, call.cotangent(), wrt=wrt, **opts)
     return grads
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from megaloop.dtypes import float32
-from megaloop.errors import DataError, ShapeError
+from megaloop.errors import DataError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, first_bad, register
 from megaloop.frontend.ops import _placements
 from megaloop.frontend.ops._build import apply, require_bool, require_int, require_scalar
@@ -267,11 +267,15 @@ def attention_grad(
     scale: float | None = None,
     softcap: float | None = None,
     mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    wrt: str = "qkv",
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """dq, dk, dv of ``attention(q, k, v, ...)`` (the same keywords) for the cotangent ``do`` of its
     output: float32 sums rounded once to q's, k's and v's dtypes. A float mask's own gradient
-    is not given (attention's rule then takes its plain-op form)."""
+    is not given (attention's rule then takes its plain-op form). ``wrt``: which of "q", "k", "v" to
+    build (the others None; dq and the dk/dv pair are separate parts)."""
     op = ATTENTION_GRAD
+    if not isinstance(wrt, str) or not wrt or set(wrt) - set("qkv"):
+        raise GraphBuildError(f"attention_grad: wrt must name some of q, k and v (as 'qkv' or 'kv'), got {wrt!r}")
     attrs: dict[str, Any] = {"causal": require_bool(op, "causal", causal), "window": None, "scale": None}
     if window is not None:
         attrs["window"] = require_int(op, "window", window, minimum=1)
@@ -287,9 +291,11 @@ def attention_grad(
         attrs["masked"] = True
         extra.append(mask)
     rows = apply(op, [q, k, v, do, *extra], part="rows", **attrs)
-    dq = apply(op, [q, k, v, do, rows, *extra], part="dq", **attrs)
+    dq = B.cast(apply(op, [q, k, v, do, rows, *extra], part="dq", **attrs), q.dtype) if "q" in wrt else None
+    if not set(wrt) & {"k", "v"}:
+        return dq, None, None
     dkv = apply(op, [q, k, v, do, rows, *extra], part="dkv", **attrs)
     d = q.shape[3]
-    dk = B.slice_(dkv, (None, None, None, 0), (None, None, None, d))
-    dv = B.slice_(dkv, (None, None, None, d), (None, None, None, None))
-    return B.cast(dq, q.dtype), B.cast(dk, k.dtype), B.cast(dv, v.dtype)
+    dk = B.cast(B.slice_(dkv, (None, None, None, 0), (None, None, None, d)), k.dtype) if "k" in wrt else None
+    dv = B.cast(B.slice_(dkv, (None, None, None, d), (None, None, None, None)), v.dtype) if "v" in wrt else None
+    return dq, dk, dv
