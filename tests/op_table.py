@@ -1886,4 +1886,5 @@ TESTED_ELSEWHERE = {
     "reduce_scatter": "test_collectives.py",
     "send": "test_collectives.py",
     "recv": "test_collectives.py",
+    "attention_grad": "test_attention_grad.py",
 }

@@ -16,7 +16,7 @@ from megaloop.codegen.emit import Operand, float_literal, pointers, rope_frequen
 from megaloop.frontend.ops._tilings import MASK, attention_slots
 
 
-def _at(o: Operand | None, pointer: str) -> str:
+def at(o: Operand | None, pointer: str) -> str:
     """``ml::at<strides...>(pointer)`` (megaloop/elementwise.cuh), ``ml::Absent{}`` for no operand."""
     return f"ml::at<{', '.join(str(st) for st in o.strides)}>({pointer})" if o is not None else "ml::Absent{}"
 
@@ -26,11 +26,15 @@ def _mask(attrs: dict[str, Any], ins: list[Operand]) -> str:
     space: 0 along the axes it broadcasts."""
     slot = attention_slots(attrs)
     if MASK not in slot:
-        return _at(None, "")
-    mask = ins[slot[MASK]]
+        return at(None, "")
+    return mask_at(ins[slot[MASK]], f"in{slot[MASK]}")
+
+
+def mask_at(mask: Operand, pointer: str) -> str:
+    """A mask operand's ``ml::at`` in the scores' [batch, heads, queries, keys] index space."""
     lead = 4 - len(mask.shape)
     strides = (0,) * lead + tuple(0 if n == 1 else st for n, st in zip(mask.shape, mask.strides))
-    return _at(Operand(mask.dtype, (1,) * lead + mask.shape, strides), f"in{slot[MASK]}")
+    return at(Operand(mask.dtype, (1,) * lead + mask.shape, strides), pointer)
 
 
 def _operands(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> str:
@@ -38,16 +42,16 @@ def _operands(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> str:
     mask (or Absent), then for attention_partial's append form ``ml::attn_append<rotary_dim,
     neox>(inv_freq, k_new, v_new)``."""
     slot = attention_slots(attrs)
-    extra = [_at(ins[slot[s]], f"in{slot[s]}") if s in slot else _at(None, "") for s in (3, 4)]
+    extra = [at(ins[slot[s]], f"in{slot[s]}") if s in slot else at(None, "") for s in (3, 4)]
     extra.append(_mask(attrs, ins))
     if 5 in slot:
-        new = ", ".join(_at(ins[slot[s]], f"in{slot[s]}") for s in (5, 6))
+        new = ", ".join(at(ins[slot[s]], f"in{slot[s]}") for s in (5, 6))
         neox = "true" if attrs["layout"] == "neox" else "false"
         extra.append(f"ml::attn_append<{attrs['rotary_dim']}, {neox}>(inv_freq, {new})")
-    return ", ".join([_at(out, "out0")] + [_at(ins[n], f"in{n}") for n in range(3)] + extra)
+    return ", ".join([at(out, "out0")] + [at(ins[n], f"in{n}") for n in range(3)] + extra)
 
 
-def _shape(attrs: dict[str, Any], ins: list[Operand]) -> str:
+def attn_shape(attrs: dict[str, Any], ins: list[Operand]) -> str:
     """``ml::AttnShape<group, tq, tk, d, dv, causal, window[, softcap]>`` (window 0: none; the softcap
     as the bits of its float32, after a comment giving its value)."""
     q, k, v = ins[:3]
@@ -75,7 +79,7 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     return [
         *pointers(ins + [out], len(ins)),
         f"// {', then '.join(paths + ['a warp per (head, query)'])}",
-        f"ml::attention<{_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}>(a, t, tid, {scale}, "
+        f"ml::attention<{attn_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}>(a, t, tid, {scale}, "
         f"{scale_log2}, {_operands(attrs, ins, out)});",
     ]
 
@@ -95,7 +99,7 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
             else []
         ),
         f"// key ranges of {chunk}: {'split keys, then ' if split else ''}a warp per (head, query)",
-        f"ml::attention_partial<{_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}>(a, t, tid, "
+        f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}>(a, t, tid, "
         f"{float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
     ]
 
@@ -112,7 +116,7 @@ def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     held = "true" if splits <= COMBINE_HELD_SPLITS else "false"
     return [
         *pointers(ins + [out], len(ins)),
-        f"ml::attention_combine<{splits}, {dv}, {held}>(t, {_at(out, 'out0')}, {_at(x, 'in0')});",
+        f"ml::attention_combine<{splits}, {dv}, {held}>(t, {at(out, 'out0')}, {at(x, 'in0')});",
     ]
 
 

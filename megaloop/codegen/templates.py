@@ -26,6 +26,7 @@ from megaloop.codegen.emit import (
     step_batch,
 )
 from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
+from megaloop.codegen.emit_attention_grad import attention_grad
 from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
@@ -279,6 +280,7 @@ TEMPLATES: dict[str, Template] = {
     "attention": _attention_with(attention, limits=True),
     "attention_partial": _attention_with(attention_partial, limits=True),
     "attention_combine": _attention_with(attention_combine, limits=False),
+    "attention_grad": lambda c: Lowered(attention_grad(c.op.op, c.attrs, c.ins, c.outs[0])),
     "paged_attention": lambda c: Lowered(paged_attention(c.op.op, c.attrs, c.ins, c.outs[0])),
     "paged_kv_update": lambda c: Lowered(paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),
     "sample": _sample("sample"),

@@ -21,6 +21,7 @@ from megaloop.frontend.ops import elementwise as _elementwise
 from megaloop.frontend.ops._arguments import argument_error as _argument_error
 from megaloop.frontend.ops.argmax_split import argmax, argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import kv_cache_update
+from megaloop.frontend.ops.attention_grad import attention_grad
 from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
@@ -66,6 +67,7 @@ __all__ = [
     "argmax_partial",
     "attention",
     "attention_combine",
+    "attention_grad",
     "attention_partial",
     "broadcast_to",
     "concat",

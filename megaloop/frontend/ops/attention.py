@@ -202,7 +202,11 @@ def grouped_mask(arrays: list[np.ndarray], attrs: dict[str, Any], hkv: int) -> n
     slot = _tilings.attention_slots(attrs)
     if MASK not in slot:
         return None
-    mask = arrays[slot[MASK]]
+    return group_heads(arrays[slot[MASK]], hkv)
+
+
+def group_heads(mask: np.ndarray, hkv: int) -> np.ndarray:
+    """A mask operand broadcasting to [batch, heads, q_len, kv_len] as grouped_mask gives it."""
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     b, h, q, k = mask.shape
     mask = mask.reshape(b, hkv, h // hkv, q, k) if h > 1 else mask.reshape(b, 1, 1, q, k)
@@ -271,6 +275,26 @@ def visible_keys_tensor(call: VjpCall) -> Tensor | None:
 
 
 def _vjp(call: VjpCall) -> list[Tensor | None]:
+    """``attention_grad`` (the scores recomputed a block of keys at a time, megaloop/frontend/ops/
+    attention_grad.py), or plain_vjp where a float mask operand needs its own gradient."""
+    slot = _tilings.attention_slots(call.attrs)
+    if MASK in slot and call.needs[slot[MASK]]:
+        return plain_vjp(call)
+    attrs = call.attrs
+    opts = {"causal": attrs["causal"], "window": attrs["window"], "scale": attrs["scale"]}
+    opts.update({"softcap": attrs["softcap"]} if attrs.get("softcap") is not None else {})
+    for s, name in ((3, "q_positions"), (4, "kv_lengths"), (MASK, "mask")):
+        if s in slot:
+            opts[name] = call.inputs[slot[s]]
+    q, k, v = call.inputs[:3]
+    wrt = "".join(n for n, need in zip("qkv", call.needs) if need)
+    grads: list[Tensor | None] = [None] * len(call.inputs)
+    if wrt:
+        grads[:3] = B.attention_grad(q, k, v, call.cotangent(), wrt=wrt, **opts)
+    return grads
+
+
+def plain_vjp(call: VjpCall) -> list[Tensor | None]:
     """The scores recomputed (float32) from q and k, then, with P their masked softmax and dO the
     cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) scale, dQ = dS K, dK = dS^T Q;
     a kv head's query heads are one block of rows, so GQA's sums over the group fall out of the products.

@@ -1,6 +1,7 @@
 // megaloop/tiles.cuh: the tile templates the generated tile functions instantiate (emit*.py).
 #pragma once
 #include "megaloop/elementwise.cuh"
+#include "megaloop/attention_grad.cuh"
 #include "megaloop/cache.cuh"
 #include "megaloop/gather.cuh"
 #include "megaloop/loss.cuh"
