@@ -1115,6 +1115,24 @@ def _attn_row(
 
 
 _attn_row("mha", _attn_sample(gqa=False))
+
+
+def _attn_grad_sample(rng: np.random.Generator) -> Sample:
+    """attention's shapes and the cotangent (q's shape); ``n``: the longest sum (keys, or a key's queries)."""
+    s = _attn_sample(gqa=True)(rng)
+    _, hq, tq, _ = s.shapes[0]
+    hkv = s.shapes[1][1]
+    return Sample([*s.shapes, s.shapes[0]], {"n": s.kw["tk"] + s.kw["d"] + tq * hq // hkv}, (*s.domains, "normal"))
+
+
+def _attn_grad_ref(q, k, v, do, *, n, dtype):
+    with torch.enable_grad():  # (the table's references run under no_grad)
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        return torch.autograd.grad(attention_ref(q, k, v, causal=True), (q, k, v), do)
+
+
+row("attention_grad", "causal-gqa", lambda g, q, k, v, do, *, n: ml.attention_grad(q, k, v, do, causal=True),
+    _attn_grad_ref, _attn_grad_sample, reduce_len=lambda s: s.kw["n"])  # fmt: skip
 _attn_row("causal-gqa", _attn_sample(gqa=True), causal=True)
 _attn_row(
     "causal-positions-lengths",
@@ -1886,5 +1904,4 @@ TESTED_ELSEWHERE = {
     "reduce_scatter": "test_collectives.py",
     "send": "test_collectives.py",
     "recv": "test_collectives.py",
-    "attention_grad": "test_attention_grad.py",
 }
