@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import megaloop as ml
+from megaloop.argtypes import at_least
 from megaloop.cli_cache import add_cache_command
 from megaloop.errors import MegaloopError, UsageError
 from megaloop.frontend.opdef import REGISTRY
@@ -34,24 +35,7 @@ from megaloop.runtime import gpus
 from megaloop.serving.commands import add_serve_command
 from megaloop.training.commands import add_train_command
 
-
-def _at_least(low: int):
-    """An argparse type: an int >= ``low``; a bad value ends as argparse's usage error naming the option."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"  # what argparse calls the type in its messages
-    return parse
-
-
-COUNT = _at_least(1)
+COUNT = at_least(1)
 
 
 def _writable_file(command: str, path: Path, force: bool) -> None:
@@ -428,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompt", type=COUNT, default=16, help="prompt tokens per sequence")
     demo.add_argument("--decode", type=COUNT, default=8, help="tokens to generate")
     demo.add_argument("--dtype", default="bfloat16", choices=[d.name for d in ml.FLOAT_DTYPES])
-    demo.add_argument("--seed", type=_at_least(0), default=0)
+    demo.add_argument("--seed", type=at_least(0), default=0)
     demo.add_argument("--summary", action="store_true", help="print the whole graph")
     demo.add_argument(
         "--backend", default="auto", choices=["auto", "gpu", "cpu"], help="auto: the loop kernel when there is a GPU"

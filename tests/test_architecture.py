@@ -41,7 +41,7 @@ def layer_of(module: str) -> str:
         raise ValueError(module)
     if len(parts) == 1:
         return "api"
-    if parts[1] in ("errors", "dtypes", "diskcache"):
+    if parts[1] in ("errors", "dtypes", "diskcache", "argtypes"):
         return "core"
     if parts[1] in ("cli", "__main__") or parts[1].startswith("cli_"):  # the command line and its helpers
         return "cli"

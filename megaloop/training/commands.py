@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from megaloop.argtypes import at_least
 from megaloop.errors import UsageError
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -23,20 +24,6 @@ def _number(low: float, strict: bool = False):
         return value
 
     parse.__name__ = f"number {'>' if strict else '>='} {low:g}"
-    return parse
-
-
-def _int(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"
     return parse
 
 
@@ -63,34 +50,34 @@ def add_train_command(sub: Any) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="the checkpoint folder to start from")
     p.add_argument("--data", required=True, nargs="+", metavar="FILE", help="text files (UTF-8), one document each")
     p.add_argument("--output", required=True, metavar="DIR", help="where the checkpoint goes (a new or empty folder)")
-    p.add_argument("--steps", required=True, type=_int(1), metavar="N", help="optimizer steps")
-    p.add_argument("--batch", type=_int(1), default=8, metavar="N", help="windows a micro-batch (default 8)")
-    p.add_argument("--seq", type=_int(1), default=512, metavar="N", help="tokens a window (default 512)")
+    p.add_argument("--steps", required=True, type=at_least(1), metavar="N", help="optimizer steps")
+    p.add_argument("--batch", type=at_least(1), default=8, metavar="N", help="windows a micro-batch (default 8)")
+    p.add_argument("--seq", type=at_least(1), default=512, metavar="N", help="tokens a window (default 512)")
     p.add_argument("--lr", type=_number(0.0), default=3e-4, metavar="X", help="peak learning rate (default 3e-4)")
     p.add_argument("--min-lr", type=_number(0.0), default=0.0, metavar="X", help="the schedule's end (default 0)")
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="decay after warmup (default cosine)")
-    p.add_argument("--warmup", type=_int(0), default=0, metavar="N", help="steps of linear warmup from 0 (default 0)")
+    p.add_argument("--warmup", type=at_least(0), default=0, metavar="N", help="linear warmup steps from 0 (default 0)")
     p.add_argument("--weight-decay", type=_number(0.0), default=0.0, metavar="X", help="AdamW's, on matrices (0)")
     p.add_argument("--max-grad-norm", type=_number(0.0), default=1.0, metavar="X", help="clip (0: off; default 1)")
-    p.add_argument("--grad-accum", type=_int(1), default=1, metavar="K", help="micro-batches a step (default 1)")
+    p.add_argument("--grad-accum", type=at_least(1), default=1, metavar="K", help="micro-batches a step (default 1)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: the checkpoint's)")
     p.add_argument(
         "--backend", default="auto", choices=["auto", "gpu", "cpu", "reference"],
         help="auto: the GPU if there is one, else cpu (the fast CPU path, slow); reference: the numpy definition",
     )  # fmt: skip
-    p.add_argument("--devices", type=_int(1), default=1, metavar="N", help="ranks to split the step over (1)")
+    p.add_argument("--devices", type=at_least(1), default=1, metavar="N", help="ranks to split the step over (1)")
     p.add_argument(
         "--strategy", default="auto", metavar="NAME",
         help="how: auto (the cost model picks), dp, zero1, zero2, tp, pp, or axes with sizes: pp2xtp2, zero2_2xtp2",
     )  # fmt: skip
-    p.add_argument("--micro-batches", type=_int(1), metavar="M", help="a pipeline's chains (default one a stage)")
+    p.add_argument("--micro-batches", type=at_least(1), metavar="M", help="a pipeline's chains (default one a stage)")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in its backward")
     p.add_argument(
         "--gpus", type=_gpu_list, metavar="LIST",
         help="the GPU of each rank, e.g. 0,0 (ranks sharing GPU 0); default rank r on GPU r",
     )  # fmt: skip
-    p.add_argument("--save-every", type=_int(1), metavar="K", help="also checkpoint every K steps (checkpoint-K/)")
-    p.add_argument("--seed", type=_int(0), default=0, metavar="N", help="orders the data's windows (default 0)")
+    p.add_argument("--save-every", type=at_least(1), metavar="K", help="also checkpoint every K steps (checkpoint-K/)")
+    p.add_argument("--seed", type=at_least(0), default=0, metavar="N", help="orders the data's windows (default 0)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
