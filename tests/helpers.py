@@ -188,3 +188,19 @@ def decode_layer_case(sequences: int, positions=None) -> tuple[ml.Graph, dict, d
         "positions": np.full((sequences, 1), CONTEXT) if positions is None else np.asarray(positions),
     }
     return build_llama(cfg, sequences, 1), random_parameters(cfg, seed=0), feeds
+
+
+def save_tiny_transformers_llama(folder, vocab: int):
+    """A random float32 LlamaForCausalLM (seed 0; 2 layers, hidden 32, 4 heads over 2 KV heads, untied)
+    saved by transformers into ``folder``: the training tests' checkpoint."""
+    import torch
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = HFConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    return folder

@@ -23,6 +23,7 @@ from transformers import LlamaForCausalLM, get_cosine_with_min_lr_schedule_with_
 import megaloop as ml
 from megaloop.training.graph import OptimizerSettings
 from megaloop.training.trainer import Trainer, TrainSettings
+from tests.helpers import save_tiny_transformers_llama
 
 EPS = float(np.finfo(np.float32).eps)
 STEPS, BATCH, SEQ, VOCAB = 20, 2, 16, 97
@@ -31,14 +32,7 @@ OPT = OptimizerSettings(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), warmup=3, 
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    torch.manual_seed(0)
-    cfg = HFConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
-    return folder
+    return save_tiny_transformers_llama(tmp_path_factory.mktemp("tiny-hf"), VOCAB)
 
 
 def torch_steps(folder: Path, windows: np.ndarray, steps: int, opt: OptimizerSettings):

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-from transformers import LlamaConfig as HFConfig
+from transformers import AutoModelForCausalLM
 
 import megaloop as ml
 from megaloop.cli import main
@@ -31,6 +30,7 @@ from megaloop.models import build_llama, load_llama
 from megaloop.models.tiny import CORPUS, make_tiny_checkpoint
 from megaloop.training.graph import OptimizerSettings
 from megaloop.training.trainer import Trainer, TrainSettings
+from tests.helpers import save_tiny_transformers_llama
 
 EPS = float(np.finfo(np.float32).eps)
 STEPS, BATCH, SEQ, VOCAB, LR = 4, 4, 16, 97, 3e-3
@@ -44,14 +44,7 @@ def optimizer(accumulate: int = 1) -> OptimizerSettings:
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    torch.manual_seed(0)
-    cfg = HFConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
-    return folder
+    return save_tiny_transformers_llama(tmp_path_factory.mktemp("tiny-hf"), VOCAB)
 
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, 5 * BATCH * (SEQ + 1))  # 5 batches: the steps wrap around
