@@ -163,3 +163,26 @@ def test_the_step_on_the_plan_interpreter_matches_the_reference() -> None:
     assert int(got["train.step"]) == 4 and int(got["optim.step"]) == 4
     for name, value in want.items():
         assert np.array_equal(np.asarray(got[name]), np.asarray(value)), name
+
+
+def test_weights_and_histories_outlive_the_runner(tiny_hf: Path, monkeypatch) -> None:
+    """A GPU runner's memory is freed when train() returns: the trained weights and the histories are
+    read before, so a runner that forgets everything on close changes nothing."""
+    from megaloop.training import runners
+
+    def forget(runner) -> None:
+        del runner.fast
+
+    settings = TrainSettings(steps=3, batch=BATCH, seq=SEQ, optimizer=OPT, backend="cpu")
+    kept = Trainer(tiny_hf, settings)
+    kept.train(tokens(seed=4))
+    expected = kept.weights(), kept.histories()
+    monkeypatch.setattr(runners.FastRunner, "close", forget)
+    trainer = Trainer(tiny_hf, settings)
+    trainer.train(tokens(seed=4))
+    weights, histories = trainer.weights(), trainer.histories()
+    assert histories == expected[1] and len(histories[0]["loss"]) == 3
+    initial = Trainer(tiny_hf, settings).weights()
+    for name, value in weights.items():
+        assert value.tobytes() == expected[0][name].tobytes(), name
+        assert value.tobytes() != initial[name].tobytes(), f"{name} is still its initial value"

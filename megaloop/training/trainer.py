@@ -155,6 +155,7 @@ class Trainer:
         self.stored = {n: np.asarray(v).dtype for n, v in self.params.items()}
         self.training: TrainingGraph | SplitTraining | None = None
         self.runner: Any = None
+        self._history: list[dict[str, list[float]]] = []
         self.steps_done = 0
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -223,9 +224,13 @@ class Trainer:
             states = self.training.initial_state(self.params, windows)
             self.runner = make_ranks_runner(s.backend, self.training.graphs, states, s.gpus, self.progress)
         try:
-            return self._loop()
+            result = self._loop()
+            # a closed runner's memory is gone (a GPU's arena freed): keep what the caller may still ask for
+            self.params, self._history = self.weights(), self.histories()
+            return result
         finally:
             self.runner.close()
+            self.runner = None
 
     def _loop(self) -> TrainResult:
         from tqdm import tqdm
@@ -276,7 +281,7 @@ class Trainer:
         """Each rank's loss (the ranks that hold it), learning rate and gradient norm (with clipping)
         for every micro-batch run so far: a split's ranks hold one device's values."""
         if self.training is None or self.runner is None:
-            return []
+            return self._history
         graphs = self.training.graphs if isinstance(self.training, SplitTraining) else [self.training.graph]
         return rank_histories(graphs, self.runner.read_ranks, self.steps_done * self.settings.optimizer.accumulate)
 
