@@ -121,6 +121,11 @@ def torch_run(folder: Path, windows: np.ndarray, steps: int, opt, *, compiled: b
     return {"losses": [float(x) for x in losses], "tokens_per_s": tokens / seconds}
 
 
+def say(text: str) -> None:
+    """A phase's time on stderr, so that a run cut short still says where its time went."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def document_tokens(trainer, texts: list[str], needed: int) -> np.ndarray:
     """The texts' tokens (megaloop.training.data), enough of the texts for ``needed`` tokens."""
     from megaloop.training.data import tokenize_texts
@@ -152,7 +157,7 @@ def main() -> int:
     args = ap.parse_args()
     import megaloop as ml
 
-    smoke = args.smoke
+    smoke, started = args.smoke, time.perf_counter()
     shape, steps = (SMOKE, 3) if smoke else (FULL, args.steps)
     shapes = [(2, 32)] if smoke else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     backend, device = ("cpu", "cpu") if smoke else ("gpu", "cuda")
@@ -161,6 +166,7 @@ def main() -> int:
     folder = Path(args.dir or tempfile.mkdtemp()) / "llama-bench"
     if not (folder / "model.safetensors").is_file():
         make_checkpoint(folder, shape, texts, dtype)
+    say(f"text and checkpoint ready: {time.perf_counter() - started:.0f} s")
     opt = ml.OptimizerSettings(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, warmup=min(10, steps - 1), min_lr=3e-5)
     runs = []
     for batch, seq in shapes:
@@ -169,12 +175,18 @@ def main() -> int:
         trainer = ml.Trainer(folder, settings, progress=False)
         tokens = document_tokens(trainer, texts, steps * batch * (seq + 1))
         windows = trainer.windows(tokens)
+        t0 = time.perf_counter()
         result = trainer.train(windows)
+        say(f"{batch}x{seq}: megaloop set up and trained in {time.perf_counter() - t0:.0f} s")
+        t0 = time.perf_counter()
         eager = torch_run(folder, windows, steps, opt, compiled=False, device=device, amp=not smoke)
+        say(f"{batch}x{seq}: torch eager in {time.perf_counter() - t0:.0f} s")
         systems = {"megaloop": {"losses": result.losses, "tokens_per_s": result.tokens_per_second, "mfu": result.mfu}}
         systems["torch_eager"] = eager
         if not smoke:
+            t0 = time.perf_counter()
             systems["torch_compile"] = torch_run(folder, windows, steps, opt, compiled=True, device=device, amp=True)
+            say(f"{batch}x{seq}: torch.compile in {time.perf_counter() - t0:.0f} s")
         torch_runs = {k: v for k, v in systems.items() if k != "megaloop"}
         best = max(v["tokens_per_s"] for v in torch_runs.values())
         run = {
