@@ -121,6 +121,17 @@ def torch_run(folder: Path, windows: np.ndarray, steps: int, opt, *, compiled: b
     return {"losses": [float(x) for x in losses], "tokens_per_s": tokens / seconds}
 
 
+def bench_trainer(folder: Path, texts: list[str], batch: int, seq: int, steps: int, backend: str):
+    """(the Trainer, the tokens, its windows) of one shape's run (scripts/precompile.py plans the same)."""
+    import megaloop as ml
+
+    opt = ml.OptimizerSettings(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, warmup=min(10, steps - 1), min_lr=3e-5)
+    settings = ml.TrainSettings(steps=steps, batch=batch, seq=seq, optimizer=opt, backend=backend, steps_per_run=steps)
+    trainer = ml.Trainer(folder, settings, progress=False)
+    tokens = document_tokens(trainer, texts, steps * batch * (seq + 1))
+    return trainer, tokens, trainer.windows(tokens)
+
+
 def say(text: str) -> None:
     """A phase's time on stderr, so that a run cut short still says where its time went."""
     print(text, file=sys.stderr, flush=True)
@@ -155,7 +166,6 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
     ap.add_argument("--name", default=None, help="results file name (default train, or train_smoke)")
     args = ap.parse_args()
-    import megaloop as ml
 
     smoke, started = args.smoke, time.perf_counter()
     shape, steps = (SMOKE, 3) if smoke else (FULL, args.steps)
@@ -167,14 +177,10 @@ def main() -> int:
     if not (folder / "model.safetensors").is_file():
         make_checkpoint(folder, shape, texts, dtype)
     say(f"text and checkpoint ready: {time.perf_counter() - started:.0f} s")
-    opt = ml.OptimizerSettings(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, warmup=min(10, steps - 1), min_lr=3e-5)
     runs = []
     for batch, seq in shapes:
-        settings = ml.TrainSettings(steps=steps, batch=batch, seq=seq, optimizer=opt, backend=backend,
-                                    steps_per_run=steps)  # fmt: skip
-        trainer = ml.Trainer(folder, settings, progress=False)
-        tokens = document_tokens(trainer, texts, steps * batch * (seq + 1))
-        windows = trainer.windows(tokens)
+        trainer, tokens, windows = bench_trainer(folder, texts, batch, seq, steps, backend)
+        opt = trainer.settings.optimizer
         t0 = time.perf_counter()
         result = trainer.train(windows)
         say(f"{batch}x{seq}: megaloop set up and trained in {time.perf_counter() - t0:.0f} s")

@@ -9,7 +9,8 @@ Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators;
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
 --compare), ``profile:CASE`` and ``serve`` (bench/serve's Generator batches and engines, planned and compiled
 through their own code against a stand-in H100 whose LoopKernel never starts; plans land in the plan cache)
-(scripts/profile_cases.py's case with PROFILE_OPTIONS). A cubin is keyed by its source, the header
+(scripts/profile_cases.py's case with PROFILE_OPTIONS), ``train:BxS[:STEPS]`` (bench/train's step for
+that batch and sequence; plans land in the plan cache). A cubin is keyed by its source, the header
 library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def serve_setup(clients: tuple[int, ...] = (1, 8, 32), slots: int = 32, chunk: i
             raise _NoKernel
 
     loop.LoopKernel = NoKernel
-    gen = ml.Generator(make_checkpoint("1b", Path("/tmp/megaloop-checkpoints/1b"), device="cpu"), backend="gpu", max_seq=max_seq,
-                       eos_token_ids=[])  # fmt: skip
+    folder = make_checkpoint("1b", Path("/tmp/megaloop-checkpoints/1b"), device="cpu")
+    gen = ml.Generator(folder, backend="gpu", max_seq=max_seq, eos_token_ids=[])
     for batch in (1, *clients):
         try:
             gen.generate([prompt_ids(gen, 128, c) for c in range(batch)], max_new_tokens=4)
@@ -96,6 +97,23 @@ def serve_setup(clients: tuple[int, ...] = (1, 8, 32), slots: int = 32, chunk: i
             pass
 
 
+def train_plan(spec: str):
+    """bench/train's step for ``BxS[:STEPS]`` (its default 200 steps), planned through the plan cache as
+    the Trainer's GPU runner plans it on an H100 or H200 (132 processors)."""
+    import bench.train as bt
+    from megaloop.plan.cache import load_or_make_plan
+
+    shape, _, steps = spec.partition(":")
+    batch, seq = (int(x) for x in shape.split("x"))
+    texts = bt.stdlib_text(None)
+    folder = Path("/tmp/megaloop-checkpoints/train-bench") / "llama-bench"
+    if not (folder / "model.safetensors").is_file():
+        bt.make_checkpoint(folder, bt.FULL, texts, "bfloat16")
+    trainer, _, windows = bt.bench_trainer(folder, texts, batch, seq, int(steps or 200), "gpu")
+    trainer.build(windows)
+    return load_or_make_plan(trainer.training.graph, processors=132, arch="sm_90")[0]
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     plans = []
@@ -104,6 +122,9 @@ def main() -> None:
             t0 = time.perf_counter()
             serve_setup()
             print(f"serve: planned and compiled in {time.perf_counter() - t0:.0f} s")
+            continue
+        if target.startswith("train:"):
+            plans.append(train_plan(target.removeprefix("train:")))
             continue
         plans += generate_plans() if target == "generate" else [profile_plan(target.removeprefix("profile:"))]
     t0 = time.perf_counter()

@@ -68,7 +68,7 @@ class GpuRunner:
     """The loop kernel on GPU ``device`` (planned for all its processors)."""
 
     def __init__(self, graph: Graph, state: Mapping[str, Any], device: int = 0, progress: bool = False) -> None:
-        from megaloop.plan import make_plan
+        from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime.device import gpus
         from megaloop.runtime.loop import LoopKernel
 
@@ -76,7 +76,7 @@ class GpuRunner:
         if not found:
             raise UsageError(f"--backend gpu: no GPU ({reason}); train on the CPU with --backend cpu (slow)")
         self.gpu = found[device]
-        plan = make_plan(graph, processors=self.gpu.sm_count, arch=self.gpu.plan_arch)
+        plan, _ = load_or_make_plan(graph, processors=self.gpu.sm_count, arch=self.gpu.plan_arch)
         self.kernel = LoopKernel(plan, None, state, device=device, progress=progress, timeout_s=120.0)
 
     def run(self, iterations: int) -> None:
@@ -124,7 +124,7 @@ class RanksGpuRunner:
         gpus: Sequence[int] | None = None,
         progress: bool = False,
     ) -> None:
-        from megaloop.plan import make_plan
+        from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime.device import gpus as visible
         from megaloop.runtime.group import LoopKernelGroup
 
@@ -139,7 +139,7 @@ class RanksGpuRunner:
             )
         self.gpu = found[devices[0]]
         share = min(found[d].sm_count // devices.count(d) for d in devices)
-        plan = make_plan(list(graphs), processors=share, arch=self.gpu.plan_arch)
+        plan, _ = load_or_make_plan(list(graphs), processors=share, arch=self.gpu.plan_arch)
         self.group = LoopKernelGroup(plan, None, list(states), devices=devices, timeout_s=120.0, progress=progress)
         self.devices = devices
 

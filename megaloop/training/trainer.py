@@ -194,6 +194,34 @@ class Trainer:
         """Run ``settings.steps`` optimizer steps on ``data`` (see ``windows``); checkpoints into
         ``output`` (every save_every steps into output/checkpoint-<step>, and at the end)."""
         s = self.settings
+        states = self.build(data)
+        if s.devices == 1:
+            if s.backend != "gpu":
+                self._say(
+                    f"training on the CPU ({s.backend} backend): correct but slow; --backend gpu uses the loop kernel"
+                )
+            self.runner = make_runner(s.backend, self.training.graph, states[0], self.progress)
+        else:
+            self._say(f"the step split over {s.devices} ranks: {self.training.split.summary()}")
+            if s.backend != "gpu":
+                self._say(
+                    f"training {s.devices} ranks on the CPU: every rank on the numpy reference (the fast CPU path runs "
+                    "one device only): correct but very slow; --backend gpu uses the loop kernels"
+                )
+            self.runner = make_ranks_runner(s.backend, self.training.graphs, states, s.gpus, self.progress)
+        try:
+            result = self._loop()
+            # a closed runner's memory is gone (a GPU's arena freed): keep what the caller may still ask for
+            self.params, self._history = self.weights(), self.histories()
+            return result
+        finally:
+            self.runner.close()
+            self.runner = None
+
+    def build(self, data: Any) -> list[dict[str, Any]]:
+        """The training step's graph(s) for ``data`` (``self.training``) and each rank's initial state;
+        what ``train`` runs (scripts/precompile.py plans and compiles it without a GPU)."""
+        s = self.settings
         windows = self.windows(data)
         accumulate = s.optimizer.accumulate
         if windows.shape[0] < s.steps * accumulate:
@@ -204,33 +232,12 @@ class Trainer:
         sizes = {"batch": s.batch, "seq": s.seq, "batches": windows.shape[0], "iterations": s.steps * accumulate}
         if s.devices == 1:
             self.training = build_training_graph(self.cfg, optimizer=s.optimizer, **sizes)
-            state = self.training.initial_state(self.params, windows)
-            if s.backend != "gpu":
-                self._say(
-                    f"training on the CPU ({s.backend} backend): correct but slow; --backend gpu uses the loop kernel"
-                )
-            self.runner = make_runner(s.backend, self.training.graph, state, self.progress)
-        else:
-            self.training = build_split_training(
-                self.cfg, optimizer=s.optimizer, devices=s.devices, strategy=s.strategy,
-                micro_batches=s.micro_batches, recompute=s.recompute, **sizes,
-            )  # fmt: skip
-            self._say(f"the step split over {s.devices} ranks: {self.training.split.summary()}")
-            if s.backend != "gpu":
-                self._say(
-                    f"training {s.devices} ranks on the CPU: every rank on the numpy reference (the fast CPU path runs "
-                    "one device only): correct but very slow; --backend gpu uses the loop kernels"
-                )
-            states = self.training.initial_state(self.params, windows)
-            self.runner = make_ranks_runner(s.backend, self.training.graphs, states, s.gpus, self.progress)
-        try:
-            result = self._loop()
-            # a closed runner's memory is gone (a GPU's arena freed): keep what the caller may still ask for
-            self.params, self._history = self.weights(), self.histories()
-            return result
-        finally:
-            self.runner.close()
-            self.runner = None
+            return [self.training.initial_state(self.params, windows)]
+        self.training = build_split_training(
+            self.cfg, optimizer=s.optimizer, devices=s.devices, strategy=s.strategy,
+            micro_batches=s.micro_batches, recompute=s.recompute, **sizes,
+        )  # fmt: skip
+        return list(self.training.initial_state(self.params, windows))
 
     def _loop(self) -> TrainResult:
         from tqdm import tqdm
