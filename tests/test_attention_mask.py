@@ -1,4 +1,4 @@
-"""Attention's mask operand beyond the op table's rows (tests/op_table.py: bool and additive masks of
+"""Attention's mask operand beyond the op table's rows (tests/op_table/attention.py: bool and additive masks of
 several broadcast shapes with causal, window, softcap, on each tile path, the split and append forms,
 against torch's scaled_dot_product_attention(attn_mask=)): the build errors name the mask, the fuse
 stage's append form keeps it, and ml.attention takes transformers' padding mask as it is."""

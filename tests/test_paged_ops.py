@@ -5,7 +5,7 @@ against a scatter written here; (2) the data rules name the row, slot, page or p
 interpreter, under random legal orders, gives the reference's bits; (4) the kernels compile for sm_90a
 and sm_80; (5) the generated tile functions themselves run on the CPU through g++ (a shim for the CUDA
 headers; each warp's 32 lanes as 32 threads, warp_sum as the GPU's butterfly) against the reference.
-The op table (tests/op_table.py) checks both ops against PyTorch float64 in every float dtype."""
+The op table (tests/op_table/caches.py) checks both ops against PyTorch float64 in every float dtype."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every placement rule of the registry, table-driven from tests/op_table.py: each strategy of each
+"""Every placement rule of the registry, table-driven from tests/op_table/: each strategy of each
 op, on 2, 3, 4 and 8 ranks (uneven pieces wherever a size does not divide), the partitioned program
 on the reference backend against PyTorch float64, within the op's tolerance widened by the partial
 sums a strategy leaves (each rank's partial result is rounded to the dtype before they are added)."""
