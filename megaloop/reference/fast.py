@@ -19,7 +19,9 @@ op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,19 @@ import numpy as np
 from megaloop.dtypes import bfloat16
 from megaloop.errors import DataError, EvaluationError, InternalError
 from megaloop.frontend.graph import Graph, Node, require_results
-from megaloop.frontend.ops._fast import Kernel, Weight, compute_np, rounder, to_compute_form
+from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, Kernel, Weight, compute_np, rounder, to_compute_form
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import match_ranks
 
 PRODUCTS = ("numpy", "torch", "auto")
+
+
+def _import_quietly() -> None:
+    try:
+        importlib.import_module("torch")
+    except Exception:  # (a broken torch: the prefill's own import raises it where it is needed)
+        pass
 
 
 def choose_products(products: str) -> str:
@@ -67,6 +76,26 @@ class ComputeWeights(Mapping[str, Any]):
             raise EvaluationError("products='torch' needs torch (pip install torch); or use products='numpy'")
         self._converted: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._importing: threading.Thread | None = None
+
+    def import_torch_early(self) -> None:
+        """Start importing torch in a thread (where this object's products may be torch's), so that a
+        prefill's products wait for little or none of it; ``torch()`` waits for it."""
+        if self.products == "torch" and self._importing is None:
+            self._importing = threading.Thread(target=_import_quietly, name="megaloop-import-torch", daemon=True)
+            self._importing.start()
+
+    def torch(self) -> Any:
+        if self._importing is not None:
+            self._importing.join()
+        return importlib.import_module("torch")
+
+    def twinned(self, t: Tensor) -> bool:
+        """Whether a graph prepared for torch's products gets ``t``'s parameter as a bfloat16 twin: a
+        bfloat16 matrix (with products="auto", one of TORCH_MIN_WEIGHT values or more)."""
+        if t.dtype != bfloat16 or t.ndim != 2:
+            return False
+        return self.requested == "torch" or t.size >= TORCH_MIN_WEIGHT
 
     def __getitem__(self, name: str) -> Any:
         return self.params[name]
@@ -81,25 +110,23 @@ class ComputeWeights(Mapping[str, Any]):
         """Whether ``name`` is converted for tensor ``t`` already (``torch``: with its torch twin, where
         it gets one)."""
         key = (name, t.shape, t.dtype.name)
-        twin = torch and t.dtype == bfloat16 and t.ndim == 2
-        return key in self._converted and (not twin or key in self._twins)
+        return key in self._converted and (not (torch and self.twinned(t)) or key in self._twins)
 
     def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
         """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
-        ``torch``: a bfloat16 matrix as a Weight with its torch twin (the same float32 memory)."""
+        ``torch``: a bfloat16 matrix (``twinned``) as a Weight with its torch twin (the same float32 memory)."""
         key = (name, t.shape, t.dtype.name)
         found = self._converted.get(key)
         if found is None:
             found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}"), t.dtype)
             found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
             self._converted[key] = found
-        if not torch or t.dtype != bfloat16 or t.ndim != 2:
+        if not torch or not self.twinned(t):
             return found
         if self.products != "torch":
             raise EvaluationError(f"parameter {name!r}: torch products need ComputeWeights(products='torch' or 'auto')")
         if key not in self._twins:
-            import torch as _torch
-
+            _torch = self.torch()
             twin = Weight(found.shape, np.float32, found)  # (numpy makes a view of this a view of it)
             twin.bf16 = _torch.from_numpy(found.astype(bfloat16.np).view(np.int16)).view(_torch.bfloat16)
             twin.setflags(write=False)

@@ -137,19 +137,24 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
 def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray) -> np.ndarray:
     """The reference's float32 result, each angle's sine and cosine computed once for all the heads
     that share its position (positions broadcast to x's shape without its last axis; ``inv``:
-    inv_frequencies of the attributes)."""
-    rd = attrs["rotary_dim"]
+    inv_frequencies of the attributes): the same float64 products and sums, each written in place
+    (float32 values times float64 ones are their float64 products) and the last rounded to float32."""
+    rd, half = attrs["rotary_dim"], attrs["rotary_dim"] // 2
     angle = pos.astype(np.float64)[..., None] * inv  # (broadcasts against x's leading axes)
     cos, sin = np.cos(angle), np.sin(angle)
-    x64 = x.astype(np.float64)
-    rot, rest = x64[..., :rd], x64[..., rd:]
     if attrs["layout"] == "neox":
-        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-        out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        x1, x2 = x[..., :half], x[..., half:rd]
     else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
-    return np.concatenate([out, rest], axis=-1).astype(np.float32)
+        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+    out = np.empty(x.shape, np.float32)
+    first, second = (out[..., :half], out[..., half:rd]) if attrs["layout"] == "neox" else (out[..., 0:rd:2], out[..., 1:rd:2])
+    a, b = np.multiply(x1, cos), np.multiply(x2, sin)
+    np.subtract(a, b, out=first)
+    np.multiply(x2, cos, out=a)
+    np.multiply(x1, sin, out=b)
+    np.add(a, b, out=second)
+    out[..., rd:] = x[..., rd:]
+    return out
 
 
 def frequencies(attrs: dict[str, Any]) -> np.ndarray:
@@ -158,7 +163,7 @@ def frequencies(attrs: dict[str, Any]) -> np.ndarray:
 
 
 def _fast(node: Any) -> Kernel:
-    attrs, inv, finish = node.attrs, frequencies(node.attrs), rounder(node.outputs[0].dtype)
+    attrs, inv, finish = node.attrs, frequencies(node.attrs), rounder(node.outputs[0].dtype, in_place=True)
     return lambda arrays: [finish(rotated(arrays[0], arrays[1], attrs, inv))]
 
 
