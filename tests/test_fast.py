@@ -156,7 +156,9 @@ def test_torch_products_read_any_view_of_a_weight() -> None:
         got = weight_product(a, w, rounder(ml.bfloat16))
         scale = np.abs(a).max() * np.abs(np.asarray(w)).max() * a.shape[-1]
         assert got.shape == want.shape and np.abs(got - want).max() <= 2 * ml.bfloat16.eps * scale, (a.shape, w.shape)
-    zeroed = lambda p: 0 * p  # noqa: E731 (a finish that shows where numpy's product ran)
+    def zeroed(p: np.ndarray) -> np.ndarray:  # (a finish that shows where numpy's product ran)
+        return 0 * p
+
     assert np.abs(weight_product(x, weight, zeroed)).min() > 0  # (torch's: rounded to bf16 already)
     assert not weight_product(x[:, :TORCH_ROWS - 1], weight, zeroed).any()
 

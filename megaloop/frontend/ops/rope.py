@@ -134,6 +134,8 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     positions = call.inputs[1]
     attrs = {k: call.attrs[k] for k in ROPE_ATTRS}
     return [apply(ROPE, [call.cotangent(), B.neg(positions)], **attrs), None]
+
+
 def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray) -> np.ndarray:
     """The reference's float32 result, each angle's sine and cosine computed once for all the heads
     that share its position (positions broadcast to x's shape without its last axis; ``inv``:
@@ -142,12 +144,9 @@ def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarr
     rd, half = attrs["rotary_dim"], attrs["rotary_dim"] // 2
     angle = pos.astype(np.float64)[..., None] * inv  # (broadcasts against x's leading axes)
     cos, sin = np.cos(angle), np.sin(angle)
-    if attrs["layout"] == "neox":
-        x1, x2 = x[..., :half], x[..., half:rd]
-    else:
-        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+    pairs = (slice(0, half), slice(half, rd)) if attrs["layout"] == "neox" else (slice(0, rd, 2), slice(1, rd, 2))
     out = np.empty(x.shape, np.float32)
-    first, second = (out[..., :half], out[..., half:rd]) if attrs["layout"] == "neox" else (out[..., 0:rd:2], out[..., 1:rd:2])
+    (x1, x2), (first, second) = [[a[..., s] for s in pairs] for a in (x, out)]
     a, b = np.multiply(x1, cos), np.multiply(x2, sin)
     np.subtract(a, b, out=first)
     np.multiply(x2, cos, out=a)
