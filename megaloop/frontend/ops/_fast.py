@@ -89,8 +89,17 @@ def weight_product(a: np.ndarray, w: np.ndarray, finish: Callable[[np.ndarray], 
     if a.size >= TORCH_ROWS * a.shape[-1] and (twin := _bfloat16_twin(w)) is not None:
         import torch  # (only where a Weight has a twin: ComputeWeights made it, torch was there)
 
-        rows = torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
-        return torch.matmul(rows, twin.transpose(-1, -2)).float().numpy()  # (bfloat16 values: rounded)
+        usable = a.flags.writeable and min(a.strides, default=0) >= 0  # (what torch.from_numpy takes)
+        rows = torch.from_numpy(a if usable else a.copy()).to(torch.bfloat16)
+        if twin.dim() == 2:
+            return torch.matmul(rows, twin.T).float().numpy()  # (bfloat16 values: rounded)
+        # one 2-D product a matrix (split-K's ranges of K are strided views): no copy of the weight
+        lead = torch.broadcast_shapes(rows.shape[:-2], twin.shape[:-2])
+        rows, twin = rows.expand(*lead, *rows.shape[-2:]), twin.expand(*lead, *twin.shape[-2:])
+        out = torch.empty(*lead, rows.shape[-2], twin.shape[-2], dtype=torch.bfloat16)
+        for i in np.ndindex(*lead):
+            torch.matmul(rows[i], twin[i].T, out=out[i])
+        return out.float().numpy()
     return finish(np.matmul(blas_ready(a), np.swapaxes(blas_ready(np.asarray(w)), -1, -2)))
 
 

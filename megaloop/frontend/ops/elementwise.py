@@ -243,7 +243,8 @@ def _binary_op(
             own = rounder(node.outputs[0].dtype, in_place=True)  # (a new array)
             return lambda arrays: [own(same_shapes(arrays[0], arrays[1]))]
         if not attrs.get("scalars"):
-            return lambda arrays: [finish(fn(arrays[0], arrays[1]))]
+            own = rounder(node.outputs[0].dtype, in_place=isinstance(fn, np.ufunc))  # (a ufunc's result is new)
+            return lambda arrays: [own(fn(arrays[0], arrays[1]))]
         storage = node.inputs[0].dtype.np if result == "bool" else None
         return lambda arrays: [finish(fn(*with_scalars(arrays, attrs, 2, storage)))]
 

@@ -8,6 +8,7 @@ the ideal to which faster implementations (float32 tables, fused kernels) are co
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -136,14 +137,36 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     return [apply(ROPE, [call.cotangent(), B.neg(positions)], **attrs), None]
 
 
+# the last few positions' (cos, sin) tables: a prefill's layers rotate by the same positions
+_TABLES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+TABLES_KEPT = 8
+_TABLES_LOCK = threading.Lock()
+
+
+def _cos_sin(pos: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of pos * inv (float64, broadcasting against x's leading axes), computed once for
+    every rope of the same positions and frequencies (read-only: shared)."""
+    key = (pos.shape, pos.dtype.str, pos.tobytes(), inv.tobytes())
+    found = _TABLES.get(key)
+    if found is None:
+        angle = pos.astype(np.float64)[..., None] * inv
+        found = np.cos(angle), np.sin(angle)
+        for table in found:
+            table.setflags(write=False)
+        with _TABLES_LOCK:  # (graphs may run in threads)
+            if len(_TABLES) >= TABLES_KEPT:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = found
+    return found
+
+
 def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray) -> np.ndarray:
     """The reference's float32 result, each angle's sine and cosine computed once for all the heads
     that share its position (positions broadcast to x's shape without its last axis; ``inv``:
     inv_frequencies of the attributes): the same float64 products and sums, each written in place
     (float32 values times float64 ones are their float64 products) and the last rounded to float32."""
     rd, half = attrs["rotary_dim"], attrs["rotary_dim"] // 2
-    angle = pos.astype(np.float64)[..., None] * inv  # (broadcasts against x's leading axes)
-    cos, sin = np.cos(angle), np.sin(angle)
+    cos, sin = _cos_sin(pos, inv)
     pairs = (slice(0, half), slice(half, rd)) if attrs["layout"] == "neox" else (slice(0, rd, 2), slice(1, rd, 2))
     out = np.empty(x.shape, np.float32)
     (x1, x2), (first, second) = [[a[..., s] for s in pairs] for a in (x, out)]
