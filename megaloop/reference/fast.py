@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,15 @@ def _import_quietly() -> None:
         importlib.import_module("torch")
     except Exception:  # (a broken torch: the prefill's own import raises it where it is needed)
         pass
+
+
+def _bfloat16_bits(stored: Any, found: np.ndarray) -> np.ndarray:
+    """A bfloat16 parameter's bits as int16 for torch: the stored array itself where it is one dense
+    bfloat16 array (a checkpoint's: no copy, no conversion), else ``found`` (compute form) rounded."""
+    if isinstance(stored, np.ndarray) and stored.dtype == bfloat16.np and stored.shape == found.shape:
+        if stored.flags.c_contiguous:
+            return stored.view(np.int16)
+    return found.astype(bfloat16.np).view(np.int16)
 
 
 def choose_products(products: str) -> str:
@@ -128,7 +138,10 @@ class ComputeWeights(Mapping[str, Any]):
         if key not in self._twins:
             _torch = self.torch()
             twin = Weight(found.shape, np.float32, found)  # (numpy makes a view of this a view of it)
-            twin.bf16 = _torch.from_numpy(found.astype(bfloat16.np).view(np.int16)).view(_torch.bfloat16)
+            with warnings.catch_warnings():  # (a read-only checkpoint's memory: nothing writes a twin)
+                warnings.simplefilter("ignore", UserWarning)
+                bits = _torch.from_numpy(_bfloat16_bits(self.params[name], found))
+            twin.bf16 = bits.view(_torch.bfloat16)
             twin.setflags(write=False)
             self._twins[key] = twin
         return self._twins[key]
