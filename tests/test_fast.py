@@ -5,6 +5,7 @@ with ml.evaluate's values, and errors that name the op."""
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import numpy as np
@@ -179,3 +180,17 @@ def test_bfloat16_rounding_is_ml_dtypes_on_both_sides_of_the_small_path() -> Non
             want = a.astype(ml.bfloat16.np).astype(np.float32)
         assert got.dtype == np.float32
         same_bits(got, want, f"{size} values")
+
+
+def test_the_fast_path_pads_glibcs_heap() -> None:
+    """FastGraph sets glibc's M_TOP_PAD once for the process (the arrays freed between ops are reused,
+    not faulted in again): True on glibc, False elsewhere, the same on every call."""
+    import platform
+
+    from megaloop.reference.fast import pad_the_heap
+
+    g = ml.Graph("small")
+    g.output("y", ml.add(g.input("x", (4,), ml.float32), 1.0))
+    FastGraph(g, {})
+    glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    assert pad_the_heap() == glibc and pad_the_heap() == glibc
