@@ -41,23 +41,25 @@ from megaloop.parallel.ranks import match_ranks
 PRODUCTS = ("numpy", "torch", "auto")
 
 
-# glibc's heap grows and trims this much beyond what it needs (M_TOP_PAD, default 128 KiB): the
-# arrays a run frees between ops are then reused, not handed back and faulted in again (a float32
-# 135M prefill took 0.78x the CPU time with it on the development machine)
-HEAP_PAD = 64 << 20
-_M_TOP_PAD = -2
+# glibc's heap grows and trims this much beyond what it needs (M_TOP_PAD, default 128 KiB), and
+# arrays under this size come from the heap (M_MMAP_THRESHOLD; setting either fixes both): the arrays
+# a run frees between ops are then reused, not handed back to the OS and faulted in again
+HEAP_PAD, HEAP_ARRAYS = 64 << 20, 32 << 20
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
 _padded: list[bool] = []
 
 
 def pad_the_heap() -> bool:
-    """Set glibc's M_TOP_PAD to HEAP_PAD once for this process (the fast path's arrays of a few MiB
-    each come and go every op); False where there is no glibc. The process may hold up to HEAP_PAD
-    more memory than it uses."""
+    """Set glibc's M_TOP_PAD to HEAP_PAD and M_MMAP_THRESHOLD to HEAP_ARRAYS once for this process
+    (the fast path's arrays of a few MiB each come and go every op); False where there is no glibc.
+    The process may hold up to HEAP_PAD more memory than it uses."""
     if not _padded:
         try:
             import ctypes
 
-            done = sys.platform == "linux" and bool(ctypes.CDLL(None).mallopt(_M_TOP_PAD, HEAP_PAD))
+            libc = ctypes.CDLL(None)
+            linux = sys.platform == "linux"
+            done = linux and bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_ARRAYS) and libc.mallopt(_M_TOP_PAD, HEAP_PAD))
         except (OSError, AttributeError):  # (a libc without mallopt)
             done = False
         _padded.append(done)
