@@ -8,7 +8,8 @@ the same rounding points), but:
   (``ComputeWeights``, shared by the graphs that read them), not on every step;
 - an op with a fast implementation (``OpDef.fast``) runs it: BLAS products without copies of their
   weights, states (KV caches) written in place and kept between runs instead of copied;
-- the graph is checked and ordered once, when it is prepared; no view layouts are checked per run.
+- the graph is checked and ordered once, when it is prepared; no view layouts are checked per run;
+- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused.
 
 An op without one runs its reference on operands put back into their storage dtypes, so every graph
 runs. Exactness: every op's result has the reference's bits, except where an op's ``Fast`` says
