@@ -49,7 +49,7 @@ def dense(a: np.ndarray) -> np.ndarray:
 
 
 # Products of at least this many rows (a prefill's) go to torch where a weight has a bfloat16 twin
-# (Weight): its bfloat16 kernels (AVX512-BF16, AMX) ran 2-4x numpy's float32 ones from 8 rows on the
+# (Weight): its bfloat16 kernels (AVX512-BF16, AMX) ran 1.3-4x numpy's float32 ones from 8 rows on the
 # development machine, not faster at a decode step's one row (docs/generate.md).
 TORCH_ROWS = 8
 # products="auto" twins a bfloat16 matrix of at least this many values: from a 256 x 512 weight up
