@@ -194,3 +194,26 @@ def test_the_fast_path_pads_glibcs_heap() -> None:
     FastGraph(g, {})
     glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
     assert pad_the_heap() == glibc and pad_the_heap() == glibc
+
+
+def test_a_long_causal_prompt_attends_by_blocks_as_the_reference() -> None:
+    """attention's fast path over several QUERY_BLOCKs of a causal prompt (GQA, a KV prefix): within
+    twice the op's contract of ml.evaluate, and a NaN key hides from the queries before it (the blocks
+    that end before it never multiply it, the one that holds it masks it)."""
+    from megaloop.frontend.ops.attention import QUERY_BLOCK
+
+    tq, prefix = 3 * QUERY_BLOCK + 5, 7
+    g = ml.Graph("long")
+    q = g.input("q", (1, 4, tq, 16), ml.float32)
+    k, v = (g.input(n, (1, 2, prefix + tq, 16), ml.float32) for n in "kv")
+    g.output("y", ml.attention(q, k, v, causal=True))
+    rng = np.random.default_rng(5)
+    feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
+    nan_at = prefix + 2 * QUERY_BLOCK + 1
+    feeds["k"][0, 1, nan_at] = np.nan
+    got, want = evaluate_fast(g, feeds)[0]["y"], ml.evaluate(g, feeds).outputs["y"]
+    seen = np.arange(tq) + prefix < nan_at  # (queries before the NaN key)
+    assert np.isfinite(got[:, :, seen]).all() and np.isnan(got[:, 2:, ~seen]).all()
+    acc = REGISTRY["attention"].accuracy
+    doubled = type(acc)(ulps=2 * acc.ulps, per_reduction=acc.per_reduction)
+    assert_close(got[:, :, seen], to_f64(want[:, :, seen]), ml.float32, doubled, prefix + tq + 16, "long causal")
