@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2, help="generate calls a process (the first is the cold one)")
     ap.add_argument("--repeats", type=int, default=3, help="processes per system and setting")
     ap.add_argument("--name", default="generate_cpu", help="the results file's name (bench/results/NAME.json)")
-    ap.add_argument("--products", default="auto,torch", help="megaloop's --cpu-products choices to run")
+    ap.add_argument("--products", default="auto,numpy", help="megaloop's --cpu-products choices to run")
     args = ap.parse_args()
     machine = describe_machine()
     results: dict = {"machine": machine, "new_tokens": args.new_tokens, "calls": args.calls, "repeats": args.repeats,

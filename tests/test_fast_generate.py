@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import pytest
 import megaloop as ml
 from megaloop.errors import EvaluationError
 from megaloop.generation import GenerationError
-from megaloop.generation.backends import TORCH_PAYBACK_FLOPS, CpuBackend, ReferenceBackend, prefill_products
+from megaloop.generation.backends import CpuBackend, ReferenceBackend, prefill_products
 from megaloop.generation.progress import Progress
 from megaloop.models import load_llama
 from megaloop.models.llama import build_llama_generator, build_llama_prefill
@@ -120,21 +121,49 @@ def test_torch_products_stay_within_the_contract(family, dtype: str) -> None:
 
 
 def test_the_products_choice_is_explicit(tiny) -> None:
-    """auto: torch's products for a prefill only where they repay importing torch, never for decode."""
+    """auto: torch's products for a bfloat16 prefill's weights of TORCH_MIN_WEIGHT values or more (a
+    tiny model's stay numpy's), where this machine allows torch's; "torch": every bfloat16 matrix;
+    never for decode; float32: numpy's."""
+    from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT
+
     assert choose_products("numpy") == "numpy" and choose_products("auto") in ("numpy", "torch")
     cfg, params = load_llama(tiny)
     graph = build_llama_prefill(cfg, 1, 8)
-    payback = int(TORCH_PAYBACK_FLOPS / (2 * sum(t.size for t in graph.parameters.values() if t.ndim == 2))) + 1
-    assert prefill_products(ComputeWeights(params, "numpy"), cfg, graph, 10 * payback) == "numpy"
+    assert cfg.dtype == ml.bfloat16 and max(t.size for t in graph.parameters.values()) < TORCH_MIN_WEIGHT
+    assert prefill_products(ComputeWeights(params, "numpy"), cfg, graph) == "numpy"
     if importlib.util.find_spec("torch") is not None:
-        assert prefill_products(ComputeWeights(params, "torch"), cfg, graph, 8) == "torch"
+        assert prefill_products(ComputeWeights(params, "torch"), cfg, graph) == "torch"
     auto = ComputeWeights(params, "auto")
-    assert prefill_products(auto, cfg, graph, 8) == "numpy"
-    assert prefill_products(auto, cfg, graph, payback) == auto.products  # (torch where this machine allows it)
+    assert prefill_products(auto, cfg, graph) == "numpy"
+    g = ml.Graph("big")
+    big, small = g.parameter("big", (512, TORCH_MIN_WEIGHT // 512), ml.bfloat16), g.parameter("s", (8, 8), ml.bfloat16)
+    g.output("y", ml.matmul(g.input("x", (16, big.shape[1]), ml.bfloat16), big, transpose_b=True))
+    g.output("z", ml.matmul(g.input("u", (16, 8), ml.bfloat16), small))
+    assert auto.twinned(big) and not auto.twinned(small) and ComputeWeights({}, "torch").twinned(small)
+    assert not auto.twinned(g.parameter("f", big.shape, ml.float32))
+    assert prefill_products(auto, cfg, g) == auto.products  # (torch where this machine allows it)
+    assert prefill_products(auto, replace(cfg, dtype=ml.float32), g) == "numpy"
     with pytest.raises(EvaluationError, match="products must be one of"):
         choose_products("blas")
     with pytest.raises(GenerationError, match="cpu_products must be one of"):
         ml.Generator("/nonexistent", cpu_products="mkl")
+
+
+def test_the_generator_imports_torch_while_it_sets_up(tiny, monkeypatch) -> None:
+    """A bfloat16 model on the CPU with torch's products allowed: torch's import starts in a thread when
+    the model loads (ComputeWeights.import_torch_early), and the prefill waits for it (torch())."""
+    pytest.importorskip("torch")
+    started = []
+    monkeypatch.setattr(ComputeWeights, "import_torch_early", lambda self: started.append(self.products))
+    ml.Generator(tiny, backend="cpu", progress=False, cpu_products="torch")
+    ml.Generator(tiny, backend="cpu", progress=False, cpu_products="numpy")
+    ml.Generator(tiny, backend="cpu", progress=False, cpu_products="torch", dtype="float32")
+    assert started == ["torch", "numpy"]
+    monkeypatch.undo()
+    weights = ComputeWeights({}, "torch")
+    weights.import_torch_early()
+    assert weights._importing is not None and weights.torch() is sys.modules["torch"]
+    assert not weights._importing.is_alive()
 
 
 def test_the_caches_go_from_prefill_to_generator_without_a_copy(tiny) -> None:

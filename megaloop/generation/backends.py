@@ -72,19 +72,14 @@ def first_tokens(logits: np.ndarray, lengths: Sequence[int], states: Mapping[str
     return np.asarray(sample_tokens(rows, seed, offset, temperature, top_k, top_p, min_p), np.int64)
 
 
-# "auto" gives a prefill torch's bfloat16 products (3x numpy's float32 ones at 32 rows on the
-# development machine) only where that saves about what importing torch costs (1.2 s there): at
-# 60 GFLOP/s against 180, products of this many flops
-TORCH_PAYBACK_FLOPS = 1.1e11
-
-
-def prefill_products(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph, rows: int) -> str:
-    """The prefill's products: "torch" for a bfloat16 model where ``weights`` were asked for torch's, or
-    for "auto" (where this machine allows it) where they are worth importing torch for; else "numpy"."""
+def prefill_products(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph) -> str:
+    """The prefill's products: "torch" for a bfloat16 model where ``weights`` allow torch's ("torch", or
+    "auto" on a machine with bfloat16 dot products) and some weight is twinned (ComputeWeights.twinned:
+    large enough for torch's to be faster); else "numpy". torch's import is started when the model
+    loads (Generator), so the prefill rarely waits for it: no length threshold."""
     if weights.products == "numpy" or cfg.dtype.name != "bfloat16":
         return "numpy"
-    flops = 2 * rows * sum(t.size for t in graph.parameters.values() if t.ndim == 2)
-    return "torch" if weights.requested == "torch" or flops >= TORCH_PAYBACK_FLOPS else "numpy"
+    return "torch" if any(weights.twinned(t) for t in graph.parameters.values()) else "numpy"
 
 
 class CpuBackend:
@@ -108,7 +103,7 @@ class CpuBackend:
         self.progress = progress
         self.runs: tuple[FastGraph, FastGraph] | None = None
         self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params)
-        self.products = prefill_products(self.weights, cfg, self.prefill_graph, batch * tokens)
+        self.products = prefill_products(self.weights, cfg, self.prefill_graph)
 
     @property
     def description(self) -> str:

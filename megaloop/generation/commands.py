@@ -63,8 +63,8 @@ def add_commands(sub: Any) -> None:
     )  # fmt: skip
     gen.add_argument(
         "--cpu-products", default="auto", choices=["auto", "numpy", "torch"],
-        help="the CPU's products: numpy's float32 BLAS, or a prefill's bfloat16 products by torch; auto: torch for a "
-        "prefill long enough to pay for importing it, where it is installed and the CPU has bfloat16 dot products",
+        help="the CPU's products: numpy's float32 BLAS, or a prefill's bfloat16 products by torch; auto: torch's for "
+        "a prefill's large bfloat16 weights, where it is installed and the CPU has bfloat16 dot products",
     )  # fmt: skip
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")

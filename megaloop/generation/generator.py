@@ -134,7 +134,7 @@ class Generator:
     ``allow_long_context`` lets ``max_seq`` pass the model's context, ``allow_unknown_fields`` loads a
     config.json with fields megaloop does not know (megaloop.models.load_llama). ``cpu_products``: the
     CPU's products, "numpy" (the reference's bits but for attention's sums), "torch" (a prefill's
-    bfloat16 products by torch) or "auto" (torch for a prefill long enough to pay for importing it,
+    bfloat16 products by torch) or "auto" (torch's for a prefill's products of large bfloat16 weights,
     where torch is installed and the CPU has bfloat16 dot products: backends.prefill_products).
     ``defaults``: generation_config.json's settings (megaloop.generation.settings)."""
 
@@ -184,6 +184,8 @@ class Generator:
         self.eos_token_ids = tuple(i for i in stops if 0 <= i < self.cfg.vocab)
         self.requested, self.plan_cache = backend, plan_cache
         self.backend, self.reason = self._choose(backend)
+        if self.backend == "cpu" and self.cfg.dtype.name == "bfloat16":
+            self.params.import_torch_early()  # (for the prefill's products, where they may be torch's)
         self._backends: dict[tuple, Any] = {}
         self._setup_reported: dict[str, float] = {}
 

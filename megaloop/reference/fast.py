@@ -8,7 +8,8 @@ the same rounding points), but:
   (``ComputeWeights``, shared by the graphs that read them), not on every step;
 - an op with a fast implementation (``OpDef.fast``) runs it: BLAS products without copies of their
   weights, states (KV caches) written in place and kept between runs instead of copied;
-- the graph is checked and ordered once, when it is prepared; no view layouts are checked per run.
+- the graph is checked and ordered once, when it is prepared; no view layouts are checked per run;
+- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused.
 
 An op without one runs its reference on operands put back into their storage dtypes, so every graph
 runs. Exactness: every op's result has the reference's bits, except where an op's ``Fast`` says
@@ -19,7 +20,11 @@ op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
+import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +34,53 @@ import numpy as np
 from megaloop.dtypes import bfloat16
 from megaloop.errors import DataError, EvaluationError, InternalError
 from megaloop.frontend.graph import Graph, Node, require_results
-from megaloop.frontend.ops._fast import Kernel, Weight, compute_np, rounder, to_compute_form
+from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, Kernel, Weight, compute_np, rounder, to_compute_form
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import match_ranks
 
 PRODUCTS = ("numpy", "torch", "auto")
+
+
+# glibc's heap grows and trims this much beyond what it needs (M_TOP_PAD, default 128 KiB), and
+# arrays under this size come from the heap (M_MMAP_THRESHOLD; setting either fixes both): the arrays
+# a run frees between ops are then reused, not handed back to the OS and faulted in again
+HEAP_PAD, HEAP_ARRAYS = 64 << 20, 32 << 20
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
+_padded: list[bool] = []
+
+
+def pad_the_heap() -> bool:
+    """Set glibc's M_TOP_PAD to HEAP_PAD and M_MMAP_THRESHOLD to HEAP_ARRAYS once for this process
+    (the fast path's arrays of a few MiB each come and go every op); False where there is no glibc.
+    The process may hold up to HEAP_PAD more memory than it uses."""
+    if not _padded:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            linux = sys.platform == "linux"
+            done = linux and bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_ARRAYS) and libc.mallopt(_M_TOP_PAD, HEAP_PAD))
+        except (OSError, AttributeError):  # (a libc without mallopt)
+            done = False
+        _padded.append(done)
+    return _padded[0]
+
+
+def _import_quietly() -> None:
+    try:
+        importlib.import_module("torch")
+    except Exception:  # (a broken torch: the prefill's own import raises it where it is needed)
+        pass
+
+
+def _bfloat16_bits(stored: Any, found: np.ndarray) -> np.ndarray:
+    """A bfloat16 parameter's bits as int16 for torch: the stored array itself where it is one dense
+    bfloat16 array (a checkpoint's: no copy, no conversion), else ``found`` (compute form) rounded."""
+    if isinstance(stored, np.ndarray) and stored.dtype == bfloat16.np and stored.shape == found.shape:
+        if stored.flags.c_contiguous:
+            return stored.view(np.int16)
+    return found.astype(bfloat16.np).view(np.int16)
 
 
 def choose_products(products: str) -> str:
@@ -67,6 +113,26 @@ class ComputeWeights(Mapping[str, Any]):
             raise EvaluationError("products='torch' needs torch (pip install torch); or use products='numpy'")
         self._converted: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._importing: threading.Thread | None = None
+
+    def import_torch_early(self) -> None:
+        """Start importing torch in a thread (where this object's products may be torch's), so that a
+        prefill's products wait for little or none of it; ``torch()`` waits for it."""
+        if self.products == "torch" and self._importing is None:
+            self._importing = threading.Thread(target=_import_quietly, name="megaloop-import-torch", daemon=True)
+            self._importing.start()
+
+    def torch(self) -> Any:
+        if self._importing is not None:
+            self._importing.join()
+        return importlib.import_module("torch")
+
+    def twinned(self, t: Tensor) -> bool:
+        """Whether a graph prepared for torch's products gets ``t``'s parameter as a bfloat16 twin: a
+        bfloat16 matrix (with products="auto", one of TORCH_MIN_WEIGHT values or more)."""
+        if t.dtype != bfloat16 or t.ndim != 2:
+            return False
+        return self.requested == "torch" or t.size >= TORCH_MIN_WEIGHT
 
     def __getitem__(self, name: str) -> Any:
         return self.params[name]
@@ -81,27 +147,28 @@ class ComputeWeights(Mapping[str, Any]):
         """Whether ``name`` is converted for tensor ``t`` already (``torch``: with its torch twin, where
         it gets one)."""
         key = (name, t.shape, t.dtype.name)
-        twin = torch and t.dtype == bfloat16 and t.ndim == 2
-        return key in self._converted and (not twin or key in self._twins)
+        return key in self._converted and (not (torch and self.twinned(t)) or key in self._twins)
 
     def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
         """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
-        ``torch``: a bfloat16 matrix as a Weight with its torch twin (the same float32 memory)."""
+        ``torch``: a bfloat16 matrix (``twinned``) as a Weight with its torch twin (the same float32 memory)."""
         key = (name, t.shape, t.dtype.name)
         found = self._converted.get(key)
         if found is None:
             found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}"), t.dtype)
             found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
             self._converted[key] = found
-        if not torch or t.dtype != bfloat16 or t.ndim != 2:
+        if not torch or not self.twinned(t):
             return found
         if self.products != "torch":
             raise EvaluationError(f"parameter {name!r}: torch products need ComputeWeights(products='torch' or 'auto')")
         if key not in self._twins:
-            import torch as _torch
-
+            _torch = self.torch()
             twin = Weight(found.shape, np.float32, found)  # (numpy makes a view of this a view of it)
-            twin.bf16 = _torch.from_numpy(found.astype(bfloat16.np).view(np.int16)).view(_torch.bfloat16)
+            with warnings.catch_warnings():  # (a read-only checkpoint's memory: nothing writes a twin)
+                warnings.simplefilter("ignore", UserWarning)
+                bits = _torch.from_numpy(_bfloat16_bits(self.params[name], found))
+            twin.bf16 = bits.view(_torch.bfloat16)
             twin.setflags(write=False)
             self._twins[key] = twin
         return self._twins[key]
@@ -129,6 +196,7 @@ class FastGraph:
                 "one rank's graph: evaluate several ranks with ml.evaluate"
             )
         require_results([graph], "FastGraph")
+        pad_the_heap()
         self.graph = graph
         self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params, products)
         if products not in ("numpy", "torch"):

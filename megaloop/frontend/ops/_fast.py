@@ -49,9 +49,12 @@ def dense(a: np.ndarray) -> np.ndarray:
 
 
 # Products of at least this many rows (a prefill's) go to torch where a weight has a bfloat16 twin
-# (Weight): its bfloat16 kernels (AVX512-BF16, AMX) ran 3x numpy's float32 ones at 32 rows on the
+# (Weight): its bfloat16 kernels (AVX512-BF16, AMX) ran 1.3-4x numpy's float32 ones from 8 rows on the
 # development machine, not faster at a decode step's one row (docs/generate.md).
 TORCH_ROWS = 8
+# products="auto" twins a bfloat16 matrix of at least this many values: from a 256 x 512 weight up
+# torch's were faster at 8 rows and more there; a tiny model's stay numpy's (faster below)
+TORCH_MIN_WEIGHT = 1 << 17
 
 
 class Weight(np.ndarray):
@@ -78,24 +81,34 @@ def _bfloat16_twin(w: np.ndarray) -> Any:
     return twin.as_strided(w.shape, tuple(st // w.itemsize for st in w.strides), offset)
 
 
-def weight_product(a: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """a @ swapaxes(w, -1, -2) for compute-form ``a`` [..., rows, K] and ``w`` [..., N, K] (a weight or
-    a view of one), float32, not rounded: numpy's product (the reference's call, its bits), or for
-    many rows and a weight with a bfloat16 twin, torch's bfloat16 product (float32 sums rounded once
-    to bfloat16: the same contract, another order of sums)."""
+def weight_product(a: np.ndarray, w: np.ndarray, finish: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """finish(a @ swapaxes(w, -1, -2)) for compute-form ``a`` [..., rows, K] and ``w`` [..., N, K] (a
+    weight or a view of one), ``finish`` the rounder of the product's dtype: numpy's product (the
+    reference's call, its bits), or for many rows and a weight with a bfloat16 twin, torch's bfloat16
+    product (float32 sums rounded once to bfloat16: the same contract, another order of sums)."""
     if a.size >= TORCH_ROWS * a.shape[-1] and (twin := _bfloat16_twin(w)) is not None:
         import torch  # (only where a Weight has a twin: ComputeWeights made it, torch was there)
 
-        rows = torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
-        return torch.matmul(rows, twin.transpose(-1, -2)).float().numpy()
-    return np.matmul(blas_ready(a), np.swapaxes(blas_ready(np.asarray(w)), -1, -2))
+        usable = a.flags.writeable and min(a.strides, default=0) >= 0  # (what torch.from_numpy takes)
+        rows = torch.from_numpy(a if usable else a.copy()).to(torch.bfloat16)
+        if twin.dim() == 2:
+            return torch.matmul(rows, twin.T).float().numpy()  # (bfloat16 values: rounded)
+        # one 2-D product a matrix (split-K's ranges of K are strided views): no copy of the weight
+        lead = torch.broadcast_shapes(rows.shape[:-2], twin.shape[:-2])
+        rows, twin = rows.expand(*lead, *rows.shape[-2:]), twin.expand(*lead, *twin.shape[-2:])
+        out = torch.empty(*lead, rows.shape[-2], twin.shape[-2], dtype=torch.bfloat16)
+        for i in np.ndindex(*lead):
+            torch.matmul(rows[i], twin[i].T, out=out[i])
+        return out.float().numpy()
+    return finish(np.matmul(blas_ready(a), np.swapaxes(blas_ready(np.asarray(w)), -1, -2)))
 
 
-def rounder(dtype: DType) -> Callable[[np.ndarray], np.ndarray]:
+def rounder(dtype: DType, in_place: bool = False) -> Callable[[np.ndarray], np.ndarray]:
     """The function that rounds a result to ``dtype`` and returns it in compute form: what the
-    reference's store does (megaloop.dtypes.round_to: a float64 goes through float32 first)."""
+    reference's store does (megaloop.dtypes.round_to: a float64 goes through float32 first).
+    ``in_place``: a float32 result may be rounded in its own memory (a new array nothing else reads)."""
     if dtype == bfloat16:
-        return _to_bfloat16
+        return _bfloat16_in_place if in_place else _to_bfloat16
     if dtype.is_float and dtype.itemsize == 2:
         storage = dtype.np
         return lambda a: _float32(a).astype(storage).astype(np.float32)
@@ -129,6 +142,21 @@ def _to_bfloat16(a: Any) -> np.ndarray:
     if nan.any():
         out[nan] = a[nan].astype(bfloat16.np).astype(np.float32)
     return out
+
+
+def _bfloat16_in_place(a: Any) -> np.ndarray:
+    """_to_bfloat16 of a new float32 array in its own memory (one pass and one array fewer)."""
+    if not isinstance(a, np.ndarray) or a.dtype != F32 or a.size < SMALL_ROUNDING or not a.flags.writeable:
+        return _to_bfloat16(a)
+    if np.isnan(np.max(a)):  # (NaNs keep ml_dtypes' payloads: the general path)
+        return _to_bfloat16(a)
+    bits = a.view(np.uint32)
+    carry = bits >> 16
+    carry &= 1
+    carry += 0x7FFF
+    bits += carry
+    bits &= 0xFFFF0000
+    return a
 
 
 def _reference_kernel(node: Any, rounds: bool) -> Kernel:

@@ -366,6 +366,9 @@ def _with_mask_operand(call: VjpCall, scores: Tensor, mask: Tensor | None) -> tu
 # ---- the fast CPU path: BLAS products over the visible keys (OpDef.fast) ------------------------------
 
 SCORES_PER_BLOCK = 1 << 22  # float32 scores a block of queries holds at most (16 MiB)
+# queries a block takes at most: a causal prompt's blocks skip the keys after their last query (the
+# masked half, less a block's triangle), and a block's scores stay in the caches
+QUERY_BLOCK = 64
 
 
 def key_range(mask: np.ndarray) -> tuple[int, int]:
@@ -382,12 +385,18 @@ def masked_scores(
     """q k^T * scale (softcapped as the op's attributes say) for compute-form q [b, hq, tq, d] and k
     [b, hkv, n, d] as a BLAS product, -inf where ``mask`` [b, tq, n] hides a key, then the mask
     operand's part ``extra`` (grouped_mask's) applied: [b, hkv, hq / hkv, tq, n], query heads grouped
-    by kv head."""
+    by kv head. A new array, each pass in place; only the keys some query does not see are masked."""
     b, hq, tq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     scores = np.matmul(q.reshape(b, hkv, (hq // hkv) * tq, d), np.swapaxes(k, -1, -2))
-    scores = softcapped(scores.reshape(b, hkv, hq // hkv, tq, n) * np.float32(attrs["scale"]), attrs)
-    return masked(np.where(mask[:, None, None], scores, np.float32(-np.inf)), extra)
+    scores = scores.reshape(b, hkv, hq // hkv, tq, n)
+    scores *= np.float32(attrs["scale"])
+    scores = softcapped(scores, attrs)
+    hidden = np.flatnonzero(~mask.all(axis=(0, 1)))
+    if hidden.size:
+        lo, hi = int(hidden[0]), int(hidden[-1]) + 1
+        np.copyto(scores[..., lo:hi], np.float32(-np.inf), where=~mask[:, None, None, :, lo:hi])
+    return masked(scores, extra)
 
 
 def _attend(
@@ -403,16 +412,17 @@ def _attend(
     b, hq, tq, _ = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     out = np.zeros((b, hkv, hq // hkv, tq, dv), np.float32)
-    block = max(1, min(tq, SCORES_PER_BLOCK // max(1, b * hq * tk)))
+    block = max(1, min(tq, QUERY_BLOCK, SCORES_PER_BLOCK // max(1, b * hq * tk)))
     for q0 in range(0, tq, block):
         rows = mask[:, q0 : q0 + block]
         lo, hi = key_range(rows)
         if lo == hi:
             continue  # (no key visible: zeros, as the reference)
         part = mask_block(extra, slice(q0, q0 + block), slice(lo, hi))
-        scores = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], attrs, part)
-        row_max = np.max(scores, axis=-1, keepdims=True)
-        p = np.exp(scores - np.where(np.isfinite(row_max), row_max, np.float32(0)))
+        p = masked_scores(q[:, :, q0 : q0 + block], k[:, :, lo:hi], rows[:, :, lo:hi], attrs, part)
+        row_max = np.max(p, axis=-1, keepdims=True)
+        p -= np.where(np.isfinite(row_max), row_max, np.float32(0))
+        np.exp(p, out=p)
         denom = np.sum(p, axis=-1, keepdims=True)
         p /= np.where(denom > 0, denom, np.float32(1))
         n = p.shape[3]
@@ -422,7 +432,7 @@ def _attend(
 
 
 def _fast(node: Any) -> Kernel:
-    attrs, finish = node.attrs, rounder(node.outputs[0].dtype)
+    attrs, finish = node.attrs, rounder(node.outputs[0].dtype, in_place=True)
     slot = _tilings.attention_slots(attrs)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:

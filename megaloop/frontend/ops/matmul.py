@@ -84,9 +84,10 @@ def _product(x: Tensor, y: Tensor, tx: bool, ty: bool, want: tuple[int, ...]) ->
     return matmul(x, y, transpose_a=tx, transpose_b=ty)
 def _fast(node: Any) -> Kernel:
     """The reference's product on the operands as they are (a weight is not copied each step)."""
-    ta, tb, finish = node.attrs["transpose_a"], node.attrs["transpose_b"], rounder(node.outputs[0].dtype)
+    ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
+    finish = rounder(node.outputs[0].dtype, in_place=True)  # (a product is a new array)
     if tb and not ta:  # x @ w.T: a linear layer's, or its ranges of K (_fast.weight_product)
-        return lambda arrays: [finish(weight_product(arrays[0], arrays[1]))]
+        return lambda arrays: [weight_product(arrays[0], arrays[1], finish)]
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         a, b = blas_ready(arrays[0]), blas_ready(np.asarray(arrays[1]))  # (a weight's view: not copied)

@@ -55,13 +55,13 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 def _fast(node: Any) -> Kernel:
     """The reference's values from compute-form operands, the weight not copied."""
-    finish = rounder(node.outputs[0].dtype)
-    normed = rms_rows(node, node.attrs["eps"], rounder(node.inputs[0].dtype))
+    finish = rounder(node.outputs[0].dtype, in_place=True)
+    normed = rms_rows(node, node.attrs["eps"], rounder(node.inputs[0].dtype, in_place=True))
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         x, w, g, *residual = arrays
         rows = normed(x, g, residual[0] if residual else None)
-        return [finish(weight_product(rows, w))]
+        return [weight_product(rows, w, finish)]
 
     return run
 

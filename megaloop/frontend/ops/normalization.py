@@ -231,15 +231,21 @@ def _norm_fast(reference: Any, names: tuple[str, ...]) -> Fast:
 
 def rms_rows(node: Any, eps: float, stored: Any) -> Callable[..., np.ndarray]:
     """``rows(x, weight, residual)``: rmsnorm(x, weight, eps, residual) as an rmsnorm op computes it
-    from compute-form operands, in compute form and rounded by ``stored`` (a rounder): the reference's
-    arithmetic in the same order (np.mean is this sum divided by the count), without its overheads."""
-    eps32, residual_stored = np.float32(eps), rounder(node.inputs[0].dtype)
+    from compute-form operands, in compute form and rounded by ``stored`` (a rounder, given a new
+    array): the reference's arithmetic in the same order (np.mean is this sum divided by the count),
+    without its overheads, each pass after the first in place."""
+    eps32, residual_stored = np.float32(eps), rounder(node.inputs[0].dtype, in_place=True)
 
     def rows(x: np.ndarray, weight: np.ndarray | None, residual: np.ndarray | None) -> np.ndarray:
         x = residual_stored(x + residual) if residual is not None else dense(x)
-        ms = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])
-        y = x / np.sqrt(ms + eps32)
-        return stored(y if weight is None else y * weight)
+        y = x * x
+        ms = np.add.reduce(y, axis=-1, keepdims=True)
+        ms /= np.float32(x.shape[-1])
+        ms += eps32
+        np.divide(x, np.sqrt(ms, out=ms), out=y)
+        if weight is not None:
+            y *= weight
+        return stored(y)
 
     return rows
 
@@ -248,7 +254,7 @@ def _rmsnorm_fast(node: Any) -> Kernel:
     absent = node.attrs.get("absent", ())
     present = [n for i, n in enumerate(RMSNORM_OPERANDS, start=1) if i not in absent]
     at = {n: present.index(n) + 1 for n in present}
-    rows = rms_rows(node, node.attrs["eps"], rounder(node.outputs[0].dtype))
+    rows = rms_rows(node, node.attrs["eps"], rounder(node.outputs[0].dtype, in_place=True))
     w, r = at.get("weight"), at.get("residual")
     return lambda arrays: [rows(arrays[0], arrays[w] if w else None, arrays[r] if r else None)]
 

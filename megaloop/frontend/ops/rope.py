@@ -8,6 +8,7 @@ the ideal to which faster implementations (float32 tables, fused kernels) are co
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -134,22 +135,48 @@ def _vjp(call: VjpCall) -> list[Tensor | None]:
     positions = call.inputs[1]
     attrs = {k: call.attrs[k] for k in ROPE_ATTRS}
     return [apply(ROPE, [call.cotangent(), B.neg(positions)], **attrs), None]
+
+
+# the last few positions' (cos, sin) tables: a prefill's layers rotate by the same positions
+_TABLES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+TABLES_KEPT = 8
+_TABLES_LOCK = threading.Lock()
+
+
+def _cos_sin(pos: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of pos * inv (float64, broadcasting against x's leading axes), computed once for
+    every rope of the same positions and frequencies (read-only: shared)."""
+    key = (pos.shape, pos.dtype.str, pos.tobytes(), inv.tobytes())
+    found = _TABLES.get(key)
+    if found is None:
+        angle = pos.astype(np.float64)[..., None] * inv
+        found = np.cos(angle), np.sin(angle)
+        for table in found:
+            table.setflags(write=False)
+        with _TABLES_LOCK:  # (graphs may run in threads)
+            if len(_TABLES) >= TABLES_KEPT:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = found
+    return found
+
+
 def rotated(x: np.ndarray, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray) -> np.ndarray:
     """The reference's float32 result, each angle's sine and cosine computed once for all the heads
     that share its position (positions broadcast to x's shape without its last axis; ``inv``:
-    inv_frequencies of the attributes)."""
-    rd = attrs["rotary_dim"]
-    angle = pos.astype(np.float64)[..., None] * inv  # (broadcasts against x's leading axes)
-    cos, sin = np.cos(angle), np.sin(angle)
-    x64 = x.astype(np.float64)
-    rot, rest = x64[..., :rd], x64[..., rd:]
-    if attrs["layout"] == "neox":
-        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-        out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
-    return np.concatenate([out, rest], axis=-1).astype(np.float32)
+    inv_frequencies of the attributes): the same float64 products and sums, each written in place
+    (float32 values times float64 ones are their float64 products) and the last rounded to float32."""
+    rd, half = attrs["rotary_dim"], attrs["rotary_dim"] // 2
+    cos, sin = _cos_sin(pos, inv)
+    pairs = (slice(0, half), slice(half, rd)) if attrs["layout"] == "neox" else (slice(0, rd, 2), slice(1, rd, 2))
+    out = np.empty(x.shape, np.float32)
+    (x1, x2), (first, second) = [[a[..., s] for s in pairs] for a in (x, out)]
+    a, b = np.multiply(x1, cos), np.multiply(x2, sin)
+    np.subtract(a, b, out=first)
+    np.multiply(x2, cos, out=a)
+    np.multiply(x1, sin, out=b)
+    np.add(a, b, out=second)
+    out[..., rd:] = x[..., rd:]
+    return out
 
 
 def frequencies(attrs: dict[str, Any]) -> np.ndarray:
@@ -158,7 +185,7 @@ def frequencies(attrs: dict[str, Any]) -> np.ndarray:
 
 
 def _fast(node: Any) -> Kernel:
-    attrs, inv, finish = node.attrs, frequencies(node.attrs), rounder(node.outputs[0].dtype)
+    attrs, inv, finish = node.attrs, frequencies(node.attrs), rounder(node.outputs[0].dtype, in_place=True)
     return lambda arrays: [finish(rotated(arrays[0], arrays[1], attrs, inv))]
 
 

@@ -16,7 +16,7 @@ from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, Out
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops._fast import Kernel, dense, rounder, weight_product
-from megaloop.frontend.ops.elementwise import _sigmoid, check_kinds, tensor_dtype, to_compute
+from megaloop.frontend.ops.elementwise import _sigmoid, check_kinds, silu_times, tensor_dtype, to_compute
 from megaloop.frontend.ops.norm_linear import _as_matmul
 from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
 from megaloop.frontend.shapes import format_shape
@@ -66,14 +66,14 @@ def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
 
 def _fast(node: Any) -> Kernel:
     """The reference's values from compute-form operands, the weights not copied."""
-    stored, finish = rounder(node.inputs[0].dtype), rounder(node.outputs[0].dtype)
+    stored, finish = rounder(node.inputs[0].dtype, True), rounder(node.outputs[0].dtype, True)
     normed = rms_rows(node, node.attrs.get("eps", 0.0), stored)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         x, gate, up, *norm = arrays
         a = normed(x, norm[0], norm[1] if len(norm) > 1 else None) if norm else dense(x)
-        g = stored(weight_product(a, gate))
-        return [finish(g * _sigmoid(g) * stored(weight_product(a, up)))]
+        g = weight_product(a, gate, stored)
+        return [finish(silu_times(g, weight_product(a, up, stored)))]
 
     return run
 
