@@ -5,6 +5,8 @@ switches programs gives ml.evaluate's states of the same graphs run in that sequ
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -53,7 +55,7 @@ def test_states_and_parameters_share_one_place_and_the_rest_stays_apart() -> Non
     assert places[0] == places[1] == places[2], places
     consts = [next(b for b in p.ranks[0].buffers if b.kind == "constant") for p in plan.programs]
     spans = sorted((b.offset, b.offset + b.nbytes) for b in consts)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"constants overlap: {spans}"
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"constants overlap: {spans}"
     verify_plan(plan)  # every program, and the layout
 
 

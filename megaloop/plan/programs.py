@@ -166,7 +166,7 @@ def check_programs(plan: Plan) -> None:
         ranks = [p.ranks[r] for p in programs]
         sizes = {rp.arena_bytes for rp in ranks}
         if len(sizes) != 1:
-            raise PlanError(f"programs: rank {r}'s arena has sizes {sorted(sizes)} in the programs; one arena holds all")
+            raise PlanError(f"programs: rank {r}'s arena has sizes {sorted(sizes)}; one arena holds every program")
         rows = []  # (start, end, program, buffer)
         for q, rp in enumerate(ranks):
             keys = _shared_keys(rp)
