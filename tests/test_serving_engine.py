@@ -89,6 +89,7 @@ def test_greedy_completions_equal_each_prompt_alone(tiny, dtype: str) -> None:
     requests = arrive(e, [(p, {"max_tokens": n}) for p, n in zip(ps, MAX_TOKENS)], ARRIVALS)
     results = [r.result(120) for r in requests]
     assert e.steps > ARRIVALS[-1]
+    assert e.runs["mixed"] and any(e.runs[f"decode_{r}"] for r in (1, 2, 4)), f"runs switched programs: {e.runs}"
     close_and_check(e)
     for i, (p, n, got) in enumerate(zip(ps, MAX_TOKENS, results)):
         alone = gen.generate(p, max_new_tokens=n)[0]
