@@ -40,7 +40,7 @@ def make_programs(programs: Mapping[str, Graph | Sequence[Graph]], *, use_cache:
     from megaloop.plan.cache import load_or_make_plan
 
     if not isinstance(programs, Mapping) or not programs:
-        raise GraphBuildError("make_programs: expected a dict of program name -> graph(s), got " f"{programs!r:.80}")
+        raise GraphBuildError(f"make_programs: expected a dict of program name -> graph(s), got {programs!r:.80}")
     if len(programs) > MAX_PROGRAMS:
         raise GraphBuildError(f"make_programs: {len(programs)} programs; a loop kernel holds at most {MAX_PROGRAMS}")
     plans = []

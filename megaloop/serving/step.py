@@ -86,7 +86,9 @@ def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int
         raise GraphBuildError(f"build_serving_step: eos_ids {eos} must be token ids in [0, {cfg.vocab})")
     if decode_rows is not None and (isinstance(decode_rows, bool) or not isinstance(decode_rows, int)
                                     or not 1 <= decode_rows <= shape.slots):  # fmt: skip
-        raise GraphBuildError(f"build_serving_step: decode_rows must be an int in [1, {shape.slots}], got {decode_rows!r}")
+        raise GraphBuildError(
+            f"build_serving_step: decode_rows must be an int in [1, {shape.slots}], got {decode_rows!r}"
+        )
     g = Graph(name)
     s, n = shape.slots, shape.max_seq
     col = (s, 1)
