@@ -45,7 +45,7 @@ from megaloop.runtime import resident
 from megaloop.runtime.compile import CubinLoadError, compile_and_load
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
-from megaloop.runtime.programs import connect_counters, counter_bases, program_index, upload_tables
+from megaloop.runtime.programs import connect_counters, memory_sizes, program_index, upload_tables
 from megaloop.runtime.report import LoopKernelError, kernel_error
 from megaloop.runtime.upload import CHUNK_BYTES, ProgressCallback, Staging, nbytes_of, progress_callback, upload
 
@@ -60,15 +60,6 @@ def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
     programming guide). Testing the dynamic bytes alone left kernels of 46 KB dynamic and 3 KB static
     unlaunchable: no block resident."""
     return static_bytes + dynamic_bytes > 48 * 1024
-
-
-def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
-    """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
-    included, every program's), as a LoopKernel allocates them and as a peer-memory provider
-    (megaloop/runtime/peers.py) must."""
-    start, inbox_bytes = exchange_region(plan, rank)  # pushing all_reduces' inboxes, after the plan's buffers
-    arena = start + inbox_bytes if inbox_bytes else plan.ranks[rank].arena_bytes
-    return max(arena, 8), 8 * max(counter_bases(plan, rank)[-1], 1)
 
 
 def _check(result: Any) -> Any:
@@ -483,9 +474,15 @@ class LoopKernel:
                 staging.finish()
             finally:
                 staging.close()
-        for t in g.constants:
-            self._write(self.rp.tensor_of[t], t.node.attrs["value"])
+        for q, p in enumerate(self.plan.programs):  # each program's constants: its own bytes
+            self._select(q)
+            for t in p.ranks[self.rank].graph.constants:
+                self._write(self.rp.tensor_of[t], t.node.attrs["value"])
+        self._select(0)
         self._initial_state(exclude=set(state))
+
+    def _select(self, program: int) -> None:  # the program whose tensors rp names from now on
+        self.rp = self.plan.programs[program].ranks[self.rank]
 
     def _uploaded(self, nbytes: int) -> None:
         self._upload_done = getattr(self, "_upload_done", 0) + nbytes
@@ -538,10 +535,11 @@ class LoopKernel:
             self, resident.Resident(self.device, self.program.processors, self._what(), self._group, time.monotonic())
         )
 
-    def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
-        """Write ``inputs``, run ``iterations`` iterations, return the outputs of the last one."""
+    def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1, program: int | str = 0) -> dict:
+        """Write ``inputs``, run ``iterations`` iterations of ``program``, return the last one's outputs."""
+        self.start(0, program)  # (waits for another program's iterations, then names this one's tensors)
         self._stage_inputs(inputs, iterations)
-        self.start(iterations)
+        self.start(iterations, program)
         self.wait()
         return self._outputs()
 
@@ -587,7 +585,10 @@ class LoopKernel:
             if not self.finished():  # the blocks take a new program only once all finished the old
                 self.wait()
             self._program = index
+            self._select(index)
             self.control[PROGRAM] = index  # (before requested: block 0 reads them in that order)
+        if iterations <= 0:
+            return
         self._requested += iterations
         self.control[REQUESTED] = self._requested
 

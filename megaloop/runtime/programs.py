@@ -12,6 +12,7 @@ from megaloop.codegen import LoopProgram
 from megaloop.codegen.abi import MAX_OPERANDS, PROGRAM_DTYPE
 from megaloop.codegen.kernel import counter_slots
 from megaloop.plan.model import Plan
+from megaloop.plan.rendezvous import exchange_region
 
 TABLES = ("tasks", "waits", "list_begin", "lists", "operand_offsets", "mirrors", "ring_chunks", "ring_begin")
 
@@ -22,6 +23,15 @@ def counter_bases(plan: Plan, rank: int) -> list[int]:
     for p in plan.programs:
         out.append(out[-1] + counter_slots(p, rank))
     return out
+
+
+def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
+    """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
+    included, every program's), as a LoopKernel allocates them and as a peer-memory provider
+    (megaloop/runtime/peers.py) must."""
+    start, inbox_bytes = exchange_region(plan, rank)  # pushing all_reduces' inboxes, after the plan's buffers
+    arena = start + inbox_bytes if inbox_bytes else plan.ranks[rank].arena_bytes
+    return max(arena, 8), 8 * max(counter_bases(plan, rank)[-1], 1)
 
 
 def program_index(plan: Plan, which: int | str) -> int:
