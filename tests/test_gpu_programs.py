@@ -12,7 +12,7 @@ import pytest
 import megaloop as ml
 import megaloop.frontend.ops as ops
 from megaloop.errors import EvaluationError
-from megaloop.plan.programs import make_programs
+from megaloop.plan.cache import make_programs
 from megaloop.runtime.device import gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]

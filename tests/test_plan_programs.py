@@ -14,7 +14,8 @@ import megaloop as ml
 import megaloop.frontend.ops as ops
 from megaloop.errors import GraphBuildError, PlanError
 from megaloop.plan import Plan, make_plan
-from megaloop.plan.programs import check_programs, make_programs
+from megaloop.plan.cache import make_programs
+from megaloop.plan.programs import check_programs
 from megaloop.plan.verify import verify_plan
 from megaloop.reference.interpreter import run_plan
 

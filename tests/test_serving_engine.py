@@ -19,7 +19,7 @@ from megaloop.errors import GraphBuildError
 from megaloop.models import LlamaConfig
 from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.plan import make_plan
-from megaloop.plan.programs import make_programs
+from megaloop.plan.cache import make_programs
 from megaloop.reference.interpreter import run_plan
 from megaloop.serving.backends import CpuStep, ReferenceStep, initial_state
 from megaloop.serving.engine import Engine

@@ -2,7 +2,7 @@
 parameters, one arena, the host picking which program a run runs (docs/runtime.md, "Several
 programs in one kernel").
 
-    plan = make_programs({"mixed": step_graph, "decode_1": one_row_graph}, processors=132)
+    plan = make_programs({"mixed": step_graph, "decode_1": one_row_graph}, processors=132)  # plan/cache.py
     plan.programs          # [the "mixed" plan, the "decode_1" plan]: each a whole Plan of its own
 
 Each program is planned alone (make_plan), then its buffers are moved (``share_arena``) so that
@@ -15,45 +15,18 @@ offsets), so what its verification found still holds; ``check_programs`` checks 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 
 from megaloop.errors import GraphBuildError, PlanError
-from megaloop.frontend.graph import Graph
 from megaloop.plan import memory
 from megaloop.plan.bytes import overlapping_pairs
 from megaloop.plan.model import BUFFER_KINDS, Plan, RankPlan
 
 SHARED_KINDS = ("parameter", "state")  # one copy in the arena, whichever program runs
 MAX_PROGRAMS = 16  # the loop kernel keeps each program's iteration count in shared memory
-
-
-def make_programs(programs: Mapping[str, Graph | Sequence[Graph]], *, use_cache: bool = False,
-                  **settings: Any) -> Plan:  # fmt: skip
-    """One plan holding a program per entry of ``programs`` (name -> a graph, or one graph per rank),
-    each planned with make_plan's keyword ``settings``; the first is the plan returned, the others
-    its ``others``. ``use_cache``: each program from the plan cache (megaloop/plan/cache.py)."""
-    from megaloop.plan.build import make_plan
-    from megaloop.plan.cache import load_or_make_plan
-
-    if not isinstance(programs, Mapping) or not programs:
-        raise GraphBuildError(f"make_programs: expected a dict of program name -> graph(s), got {programs!r:.80}")
-    if len(programs) > MAX_PROGRAMS:
-        raise GraphBuildError(f"make_programs: {len(programs)} programs; a loop kernel holds at most {MAX_PROGRAMS}")
-    plans = []
-    for name, graphs in programs.items():
-        if not isinstance(name, str) or not name:
-            raise GraphBuildError(f"make_programs: program names must be non-empty strings, got {name!r}")
-        if use_cache:
-            plan, _ = load_or_make_plan(graphs, use_cache=True, **settings)
-        else:
-            plan = make_plan(graphs, **settings)
-        plan.name = name
-        plans.append(plan)
-    return join_programs(plans)
 
 
 def join_programs(plans: Sequence[Plan]) -> Plan:

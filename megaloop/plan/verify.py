@@ -38,6 +38,7 @@ from megaloop.plan.hazards import (
     task_name,
 )
 from megaloop.plan.model import Plan
+from megaloop.plan.programs import check_programs
 from megaloop.plan.rendezvous import meetings
 
 
@@ -56,8 +57,6 @@ def verify_plan(plan: Plan, hazards: Hazards | None = None) -> Report:
     first program's."""
     report = _verify_program(plan, hazards)
     if plan.others:
-        from megaloop.plan.programs import check_programs
-
         for other in plan.others:
             _verify_program(other, None)
         check_programs(plan)

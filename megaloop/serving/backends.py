@@ -105,7 +105,7 @@ class GpuStep:
     def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any], progress: Progress,
                  plan_cache: bool = True, gpu: Any = None) -> None:  # fmt: skip
         from megaloop.codegen import generate
-        from megaloop.plan.programs import make_programs
+        from megaloop.plan.cache import make_programs
         from megaloop.runtime import gpus
         from megaloop.runtime.compile import compile_cubin
         from megaloop.runtime.loop import LoopKernel
