@@ -74,6 +74,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
     __shared__ u64 reported;  // when this block last reported progress (%globaltimer)
     __shared__ u64 runs[ML_PROGRAMS];  // iterations each program has run here
     __shared__ u64 local;     // this iteration's number in its program's own count
+    __shared__ u64 iteration;  // the kernel's (progress, grants, profile): thread 0's, kept out of registers
     __shared__ int program, switched;  // the program whose tables `a` holds; whether this iteration changed it
     __shared__ int granted_program;    // the program of the iterations granted
     if (threadIdx.x == 0) {
@@ -81,47 +82,51 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         granted = 0;
         reported = now_ns();
         program = 0;
+        iteration = 0;
         for (int p = 0; p < ML_PROGRAMS; ++p) runs[p] = 0;
         Ring::init();
     }
     __syncthreads();
     const int proc = blockIdx.x;
-    int begin = a.list_begin[proc], end = a.list_begin[proc + 1];
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ TaskSlot slots[3];
     int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
     const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
-    if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[0]);
-    for (u64 global = 0;; ++global) {
+    if (a.list_begin[proc] < a.list_begin[proc + 1] && (int)(threadIdx.x >> 5) == filler)
+        fill_slot(a, a.lists[a.list_begin[proc]], slots[0]);
+    for (u64 it = 0;; ++it) {  // (== iteration: a register the one-program kernel uses as k)
         if (threadIdx.x == 0) {
-            if (global >= granted) {
-                granted = wait_requested(a, global);
+            if (iteration >= granted) {
+                granted = wait_requested(a, iteration);
                 // a grant of another program comes only once every block finished the iterations before it
                 granted_program = ML_PROGRAMS > 1 ? (int)*(volatile u64*)&a.doorbell[2] : 0;
             }
-            go = global < granted;
+            go = iteration < granted;
             switched = 0;
             if (go) {
                 const int p = granted_program;
-                if (p != program) {
-                    load_program(a, p);
-                    program = p;
-                    switched = 1;
+                if constexpr (ML_PROGRAMS > 1) {
+                    if (p != program) {
+                        load_program(a, p);
+                        program = p;
+                        switched = 1;
+                    }
                 }
                 local = runs[p]++;
-                stamp_grant(a, global, 0);
+                stamp_grant(a, iteration, 0);
                 Ring::advance(a, proc);
             }
         }
         __syncthreads();
         if (!go) return;
-        const u64 k = local;
-        if (switched) {  // the slot warp 1 filled holds the old program's task: this one's first instead
-            begin = a.list_begin[proc];
-            end = a.list_begin[proc + 1];
-            if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[q]);
-            __syncthreads();
+        const u64 k = ML_PROGRAMS > 1 ? local : it;
+        const int begin = a.list_begin[proc], end = a.list_begin[proc + 1];
+        if constexpr (ML_PROGRAMS > 1) {  // (a kernel of one program: not compiled, its registers as they were)
+            if (switched) {  // the slot warp 1 filled holds the old program's task: this one's first instead
+                if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[q]);
+                __syncthreads();
+            }
         }
         Ring::start(a, k, proc);
         for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {
@@ -143,12 +148,13 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             }
             run_task(a, s, k, proc);
             __syncthreads();
-            if (threadIdx.x == 0) finish_task(a, s.task, s.id, global, start);
+            if (threadIdx.x == 0) finish_task(a, s.task, s.id, iteration, start);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            stamp_grant(a, global, 1);
-            iteration_done(a, global, granted, reported);
+            stamp_grant(a, iteration, 1);
+            iteration_done(a, iteration, granted, reported);
+            ++iteration;
         }
     }
 }
