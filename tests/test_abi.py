@@ -37,8 +37,9 @@ def test_loop_kernel_tables_use_the_abi() -> None:
     assert prog.tasks.dtype == abi.TASK.dtype and prog.waits.dtype == abi.WAIT.dtype
     assert prog.mirrors.dtype == abi.MIRROR.dtype
     assert prog.operand_offsets.shape[1] == abi.MAX_OPERANDS
-    assert loop.ARGS_DTYPE == abi.ARGS.dtype and loop.CONTROL_WORDS == 11
-    assert (loop.REQUESTED, loop.STOP, loop.ERROR, loop.INFO) == (0, 1, 2, 3)
+    assert loop.ARGS_DTYPE == abi.ARGS.dtype and loop.CONTROL_WORDS == 12
+    assert (loop.REQUESTED, loop.STOP, loop.ERROR, loop.INFO, loop.PROGRAM) == (0, 1, 2, 3, 11)
+    assert prog.others == []
 
 
 def test_a_hand_edited_header_is_refused() -> None:

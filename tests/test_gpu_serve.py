@@ -57,6 +57,7 @@ def test_the_loop_kernel_serves_each_prompt_as_it_is_generated_alone(tiny, kind:
     print(f"{e.steps} steps, {time.perf_counter() - t0:.2f} s, on {e.description}")
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i} ({LENGTHS[i]} prompt tokens, {settings[i]}): {g} != {w}"
+    assert e.runs["mixed"] and any(e.runs[f"decode_{r}"] for r in (1, 2, 4, 6)), f"runs switched programs: {e.runs}"
     again = [r.result(300).tokens for r in [e.submit(p, **s) for p, s in zip(ps, settings)]]
     assert again == got, "the same requests again (all at once this time): the same tokens"
     e.close()

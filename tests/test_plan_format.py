@@ -125,7 +125,7 @@ def test_impossible_order_is_refused(setup) -> None:
     "edit, field",
     [
         (lambda d: d.pop("version"), r"plan\.version: missing"),
-        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 4"),
+        (lambda d: d.update(version=99), r"plan\.version: this megaloop reads version 5"),
         (lambda d: d.pop("fusion"), r"plan\.fusion: missing"),
         (lambda d: d["fusion"].update(off=["fold"]), r"plan\.fusion\.off: unknown rule 'fold'; the rules are"),
         (lambda d: d["fusion"].update(enabled="yes"), r"plan\.fusion\.enabled: expected a bool, got str"),

@@ -173,9 +173,9 @@ def _slow(engine: Engine, seconds: float):
     """Each run of the engine's step takes ``seconds`` longer (a request then outlives its client)."""
     run = engine.step.run
 
-    def slow(iterations: int) -> None:
+    def slow(iterations: int, program: str = "mixed") -> None:
         time.sleep(seconds)
-        run(iterations)
+        run(iterations, program)
 
     engine.step.run = slow  # type: ignore[method-assign]
     return lambda: setattr(engine.step, "run", run)
@@ -358,7 +358,7 @@ def test_the_command_drains_on_sigterm(tiny, tmp_path) -> None:
 def test_a_failed_step_is_a_500_and_health_says_so(gen) -> None:
     s = Server(Engine(gen, max_slots=2, chunk=8, page_size=8))
 
-    def broken(iterations: int) -> None:
+    def broken(iterations: int, program: str = "mixed") -> None:
         raise ml.errors.DataError("a step that fails (injected by the test)")
 
     s.engine.step.run = broken  # type: ignore[method-assign]

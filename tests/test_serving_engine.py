@@ -19,12 +19,13 @@ from megaloop.errors import GraphBuildError
 from megaloop.models import LlamaConfig
 from megaloop.models.tiny import make_tiny_checkpoint
 from megaloop.plan import make_plan
+from megaloop.plan.cache import make_programs
 from megaloop.reference.interpreter import run_plan
 from megaloop.serving.backends import CpuStep, ReferenceStep, initial_state
 from megaloop.serving.engine import Engine
 from megaloop.serving.pages import PagePool
 from megaloop.serving.requests import QueueFull, RequestError
-from megaloop.serving.step import StepShape, build_serving_step
+from megaloop.serving.step import StepShape, build_serving_programs, build_serving_step
 
 TEXT = (
     "A loop kernel is one program that stays on the GPU and runs every operator of a model. Each processor "
@@ -89,6 +90,7 @@ def test_greedy_completions_equal_each_prompt_alone(tiny, dtype: str) -> None:
     requests = arrive(e, [(p, {"max_tokens": n}) for p, n in zip(ps, MAX_TOKENS)], ARRIVALS)
     results = [r.result(120) for r in requests]
     assert e.steps > ARRIVALS[-1]
+    assert e.runs["mixed"] and any(e.runs[f"decode_{r}"] for r in (1, 2, 4)), f"runs switched programs: {e.runs}"
     close_and_check(e)
     for i, (p, n, got) in enumerate(zip(ps, MAX_TOKENS, results)):
         alone = gen.generate(p, max_new_tokens=n)[0]
@@ -248,6 +250,46 @@ def test_step_plan_is_verified_and_the_interpreter_gives_its_bits(gen) -> None:
             assert np.array_equal(got.state[name].view(np.uint8), value.view(np.uint8)), f"state {name}, order {seed}"
 
 
+def test_the_programs_plan_runs_a_switching_sequence_as_the_graphs_do(gen) -> None:
+    """The engine's programs planned together (verified: each program and their one arena); the plan
+    interpreter runs a sequence of runs that switches programs mid-sequence (prefill in the mixed
+    step, then decode-only steps of 3 and 1 rows, the latter leaving a slot to wait) and gives the
+    states ml.evaluate gives the same graphs in the same sequence, bit for bit."""
+    shape = StepShape(slots=3, chunk=4, page_size=4, pages=40, max_seq=48)
+    programs = build_serving_programs(gen.cfg, shape, gen.eos_token_ids, (1, 3))
+    plan = make_programs(programs, processors=12, arch="sm_90")
+    ps = prompts(gen)
+    want = got = slot_states(shape, programs["mixed"], {0: (ps[2], 6), 2: (ps[0], 6)})
+    want["temperature"][2] = 0.8
+    for step, (name, n) in enumerate([("mixed", 2), ("decode_3", 2), ("decode_1", 1), ("mixed", 1), ("decode_3", 1)]):
+        want = ml.evaluate(programs[name], {}, gen.params, want, iterations=n).state
+        got = run_plan(plan, {}, gen.params, got, iterations=n, seed=step, program=name).state
+        for key, value in want.items():
+            assert np.array_equal(got[key].view(np.uint8), value.view(np.uint8)), f"run {step} ({name}): state {key}"
+    # 6 tokens each; slot 2 (a 1-token prompt) waited in decode_1's run: one token fewer than it could
+    assert want["length"].ravel().tolist() == [len(ps[2]) + 6, 0, 1 + 6], want["length"]
+
+
+def test_a_decode_step_gives_the_mixed_steps_tokens(gen32) -> None:
+    """After prefill, the decode-only steps (4 rows, and 2 rows for two slots) and the mixed step make
+    the same tokens and lengths step by step (their logits within float32 products' last bits)."""
+    shape = StepShape(slots=4, chunk=4, page_size=4, pages=64, max_seq=64)
+    programs = build_serving_programs(gen32.cfg, shape, (), (2, 4), logits=True)
+    ps = prompts(gen32)
+    st = slot_states(shape, programs["mixed"], {1: (ps[3], 8), 3: (ps[1], 8)})
+    st = ml.evaluate(programs["mixed"], {}, gen32.params, st, iterations=3).state
+    assert ((st["length"] - st["cursor"])[[1, 3]] == 1).all(), "prefilled"
+    states = {name: st for name in programs}
+    for step in range(4):
+        out = {name: ml.evaluate(g, {}, gen32.params, states[name]) for name, g in programs.items()}
+        for name, o in out.items():
+            states[name] = o.state
+            for key in ("length", "cursor", "sequence"):
+                assert np.array_equal(o.state[key], out["mixed"].state[key]), f"step {step}: {name}'s {key}"
+            worst = float(np.max(np.abs(o.outputs["logits"][[1, 3]] - out["mixed"].outputs["logits"][[1, 3]])))
+            assert worst <= 1e-4, f"step {step}: {name}'s logits differ by {worst}"
+
+
 def test_a_slots_logits_are_the_same_bits_whatever_the_other_slots_do(gen) -> None:
     shape = StepShape(slots=4, chunk=4, page_size=4, pages=64, max_seq=64)
     g = build_serving_step(gen.cfg, shape, (), logits=True)
@@ -296,14 +338,19 @@ def test_the_page_pools_rules_catch_a_shared_page() -> None:
     assert pool.all_free()
 
 
-def test_the_step_kernel_compiles(gen) -> None:
-    """The whole step (every op of it, the int embedding and the paged ops among them) under NVRTC."""
+def test_the_programs_kernel_compiles(gen) -> None:
+    """The engine's loop kernel of two programs (the mixed step and a decode-only step: every op of
+    them, the int embedding and the paged ops among them) under NVRTC, for sm_90a and sm_80."""
     from megaloop.codegen import generate
     from megaloop.runtime.compile import compile_cubin
 
-    g = build_serving_step(gen.cfg, StepShape(slots=3, chunk=4, page_size=4, pages=40, max_seq=64), gen.eos_token_ids)
-    source = generate(make_plan(g, processors=16, arch="sm_90")).source
-    assert "ml::paged_attention<" in source and compile_cubin(source, "sm_90a", use_cache=False)[:4] == b"\x7fELF"
+    shape = StepShape(slots=2, chunk=4, page_size=4, pages=40, max_seq=64)
+    programs = build_serving_programs(gen.cfg, shape, gen.eos_token_ids, (1,))
+    program = generate(make_programs(programs, processors=16, arch="sm_90"))
+    assert len(program.others) == 1 and "#define ML_PROGRAMS 2" in program.source
+    assert "ml::paged_attention<" in program.source
+    for arch in ("sm_90a", "sm_80"):
+        assert compile_cubin(program.source, arch, use_cache=False)[:4] == b"\x7fELF", arch
 
 
 @pytest.mark.parametrize("strategy", ["tp", "pp"])

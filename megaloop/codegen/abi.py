@@ -106,6 +106,23 @@ RING_CHUNK = Struct(
     "(megaloop/ring.cuh): `rows` rows of `row_bytes`, `stride` bytes apart, from arena byte `src`.",
     (i64("src"), i64("stride"), i32("rows"), i32("row_bytes")),
 )
+PROGRAM = Struct(
+    "Program",
+    "One program's tables (megaloop/plan/programs.py): a block that starts an iteration of another program\n"
+    "than its last copies these into its Args (megaloop/loop_body.cuh).",
+    (
+        ptr("tasks", "const Task*"),
+        ptr("waits", "const Wait*"),
+        ptr("list_begin", "const int*"),
+        ptr("lists", "const int*"),
+        ptr("operand_offsets", "const i64*"),
+        ptr("counters", "u64*", "the program's own counters"),
+        ptr("rank_counters", "u64* const*", "every rank's counters of this program"),
+        ptr("mirrors", "const Mirror*"),
+        ptr("ring_chunks", "const RingChunk*"),
+        ptr("ring_begin", "const int*"),
+    ),
+)
 CONTROL = Struct(
     "Control",
     "Host <-> kernel: lives in mapped pinned host memory (each block's finished iterations follow it).",
@@ -114,6 +131,7 @@ CONTROL = Struct(
         u64("stop", "host: 1 = leave the loop", "volatile u64"),
         u64("error", "kernel: 0, or an error code (Error)", "volatile u64"),
         i64("info", "kernel: what went wrong (megaloop/loop.cuh fail, megaloop/runtime/report.py)", "volatile i64", 8),
+        u64("program", "host: which program the iterations asked for run (written before requested)", "volatile u64"),
     ),
 )
 ARGS = Struct(
@@ -128,7 +146,7 @@ ARGS = Struct(
         ptr("operand_offsets", "const i64*", "per op: MAX_OPERANDS byte offsets into the arena"),
         ptr("counters", "u64*"),
         ptr("abort", "u64*", "device flag: nonzero once any block gave up"),
-        ptr("doorbell", "u64*", "device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)"),
+        ptr("doorbell", "u64*", "device copy of the doorbell: [0] iterations granted, [1] stop, [2] program (block 0)"),
         ptr("progress", "volatile u64*", "mapped host memory: iterations each block has finished"),
         ptr("control", "Control*"),
         ptr(
@@ -147,10 +165,13 @@ ARGS = Struct(
         ptr("mirrors", "const Mirror*", "the peers' mirror counters the tasks bump (Task::mirror_begin)"),
         ptr("ring_chunks", "const RingChunk*", "processor p's weight ring copies ring_chunks[ring_begin[p] ..]"),
         ptr("ring_begin", "const int*", "... up to ring_begin[p + 1], in task order, every iteration"),
+        ptr("programs", "const Program*", "every program's tables (the fields above: program 0's)"),
+        i32("n_programs"),
     ),
 )
-STRUCTS = (TASK, WAIT, MIRROR, RING_CHUNK, CONTROL, ARGS)
+STRUCTS = (TASK, WAIT, MIRROR, RING_CHUNK, PROGRAM, CONTROL, ARGS)
 TASK_DTYPE, WAIT_DTYPE, MIRROR_DTYPE, ARGS_DTYPE = TASK.dtype, WAIT.dtype, MIRROR.dtype, ARGS.dtype
+PROGRAM_DTYPE = PROGRAM.dtype
 RING_CHUNK_DTYPE = RING_CHUNK.dtype
 # Control.error's values (megaloop/runtime/report.py reads them)
 ERRORS = {"OK": 0, "WATCHDOG": 1, "DATA": 2}

@@ -16,7 +16,7 @@ the compile cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,7 +34,8 @@ from megaloop.plan.rendezvous import inboxes
 
 @dataclass
 class LoopProgram:
-    """Everything the runtime needs for one rank: the source and the tables."""
+    """Everything the runtime needs for one rank: the source and the tables (the first program's;
+    ``others``: each other program's, ``plan.others`` order)."""
 
     source: str
     tasks: np.ndarray  # TASK_DTYPE
@@ -51,6 +52,7 @@ class LoopProgram:
     signatures: list[str]  # one comment line per signature
     ring_chunks: np.ndarray  # RING_CHUNK_DTYPE: the weight ring's copies, processor by processor
     ring_begin: np.ndarray  # int32, processors + 1
+    others: list[LoopProgram] = field(default_factory=list)  # the plan's other programs' tables (same source)
 
 
 def _operand(rp: RankPlan, tid: int) -> Operand:
@@ -87,30 +89,54 @@ def counter_slots(plan: Plan, rank: int) -> int:
 
 
 def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
-    """The loop kernel of rank ``rank``. ``mirrors=False``: waits on other ranks' counters poll them
-    across the peer link instead of a mirror here (for GPUs without native peer atomics, where the
-    producers' remote increments of the mirrors could be lost); every rank of a job must agree."""
-    rp = plan.ranks[rank]
-    pushed = inboxes(plan, rank)  # pushing all_reduces (megaloop/plan/rendezvous.py) and their inboxes
+    """The loop kernel of rank ``rank``: one source for every program of the plan (megaloop/plan/
+    programs.py), their tables in ``others``. ``mirrors=False``: waits on other ranks' counters poll
+    them across the peer link instead of a mirror here (for GPUs without native peer atomics, where
+    the producers' remote increments of the mirrors could be lost); every rank of a job must agree."""
+    programs = plan.programs
+    pushed = [inboxes(p, rank) for p in programs]  # pushing all_reduces (megaloop/plan/rendezvous.py)
+    if len(programs) > 1 and any(pushed):
+        raise GraphBuildError(
+            "codegen: several programs with pushing all_reduces: their inboxes would share the arena's end; "
+            "plan those programs with all_reduce tiles that pull (tiles={'all_reduce': {'push': 0}})"
+        )
     options = plan.options
     ring_bytes = options.weight_ring_slot_bytes if options.weight_ring_slots and plan.arch == "sm_90" else 0
-    lowered = _lower(plan, rank, pushed, ring_bytes)
-    rings = {op: low.ring for op, low in enumerate(lowered) if low.ring}
-    shared = max((low.shared_bytes for low in lowered), default=0)
+    lowered = [_lower(p, rank, box, ring_bytes) for p, box in zip(programs, pushed)]
+    shared = max((low.shared_bytes for lows in lowered for low in lows), default=0)
     ring_layout = None
-    if rings:
+    if any(low.ring for lows in lowered for low in lows):
         offset = -(-shared // 128) * 128
         total = offset + options.weight_ring_slots * (ring_bytes + 12)
         if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
             ring_layout = (options.weight_ring_slots, ring_bytes, offset)
             shared = total
         else:  # no room beside the other tiles' shared memory: the ring stays out of this kernel
-            lowered, rings = _lower(plan, rank, pushed, 0), {}
-            shared = max((low.shared_bytes for low in lowered), default=0)
-    bodies: dict[str, int] = {}
+            lowered = [_lower(p, rank, box, 0) for p, box in zip(programs, pushed)]
+            shared = max((low.shared_bytes for lows in lowered for low in lows), default=0)
     functions: list[str] = []
-    signature_of_op: list[int] = []
     comments: list[str] = []
+    bodies: dict[str, int] = {}
+    kernel = (bodies, functions, comments)
+    tables = [_tables(p, rank, mirrors, lows, box, kernel) for p, lows, box in zip(programs, lowered, pushed)]
+    threads = plan.warps * 32
+    source = _source(functions, threads, plan.ranks[rank].graph.name, sum(len(t.tasks) for t in tables), plan.options,
+                     ring_layout, len(programs))  # fmt: skip
+    for t in tables:
+        t.source, t.threads, t.shared_bytes, t.signatures = source, threads, shared, comments
+    first = tables[0]
+    first.others = tables[1:]
+    return first
+
+
+def _tables(plan: Plan, rank: int, mirrors: bool, lowered: list[Lowered], pushed: dict,
+            kernel: tuple[dict[str, int], list[str], list[str]]) -> LoopProgram:  # fmt: skip
+    """One program's tables (its tile functions added to the kernel's ``kernel`` = bodies, functions,
+    comments); the source and the kernel-wide sizes are filled in by ``generate``."""
+    rp = plan.ranks[rank]
+    bodies, functions, comments = kernel
+    rings = {op: low.ring for op, low in enumerate(lowered) if low.ring}
+    signature_of_op: list[int] = []
     slots_of: dict[int, list[tuple[int, int]]] = {}  # op reading other ranks -> (rank, tensor id) per slot
     for op, low in zip(rp.ops, lowered):
         _add_function(low.body, rp, op.id, bodies, functions, comments, signature_of_op)
@@ -174,10 +200,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         lists.extend(lst)
         list_begin[p + 1] = len(lists)
     ring_chunks, ring_begin = _ring_chunks(rp, plan.processors, tasks, offsets, rings)
-    threads = plan.warps * 32
-    source = _source(functions, threads, rp.graph.name, len(rp.tasks), plan.options, ring_layout)
     return LoopProgram(
-        source,
+        "",
         tasks,
         np.array(waits, WAIT_DTYPE),
         list_begin,
@@ -185,11 +209,11 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         offsets,
         np.array(bumps, MIRROR_DTYPE),
         len(rp.counters) + len(all_mirrors[rank]),  # counter_slots, from the mirrors at hand
-        threads,
-        shared,
+        0,
+        0,
         plan.processors,
         [op.name for op in rp.ops],
-        comments,
+        [],
         ring_chunks,
         ring_begin,
     )
@@ -287,11 +311,14 @@ def _source(
     n_tasks: int,
     options: KernelOptions,
     ring: tuple[int, int, int] | None,
+    programs: int = 1,
 ) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
     # (only where a tile uses it: other kernels keep their text)
     include = '#include "megaloop/sample.cuh"\n' if any("ml::smp::" in f for f in functions) else ""
     slot = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
+    if programs > 1:  # (a kernel of one program keeps its text)
+        slot += f"#define ML_PROGRAMS {programs}\n"
     hooks = "ml::NoRing"
     if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes and offset
         slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))

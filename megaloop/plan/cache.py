@@ -22,7 +22,7 @@ import json
 import os
 import pickle
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,13 @@ import numpy as np
 
 from megaloop import diskcache
 from megaloop.dtypes import DType, as_dtype
+from megaloop.errors import GraphBuildError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import REGISTRY, OpDef
 from megaloop.frontend.serialize import graph_to_dict
 from megaloop.plan.build import collector_paused, make_plan
 from megaloop.plan.model import FORMAT, VERSION, Plan, Task, Wait
+from megaloop.plan.programs import MAX_PROGRAMS, join_programs
 
 PACKAGE = Path(__file__).resolve().parent.parent
 PLANNER_SOURCES = ("frontend", "parallel", "fuse", "plan", "dtypes.py", "errors.py", "__init__.py")
@@ -163,3 +165,25 @@ def _write(path: Path, plan: Plan) -> None:
     except OSError:
         return
     diskcache.evict(keep=path)
+
+
+def make_programs(programs: Mapping[str, Graph | Sequence[Graph]], *, use_cache: bool = False,
+                  **settings: Any) -> Plan:  # fmt: skip
+    """One plan holding a program per entry of ``programs`` (name -> a graph, or one graph per rank),
+    each planned with make_plan's keyword ``settings``; the first is the plan returned, the others
+    its ``others``. ``use_cache``: each program from the plan cache (megaloop/plan/cache.py)."""
+    if not isinstance(programs, Mapping) or not programs:
+        raise GraphBuildError(f"make_programs: expected a dict of program name -> graph(s), got {programs!r:.80}")
+    if len(programs) > MAX_PROGRAMS:
+        raise GraphBuildError(f"make_programs: {len(programs)} programs; a loop kernel holds at most {MAX_PROGRAMS}")
+    plans = []
+    for name, graphs in programs.items():
+        if not isinstance(name, str) or not name:
+            raise GraphBuildError(f"make_programs: program names must be non-empty strings, got {name!r}")
+        if use_cache:
+            plan, _ = load_or_make_plan(graphs, use_cache=True, **settings)
+        else:
+            plan = make_plan(graphs, **settings)
+        plan.name = name
+        plans.append(plan)
+    return join_programs(plans)

@@ -51,6 +51,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "fusion": plan.fusion.to_dict(),
         "estimated_ns": plan.estimated_ns,
         "ranks": [_rank_to_dict(rp) for rp in plan.ranks],
+        "name": plan.name,
+        "others": [plan_to_dict(p) for p in plan.others],
     }
 
 
@@ -267,10 +269,10 @@ def plan_from_dict(data: dict[str, Any], *, rederive: bool = False, verify: bool
         ) from e
 
 
-def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
+def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool, path: str = "plan") -> Plan:
     if not isinstance(data, dict):
         raise PlanFormatError(f"plan: expected a JSON object, got {type(data).__name__}")
-    root = _Reader(data, "plan")
+    root = _Reader(data, path)
     if root.get("format", str) != FORMAT:
         raise PlanFormatError(f"plan.format: expected {FORMAT!r}, got {data.get('format')!r}")
     version = root.get("version", int)
@@ -306,6 +308,11 @@ def _plan_from_dict(data: dict[str, Any], rederive: bool, verify: bool) -> Plan:
         plan = rederive_plan(plan)
     else:
         check_tasks_match_tiles(plan)
+    plan.name = root.get("name", str)
+    others = root.items("others")
+    if path != "plan" and others:
+        raise PlanFormatError(f"{path}.others: only the first program holds the others")
+    plan.others = [_plan_from_dict(o.obj, rederive, False, o.path) for o in others]
     if verify:
         verify_plan(plan)
     return plan

@@ -27,7 +27,8 @@ from megaloop.fuse.options import FuseOptions
 CONVENIENCES = SimpleNamespace()
 
 FORMAT = "megaloop-plan"
-VERSION = 4  # 2: "options" (KernelOptions); 3: the weight ring's options; 4: "fusion" (FuseOptions)
+VERSION = 5  # 2: "options" (KernelOptions); 3: the weight ring's options; 4: "fusion" (FuseOptions);
+# 5: "name" and "others" (the further programs of one loop kernel: megaloop/plan/programs.py)
 
 # buffer kinds: read-only while a run is in flight (written by the host between runs) ...
 READ_ONLY_KINDS = ("parameter", "constant", "input")
@@ -176,10 +177,25 @@ class Plan:
     options: KernelOptions = field(default_factory=KernelOptions)
     fusion: FuseOptions = field(default_factory=FuseOptions)  # the rewrites that made the ranks' graphs
     matching: Any = None  # megaloop.parallel.RankMatching of the graphs (derived, not saved)
+    name: str = "main"  # the program's name among the kernel's programs
+    # further programs over the same states and parameters, one of which a run picks (plan/programs.py)
+    others: list[Plan] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def programs(self) -> list[Plan]:
+        """Every program of the loop kernel: this plan, then the others (run i picks one)."""
+        return [self, *self.others]
+
+    def program(self, which: int | str) -> Plan:
+        """A program by index or name (``programs``); KeyError naming the programs there are."""
+        for i, p in enumerate(self.programs):
+            if which == i or which == p.name:
+                return p
+        raise KeyError(f"no program {which!r}: the plan's programs are {[p.name for p in self.programs]}")
 
     def task_label(self, rank: int, task_id: int) -> str:
         rp = self.ranks[rank]

@@ -38,6 +38,7 @@ from megaloop.plan.hazards import (
     task_name,
 )
 from megaloop.plan.model import Plan
+from megaloop.plan.programs import check_programs
 from megaloop.plan.rendezvous import meetings
 
 
@@ -49,9 +50,20 @@ class Report:
 
 
 def verify_plan(plan: Plan, hazards: Hazards | None = None) -> Report:
-    """Check ``plan`` (see the module's docstring). ``hazards``: its access table and orderings when
-    the caller has just found them from these very tasks' accesses and ops (make_plan, whose linking
-    sets only processors, counters and waits); else they are found here."""
+    """Check ``plan`` (see the module's docstring), and each of its other programs, and that the
+    programs fit one kernel (megaloop/plan/programs.py). ``hazards``: its access table and orderings
+    when the caller has just found them from these very tasks' accesses and ops (make_plan, whose
+    linking sets only processors, counters and waits); else they are found here. The report is the
+    first program's."""
+    report = _verify_program(plan, hazards)
+    if plan.others:
+        for other in plan.others:
+            _verify_program(other, None)
+        check_programs(plan)
+    return report
+
+
+def _verify_program(plan: Plan, hazards: Hazards | None) -> Report:
     base = task_bases(plan)
     n = base[-1] + len(plan.ranks[-1].tasks) if plan.ranks else 0
     proc, index, lists = _placement(plan, base, n)

@@ -95,11 +95,17 @@ def run_plan(
     *,
     iterations: int = 1,
     seed: int = 0,
+    program: int | str = 0,
 ) -> Any:
-    """Run ``plan`` for ``iterations`` iterations under a random legal interleaving chosen by ``seed``.
+    """Run ``plan`` for ``iterations`` iterations under a random legal interleaving chosen by ``seed``;
+    ``program``: which of its programs (``plan.programs``, by index or name).
 
     Arguments and result are those of ``megaloop.evaluate``: one mapping (and one Evaluation) per rank
     for multi-rank plans."""
+    try:
+        plan = plan.program(program)
+    except KeyError as e:
+        raise EvaluationError(f"run_plan: {e.args[0]}") from None
     single = plan.world_size == 1
     n = plan.world_size
 

@@ -36,7 +36,6 @@ import numpy as np
 
 from megaloop.codegen import LoopProgram, generate
 from megaloop.codegen.abi import ARGS_DTYPE, CONTROL, MAX_OPERANDS, word
-from megaloop.codegen.kernel import counter_slots
 from megaloop.errors import EvaluationError
 from megaloop.frontend.shapes import is_contiguous
 from megaloop.frontend.values import coerce
@@ -46,12 +45,13 @@ from megaloop.runtime import resident
 from megaloop.runtime.compile import CubinLoadError, compile_and_load
 from megaloop.runtime.device import gpus
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
+from megaloop.runtime.programs import connect_counters, memory_sizes, program_index, upload_tables
 from megaloop.runtime.report import LoopKernelError, kernel_error
 from megaloop.runtime.upload import CHUNK_BYTES, ProgressCallback, Staging, nbytes_of, progress_callback, upload
 
 # the mapped control block (ml::Control) as u64 words: the doorbell, the error report, then each block's progress
 CONTROL_WORDS = CONTROL.dtype.itemsize // 8
-REQUESTED, STOP, ERROR, INFO = (word(CONTROL, name) for name in ("requested", "stop", "error", "info"))
+REQUESTED, STOP, ERROR, INFO, PROGRAM = (word(CONTROL, n) for n in ("requested", "stop", "error", "info", "program"))
 
 
 def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
@@ -60,15 +60,6 @@ def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
     programming guide). Testing the dynamic bytes alone left kernels of 46 KB dynamic and 3 KB static
     unlaunchable: no block resident."""
     return static_bytes + dynamic_bytes > 48 * 1024
-
-
-def memory_sizes(plan: Plan, rank: int) -> tuple[int, int]:
-    """Bytes of a rank's arena and counters (one u64 per counter, its mirrors of peers' counters
-    included), as a LoopKernel allocates them and as a peer-memory provider (megaloop/runtime/peers.py)
-    must."""
-    start, inbox_bytes = exchange_region(plan, rank)  # pushing all_reduces' inboxes, after the plan's buffers
-    arena = start + inbox_bytes if inbox_bytes else plan.ranks[rank].arena_bytes
-    return max(arena, 8), 8 * max(counter_slots(plan, rank), 1)
 
 
 def _check(result: Any) -> Any:
@@ -163,6 +154,7 @@ class LoopKernel:
         self._launched = False
         self._stuck = False
         self._requested = 0
+        self._program = 0  # the program of the iterations asked for last
         self._group = _group
         self._lent_copies = _copies is not None
         self.control = self.progress = None  # views of the mapped control page, once allocated
@@ -305,8 +297,8 @@ class LoopKernel:
         if inbox_bytes:  # no flag or count of a pushed tile matches a zero
             _check(d.cuMemsetD8Async(self.arena + inbox_at, 0, inbox_bytes, copies))
         _check(d.cuMemsetD8Async(self.counters, 0, counter_bytes, copies))
-        self.flags = self._alloc(24)  # abort; the doorbell's device copy (granted, stop), kept by block 0
-        _check(d.cuMemsetD8Async(self.flags, 0, 24, copies))
+        self.flags = self._alloc(32)  # abort; the doorbell's device copy (granted, stop, program), kept by block 0
+        _check(d.cuMemsetD8Async(self.flags, 0, 32, copies))
         # mapped pinned memory: the doorbell and error report, then each block's finished iterations
         words = CONTROL_WORDS + prog.processors
         host = _check(d.cuMemHostAlloc(8 * words, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
@@ -316,8 +308,9 @@ class LoopKernel:
         self.control, self.progress = mapped[:CONTROL_WORDS], mapped[CONTROL_WORDS:]
         control_dev = int(_check(d.cuMemHostGetDevicePointer(self._control_host, 0)))
         self.profile = 0
+        n_tasks = max(len(p.tasks) for p in [prog, *prog.others])  # (profiles index tasks of any program)
         if self.profile_iterations:  # each task's (start, end), then each block's (grant seen, iteration done)
-            stamps = 16 * (len(self.rp.tasks) + prog.processors) * self.profile_iterations
+            stamps = 16 * (n_tasks + prog.processors) * self.profile_iterations
             self.profile = self._alloc(stamps)
             _check(d.cuMemsetD8Async(self.profile, 0, stamps, copies))
         args = np.zeros(1, ARGS_DTYPE)
@@ -332,10 +325,12 @@ class LoopKernel:
         args["mirrors"] = self._upload(prog.mirrors)
         args["ring_chunks"] = self._upload(prog.ring_chunks)
         args["ring_begin"] = self._upload(prog.ring_begin)
+        self._programs = upload_tables(prog, self._upload)
+        args["n_programs"] = len(self._programs)
         args["profile"] = self.profile
         args["timeout_ns"] = int(self.timeout_s * 1e9)
         args["profile_iterations"] = self.profile_iterations
-        args["n_tasks"] = len(self.rp.tasks)
+        args["n_tasks"] = self._n_tasks = n_tasks
         self._args_host = args
         self._sync_setup("setting up the arena and tables")
 
@@ -347,6 +342,8 @@ class LoopKernel:
         args["arenas"] = self._upload(np.array(arenas, np.uint64))
         args["rank_counters"] = self._upload(np.array(counters, np.uint64))
         args["rank"], args["world"] = self.rank, len(arenas)
+        connect_counters(self._programs, self.plan, self.rank, counters, self._upload)
+        args["programs"] = self._upload(self._programs)
         self._args = self._upload(args)
         self._sync_setup("uploading the kernel's arguments")
 
@@ -477,9 +474,15 @@ class LoopKernel:
                 staging.finish()
             finally:
                 staging.close()
-        for t in g.constants:
-            self._write(self.rp.tensor_of[t], t.node.attrs["value"])
+        for q, p in enumerate(self.plan.programs):  # each program's constants: its own bytes
+            self._select(q)
+            for t in p.ranks[self.rank].graph.constants:
+                self._write(self.rp.tensor_of[t], t.node.attrs["value"])
+        self._select(0)
         self._initial_state(exclude=set(state))
+
+    def _select(self, program: int) -> None:  # the program whose tensors rp names from now on
+        self.rp = self.plan.programs[program].ranks[self.rank]
 
     def _uploaded(self, nbytes: int) -> None:
         self._upload_done = getattr(self, "_upload_done", 0) + nbytes
@@ -532,10 +535,11 @@ class LoopKernel:
             self, resident.Resident(self.device, self.program.processors, self._what(), self._group, time.monotonic())
         )
 
-    def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1) -> dict[str, np.ndarray]:
-        """Write ``inputs``, run ``iterations`` iterations, return the outputs of the last one."""
+    def run(self, inputs: Mapping[str, Any] | None = None, iterations: int = 1, program: int | str = 0) -> dict:
+        """Write ``inputs``, run ``iterations`` iterations of ``program``, return the last one's outputs."""
+        self.start(0, program)  # (waits for another program's iterations, then names this one's tensors)
         self._stage_inputs(inputs, iterations)
-        self.start(iterations)
+        self.start(iterations, program)
         self.wait()
         return self._outputs()
 
@@ -567,10 +571,24 @@ class LoopKernel:
     def _who(self) -> str:
         return f"rank {self.rank}: " if self.plan.world_size > 1 else ""
 
-    def start(self, iterations: int) -> None:
-        """Ring the doorbell for ``iterations`` more iterations (returns at once)."""
+    def start(self, iterations: int, program: int | str = 0) -> None:
+        """Ring the doorbell for ``iterations`` more iterations of ``program`` (``plan.programs``, by
+        index or name; returns at once, but first waits for the iterations asked for before if they
+        were another program's)."""
         if not self._launched:
             raise LoopKernelError("the loop kernel is not running (stopped, or it failed earlier)")
+        try:
+            index = program_index(self.plan, program)
+        except KeyError as e:
+            raise EvaluationError(f"{self._who()}{e.args[0]}") from None
+        if index != self._program:
+            if not self.finished():  # the blocks take a new program only once all finished the old
+                self.wait()
+            self._program = index
+            self._select(index)
+            self.control[PROGRAM] = index  # (before requested: block 0 reads them in that order)
+        if iterations <= 0:
+            return
         self._requested += iterations
         self.control[REQUESTED] = self._requested
 
@@ -636,7 +654,8 @@ class LoopKernel:
         code = int(self.control[ERROR])
         info = [int(np.int64(np.uint64(v))) for v in self.control[INFO : INFO + 8]]
         self._halt()  # every block leaves (a block stuck in a task is reported by stop())
-        raise kernel_error(self.plan, self.rank, self.timeout_s, code, info, getattr(self, "_devices", None))
+        ran = self.plan.programs[self._program]
+        raise kernel_error(ran, self.rank, self.timeout_s, code, info, getattr(self, "_devices", None))
 
     def state(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """The states' values (``names``: only those, e.g. to leave the KV caches on the GPU)."""
@@ -671,14 +690,15 @@ class LoopKernel:
         return as_torch(view)
 
     def profile_ns(self) -> np.ndarray:
-        """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations."""
-        return self._stamps(0, len(self.rp.tasks))
+        """(iterations, tasks, 2) globaltimer start/end of each task for the first profiled iterations
+        (several programs: by task id of the program each iteration ran, the most tasks of any)."""
+        return self._stamps(0, self._n_tasks)
 
     def grant_ns(self) -> np.ndarray:
         """(iterations, processors, 2) globaltimer of each block, for the first profiled iterations: when it
         knew it could run the iteration (block 0: when it read the host's doorbell) and when it finished it
         (before its progress report, if it made one). The host's round trip split into its parts."""
-        return self._stamps(len(self.rp.tasks), self.plan.processors)
+        return self._stamps(self._n_tasks, self.plan.processors)
 
     def _stamps(self, first: int, count: int) -> np.ndarray:
         iterations = self.profile_iterations

@@ -1,7 +1,8 @@
-"""Where the engine's step runs: the CPU (the step graph prepared once, megaloop.reference.fast), the
-CPU reference (``ml.evaluate`` of it, its states kept here) or one loop kernel resident on a GPU (its
-states in the kernel's arena). Each takes the same four calls: ``write`` states (whole), ``run`` n
-steps, ``read`` states, ``close``."""
+"""Where the engine's step runs: the CPU (the step graphs prepared once, megaloop.reference.fast), the
+CPU reference (``ml.evaluate`` of them, their states kept here) or one loop kernel resident on a GPU
+(their states in the kernel's arena). Each is given the engine's programs (name -> step graph, over
+one set of states: megaloop/serving/step.py) and takes the same four calls: ``write`` states
+(whole), ``run`` n steps of one program, ``read`` states, ``close``."""
 
 from __future__ import annotations
 
@@ -26,49 +27,66 @@ def initial_state(graph: Graph) -> dict[str, np.ndarray]:
     return out
 
 
+def _checked(programs: Mapping[str, Graph] | Graph) -> dict[str, Graph]:
+    return {"mixed": programs} if isinstance(programs, Graph) else dict(programs)
+
+
 class CpuStep:
-    """The CPU: the step graph prepared once (megaloop.reference.fast: the weights converted once, shared
-    with the Generator's graphs where ``params`` is its ComputeWeights; BLAS products; the page pools
-    written in place), its states kept between runs. Its values are ml.evaluate's but for attention's
-    order of sums (within attention's contract: tests/test_serving_engine.py holds it to ReferenceStep)."""
+    """The CPU: each program's graph prepared once (megaloop.reference.fast: the weights converted once,
+    shared with the Generator's graphs where ``params`` is its ComputeWeights; BLAS products; the page
+    pools written in place), one set of states handed to the program that runs. Its values are
+    ml.evaluate's but for attention's order of sums (within attention's contract:
+    tests/test_serving_engine.py holds it to ReferenceStep)."""
 
     name = "cpu"
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress | None = None,
-                 plan_cache: bool = True) -> None:  # fmt: skip
-        self.fast = FastGraph(graph, params)
+    def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any],
+                 progress: Progress | None = None, plan_cache: bool = True) -> None:  # fmt: skip
+        self.programs: dict[str, FastGraph] = {}
+        for name, graph in _checked(programs).items():
+            fast = FastGraph(graph, params if not self.programs else next(iter(self.programs.values())).weights)
+            if self.programs:  # (one copy of the states: the first program's, its pools included)
+                fast.set_state(self.fast.state, adopt=True)
+            else:
+                self.fast = fast
+            self.programs[name] = fast
         self.description = "the CPU (numpy and BLAS)"
 
     def write(self, states: Mapping[str, np.ndarray]) -> None:
         self.fast.set_state(states)
 
-    def run(self, iterations: int) -> None:
-        self.fast.run(iterations=iterations)
+    def run(self, iterations: int, program: str = "mixed") -> None:
+        step = self.programs[program]
+        if step is not self.fast:
+            step.set_state(self.fast.state, adopt=True)
+            self.fast = step
+        step.run(iterations=iterations)
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         return self.fast.read_state(names)
 
     def close(self) -> None:
-        self.fast.reset()
+        for step in self.programs.values():
+            step.state = {}
 
 
 class ReferenceStep:
-    """The numpy reference: each run evaluates the step graph n times, the states carried here (the
-    definition; the weights converted on every step)."""
+    """The numpy reference: each run evaluates the program's graph n times, the states carried here
+    (the definition; the weights converted on every step)."""
 
     name = "reference"
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress | None = None,
-                 plan_cache: bool = True) -> None:  # fmt: skip
-        self.graph, self.params = graph, params
-        self.state = initial_state(graph)
+    def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any],
+                 progress: Progress | None = None, plan_cache: bool = True) -> None:  # fmt: skip
+        self.programs, self.params = _checked(programs), params
+        self.state = initial_state(next(iter(self.programs.values())))
         self.description = "the CPU reference (numpy): slow, for checking"
 
     def write(self, states: Mapping[str, np.ndarray]) -> None:
         self.state.update({k: np.array(v) for k, v in states.items()})
 
-    def run(self, iterations: int) -> None:
-        self.state = evaluate(self.graph, {}, self.params, self.state, iterations=iterations).state
+    def run(self, iterations: int, program: str = "mixed") -> None:
+        self.state = evaluate(self.programs[program], {}, self.params, self.state, iterations=iterations).state
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         return {n: self.state[n] for n in names}
@@ -78,15 +96,16 @@ class ReferenceStep:
 
 
 class GpuStep:
-    """One loop kernel that stays resident while the engine lives: the plan (cached on disk), the
-    kernel (compiled, cached), the weights uploaded once; a run rings the doorbell for n steps."""
+    """One loop kernel that stays resident while the engine lives, holding every program (a plan of
+    several programs, megaloop/plan/programs.py; each cached on disk), compiled (cached), the weights
+    uploaded once; a run rings the doorbell for n steps of one program."""
 
     name = "gpu"
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
-                 gpu: Any = None) -> None:  # fmt: skip
+    def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any], progress: Progress,
+                 plan_cache: bool = True, gpu: Any = None) -> None:  # fmt: skip
         from megaloop.codegen import generate
-        from megaloop.plan.cache import load_or_make_plan
+        from megaloop.plan.cache import make_programs
         from megaloop.runtime import gpus
         from megaloop.runtime.compile import compile_cubin
         from megaloop.runtime.loop import LoopKernel
@@ -97,24 +116,26 @@ class GpuStep:
                 raise MegaloopError(f"no GPU for the loop kernel: {reason}")
             gpu = found[0]
         self.description = f"the loop kernel on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs)"
-        with progress.phase("plan", 1, unit="graph") as bar:
-            self.plan, _ = load_or_make_plan(graph, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
+        graphs = _checked(programs)
+        with progress.phase("plan", len(graphs), unit="graph") as bar:
+            self.plan = make_programs(graphs, use_cache=plan_cache, processors=gpu.sm_count, arch=gpu.plan_arch)
             program = generate(self.plan)
-            bar.update(1)
+            bar.update(len(graphs))
         with progress.phase("compile", 1, unit="kernel") as bar:
             compile_cubin(program.source, gpu.arch)  # (cached on disk: LoopKernel finds it there)
             bar.update(1)
         nbytes = sum(int(np.asarray(v).nbytes) for v in params.values())
         with progress.phase("upload", nbytes, unit="B", unit_scale=True) as bar:
-            self.kernel = LoopKernel(self.plan, params, initial_state(graph), program=program, device=gpu.index)
+            first = next(iter(graphs.values()))
+            self.kernel = LoopKernel(self.plan, params, initial_state(first), program=program, device=gpu.index)
             bar.update(nbytes)
 
     def write(self, states: Mapping[str, np.ndarray]) -> None:
         if states:
             self.kernel.set_state(states)
 
-    def run(self, iterations: int) -> None:
-        self.kernel.start(iterations)  # (not run(): it would read the outputs back every time)
+    def run(self, iterations: int, program: str = "mixed") -> None:
+        self.kernel.start(iterations, program=program)  # (not run(): it would read the outputs back every time)
         self.kernel.wait()
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -154,12 +175,14 @@ class _Ranks:
 
 
 class SplitCpuStep:
-    """The CPU reference over N ranks: the ranks' step graphs in one ``ml.evaluate``, exchanges included."""
+    """The CPU reference over N ranks: the ranks' step graphs in one ``ml.evaluate``, exchanges included
+    (the mixed step only: the engine builds no decode-only programs for several devices)."""
 
     name = "cpu"
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
-                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+    def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any], progress: Progress,
+                 plan_cache: bool = True, devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        graph = _checked(programs)["mixed"]
         with progress.phase("split", 1, unit="graph"):
             self.ranks = _Ranks(graph, params, devices, strategy)
         self.state = self.ranks.pieces(initial_state(graph))
@@ -169,7 +192,7 @@ class SplitCpuStep:
         for mine, piece in zip(self.state, self.ranks.pieces(states)):
             mine.update({k: np.array(v) for k, v in piece.items()})
 
-    def run(self, iterations: int) -> None:
+    def run(self, iterations: int, program: str = "mixed") -> None:
         r = self.ranks
         results = evaluate(r.split.graphs, [{}] * r.split.world_size, r.params, self.state, iterations=iterations)
         self.state = [x.state for x in results]
@@ -183,12 +206,13 @@ class SplitCpuStep:
 
 class SplitGpuStep:
     """N loop kernels (``LoopKernelGroup``), resident while the engine lives: rank r on GPU r mod the
-    GPUs found, ranks sharing a GPU with its SMs divided between them."""
+    GPUs found, ranks sharing a GPU with its SMs divided between them (the mixed step only)."""
 
     name = "gpu"
 
-    def __init__(self, graph: Graph, params: Mapping[str, Any], progress: Progress, plan_cache: bool = True,
-                 devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+    def __init__(self, programs: Mapping[str, Graph] | Graph, params: Mapping[str, Any], progress: Progress,
+                 plan_cache: bool = True, devices: int = 2, strategy: str = "auto") -> None:  # fmt: skip
+        graph = _checked(programs)["mixed"]
         from megaloop.plan.cache import load_or_make_plan
         from megaloop.runtime import gpus
         from megaloop.runtime.group import LoopKernelGroup
@@ -214,7 +238,7 @@ class SplitGpuStep:
             if piece:
                 kernel.set_state(piece)
 
-    def run(self, iterations: int) -> None:
+    def run(self, iterations: int, program: str = "mixed") -> None:
         self.group.start(iterations)
         self.group.wait()
 

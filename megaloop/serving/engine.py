@@ -34,7 +34,7 @@ from megaloop.models.tokenizer import ChatTemplateError
 from megaloop.serving.backends import CpuStep, GpuStep, ReferenceStep, SplitCpuStep, SplitGpuStep
 from megaloop.serving.requests import EngineClosed, QueueFull, Request, RequestError, Settings, _Progress
 from megaloop.serving.slots import Event, SlotTable
-from megaloop.serving.step import PROGRESS, StepShape, build_serving_step
+from megaloop.serving.step import PROGRESS, StepShape, build_serving_programs, decode_buckets
 
 DEFAULT_MAX_SEQ = 2048  # the longest sequence a slot holds, unless the model's context is shorter
 GPU_ITERATIONS = 8  # the most steps a run of the loop kernel takes while no request waits
@@ -48,6 +48,9 @@ class Engine:
     ``backend``: "gpu", "cpu" or "auto"; ``max_queue``: requests that may wait for a slot (more are
     refused with QueueFull); ``check_pages``: check the page pool's rules after every run (tests);
     ``devices`` > 1: the step split over that many devices by ``ml.parallelize``'s ``strategy``.
+    ``decode_rows``: the row counts of the decode-only steps (default: 1, 2, 4, ... and max_slots; ()
+    none): a run in which no slot has prompt tokens left to feed runs the smallest that holds every
+    active slot, the others the mixed step (docs/serving.md, "Programs").
     The other keywords are ``Generator``'s (dtype, eos_token_ids, progress, plan_cache, ...)."""
 
     def __init__(
@@ -65,6 +68,7 @@ class Engine:
         max_iterations: int | None = None,
         devices: int = 1,
         strategy: str = "auto",
+        decode_rows: Sequence[int] | None = None,
         **generator_options: Any,
     ) -> None:
         for name, value in (("max_slots", max_slots), ("chunk", chunk), ("page_size", page_size),
@@ -83,16 +87,20 @@ class Engine:
         self.shape = StepShape(max_slots, chunk, page_size, pages or max_slots * per_slot, length)
         self.max_queue, self.check_pages = max_queue, check_pages
         self.max_iterations = max_iterations or (GPU_ITERATIONS if self.backend_name == "gpu" else 1)
-        self.graph = build_serving_step(self.cfg, self.shape, self.eos_token_ids)
+        self.decode_rows = self._check_decode_rows(decode_rows, max_slots, devices)
+        self.programs = build_serving_programs(self.cfg, self.shape, self.eos_token_ids, self.decode_rows)
+        self.graph = self.programs["mixed"]
+        self.runs: collections.Counter[str] = collections.Counter()  # runs of each program so far
         progress = self.generator.progress if isinstance(self.generator.progress, Progress) else Progress(None)
         if (why := problem(devices, strategy, self.cfg)) is not None:
             raise EngineError(f"Engine: {why}")
         if devices > 1:
             step = SplitGpuStep if self.backend_name == "gpu" else SplitCpuStep
-            self.step = step(self.graph, self.generator.params, progress, self.generator.plan_cache, devices, strategy)
+            self.step = step(self.programs, self.generator.params, progress, self.generator.plan_cache, devices,
+                             strategy)  # fmt: skip
         else:
             step = {"gpu": GpuStep, "cpu": CpuStep, "reference": ReferenceStep}[self.backend_name]
-            self.step = step(self.graph, self.generator.params, progress, plan_cache=self.generator.plan_cache)
+            self.step = step(self.programs, self.generator.params, progress, plan_cache=self.generator.plan_cache)
         self.slots = SlotTable(self.shape)
         self.queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
@@ -191,6 +199,7 @@ class Engine:
                 "pages_free": self.slots.pages.available,
                 "pages": self.shape.pages,
                 "steps": self.steps,
+                "runs": dict(self.runs),
             }
 
     def _cancel(self, request: Request) -> None:
@@ -245,11 +254,13 @@ class Engine:
                         continue
                     iterations = 1 if admitted or self.queue else min(2 * iterations, self.max_iterations)
                     writes = self.slots.prepare(iterations)
+                    program = self._program()
                 self.step.write(writes)
-                self.step.run(iterations)
+                self.step.run(iterations, program)
                 progress = self.step.read(PROGRESS)
                 with self._lock:
                     self.steps += iterations
+                    self.runs[program] += 1
                     events = self.slots.absorb(progress)
                     if self.check_pages:
                         self.slots.check()
@@ -259,6 +270,27 @@ class Engine:
                 self._failure = e
             print(f"megaloop engine: the step failed: {type(e).__name__}: {e}", file=sys.stderr)
             self._finish_all("error", e)
+
+    @staticmethod
+    def _check_decode_rows(decode_rows: Sequence[int] | None, slots: int, devices: int) -> tuple[int, ...]:
+        if devices > 1:
+            return ()  # (the split steps run the mixed step only)
+        if decode_rows is None:
+            return decode_buckets(slots)
+        rows = tuple(decode_rows)
+        if any(isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= slots for r in rows):
+            raise EngineError(f"Engine: decode_rows must be ints in [1, max_slots {slots}], got {rows!r}")
+        return tuple(sorted(set(rows)))
+
+    def _program(self) -> str:
+        """The program of the next run: the smallest decode-only step that holds every active slot
+        when none has prompt tokens left to feed (each wants one row), else the mixed step."""
+        st = self.slots.state
+        active = st["length"] < st["limit"]
+        if (st["length"] - st["cursor"])[active].max(initial=1) > 1:
+            return "mixed"
+        rows = int(active.sum())
+        return next((f"decode_{r}" for r in self.decode_rows if r >= rows), "mixed")
 
     def _work_left(self) -> bool:
         return bool(self.queue or self.slots.live or self._cancelled)

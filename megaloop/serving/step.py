@@ -75,9 +75,77 @@ class Rows:
 
 
 def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int] = (), name: str = "llama-serve",
-                       logits: bool = False) -> Graph:  # fmt: skip
+                       logits: bool = False, decode_rows: int | None = None) -> Graph:  # fmt: skip
     """The step graph of ``cfg``'s model for ``shape`` (module docstring); ``eos_ids``: the tokens that
-    end a sequence; ``logits``: also output each slot's last row's logits [S, 1, vocab]."""
+    end a sequence; ``logits``: also output each slot's last row's logits [S, 1, vocab].
+    ``decode_rows`` R: the decode-only step instead, R rows for the first R slots that want one row
+    (decoding, or a prompt's last token), in slot order; slots with more to feed wait."""
+    _check_model(cfg, shape)
+    eos = sorted({int(i) for i in eos_ids})
+    if any(not 0 <= i < cfg.vocab for i in eos):
+        raise GraphBuildError(f"build_serving_step: eos_ids {eos} must be token ids in [0, {cfg.vocab})")
+    if decode_rows is not None and (isinstance(decode_rows, bool) or not isinstance(decode_rows, int)
+                                    or not 1 <= decode_rows <= shape.slots):  # fmt: skip
+        raise GraphBuildError(
+            f"build_serving_step: decode_rows must be an int in [1, {shape.slots}], got {decode_rows!r}"
+        )
+    g = Graph(name)
+    s, n = shape.slots, shape.max_seq
+    col = (s, 1)
+    length, cursor, limit = (g.state(k, col, "int64") for k in ("length", "cursor", "limit"))
+    sequence = g.state("sequence", (s, n), "int64")
+    table = g.state("page_table", (s, shape.pages_per_slot), "int64", init=np.full((s, shape.pages_per_slot), -1))
+    with g.scope("rows"):
+        if decode_rows is None:
+            rows = _rows(g, shape, length, cursor, limit)
+        else:
+            rows = _decode_rows(g, shape, length, cursor, limit, decode_rows)
+        ids = _row_tokens(sequence, rows, shape)
+    hidden = _decoder(g, cfg, shape, ids, rows, table)
+    t = rows.slots.shape[1]
+    if decode_rows is None:
+        with g.scope("head"):
+            picked = ops.embedding(hidden.reshape(t, cfg.hidden), rows.last.reshape(s)).reshape(s, 1, cfg.hidden)
+            scores = _head(g, cfg, picked)
+        with g.scope("next"):
+            token = _next_token(g, cfg, shape, scores, ops.maximum(cursor + rows.count - 1, 0))
+    else:  # the head and the draw on the R rows, each with its slot's settings; then each slot's row's token
+        with g.scope("head"):
+            row_scores = _head(g, cfg, hidden.reshape(t, 1, cfg.hidden))
+        with g.scope("next"):
+            drawn = _next_token(g, cfg, shape, row_scores, ops.maximum(rows.positions, 0).reshape(t, 1),
+                                rows.slots.reshape(t))  # fmt: skip
+            token = ops.embedding(drawn, rows.last.reshape(s)).reshape(col)
+            scores = ops.embedding(row_scores.reshape(t, cfg.vocab), rows.last.reshape(s)).reshape(s, 1, cfg.vocab)
+    with g.scope("next"):
+        _advance(g, shape, sequence, length, cursor, limit, rows, token, eos)
+    g.output("tokens", token)
+    if logits:
+        g.output("logits", scores)
+    return g
+
+
+def decode_buckets(slots: int) -> tuple[int, ...]:
+    """The decode-only steps' row counts an engine of ``slots`` slots builds: powers of two, then S."""
+    out = []
+    r = 1
+    while r < slots:
+        out.append(r)
+        r *= 2
+    return (*out, slots)
+
+
+def build_serving_programs(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int] = (),
+                           buckets: Sequence[int] = (), logits: bool = False) -> dict[str, Graph]:  # fmt: skip
+    """The engine's programs over one set of states: "mixed" (the step of T rows), then "decode_R" for
+    each R of ``buckets`` (the decode-only step of R rows), ascending."""
+    out = {"mixed": build_serving_step(cfg, shape, eos_ids, "llama-serve", logits)}
+    for r in sorted(set(buckets)):
+        out[f"decode_{r}"] = build_serving_step(cfg, shape, eos_ids, f"llama-serve-decode-{r}", logits, r)
+    return out
+
+
+def _check_model(cfg: LlamaConfig, shape: StepShape) -> None:
     if not isinstance(cfg, LlamaConfig) or cfg.vocab is None:
         raise GraphBuildError("build_serving_step: cfg must be a LlamaConfig with a vocabulary (cfg.vocab)")
     longrope = cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope"
@@ -91,29 +159,6 @@ def build_serving_step(cfg: LlamaConfig, shape: StepShape, eos_ids: Sequence[int
         raise GraphBuildError(
             f"build_serving_step: max_seq {shape.max_seq} is past the model's context {cfg.max_seq} (cfg.max_seq)"
         )
-    eos = sorted({int(i) for i in eos_ids})
-    if any(not 0 <= i < cfg.vocab for i in eos):
-        raise GraphBuildError(f"build_serving_step: eos_ids {eos} must be token ids in [0, {cfg.vocab})")
-    g = Graph(name)
-    s, n = shape.slots, shape.max_seq
-    col = (s, 1)
-    length, cursor, limit = (g.state(k, col, "int64") for k in ("length", "cursor", "limit"))
-    sequence = g.state("sequence", (s, n), "int64")
-    table = g.state("page_table", (s, shape.pages_per_slot), "int64", init=np.full((s, shape.pages_per_slot), -1))
-    with g.scope("rows"):
-        rows = _rows(g, shape, length, cursor, limit)
-        ids = _row_tokens(sequence, rows, shape)
-    hidden = _decoder(g, cfg, shape, ids, rows, table)
-    with g.scope("head"):
-        picked = ops.embedding(hidden.reshape(shape.rows, cfg.hidden), rows.last.reshape(s)).reshape(s, 1, cfg.hidden)
-        scores = _head(g, cfg, picked)
-    with g.scope("next"):
-        token = _next_token(g, cfg, shape, scores, cursor, rows)
-        _advance(g, shape, sequence, length, cursor, limit, rows, token, eos)
-    g.output("tokens", token)
-    if logits:
-        g.output("logits", scores)
-    return g
 
 
 def _rows(g: Graph, shape: StepShape, length: Tensor, cursor: Tensor, limit: Tensor) -> Rows:
@@ -145,9 +190,30 @@ def _rows(g: Graph, shape: StepShape, length: Tensor, cursor: Tensor, limit: Ten
     return Rows(row_slot.reshape(1, t), position.reshape(1, t), count.reshape(s, 1), last.reshape(s, 1))
 
 
+def _decode_rows(g: Graph, shape: StepShape, length: Tensor, cursor: Tensor, limit: Tensor, r: int) -> Rows:
+    """Row i to the i-th slot that wants one row (decoding, or a prompt's last token), in slot order,
+    for the first ``r`` of them; the other slots get no row (the host runs this step only when every
+    active slot wants one row and at most ``r`` are active). The same prefix sum as ``_rows``."""
+    s = shape.slots
+    single = ops.logical_and(ops.less(length, limit), ops.equal(length - cursor, 1))  # [S, 1]
+    before = g.constant(np.tri(s, s, -1, dtype=np.int64).T, "int64", name="slots_before")  # [i, j]: i < j
+    rank = ops.sum(single.astype("int64") * before, 0, keepdims=True)  # [1, S]: its row, if it takes one
+    takes = ops.logical_and(single.reshape(1, s), ops.less(rank, r))  # [1, S]
+    index = g.constant(np.arange(r, dtype=np.int64).reshape(r, 1), "int64", name="row_index")
+    hit = ops.logical_and(ops.equal(index, rank), takes).astype("int64")  # [R, S]
+    used = ops.sum(hit, 1, keepdims=True)  # [R, 1]: 0 or 1
+    slot_ids = g.constant(np.arange(s, dtype=np.int64).reshape(1, s), "int64", name="slot_index")
+    row_slot = ops.sum(hit * slot_ids, 1, keepdims=True)
+    row_cursor = ops.sum(hit * cursor.reshape(1, s), 1, keepdims=True)
+    position = ops.where(ops.equal(used, 1), row_cursor, -1)
+    last = ops.where(takes, rank, 0)  # (a slot without a row: row 0, never used)
+    count = takes.astype("int64")
+    return Rows(row_slot.reshape(1, r), position.reshape(1, r), count.reshape(s, 1), last.reshape(s, 1))
+
+
 def _row_tokens(sequence: Tensor, rows: Rows, shape: StepShape) -> Tensor:
     """Row r's token: ``sequence[slot_r, position_r]``, a lookup in the sequences seen as one table."""
-    s, n, t = shape.slots, shape.max_seq, shape.rows
+    s, n, t = shape.slots, shape.max_seq, rows.slots.shape[1]
     where_ = rows.slots * n + ops.maximum(rows.positions, 0)  # [1, T]
     return ops.embedding(sequence.reshape(s * n, 1), where_).reshape(1, t)
 
@@ -177,7 +243,7 @@ def _paged_attention_block(g: Graph, cfg: LlamaConfig, shape: StepShape, x: Tens
                            layer: int) -> Tensor:  # fmt: skip
     """The Llama attention block (q/k/v projections, Qwen3's q/k norms, rope at each row's position)
     with the keys and values written into, and read from, the layer's paged pools."""
-    t, hd, p = shape.rows, cfg.head_dim, f"model.layers.{layer}.self_attn."
+    t, hd, p = rows.slots.shape[1], cfg.head_dim, f"model.layers.{layer}.self_attn."
     w = {name: g.parameter(p + name, s, cfg.dtype) for name, s in cfg.attention_shapes().items()}
 
     def heads(n: str, count: int) -> Tensor:  # [1, T, count * hd] -> [1, count, T, hd] (a view)
@@ -207,18 +273,24 @@ def _head(g: Graph, cfg: LlamaConfig, x: Tensor) -> Tensor:
     return ops.linear(normed, g.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), cfg.dtype))
 
 
-def _next_token(g: Graph, cfg: LlamaConfig, shape: StepShape, logits: Tensor, cursor: Tensor, rows: Rows) -> Tensor:
-    """Each slot's draw from its last row's logits (``ml.sample``: temperature 0 is the argmax), at the
-    offset of that row's position, as the generator draws: int64 [S, 1]."""
+def _next_token(g: Graph, cfg: LlamaConfig, shape: StepShape, logits: Tensor, offset: Tensor,
+                row_slots: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Each slot's draw from its last row's logits (``ml.sample``: temperature 0 is the argmax), at
+    ``offset`` (that row's position), as the generator draws: int64 [S, 1]. ``row_slots`` [R]: the
+    logits are R rows instead, each drawn with its slot's settings: int64 [R, 1]."""
     col = (shape.slots, 1)
     temperature = g.state("temperature", col, "float32", init=np.ones(col, np.float32))
     top_k = g.state("top_k", col, "int64")
     top_p = g.state("top_p", col, "float32", init=np.ones(col, np.float32))
     min_p = g.state("min_p", col, "float32")
     seed = g.state("seed", col, "int64", init=np.arange(shape.slots, dtype=np.int64).reshape(col))
-    offset = ops.maximum(cursor + rows.count - 1, 0)
+    settings = [seed, temperature, top_k, top_p, min_p]
+    if row_slots is not None:
+        settings = [ops.embedding(x, row_slots) for x in settings]
+    seed, temperature, top_k, top_p, min_p = settings
     splits = auto_argmax_splits(cfg)
-    return ops.sample(logits, seed, offset, temperature, top_k, top_p, min_p, splits=splits).reshape(col)
+    out = ops.sample(logits, seed, offset, temperature, top_k, top_p, min_p, splits=splits)
+    return out.reshape(logits.shape[0], 1)
 
 
 def _advance(g: Graph, shape: StepShape, sequence: Tensor, length: Tensor, cursor: Tensor, limit: Tensor,

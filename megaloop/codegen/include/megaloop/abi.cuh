@@ -90,18 +90,46 @@ static_assert(ML_OFFSETOF(RingChunk, stride) == 8 && sizeof(RingChunk::stride) =
 static_assert(ML_OFFSETOF(RingChunk, rows) == 16 && sizeof(RingChunk::rows) == 4, "ml::RingChunk::rows: at byte 16, 4 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(RingChunk, row_bytes) == 20 && sizeof(RingChunk::row_bytes) == 4, "ml::RingChunk::row_bytes: at byte 20, 4 bytes on the host (megaloop/codegen/abi.py)");
 
+// One program's tables (megaloop/plan/programs.py): a block that starts an iteration of another program
+// than its last copies these into its Args (megaloop/loop_body.cuh).
+struct Program {
+    const Task* tasks;
+    const Wait* waits;
+    const int* list_begin;
+    const int* lists;
+    const i64* operand_offsets;
+    u64* counters;  // the program's own counters
+    u64* const* rank_counters;  // every rank's counters of this program
+    const Mirror* mirrors;
+    const RingChunk* ring_chunks;
+    const int* ring_begin;
+};
+static_assert(sizeof(Program) == 80, "ml::Program: 80 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, tasks) == 0 && sizeof(Program::tasks) == 8, "ml::Program::tasks: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, waits) == 8 && sizeof(Program::waits) == 8, "ml::Program::waits: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, list_begin) == 16 && sizeof(Program::list_begin) == 8, "ml::Program::list_begin: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, lists) == 24 && sizeof(Program::lists) == 8, "ml::Program::lists: at byte 24, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, operand_offsets) == 32 && sizeof(Program::operand_offsets) == 8, "ml::Program::operand_offsets: at byte 32, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, counters) == 40 && sizeof(Program::counters) == 8, "ml::Program::counters: at byte 40, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, rank_counters) == 48 && sizeof(Program::rank_counters) == 8, "ml::Program::rank_counters: at byte 48, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, mirrors) == 56 && sizeof(Program::mirrors) == 8, "ml::Program::mirrors: at byte 56, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, ring_chunks) == 64 && sizeof(Program::ring_chunks) == 8, "ml::Program::ring_chunks: at byte 64, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, ring_begin) == 72 && sizeof(Program::ring_begin) == 8, "ml::Program::ring_begin: at byte 72, 8 bytes on the host (megaloop/codegen/abi.py)");
+
 // Host <-> kernel: lives in mapped pinned host memory (each block's finished iterations follow it).
 struct Control {
     volatile u64 requested;  // host: iterations asked for so far (only ever grows)
     volatile u64 stop;  // host: 1 = leave the loop
     volatile u64 error;  // kernel: 0, or an error code (Error)
     volatile i64 info[8];  // kernel: what went wrong (megaloop/loop.cuh fail, megaloop/runtime/report.py)
+    volatile u64 program;  // host: which program the iterations asked for run (written before requested)
 };
-static_assert(sizeof(Control) == 88, "ml::Control: 88 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Control) == 96, "ml::Control: 96 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Control, requested) == 0 && sizeof(Control::requested) == 8, "ml::Control::requested: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Control, stop) == 8 && sizeof(Control::stop) == 8, "ml::Control::stop: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Control, error) == 16 && sizeof(Control::error) == 8, "ml::Control::error: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Control, info) == 24 && sizeof(Control::info) == 64, "ml::Control::info: at byte 24, 64 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, program) == 88 && sizeof(Control::program) == 8, "ml::Control::program: at byte 88, 8 bytes on the host (megaloop/codegen/abi.py)");
 
 // The loop kernel's one argument, uploaded by megaloop/runtime/loop.py.
 struct Args {
@@ -113,7 +141,7 @@ struct Args {
     const i64* operand_offsets;  // per op: MAX_OPERANDS byte offsets into the arena
     u64* counters;
     u64* abort;  // device flag: nonzero once any block gave up
-    u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop (written by block 0)
+    u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop, [2] program (block 0)
     volatile u64* progress;  // mapped host memory: iterations each block has finished
     Control* control;
     u64* profile;  // null, or globaltimer pairs for the first profile_iterations: (start, end) per task, then (grant seen, done) per block
@@ -127,8 +155,10 @@ struct Args {
     const Mirror* mirrors;  // the peers' mirror counters the tasks bump (Task::mirror_begin)
     const RingChunk* ring_chunks;  // processor p's weight ring copies ring_chunks[ring_begin[p] ..]
     const int* ring_begin;  // ... up to ring_begin[p + 1], in task order, every iteration
+    const Program* programs;  // every program's tables (the fields above: program 0's)
+    int n_programs;
 };
-static_assert(sizeof(Args) == 160, "ml::Args: 160 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Args) == 176, "ml::Args: 176 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, arena) == 0 && sizeof(Args::arena) == 8, "ml::Args::arena: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, tasks) == 8 && sizeof(Args::tasks) == 8, "ml::Args::tasks: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, waits) == 16 && sizeof(Args::waits) == 8, "ml::Args::waits: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
@@ -151,6 +181,8 @@ static_assert(ML_OFFSETOF(Args, world) == 132 && sizeof(Args::world) == 4, "ml::
 static_assert(ML_OFFSETOF(Args, mirrors) == 136 && sizeof(Args::mirrors) == 8, "ml::Args::mirrors: at byte 136, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, ring_chunks) == 144 && sizeof(Args::ring_chunks) == 8, "ml::Args::ring_chunks: at byte 144, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, ring_begin) == 152 && sizeof(Args::ring_begin) == 8, "ml::Args::ring_begin: at byte 152, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Args, programs) == 160 && sizeof(Args::programs) == 8, "ml::Args::programs: at byte 160, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Args, n_programs) == 168 && sizeof(Args::n_programs) == 4, "ml::Args::n_programs: at byte 168, 4 bytes on the host (megaloop/codegen/abi.py)");
 
 enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
 

@@ -219,6 +219,12 @@ __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int pr
 __device__ __forceinline__ void store_release_gpu(u64* p, u64 v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// Block 0: a new grant, its program first (the host writes the program, then requested).
+__device__ __forceinline__ void publish_grant(const Args& a, u64 requested) {
+    if (requested <= load_acquire(&a.doorbell[0])) return;
+    *(volatile u64*)&a.doorbell[2] = a.control->program;
+    store_release_gpu(&a.doorbell[0], requested);
+}
 __device__ inline u64 wait_requested(const Args& a, u64 k) {
     unsigned backoff = 32, polls = 0;
     for (;;) {
@@ -227,11 +233,11 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
             // one PCIe read a poll; stop (rare) every 8th. The host writes requested, then stop, so
             // requested read again after a stop is the last request
             const u64 requested = load_acquire_sys(&a.control->requested);
-            if (requested > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], requested);
+            publish_grant(a, requested);
             if (requested > k) return requested;
             if ((++polls & 7) == 0 && load_acquire_sys(&a.control->stop) != 0) {
                 const u64 last = load_acquire_sys(&a.control->requested);
-                if (last > load_acquire(&a.doorbell[0])) store_release_gpu(&a.doorbell[0], last);
+                publish_grant(a, last);
                 if (last > k) return last;
                 store_release_gpu(&a.doorbell[1], 1);
                 return 0;

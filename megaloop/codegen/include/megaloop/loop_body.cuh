@@ -10,6 +10,7 @@ namespace ml {
 // A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing).
 struct NoRing {
     static __device__ __forceinline__ void init() {}
+    static __device__ __forceinline__ void advance(const Args&, int) {}
     static __device__ __forceinline__ void start(const Args&, u64, int) {}
     static __device__ __forceinline__ void drain(const Args&, u64, int) {}
 };
@@ -44,35 +45,89 @@ __device__ __forceinline__ void stamp_grant(const Args& a, u64 k, int which) {
     a.profile[2 * (tasks + k * (u64)gridDim.x + blockIdx.x) + which] = now_ns();
 }
 
-// run_task(a, slot, k, proc): the task's tile function, by its signature.
+#ifndef ML_PROGRAMS  // a generated kernel sets it: its plan's programs (megaloop/plan/programs.py)
+#define ML_PROGRAMS 1
+#endif
+
+// Thread 0: program p's tables into the block's Args (its iterations use them from now on).
+__device__ __forceinline__ void load_program(Args& a, int p) {
+    const Program& g = a.programs[p];
+    a.tasks = g.tasks;
+    a.waits = g.waits;
+    a.list_begin = g.list_begin;
+    a.lists = g.lists;
+    a.operand_offsets = g.operand_offsets;
+    a.counters = g.counters;
+    a.rank_counters = g.rank_counters;
+    a.mirrors = g.mirrors;
+    a.ring_chunks = g.ring_chunks;
+    a.ring_begin = g.ring_begin;
+}
+
+// run_task(a, slot, k, proc): the task's tile function, by its signature. Waits and tiles see k as
+// the iteration of the program that runs (each program's counters count its own iterations).
 template <class Ring, class RunTask>
 __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
     __shared__ Args a;
     __shared__ int go;
     __shared__ u64 granted;   // iterations the host has asked for, as last read
     __shared__ u64 reported;  // when this block last reported progress (%globaltimer)
+    __shared__ u64 runs[ML_PROGRAMS];  // iterations each program has run here
+    __shared__ u64 local;     // this iteration's number in its program's own count
+    __shared__ u64 iteration;  // the kernel's (progress, grants, profile): thread 0's, kept out of registers
+    __shared__ int program, switched;  // the program whose tables `a` holds; whether this iteration changed it
+    __shared__ int granted_program;    // the program of the iterations granted
     if (threadIdx.x == 0) {
         a = *args;
         granted = 0;
         reported = now_ns();
+        program = 0;
+        iteration = 0;
+        for (int p = 0; p < ML_PROGRAMS; ++p) runs[p] = 0;
         Ring::init();
     }
     __syncthreads();
-    const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
+    const int proc = blockIdx.x;
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ TaskSlot slots[3];
     int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
     const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
-    if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[0]);
-    for (u64 k = 0;; ++k) {
+    if (a.list_begin[proc] < a.list_begin[proc + 1] && (int)(threadIdx.x >> 5) == filler)
+        fill_slot(a, a.lists[a.list_begin[proc]], slots[0]);
+    for (u64 it = 0;; ++it) {  // (== iteration: a register the one-program kernel uses as k)
         if (threadIdx.x == 0) {
-            if (k >= granted) granted = wait_requested(a, k);
-            go = k < granted;
-            if (go) stamp_grant(a, k, 0);
+            if (iteration >= granted) {
+                granted = wait_requested(a, iteration);
+                // a grant of another program comes only once every block finished the iterations before it
+                granted_program = ML_PROGRAMS > 1 ? (int)*(volatile u64*)&a.doorbell[2] : 0;
+            }
+            go = iteration < granted;
+            switched = 0;
+            if (go) {
+                const int p = granted_program;
+                if constexpr (ML_PROGRAMS > 1) {
+                    if (p != program) {
+                        load_program(a, p);
+                        program = p;
+                        switched = 1;
+                    }
+                }
+                local = runs[p]++;
+                stamp_grant(a, iteration, 0);
+                Ring::advance(a, proc);
+            }
         }
         __syncthreads();
         if (!go) return;
+        const u64 k = ML_PROGRAMS > 1 ? local : it;
+        const int begin = a.list_begin[proc], end = a.list_begin[proc + 1];
+        if constexpr (ML_PROGRAMS > 1) {  // (a kernel of one program: not compiled, its registers as they were)
+            if (switched) {  // the slot warp 1 filled holds the old program's task: this one's first instead
+                if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[q]);
+                __syncthreads();
+            }
+        }
         Ring::start(a, k, proc);
         for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {
             const TaskSlot& s = slots[q];
@@ -93,12 +148,13 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             }
             run_task(a, s, k, proc);
             __syncthreads();
-            if (threadIdx.x == 0) finish_task(a, s.task, s.id, k, start);
+            if (threadIdx.x == 0) finish_task(a, s.task, s.id, iteration, start);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            stamp_grant(a, k, 1);
-            iteration_done(a, k, granted, reported);
+            stamp_grant(a, iteration, 1);
+            iteration_done(a, iteration, granted, reported);
+            ++iteration;
         }
     }
 }

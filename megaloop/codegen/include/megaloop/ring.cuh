@@ -4,9 +4,9 @@
 // weight rows (a RingChunk) that completes on the slot's mbarrier.
 //
 // The chunks of processor p are listed in task order (a.ring_chunks[a.ring_begin[p] ..]); chunk i of
-// iteration k is the ring's g = k C + i (C chunks an iteration) and lives in slot g % RING_SLOTS, whose
-// warp (slot % warps) consumes it and then issues chunk g + RING_SLOTS into the same slot, within the
-// iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
+// an iteration is the ring's g = G + i (G: the chunks of the iterations before) and lives in slot
+// g % RING_SLOTS, whose warp (slot % warps) consumes it and then issues chunk g + RING_SLOTS into the
+// same slot, within the iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
 // ahead across tasks and their waits, with no producer warp and no empty barriers. Compiled for an
 // architecture before sm_90 (no bulk copies), the tiles read the chunks' rows from global memory.
 #pragma once
@@ -39,12 +39,17 @@ __device__ __forceinline__ Ring ring() {
     return {base, full, reinterpret_cast<int*>(full + RING_SLOTS)};
 }
 
+// The chunks this block's ring took before the current iteration, and in all: a running count, as
+// the programs of one kernel (megaloop/plan/programs.py) take different chunks an iteration.
+__shared__ u64 ring_first_chunk, ring_taken;
+
 __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared_address(r.full + slot); }
 
 // Thread 0, before the kernel's first barrier.
 __device__ __forceinline__ void ring_init() {
     const Ring r = ring();
     for (int s = 0; s < RING_SLOTS; ++s) r.pending[s] = -1;
+    ring_taken = 0;
 #if __CUDA_ARCH__ >= 900
     for (int s = 0; s < RING_SLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
@@ -53,6 +58,12 @@ __device__ __forceinline__ void ring_init() {
 }
 
 __device__ __forceinline__ int ring_chunks(const Args& a, int proc) { return a.ring_begin[proc + 1] - a.ring_begin[proc]; }
+
+// Thread 0, before the barrier that starts an iteration (after ring_init).
+__device__ __forceinline__ void ring_advance(const Args& a, int proc) {
+    ring_first_chunk = ring_taken;
+    ring_taken += (u64)ring_chunks(a, proc);
+}
 
 // One lane: copy chunk `c` into `slot` (its phase `phase`); weights are read once a step, evict_first.
 __device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, int slot, int phase) {
@@ -111,7 +122,7 @@ __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u6
 __device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
     if (!RING_COPIES || (threadIdx.x & 31) != 0 || n == 0) return;
-    const u64 g0 = k * (u64)n;
+    const u64 g0 = ring_first_chunk;
     for (int i = 0; i < n && i < RING_SLOTS; ++i) {
         const int slot = (int)((g0 + i) % RING_SLOTS);
         if (slot % warps == warp)
@@ -138,7 +149,7 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
     const Ring r = ring();
     const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
-    const u64 base = k * (u64)n + (u64)(t.ring_first + first);
+    const u64 base = ring_first_chunk + (u64)(t.ring_first + first);
     for (int j = 0; j < chunks; ++j) {
         const u64 g = base + (u64)j;
         const int slot = (int)(g % RING_SLOTS);
@@ -173,6 +184,7 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
 // The loop body's hooks (megaloop/loop_body.cuh) for a kernel with the ring.
 struct WeightRing {
     static __device__ __forceinline__ void init() { ring_init(); }
+    static __device__ __forceinline__ void advance(const Args& a, int proc) { ring_advance(a, proc); }
     static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
     static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
 };
