@@ -148,6 +148,10 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
+    # 1: a ninth warp a block issues the ring's copies in order across tasks, waits and iterations
+    # (megaloop/ring_loader.cuh), with at most weight_ring_loader_bytes not yet landed; 0: the tiles do
+    weight_ring_loader: int = 0
+    weight_ring_loader_bytes: int = 49152
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -156,6 +160,8 @@ class KernelOptions:
             ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
             ("weight_ring_slots", self.weight_ring_slots, 0, 64),
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
+            ("weight_ring_loader", self.weight_ring_loader, 0, 1),
+            ("weight_ring_loader_bytes", self.weight_ring_loader_bytes, 1024, 1 << 22),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -7,11 +7,16 @@
 
 namespace ml {
 
-// A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing).
+// A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing;
+// with a loader warp: megaloop/ring_loader.cuh, LoaderRing).
 struct NoRing {
+    static constexpr bool LOADER = false;  // no warp beside the compute warps
     static __device__ __forceinline__ void init() {}
     static __device__ __forceinline__ void start(const Args&, u64, int) {}
     static __device__ __forceinline__ void drain(const Args&, u64, int) {}
+    static __device__ __forceinline__ void grant(u64) {}
+    static __device__ __forceinline__ void leave() {}
+    static __device__ __forceinline__ void load(const Args&, int) {}
 };
 
 // Thread 0, after the block's barrier that follows the task: the profile stamps, then the signal.
@@ -57,21 +62,31 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         reported = now_ns();
         Ring::init();
     }
-    __syncthreads();
+    __syncthreads();  // the loader warp's too: the ring's barriers are initialised
+    if constexpr (Ring::LOADER) {
+        if (threadIdx.x >= ml::block_threads()) {
+            Ring::load(a, blockIdx.x);
+            return;
+        }
+    }
     const int proc = blockIdx.x, begin = a.list_begin[proc], end = a.list_begin[proc + 1];
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ TaskSlot slots[3];
     int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
-    const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
+    const int filler = ml::block_threads() > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
     if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[0]);
     for (u64 k = 0;; ++k) {
         if (threadIdx.x == 0) {
-            if (k >= granted) granted = wait_requested(a, k);
+            if (k >= granted) {
+                granted = wait_requested(a, k);
+                Ring::grant(granted);
+            }
             go = k < granted;
             if (go) stamp_grant(a, k, 0);
+            else Ring::leave();
         }
-        __syncthreads();
+        ml::block_sync();
         if (!go) return;
         Ring::start(a, k, proc);
         for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {
@@ -86,16 +101,16 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             }
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
                 fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
-            __syncthreads();
+            ml::block_sync();
             if (!go) {
                 Ring::drain(a, k, proc);
                 return;
             }
             run_task(a, s, k, proc);
-            __syncthreads();
+            ml::block_sync();
             if (threadIdx.x == 0) finish_task(a, s.task, s.id, k, start);
         }
-        __syncthreads();
+        ml::block_sync();
         if (threadIdx.x == 0) {
             stamp_grant(a, k, 1);
             iteration_done(a, k, granted, reported);
