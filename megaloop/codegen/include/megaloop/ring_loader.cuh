@@ -104,7 +104,7 @@ __device__ __noinline__ void ring_loader(const Args& a, int proc) {
                 if (__shfl_sync(0xffffffffu, lane == 0 && loader_told_to_leave(a), 0))
                     return loader_drain(a, done, issued);
                 __nanosleep(backoff);
-                backoff = backoff < 1024 ? 2 * backoff : 1024;
+                backoff = backoff < 256 ? 2 * backoff : 256;  // a grant on the critical path of a step
             }
         }
         if (issued - base == 32) {
