@@ -36,13 +36,15 @@ SAMPLING = {
     "top_p": {"temperature": 0.7, "top_k": 0, "top_p": 0.9},
 }
 KV_SPLITS = os.environ.get("GENERATE_KV_SPLITS", "auto")  # a number, "auto" or "none"
-# --compare-loader: the weight ring's loader warp at caps of 32 / 48 / 64 KB in flight, with 12 slots,
-# then the default again (its drift within the run); KernelOptions as JSON, as --compare-options
+# --compare-loader: the weight ring's loader warp in order (1) and oldest free slot first (2), at caps of
+# 32 / 48 / 64 KB in flight, with 12 slots, then the default again (its drift within the run);
+# KernelOptions as JSON, as --compare-options
 LOADER_COMPARE = (
-    '{"weight_ring_loader": 1, "weight_ring_loader_bytes": 32768}',
     '{"weight_ring_loader": 1}',
-    '{"weight_ring_loader": 1, "weight_ring_loader_bytes": 65536}',
-    '{"weight_ring_loader": 1, "weight_ring_slots": 12}',
+    '{"weight_ring_loader": 2, "weight_ring_loader_bytes": 32768}',
+    '{"weight_ring_loader": 2}',
+    '{"weight_ring_loader": 2, "weight_ring_loader_bytes": 65536}',
+    '{"weight_ring_loader": 2, "weight_ring_slots": 12}',
     "{}",
 )
 

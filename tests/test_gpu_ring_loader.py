@@ -23,11 +23,13 @@ from megaloop.runtime.device import gpus
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
 
 LOADER = KernelOptions(weight_ring_loader=1)
-# the default cap; a cap of one slot (the loader waits for every copy); 2 slots (it waits for consumers)
+# in order and the oldest free slot first, at the default cap; a cap of one slot (the loader waits for
+# every copy); 2 slots (it waits for the consumers)
 VARIANTS = {
-    "loader": LOADER,
-    "cap16k": dataclasses.replace(LOADER, weight_ring_loader_bytes=16384),
-    "slots2": dataclasses.replace(LOADER, weight_ring_slots=2, weight_ring_loader_bytes=65536),
+    "in_order": LOADER,
+    "free_first": KernelOptions(weight_ring_loader=2),
+    "cap16k": KernelOptions(weight_ring_loader=2, weight_ring_loader_bytes=16384),
+    "slots2": KernelOptions(weight_ring_loader=1, weight_ring_slots=2, weight_ring_loader_bytes=65536),
 }
 
 

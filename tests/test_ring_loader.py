@@ -32,8 +32,8 @@ def test_a_ring_kernel_with_the_loader_gets_a_ninth_warp_and_its_slots_barriers(
     assert (off.threads, on.threads) == (256, 288)
     assert "#define ML_COMPUTE_THREADS 256\n" in on.source and "#define ML_RING_IN_FLIGHT 49152\n" in on.source
     assert "ml::loop_body<ml::LoaderRing>" in on.source and "__launch_bounds__(288, 1)" in on.source
-    # an empty barrier and a byte count more a slot (8 + 4 bytes)
-    assert on.shared_bytes - off.shared_bytes == plan.options.weight_ring_slots * 12
+    # an empty barrier more a slot
+    assert on.shared_bytes - off.shared_bytes == plan.options.weight_ring_slots * 8
     # the same copies: the loader walks the tables the tiles consume
     assert np.array_equal(on.ring_chunks, off.ring_chunks) and np.array_equal(on.tasks, off.tasks)
     replay_ring(plan, on)
@@ -60,8 +60,9 @@ def test_loader_kernels_compile_for_every_architecture_without_spills() -> None:
     """The Llama decode step's kernel (matmul, norm-linear and SwiGLU ring tiles, attention, sampling-free
     argmax) with the loader at two caps: no spills on sm_90a under 288 threads' register budget; for
     sm_80/86/89 (no bulk copies) the loader warp leaves at once and the tiles read global memory."""
-    for options in (LOADER, dataclasses.replace(LOADER, weight_ring_loader_bytes=16384, weight_ring_slots=12)):
+    for options in (LOADER, KernelOptions(weight_ring_loader=2, weight_ring_loader_bytes=16384, weight_ring_slots=12)):
         src = generate(make_plan(build_llama(SMALL, 1, 1), processors=16, options=options)).source
+        assert f"#define ML_RING_LOADER {options.weight_ring_loader}\n" in src
         assert "ml::ring_matvec<" in src and "ml::ring_columns<" in src and "ml::LoaderRing" in src
         assert spills(src) == {}
         for arch in ("sm_80", "sm_86", "sm_89"):
@@ -89,9 +90,17 @@ def test_loader_options_travel_in_the_plan_file_and_bad_ones_name_the_field(tmp_
     assert loaded.options == options
     assert generate(loaded).source == generate(plan).source
     assert "#define ML_RING_IN_FLIGHT 32768\n" in generate(loaded).source
-    for field, value in (("weight_ring_loader", 2), ("weight_ring_loader_bytes", 512), ("weight_ring_loader", True)):
+    bad = (
+        {"weight_ring_loader": 3},
+        {"weight_ring_loader": True},
+        {"weight_ring_loader_bytes": 512},
+        {"weight_ring_loader": 1, "weight_ring_slots": 33},  # a lane of the loader warp a slot
+    )
+    for fields in bad:
+        field = list(fields)[-1]
         with pytest.raises(ml.errors.MegaloopError, match=field):
-            make_plan(decode_matmuls(), processors=8, options=dataclasses.replace(KernelOptions(), **{field: value}))
+            make_plan(decode_matmuls(), processors=8, options=KernelOptions(**fields))
+    make_plan(decode_matmuls(), processors=8, options=KernelOptions(weight_ring_slots=33))  # (fine without it)
 
 
 def test_the_plan_interpreter_runs_a_loader_plan_as_the_reference() -> None:

@@ -100,8 +100,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     ring_layout = None
     if rings:
         offset = -(-shared // 128) * 128
-        # a slot's full barrier and pending phase; with the loader warp its empty barrier and bytes too
-        total = offset + options.weight_ring_slots * (ring_bytes + (24 if options.weight_ring_loader else 12))
+        # a slot's full barrier and pending phase; with the loader warp its empty barrier too
+        total = offset + options.weight_ring_slots * (ring_bytes + (20 if options.weight_ring_loader else 12))
         if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
             ring_layout = (options.weight_ring_slots, ring_bytes, offset)
             shared = total
@@ -175,7 +175,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
         lists.extend(lst)
         list_begin[p + 1] = len(lists)
     ring_chunks, ring_begin = _ring_chunks(rp, plan.processors, tasks, offsets, rings)
-    loader = ring_layout is not None and options.weight_ring_loader == 1  # a warp beside the tiles' warps
+    loader = ring_layout is not None and options.weight_ring_loader > 0  # a warp beside the tiles' warps
     threads = plan.warps * 32 + (32 if loader else 0)
     source = _source(functions, threads, plan.warps * 32, rp.graph.name, len(rp.tasks), plan.options, ring_layout)
     return LoopProgram(
@@ -301,7 +301,8 @@ def _source(
         include += '#include "megaloop/ring.cuh"\n'
         hooks = "ml::WeightRing"
         if options.weight_ring_loader:  # its copies issued by a warp of their own (megaloop/ring_loader.cuh)
-            slot += f"#define ML_RING_LOADER 1\n#define ML_RING_IN_FLIGHT {options.weight_ring_loader_bytes}\n"
+            slot += f"#define ML_RING_LOADER {options.weight_ring_loader}\n"
+            slot += f"#define ML_RING_IN_FLIGHT {options.weight_ring_loader_bytes}\n"
             slot += f"#define ML_COMPUTE_THREADS {compute_threads}\n"
             include += '#include "megaloop/ring_loader.cuh"\n'
             hooks = "ml::LoaderRing"

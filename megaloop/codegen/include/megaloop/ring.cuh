@@ -38,16 +38,14 @@ struct Ring {
     u64* full;            // a barrier a slot: its chunk has landed
     int* pending;         // a slot's copy in flight: the phase it completes, or -1
     u64* empty;           // with the loader warp, a barrier a slot: its consumer is done with it
-    int* bytes;           // with the loader warp, a slot's last copy's bytes (its cap's account)
 };
 
-// The slots, then full[RING_SLOTS], (empty[RING_SLOTS],) pending[RING_SLOTS] (, bytes[RING_SLOTS]).
+// The slots, then full[RING_SLOTS], (with the loader warp: empty[RING_SLOTS],) pending[RING_SLOTS].
 __device__ __forceinline__ Ring ring() {
     extern __shared__ float4 ml_smem4[];
     unsigned char* base = reinterpret_cast<unsigned char*>(ml_smem4) + RING_OFFSET;
     u64* full = reinterpret_cast<u64*>(base + (i64)RING_SLOTS * RING_SLOT_BYTES);
-    int* pending = reinterpret_cast<int*>(full + (RING_LOADER ? 2 : 1) * RING_SLOTS);
-    return {base, full, pending, full + RING_SLOTS, pending + RING_SLOTS};
+    return {base, full, reinterpret_cast<int*>(full + (RING_LOADER ? 2 : 1) * RING_SLOTS), full + RING_SLOTS};
 }
 
 __device__ __forceinline__ u32 ring_bar(const Ring& r, int slot) { return shared_address(r.full + slot); }
