@@ -2,8 +2,9 @@
 (skipped without one). Its tiles are the default kernel's, only their copies are issued by another
 warp, so every output is the default kernel's bit for bit: bench/llama_layer's decode layers (and the
 reference within tolerance, as tests/test_gpu.py checks the ring), 100 runs bitwise, the Llama-3.2-1B
-shaped generator's tokens and caches, iterations granted together or one by one, caps and ring depths
-that make the loader wait on each, and the watchdog with the loader warp running. CPU side:
+shaped generator's tokens and caches, iterations granted together or one by one, both issue orders,
+caps and ring depths that make the loader wait on each, and the watchdog with the loader warp
+running. CPU side:
 tests/test_ring_loader.py."""
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert np.all(d <= tol), f"{what}: max difference {d.max():.3e}"
 
 
-@pytest.mark.parametrize("hidden,sequences", [(2048, 1), (4096, 1), (2048, 4)])
-def test_decode_layers_with_the_loader_are_the_default_kernels_bits(hidden: int, sequences: int) -> None:
-    """bench/llama_layer.py's decode layer (the ring's q/k/v, o, gate/up and down tiles) with each
-    variant: the default kernel's output bit for bit, and the CPU reference's within tolerance."""
+@pytest.mark.parametrize(
+    "hidden,sequences,variants",
+    [(2048, 1, tuple(VARIANTS)), (4096, 1, ("in_order", "free_first"))],  # (4 sequences: no ring tiles)
+)
+def test_decode_layers_with_the_loader_are_the_default_kernels_bits(hidden: int, sequences: int, variants) -> None:
+    """bench/llama_layer.py's decode layer (the ring's q/k/v, o, gate/up and down tiles) with the
+    variants: the default kernel's output bit for bit, and the CPU reference's within tolerance."""
     from bench.llama_layer import CONTEXT, layer_config
 
     cfg = layer_config(hidden, 1)
@@ -68,8 +72,8 @@ def test_decode_layers_with_the_loader_are_the_default_kernels_bits(hidden: int,
     with loop_kernel(make_plan(g, processors=132), params) as k:
         base = k.run(feeds)["hidden"]
     _close(base, ml.evaluate(g, feeds, params).outputs["hidden"], f"default, hidden {hidden} x{sequences}")
-    for name, options in VARIANTS.items():
-        plan = make_plan(g, processors=132, options=options)
+    for name in variants:
+        plan = make_plan(g, processors=132, options=VARIANTS[name])
         _has_loader(plan)
         with loop_kernel(plan, params) as k:
             got = k.run(feeds)["hidden"]
@@ -96,8 +100,8 @@ def test_hundred_runs_with_the_loader_are_bitwise_identical() -> None:
 def test_the_1b_shaped_generator_with_the_loader_gives_the_default_tokens_and_caches() -> None:
     """bench/generate's greedy step at the Llama-3.2-1B widths (two layers, the full vocabulary): 24
     steps granted at once (the loader runs across iterations) and 8 granted one by one (it waits for
-    each grant) give the default kernel's tokens and caches bit for bit; the first tokens are the
-    CPU reference's (bf16: a near tie may part later ones)."""
+    each grant) give the default kernel's tokens and caches bit for bit; the first new token is the
+    CPU reference's (bf16: a near tie may part later ones; generated[p] is the token fed at p)."""
     from megaloop.cli import PRESETS
     from megaloop.models import build_llama_generator
 
@@ -106,7 +110,7 @@ def test_the_1b_shaped_generator_with_the_loader_gives_the_default_tokens_and_ca
     g = build_llama_generator(cfg, 1, kv_splits="auto")
     start = {"token": np.array([[17]]), "position": np.array([[40]])}
     states = {}
-    for name, options in {"default": KernelOptions(), **VARIANTS}.items():
+    for name, options in {"default": KernelOptions(), "in_order": LOADER, "free_first": VARIANTS["free_first"]}.items():
         plan = make_plan(g, processors=132, options=options)
         if name != "default":
             _has_loader(plan)
