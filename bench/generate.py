@@ -36,6 +36,17 @@ SAMPLING = {
     "top_p": {"temperature": 0.7, "top_k": 0, "top_p": 0.9},
 }
 KV_SPLITS = os.environ.get("GENERATE_KV_SPLITS", "auto")  # a number, "auto" or "none"
+# --compare-loader: the weight ring's loader warp in order (1) and oldest free slot first (2), at caps of
+# 32 / 48 / 64 KB in flight, with 12 slots, then the default again (its drift within the run);
+# KernelOptions as JSON, as --compare-options
+LOADER_COMPARE = (
+    '{"weight_ring_loader": 1}',
+    '{"weight_ring_loader": 2, "weight_ring_loader_bytes": 32768}',
+    '{"weight_ring_loader": 2}',
+    '{"weight_ring_loader": 2, "weight_ring_loader_bytes": 65536}',
+    '{"weight_ring_loader": 2, "weight_ring_slots": 12}',
+    "{}",
+)
 
 
 def _splits() -> int | str | None:
@@ -184,6 +195,7 @@ def main() -> None:
     ap.add_argument(
         "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"
     )
+    ap.add_argument("--compare-loader", action="store_true", help="time the LOADER_COMPARE options too")
     ap.add_argument("--compare-prefill", nargs="*", default=[], help="more FuseOptions to time the prefill with")
     args = ap.parse_args()
     fusion = FuseOptions.parse(args.fusion)
@@ -230,10 +242,12 @@ def main() -> None:
         s, toks = _greedy(plan, params, start)
         results.setdefault("compare", {})[text] = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
         print(text, results["compare"][text], flush=True)
-    for text in args.compare_options:  # the same greedy generation with other kernel options, in this run
+    compare_options = [*args.compare_options, *(LOADER_COMPARE if args.compare_loader else ())]
+    for text in compare_options:  # the same greedy generation with other kernel options, in this run
         plan = make_plan(gen_graph, processors=132, options=KernelOptions(**json.loads(text)))
         s, toks = _greedy(plan, params, start)
         entry = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
+        entry["same_tokens"] = bool(np.array_equal(toks, tokens))  # all NEW of them as the default's
         results.setdefault("compare_options", {})[text] = entry
         print(text, entry, flush=True)
     with LoopKernel(sampling_plan, params, start) as k:

@@ -38,6 +38,13 @@ VARIANTS = {
     "no_ring": {"options": {"weight_ring_slots": 0}},
     "ring16": {"options": {"weight_ring_slots": 16}},
     "ring16x8k": {"options": {"weight_ring_slots": 16, "weight_ring_slot_bytes": 8192}},
+    # the ring's copies issued by a loader warp, in order or oldest free slot first, at most 48 / 32 /
+    # 64 KB in flight (KernelOptions.weight_ring_loader, weight_ring_loader_bytes)
+    "loader_in_order": {"options": {"weight_ring_loader": 1}},
+    "loader": {"options": {"weight_ring_loader": 2}},
+    "loader32k": {"options": {"weight_ring_loader": 2, "weight_ring_loader_bytes": 32768}},
+    "loader64k": {"options": {"weight_ring_loader": 2, "weight_ring_loader_bytes": 65536}},
+    "loader_ring12": {"options": {"weight_ring_loader": 2, "weight_ring_slots": 12}},
     # small ops made by the projections' tiles (the plan's FuseOptions, docs/fuse.md): the norms
     # (rmsnorm_linear tiles norming their own rows), silu(gate) * up in the gate/up tiles' epilogue
     # (swiglu_linear), both; each without attention's append form

@@ -13,6 +13,8 @@
 # (DECODE_VARIANTS; empty: none), the generate1b profile when PROFILE_GENERATE=1, bench.generate for GENERATE_SHAPES ("1b 8b"; GENERATE_ARGS e.g. --skip-transformers).
 # `gpu_check.sh probe` runs scripts/decode_stream_probe.cu's configurations (PROBE_CONFIGS="MODE_SLOTS_DELAYS ...",
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
+# `gpu_check.sh loader` runs the weight ring's loader warp (KernelOptions.weight_ring_loader):
+# bench.generate --shape 1b --compare-loader (the default, both orders and caps, one run), its GPU tests.
 # `gpu_check.sh ab` runs BENCHES (AB_ARGS their arguments) from BASE_TREE and from this tree, twice, alternating.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
@@ -83,6 +85,12 @@ if [ "$what" = v2 ]; then  # loop kernel v2's open measurements (docs/runtime.md
     timeout "$bench_timeout" python3 -m bench.generate --shape "$shape" ${GENERATE_ARGS:-} 2>&1 | tail -n 12 \
       | tee -a "$OUT/gpu_check.log" || status=1
   done
+fi
+if [ "$what" = loader ]; then  # docs/runtime.md, "The loader warp": the numbers first, then the tests
+  timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile --compare-loader \
+    ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ring_loader.py -m gpu -rA \
+    --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's design (docs/runtime.md)
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I megaloop/codegen/include -o /tmp/decode_stream_probe.bin scripts/decode_stream_probe.cu \

@@ -7,7 +7,7 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
 
 Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
---compare), ``profile:CASE`` and ``serve`` (bench/serve's Generator batches and engines, planned and compiled
+--compare; GENERATE_COMPARE_LOADER=1 as --compare-loader), ``profile:CASE`` and ``serve`` (bench/serve's Generator batches and engines, planned and compiled
 through their own code against a stand-in H100 whose LoopKernel never starts; plans land in the plan cache)
 (scripts/profile_cases.py's case with PROFILE_OPTIONS), ``train:BxS[:STEPS]`` (bench/train's step for
 that batch and sequence; plans land in the plan cache). A cubin is keyed by its source, the header
@@ -42,7 +42,10 @@ def generate_plans() -> list:
         graph = build_llama_generator(cfg, 1, kv_splits=bg._splits(), sampling=sampling)
         plans.append(make_plan(graph, processors=132, options=options))
     graph = build_llama_generator(cfg, 1, kv_splits=bg._splits())
-    for text in json.loads(os.environ.get("GENERATE_COMPARE_OPTIONS", "[]")):
+    compare = json.loads(os.environ.get("GENERATE_COMPARE_OPTIONS", "[]"))
+    if os.environ.get("GENERATE_COMPARE_LOADER"):  # (as --compare-loader)
+        compare += [json.loads(text) for text in bg.LOADER_COMPARE]
+    for text in compare:
         plans.append(make_plan(graph, processors=132, options=KernelOptions(**text)))
     for text in json.loads(os.environ.get("GENERATE_COMPARE", "[]")):  # (as --compare: FuseOptions.parse)
         plans.append(make_plan(graph, processors=132, options=options, fusion=FuseOptions.parse(text)))

@@ -358,6 +358,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
+inline unsigned block_threads() { return blockDim.x; }  // (megaloop/block.cuh without a loader warp)
 constexpr int MAX_DIMS = 6;
 struct Task { int sig, op; int lo[MAX_DIMS], hi[MAX_DIMS]; };
 struct Args { char* arena; i64* info; };

@@ -29,6 +29,7 @@ from megaloop.runtime.compile import INCLUDE, compile_cubin, spills
 
 HEADER = INCLUDE / "megaloop" / "sample.cuh"
 AT = INCLUDE / "megaloop" / "at.cuh"  # the tiles' operands (ml::At)
+BLOCK = INCLUDE / "megaloop" / "block.cuh"  # the block's threads and barrier (no loader warp here)
 F32 = np.float32
 
 
@@ -192,6 +193,7 @@ template <int N> inline void box_index(const Task& t, int e, int* i) {
     }
 }
 }  // namespace ml
+#include "BLOCK_HEADER"
 #include "AT_HEADER"
 #include "HEADER"
 void tile(const ml::Args& a, const ml::Task& t, int tid, const ml::i64* off) {
@@ -284,7 +286,7 @@ def build_tile(body: list[str], tmp_path: Path, header: str | None = None, extra
         path.write_text(header)
     k = len(list(tmp_path.glob("*.so")))
     src = tmp_path / f"tile{k}.cpp"
-    shim = SHIM.replace("AT_HEADER", str(AT)).replace("HEADER", str(path))
+    shim = SHIM.replace("BLOCK_HEADER", str(BLOCK)).replace("AT_HEADER", str(AT)).replace("HEADER", str(path))
     src.write_text(shim.replace("BODY", "\n".join("    " + line for line in body)) + extra)
     lib = tmp_path / f"tile{k}.so"
     subprocess.run(

@@ -422,7 +422,7 @@ def _skinny_frame(a_: Operand, b_: Operand, out: Operand, warps: int, attrs: dic
         what = "one batch index"
     guard = (
         f"ml::aligned(in0, 16) && ml::aligned(in1, 16) && box_batches * (t.hi[{r_}] - t.lo[{r_}]) <= 8{boxes} "
-        f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * skinny_mma_groups(attrs)} && blockDim.x == {32 * warps}"
+        f"&& t.hi[{c_}] - t.lo[{c_}] <= {8 * skinny_mma_groups(attrs)} && ml::block_threads() == {32 * warps}"
     )
     return {
         "batches": f"const int box_batches = {batches};  // batch indices in the box",
@@ -480,7 +480,7 @@ def _skinny_mma(
         "    float* partial = reinterpret_cast<float*>(ml_smem4);  // (group + warp, lane, 2)",
         f"    {call}(in0 + ab, {f['a_step']}, nr, in1 + bb, {f['b_col']}, ncols, warp * units / {warps}, "
         f"(warp + 1) * units / {warps}, partial, warp, {warps});",
-        "    __syncthreads();",
+        "    ml::block_sync();",
         f"    for (int group = warp; group < groups; group += {warps}) {{",
         "        float c0, c1;",
         f"        ml::skinny_sums(partial, group, {slices}, units, {warps}, c0, c1);",

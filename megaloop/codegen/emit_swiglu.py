@@ -70,7 +70,7 @@ def swiglu_linear(attrs: dict[str, Any], ins: list[Operand], out: Operand) -> tu
             )
     o_row, o_col = out.strides[-2:]
     lines += [
-        "__syncthreads();",
+        "ml::block_sync();",
         f"{out.ctype}* o = out0 + (ml::i64)t.lo[{r_}] * {o_row} + (ml::i64)t.lo[{c_}] * {o_col};",
         f"ml::silu_mul_sums<{ct}>(gate_sums, up_sums, nr, cols, "
         f"[&](int r, int c, float v) {{ ml::store(o + (ml::i64)r * {o_row} + (ml::i64)c * {o_col}, v); }});",

@@ -149,6 +149,11 @@ class KernelOptions:
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     weight_ring_slots: int = 8
     weight_ring_slot_bytes: int = 16384
+    # a ninth warp a block issues the ring's copies across tasks, waits and iterations, at most
+    # weight_ring_loader_bytes not yet landed (megaloop/ring_loader.cuh): 1 strictly in order, 2 the
+    # oldest chunk whose slot is free; 0: the tiles do (at most 32 slots with it)
+    weight_ring_loader: int = 0
+    weight_ring_loader_bytes: int = 49152
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -157,12 +162,16 @@ class KernelOptions:
             ("poll_sleep_ns", self.poll_sleep_ns, 0, 1 << 20),
             ("weight_ring_slots", self.weight_ring_slots, 0, 64),
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
+            ("weight_ring_loader", self.weight_ring_loader, 0, 2),
+            ("weight_ring_loader_bytes", self.weight_ring_loader_bytes, 1024, 1 << 22),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise error(f"{where}.{name}: must be an int in [{low}, {high}], got {value!r}")
         if self.weight_ring_slot_bytes % 16:
             raise error(f"{where}.weight_ring_slot_bytes: must be a multiple of 16, got {self.weight_ring_slot_bytes}")
+        if self.weight_ring_loader and self.weight_ring_slots > 32:  # a lane of the loader warp a slot
+            raise error(f"{where}.weight_ring_slots: at most 32 with weight_ring_loader, got {self.weight_ring_slots}")
 
 
 @dataclass

@@ -265,7 +265,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
     constexpr i64 K2 = stride_of<2, K>, V2 = stride_of<2, V>;
     extern __shared__ float4 ml_smem4[];
     float* part = reinterpret_cast<float*>(ml_smem4);
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane / LPK, r = lane % LPK;
     const int bi = t.lo[0], nh = t.hi[1] - t.lo[1], nq = t.hi[2] - t.lo[2], pairs = nh * nq;
     const int split = warps >= pairs ? warps / pairs : 1;
@@ -374,7 +374,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                 slot[D + 1] = l;
             }
         }
-        __syncthreads();
+        ml::block_sync();
         if (active && piece == 0) {  // combine the pieces of this (head, query)
             float mx = neg_inf();
             for (int p2 = 0; p2 < split; ++p2) {
@@ -404,7 +404,7 @@ __device__ __forceinline__ void attention_split_keys(const Args& a, const Task& 
                 }
             }
         }
-        __syncthreads();
+        ml::block_sync();
     }
 }
 
@@ -438,7 +438,7 @@ __host__ __device__ constexpr int attention_mma_shared_bytes(int d, int split = 
 template <typename T, int D>
 __device__ __forceinline__ void attention_stage(T* s, const T* x, i64 ld, int j0, int tk) {
     constexpr int CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < ATT_BK * CHUNKS; c += blockDim.x) {
+    for (int c = threadIdx.x; c < ATT_BK * CHUNKS; c += ml::block_threads()) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8, j = j0 + r;
         const bool ok = j < tk;
         cp_async16(s + r * (D + 8) + col, ok ? x + (i64)j * ld + col : x, ok);
@@ -485,7 +485,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
     T* sk = reinterpret_cast<T*>(smem);  // [2][SPLIT][ATT_BK][LD]
     T* sv = sk + 2 * SPLIT * ATT_BK * LD;  // [2][SPLIT][ATT_BK][LD]
     int* ranges = reinterpret_cast<int*>(sv + 2 * SPLIT * ATT_BK * LD);  // [warps][2]
-    const int warps = blockDim.x >> 5, warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = ml::block_threads() >> 5, warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, qd = lane & 3;
     // ldmatrix row addresses, as shared-space byte offsets (constant offsets then fold into the
     // instructions): K's lane l reads key (l % 8) + 8 (l / 16), dims + 8 ((l / 8) % 2) (two n8 tiles of
@@ -519,7 +519,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
             hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
         }
         if (lane == 0) { ranges[2 * warp_id] = lo; ranges[2 * warp_id + 1] = hi; }
-        __syncthreads();
+        ml::block_sync();
         int block_lo = (int)tk, block_hi = 0;
         for (int w = 0; w < warps; ++w) {
             if (ranges[2 * w] < ranges[2 * w + 1]) {
@@ -527,7 +527,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
                 block_hi = max(block_hi, ranges[2 * w + 1]);
             }
         }
-        __syncthreads();  // ranges[] is rewritten next round
+        ml::block_sync();  // ranges[] is rewritten next round
         // the unit's queries as A fragments: rows r0 / r1, columns 16 ks + 2 qd (+ 8), zeros past nq
         u32 qa[KS][4];
         const T* q0 = q + (i64)hh * q_head + (i64)min(r0, nq - 1) * q_row;
@@ -558,7 +558,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
             }
             cp_async_commit();
             cp_async_wait<1>();
-            __syncthreads();
+            ml::block_sync();
             const int j0 = js + part * ATT_BK;  // this warp's block of the stage
             if (active && j0 < hi && j0 + ATT_BK > lo) {
                 const int slot = stage * split + part;
@@ -637,7 +637,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
                     }
                 }
             }
-            __syncthreads();  // every warp is done with this stage before the next block refills it
+            ml::block_sync();  // every warp is done with this stage before the next block refills it
         }
         cp_async_wait<0>();
         if (split == 2) {
@@ -655,7 +655,7 @@ __device__ __forceinline__ void attention_mma(const T* q, i64 q_head, i64 q_row,
 #pragma unroll
                     for (int e = 0; e < 4; ++e) merge[4 + 4 * n + e] = o[n][e];
             }
-            __syncthreads();
+            ml::block_sync();
             if (part == 0) {
                 const float pm0 = merge[0], pm1 = merge[1];
                 const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);

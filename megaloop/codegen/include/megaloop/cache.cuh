@@ -25,14 +25,14 @@ __device__ __forceinline__ void kv_update(const Args& a, const Task& t, int tid,
         T* dst = out.p + (i64)b * OS0 + (i64)h * OS1;
         const auto* ps = pos.p + (i64)b * PS0;
         if (aligned(src, W * (int)sizeof(TN)) & aligned(dst, W * (int)sizeof(T))) {  // (one test, no branch)
-            for (unsigned e0 = threadIdx.x; e0 < TOTAL; e0 += U * blockDim.x) {
+            for (unsigned e0 = threadIdx.x; e0 < TOTAL; e0 += U * ml::block_threads()) {
                 Pack<T, W> v[U];
                 i64 p[U];
                 int c[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     // past the end: the last pack again, loaded but never stored (defined without a branch)
-                    const unsigned e = u == 0 ? e0 : min(e0 + u * blockDim.x, TOTAL - 1);
+                    const unsigned e = u == 0 ? e0 : min(e0 + u * ml::block_threads(), TOTAL - 1);
                     const int tok = (int)(e / PER_ROW);
                     c[u] = (int)(e % PER_ROW);
                     p[u] = load(ps + (i64)tok * PS1);
@@ -40,7 +40,7 @@ __device__ __forceinline__ void kv_update(const Args& a, const Task& t, int tid,
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    if (u > 0 && e0 + u * blockDim.x >= TOTAL) break;
+                    if (u > 0 && e0 + u * ml::block_threads() >= TOTAL) break;
                     if (SkipNegative && p[u] < 0) continue;  // a negative position writes nothing
                     if (p[u] < 0 || p[u] >= S) {
                         fail(a, DATA, blockIdx.x, tid, t.op, p[u], S, 1, 0);
@@ -52,7 +52,7 @@ __device__ __forceinline__ void kv_update(const Args& a, const Task& t, int tid,
             return;
         }
     }
-    for (int e = threadIdx.x; e < Tokens * Dim; e += blockDim.x) {
+    for (int e = threadIdx.x; e < Tokens * Dim; e += ml::block_threads()) {
         const int tok = e / Dim, d = e % Dim;
         const i64 p = load(pos.p + (i64)b * PS0 + (i64)tok * PS1);
         if (SkipNegative && p < 0) continue;  // a negative position writes nothing
@@ -81,14 +81,14 @@ __device__ __forceinline__ void rope_kv_update(const Args& a, const Task& t, int
     constexpr int HALF = RD / 2, PER_TOKEN = HALF + Dim - RD;  // the rotary pairs, then the dims copied
     constexpr i64 TOTAL = (i64)Tokens * PER_TOKEN;
     const int b = t.lo[0], h = t.lo[1];
-    for (i64 e0 = threadIdx.x; e0 < TOTAL; e0 += U * (i64)blockDim.x) {
+    for (i64 e0 = threadIdx.x; e0 < TOTAL; e0 += U * (i64)ml::block_threads()) {
         int d0[U], d1[U];  // the item's dims (d1 < 0: a dim copied)
         i64 p[U];
         T x0[U], x1[U];  // as stored: a copied dim keeps its bits (NaN payloads too)
         double w[U];  // the pair's frequency
 #pragma unroll
         for (int k = 0; k < U; ++k) {  // every load out before any store
-            const i64 e = k == 0 ? e0 : min(e0 + k * (i64)blockDim.x, TOTAL - 1);
+            const i64 e = k == 0 ? e0 : min(e0 + k * (i64)ml::block_threads(), TOTAL - 1);
             const int tok = (int)(e / PER_TOKEN), f = (int)(e % PER_TOKEN);
             d0[k] = f < HALF ? (Neox ? f : 2 * f) : RD + (f - HALF);
             d1[k] = f < HALF ? (Neox ? f + HALF : 2 * f + 1) : -1;
@@ -100,7 +100,7 @@ __device__ __forceinline__ void rope_kv_update(const Args& a, const Task& t, int
         }
 #pragma unroll
         for (int k = 0; k < U; ++k) {
-            if (k > 0 && e0 + k * (i64)blockDim.x >= TOTAL) break;
+            if (k > 0 && e0 + k * (i64)ml::block_threads() >= TOTAL) break;
             if (p[k] < 0 || p[k] >= S) {
                 fail(a, DATA, blockIdx.x, tid, t.op, p[k], S, 1, 0);
                 return;

@@ -50,11 +50,11 @@ __device__ __forceinline__ bool packed_box(const Task& t, Aligned aligned, Load 
         for (int d = 0; d < last; ++d) rows *= t.hi[d] - t.lo[d];
         if (rows * vpr <= 0x7fffffff) {
             const unsigned vpr32 = (unsigned)vpr, total = (unsigned)(rows * vpr);
-            for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * blockDim.x) {
+            for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * ml::block_threads()) {
                 i64 at[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    const unsigned e = min(e0 + u * blockDim.x, total - 1);
+                    const unsigned e = min(e0 + u * ml::block_threads(), total - 1);
                     int i[N];
                     i[last] = c0 + (int)(e % vpr32) * W;
                     unsigned r = e / vpr32;
@@ -67,7 +67,7 @@ __device__ __forceinline__ bool packed_box(const Task& t, Aligned aligned, Load 
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    if (e0 + u * blockDim.x >= total) break;
+                    if (e0 + u * ml::block_threads() >= total) break;
                     store(u, at[u]);
                 }
             }

@@ -144,14 +144,14 @@ __device__ inline void push_ll(const Args& a, const Task& t, int tid, u64 k, int
     const u32 flag = (u32)k + 1u;
     const int bytes = elements * (int)sizeof(T), lines = (bytes + 7) / 8;
     const char* xb = reinterpret_cast<const char*>(x);
-    for (int l = threadIdx.x; l < lines; l += blockDim.x) {
+    for (int l = threadIdx.x; l < lines; l += ml::block_threads()) {
         const u64 w = load_word(xb + 8 * l, min(8, bytes - 8 * l));
 #pragma unroll
         for (int g = 0; g < G; ++g)
             if (g != me) ll_store(inbox_slot<G, TILES>(a, ranks, off, g, k, me, t.tile, SLOT) + 16 * (i64)l, w, flag);
     }
     bool ok = true;
-    for (int l = threadIdx.x; ok && l < lines; l += blockDim.x) {
+    for (int l = threadIdx.x; ok && l < lines; l += ml::block_threads()) {
         const int n = min(8, bytes - 8 * l);
         u64 w[G];
 #pragma unroll
@@ -191,9 +191,9 @@ __device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, i
             for (int g = 0; g < G; ++g) {
                 if (g == me) continue;
                 char* dst = inbox_slot<G, TILES>(a, ranks, off, g, k, me, t.tile, SLOT);
-                for (int b = lo + 16 * (int)threadIdx.x; b + 16 <= hi; b += 16 * blockDim.x)
+                for (int b = lo + 16 * (int)threadIdx.x; b + 16 <= hi; b += 16 * ml::block_threads())
                     *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<const uint4*>(xb + b);
-                for (int b = max(lo, hi - (hi - lo) % 16) + (int)threadIdx.x; b < hi; b += blockDim.x) dst[b] = xb[b];
+                for (int b = max(lo, hi - (hi - lo) % 16) + (int)threadIdx.x; b < hi; b += ml::block_threads()) dst[b] = xb[b];
             }
         }
         if (c > 0) {  // chunk c - 1 from every member, summed in rank order
@@ -218,10 +218,10 @@ __device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, i
                 if (ok) fence_acquire(true);
                 if (threadIdx.x == 0) exchange_ok = ok;
             }
-            __syncthreads();
+            ml::block_sync();
             if (!exchange_ok) return;
             const int lo = (c - 1) * CHUNK, hi = min(bytes, lo + CHUNK);
-            for (int b = lo + 16 * (int)threadIdx.x; b + 16 <= hi; b += 16 * blockDim.x) {
+            for (int b = lo + 16 * (int)threadIdx.x; b + 16 <= hi; b += 16 * ml::block_threads()) {
                 Pack<T, N> p[G];
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
@@ -231,7 +231,7 @@ __device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, i
                 *reinterpret_cast<Pack<T, N>*>(reinterpret_cast<char*>(out) + b) = combine_packs<T, N, G, SUM>(p);
             }
             const int tail = max(lo, hi - (hi - lo) % 16);  // whole elements: tiles and chunks are 16-byte aligned
-            for (int e = tail / (int)sizeof(T) + (int)threadIdx.x; e < hi / (int)sizeof(T); e += blockDim.x) {
+            for (int e = tail / (int)sizeof(T) + (int)threadIdx.x; e < hi / (int)sizeof(T); e += ml::block_threads()) {
                 Pack<T, 1> p[G];
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
@@ -242,7 +242,7 @@ __device__ inline void push_bulk(const Args& a, const Task& t, int tid, u64 k, i
             }
         }
         if (c < CHUNKS) {
-            __syncthreads();  // every thread's stores of chunk c issued ...
+            ml::block_sync();  // every thread's stores of chunk c issued ...
             if (threadIdx.x == 0) {  // ... then released: the fence, then each member's flag
                 asm volatile("fence.acq_rel.sys;" ::: "memory");
 #pragma unroll

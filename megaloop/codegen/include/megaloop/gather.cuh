@@ -66,7 +66,7 @@ __device__ __forceinline__ void step_batch(const Args& a, const Task& t, int tid
 template <i64 R, i64 N, int K, class O, class Vals, class Ids>
 __device__ __forceinline__ void scatter_add(const Args& a, const Task& t, int tid, O out, Vals values, Ids ids) {
     static_assert(O::rank == 2 && Vals::rank == 2 && Ids::rank == 1, "scatter_add: values [n, dim], ids [n]");
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = ml::block_threads() >> 5;
     const int c1 = t.hi[1];
     for (int r = t.lo[0] + warp; r < t.hi[0]; r += warps) {
         for (int cb = t.lo[1]; cb < c1; cb += 32 * K) {

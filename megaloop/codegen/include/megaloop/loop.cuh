@@ -285,7 +285,7 @@ __device__ __forceinline__ void for_box(const Task& t, F f) {
         total *= ext[d];
     }
     if (total <= 0x7fffffff) {  // 32-bit index arithmetic: a 64-bit division is ~4x the instructions
-        for (unsigned e = threadIdx.x; e < (unsigned)total; e += blockDim.x) {
+        for (unsigned e = threadIdx.x; e < (unsigned)total; e += ml::block_threads()) {
             int i[N + 1];
             unsigned r = e;
             for (int d = N - 1; d >= 0; --d) {
@@ -296,7 +296,7 @@ __device__ __forceinline__ void for_box(const Task& t, F f) {
         }
         return;
     }
-    for (i64 e = threadIdx.x; e < total; e += blockDim.x) {
+    for (i64 e = threadIdx.x; e < total; e += ml::block_threads()) {
         int i[N + 1];
         i64 r = e;
         for (int d = N - 1; d >= 0; --d) {
@@ -333,7 +333,7 @@ __device__ __forceinline__ void for_box_warps(const Task& t, F f) {
         ext[d] = t.hi[d] - t.lo[d];
         total *= ext[d];
     }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = ml::block_threads() >> 5;
     for (i64 e = warp; e < total; e += warps) {
         int i[N + 1];
         i64 r = e;
@@ -371,7 +371,7 @@ __device__ __forceinline__ float warp_max(float v) {
 template <int W, int G>
 __device__ __forceinline__ void group_barrier(int g) {
     if constexpr (G == 1) {
-        __syncthreads();
+        ml::block_sync();
     } else {
         asm volatile("bar.sync %0, %1;" ::"r"(1 + g), "n"(32 * W) : "memory");
     }

@@ -7,12 +7,17 @@
 
 namespace ml {
 
-// A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing).
+// A kernel without the weight ring: nothing to start, nothing to drain (megaloop/ring.cuh: WeightRing;
+// with a loader warp: megaloop/ring_loader.cuh, LoaderRing).
 struct NoRing {
+    static constexpr bool LOADER = false;  // no warp beside the compute warps
     static __device__ __forceinline__ void init() {}
     static __device__ __forceinline__ void advance(const Args&, int) {}
     static __device__ __forceinline__ void start(const Args&, u64, int) {}
     static __device__ __forceinline__ void drain(const Args&, u64, int) {}
+    static __device__ __forceinline__ void grant(u64) {}
+    static __device__ __forceinline__ void leave() {}
+    static __device__ __forceinline__ void load(const Args&, int) {}
 };
 
 // Thread 0, after the block's barrier that follows the task: the profile stamps, then the signal.
@@ -86,13 +91,19 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         for (int p = 0; p < ML_PROGRAMS; ++p) runs[p] = 0;
         Ring::init();
     }
-    __syncthreads();
+    __syncthreads();  // the loader warp's too: the ring's barriers are initialised
+    if constexpr (Ring::LOADER) {
+        if (threadIdx.x >= ml::block_threads()) {
+            Ring::load(a, blockIdx.x);
+            return;
+        }
+    }
     const int proc = blockIdx.x;
     // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
     // one (thread 0 may still be signalling its counter when warp 1 starts copying)
     __shared__ TaskSlot slots[3];
     int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
-    const int filler = blockDim.x > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
+    const int filler = ml::block_threads() > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
     if (a.list_begin[proc] < a.list_begin[proc + 1] && (int)(threadIdx.x >> 5) == filler)
         fill_slot(a, a.lists[a.list_begin[proc]], slots[0]);
     for (u64 it = 0;; ++it) {  // (== iteration: a register the one-program kernel uses as k)
@@ -101,6 +112,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                 granted = wait_requested(a, iteration);
                 // a grant of another program comes only once every block finished the iterations before it
                 granted_program = ML_PROGRAMS > 1 ? (int)*(volatile u64*)&a.doorbell[2] : 0;
+                Ring::grant(granted);
             }
             go = iteration < granted;
             switched = 0;
@@ -116,16 +128,18 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                 local = runs[p]++;
                 stamp_grant(a, iteration, 0);
                 Ring::advance(a, proc);
+            } else {
+                Ring::leave();
             }
         }
-        __syncthreads();
+        ml::block_sync();
         if (!go) return;
         const u64 k = ML_PROGRAMS > 1 ? local : it;
         const int begin = a.list_begin[proc], end = a.list_begin[proc + 1];
         if constexpr (ML_PROGRAMS > 1) {  // (a kernel of one program: not compiled, its registers as they were)
             if (switched) {  // the slot warp 1 filled holds the old program's task: this one's first instead
                 if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[q]);
-                __syncthreads();
+                ml::block_sync();
             }
         }
         Ring::start(a, k, proc);
@@ -141,16 +155,16 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
             }
             if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
                 fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
-            __syncthreads();
+            ml::block_sync();
             if (!go) {
                 Ring::drain(a, k, proc);
                 return;
             }
             run_task(a, s, k, proc);
-            __syncthreads();
+            ml::block_sync();
             if (threadIdx.x == 0) finish_task(a, s.task, s.id, iteration, start);
         }
-        __syncthreads();
+        ml::block_sync();
         if (threadIdx.x == 0) {
             stamp_grant(a, iteration, 1);
             iteration_done(a, iteration, granted, reported);

@@ -41,7 +41,7 @@ struct NormedRows {
     }
     // The whole block, before any piece: the raw rows and their sums of squares, a barrier, the scaling.
     __device__ __forceinline__ void prepare(int nr, int) {
-        const int threads = blockDim.x, tid = threadIdx.x, warps = threads >> 5;
+        const int threads = ml::block_threads(), tid = threadIdx.x, warps = threads >> 5;
         float* sums = reinterpret_cast<float*>(stage + ROWS * PIECES);
         Pack<T, N> g[B];
         for (int row = 0; row < nr; ++row) {
@@ -66,7 +66,7 @@ struct NormedRows {
             q = warp_sum(q);
             if ((tid & 31) == 0) sums[row * warps + (tid >> 5)] = q;
         }
-        __syncthreads();
+        ml::block_sync();
         for (int row = 0; row < nr; ++row) {
             float q = 0.0f;
             for (int w = 0; w < warps; ++w) q += sums[row * warps + w];
@@ -84,7 +84,7 @@ struct NormedRows {
                 }
             }
         }
-        __syncthreads();
+        ml::block_sync();
     }
     __device__ __forceinline__ Pack<T, N> piece(int row, int i) const { return stage[row * PIECES + i]; }
 };
@@ -130,7 +130,7 @@ __device__ __forceinline__ void warp_columns(const unsigned char* w, i64 w_step,
 template <class T, int PIECES, int ROWS, class Rows, class Store>
 __device__ __forceinline__ void direct_columns(int cols, int per_run, const unsigned char* w, i64 w_step,
                                                const Rows& rows, int nr, Store store) {
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5;
     for (int c0 = warp * per_run; c0 < cols; c0 += warps * per_run)
         warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, min(per_run, cols - c0), rows, nr, store);
 }
@@ -158,7 +158,7 @@ __device__ __forceinline__ float rounded(float v) {
 // sums in shared memory, each rounded to T first as the two products would be stored, then stored.
 template <class T, class Store>
 __device__ __forceinline__ void silu_mul_sums(const float* gate, const float* up, int nr, int cols, Store store) {
-    for (int e = threadIdx.x; e < nr * cols; e += blockDim.x)
+    for (int e = threadIdx.x; e < nr * cols; e += ml::block_threads())
         store(e / cols, e % cols, silu(rounded<T>(gate[e])) * rounded<T>(up[e]));
 }
 
@@ -167,7 +167,7 @@ __device__ __forceinline__ void silu_mul_sums(const float* gate, const float* up
 // g(i), w(column, i): element loads; store(row, column, value).
 template <class T, class X, class G, class W, class Store>
 __device__ __forceinline__ void norm_linear_elements(int rows, int cols, int k, float eps, X x, G g, W w, Store store) {
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int e = warp; e < rows * cols; e += warps) {
         const int row = e / cols, col = e % cols;
         float q = 0.0f;
@@ -186,7 +186,7 @@ __device__ __forceinline__ void norm_linear_elements(int rows, int cols, int k, 
 template <class T, bool NORM, class X, class G, class W, class U, class Store>
 __device__ __forceinline__ void swiglu_elements(int rows, int cols, int k, float eps, X x, G g, W gate, U up,
                                                 Store store) {
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int e = warp; e < rows * cols; e += warps) {
         const int row = e / cols, col = e % cols;
         float inv = 1.0f;

@@ -45,7 +45,7 @@ __device__ __forceinline__ void mma_stage(T* s, const T* x, i64 ld, int rows, in
     // whole or past K. Chunk c goes to row (c / 32) * 8 + c % 8, column 8 ((c / 8) % 4): the 8 threads
     // of a shared-memory phase write 8 different rows of one column, distinct banks at 80-byte rows.
     static_assert(MMA_BK / 8 == 4 && R % 8 == 0, "the chunk order assumes 4 chunks per row, rows in eights");
-    for (int c = threadIdx.x; c < R * 4; c += blockDim.x) {
+    for (int c = threadIdx.x; c < R * 4; c += ml::block_threads()) {
         const int r = (c >> 5) * 8 + (c & 7), kc = ((c >> 3) & 3) * 8;
         const bool ok = r < rows && k0 + kc < K;
         cp_async16(s + r * MMA_LD + kc, ok ? x + (i64)r * ld + k0 + kc : x, ok);
@@ -134,7 +134,7 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
             }
             for (int s = 0; s < slices; ++s) {
                 cp_async_wait<S - 2>();
-                __syncthreads();
+                ml::block_sync();
                 const int next = s + S - 1;
                 if (next < slices) {
                     mma_stage<T, BM>(sA + (next % S) * BM * MMA_LD, a, lda, nr, next * MMA_BK, K);
@@ -165,7 +165,7 @@ __device__ __forceinline__ void mma_tile(const T* A, i64 lda, const T* B, i64 ld
                 }
             }
             cp_async_wait<0>();  // no copy may still land in shared memory the next sub-tile or task uses
-            __syncthreads();
+            ml::block_sync();
 #pragma unroll
             for (int i = 0; i < FM; ++i) {
 #pragma unroll

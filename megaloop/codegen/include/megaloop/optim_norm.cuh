@@ -23,12 +23,12 @@ __device__ __forceinline__ void square_sum(const Task& t, O out, X x) {
     static_assert(X::rank == Inner::rank + 1, "square_sum: x's strides and extents disagree");
     float* partial = reinterpret_cast<float*>(ml_smem4);  // a float a warp (the template asks 128 bytes)
     constexpr i64 inner = Inner::inner;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     for (int r = t.lo[0]; r < t.hi[0]; ++r) {
         const i64 first = (i64)r * Per, last = first + Per < Rows ? first + Per : Rows;
         const i64 count = (last - first) * inner;
         float acc = 0.0f;
-        for (i64 e = threadIdx.x; e < count; e += blockDim.x) {
+        for (i64 e = threadIdx.x; e < count; e += ml::block_threads()) {
             float v;
             if constexpr (Contiguous) {
                 v = load(x.p + first * inner + e);
@@ -47,13 +47,13 @@ __device__ __forceinline__ void square_sum(const Task& t, O out, X x) {
         }
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (lane == 0) partial[warp] = acc;
-        __syncthreads();
+        ml::block_sync();
         if (warp == 0) {
             float s = lane < warps ? partial[lane] : 0.0f;
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             if (lane == 0) store(out.p + out.offset(&r), s);
         }
-        __syncthreads();  // partial is the next range's
+        ml::block_sync();  // partial is the next range's
     }
 }
 

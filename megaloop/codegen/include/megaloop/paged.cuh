@@ -41,7 +41,7 @@ __device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, in
                   "slots and positions [B, Tokens]");
     const int h = t.lo[1];
     constexpr i64 TOTAL = (i64)B * Tokens * Dim;
-    for (i64 e = threadIdx.x; e < TOTAL; e += blockDim.x) {
+    for (i64 e = threadIdx.x; e < TOTAL; e += ml::block_threads()) {
         const int d = (int)(e % Dim);
         const int tok = (int)((e / Dim) % Tokens), b = (int)(e / ((i64)Dim * Tokens));
         const i64 p = load(pos.p + (i64)b * stride_of<0, PS> + (i64)tok * stride_of<1, PS>);

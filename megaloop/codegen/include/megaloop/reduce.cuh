@@ -131,36 +131,36 @@ template <int Op, i64 Step, int U, class T, class D, class C>
 __device__ __forceinline__ void block_fold(const T* p, i64 total, D* dest, i64 first,
                                            BlockShared<C, Op == RED_ARGMAX>& sh) {
     constexpr int W = 16 / sizeof(T);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     Fold<Op, C> f;
     i64 r0 = 0;  // elements before r0: folded in (whole packs)
     if constexpr (Step == 1) {
         if (aligned(p, 16)) {
             const i64 packs = total / W;
-            for (i64 j0 = threadIdx.x; j0 < packs; j0 += U * (i64)blockDim.x) {
+            for (i64 j0 = threadIdx.x; j0 < packs; j0 += U * (i64)ml::block_threads()) {
                 Pack<T, W> pk[U];  // U loads in flight before any is used
 #pragma unroll
                 for (int k = 0; k < U; ++k) {
-                    const i64 j = min(j0 + k * (i64)blockDim.x, packs - 1);
+                    const i64 j = min(j0 + k * (i64)ml::block_threads(), packs - 1);
                     pk[k] = load_pack<T, W>(p + j * W);
                 }
 #pragma unroll
                 for (int k = 0; k < U; ++k) {
-                    if (j0 + k * (i64)blockDim.x >= packs) break;
+                    if (j0 + k * (i64)ml::block_threads() >= packs) break;
 #pragma unroll
-                    for (int w = 0; w < W; ++w) f.add(get(pk[k], w), (j0 + k * (i64)blockDim.x) * W + w);
+                    for (int w = 0; w < W; ++w) f.add(get(pk[k], w), (j0 + k * (i64)ml::block_threads()) * W + w);
                 }
             }
             r0 = packs * W;
         }
     }
-    for (i64 r = r0 + threadIdx.x; r < total; r += blockDim.x) f.add(load(p + r * Step), r);  // the rest
+    for (i64 r = r0 + threadIdx.x; r < total; r += ml::block_threads()) f.add(load(p + r * Step), r);  // the rest
     f.warp();
     if (lane == 0) {
         sh.red[warp] = f.best;
         if constexpr (Op == RED_ARGMAX) sh.red_i[warp] = f.best_i;
     }
-    __syncthreads();
+    ml::block_sync();
     if (warp == 0) {
         f = Fold<Op, C>();
         if (lane < warps) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ void block_fold(const T* p, i64 total, D* dest, i64 f
             else store(dest, f.best);
         }
     }
-    __syncthreads();  // sh is the next element's
+    ml::block_sync();  // sh is the next element's
 }
 
 // out[o] = op over the Total consecutive elements at x.offset(o), the whole block on each output

@@ -9,6 +9,8 @@
 // same slot, within the iteration (the host may write parameters between runs). So the ring runs up to RING_SLOTS chunks
 // ahead across tasks and their waits, with no producer warp and no empty barriers. Compiled for an
 // architecture before sm_90 (no bulk copies), the tiles read the chunks' rows from global memory.
+// With ML_RING_LOADER a loader warp issues every copy instead (megaloop/ring_loader.cuh): the
+// consuming warp then releases the slot on its empty barrier.
 #pragma once
 #include "megaloop/loop.cuh"
 #include "megaloop/matvec.cuh"
@@ -24,19 +26,26 @@ constexpr bool RING_COPIES = true;
 #else
 constexpr bool RING_COPIES = false;  // ring_issue and ring_wait do nothing; ring_matvec reads global memory
 #endif
+#ifdef ML_RING_LOADER
+constexpr bool RING_LOADER = true;
+#else
+constexpr bool RING_LOADER = false;
+#endif
 static_assert(RING_SLOTS > 0 && RING_SLOT_BYTES % 16 == 0 && RING_OFFSET % 128 == 0, "weight ring layout");
 
 struct Ring {
     unsigned char* data;  // RING_SLOTS x RING_SLOT_BYTES
     u64* full;            // a barrier a slot: its chunk has landed
     int* pending;         // a slot's copy in flight: the phase it completes, or -1
+    u64* empty;           // with the loader warp, a barrier a slot: its consumer is done with it
 };
 
+// The slots, then full[RING_SLOTS], (with the loader warp: empty[RING_SLOTS],) pending[RING_SLOTS].
 __device__ __forceinline__ Ring ring() {
     extern __shared__ float4 ml_smem4[];
     unsigned char* base = reinterpret_cast<unsigned char*>(ml_smem4) + RING_OFFSET;
     u64* full = reinterpret_cast<u64*>(base + (i64)RING_SLOTS * RING_SLOT_BYTES);
-    return {base, full, reinterpret_cast<int*>(full + RING_SLOTS)};
+    return {base, full, reinterpret_cast<int*>(full + (RING_LOADER ? 2 : 1) * RING_SLOTS), full + RING_SLOTS};
 }
 
 // The chunks this block's ring took before the current iteration, and in all: a running count, as
@@ -53,6 +62,8 @@ __device__ __forceinline__ void ring_init() {
 #if __CUDA_ARCH__ >= 900
     for (int s = 0; s < RING_SLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ring_bar(r, s)) : "memory");
+    for (int s = 0; RING_LOADER && s < RING_SLOTS; ++s)  // one arrival a use: its consuming warp's
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(r.empty + s)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
@@ -88,6 +99,14 @@ __device__ __forceinline__ void ring_issue(const Args& a, const RingChunk& c, in
 #endif
 }
 
+// One lane, after its warp's __syncwarp past its last read of `slot`: the loader warp may refill it
+// (release: the reads come first; the loader fences the async proxy before its copy).
+__device__ __forceinline__ void ring_release(const Ring& r, int slot) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(r.empty + slot)) : "memory");
+#endif
+}
+
 // The whole warp: until `slot` completes `phase`; false once the watchdog timeout passed (reported
 // as counter -3, the slot and phase: megaloop/runtime/report.py) or another block gave up. tid < 0:
 // draining, where only the copy's own time counts (bounded by 10 ms, no report).
@@ -120,7 +139,7 @@ __device__ __forceinline__ bool ring_wait(const Args& a, int slot, int phase, u6
 
 // Every warp, at the start of iteration k (after the block's barrier): the iteration's first chunks.
 __device__ __forceinline__ void ring_start(const Args& a, u64 k, int proc) {
-    const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int n = ring_chunks(a, proc), warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5;
     if (!RING_COPIES || (threadIdx.x & 31) != 0 || n == 0) return;
     const u64 g0 = ring_first_chunk;
     for (int i = 0; i < n && i < RING_SLOTS; ++i) {
@@ -147,7 +166,7 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
                                              int cols, int per_chunk, const unsigned char* w, i64 w_step,
                                              const Rows& rows, int nr, Store store) {
     const Ring r = ring();
-    const int n = ring_chunks(a, proc), warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = ring_chunks(a, proc), warps = ml::block_threads() >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = (cols + per_chunk - 1) / per_chunk;
     const u64 base = ring_first_chunk + (u64)(t.ring_first + first);
     for (int j = 0; j < chunks; ++j) {
@@ -156,7 +175,7 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
         if (slot % warps != warp) continue;
         const int next = t.ring_first + first + j + RING_SLOTS;  // the chunk this slot takes next, this iteration
         RingChunk following;
-        if (lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
+        if (!RING_LOADER && lane == 0 && next < n) following = a.ring_chunks[a.ring_begin[proc] + next];  // (in flight meanwhile)
         if (!ring_wait(a, slot, (int)((g / RING_SLOTS) & 1), k, proc, tid)) return;
         const int c0 = j * per_chunk, in_chunk = min(per_chunk, cols - c0);
         if constexpr (RING_COPIES)
@@ -164,7 +183,9 @@ __device__ __forceinline__ void ring_columns(const Args& a, const Task& t, int t
         else
             warp_columns<T, PIECES, ROWS>(w + c0 * w_step, w_step, c0, in_chunk, rows, nr, store);
         __syncwarp();
-        if (lane == 0) {
+        if (lane == 0 && RING_LOADER) {
+            ring_release(r, slot);
+        } else if (lane == 0) {
             r.pending[slot] = -1;
             if (next < n) ring_issue(a, following, slot, (int)(((g + RING_SLOTS) / RING_SLOTS) & 1));
         }
@@ -183,10 +204,14 @@ __device__ __forceinline__ void ring_matvec(const Args& a, const Task& t, int ti
 
 // The loop body's hooks (megaloop/loop_body.cuh) for a kernel with the ring.
 struct WeightRing {
+    static constexpr bool LOADER = false;
     static __device__ __forceinline__ void init() { ring_init(); }
     static __device__ __forceinline__ void advance(const Args& a, int proc) { ring_advance(a, proc); }
     static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
     static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
+    static __device__ __forceinline__ void grant(u64) {}
+    static __device__ __forceinline__ void leave() {}
+    static __device__ __forceinline__ void load(const Args&, int) {}
 };
 
 }  // namespace ml

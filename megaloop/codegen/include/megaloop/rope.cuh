@@ -174,7 +174,7 @@ __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq
             if ((Moving >> d) & 1) rows *= (i64)(t.hi[d] - t.lo[d]);
         if (rows * ITEMS <= 0x7fffffff) {  // 32-bit index arithmetic
             const unsigned total = (unsigned)(rows * ITEMS);
-            for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * blockDim.x) {
+            for (unsigned e0 = threadIdx.x; e0 < total; e0 += U * ml::block_threads()) {
                 Pack<T, W> pa[U], pb[U];
                 double pv[U];
                 i64 ob[U];
@@ -182,7 +182,7 @@ __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     // past the end: the last item again, loaded but never stored (defined without a branch)
-                    const unsigned e = u == 0 ? e0 : min(e0 + u * blockDim.x, total - 1);
+                    const unsigned e = u == 0 ? e0 : min(e0 + u * ml::block_threads(), total - 1);
                     const int j = (int)(e % (unsigned)ITEMS);
                     unsigned r = e / (unsigned)ITEMS;
                     int i[last > 0 ? last : 1];
@@ -212,7 +212,7 @@ __device__ __forceinline__ bool rope_pairs(const Task& t, const double* inv_freq
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    if (u > 0 && e0 + u * blockDim.x >= total) break;
+                    if (u > 0 && e0 + u * ml::block_threads() >= total) break;
                     rope_item<RD, Neox, W, ROT_ITEMS, ITEMS, TO>(out.p + ob[u], jj[u], pv[u], inv_freq, pa[u], pb[u]);
                 }
             }

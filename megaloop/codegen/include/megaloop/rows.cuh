@@ -442,7 +442,7 @@ __device__ __forceinline__ void rows(const Task& t, float eps, O out, X x, Res r
         const bool packed = aligned_operand(x, W) && aligned_operand(w, W) && aligned_operand(b, W) &&
                             aligned_operand(res, W) && aligned_operand(out, W);
         if constexpr (B::groups > 0) {
-            if (packed && blockDim.x == B::groups * B::threads) {
+            if (packed && ml::block_threads() == B::groups * B::threads) {
                 block_rows<Op, Axis, Len, W, B>(rowt, eps, out, x, res, w, b);
                 return;
             }

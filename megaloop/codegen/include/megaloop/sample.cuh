@@ -98,7 +98,7 @@ __device__ __forceinline__ float value_of(u32 key) {
     return __uint_as_float((key >> 31) ? (key & 0x7fffffffu) : ~key);
 }
 
-// ---- the block's cooperation (blockDim.x a multiple of 32; every thread calls each of these) -------------
+// ---- the block's cooperation (its compute threads a multiple of 32; every thread calls each of these) ---------
 
 __device__ __forceinline__ u64 warp_sum(u64 v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
@@ -106,23 +106,23 @@ __device__ __forceinline__ u64 warp_sum(u64 v) {
 }
 
 __device__ __forceinline__ u64 block_sum(u64 v, Shared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     v = warp_sum(v);
     if (lane == 0) s.warp[warp] = v;
-    __syncthreads();
+    ml::block_sync();
     const u64 total = warp_sum(lane < warps ? s.warp[lane] : 0);
-    __syncthreads();
+    ml::block_sync();
     return total;
 }
 
 __device__ __forceinline__ u32 block_or(u32 v, Shared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(FULL, v, o);
     if (lane == 0) s.warp[warp] = v;
-    __syncthreads();
+    ml::block_sync();
     u32 all = lane < warps ? (u32)s.warp[lane] : 0u;
     for (int o = 16; o > 0; o >>= 1) all |= __shfl_xor_sync(FULL, all, o);
-    __syncthreads();
+    ml::block_sync();
     return all;
 }
 
@@ -137,36 +137,36 @@ __device__ __forceinline__ void better(float& v, i64& i, float w, i64 j) {
 }
 
 __device__ __forceinline__ void block_argmax(float& v, i64& i, Shared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(FULL, v, o), __shfl_xor_sync(FULL, i, o));
     if (lane == 0) {
         s.warp_value[warp] = v;
         s.warp_index[warp] = i;
     }
-    __syncthreads();
+    ml::block_sync();
     v = lane < warps ? s.warp_value[lane] : __uint_as_float(0xff800000u);
     i = lane < warps ? s.warp_index[lane] : 9223372036854775807LL;
     for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(FULL, v, o), __shfl_xor_sync(FULL, i, o));
-    __syncthreads();
+    ml::block_sync();
 }
 
 // The exclusive prefix sum of each thread's v in thread order; total: the sum of all.
 __device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64& total, Shared& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ml::block_threads() >> 5;
     u64 inclusive = v;
     for (int o = 1; o < 32; o <<= 1) {
         const u64 y = __shfl_up_sync(FULL, inclusive, o);
         if (lane >= o) inclusive += y;
     }
     if (lane == 31) s.warp[warp] = inclusive;
-    __syncthreads();
+    ml::block_sync();
     u64 before = 0, all = 0;
     for (int w = 0; w < warps; ++w) {
         const u64 x = s.warp[w];
         before += w < warp ? x : 0;
         all += x;
     }
-    __syncthreads();
+    ml::block_sync();
     total = all;
     return before + inclusive - v;
 }
@@ -175,7 +175,7 @@ __device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64& total, Shared& s
 // the sum before it.
 template <class A>
 __device__ __forceinline__ void first_reaching(const A& a, int len, u64 need, int& index, u64& before, Shared& s) {
-    const int per = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int per = (len + (int)ml::block_threads() - 1) / (int)ml::block_threads();
     const int lo = min(len, (int)threadIdx.x * per), hi = min(len, lo + per);
     u64 mine = 0;
     for (int b = lo; b < hi; ++b) mine += a(b);
@@ -188,10 +188,10 @@ __device__ __forceinline__ void first_reaching(const A& a, int len, u64 need, in
         s.found[0] = (u64)b;
         s.found[1] = run;
     }
-    __syncthreads();
+    ml::block_sync();
     index = (int)s.found[0];
     before = s.found[1];
-    __syncthreads();
+    ml::block_sync();
 }
 
 // f(i, v) for the n elements at x (STRIDE apart), each thread in increasing index order: 16-byte packs
@@ -202,16 +202,16 @@ __device__ __forceinline__ void for_each(const T* x, i64 n, F f) {
     i64 done = 0;
     if (STRIDE == 1 && n >= E && aligned(x, 16)) {
         const i64 packs = n / E;
-        for (i64 j0 = threadIdx.x; j0 < packs; j0 += PACKS * (i64)blockDim.x) {
+        for (i64 j0 = threadIdx.x; j0 < packs; j0 += PACKS * (i64)ml::block_threads()) {
             Pack<T, E> pk[PACKS];
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
-                const i64 j = min(j0 + k * (i64)blockDim.x, packs - 1);
+                const i64 j = min(j0 + k * (i64)ml::block_threads(), packs - 1);
                 pk[k] = load_pack<T, E>(x + j * E);
             }
 #pragma unroll
             for (int k = 0; k < PACKS; ++k) {
-                const i64 j = j0 + k * (i64)blockDim.x;
+                const i64 j = j0 + k * (i64)ml::block_threads();
                 if (j >= packs) break;
 #pragma unroll
                 for (int w = 0; w < E; ++w) f(j * E + w, get(pk[k], w));
@@ -219,7 +219,7 @@ __device__ __forceinline__ void for_each(const T* x, i64 n, F f) {
         }
         done = packs * E;
     }
-    for (i64 i = done + threadIdx.x; i < n; i += blockDim.x) f(i, load(x + i * STRIDE));
+    for (i64 i = done + threadIdx.x; i < n; i += ml::block_threads()) f(i, load(x + i * STRIDE));
 }
 
 // What a selection visits: f(d, weight) for each element, d = keymax - key (0 for the largest logit),
@@ -250,7 +250,7 @@ struct Candidates {  // sample_combine's: range q's slot j of the summary, for j
     }
     template <class F>
     __device__ __forceinline__ void operator()(F f) const {
-        for (int e = threadIdx.x; e < ranges * per; e += blockDim.x) {
+        for (int e = threadIdx.x; e < ranges * per; e += ml::block_threads()) {
             if (held(e)) f(keymax - (u32)(key_index(e) >> 32), [&] { return weight(e); });
         }
     }
@@ -301,16 +301,16 @@ __device__ u32 select(const V& visit, u32 limit, u64 need, bool from_total, u64 
     u32 lo = 0, hi = FULL;  // d* lies in [lo, hi]
     int shift = zeros > FIRST_SHIFT ? zeros : FIRST_SHIFT;
     for (bool first = true;; first = false) {
-        for (int b = threadIdx.x; b < BUCKETS; b += blockDim.x) s.hist[b] = 0;
-        __syncthreads();
+        for (int b = threadIdx.x; b < BUCKETS; b += ml::block_threads()) s.hist[b] = 0;
+        ml::block_sync();
         u64 last = 0;  // the last bucket (the first pass's: everything beyond) summed in registers
         visit(Tally<MASS>{lo, hi, limit, shift, last, s});
         const u64 beyond = block_sum(last, s);  // (its barriers also order the atomics before the reads)
         if (threadIdx.x == 0) s.hist[BUCKETS - 1] = beyond;
-        __syncthreads();
+        ml::block_sync();
         if (from_total && first) {
             u64 mine = 0;
-            for (int b = threadIdx.x; b < BUCKETS; b += blockDim.x) mine += s.hist[b];
+            for (int b = threadIdx.x; b < BUCKETS; b += ml::block_threads()) mine += s.hist[b];
             need = top_p_target(block_sum(mine, s), p24);
         }
         int b;
@@ -365,9 +365,9 @@ __device__ i64 scan_for(const T* x, i64 lo, i64 hi, u64 rest, float m, float c, 
             if (found) break;
         }
     }
-    __syncthreads();
+    ml::block_sync();
     const i64 token = (i64)s.found[0];
-    __syncthreads();
+    ml::block_sync();
     return token;
 }
 
@@ -410,8 +410,8 @@ __device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i
     // each chunk's kept weight: a thread's elements come in increasing index order, so it adds what it
     // has of a chunk once it moves on to the next
     constexpr int chunks = (N + CHUNK - 1) / CHUNK;
-    for (int k = threadIdx.x; k < chunks; k += blockDim.x) s.chunk[k] = 0;
-    __syncthreads();
+    for (int k = threadIdx.x; k < chunks; k += ml::block_threads()) s.chunk[k] = 0;
+    ml::block_sync();
     int at = -1;
     u64 sum = 0;
     for_each<T, STRIDE>(x, N, [&](i64 i, float v) {
@@ -427,9 +427,9 @@ __device__ i64 sample_row(const T* x, i64 seed, i64 offset, float temperature, i
         }
     });
     if (sum) atomicAdd(&s.chunk[at], sum);
-    __syncthreads();
+    ml::block_sync();
     u64 mine = 0;
-    for (int k = threadIdx.x; k < chunks; k += blockDim.x) mine += s.chunk[k];
+    for (int k = threadIdx.x; k < chunks; k += ml::block_threads()) mine += s.chunk[k];
     const u64 total = block_sum(mine, s);
     // the draw: r uniform in [0, total); the chunk whose running sum first exceeds it, then in it the token
     const u64 r = __umul64hi(uniform64((u64)seed, (u64)offset), total);
@@ -447,7 +447,7 @@ template <class T, int STRIDE>
 __device__ void row_max(const T* x, i64 n, const i64* partial, i64 pstride, int ranges, float& m, i64& first, Shared& s) {
     m = __uint_as_float(0xff800000u);
     first = 9223372036854775807LL;
-    for (int q = threadIdx.x; q < ranges; q += blockDim.x) {
+    for (int q = threadIdx.x; q < ranges; q += ml::block_threads()) {
         i64 i = partial[q * pstride];
         i = i < 0 ? 0 : i >= n ? n - 1 : i;
         better(m, first, load(x + i * STRIDE), i);
@@ -480,7 +480,7 @@ __device__ void sample_range(const T* x, i64 lo, i64 count, float m, float tempe
             below = select<false>(Logits<T, STRIDE>{xr, count, m, c, keymax}, FULL, L + 1, false, 0, zeros, s);
             bound = keymax - below;
         }
-        for (i64 i0 = 0; i0 < count; i0 += blockDim.x) {  // compacted in index order
+        for (i64 i0 = 0; i0 < count; i0 += ml::block_threads()) {  // compacted in index order
             const i64 i = i0 + threadIdx.x;
             const float v = i < count ? load(xr + i * STRIDE) : 0.0f;
             const u32 key = key_of(v);
@@ -494,7 +494,7 @@ __device__ void sample_range(const T* x, i64 lo, i64 count, float m, float tempe
             held += (int)picked;
         }
     }
-    for (int j = held + threadIdx.x; j < L; j += blockDim.x) {
+    for (int j = held + threadIdx.x; j < L; j += ml::block_threads()) {
         out[(2 + 2 * j) * ostride] = 0;
         out[(3 + 2 * j) * ostride] = 0;
     }
@@ -530,7 +530,7 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
     // the ranges' totals and counts, and the bound: every key above it is a candidate
     u32 bound = 0;
     u64 count = 0, all = 0;
-    for (int q = threadIdx.x; q < R; q += blockDim.x) {
+    for (int q = threadIdx.x; q < R; q += ml::block_threads()) {
         const u64 b = (u64)summary[q * qstride + jstride];
         cs.total[q] = (u64)summary[q * qstride];
         cs.count[q] = (int)(b >> 32);
@@ -545,7 +545,7 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
     if ((threadIdx.x & 31) == 0) s.warp_value[threadIdx.x >> 5] = __uint_as_float(bound);
     count = block_sum(count, s);  // (its barriers publish the totals, counts and the warps' bounds)
     all = block_sum(all, s);
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+    for (int w = 0; w < (int)(ml::block_threads() >> 5); ++w) {
         const u32 y = __float_as_uint(s.warp_value[w]);
         bound = y > bound ? y : bound;
     }
@@ -586,7 +586,7 @@ __device__ i64 sample_combined(const T* x, const i64* partial, i64 pstride, cons
         return w >= min_w ? w : 0ull;
     };
     u64 kept = 0;
-    for (int e = threadIdx.x; e < R * L; e += blockDim.x) kept += kept_weight(e);
+    for (int e = threadIdx.x; e < R * L; e += ml::block_threads()) kept += kept_weight(e);
     const u64 r = __umul64hi(u, block_sum(kept, s));
     first_reaching(kept_weight, R * L, r + 1, k, before, s);
     return (i64)(cand.key_index(k) & 0xffffffffull);
@@ -668,7 +668,7 @@ __device__ __forceinline__ void sample_partial_tile(const Task& t, X x, Pa parti
         const float tp = temperature.p[temperature.offset(o)];
         sample_range<T, (int)X::inner, L>(row, lo, min((i64)CHUNK, (i64)N - lo), m, tp,
                                           out.p + leading_offset<R + 1>(out, o), Out::inner, sh);
-        __syncthreads();  // (the shared memory is the next range's)
+        ml::block_sync();  // (the shared memory is the next range's)
     }
 }
 
@@ -693,7 +693,7 @@ __device__ __forceinline__ void sample_combine_tile(const Args& a, const Task& t
             summary.p + leading_offset<R>(summary, o), stride_along<R, Su>::value, Su::inner, p.seed, p.offset,
             p.temperature, p.top_k, p.top_p, p.min_p, sh);
         if (threadIdx.x == 0) store(out.p + out.offset(o), token);
-        __syncthreads();  // (the shared memory is the next row's)
+        ml::block_sync();  // (the shared memory is the next row's)
     }
 }
 
@@ -723,7 +723,7 @@ __device__ __forceinline__ void penalize_tile(const Args& a, const Task& t, int 
     constexpr int dims[N] = {SHAPE...};
     static_assert(X::rank == N && Out::rank == N, "penalize: the operands in the logits' index space");
     const int total = box_count<N>(t);
-    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    for (int e = threadIdx.x; e < total; e += ml::block_threads()) {
         int i[N];
         box_index<N>(t, e, i);
         const i64 c = load(counts.p + counts.offset(i));

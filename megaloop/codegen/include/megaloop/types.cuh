@@ -5,6 +5,7 @@
 // type: float for every float dtype, long long for integers, bool for masks (the numpy reference
 // does the same, see megaloop/dtypes.py).
 #pragma once
+#include "megaloop/block.cuh"  // every header's tiles count and synchronise the compute threads
 
 namespace ml {
 

@@ -67,7 +67,7 @@ __device__ __forceinline__ void wgmma_stage(char* s, const T* x, i64 ld, int row
     }
 }
 
-// One rows x cols output tile (BM x BN sub-tiles in turn, edges masked) with WGS warpgroups (blockDim.x
+// One rows x cols output tile (BM x BN sub-tiles in turn, edges masked) with WGS warpgroups (compute threads
 // == 128 WGS) and S stages at `smem` (wgmma_shared_bytes(BN, WGS, S) bytes). store(i, j, value) writes
 // C[i, j]. A warpgroup's accumulators follow wgmma's D layout: warp w % 4 of the group holds rows
 // 16 (w % 4) + g and + 8 (g = lane / 4), and d[4 n + e] is column 8 n + 2 (lane % 4) + (e % 2) of row
@@ -101,7 +101,7 @@ __device__ __forceinline__ void wgmma_tile(const T* A, i64 lda, const T* B, i64 
             for (int s = 0; s < slices; ++s) {
                 cp_async_wait<S - 3>();  // this thread's copies of slice s (later slices may be in flight)
                 fence_proxy_async();
-                __syncthreads();
+                ml::block_sync();
                 const int next = s + S - 2;  // into slice s - 2's stage, whose wgmmas every group waited for
                 if (next < slices) {
                     wgmma_stage<T, BM, 128 * WGS>(base + (next % S) * STAGE, a, lda, nr, next * WG_BK, K);
@@ -121,7 +121,7 @@ __device__ __forceinline__ void wgmma_tile(const T* A, i64 lda, const T* B, i64 
             wgmma_wait<0>();
             wgmma_fence_registers<BN / 2>(d);
             cp_async_wait<0>();  // no copy may still land in shared memory the next sub-tile or task uses
-            __syncthreads();  // ... nor a wgmma still read it
+            ml::block_sync();  // ... nor a wgmma still read it
             const int row = 64 * wg + 16 * warp + g;
 #pragma unroll
             for (int n = 0; n < BN / 8; ++n) {
