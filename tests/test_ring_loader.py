@@ -139,3 +139,16 @@ def test_tiles_count_and_synchronise_only_the_compute_threads() -> None:
             if re.search(r"\b__syncthreads\s*\(|\bblockDim\b", line):
                 found.append(f"{path.name}:{n}: {line.strip()}")
     assert found == ["loop_body.cuh:65: __syncthreads();"], found
+
+
+def test_the_loader_with_several_programs_is_refused_by_name() -> None:
+    """The loader warp numbers one program's chunks: a kernel of several programs with it would copy the
+    wrong rows after a switch, so codegen refuses it and names the option."""
+    from megaloop.errors import GraphBuildError
+    from megaloop.plan.cache import make_programs
+
+    plan = make_programs({"a": decode_matmuls(), "b": decode_matmuls()}, use_cache=False, processors=8, options=LOADER)
+    with pytest.raises(GraphBuildError, match="weight_ring_loader=0"):
+        generate(plan)
+    plain = make_programs({"a": decode_matmuls(), "b": decode_matmuls()}, use_cache=False, processors=8)
+    assert generate(plain).threads == 256
