@@ -7,11 +7,13 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
 
 Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
---compare; GENERATE_COMPARE_LOADER=1 as --compare-loader), ``profile:CASE`` and ``serve`` (bench/serve's Generator batches and engines, planned and compiled
-through their own code against a stand-in H100 whose LoopKernel never starts; plans land in the plan cache)
-(scripts/profile_cases.py's case with PROFILE_OPTIONS), ``train:BxS[:STEPS]`` (bench/train's step for
-that batch and sequence; plans land in the plan cache). A cubin is keyed by its source, the header
-library, the architecture and the NVRTC version: one the device's NVRTC would not make is not used."""
+--compare; GENERATE_COMPARE_LOADER=1 as --compare-loader), ``profile:CASE`` (scripts/profile_cases.py's
+case with PROFILE_OPTIONS), ``serve`` (bench/serve's Generator batches and engines, planned and
+compiled through their own code against a stand-in H100 whose LoopKernel never starts; plans land in
+the plan cache), ``every_op[:DTYPE]`` (tests/test_gpu.py's op table kernels), ``train:BxS[:STEPS]``
+(bench/train's step for that batch and sequence; plans land in the plan cache). A cubin is keyed by
+its source, the header library, the architecture and the NVRTC version: one the device's NVRTC would
+not make is not used."""
 
 from __future__ import annotations
 
@@ -117,6 +119,16 @@ def train_plan(spec: str):
     return load_or_make_plan(trainer.training.graph, processors=132, arch="sm_90")[0]
 
 
+def every_op_plans(dtype: str = "") -> list:
+    """tests/test_gpu.py::test_every_op_against_torch's plans (one dtype, or all three)."""
+    from tests.test_gpu import every_op_graph
+
+    return [make_plan(every_op_graph(dt)[0], processors=132) for dt in ([dtype] if dtype else DTYPES)]
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     plans = []
@@ -125,6 +137,9 @@ def main() -> None:
             t0 = time.perf_counter()
             serve_setup()
             print(f"serve: planned and compiled in {time.perf_counter() - t0:.0f} s")
+            continue
+        if target.startswith("every_op"):  # tests/test_gpu.py's op table kernels (every_op[:DTYPE])
+            plans += every_op_plans(target.partition(":")[2])
             continue
         if target.startswith("train:"):
             plans.append(train_plan(target.removeprefix("train:")))

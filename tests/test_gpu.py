@@ -34,7 +34,9 @@ def loop_kernel(plan, params=None, state=None, **kw):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_every_op_against_torch(dtype: str) -> None:
+def every_op_graph(dtype: str) -> tuple:
+    """(graph, feeds, state, cases): every GPU row of the op table, two draws each, in one graph
+    (scripts/precompile.py compiles its kernel ahead: `every_op`)."""
     g = ml.Graph(f"all-ops-{dtype}")
     cases, feeds, state = [], {}, {}
     for i, row in enumerate(GPU_ROWS):
@@ -45,6 +47,11 @@ def test_every_op_against_torch(dtype: str) -> None:
             feeds.update(f)
             state.update(s)
             cases.append((row, dt, prefix, arrays, outs, sample))
+    return g, feeds, state, cases
+
+
+def test_every_op_against_torch(dtype: str) -> None:
+    g, feeds, state, cases = every_op_graph(dtype)
     plan = make_plan(g, processors=132)
     with loop_kernel(plan, state=state) as k:
         got = k.run(feeds)
