@@ -377,7 +377,7 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
             const u64 issued = ML_ROUND_TRIP_STAMPS ? now_ns() : 0;
             if constexpr (ML_ROUND_TRIP_STAMPS) {
                 read_doorbell(a, requested, host_ns);
-                fence_acquire(true);
+                if (requested > k) fence_acquire(true);  // (only then: before sm_90 it is a MEMBAR.SYS)
             } else {
                 requested = load_acquire_sys(&a.control->requested);
             }
