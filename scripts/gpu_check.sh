@@ -15,6 +15,9 @@
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
 # `gpu_check.sh loader` runs the weight ring's loader warp (KernelOptions.weight_ring_loader):
 # bench.generate --shape 1b --compare-loader (the default, both orders and caps, one run), its GPU tests.
+# `gpu_check.sh loopcost` measures the loop's own cost (docs/runtime.md, "The loop's own cost"): bench.loop_overhead's
+# A/B of KernelOptions task_records / completion_word / doorbell_reads and its round trip split into parts
+# (LOOPCOST_ARGS its arguments), then the options' GPU tests and the default path's runtime tests (~4 min).
 # `gpu_check.sh ab` runs BENCHES (AB_ARGS their arguments) from BASE_TREE and from this tree, twice, alternating.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
@@ -98,6 +101,13 @@ if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's des
   for config in ${PROBE_CONFIGS:-direct_0_today gated_8_today ahead_8_today direct_0_fused ahead_8_fused stream_8_none}; do
     timeout 60 /tmp/decode_stream_probe.bin ${config//_/ } 2>&1 | tee -a "$OUT/decode_stream_probe.jsonl" || status=1
   done
+fi
+if [ "$what" = loopcost ]; then  # the numbers first (the tests compile more), then correctness
+  timeout "$bench_timeout" python3 -m bench.loop_overhead ${LOOPCOST_ARGS:-} 2>&1 | grep -v '^ ' \
+    | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_loop_cost.py tests/test_gpu_programs.py \
+    tests/test_gpu.py -m gpu -k "loop_cost or programs or hundred or watchdog or profiled or state_feedback" -rA \
+    --durations=0 2>&1 | tail -n 40 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = ab ]; then  # BENCHES from this tree and from BASE_TREE (an exported older tree), alternating
   for round in 1 2; do

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from megaloop.runtime.loop import ARGS_DTYPE, CONTROL_WORDS, REQUESTED, STOP
+from megaloop.runtime.loop import ARGS_DTYPE, CONTROL_WORDS, DONE, REQUESTED, STOP
 
 
 class WouldHang(AssertionError):
@@ -266,7 +266,7 @@ class FakeDriver:
         control = np.ctypeslib.as_array((ctypes.c_uint64 * words).from_address(int(k.args["control"])))
         try:
             while not (control[STOP] or self.read(int(k.args["abort"]), 8) != bytes(8)):
-                control[CONTROL_WORDS:] = control[REQUESTED]
+                control[CONTROL_WORDS:] = control[DONE] = control[REQUESTED]
                 time.sleep(0.0005)
         finally:  # a fault in the fake itself ends the kernel too (the test then fails on what it checks)
             k.left.set()

@@ -37,8 +37,10 @@ def test_loop_kernel_tables_use_the_abi() -> None:
     assert prog.tasks.dtype == abi.TASK.dtype and prog.waits.dtype == abi.WAIT.dtype
     assert prog.mirrors.dtype == abi.MIRROR.dtype
     assert prog.operand_offsets.shape[1] == abi.MAX_OPERANDS
-    assert loop.ARGS_DTYPE == abi.ARGS.dtype and loop.CONTROL_WORDS == 12
-    assert (loop.REQUESTED, loop.STOP, loop.ERROR, loop.INFO, loop.PROGRAM) == (0, 1, 2, 3, 11)
+    assert loop.ARGS_DTYPE == abi.ARGS.dtype and loop.CONTROL_WORDS == 14
+    # host_ns right after requested: block 0 reads both in one 16-byte load (megaloop/loop.cuh read_doorbell)
+    assert (loop.REQUESTED, loop.HOST_NS, loop.STOP, loop.ERROR, loop.INFO, loop.PROGRAM, loop.DONE) == (
+        0, 1, 2, 3, 4, 12, 13)
     assert prog.others == []
 
 

@@ -121,6 +121,7 @@ PROGRAM = Struct(
         ptr("mirrors", "const Mirror*"),
         ptr("ring_chunks", "const RingChunk*"),
         ptr("ring_begin", "const int*"),
+        ptr("records", "const TaskSlot*", "null, or a task slot per list position (KernelOptions.task_records)"),
     ),
 )
 CONTROL = Struct(
@@ -128,10 +129,13 @@ CONTROL = Struct(
     "Host <-> kernel: lives in mapped pinned host memory (each block's finished iterations follow it).",
     (
         u64("requested", "host: iterations asked for so far (only ever grows)", "volatile u64"),
+        u64("host_ns", "host: its clock, read with requested in one load (KernelOptions.round_trip_stamps)",
+            "volatile u64"),
         u64("stop", "host: 1 = leave the loop", "volatile u64"),
         u64("error", "kernel: 0, or an error code (Error)", "volatile u64"),
         i64("info", "kernel: what went wrong (megaloop/loop.cuh fail, megaloop/runtime/report.py)", "volatile i64", 8),
         u64("program", "host: which program the iterations asked for run (written before requested)", "volatile u64"),
+        u64("done", "kernel: iterations every block finished (KernelOptions.completion_word)", "volatile u64"),
     ),
 )
 ARGS = Struct(
@@ -153,7 +157,7 @@ ARGS = Struct(
             "profile",
             "u64*",
             "null, or globaltimer pairs for the first profile_iterations: (start, end) per task, "
-            "then (grant seen, done) per block",
+            "then STAMP_WORDS per block (KernelOptions.round_trip_stamps)",
         ),
         u64("timeout_ns"),
         i32("profile_iterations"),
@@ -167,6 +171,7 @@ ARGS = Struct(
         ptr("ring_begin", "const int*", "... up to ring_begin[p + 1], in task order, every iteration"),
         ptr("programs", "const Program*", "every program's tables (the fields above: program 0's)"),
         i32("n_programs"),
+        ptr("records", "const TaskSlot*", "null, or a task slot per list position (KernelOptions.task_records)"),
     ),
 )
 STRUCTS = (TASK, WAIT, MIRROR, RING_CHUNK, PROGRAM, CONTROL, ARGS)
@@ -231,7 +236,8 @@ def definitions(structs: tuple[Struct, ...] = STRUCTS) -> str:
     errors = ", ".join(f"{k} = {v}" for k, v in ERRORS.items())
     parts = [
         f"constexpr int MAX_DIMS = {MAX_DIMS};\nconstexpr int MAX_OPERANDS = {MAX_OPERANDS};\n"
-        'static_assert(sizeof(void*) == 8, "the host passes device addresses as u64");\n',
+        'static_assert(sizeof(void*) == 8, "the host passes device addresses as u64");\n'
+        "struct TaskSlot;  // megaloop/loop.cuh: a task's slot, as the host lays it out (runtime/records.py)\n",
         *[f"{struct_text(s)}\n{assert_text(s)}\n" for s in structs],
         f"enum Error : u64 {{ {errors} }};\n",
     ]

@@ -311,6 +311,25 @@ def _add_function(
     signature_of_op.append(bodies[text])
 
 
+# the loop's own cost (megaloop/loop.cuh): each option's macro, written only where it differs from
+# the default (a kernel built with the defaults keeps its text, and its cache entry)
+LOOP_COST_MACROS = {
+    "round_trip_stamps": "ML_ROUND_TRIP_STAMPS",
+    "task_records": "ML_TASK_RECORDS",
+    "completion_word": "ML_COMPLETION_WORD",
+    "doorbell_reads": "ML_DOORBELL_READS",
+}
+
+
+def loop_cost_defines(options: KernelOptions) -> str:
+    default = KernelOptions()
+    return "".join(
+        f"#define {macro} {getattr(options, name)}\n"
+        for name, macro in LOOP_COST_MACROS.items()
+        if getattr(options, name) != getattr(default, name)
+    )
+
+
 def _source(
     functions: list[str],
     threads: int,
@@ -327,6 +346,7 @@ def _source(
     slot = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
     if programs > 1:  # (a kernel of one program keeps its text)
         slot += f"#define ML_PROGRAMS {programs}\n"
+    slot += loop_cost_defines(options)
     hooks = "ml::NoRing"
     if ring is not None:  # the weight ring (megaloop/ring.cuh): its slots, slot bytes and offset
         slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))

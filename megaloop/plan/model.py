@@ -154,6 +154,18 @@ class KernelOptions:
     # oldest chunk whose slot is free; 0: the tiles do (at most 32 slots with it)
     weight_ring_loader: int = 0
     weight_ring_loader_bytes: int = 49152
+    # the loop's own cost (docs/runtime.md, "The loop's own cost"): 1 stamps each block's grant, doorbell
+    # read (with the host's clock read in it) and completion (LoopKernel.grant_ns); 0 compiles none of it
+    round_trip_stamps: int = 0
+    # 1: a task's slot is one record per list position (task, waits, operand offsets), copied by
+    # cp.async two tasks ahead; 0: warp 1 gathers it one task ahead (three dependent loads)
+    task_records: int = 0
+    # 1: the last block to finish a grant writes one completion word the host spins on; 0: every
+    # block writes its progress at a grant's end and the host takes their minimum
+    completion_word: int = 0
+    # block 0's doorbell poll: 0 an L2 check of the abort flag and of the grant around every PCIe read;
+    # n: n reads in flight at once, spaced over one read's trip, the abort flag every 8th round
+    doorbell_reads: int = 0
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -164,6 +176,10 @@ class KernelOptions:
             ("weight_ring_slot_bytes", self.weight_ring_slot_bytes, 1024, 1 << 16),
             ("weight_ring_loader", self.weight_ring_loader, 0, 2),
             ("weight_ring_loader_bytes", self.weight_ring_loader_bytes, 1024, 1 << 22),
+            ("round_trip_stamps", self.round_trip_stamps, 0, 1),
+            ("task_records", self.task_records, 0, 1),
+            ("completion_word", self.completion_word, 0, 1),
+            ("doorbell_reads", self.doorbell_reads, 0, 4),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

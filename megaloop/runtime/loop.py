@@ -42,16 +42,20 @@ from megaloop.frontend.values import coerce
 from megaloop.plan.model import Plan
 from megaloop.plan.rendezvous import exchange_region
 from megaloop.runtime import resident
-from megaloop.runtime.compile import CubinLoadError, compile_and_load
+from megaloop.runtime.compile import compile_and_load
 from megaloop.runtime.device import gpus
+from megaloop.runtime.driver import _check, load_module  # (_check: the modules beside this one use it from here)
 from megaloop.runtime.interop import DeviceView, as_torch, device_source, wait_for_torch
 from megaloop.runtime.programs import connect_counters, memory_sizes, program_index, upload_tables
 from megaloop.runtime.report import LoopKernelError, kernel_error
+from megaloop.runtime.stamps import STAMP_WORDS, profile_bytes
 from megaloop.runtime.upload import CHUNK_BYTES, ProgressCallback, Staging, nbytes_of, progress_callback, upload
 
 # the mapped control block (ml::Control) as u64 words: the doorbell, the error report, then each block's progress
 CONTROL_WORDS = CONTROL.dtype.itemsize // 8
-REQUESTED, STOP, ERROR, INFO, PROGRAM = (word(CONTROL, n) for n in ("requested", "stop", "error", "info", "program"))
+REQUESTED, HOST_NS, STOP, ERROR, INFO, PROGRAM, DONE = (
+    word(CONTROL, n) for n in ("requested", "host_ns", "stop", "error", "info", "program", "done")
+)
 
 
 def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
@@ -60,49 +64,6 @@ def needs_shared_opt_in(static_bytes: int, dynamic_bytes: int) -> bool:
     programming guide). Testing the dynamic bytes alone left kernels of 46 KB dynamic and 3 KB static
     unlaunchable: no block resident."""
     return static_bytes + dynamic_bytes > 48 * 1024
-
-
-def _check(result: Any) -> Any:
-    """cuda-bindings calls return (err, *values): raise on error, return the values."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    from cuda.bindings import driver
-
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise LoopKernelError(f"CUDA driver error {_error_name(err)}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _error_name(err: Any) -> str:
-    from cuda.bindings import driver
-
-    _, name = driver.cuGetErrorName(err)
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-# cuModuleLoadData's answers that mean "this image is not loadable here": the cache entry is rebuilt
-IMAGE_ERRORS = (
-    "CUDA_ERROR_INVALID_IMAGE",
-    "CUDA_ERROR_NO_BINARY_FOR_GPU",
-    "CUDA_ERROR_INVALID_PTX",
-    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
-    "CUDA_ERROR_INVALID_SOURCE",
-    "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED",
-)
-
-
-def load_module(cubin: bytes) -> Any:
-    """cuModuleLoadData in the current context; CubinLoadError when the driver refuses the image."""
-    from cuda.bindings import driver
-
-    err, module = driver.cuModuleLoadData(cubin)
-    if err == driver.CUresult.CUDA_SUCCESS:
-        return module
-    name = _error_name(err)
-    if name in IMAGE_ERRORS:
-        raise CubinLoadError(f"cuModuleLoadData: {name}")
-    raise LoopKernelError(f"loading the loop kernel's module failed: CUDA driver error {name}")
 
 
 class LoopKernel:
@@ -147,6 +108,7 @@ class LoopKernel:
         self._in_place: set[str] = set()  # inputs handed out by tensor(): the caller writes them there
         self.timeout_s = timeout_s
         self.profile_iterations = profile_iterations
+        self._completion_word = bool(plan.options.completion_word)
         self._d = driver
         self._allocations: list[int] = []
         self._staged: list[np.ndarray] = []  # host arrays of copies in flight
@@ -297,8 +259,9 @@ class LoopKernel:
         if inbox_bytes:  # no flag or count of a pushed tile matches a zero
             _check(d.cuMemsetD8Async(self.arena + inbox_at, 0, inbox_bytes, copies))
         _check(d.cuMemsetD8Async(self.counters, 0, counter_bytes, copies))
-        self.flags = self._alloc(32)  # abort; the doorbell's device copy (granted, stop, program), kept by block 0
-        _check(d.cuMemsetD8Async(self.flags, 0, 32, copies))
+        # abort; the doorbell's device copy (granted, stop, program) kept by block 0; the arrival counter
+        self.flags = self._alloc(40)
+        _check(d.cuMemsetD8Async(self.flags, 0, 40, copies))
         # mapped pinned memory: the doorbell and error report, then each block's finished iterations
         words = CONTROL_WORDS + prog.processors
         host = _check(d.cuMemHostAlloc(8 * words, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE))
@@ -309,8 +272,8 @@ class LoopKernel:
         control_dev = int(_check(d.cuMemHostGetDevicePointer(self._control_host, 0)))
         self.profile = 0
         n_tasks = max(len(p.tasks) for p in [prog, *prog.others])  # (profiles index tasks of any program)
-        if self.profile_iterations:  # each task's (start, end), then each block's (grant seen, iteration done)
-            stamps = 16 * (n_tasks + prog.processors) * self.profile_iterations
+        if self.profile_iterations:  # each task's (start, end), then each block's round-trip stamps
+            stamps = profile_bytes(self.plan.options, n_tasks, prog.processors, self.profile_iterations)
             self.profile = self._alloc(stamps)
             _check(d.cuMemsetD8Async(self.profile, 0, stamps, copies))
         args = np.zeros(1, ARGS_DTYPE)
@@ -325,7 +288,8 @@ class LoopKernel:
         args["mirrors"] = self._upload(prog.mirrors)
         args["ring_chunks"] = self._upload(prog.ring_chunks)
         args["ring_begin"] = self._upload(prog.ring_begin)
-        self._programs = upload_tables(prog, self._upload)
+        self._programs = upload_tables(prog, self._upload, self.plan.options)
+        args["records"] = self._programs[0]["records"]
         args["n_programs"] = len(self._programs)
         args["profile"] = self.profile
         args["timeout_ns"] = int(self.timeout_s * 1e9)
@@ -638,7 +602,9 @@ class LoopKernel:
     def finished(self) -> bool:
         """Whether every block finished what was asked. Polls the block that finished last the previous
         time (one word) and takes the minimum over all blocks only once it is there: a minimum over 132
-        words is a few us of Python a poll."""
+        words is a few us of Python a poll. With KernelOptions.completion_word: the one word the last block writes."""
+        if self._completion_word:
+            return int(self.control[DONE]) >= self._requested
         if int(self.progress[self._slowest]) < self._requested:
             return False
         if self.completed() >= self._requested:
@@ -648,7 +614,8 @@ class LoopKernel:
 
     def completed(self) -> int:
         """Iterations every block has finished."""
-        return int(self.progress.min())
+        least = int(self.progress.min())
+        return max(least, int(self.control[DONE])) if self._completion_word else least
 
     def _raise_kernel_error(self) -> None:
         code = int(self.control[ERROR])
@@ -695,19 +662,19 @@ class LoopKernel:
         return self._stamps(0, self._n_tasks)
 
     def grant_ns(self) -> np.ndarray:
-        """(iterations, processors, 2) globaltimer of each block, for the first profiled iterations: when it
-        knew it could run the iteration (block 0: when it read the host's doorbell) and when it finished it
-        (before its progress report, if it made one). The host's round trip split into its parts."""
-        return self._stamps(self._n_tasks, self.plan.processors)
+        """(iterations, processors, STAMP_WORDS) round-trip stamps of each block, first profiled iterations
+        (megaloop/runtime/stamps.py STAMP_FIELDS; 0: not stamped); KernelOptions(round_trip_stamps=1) only."""
+        if not self.plan.options.round_trip_stamps:
+            raise LoopKernelError("grant_ns: the plan was made without KernelOptions(round_trip_stamps=1)")
+        return self._stamps(2 * self._n_tasks, self.plan.processors, STAMP_WORDS)
 
-    def _stamps(self, first: int, count: int) -> np.ndarray:
+    def _stamps(self, first: int, count: int, words: int = 2) -> np.ndarray:
         iterations = self.profile_iterations
-        out = np.zeros(2 * count * iterations, np.uint64)
+        out = np.zeros(words * count * iterations, np.uint64)
         self._use()
         if out.size:
-            at = self.profile + 16 * first * iterations
-            _check(self._d.cuMemcpyDtoH(out, at, out.nbytes))
-        return out.reshape(iterations, count, 2)
+            _check(self._d.cuMemcpyDtoH(out, self.profile + 8 * first * iterations, out.nbytes))
+        return out.reshape(iterations, count, words)
 
     def _halt(self) -> bool:
         """Make every block leave: the stop word first (idle blocks), then the abort flag (blocks in a

@@ -11,8 +11,9 @@ import numpy as np
 from megaloop.codegen import LoopProgram
 from megaloop.codegen.abi import MAX_OPERANDS, PROGRAM_DTYPE
 from megaloop.codegen.kernel import counter_slots
-from megaloop.plan.model import Plan
+from megaloop.plan.model import KernelOptions, Plan
 from megaloop.plan.rendezvous import exchange_region
+from megaloop.runtime.records import task_records
 
 TABLES = ("tasks", "waits", "list_begin", "lists", "operand_offsets", "mirrors", "ring_chunks", "ring_begin")
 
@@ -44,14 +45,17 @@ def program_index(plan: Plan, which: int | str) -> int:
     raise KeyError(f"no program {which!r}: the plan's programs are {names}")
 
 
-def upload_tables(program: LoopProgram, upload: Callable[[np.ndarray], int]) -> np.ndarray:
+def upload_tables(program: LoopProgram, upload: Callable[[np.ndarray], int], options: KernelOptions) -> np.ndarray:
     """Every program's tables uploaded (``upload``: array -> device address): the ``ml::Program``
-    rows, their counters not yet set (``connect_counters``)."""
+    rows, their counters not yet set (``connect_counters``); with ``options.task_records``, each
+    program's task records too (megaloop/runtime/records.py)."""
     rows = np.zeros(1 + len(program.others), PROGRAM_DTYPE)
     for row, p in zip(rows, [program, *program.others]):
         for name in TABLES:
             table = getattr(p, name)
             row[name] = upload(table.reshape(-1, MAX_OPERANDS) if name == "operand_offsets" else table)
+        if options.task_records:
+            row["records"] = upload(task_records(p, options.slot_waits))
     return rows
 
 

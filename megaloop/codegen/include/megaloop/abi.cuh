@@ -20,6 +20,7 @@ namespace ml {
 constexpr int MAX_DIMS = 6;
 constexpr int MAX_OPERANDS = 16;
 static_assert(sizeof(void*) == 8, "the host passes device addresses as u64");
+struct TaskSlot;  // megaloop/loop.cuh: a task's slot, as the host lays it out (runtime/records.py)
 
 // One tile task (megaloop/codegen/kernel.py fills a table of them per rank).
 struct Task {
@@ -103,8 +104,9 @@ struct Program {
     const Mirror* mirrors;
     const RingChunk* ring_chunks;
     const int* ring_begin;
+    const TaskSlot* records;  // null, or a task slot per list position (KernelOptions.task_records)
 };
-static_assert(sizeof(Program) == 80, "ml::Program: 80 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Program) == 88, "ml::Program: 88 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Program, tasks) == 0 && sizeof(Program::tasks) == 8, "ml::Program::tasks: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Program, waits) == 8 && sizeof(Program::waits) == 8, "ml::Program::waits: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Program, list_begin) == 16 && sizeof(Program::list_begin) == 8, "ml::Program::list_begin: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
@@ -115,21 +117,26 @@ static_assert(ML_OFFSETOF(Program, rank_counters) == 48 && sizeof(Program::rank_
 static_assert(ML_OFFSETOF(Program, mirrors) == 56 && sizeof(Program::mirrors) == 8, "ml::Program::mirrors: at byte 56, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Program, ring_chunks) == 64 && sizeof(Program::ring_chunks) == 8, "ml::Program::ring_chunks: at byte 64, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Program, ring_begin) == 72 && sizeof(Program::ring_begin) == 8, "ml::Program::ring_begin: at byte 72, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Program, records) == 80 && sizeof(Program::records) == 8, "ml::Program::records: at byte 80, 8 bytes on the host (megaloop/codegen/abi.py)");
 
 // Host <-> kernel: lives in mapped pinned host memory (each block's finished iterations follow it).
 struct Control {
     volatile u64 requested;  // host: iterations asked for so far (only ever grows)
+    volatile u64 host_ns;  // host: its clock, read with requested in one load (KernelOptions.round_trip_stamps)
     volatile u64 stop;  // host: 1 = leave the loop
     volatile u64 error;  // kernel: 0, or an error code (Error)
     volatile i64 info[8];  // kernel: what went wrong (megaloop/loop.cuh fail, megaloop/runtime/report.py)
     volatile u64 program;  // host: which program the iterations asked for run (written before requested)
+    volatile u64 done;  // kernel: iterations every block finished (KernelOptions.completion_word)
 };
-static_assert(sizeof(Control) == 96, "ml::Control: 96 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Control) == 112, "ml::Control: 112 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Control, requested) == 0 && sizeof(Control::requested) == 8, "ml::Control::requested: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Control, stop) == 8 && sizeof(Control::stop) == 8, "ml::Control::stop: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Control, error) == 16 && sizeof(Control::error) == 8, "ml::Control::error: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Control, info) == 24 && sizeof(Control::info) == 64, "ml::Control::info: at byte 24, 64 bytes on the host (megaloop/codegen/abi.py)");
-static_assert(ML_OFFSETOF(Control, program) == 88 && sizeof(Control::program) == 8, "ml::Control::program: at byte 88, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, host_ns) == 8 && sizeof(Control::host_ns) == 8, "ml::Control::host_ns: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, stop) == 16 && sizeof(Control::stop) == 8, "ml::Control::stop: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, error) == 24 && sizeof(Control::error) == 8, "ml::Control::error: at byte 24, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, info) == 32 && sizeof(Control::info) == 64, "ml::Control::info: at byte 32, 64 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, program) == 96 && sizeof(Control::program) == 8, "ml::Control::program: at byte 96, 8 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Control, done) == 104 && sizeof(Control::done) == 8, "ml::Control::done: at byte 104, 8 bytes on the host (megaloop/codegen/abi.py)");
 
 // The loop kernel's one argument, uploaded by megaloop/runtime/loop.py.
 struct Args {
@@ -144,7 +151,7 @@ struct Args {
     u64* doorbell;  // device copy of the doorbell: [0] iterations granted, [1] stop, [2] program (block 0)
     volatile u64* progress;  // mapped host memory: iterations each block has finished
     Control* control;
-    u64* profile;  // null, or globaltimer pairs for the first profile_iterations: (start, end) per task, then (grant seen, done) per block
+    u64* profile;  // null, or globaltimer pairs for the first profile_iterations: (start, end) per task, then STAMP_WORDS per block (KernelOptions.round_trip_stamps)
     u64 timeout_ns;
     int profile_iterations;
     int n_tasks;
@@ -157,8 +164,9 @@ struct Args {
     const int* ring_begin;  // ... up to ring_begin[p + 1], in task order, every iteration
     const Program* programs;  // every program's tables (the fields above: program 0's)
     int n_programs;
+    const TaskSlot* records;  // null, or a task slot per list position (KernelOptions.task_records)
 };
-static_assert(sizeof(Args) == 176, "ml::Args: 176 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(sizeof(Args) == 184, "ml::Args: 184 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, arena) == 0 && sizeof(Args::arena) == 8, "ml::Args::arena: at byte 0, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, tasks) == 8 && sizeof(Args::tasks) == 8, "ml::Args::tasks: at byte 8, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, waits) == 16 && sizeof(Args::waits) == 8, "ml::Args::waits: at byte 16, 8 bytes on the host (megaloop/codegen/abi.py)");
@@ -183,6 +191,7 @@ static_assert(ML_OFFSETOF(Args, ring_chunks) == 144 && sizeof(Args::ring_chunks)
 static_assert(ML_OFFSETOF(Args, ring_begin) == 152 && sizeof(Args::ring_begin) == 8, "ml::Args::ring_begin: at byte 152, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, programs) == 160 && sizeof(Args::programs) == 8, "ml::Args::programs: at byte 160, 8 bytes on the host (megaloop/codegen/abi.py)");
 static_assert(ML_OFFSETOF(Args, n_programs) == 168 && sizeof(Args::n_programs) == 4, "ml::Args::n_programs: at byte 168, 4 bytes on the host (megaloop/codegen/abi.py)");
+static_assert(ML_OFFSETOF(Args, records) == 176 && sizeof(Args::records) == 8, "ml::Args::records: at byte 176, 8 bytes on the host (megaloop/codegen/abi.py)");
 
 enum Error : u64 { OK = 0, WATCHDOG = 1, DATA = 2 };
 

@@ -90,12 +90,28 @@ __device__ __forceinline__ bool aborted(const Args& a) { return *(volatile u64*)
 #define ML_SLOT_WAITS 16
 #endif
 constexpr int SLOT_WAITS = ML_SLOT_WAITS;
-struct TaskSlot {
+struct alignas(16) TaskSlot {  // (16: a record is copied into it 16 bytes at a time)
     Task task;
     Wait waits[SLOT_WAITS];  // the first SLOT_WAITS of task.wait_count
     i64 offsets[MAX_OPERANDS];
     int id;
 };
+// KernelOptions.task_records: the host lays out one TaskSlot per list position (megaloop/runtime/
+// records.py, by this arithmetic), so that a slot is one copy of known address, issued ahead.
+#ifndef ML_TASK_RECORDS
+#define ML_TASK_RECORDS 0
+#endif
+static_assert(ML_OFFSETOF(TaskSlot, waits) == sizeof(Task), "TaskSlot: waits right after the task (records.py)");
+static_assert(ML_OFFSETOF(TaskSlot, offsets) == (sizeof(Task) + SLOT_WAITS * sizeof(Wait) + 7) / 8 * 8,
+              "TaskSlot: operand offsets at the next 8 bytes after the waits (records.py)");
+static_assert(ML_OFFSETOF(TaskSlot, id) == ML_OFFSETOF(TaskSlot, offsets) + 8 * MAX_OPERANDS &&
+                  sizeof(TaskSlot) % 16 == 0, "TaskSlot: id after the offsets, padded to 16 bytes (records.py)");
+// the slots a block cycles through: the running task's, the previous one's (thread 0 may still be
+// signalling it) and those being copied ahead (one; with records, two)
+constexpr int SLOT_AHEAD = ML_TASK_RECORDS ? 2 : 1;
+constexpr int SLOT_RING = ML_TASK_RECORDS ? 4 : 3;
+__device__ __forceinline__ int next_slot(int q) { return q + 1 == SLOT_RING ? 0 : q + 1; }
+__device__ __forceinline__ int slot_after(int q, int n) { return (q + n) % SLOT_RING; }
 
 // Warp 1's lanes together: copy task `id`'s descriptor, waits and operand offsets into `s` (two
 // rounds of loads: the descriptor, then what it points to).
@@ -117,6 +133,44 @@ __device__ __forceinline__ void fill_slot(const Args& a, int id, TaskSlot& s) {
         if (lane + 32 * j < words) reinterpret_cast<int*>(s.waits)[lane + 32 * j] = w[j];
     if (lane < MAX_OPERANDS) s.offsets[lane] = off;
     if (lane == 0) s.id = id;
+}
+
+// Warp 1's lanes: start copying list position `pos`'s record into `s` (cp.async, 16 bytes a lane a
+// round; sm_80 and later). Nothing waits for it here: copy_wait() before the slot is read.
+__device__ __forceinline__ void copy_record(const Args& a, int pos, TaskSlot& s) {
+    constexpr int CHUNKS = sizeof(TaskSlot) / 16;
+    const char* src = reinterpret_cast<const char*>(a.records) + (i64)pos * sizeof(TaskSlot);
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(&s);
+    for (int c = threadIdx.x & 31; c < CHUNKS; c += 32)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * c), "l"(src + 16 * c) : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// The warp that copies slots (warp 1; warp 0 if alone), during task i's wait (list positions
+// begin..end): the next task's slot, or with records the one after it (the next one's copy, issued a
+// task ago, is waited for first; the block's barrier then shows it to every thread).
+__device__ __forceinline__ void fill_ahead(const Args& a, int i, int begin, int end, TaskSlot* slots, int q) {
+    if constexpr (ML_TASK_RECORDS) {
+        copy_wait();
+        const int n = end - begin, pos = i + 2 < end ? i + 2 : begin + (i + 2 - begin) % n;
+        copy_record(a, pos, slots[slot_after(q, 2)]);
+    } else {
+        fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[next_slot(q)]);
+    }
+}
+// The same warp, at the start and when a program's tables replace another's: the first SLOT_AHEAD slots
+// from list position begin, complete when it returns (the caller's barrier shows them to the block).
+__device__ __forceinline__ void fill_first(const Args& a, int begin, int end, TaskSlot* slots, int q) {
+    if constexpr (ML_TASK_RECORDS) {
+        copy_wait();  // (a copy of the old program's may still be landing in these slots)
+        copy_record(a, begin, slots[q]);
+        copy_record(a, begin + 1 < end ? begin + 1 : begin, slots[next_slot(q)]);
+        copy_wait();
+        __syncwarp();
+    } else {
+        fill_slot(a, a.lists[begin], slots[q]);
+    }
 }
 
 // Warp 0 only (all 32 lanes): wait until every wait of task `tid` is satisfied for iteration k;
@@ -210,6 +264,36 @@ __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int pr
     return all_ok;
 }
 
+// The loop's own cost, switched at compile time (KernelOptions; nothing of them is compiled when 0):
+// round_trip_stamps, completion_word and doorbell_reads (docs/runtime.md, "The loop's own cost").
+#ifndef ML_ROUND_TRIP_STAMPS
+#define ML_ROUND_TRIP_STAMPS 0
+#endif
+#ifndef ML_COMPLETION_WORD
+#define ML_COMPLETION_WORD 0
+#endif
+#ifndef ML_DOORBELL_READS
+#define ML_DOORBELL_READS 0
+#endif
+// Round-trip stamps: STAMP_WORDS u64 per (iteration, block) after the tasks' (start, end) pairs in
+// a.profile; the host names them in megaloop/runtime/loop.py STAMP_FIELDS (the same order).
+constexpr int STAMP_WORDS = 8;
+enum Stamp : int {
+    STAMP_SEEN = 0,       // %globaltimer: the block knew it may run the iteration (block 0: its doorbell read returned)
+    STAMP_ISSUED = 1,     // block 0: that read was issued
+    STAMP_HOST = 2,       // block 0: the host's clock word (Control::host_ns) read by that same load
+    STAMP_PUBLISHED = 3,  // block 0: the grant republished in device memory for the other blocks
+    STAMP_DONE = 4,       // the block's last task of the iteration ended (after its barrier)
+    STAMP_REPORTED = 5,   // the block's completion or progress store was issued (or skipped)
+};
+__device__ __forceinline__ void stamp(const Args& a, u64 k, Stamp which, u64 value) {
+    if constexpr (ML_ROUND_TRIP_STAMPS) {
+        if (a.profile == nullptr || k >= (u64)a.profile_iterations) return;
+        const u64 tasks = 2 * (u64)a.profile_iterations * (u64)a.n_tasks;
+        a.profile[tasks + (k * gridDim.x + blockIdx.x) * STAMP_WORDS + which] = value;
+    }
+}
+
 // Thread 0 only: wait until the host asked for iteration k; returns how many iterations the host has
 // asked for so far (0: stop or abort). The caller keeps the answer and asks again only after running
 // that many. Only block 0 polls the host's doorbell (mapped memory, across PCIe) and republishes it
@@ -225,23 +309,89 @@ __device__ __forceinline__ void publish_grant(const Args& a, u64 requested) {
     *(volatile u64*)&a.doorbell[2] = a.control->program;
     store_release_gpu(&a.doorbell[0], requested);
 }
+// Block 0's stop check (the host writes requested, then stop, so requested read again after a stop
+// is the last request): the last grant, or 0 once every granted iteration is done.
+__device__ __forceinline__ u64 doorbell_stop(const Args& a, u64 k) {
+    const u64 last = load_acquire_sys(&a.control->requested);
+    publish_grant(a, last);
+    if (last > k) return last;
+    store_release_gpu(&a.doorbell[1], 1);
+    return 0;
+}
+// One read of the doorbell, the host's clock word beside it in the same 16 bytes (one PCIe read).
+__device__ __forceinline__ void read_doorbell(const Args& a, u64& requested, u64& host_ns) {
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(requested), "=l"(host_ns) : "l"(&a.control->requested) : "memory");
+}
+// Block 0 with KernelOptions.doorbell_reads = R: R reads of the doorbell in flight, spaced over one
+// read's trip (~1 us), each reissued as soon as it returned: a write is seen ~trip / 2R after it lands
+// instead of ~trip / 2 (plus an L2 trip for the abort flag and one for the grant around every read,
+// as wait_requested's poll does). The abort flag and stop are read every 8th round.
+constexpr unsigned DOORBELL_TRIP_NS = 1024;
+__device__ inline u64 wait_doorbell(const Args& a, u64 k) {
+    constexpr int R = ML_DOORBELL_READS > 0 ? ML_DOORBELL_READS : 1;
+    u64 req[R], host[R], issued[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        if (j > 0) __nanosleep(DOORBELL_TRIP_NS / R);
+        issued[j] = now_ns();
+        read_doorbell(a, req[j], host[j]);
+    }
+    u64 got = 0, got_issued = 0, got_host = 0;  // (scalars: an array indexed after the loop went to local memory)
+    for (unsigned round = 1; got == 0; ++round) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            if (got == 0) {
+                if (req[j] > k) {  // (the first use of the read: it waits here for it to return)
+                    got = req[j];
+                    got_issued = issued[j];
+                    got_host = host[j];
+                } else {
+                    issued[j] = now_ns();
+                    read_doorbell(a, req[j], host[j]);
+                }
+            }
+        }
+        if (got == 0 && (round & 7) == 0) {
+            if (aborted(a)) return 0;
+            if (load_acquire_sys(&a.control->stop) != 0) return doorbell_stop(a, k);
+        }
+    }
+    stamp(a, k, STAMP_SEEN, now_ns());
+    fence_acquire(true);  // then the program the host wrote before requested
+    stamp(a, k, STAMP_ISSUED, got_issued);
+    stamp(a, k, STAMP_HOST, got_host);
+    *(volatile u64*)&a.doorbell[2] = a.control->program;
+    store_release_gpu(&a.doorbell[0], got);  // got > k >= every grant published before
+    stamp(a, k, STAMP_PUBLISHED, now_ns());
+    return got;
+}
 __device__ inline u64 wait_requested(const Args& a, u64 k) {
+    if (ML_DOORBELL_READS > 0 && blockIdx.x == 0) return wait_doorbell(a, k);
     unsigned backoff = 32, polls = 0;
     for (;;) {
         if (aborted(a)) return 0;
         if (blockIdx.x == 0) {
-            // one PCIe read a poll; stop (rare) every 8th. The host writes requested, then stop, so
-            // requested read again after a stop is the last request
-            const u64 requested = load_acquire_sys(&a.control->requested);
-            publish_grant(a, requested);
-            if (requested > k) return requested;
-            if ((++polls & 7) == 0 && load_acquire_sys(&a.control->stop) != 0) {
-                const u64 last = load_acquire_sys(&a.control->requested);
-                publish_grant(a, last);
-                if (last > k) return last;
-                store_release_gpu(&a.doorbell[1], 1);
-                return 0;
+            // one PCIe read a poll; stop (rare) every 8th
+            u64 requested, host_ns = 0;
+            const u64 issued = ML_ROUND_TRIP_STAMPS ? now_ns() : 0;
+            if constexpr (ML_ROUND_TRIP_STAMPS) {
+                read_doorbell(a, requested, host_ns);
+                if (requested > k) fence_acquire(true);  // (only then: before sm_90 it is a MEMBAR.SYS)
+            } else {
+                requested = load_acquire_sys(&a.control->requested);
             }
+            if (requested > k) {
+                stamp(a, k, STAMP_SEEN, now_ns());
+                stamp(a, k, STAMP_ISSUED, issued);
+                stamp(a, k, STAMP_HOST, host_ns);
+            }
+            publish_grant(a, requested);
+            if (requested > k) {
+                stamp(a, k, STAMP_PUBLISHED, now_ns());
+                return requested;
+            }
+            if ((++polls & 7) == 0 && load_acquire_sys(&a.control->stop) != 0) return doorbell_stop(a, k);
         } else {
             const u64 granted = load_acquire(&a.doorbell[0]);
             if (granted > k) return granted;
@@ -259,12 +409,37 @@ __device__ inline u64 wait_requested(const Args& a, u64 k) {
     }
 }
 
+__device__ __forceinline__ u64 atom_add_acq_rel_sys(u64* p, u64 v) {
+    u64 old;
+    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+// KernelOptions.completion_word, thread 0 at the end of its grant (n iterations asked for so far):
+// add the iterations this block finished since its last grant (`counted`) to the arrival counter
+// (device memory: doorbell[3]); the block whose add brings it to n per block writes Control::done. A
+// smaller value written late cannot land after a larger one: its writer's later adds (release) come
+// before the larger value's add (acquire), and every block's count is at most the newest grant.
+__device__ __forceinline__ void finish_grant(const Args& a, u64 n, u64& counted) {
+    if (gridDim.x == 1) {
+        store_release_sys(&a.control->done, n);
+        return;
+    }
+    const u64 add = n - counted;
+    counted = n;
+    if (atom_add_acq_rel_sys(&a.doorbell[3], add) + add == n * gridDim.x) store_release_sys(&a.control->done, n);
+}
+
 // Thread 0 only: this block finished iteration k. Blocks may run ahead of each other (their waits
 // keep them correct), so the host takes the minimum over all blocks as the iterations completed.
 // Reported at the end of what was asked (completion), and in between every 64 iterations or 100 ms,
 // whichever comes first (so the host sees a long run make progress, however slow an iteration is),
 // not every iteration: each report is a PCIe write. `last` is the block's time of its last report.
-__device__ inline void iteration_done(const Args& a, u64 k, u64 granted, u64& last) {
+// With a completion word, the end of a grant is reported through it instead (finish_grant).
+__device__ inline void iteration_done(const Args& a, u64 k, u64 granted, u64& last, u64& counted) {
+    if (ML_COMPLETION_WORD && k + 1 == granted) {
+        finish_grant(a, granted, counted);
+        return;
+    }
     const u64 now = now_ns();
     if (k + 1 != granted && (k & 63) != 63 && now - last < 100000000ull) return;
     last = now;

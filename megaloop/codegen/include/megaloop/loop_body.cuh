@@ -42,14 +42,6 @@ __device__ __forceinline__ void finish_task(const Args& a, const Task& t, int ti
     }
 }
 
-// Thread 0, profiling: when this block knew it may run iteration k (which = 0; block 0: when it read
-// the doorbell) or finished it (which = 1), after the tasks' stamps (LoopKernel.grant_ns).
-__device__ __forceinline__ void stamp_grant(const Args& a, u64 k, int which) {
-    if (a.profile == nullptr || k >= (u64)a.profile_iterations) return;
-    const u64 tasks = (u64)a.profile_iterations * (u64)a.n_tasks;
-    a.profile[2 * (tasks + k * (u64)gridDim.x + blockIdx.x) + which] = now_ns();
-}
-
 #ifndef ML_PROGRAMS  // a generated kernel sets it: its plan's programs (megaloop/plan/programs.py)
 #define ML_PROGRAMS 1
 #endif
@@ -67,6 +59,7 @@ __device__ __forceinline__ void load_program(Args& a, int p) {
     a.mirrors = g.mirrors;
     a.ring_chunks = g.ring_chunks;
     a.ring_begin = g.ring_begin;
+    a.records = g.records;
 }
 
 // run_task(a, slot, k, proc): the task's tile function, by its signature. Waits and tiles see k as
@@ -77,6 +70,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
     __shared__ int go;
     __shared__ u64 granted;   // iterations the host has asked for, as last read
     __shared__ u64 reported;  // when this block last reported progress (%globaltimer)
+    __shared__ u64 counted;   // iterations this block added to the arrival counter (KernelOptions.completion_word)
     __shared__ u64 runs[ML_PROGRAMS];  // iterations each program has run here
     __shared__ u64 local;     // this iteration's number in its program's own count
     __shared__ u64 iteration;  // the kernel's (progress, grants, profile): thread 0's, kept out of registers
@@ -86,6 +80,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         a = *args;
         granted = 0;
         reported = now_ns();
+        counted = 0;
         program = 0;
         iteration = 0;
         for (int p = 0; p < ML_PROGRAMS; ++p) runs[p] = 0;
@@ -99,16 +94,17 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         }
     }
     const int proc = blockIdx.x;
-    // the task running (slot q), the next one (being copied by warp 1 meanwhile) and the previous
-    // one (thread 0 may still be signalling its counter when warp 1 starts copying)
-    __shared__ TaskSlot slots[3];
-    int q = 0;  // cycles 0, 1, 2 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
+    // the task running (slot q), the next ones (being copied by warp 1 meanwhile) and the previous
+    // one (thread 0 may still be signalling its counter when warp 1 starts copying): SLOT_RING of them
+    __shared__ TaskSlot slots[SLOT_RING];
+    int q = 0;  // cycles 0 .. SLOT_RING - 1 (a running count would wrap after 2^32 tasks, and 2^32 % 3 != 0)
     const int filler = ml::block_threads() > 32 ? 1 : 0;  // the warp that copies tasks ahead (warp 0 if alone)
     if (a.list_begin[proc] < a.list_begin[proc + 1] && (int)(threadIdx.x >> 5) == filler)
-        fill_slot(a, a.lists[a.list_begin[proc]], slots[0]);
+        fill_first(a, a.list_begin[proc], a.list_begin[proc + 1], slots, 0);
     for (u64 it = 0;; ++it) {  // (== iteration: a register the one-program kernel uses as k)
         if (threadIdx.x == 0) {
-            if (iteration >= granted) {
+            const bool ask = iteration >= granted;
+            if (ask) {
                 granted = wait_requested(a, iteration);
                 // a grant of another program comes only once every block finished the iterations before it
                 granted_program = ML_PROGRAMS > 1 ? (int)*(volatile u64*)&a.doorbell[2] : 0;
@@ -126,7 +122,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                     }
                 }
                 local = runs[p]++;
-                stamp_grant(a, iteration, 0);
+                if (blockIdx.x != 0 || !ask) stamp(a, iteration, STAMP_SEEN, now_ns());  // (block 0's: its doorbell read)
                 Ring::advance(a, proc);
             } else {
                 Ring::leave();
@@ -138,12 +134,12 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         const int begin = a.list_begin[proc], end = a.list_begin[proc + 1];
         if constexpr (ML_PROGRAMS > 1) {  // (a kernel of one program: not compiled, its registers as they were)
             if (switched) {  // the slot warp 1 filled holds the old program's task: this one's first instead
-                if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_slot(a, a.lists[begin], slots[q]);
+                if (begin < end && (int)(threadIdx.x >> 5) == filler) fill_first(a, begin, end, slots, q);
                 ml::block_sync();
             }
         }
         Ring::start(a, k, proc);
-        for (int i = begin; i < end; ++i, q = q == 2 ? 0 : q + 1) {
+        for (int i = begin; i < end; ++i, q = next_slot(q)) {
             const TaskSlot& s = slots[q];
             u64 start = 0;
             if (threadIdx.x < 32) {
@@ -153,8 +149,8 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                     start = now_ns();
                 }
             }
-            if ((int)(threadIdx.x >> 5) == filler)  // the next task (after the last: the next iteration's first)
-                fill_slot(a, a.lists[i + 1 < end ? i + 1 : begin], slots[q == 2 ? 0 : q + 1]);
+            if ((int)(threadIdx.x >> 5) == filler)  // the next tasks (after the last: the next iteration's first)
+                fill_ahead(a, i, begin, end, slots, q);
             ml::block_sync();
             if (!go) {
                 Ring::drain(a, k, proc);
@@ -166,8 +162,9 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
         }
         ml::block_sync();
         if (threadIdx.x == 0) {
-            stamp_grant(a, iteration, 1);
-            iteration_done(a, iteration, granted, reported);
+            stamp(a, iteration, STAMP_DONE, now_ns());
+            iteration_done(a, iteration, granted, reported, counted);
+            stamp(a, iteration, STAMP_REPORTED, now_ns());
             ++iteration;
         }
     }
