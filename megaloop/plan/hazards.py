@@ -16,7 +16,9 @@ That is enough: any two conflicting accesses of an element are then ordered thro
 epochs between them. The tiles of an op whose last tile of a group merges (``OpDef.merge``) share
 boxes of its outputs: their accesses are shared, never an overlap of the op's tiles, and a cell whose
 only epoch is theirs is ordered with itself one iteration later (every tile of the group before every
-other one of the next iteration, so the next iteration's arrivals follow this one's merge). Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
+other one of the next iteration, so the next iteration's arrivals follow this one's merge).
+
+Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
 of the earlier one before the first writers of the later one, and back across iterations. Those are
 kept as groups of two task sets (``ReuseOrderings``): with thousands of tiles on each side, pair by
 pair they would be millions of orderings.

@@ -109,4 +109,3 @@ def attention_merged(partial: Tensor) -> Tensor:
     node = partial.node
     outs = apply_multi(ATTENTION_MERGED, list(node.inputs), **node.attrs)
     return outs[OUT]
-
