@@ -240,7 +240,9 @@ def main() -> None:
     for text in args.compare:  # the same greedy generation with other rewrites, in this run
         plan = make_plan(gen_graph, processors=132, options=options, fusion=FuseOptions.parse(text))
         s, toks = _greedy(plan, params, start)
-        results.setdefault("compare", {})[text] = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
+        entry = {"us_per_token": s / NEW * 1e6, "first_tokens": toks[:16].tolist()}
+        entry["same_tokens"] = bool(np.array_equal(toks, tokens))  # all NEW of them as the default's
+        results.setdefault("compare", {})[text] = entry
         print(text, results["compare"][text], flush=True)
     compare_options = [*args.compare_options, *(LOADER_COMPARE if args.compare_loader else ())]
     for text in compare_options:  # the same greedy generation with other kernel options, in this run

@@ -104,6 +104,26 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     ]
 
 
+def attention_merged(op: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]) -> list[str]:
+    """attention_partial's tile into the parts (outs[0]), then its arrival on the rows' word (outs[2]);
+    the last of the rows' key ranges to arrive merges them as attention_combine into outs[1]
+    (megaloop/frontend/ops/attention_merged.py)."""
+    parts, out, arrivals = outs
+    splits = attrs["splits"]
+    chunk = -(-ins[1].shape[2] // splits)
+    split = _split_applies(ins) and _append_packs(attrs, ins)
+    held = "true" if splits <= COMBINE_HELD_SPLITS else "false"
+    return [
+        *([rope_frequencies(attrs)] if "theta" in attrs else []),
+        *pointers(ins + outs, len(ins)),
+        f"// key ranges of {chunk}: {'split keys, then ' if split else ''}a warp per (head, query); the last of "
+        f"the {splits} ranges of these rows to arrive merges them",
+        f"ml::attention_merged<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}, {splits}, {held}>("
+        f"a, t, tid, k, {float_literal(attrs['scale'])}, {at(out, 'out1')}, {at(arrivals, 'out2')}, "
+        f"{_operands(attrs, ins, parts)});",
+    ]
+
+
 COMBINE_HELD_SPLITS = 16  # key ranges whose m, l and weight attention_combine keeps in registers
 
 
