@@ -29,7 +29,6 @@ TESTED_ELSEWHERE = {
     "reduce_scatter": "test_collectives.py",
     "send": "test_collectives.py",
     "recv": "test_collectives.py",
-    "attention_merged": "test_attention_merged.py",  # (attention_partial's rows, then combine: test_fuse.py too)
 }
 
 __all__ = ["ROWS", "TESTED_ELSEWHERE", "Row", "Sample", "attention_ref", "build_row", "rope_ref"]
