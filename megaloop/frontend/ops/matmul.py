@@ -14,6 +14,7 @@ from megaloop.frontend.ops import reduce as _reduce
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops._fast import Kernel, blas_ready, rounder, weight_product
 from megaloop.frontend.ops._grad import unbroadcast
+from megaloop.frontend.ops._torch import of, torch
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
 from megaloop.frontend.tensor import Tensor
@@ -96,6 +97,17 @@ def _fast(node: Any) -> Kernel:
     return run
 
 
+def _on_torch(node: Any) -> Any:
+    """torch's product in the output's dtype (bfloat16: float32 sums rounded once, matmul's contract)."""
+    ta, tb, dtype = node.attrs["transpose_a"], node.attrs["transpose_b"], node.outputs[0].dtype
+
+    def run(arrays: list[Any]) -> list[Any]:
+        a, b = of(arrays[0], dtype), of(arrays[1], dtype)
+        return [torch().matmul(a.mT if ta else a, b.mT if tb else b)]
+
+    return run
+
+
 # auto_k_splits: the tiles a wave of the processors takes (132 on an H200), the output tile they are
 # counted in, the shortest K range worth a tile of its own, the most ranges (partials to sum)
 SPLIT_K_TILES, SPLIT_K_TILE, SPLIT_K_MIN_RANGE, SPLIT_K_MAX = 128, (128, 64), 512, 8
@@ -112,7 +124,7 @@ MATMUL = register(
         attrs={"transpose_a": "bool", "transpose_b": "bool"},
         infer=_infer,
         reference=_reference,
-        fast=Fast(_fast),
+        fast=Fast(_fast, torch=_on_torch),
         accuracy=Accuracy(ulps=1.0, per_reduction=True),
         tiling=_tilings.MATMUL,
         lowering=Lowering("matmul"),
