@@ -46,7 +46,7 @@ def from_numpy(array: np.ndarray) -> Any:
     if array.dtype == bfloat16.np:
         return from_numpy(array.view(np.int16)).view(torch().bfloat16)
     if min(array.strides, default=0) < 0 or (array.strides and array.strides[-1] % array.itemsize):
-        array = np.ascontiguousarray(array)
+        array = array.copy(order="C")  # (ascontiguousarray keeps a size-1 axis's negative stride)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch().from_numpy(array)

@@ -472,9 +472,10 @@ def _seen_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], qpos: Any, lengt
 
 
 def _on_torch(node: Any) -> Any:
-    """torch's scaled_dot_product_attention (its fused CPU kernels, in the operands' dtype) over the
-    keys some query sees, causal where the mask is the plain triangle; the numpy kernel where a query
-    sees no key (torch's NaN, the reference's zeros). Without softcapping or a mask operand."""
+    """torch's scaled_dot_product_attention (its fused CPU kernel) in float32 (bfloat16's own rounds
+    the probabilities: past the contract) over the keys some query sees, causal where the mask is the
+    plain triangle; the numpy kernel where a query sees no key (torch's NaN, the reference's zeros).
+    Without softcapping or a mask operand."""
     attrs, dtype, slot = node.attrs, node.outputs[0].dtype, _tilings.attention_slots(node.attrs)
     if attrs.get("softcap") is not None or MASK in slot:
         return None
@@ -487,12 +488,11 @@ def _on_torch(node: Any) -> Any:
         lo, hi, causal, seen = _seen_keys(b, tq, k.shape[2], attrs, qpos, lengths)
         if lo == hi:
             return numpy_kernel(arrays)
-        keys, values = (_torch.of(t[:, :, lo:hi], dtype) for t in (k, v))
         out = _torch.torch().nn.functional.scaled_dot_product_attention(
-            _torch.of(q, dtype), keys, values, attn_mask=seen, is_causal=causal, scale=float(attrs["scale"]),
-            enable_gqa=hq != hkv,
+            q.float(), k[:, :, lo:hi].float(), v[:, :, lo:hi].float(), attn_mask=seen, is_causal=causal,
+            scale=float(attrs["scale"]), enable_gqa=hq != hkv,
         )  # fmt: skip
-        return [out]
+        return [_torch.of(out, dtype)]
 
     return run
 

@@ -360,7 +360,7 @@ SILU_MUL = _binary_op(
     cuda="ml::silu(a) * b",
     vjp=_vjp.silu_mul,
     same_shapes=lambda a, b: silu_times(a, b),
-    on_torch=lambda a, b: torch().nn.functional.silu(a.float()).mul_(b),  # (float32: one rounding)
+    on_torch=lambda a, b: torch().nn.functional.silu(a) * b,  # (silu(a) rounded too: within the 3 ulps; 2x faster)
 )
 LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b", cuda="a && b")
 LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b", cuda="a || b")
