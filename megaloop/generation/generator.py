@@ -164,9 +164,7 @@ class Generator:
         if cpu_products not in PRODUCTS:
             raise GenerationError(f"Generator: cpu_products must be one of {PRODUCTS}, got {cpu_products!r}")
         if cpu_activations not in ACTIVATIONS:
-            raise GenerationError(
-                f"Generator: cpu_activations must be one of {ACTIVATIONS}, got {cpu_activations!r}"
-            )
+            raise GenerationError(f"Generator: cpu_activations must be one of {ACTIVATIONS}, got {cpu_activations!r}")
         if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
             raise GenerationError(f"Generator: {why}")
         self.devices, self.strategy = devices, strategy

@@ -92,3 +92,32 @@ def in_numpy(node: Any, kernel: Callable[[list[np.ndarray]], list[np.ndarray]]) 
         return [to_torch(r, d, keep) for r, (d, keep) in zip(results, outs)]
 
     return run
+
+
+def binary(fn: Callable[[Any, Any], Any]) -> Callable[[Any], TorchKernel | None]:
+    """A float binary op's torch kernel: ``fn`` of its two operands in its dtype, rounded to it (None
+    where an operand is a number, or the op is not a float one)."""
+
+    def make(node: Any) -> TorchKernel | None:
+        dtype = node.outputs[0].dtype
+        if len(node.inputs) != 2 or not dtype.is_float:
+            return None
+        return lambda arrays: [of(fn(of(arrays[0], dtype), of(arrays[1], dtype)), dtype)]
+
+    return make
+
+
+def add(a: Any, b: Any) -> Any:
+    """a + b: torch's bfloat16 sum is the float32 sum rounded once, the reference's."""
+    return a + b
+
+
+def silu_mul(a: Any, b: Any) -> Any:
+    """silu(a) * b in the dtype: silu(a) rounded too (within silu_mul's 3 ulps), twice as fast as a
+    float32 pass on the development machine."""
+    return torch().nn.functional.silu(a) * b
+
+
+def copied(x: Any) -> Any:
+    """A new contiguous tensor of ``x``'s values (copy's: never ``x`` itself, which may be a state)."""
+    return x.clone(memory_format=torch().contiguous_format)

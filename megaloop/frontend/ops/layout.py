@@ -15,7 +15,7 @@ import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, ViewSpec, VjpCall, register
-from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import _placements, _tilings, _torch
 from megaloop.frontend.ops._build import (
     apply,
     apply_multi,
@@ -71,12 +71,6 @@ def _view_op(
             vjp=vjp,
         )
     )
-
-
-def _contiguous() -> Any:
-    from megaloop.frontend.ops._torch import torch
-
-    return torch().contiguous_format
 
 
 def _torch_view(node: Any, view: Any) -> Any:
@@ -526,7 +520,7 @@ COPY = register(
         operands=("x",),
         infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
-        fast=Fast(MOVES_VALUES.make, torch=lambda node: lambda arrays: [arrays[0].clone(memory_format=_contiguous())]),
+        fast=Fast(MOVES_VALUES.make, torch=lambda node: lambda arrays: [_torch.copied(arrays[0])]),
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),
