@@ -268,6 +268,7 @@ class FastGraph:
             self._snapshot(t)
         self._outputs = {name: (self._slot[t], t) for name, t in graph.outputs.items()}
         self._updates = {name: self._slot[t] for name, t in graph.state_updates.items()}
+        self._dead = self._last_uses()
         self.state: dict[str, np.ndarray] = {}
         self.reset()
 
@@ -310,6 +311,20 @@ class FastGraph:
         ins = [self._slot[t] for t in node.inputs]
         self.nodes.append(node)
         self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
+
+    def _last_uses(self) -> list[list[int]]:
+        """For each step, the slots no later step reads (nor the end of the run): dropped after it, so
+        that their memory is reused by the next ops' results rather than the heap growing (and faulted
+        in) through a run. Parameters, constants, inputs and states stay."""
+        kept = {*self._fixed, *self._inputs.values(), *self._states.values(), *self._updates.values()}
+        kept.update(slot for slot, _ in self._outputs.values())
+        last: dict[int, int] = {}
+        for i, (_, ins, outs) in enumerate(self._steps):
+            last.update((slot, i) for slot in (*ins, *outs) if slot not in kept)
+        dead: list[list[int]] = [[] for _ in self._steps]
+        for slot, i in last.items():
+            dead[i].append(slot)
+        return dead
 
     def _snapshot(self, t: Tensor) -> None:
         """Copy ``t`` where it is made, before an op overwrites its storage, and read the copy at the end."""
@@ -405,6 +420,8 @@ class FastGraph:
             for i, (kernel, ins, outs) in enumerate(self._steps):
                 for o, r in zip(outs, kernel([values[j] for j in ins])):
                     values[o] = r
+                for j in self._dead[i]:
+                    values[j] = None
                 if on_node is not None:
                     on_node(i)
         except DataError as e:
