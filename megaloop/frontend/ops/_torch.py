@@ -27,6 +27,16 @@ def torch() -> Any:
     return _torch
 
 
+def onednn_linear() -> Any:
+    """torch's oneDNN linear layer, ``(x, w [out, in], bias, "none", [], "")``, or None where this torch
+    has none (a build without mkldnn, or a version that renamed it)."""
+    t = torch()
+    try:
+        return t.ops.mkldnn._linear_pointwise if t.backends.mkldnn.is_available() else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def torch_dtype(dtype: DType) -> Any:
     """torch's dtype for ``dtype`` (bfloat16 included)."""
     t = torch()
