@@ -70,7 +70,7 @@ def _fast(node: Any) -> Kernel:
 def _on_torch(node: Any) -> Any:
     """rmsnorm's torch kernel, then torch's product (the weight in its dtype, not converted)."""
     x, residual = node.inputs[0], node.inputs[3:]
-    norm = rmsnorm_torch(node.attrs["eps"], x.dtype, x.dtype, 1, 2 if residual else None)
+    norm = rmsnorm_torch(node.attrs["eps"], (x.dtype, node.inputs[2].dtype, x.dtype), 1, 2 if residual else None)
     dtype = node.outputs[0].dtype
 
     def run(arrays: list[Any]) -> list[Any]:

@@ -260,14 +260,22 @@ def _rmsnorm_fast(node: Any) -> Kernel:
     return lambda arrays: [rows(arrays[0], arrays[w] if w else None, arrays[r] if r else None)]
 
 
-def rmsnorm_torch(eps: float, x_dtype: Any, dtype: Any, w: int | None, r: int | None) -> Any:
-    """rmsnorm on torch-form operands (``w``, ``r``: the weight's and residual's places, or None) in
+def rmsnorm_torch(eps: float, dtypes: tuple[Any, Any, Any], w: int | None, r: int | None) -> Any:
+    """rmsnorm on torch-form operands (``w``, ``r``: the weight's and residual's places, or None;
+    ``dtypes``: x's, the weight's (None: no weight) and the result's) in
     float32 from their values (a residual's sum rounded to x's dtype first), rounded to ``dtype``:
-    the reference's arithmetic, rsqrt for its divide (within 2 ulps)."""
+    the reference's arithmetic, rsqrt for its divide (within 2 ulps); torch's fused rms_norm where x,
+    weight and result share a dtype (it computes in float32 and rounds once: the same bits here)."""
+    x_dtype, w_dtype, dtype = dtypes
+    fused = x_dtype == dtype and w_dtype in (None, dtype) and hasattr(torch().nn.functional, "rms_norm")
 
     def run(arrays: list[Any]) -> list[Any]:
         x = of(arrays[0], x_dtype)
-        h = (x if r is None else x + of(arrays[r], x_dtype)).float()  # (torch's sum of two: rounded once)
+        x = x if r is None else x + of(arrays[r], x_dtype)  # (torch's sum of two: rounded once)
+        if fused:
+            weight = None if w is None else of(arrays[w], dtype)
+            return [torch().nn.functional.rms_norm(x, x.shape[-1:], weight, eps)]
+        h = x.float()
         y = h * torch().rsqrt(h.square().mean(-1, keepdim=True) + eps)
         if w is not None:
             y *= arrays[w].float()
@@ -279,7 +287,8 @@ def rmsnorm_torch(eps: float, x_dtype: Any, dtype: Any, w: int | None, r: int | 
 def _rmsnorm_torch(node: Any) -> Any:
     present = [n for i, n in enumerate(RMSNORM_OPERANDS, start=1) if i not in node.attrs.get("absent", ())]
     w, r = (present.index(n) + 1 if n in present else None for n in RMSNORM_OPERANDS)
-    return rmsnorm_torch(node.attrs["eps"], node.inputs[0].dtype, node.outputs[0].dtype, w, r)
+    dtypes = (node.inputs[0].dtype, None if w is None else node.inputs[w].dtype, node.outputs[0].dtype)
+    return rmsnorm_torch(node.attrs["eps"], dtypes, w, r)
 
 
 LAYERNORM = register(
