@@ -9,7 +9,11 @@ the same rounding points), but:
 - an op with a fast implementation (``OpDef.fast``) runs it: BLAS products without copies of their
   weights, states (KV caches) written in place and kept between runs instead of copied;
 - the graph is checked and ordered once, when it is prepared; no view layouts are checked per run;
-- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused.
+- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused, and a run drops
+  each value after its last reader;
+- with activations="torch" (a prefill), values between ops are torch tensors of their dtype and each
+  op runs its ``Fast.torch`` kernel where it has one (megaloop.frontend.ops._torch): within each op's
+  accuracy contract, not the reference's bits.
 
 An op without one runs its reference on operands put back into their storage dtypes, so every graph
 runs. Exactness: every op's result has the reference's bits, except where an op's ``Fast`` says
@@ -20,6 +24,7 @@ op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -404,8 +409,6 @@ class FastGraph:
 
     def _torch_mode(self) -> Any:
         """torch's inference mode where the graph runs in torch form (no autograd records)."""
-        import contextlib
-
         return self.weights.torch().inference_mode() if self.in_torch else contextlib.nullcontext()
 
     def _numpy(self, value: Any, t: Tensor) -> np.ndarray:

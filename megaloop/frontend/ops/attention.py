@@ -23,6 +23,7 @@ keys/values at their positions and its result is the state's value for later ite
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -447,6 +448,7 @@ def _fast(node: Any) -> Kernel:
 # the last few runs' key ranges and masks for torch's kernel: a prefill's layers see the same keys
 _SEEN: dict[tuple[Any, ...], tuple[int, int, bool, Any]] = {}
 SEEN_KEPT = 8
+_SEEN_LOCK = threading.Lock()
 
 
 def _seen_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], qpos: Any, lengths: Any) -> tuple[int, int, bool, Any]:
@@ -465,9 +467,10 @@ def _seen_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], qpos: Any, lengt
             causal = tq == hi - lo and np.array_equal(mask, np.broadcast_to(np.tri(tq, dtype=np.bool_), mask.shape))
             every = causal or mask.all()
             found = (lo, hi, causal, None if every else _torch.from_numpy(np.ascontiguousarray(mask[:, None])))
-        if len(_SEEN) >= SEEN_KEPT:
-            _SEEN.pop(next(iter(_SEEN)))
-        _SEEN[key] = found
+        with _SEEN_LOCK:  # (graphs may run in threads)
+            if len(_SEEN) >= SEEN_KEPT:
+                _SEEN.pop(next(iter(_SEEN)), None)
+            _SEEN[key] = found
     return found
 
 

@@ -194,13 +194,16 @@ _TORCH_TABLES: dict[int, tuple[Any, ...]] = {}
 
 
 def _torch_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[Any, ...]:
-    if id(cos) not in _TORCH_TABLES or _TORCH_TABLES[id(cos)][0] is not cos:
-        if len(_TORCH_TABLES) >= TABLES_KEPT:
-            _TORCH_TABLES.pop(next(iter(_TORCH_TABLES)))
+    entry = _TORCH_TABLES.get(id(cos))
+    if entry is None or entry[0] is not cos:
         c, s = (_torch.from_numpy(t.astype(np.float32)) for t in (cos, sin))
         cat = _torch.torch().cat
-        _TORCH_TABLES[id(cos)] = (cos, c, s, cat([c, c], -1), cat([-s, s], -1))
-    return _TORCH_TABLES[id(cos)][1:]
+        entry = (cos, c, s, cat([c, c], -1), cat([-s, s], -1))
+        with _TABLES_LOCK:  # (graphs may run in threads)
+            if len(_TORCH_TABLES) >= TABLES_KEPT:
+                _TORCH_TABLES.pop(next(iter(_TORCH_TABLES)), None)
+            _TORCH_TABLES[id(cos)] = entry
+    return entry[1:]
 
 
 def torch_rotated(x: Any, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray, dtype: Any) -> Any:
