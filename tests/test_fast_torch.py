@@ -16,6 +16,7 @@ import pytest
 import megaloop as ml
 from megaloop.errors import DataError, EvaluationError
 from megaloop.frontend.opdef import REGISTRY
+from megaloop.frontend.ops import _torch
 from megaloop.generation import GenerationError
 from megaloop.generation.backends import CpuBackend, prefill_activations
 from megaloop.models import LlamaConfig, load_llama
@@ -150,7 +151,9 @@ def test_every_familys_prefill_in_torch_form_stays_within_tolerance(family, dtyp
     run = FastGraph(graph, ComputeWeights(params, activations="torch"), activations="torch", verify=True)
     first = run.run(feeds)["logits"]
     run.reset()
-    got, states = run.run(feeds), run.read_state()  # (a second run: bfloat16 weights packed for oneDNN)
+    packed = run.prepare()  # (bfloat16: each linear layer's weight packed for oneDNN; float32: none)
+    assert (packed > 0) == (dtype == "bfloat16" and _torch.onednn_linear() is not None), packed
+    got, states = run.run(feeds), run.read_state()
     for what, g, w in [
         ("first logits", first, want.outputs["logits"]),
         ("logits", got["logits"], want.outputs["logits"]),
@@ -232,3 +235,17 @@ def test_a_run_drops_each_value_after_its_last_reader(activations: str) -> None:
     run.reset()
     run._dead = [[] for _ in run._steps]
     np.testing.assert_array_equal(got, run.run(feeds)["logits"])
+
+
+def test_a_bfloat16_prefill_packs_its_weights_once_in_setup(tmp_path) -> None:
+    """torch form, bfloat16: the linear weights are packed for oneDNN in the first call's "pack" setup
+    phase (not inside a prefill), not again; both calls give the same tokens."""
+    from megaloop.models.tiny import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path)
+    gen = ml.Generator(folder, backend="cpu", progress=False, eos_token_ids=(), cpu_activations="torch")
+    first = gen.generate([1, 5, 9, 2, 7, 3, 8, 4, 6], max_new_tokens=4)
+    again = gen.generate([1, 5, 9, 2, 7, 3, 8, 4, 6], max_new_tokens=4)
+    assert "the prefill by torch" in first.stats.backend
+    assert ("pack" in first.stats.setup) == (_torch.onednn_linear() is not None), first.stats.setup
+    assert "pack" not in again.stats.setup and first[0].tokens == again[0].tokens

@@ -147,6 +147,10 @@ class CpuBackend:
                     bar.update(t.size)
         products = "numpy" if in_torch else self.products
         prefill = FastGraph(graphs[0], weights, products=products, activations=self.activations)
+        if prefill.preparing:  # (torch form: bfloat16 weights packed for oneDNN, once a backend)
+            with self.progress.phase("pack", 1, unit="graph") as bar:
+                prefill.prepare()
+                bar.update(1)
         self.runs = (prefill, FastGraph(graphs[1], weights))
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -266,6 +266,7 @@ class FastGraph:
         self._states: dict[str, int] = {}
         self.nodes: list[Node] = []  # the nodes that run, in order (a step each)
         self._steps: list[tuple[Kernel, list[int], list[int]]] = []
+        self._prepares: list[tuple[Callable[[list[Any]], None], list[int]]] = []
         snapshots = _read_after_overwrite(graph, order)
         for node in order:
             self._prepare(node, verify)
@@ -309,6 +310,8 @@ class FastGraph:
         if self.in_torch:
             own = op.fast.torch(node) if op.fast is not None and op.fast.torch is not None else None
             kernel = own if own is not None else _torch.in_numpy(node, kernel)
+            if hasattr(kernel, "prepare"):  # (what it keeps between runs, made by prepare())
+                self._prepares.append((kernel.prepare, [self._slot[t] for t in node.inputs]))
         if checks:
             kernel = _checked(kernel, node, self.in_torch)
         if verify:
@@ -316,6 +319,19 @@ class FastGraph:
         ins = [self._slot[t] for t in node.inputs]
         self.nodes.append(node)
         self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
+
+    @property
+    def preparing(self) -> bool:
+        """Whether some kernel has something for ``prepare`` to make."""
+        return bool(self._prepares)
+
+    def prepare(self) -> int:
+        """Let the kernels make what they keep between runs from the parameters (torch form: bfloat16
+        linear weights packed for oneDNN) now, a setup phase, rather than not at all; how many did."""
+        with self._torch_mode():
+            for prepare, ins in self._prepares:
+                prepare([self._fixed.get(j) for j in ins])
+        return len(self._prepares)
 
     def _last_uses(self) -> list[list[int]]:
         """For each step, the slots no later step reads (nor the end of the run): dropped after it, so

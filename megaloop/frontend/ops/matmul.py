@@ -101,24 +101,27 @@ def _fast(node: Any) -> Kernel:
 def _on_torch(node: Any) -> Any:
     """torch's product in the output's dtype (bfloat16: float32 sums rounded once, matmul's contract).
     A linear layer's by oneDNN where torch has it (docs/generate.md): float32 as it is (10-20% faster
-    than MKL's sgemm there); bfloat16 with its weight packed once the kernel meets it a second time (a
-    Generator's second prefill: the packing cost a 135M model 147 ms, and saved 5% of each prefill)."""
+    than MKL's sgemm there); bfloat16 with its weight packed for it by ``run.prepare`` (FastGraph.prepare,
+    a setup phase: 147 ms for a 135M model, 5% off each prefill), else by torch.matmul."""
     ta, tb, dtype = node.attrs["transpose_a"], node.attrs["transpose_b"], node.outputs[0].dtype
     x, w = node.inputs[:2]
     linear = onednn_linear() if tb and not ta and w.ndim == 2 and w.node.op.name == "parameter" else None
     if linear is not None and dtype.name == "float32":
         return lambda arrays: [linear(of(arrays[0], dtype), of(arrays[1], dtype), None, "none", [], "")]
-    rows, seen = math.prod(x.shape[:-1]), [None, None]  # (the weight met, its packed form)
+    packed: list[Any] = [None, None]  # (the weight, its packed form)
 
     def run(arrays: list[Any]) -> list[Any]:
         a, b = of(arrays[0], dtype), of(arrays[1], dtype)
-        if linear is not None and seen[0] is b:
-            if seen[1] is None:
-                seen[1] = torch().ops.mkldnn._reorder_linear_weight(b, rows)
-            return [linear(a, seen[1], None, "none", [], "")]
-        seen[:] = [b, None]
+        if packed[0] is b:
+            return [linear(a, packed[1], None, "none", [], "")]
         return [torch().matmul(a.mT if ta else a, b.mT if tb else b)]
 
+    def prepare(fixed: list[Any]) -> None:
+        if linear is not None and fixed[1] is not None:
+            b = of(fixed[1], dtype)
+            packed[:] = [b, torch().ops.mkldnn._reorder_linear_weight(b, math.prod(x.shape[:-1]))]
+
+    run.prepare = prepare  # type: ignore[attr-defined]
     return run
 
 
