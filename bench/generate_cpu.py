@@ -1,7 +1,9 @@
 """``megaloop generate``'s CPU path against transformers' ``generate`` on the same CPU and checkpoint:
 first-token latency (prompt to first token, warm; and from a process's start, imports and loading
 included, to its first call's first token) and decode tokens/s, greedy, both made to generate
-exactly --new-tokens tokens; megaloop with each --cpu-products choice of --products.
+exactly --new-tokens tokens; megaloop with each --cpu-products choice of --products (its
+--cpu-activations "auto": "auto" runs the prefill in torch form where torch is installed, "numpy"
+the numpy path throughout).
 
     python -m bench.generate_cpu                          # 135M shape, both dtypes, 1 and 2 threads
     python -m bench.generate_cpu --shapes 0.5b --threads 2 --name generate_cpu_0.5b

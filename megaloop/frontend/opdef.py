@@ -89,11 +89,14 @@ class Fast:
     others as they are), each output already rounded to its dtype. ``exact``: the reference's bits
     with numpy's products (else within the op's accuracy contract, e.g. a BLAS order of sums; torch's
     bfloat16 products, where a graph is prepared for them, are within matmul's). ``checks_data``: run
-    checks the operands' values itself (else the executor calls ``check_data`` first)."""
+    checks the operands' values itself (else the executor calls ``check_data`` first). ``torch``: like
+    ``make``, for operands and outputs in torch form (megaloop.frontend.ops._torch), or None where the
+    node's attributes need ``make``'s kernel (an op without one runs that, its operands converted)."""
 
     make: Callable[[Any], Callable[[list[np.ndarray]], list[np.ndarray]]]
     exact: bool = True
     checks_data: bool = False
+    torch: Callable[[Any], Callable[[list[Any]], list[Any]] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import numpy as np
 
 from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
-from megaloop.fuse import fuse
+from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, TORCH_ROWS
+from megaloop.fuse import FuseOptions, fuse
 from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
 from megaloop.models.llama import LlamaConfig, build_llama_generator, build_llama_prefill
@@ -82,31 +83,52 @@ def prefill_products(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph) ->
     return "torch" if any(weights.twinned(t) for t in graph.parameters.values()) else "numpy"
 
 
+def prefill_activations(weights: ComputeWeights, cfg: LlamaConfig, graph: Graph, rows: int) -> str:
+    """Whether the prefill runs in torch form (FastGraph's ``activations``): "torch" where ``weights``
+    allow it and it was asked for, or ("auto") for a prefill of TORCH_ROWS rows or more with a weight of
+    TORCH_MIN_WEIGHT values or more (a tiny model's ops are faster in numpy) whose products torch makes
+    faster (a float32 model's; a bfloat16 one's where the CPU has bfloat16 dot products); else "numpy"."""
+    if weights.activations == "numpy":
+        return "numpy"
+    if weights.requested_activations == "torch":
+        return "torch"
+    large = any(t.size >= TORCH_MIN_WEIGHT for t in graph.parameters.values())
+    fast_products = cfg.dtype.name != "bfloat16" or weights.products == "torch"
+    return "torch" if rows >= TORCH_ROWS and large and fast_products else "numpy"
+
+
 class CpuBackend:
     """The CPU: both graphs prepared once (megaloop.reference.fast), the weights converted to float32
     once (kept by ``params`` where it is a ComputeWeights, as Generator's is), BLAS products, the KV
     caches kept in place and handed from the prefill to the generator without a copy. Its values are
     ml.evaluate's but for attention's order of sums (within attention's accuracy contract), and for
-    the prefill's products where the weights' ``products`` is "torch" (bfloat16 products by torch)."""
+    the prefill's products where the weights' ``products`` is "torch" (bfloat16 products by torch),
+    and the whole prefill where its ``activations`` is (prefill_activations: torch's kernels in the
+    model's dtype, each op within its accuracy contract). A linear layer is one product here (the
+    GPU's split-K ranges fill its processors; here they would be two products and a sum)."""
 
     name = "cpu"
+    fusion = FuseOptions().without("split_k_linear")
 
     def __init__(
         self, cfg: LlamaConfig, params: Mapping[str, Any], batch: int, tokens: int, *, sampling: bool,
         eos_ids: Sequence[int], progress: Progress, plan_cache: bool = True, decoding: Decoding = PLAIN,
     ) -> None:  # fmt: skip
         self.params = params
-        # fused as make_plan fuses the GPU's (megaloop.fuse): the same values (split-K sums included)
-        self.prefill_graph = fuse(build_llama_prefill(cfg, batch, tokens))
-        self.generator = fuse(generator_graph(cfg, batch, sampling, eos_ids, decoding))
+        # fused as make_plan fuses the GPU's (megaloop.fuse), but for the backend's ``fusion``
+        self.prefill_graph = fuse(build_llama_prefill(cfg, batch, tokens), self.fusion)
+        self.generator = fuse(generator_graph(cfg, batch, sampling, eos_ids, decoding), self.fusion)
         self.history = history_names(self.generator)
         self.progress = progress
         self.runs: tuple[FastGraph, FastGraph] | None = None
         self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params)
         self.products = prefill_products(self.weights, cfg, self.prefill_graph)
+        self.activations = prefill_activations(self.weights, cfg, self.prefill_graph, batch * tokens)
 
     @property
     def description(self) -> str:
+        if self.activations == "torch":
+            return "the CPU (numpy and BLAS; the prefill by torch)"
         torch = self.products == "torch"
         return "the CPU (numpy and BLAS" + ("; the prefill's bfloat16 products by torch)" if torch else ")")
 
@@ -114,7 +136,8 @@ class CpuBackend:
         if self.runs is not None:
             return
         weights, graphs = self.weights, (self.prefill_graph, self.generator)
-        torch = {g: g is graphs[0] and self.products == "torch" for g in graphs}  # (bfloat16 twins for torch)
+        in_torch = self.activations == "torch"
+        torch = {g: g is graphs[0] and self.products == "torch" and not in_torch for g in graphs}  # (twins)
         todo = [(n, t, torch[g]) for g in graphs for n, t in g.parameters.items() if not weights.has(n, t, torch[g])]
         if todo:  # (a Generator's weights are converted by its first call only)
             size = sum(t.size for _, t, _ in todo)
@@ -122,7 +145,13 @@ class CpuBackend:
                 for name, t, twin in todo:
                     weights.get(name, t, twin)
                     bar.update(t.size)
-        self.runs = (FastGraph(graphs[0], weights, products=self.products), FastGraph(graphs[1], weights))
+        products = "numpy" if in_torch else self.products
+        prefill = FastGraph(graphs[0], weights, products=products, activations=self.activations)
+        if prefill.preparing:  # (torch form: bfloat16 weights packed for oneDNN, once a backend)
+            with self.progress.phase("pack", 1, unit="graph") as bar:
+                prefill.prepare()
+                bar.update(1)
+        self.runs = (prefill, FastGraph(graphs[1], weights))
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         if self.runs is None:  # (callers that go straight to the prefill, as the reference allowed)
@@ -159,6 +188,7 @@ class ReferenceBackend(CpuBackend):
 
     name = "reference"
     description = "the CPU reference (numpy)"
+    fusion = FuseOptions()  # (the GPU's graphs, split-K ranges included)
 
     def setup_prefill(self) -> None:
         self.state: dict[str, np.ndarray] = {}

@@ -66,6 +66,11 @@ def add_commands(sub: Any) -> None:
         help="the CPU's products: numpy's float32 BLAS, or a prefill's bfloat16 products by torch; auto: torch's for "
         "a prefill's large bfloat16 weights, where it is installed and the CPU has bfloat16 dot products",
     )  # fmt: skip
+    gen.add_argument(
+        "--cpu-activations", default="auto", choices=["auto", "numpy", "torch"],
+        help="the CPU prefill's values between ops: numpy's float32, or torch tensors of the model's dtype (every op "
+        "torch's where it has a kernel); auto: torch where it is installed and faster, unless --cpu-products numpy",
+    )  # fmt: skip
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     gen.add_argument("--max-seq", type=_positive, metavar="N", help="cap the context (default: the model's)")
     gen.add_argument(
@@ -163,6 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, backend=args.backend, dtype=args.dtype, max_seq=args.max_seq, progress=progress,
         devices=args.devices, strategy=args.strategy, allow_long_context=args.allow_long_context,
         allow_unknown_fields=args.allow_unknown_config_fields, cpu_products=args.cpu_products,
+        cpu_activations=args.cpu_activations,
     )  # fmt: skip
     say.note(f"{args.model} on {_backend_line(gen)}")
     overridden = {field for flag, field, _, _ in SAMPLING_FLAGS if getattr(args, field) is not None}

@@ -35,7 +35,7 @@ from megaloop.generation.split import SplitCpuBackend, SplitGpuBackend, problem
 from megaloop.models.checkpoint import load_llama
 from megaloop.models.llama import LlamaConfig
 from megaloop.models.tokenizer import Tokenizer, checkpoint_stop_ids
-from megaloop.reference.fast import PRODUCTS, ComputeWeights
+from megaloop.reference.fast import ACTIVATIONS, PRODUCTS, ComputeWeights
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or a conversation (chat messages)
 
@@ -136,6 +136,10 @@ class Generator:
     CPU's products, "numpy" (the reference's bits but for attention's sums), "torch" (a prefill's
     bfloat16 products by torch) or "auto" (torch's for a prefill's products of large bfloat16 weights,
     where torch is installed and the CPU has bfloat16 dot products: backends.prefill_products).
+    ``cpu_activations``: the CPU prefill's values between ops, "numpy" (float32 compute form), "torch"
+    (torch tensors of the model's dtype, every op torch's where it has a kernel) or "auto" (torch where
+    it is installed and makes the prefill faster, unless ``cpu_products`` is "numpy":
+    backends.prefill_activations).
     ``defaults``: generation_config.json's settings (megaloop.generation.settings)."""
 
     def __init__(
@@ -153,11 +157,14 @@ class Generator:
         allow_long_context: bool = False,
         allow_unknown_fields: bool = False,
         cpu_products: str = "auto",
+        cpu_activations: str = "auto",
     ) -> None:
         if backend not in BACKENDS:
             raise GenerationError(f"Generator: backend must be one of {BACKENDS}, got {backend!r}")
         if cpu_products not in PRODUCTS:
             raise GenerationError(f"Generator: cpu_products must be one of {PRODUCTS}, got {cpu_products!r}")
+        if cpu_activations not in ACTIVATIONS:
+            raise GenerationError(f"Generator: cpu_activations must be one of {ACTIVATIONS}, got {cpu_activations!r}")
         if (why := problem(devices, strategy, None)) is not None:  # before loading: the model's part after
             raise GenerationError(f"Generator: {why}")
         self.devices, self.strategy = devices, strategy
@@ -168,7 +175,8 @@ class Generator:
                 self.folder, max_seq=max_seq, dtype=dtype, allow_long_context=allow_long_context,
                 allow_unknown_fields=allow_unknown_fields,
             )  # fmt: skip
-            self.params = ComputeWeights(params, cpu_products)  # (the CPU converts each weight once, when first used)
+            # (the CPU converts each weight once, when first used)
+            self.params = ComputeWeights(params, cpu_products, cpu_activations)
             has_tokenizer = (self.folder / "tokenizer.json").is_file()
             self.tokenizer: Tokenizer | None = Tokenizer.from_folder(self.folder) if has_tokenizer else None
             self.defaults = read_generation_config(self.folder)
@@ -184,8 +192,8 @@ class Generator:
         self.eos_token_ids = tuple(i for i in stops if 0 <= i < self.cfg.vocab)
         self.requested, self.plan_cache = backend, plan_cache
         self.backend, self.reason = self._choose(backend)
-        if self.backend == "cpu" and self.cfg.dtype.name == "bfloat16":
-            self.params.import_torch_early()  # (for the prefill's products, where they may be torch's)
+        if self.backend == "cpu" and (self.cfg.dtype.name == "bfloat16" or self.params.activations == "torch"):
+            self.params.import_torch_early()  # (for the prefill, where it may be torch's)
         self._backends: dict[tuple, Any] = {}
         self._setup_reported: dict[str, float] = {}
 

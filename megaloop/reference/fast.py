@@ -9,7 +9,11 @@ the same rounding points), but:
 - an op with a fast implementation (``OpDef.fast``) runs it: BLAS products without copies of their
   weights, states (KV caches) written in place and kept between runs instead of copied;
 - the graph is checked and ordered once, when it is prepared; no view layouts are checked per run;
-- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused.
+- glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused, and a run drops
+  each value after its last reader;
+- with activations="torch" (a prefill), values between ops are torch tensors of their dtype and each
+  op runs its ``Fast.torch`` kernel where it has one (megaloop.frontend.ops._torch): within each op's
+  accuracy contract, not the reference's bits.
 
 An op without one runs its reference on operands put back into their storage dtypes, so every graph
 runs. Exactness: every op's result has the reference's bits, except where an op's ``Fast`` says
@@ -20,6 +24,7 @@ op's accuracy contract. ``ml.evaluate`` stays the definition the tests hold this
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -34,12 +39,14 @@ import numpy as np
 from megaloop.dtypes import bfloat16
 from megaloop.errors import DataError, EvaluationError, InternalError
 from megaloop.frontend.graph import Graph, Node, require_results
+from megaloop.frontend.ops import _torch
 from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, Kernel, Weight, compute_np, rounder, to_compute_form
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import match_ranks
 
 PRODUCTS = ("numpy", "torch", "auto")
+ACTIVATIONS = ("numpy", "torch", "auto")
 
 
 # glibc's heap grows and trims this much beyond what it needs (M_TOP_PAD, default 128 KiB), and
@@ -98,27 +105,44 @@ def choose_products(products: str) -> str:
     return "torch" if torch else "numpy"
 
 
+def choose_activations(activations: str, products: str) -> str:
+    """What ``activations`` allows: "numpy", or "torch" ("auto": where torch is installed, unless the
+    products are asked to be numpy's, the reference's bits)."""
+    if activations not in ACTIVATIONS:
+        raise EvaluationError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations != "auto":
+        return activations
+    return "torch" if products != "numpy" and importlib.util.find_spec("torch") is not None else "numpy"
+
+
 class ComputeWeights(Mapping[str, Any]):
     """Parameters in their compute form, converted on first use and then kept: one copy for every
     graph prepared with this object (a model's prefill and decode graphs share their weights). As a
     mapping it is ``params`` itself (the arrays as given), for the backends that take those.
     ``products``: what the graphs may use (choose_products): "numpy" (numpy's products only: the
     reference's bits), "torch" (a graph prepared with products="torch" also gets each bfloat16 matrix
-    as a torch tensor, for its products of many rows: megaloop.frontend.ops._fast.Weight), "auto"."""
+    as a torch tensor, for its products of many rows: megaloop.frontend.ops._fast.Weight), "auto".
+    ``activations``: whether graphs may run in torch form (choose_activations; FastGraph's
+    ``activations``), each parameter then also as a torch tensor of its dtype (``torch_form``)."""
 
-    def __init__(self, params: Mapping[str, Any], products: str = "numpy") -> None:
+    def __init__(self, params: Mapping[str, Any], products: str = "numpy", activations: str = "numpy") -> None:
         self.params = params
         self.requested, self.products = products, choose_products(products)
-        if self.products == "torch" and importlib.util.find_spec("torch") is None:
-            raise EvaluationError("products='torch' needs torch (pip install torch); or use products='numpy'")
+        self.requested_activations = activations
+        self.activations = choose_activations(activations, products)
+        if "torch" in (self.products, self.activations) and importlib.util.find_spec("torch") is None:
+            raise EvaluationError(
+                "products='torch' or activations='torch' need torch (pip install torch); or use 'numpy'"
+            )
         self._converted: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._torch_forms: dict[tuple[str, tuple[int, ...], str], Any] = {}
         self._importing: threading.Thread | None = None
 
     def import_torch_early(self) -> None:
-        """Start importing torch in a thread (where this object's products may be torch's), so that a
-        prefill's products wait for little or none of it; ``torch()`` waits for it."""
-        if self.products == "torch" and self._importing is None:
+        """Start importing torch in a thread (where this object's products or activations may be
+        torch's), so that a prefill waits for little or none of it; ``torch()`` waits for it."""
+        if "torch" in (self.products, self.activations) and self._importing is None:
             self._importing = threading.Thread(target=_import_quietly, name="megaloop-import-torch", daemon=True)
             self._importing.start()
 
@@ -173,6 +197,19 @@ class ComputeWeights(Mapping[str, Any]):
             self._twins[key] = twin
         return self._twins[key]
 
+    def torch_form(self, name: str, t: Tensor) -> Any:
+        """Parameter ``name`` for tensor ``t`` as a torch tensor of its dtype, made once: a bfloat16
+        checkpoint's own memory where it can be (no copy), a float32 one over its compute form."""
+        key = (name, t.shape, t.dtype.name)
+        if key not in self._torch_forms:
+            found = self.get(name, t)
+            self.torch()
+            if t.dtype == bfloat16:
+                self._torch_forms[key] = _torch.from_numpy(_bfloat16_bits(self.params[name], found).view(bfloat16.np))
+            else:
+                self._torch_forms[key] = _torch.to_torch(found, t.dtype)
+        return self._torch_forms[key]
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._converted.values())
@@ -182,11 +219,20 @@ class FastGraph:
     """``graph`` prepared for repeated runs (module docstring): its states live here between runs,
     as a loop kernel's do. ``params``: a mapping of the graph's parameters or a ``ComputeWeights``.
     ``products``: "numpy", or "torch" (the products of many rows with a bfloat16 weight by torch's
-    bfloat16 kernels: within matmul's contract, not the reference's bits). ``verify``: check every op's
-    output shape and dtype as it runs (tests)."""
+    bfloat16 kernels: within matmul's contract, not the reference's bits). ``activations``: "numpy"
+    (values in compute form), or "torch" (values in torch form between ops, megaloop.frontend.ops._torch:
+    bfloat16 activations, every op with a torch kernel running it, the products and attention torch's;
+    each op within its accuracy contract). ``verify``: check every op's output shape and dtype as it
+    runs (tests)."""
 
     def __init__(
-        self, graph: Graph, params: Mapping[str, Any] | ComputeWeights, *, products: str = "numpy", verify: bool = False
+        self,
+        graph: Graph,
+        params: Mapping[str, Any] | ComputeWeights,
+        *,
+        products: str = "numpy",
+        activations: str = "numpy",
+        verify: bool = False,
     ) -> None:
         if not isinstance(graph, Graph):
             raise EvaluationError(f"FastGraph: expected a Graph, got {type(graph).__name__}")
@@ -202,6 +248,11 @@ class FastGraph:
         if products not in ("numpy", "torch"):
             raise EvaluationError(f"FastGraph: products must be 'numpy' or 'torch', got {products!r}")
         self.torch = products == "torch"
+        if activations not in ("numpy", "torch"):
+            raise EvaluationError(f"FastGraph: activations must be 'numpy' or 'torch', got {activations!r}")
+        self.in_torch = activations == "torch"
+        if self.in_torch:
+            self.weights.torch()  # (an error here, not in an op, where torch is missing)
         missing = [n for n in graph.parameters if n not in self.weights]
         if missing:
             raise EvaluationError(
@@ -215,6 +266,7 @@ class FastGraph:
         self._states: dict[str, int] = {}
         self.nodes: list[Node] = []  # the nodes that run, in order (a step each)
         self._steps: list[tuple[Kernel, list[int], list[int]]] = []
+        self._prepares: list[tuple[Callable[[list[Any]], None], list[int]]] = []
         snapshots = _read_after_overwrite(graph, order)
         for node in order:
             self._prepare(node, verify)
@@ -222,6 +274,7 @@ class FastGraph:
             self._snapshot(t)
         self._outputs = {name: (self._slot[t], t) for name, t in graph.outputs.items()}
         self._updates = {name: self._slot[t] for name, t in graph.state_updates.items()}
+        self._dead = self._last_uses()
         self.state: dict[str, np.ndarray] = {}
         self.reset()
 
@@ -235,10 +288,13 @@ class FastGraph:
         if op.kind == "source":
             slot = self._new_slot(node.outputs[0])
             name, t = node.attrs["name"], node.outputs[0]
-            if op.name == "parameter":
+            if op.name == "parameter" and self.in_torch:
+                self._fixed[slot] = self.weights.torch_form(name, t)
+            elif op.name == "parameter":
                 self._fixed[slot] = self.weights.get(name, t, self.torch)
             elif op.name == "constant":
-                self._fixed[slot] = to_compute_form(np.asarray(node.attrs["value"]), t.dtype)
+                value = to_compute_form(np.asarray(node.attrs["value"]), t.dtype)
+                self._fixed[slot] = _torch.to_torch(value, t.dtype) if self.in_torch else value
             elif op.name == "input":
                 self._inputs[name] = slot
             else:
@@ -250,20 +306,54 @@ class FastGraph:
                 "path runs one rank: evaluate several ranks with ml.evaluate"
             )
         kernel = op.fast.make(node) if op.fast is not None else _storage_kernel(node)
-        if op.check_data is not None and (op.fast is None or not op.fast.checks_data):
-            kernel = _checked(kernel, node)
+        checks = op.check_data is not None and (op.fast is None or not op.fast.checks_data)
+        if self.in_torch:
+            own = op.fast.torch(node) if op.fast is not None and op.fast.torch is not None else None
+            kernel = own if own is not None else _torch.in_numpy(node, kernel)
+            if hasattr(kernel, "prepare"):  # (what it keeps between runs, made by prepare())
+                self._prepares.append((kernel.prepare, [self._slot[t] for t in node.inputs]))
+        if checks:
+            kernel = _checked(kernel, node, self.in_torch)
         if verify:
-            kernel = _verified(kernel, node)
+            kernel = _verified(kernel, node, self.in_torch)
         ins = [self._slot[t] for t in node.inputs]
         self.nodes.append(node)
         self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
+
+    @property
+    def preparing(self) -> bool:
+        """Whether some kernel has something for ``prepare`` to make."""
+        return bool(self._prepares)
+
+    def prepare(self) -> int:
+        """Let the kernels make what they keep between runs from the parameters (torch form: bfloat16
+        linear weights packed for oneDNN) now, a setup phase, rather than not at all; how many did."""
+        with self._torch_mode():
+            for prepare, ins in self._prepares:
+                prepare([self._fixed.get(j) for j in ins])
+        return len(self._prepares)
+
+    def _last_uses(self) -> list[list[int]]:
+        """For each step, the slots no later step reads (nor the end of the run): dropped after it, so
+        that their memory is reused by the next ops' results rather than the heap growing (and faulted
+        in) through a run. Parameters, constants, inputs and states stay."""
+        kept = {*self._fixed, *self._inputs.values(), *self._states.values(), *self._updates.values()}
+        kept.update(slot for slot, _ in self._outputs.values())
+        last: dict[int, int] = {}
+        for i, (_, ins, outs) in enumerate(self._steps):
+            last.update((slot, i) for slot in (*ins, *outs) if slot not in kept)
+        dead: list[list[int]] = [[] for _ in self._steps]
+        for slot, i in last.items():
+            dead[i].append(slot)
+        return dead
 
     def _snapshot(self, t: Tensor) -> None:
         """Copy ``t`` where it is made, before an op overwrites its storage, and read the copy at the end."""
         slot = self._slot[t]
         copy = self._new_slot(t)
         made_by = next((i for i, n in enumerate(self.nodes) if t in n.outputs), -1)
-        self._steps.insert(made_by + 1, (lambda arrays: [arrays[0].copy()], [slot], [copy]))
+        self._steps.insert(made_by + 1, (lambda arrays: [arrays[0].clone() if self.in_torch else arrays[0].copy()],
+                                         [slot], [copy]))  # fmt: skip
         self.nodes.insert(made_by + 1, t.node)
 
     # ---- states -------------------------------------------------------------------------------------
@@ -326,27 +416,41 @@ class FastGraph:
         for name, slot in self._inputs.items():
             t = self.graph.inputs[name]
             values[slot] = to_compute_form(coerce(given[name], t, f"input {name!r}"), t.dtype)
-        with np.errstate(all="ignore"):  # NaN/inf follow IEEE rules, as on the GPU
+            if self.in_torch:
+                values[slot] = _torch.to_torch(values[slot], t.dtype)
+        with np.errstate(all="ignore"), self._torch_mode():  # NaN/inf follow IEEE rules, as on the GPU
             for _ in range(iterations):
                 self._iterate(values, on_node)
-        return {name: _stored(values[slot], t) for name, (slot, t) in self._outputs.items()}
+        return {name: _stored(self._numpy(values[slot], t), t) for name, (slot, t) in self._outputs.items()}
+
+    def _torch_mode(self) -> Any:
+        """torch's inference mode where the graph runs in torch form (no autograd records)."""
+        return self.weights.torch().inference_mode() if self.in_torch else contextlib.nullcontext()
+
+    def _numpy(self, value: Any, t: Tensor) -> np.ndarray:
+        return _torch.to_numpy(value, t.dtype) if self.in_torch else value
 
     def _iterate(self, values: list[Any], on_node: Callable[[int], None] | None) -> None:
         for name, slot in self._states.items():
-            values[slot] = self.state[name]
+            state, t = self.state[name], self.graph.states[name]
+            values[slot] = _torch.to_torch(state, t.dtype, keep_float32=True) if self.in_torch else state
         i = 0
         try:
             for i, (kernel, ins, outs) in enumerate(self._steps):
                 for o, r in zip(outs, kernel([values[j] for j in ins])):
                     values[o] = r
+                for j in self._dead[i]:
+                    values[j] = None
                 if on_node is not None:
                     on_node(i)
         except DataError as e:
             node = self.nodes[i]
             raise DataError(f"{node.op.name} {node.name} (graph {self.graph.name!r}): {e}") from None
         for name, slot in self._updates.items():
-            new = values[slot]  # an op that wrote the state in place returned its buffer: kept, not copied
-            self.state[name] = new if new is self.state[name] else np.array(new, copy=True)
+            new, old = self._numpy(values[slot], self.graph.states[name]), self.state[name]
+            if new is old or (self.in_torch and new.shape == old.shape and new.ctypes.data == old.ctypes.data):
+                continue  # an op that wrote the state in place returned its buffer: kept, not copied
+            self.state[name] = np.array(new, copy=True)
 
 
 def evaluate_fast(
@@ -389,22 +493,33 @@ def _storage_kernel(node: Node) -> Kernel:
     return run
 
 
-def _checked(kernel: Kernel, node: Node) -> Kernel:
+def _checked(kernel: Kernel, node: Node, in_torch: bool = False) -> Kernel:
     check, attrs, unknown = node.op.check_data, node.attrs, [None] * len(node.inputs)
 
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        check(arrays, attrs, unknown)  # type: ignore[misc]
+    def run(arrays: list[Any]) -> list[Any]:
+        check([_torch.viewed(a) for a in arrays] if in_torch else arrays, attrs, unknown)  # type: ignore[misc]
         return kernel(arrays)
 
     return run
 
 
-def _verified(kernel: Kernel, node: Node) -> Kernel:
+def _verified(kernel: Kernel, node: Node, in_torch: bool = False) -> Kernel:
+    """Each output's shape and dtype as the shape rule says: compute form, or torch form (a float of
+    its dtype, or float32 where it is a state's buffer)."""
     want = [(t.shape, compute_np(t.dtype)) for t in node.outputs]
+    if in_torch:
+        kinds = [{_torch.torch_dtype(t.dtype), *([_torch.torch().float32] if t.dtype.is_float else [])}
+                 for t in node.outputs]  # fmt: skip
 
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def run(arrays: list[Any]) -> list[Any]:
         out = kernel(arrays)
-        got = [(np.shape(a), np.asarray(a).dtype) for a in out]
+        if in_torch:
+            bad = [(tuple(a.shape), a.dtype) for a, k in zip(out, kinds) if a.dtype not in k]
+            got = [(tuple(a.shape), compute_np(t.dtype)) for a, t in zip(out, node.outputs)]
+            if bad:
+                raise InternalError(f"{node!r}: its torch kernel gave {bad}, the shape rule says {want}")
+        else:
+            got = [(np.shape(a), np.asarray(a).dtype) for a in out]
         if got != want:
             raise InternalError(f"{node!r}: its fast kernel gave {got}, the shape rule says {want}")
         return out

@@ -15,6 +15,7 @@ import numpy as np
 
 from megaloop.dtypes import DType, bfloat16
 from megaloop.frontend.opdef import Fast
+from megaloop.frontend.ops._torch import from_numpy, viewed
 
 Kernel = Callable[[list[np.ndarray]], list[np.ndarray]]
 F32 = np.dtype(np.float32)
@@ -178,12 +179,19 @@ def _single(result: Any) -> np.ndarray:
     return result[0] if isinstance(result, list) else result
 
 
+def _moving_on_torch(node: Any) -> Any:
+    """The reference of an op that moves values (views, gathers, copies) on numpy arrays over the torch
+    operands' memory (bfloat16 as ml_dtypes'), its results back as torch tensors: no conversion."""
+    reference, attrs = node.op.reference, node.attrs
+    return lambda arrays: [from_numpy(r) for r in _as_list(reference([viewed(a) for a in arrays], attrs))]
+
+
 def values_only(rounds: bool = True) -> Fast:
     """The op's own reference on compute-form operands: for a reference that reads its operands'
     values only (every float operand upcast to float32 first, no operand dtype looked at), so it
     computes the same values from float32 copies. ``rounds=False``: its outputs are operand values
-    (views, gathers, copies), already of their dtype."""
-    return Fast(lambda node: _reference_kernel(node, rounds))
+    (views, gathers, copies), already of their dtype (on torch-form operands too)."""
+    return Fast(lambda node: _reference_kernel(node, rounds), torch=None if rounds else _moving_on_torch)
 
 
 VALUES_ONLY = values_only()

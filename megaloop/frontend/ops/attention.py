@@ -23,6 +23,7 @@ keys/values at their positions and its result is the state's value for later ite
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 from megaloop.errors import DataError, DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend import sources
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, first_bad, register
-from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import _placements, _tilings, _torch
 from megaloop.frontend.ops._build import apply, require_bool
 from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops._grad import f32, unbroadcast
@@ -444,6 +445,61 @@ def _fast(node: Any) -> Kernel:
     return run
 
 
+# the last few runs' key ranges and masks for torch's kernel: a prefill's layers see the same keys
+_SEEN: dict[tuple[Any, ...], tuple[int, int, bool, Any]] = {}
+SEEN_KEPT = 8
+_SEEN_LOCK = threading.Lock()
+
+
+def _seen_keys(b: int, tq: int, tk: int, attrs: dict[str, Any], qpos: Any, lengths: Any) -> tuple[int, int, bool, Any]:
+    """(lo, hi, causal, mask): the keys [lo, hi) some query sees, whether the mask over them is the plain
+    causal triangle, else the bool mask [b, 1, tq, hi - lo] as a torch tensor (None: every key); lo == hi
+    where some query sees no key. Computed once for the layers that share the positions."""
+    key = (b, tq, tk, attrs["causal"], attrs["window"], *(None if a is None else a.tobytes() for a in (qpos, lengths)))
+    found = _SEEN.get(key)
+    if found is None:
+        mask = visible_keys(b, tq, tk, attrs, qpos, lengths)
+        lo, hi = key_range(mask)
+        mask = mask[:, :, lo:hi]
+        if lo == hi or not mask.any(axis=-1).all():
+            found = (0, 0, False, None)
+        else:
+            causal = tq == hi - lo and np.array_equal(mask, np.broadcast_to(np.tri(tq, dtype=np.bool_), mask.shape))
+            every = causal or mask.all()
+            found = (lo, hi, causal, None if every else _torch.from_numpy(np.ascontiguousarray(mask[:, None])))
+        with _SEEN_LOCK:  # (graphs may run in threads)
+            if len(_SEEN) >= SEEN_KEPT:
+                _SEEN.pop(next(iter(_SEEN)), None)
+            _SEEN[key] = found
+    return found
+
+
+def _on_torch(node: Any) -> Any:
+    """torch's scaled_dot_product_attention (its fused CPU kernel) in float32 (bfloat16's own rounds
+    the probabilities: past the contract) over the keys some query sees, causal where the mask is the
+    plain triangle; the numpy kernel where a query sees no key (torch's NaN, the reference's zeros).
+    Without softcapping or a mask operand."""
+    attrs, dtype, slot = node.attrs, node.outputs[0].dtype, _tilings.attention_slots(node.attrs)
+    if attrs.get("softcap") is not None or MASK in slot:
+        return None
+    numpy_kernel = _torch.in_numpy(node, _fast(node))
+
+    def run(arrays: list[Any]) -> list[Any]:
+        q, k, v = arrays[:3]
+        qpos, lengths = (arrays[slot[s]].numpy() if s in slot else None for s in (3, 4))
+        (b, hq, tq, _), hkv = q.shape, k.shape[1]
+        lo, hi, causal, seen = _seen_keys(b, tq, k.shape[2], attrs, qpos, lengths)
+        if lo == hi:
+            return numpy_kernel(arrays)
+        out = _torch.torch().nn.functional.scaled_dot_product_attention(
+            q.float(), k[:, :, lo:hi].float(), v[:, :, lo:hi].float(), attn_mask=seen, is_causal=causal,
+            scale=float(attrs["scale"]), enable_gqa=hq != hkv,
+        )  # fmt: skip
+        return [_torch.of(out, dtype)]
+
+    return run
+
+
 ATTENTION = register(
     OpDef(
         name="attention",
@@ -463,7 +519,7 @@ ATTENTION = register(
         optional_attrs=frozenset({"absent", "softcap", "masked"}),
         infer=_infer,
         reference=_reference,
-        fast=Fast(_fast, exact=False),
+        fast=Fast(_fast, exact=False, torch=_on_torch),
         check_data=check_attention_data,
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ATTENTION,
@@ -587,6 +643,25 @@ def write_slots(cache: np.ndarray, new: np.ndarray, pos: np.ndarray, attrs: dict
     return cache
 
 
+def _update_on_torch(node: Any) -> Any:
+    """Each row's new keys copied into its state's float32 buffer where its positions are one run
+    inside the cache (a prefill's); else write_slots, which checks and names what is wrong."""
+    numpy_kernel = _torch.in_numpy(node, lambda arrays: [write_slots(*arrays, node.attrs)])
+
+    def run(arrays: list[Any]) -> list[Any]:
+        cache, new, pos = arrays[0], arrays[1], arrays[2].numpy()
+        start, t = pos[:, :1], pos.shape[1]
+        if cache.dtype != _torch.torch().float32 or not t or not (pos == start + np.arange(t)).all():
+            return numpy_kernel(arrays)
+        if start.min() < 0 or start.max() + t > cache.shape[2]:
+            return numpy_kernel(arrays)
+        for row, first in enumerate(start[:, 0].tolist()):
+            cache[row, :, first : first + t].copy_(new[row])
+        return [cache]
+
+    return run
+
+
 KV_CACHE_UPDATE = register(
     OpDef(
         name="kv_cache_update",
@@ -597,7 +672,9 @@ KV_CACHE_UPDATE = register(
         operands=("cache", "new", "positions"),
         infer=_update_infer,
         reference=_update_ref,
-        fast=Fast(lambda node: lambda arrays: [write_slots(*arrays, node.attrs)], checks_data=True),
+        fast=Fast(
+            lambda node: lambda arrays: [write_slots(*arrays, node.attrs)], checks_data=True, torch=_update_on_torch
+        ),
         check_data=check_update_data,
         attrs={"ignore_negative": "bool"},
         optional_attrs=frozenset({"ignore_negative"}),

@@ -22,7 +22,7 @@ from megaloop.errors import BroadcastError, DtypeError, GraphBuildError, NonFini
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _elementwise_vjp as _vjp
 from megaloop.frontend.ops import _integer as _int
-from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import _placements, _tilings, _torch
 from megaloop.frontend.ops._build import apply, find_graph_tensor, require_scalar, require_tensor
 from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, rounder
 from megaloop.frontend.shapes import broadcast_shapes, format_shape
@@ -219,8 +219,10 @@ def _binary_op(
     check: Callable[[OpCall, dtypes.DType], None] | None = None,
     check_data: Any = None,
     same_shapes: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    on_torch: Callable[[Any, Any], Any] | None = None,
 ) -> OpDef:
-    """``same_shapes``: fn's values for two float32 operands of one shape, faster (the fast path's)."""
+    """``same_shapes``: fn's values for two float32 operands of one shape, faster (the fast path's);
+    ``on_torch``: fn of two torch tensors of the op's dtype, rounded to it as the reference is."""
 
     def infer(call: OpCall) -> list[OutSpec]:
         shape = broadcast_or_raise(call)
@@ -259,7 +261,7 @@ def _binary_op(
             optional_attrs=frozenset({"scalars"}),
             infer=infer,
             reference=reference,
-            fast=Fast(fast),
+            fast=Fast(fast, torch=None if on_torch is None else _torch.binary(on_torch)),
             check_data=check_data,
             accuracy=accuracy,
             tiling=_tilings.ELEMENTWISE,
@@ -270,7 +272,9 @@ def _binary_op(
     )
 
 
-ADD = _binary_op("add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b", placement=SUMS, vjp=_vjp.add)
+ADD = _binary_op(
+    "add", "a + b, with broadcasting.", np.add, "fi", cuda="a + b", placement=SUMS, vjp=_vjp.add, on_torch=_torch.add
+)
 SUB = _binary_op("sub", "a - b, with broadcasting.", np.subtract, "fi", cuda="a - b", placement=SUMS, vjp=_vjp.sub)
 MUL = _binary_op("mul", "a * b, with broadcasting.", np.multiply, "fi", cuda="a * b", placement=PRODUCT, vjp=_vjp.mul)
 DIV = _binary_op(
@@ -348,6 +352,7 @@ SILU_MUL = _binary_op(
     cuda="ml::silu(a) * b",
     vjp=_vjp.silu_mul,
     same_shapes=lambda a, b: silu_times(a, b),
+    on_torch=_torch.silu_mul,
 )
 LOGICAL_AND = _binary_op("logical_and", "a and b for bool masks.", np.logical_and, "b", cuda="a && b")
 LOGICAL_OR = _binary_op("logical_or", "a or b for bool masks.", np.logical_or, "b", cuda="a || b")

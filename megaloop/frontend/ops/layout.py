@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from megaloop.errors import AxisError, DtypeError, GraphBuildError, ShapeError
-from megaloop.frontend.opdef import Accuracy, Lowering, OpCall, OpDef, OutSpec, ViewSpec, VjpCall, register
-from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, ViewSpec, VjpCall, register
+from megaloop.frontend.ops import _placements, _tilings, _torch
 from megaloop.frontend.ops._build import (
     apply,
     apply_multi,
@@ -51,7 +51,10 @@ def _view_op(
     placement: Any,
     operands: tuple[str, ...] = ("x",),
     vjp: Any = None,
+    on_torch: Any = None,
 ) -> OpDef:
+    """``on_torch(x, attrs)``: the view of a torch tensor (else the reference on numpy views of it)."""
+    fast = MOVES_VALUES if on_torch is None else Fast(MOVES_VALUES.make, torch=lambda node: _torch_view(node, on_torch))
     return register(
         OpDef(
             name=name,
@@ -62,12 +65,17 @@ def _view_op(
             attrs=attrs,
             infer=infer,
             reference=reference,
-            fast=MOVES_VALUES,
+            fast=fast,
             accuracy=_EXACT,
             placement=placement,
             vjp=vjp,
         )
     )
+
+
+def _torch_view(node: Any, view: Any) -> Any:
+    attrs = node.attrs
+    return lambda arrays: [view(arrays[0], attrs)]
 
 
 def _reshape_part(call: LocalCall) -> tuple[Tensor, ...]:
@@ -180,6 +188,7 @@ RESHAPE = _view_op(
     {"shape": "shape"},
     _placements.rule(_placements.reshape_dims, _placements.partial_unary, build=_reshape_part),
     vjp=lambda call: [B.reshape(call.cotangent(), call.inputs[0].shape)],
+    on_torch=lambda x, attrs: x.reshape(attrs["shape"]),
 )
 
 
@@ -236,6 +245,7 @@ PERMUTE = _view_op(
     {"axes": "ints"},
     _placements.rule(_placements.permute_dims, _placements.partial_unary),
     vjp=lambda call: [B.permute(call.cotangent(), tuple(int(i) for i in np.argsort(call.attrs["axes"])))],
+    on_torch=lambda x, attrs: x.permute(attrs["axes"]),
 )
 
 
@@ -510,7 +520,7 @@ COPY = register(
         operands=("x",),
         infer=lambda call: [OutSpec(call.shape(0), call.dtype(0))],
         reference=lambda arrays, attrs: np.array(arrays[0], copy=True),
-        fast=MOVES_VALUES,
+        fast=Fast(MOVES_VALUES.make, torch=lambda node: lambda arrays: [_torch.copied(arrays[0])]),
         accuracy=_EXACT,
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("elementwise", "a"),

@@ -15,8 +15,9 @@ from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, Out
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
 from megaloop.frontend.ops._fast import Kernel, rounder, weight_product
+from megaloop.frontend.ops._torch import of, torch
 from megaloop.frontend.ops.elementwise import check_kinds, tensor_dtype, to_compute
-from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows
+from megaloop.frontend.ops.normalization import RMSNORM, _eps, _rmsnorm_ref, rms_rows, rmsnorm_torch
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.tiling import Box, Read, Tile, Tiling
@@ -66,6 +67,19 @@ def _fast(node: Any) -> Kernel:
     return run
 
 
+def _on_torch(node: Any) -> Any:
+    """rmsnorm's torch kernel, then torch's product (the weight in its dtype, not converted)."""
+    x, residual = node.inputs[0], node.inputs[3:]
+    norm = rmsnorm_torch(node.attrs["eps"], (x.dtype, node.inputs[2].dtype, x.dtype), 1, 2 if residual else None)
+    dtype = node.outputs[0].dtype
+
+    def run(arrays: list[Any]) -> list[Any]:
+        rows = norm([arrays[0], arrays[2], *arrays[3:]])[0]
+        return [torch().matmul(of(rows, dtype), of(arrays[1], dtype).mT)]
+
+    return run
+
+
 def _as_matmul(node: Any, inputs: Any) -> Any:
     """The node as the matmul x @ w.T that the matmul tiling and placement rules read."""
     return SimpleNamespace(inputs=inputs, outputs=node.outputs, attrs={"transpose_a": False, "transpose_b": True})
@@ -99,7 +113,7 @@ RMSNORM_LINEAR = register(
         attrs={"eps": "number"},
         infer=_infer,
         reference=_reference,
-        fast=Fast(_fast),
+        fast=Fast(_fast, torch=_on_torch),
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=Tiling(
             _tilings.MATMUL.params,

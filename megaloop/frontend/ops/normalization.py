@@ -14,6 +14,7 @@ from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply, require_scalar
 from megaloop.frontend.ops._fast import VALUES_ONLY, Kernel, dense, rounder
 from megaloop.frontend.ops._grad import f32, sum_to_rows
+from megaloop.frontend.ops._torch import of, torch
 from megaloop.frontend.ops.elementwise import check_kinds, to_compute
 from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import BUILDERS as B
@@ -259,6 +260,37 @@ def _rmsnorm_fast(node: Any) -> Kernel:
     return lambda arrays: [rows(arrays[0], arrays[w] if w else None, arrays[r] if r else None)]
 
 
+def rmsnorm_torch(eps: float, dtypes: tuple[Any, Any, Any], w: int | None, r: int | None) -> Any:
+    """rmsnorm on torch-form operands (``w``, ``r``: the weight's and residual's places, or None;
+    ``dtypes``: x's, the weight's (None: no weight) and the result's) in
+    float32 from their values (a residual's sum rounded to x's dtype first), rounded to ``dtype``:
+    the reference's arithmetic, rsqrt for its divide (within 2 ulps); torch's fused rms_norm where x,
+    weight and result share a dtype (it computes in float32 and rounds once: the same bits here)."""
+    x_dtype, w_dtype, dtype = dtypes
+    fused = x_dtype == dtype and w_dtype in (None, dtype) and hasattr(torch().nn.functional, "rms_norm")
+
+    def run(arrays: list[Any]) -> list[Any]:
+        x = of(arrays[0], x_dtype)
+        x = x if r is None else x + of(arrays[r], x_dtype)  # (torch's sum of two: rounded once)
+        if fused:
+            weight = None if w is None else of(arrays[w], dtype)
+            return [torch().nn.functional.rms_norm(x, x.shape[-1:], weight, eps)]
+        h = x.float()
+        y = h * torch().rsqrt(h.square().mean(-1, keepdim=True) + eps)
+        if w is not None:
+            y *= arrays[w].float()
+        return [of(y, dtype)]
+
+    return run
+
+
+def _rmsnorm_torch(node: Any) -> Any:
+    present = [n for i, n in enumerate(RMSNORM_OPERANDS, start=1) if i not in node.attrs.get("absent", ())]
+    w, r = (present.index(n) + 1 if n in present else None for n in RMSNORM_OPERANDS)
+    dtypes = (node.inputs[0].dtype, None if w is None else node.inputs[w].dtype, node.outputs[0].dtype)
+    return rmsnorm_torch(node.attrs["eps"], dtypes, w, r)
+
+
 LAYERNORM = register(
     OpDef(
         name="layernorm",
@@ -292,7 +324,7 @@ RMSNORM = register(
         optional_attrs=frozenset({"absent"}),
         infer=_norm_infer,
         reference=_rmsnorm_ref,
-        fast=Fast(_rmsnorm_fast),
+        fast=Fast(_rmsnorm_fast, torch=_rmsnorm_torch),
         accuracy=Accuracy(ulps=2.0, per_reduction=True),
         tiling=_tilings.ROWS,
         lowering=Lowering("rows"),

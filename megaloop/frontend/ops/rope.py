@@ -15,7 +15,7 @@ import numpy as np
 
 from megaloop.errors import DtypeError, GraphBuildError, ShapeError
 from megaloop.frontend.opdef import Accuracy, Fast, Lowering, OpCall, OpDef, OutSpec, VjpCall, register
-from megaloop.frontend.ops import _placements, _tilings
+from megaloop.frontend.ops import _placements, _tilings, _torch
 from megaloop.frontend.ops._build import apply, require_int, require_scalar
 from megaloop.frontend.ops._fast import Kernel, rounder
 from megaloop.frontend.ops.elementwise import check_kinds
@@ -189,6 +189,45 @@ def _fast(node: Any) -> Kernel:
     return lambda arrays: [finish(rotated(arrays[0], arrays[1], attrs, inv))]
 
 
+# _TABLES' entries as float32 torch tensors, by the id of their cos: (cos, cos', sin', [cos', cos'], [-sin', sin'])
+_TORCH_TABLES: dict[int, tuple[Any, ...]] = {}
+
+
+def _torch_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[Any, ...]:
+    entry = _TORCH_TABLES.get(id(cos))
+    if entry is None or entry[0] is not cos:
+        c, s = (_torch.from_numpy(t.astype(np.float32)) for t in (cos, sin))
+        cat = _torch.torch().cat
+        entry = (cos, c, s, cat([c, c], -1), cat([-s, s], -1))
+        with _TABLES_LOCK:  # (graphs may run in threads)
+            if len(_TORCH_TABLES) >= TABLES_KEPT:
+                _TORCH_TABLES.pop(next(iter(_TORCH_TABLES)), None)
+            _TORCH_TABLES[id(cos)] = entry
+    return entry[1:]
+
+
+def torch_rotated(x: Any, pos: np.ndarray, attrs: dict[str, Any], inv: np.ndarray, dtype: Any) -> Any:
+    """``rotated`` on a torch tensor, rounded to ``dtype`` (a DType), in float32 arithmetic (the
+    reference's float64 products and sums rounded once: within rope's 2 ulps but where they cancel)."""
+    rd, half = attrs["rotary_dim"], attrs["rotary_dim"] // 2
+    cos_t, sin_t, cos2, sin2 = _torch_tables(*_cos_sin(pos, inv))
+    xf, torch = x.float(), _torch.torch()
+    if attrs["layout"] == "neox" and rd == x.shape[-1]:  # x cos + (-x2, x1) sin: three passes
+        rot = torch.cat([xf[..., half:], xf[..., :half]], -1)
+        return _torch.of(rot.mul_(sin2).addcmul_(xf, cos2), dtype)
+    pairs = (slice(0, half), slice(half, rd)) if attrs["layout"] == "neox" else (slice(0, rd, 2), slice(1, rd, 2))
+    x1, x2 = xf[..., pairs[0]], xf[..., pairs[1]]
+    out = xf.clone() if rd < x.shape[-1] else torch.empty_like(xf)
+    out[..., pairs[0]] = x1 * cos_t - x2 * sin_t
+    out[..., pairs[1]] = x2 * cos_t + x1 * sin_t
+    return _torch.of(out, dtype)
+
+
+def _on_torch(node: Any) -> Any:
+    attrs, inv, dtype = node.attrs, frequencies(node.attrs), node.outputs[0].dtype
+    return lambda arrays: [torch_rotated(arrays[0], arrays[1].numpy(), attrs, inv, dtype)]
+
+
 ROPE = register(
     OpDef(
         name="rope",
@@ -200,7 +239,7 @@ ROPE = register(
         attrs=ROPE_ATTRS,
         infer=_infer,
         reference=_reference,
-        fast=Fast(_fast),
+        fast=Fast(_fast, torch=_on_torch),
         accuracy=Accuracy(ulps=2.0),
         tiling=_tilings.ROPE,
         lowering=Lowering("rope"),
