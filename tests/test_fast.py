@@ -217,3 +217,21 @@ def test_a_long_causal_prompt_attends_by_blocks_as_the_reference() -> None:
     acc = REGISTRY["attention"].accuracy
     doubled = type(acc)(ulps=2 * acc.ulps, per_reduction=acc.per_reduction)
     assert_close(got[:, :, seen], to_f64(want[:, :, seen]), ml.float32, doubled, prefix + tq + 16, "long causal")
+
+
+def test_a_bfloat16_weight_is_read_once_into_its_float32_form() -> None:
+    """coerce(copy=False) hands a weight of the tensor's dtype on as it is (ComputeWeights converts it
+    to float32 itself); the default still copies; the float32 form holds the weight's exact values."""
+    from megaloop.frontend.values import coerce
+
+    g = ml.Graph("w")
+    w = g.parameter("w", (64, 32), "bfloat16")
+    stored = np.random.default_rng(0).standard_normal((64, 32)).astype(ml.bfloat16.np)
+    assert coerce(stored, w, "w", copy=False) is stored
+    copied = coerce(stored, w, "w")
+    assert copied is not stored and not np.may_share_memory(copied, stored)
+    weights = ComputeWeights({"w": stored})
+    got = weights.get("w", w)
+    assert got.dtype == np.float32 and not np.may_share_memory(got, stored)
+    worst = float(np.max(np.abs(got - stored.astype(np.float64))))
+    assert worst == 0.0, f"float32 form differs from the bfloat16 weight by {worst}"

@@ -14,8 +14,9 @@ from megaloop.frontend.shapes import format_shape
 from megaloop.frontend.tensor import Tensor
 
 
-def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
-    """Check an array handed in for tensor ``t`` and convert it to ``t``'s dtype (a copy)."""
+def coerce(value: Any, t: Tensor, what: str, copy: bool = True) -> np.ndarray:
+    """Check an array handed in for tensor ``t`` and convert it to ``t``'s dtype (a copy; ``copy=False``:
+    the array itself where it has that dtype already, for a caller that converts it further)."""
     try:
         arr = to_numpy(value)
     except ValueError as e:
@@ -25,7 +26,7 @@ def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
     kind = "f" if arr.dtype == bfloat16.np else arr.dtype.kind
     dt: DType = t.dtype
     if dt.is_float and kind in "fiu":
-        return _rounded(arr if kind == "f" else arr.astype(np.float64), dt, what)
+        return _rounded(arr if kind == "f" else arr.astype(np.float64), dt, what, copy)
     if dt.is_int and kind in "iu":
         info = np.iinfo(dt.np)
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
@@ -36,12 +37,12 @@ def coerce(value: Any, t: Tensor, what: str) -> np.ndarray:
     raise EvaluationError(f"{what}: expected {dt.name} values, got a {arr.dtype} array")
 
 
-def _rounded(arr: np.ndarray, dt: DType, what: str) -> np.ndarray:
+def _rounded(arr: np.ndarray, dt: DType, what: str, copy: bool = True) -> np.ndarray:
     """``arr`` rounded to float dtype ``dt`` (a copy); finite values that would become inf are refused,
     as they are in a constant (non-finite values handed in stay what they are)."""
     with np.errstate(over="ignore", invalid="ignore"):
         out = round_to(arr, dt)
-    if np.may_share_memory(out, arr):
+    if copy and np.may_share_memory(out, arr):
         out = out.copy()
     # no wider temporaries: an upload converts a memory-mapped checkpoint piece by piece
     inf = np.isinf(out) if arr.dtype != dt.np and arr.size else None

@@ -138,6 +138,7 @@ class ComputeWeights(Mapping[str, Any]):
         self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self._torch_forms: dict[tuple[str, tuple[int, ...], str], Any] = {}
         self._importing: threading.Thread | None = None
+        pad_the_heap()  # (before the weights' float32 copies, which glibc would give fresh mapped pages)
 
     def import_torch_early(self) -> None:
         """Start importing torch in a thread (where this object's products or activations may be
@@ -179,7 +180,9 @@ class ComputeWeights(Mapping[str, Any]):
         key = (name, t.shape, t.dtype.name)
         found = self._converted.get(key)
         if found is None:
-            found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}"), t.dtype)
+            # no copy of a 16-bit weight before its float32 one (a checkpoint's bytes read once)
+            converts = t.dtype.is_float and t.dtype.np != np.float32
+            found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}", copy=not converts), t.dtype)
             found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
             self._converted[key] = found
         if not torch or not self.twinned(t):
