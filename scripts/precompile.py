@@ -119,14 +119,14 @@ def train_plan(spec: str):
     return load_or_make_plan(trainer.training.graph, processors=132, arch="sm_90")[0]
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+
+
 def every_op_plans(dtype: str = "") -> list:
     """tests/test_gpu.py::test_every_op_against_torch's plans (one dtype, or all three)."""
     from tests.test_gpu import every_op_graph
 
     return [make_plan(every_op_graph(dt)[0], processors=132) for dt in ([dtype] if dtype else DTYPES)]
-
-
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 def main() -> None:

@@ -245,7 +245,6 @@ class FastGraph:
                 "one rank's graph: evaluate several ranks with ml.evaluate"
             )
         require_results([graph], "FastGraph")
-        pad_the_heap()
         self.graph = graph
         self.weights = params if isinstance(params, ComputeWeights) else ComputeWeights(params, products)
         if products not in ("numpy", "torch"):
