@@ -5,7 +5,7 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
     MEGALOOP_CACHE=$PWD/.cubin-cache python scripts/precompile.py generate profile:generate1b
     # device call: carry [".cubin-cache"], command "MEGALOOP_CACHE=$PWD/.cubin-cache bash scripts/gpu_check.sh ..."
 
-Targets: ``generate`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
+Targets: ``generate[:SHAPE]`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
 --compare; GENERATE_COMPARE_LOADER=1 as --compare-loader), ``profile:CASE`` (scripts/profile_cases.py's
 case with PROFILE_OPTIONS), ``serve`` (bench/serve's Generator batches and engines, planned and
@@ -31,12 +31,12 @@ from megaloop.plan import FuseOptions, KernelOptions, make_plan
 from megaloop.runtime.compile import compile_many
 
 
-def generate_plans() -> list:
+def generate_plans(shape: str = "1b") -> list:
     import bench.generate as bg
     from megaloop.cli import PRESETS
     from megaloop.models import build_llama_generator
 
-    base = PRESETS["llama3.2-1b"]
+    base = PRESETS[bg.SHAPES[shape][0]]
     cfg = type(base)(**{**base.__dict__, "max_seq": bg.PROMPT + bg.NEW})
     options = KernelOptions(**json.loads(os.environ.get("GENERATE_OPTIONS", "{}")))
     plans = [bg._prefill_plan(cfg, FuseOptions())]
@@ -144,7 +144,10 @@ def main() -> None:
         if target.startswith("train:"):
             plans.append(train_plan(target.removeprefix("train:")))
             continue
-        plans += generate_plans() if target == "generate" else [profile_plan(target.removeprefix("profile:"))]
+        if target.startswith("generate"):  # bench/generate's kernels (generate[:SHAPE], 1b or 8b)
+            plans += generate_plans(target.partition(":")[2] or "1b")
+            continue
+        plans.append(profile_plan(target.removeprefix("profile:")))
     t0 = time.perf_counter()
     sources = [generate(p).source for p in plans]
     compile_many(sources, "sm_90a")
