@@ -35,7 +35,7 @@ from megaloop.codegen.emit_attention import (
 from megaloop.frontend.ops.attention_split import _appended, split_bounds
 from megaloop.frontend.tiling import TileContext
 from megaloop.models import build_llama_generator
-from megaloop.plan import KernelOptions, make_plan
+from megaloop.plan import KernelOptions, Plan, make_plan
 from megaloop.runtime.compile import INCLUDE
 from tests.test_rope_kv_codegen import SHIM
 
@@ -353,8 +353,8 @@ def reference(c: Case, arrays: list[np.ndarray], attrs: dict) -> np.ndarray:
         out[:, :, :, r, c.d], out[:, :, :, r, c.d + 1] = m, p.sum(axis=-1)
     if c.splits:
         return out
-    l = out[:, :, :, 0, c.d + 1 :]
-    return np.where(l > 0, out[:, :, :, 0, : c.d] / np.where(l > 0, l, 1.0), 0.0)
+    total = out[:, :, :, 0, c.d + 1 :]
+    return np.where(total > 0, out[:, :, :, 0, : c.d] / np.where(total > 0, total, 1.0), 0.0)
 
 
 def _ulps(got: np.ndarray, want: np.ndarray, eps: float) -> float:
@@ -395,7 +395,8 @@ def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path) -> None:
     if c.splits:
         d = c.d
         none = ~np.isfinite(want[..., d])
-        assert (got[..., d][none] == -np.inf).all() and not got[..., : d][none].any() and not got[..., d + 1][none].any()
+        assert (got[..., d][none] == -np.inf).all(), "a range without keys has max score -inf"
+        assert not got[..., :d][none].any() and not got[..., d + 1][none].any(), "and zero sums"
         assert none.sum() < none.size, "every range empty: the case tests nothing"
         worst = {
             "sums": _ulps(got[..., :d][~none], want[..., :d][~none], eps),
@@ -406,3 +407,74 @@ def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path) -> None:
         worst = {"output": _ulps(got.astype(np.float32), want, eps)}
     print(f"{c}: worst error in ulps of {'bfloat16' if eps > 2.0**-23 else 'float32'} (of |ref| + max |ref|): {worst}")
     assert max(worst.values()) <= bound, worst
+
+
+def test_the_option_is_in_the_plan_and_off_by_default(tmp_path: Path) -> None:
+    """decode_attention is saved with the plan (a file without it: 0) and only 1 puts the tile in the
+    kernel; other values are refused, naming the field."""
+    c = CASES[1]
+    g, _ = _graph(c)
+    assert KernelOptions().decode_attention == 0
+    plain = generate(make_plan(g, processors=16, arch="sm_90")).source
+    assert "ml::Lanes<" not in plain and "ml::attention_partial<" in plain
+    plan = make_plan(g, processors=16, arch="sm_90", options=LANES)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.options.decode_attention == 1
+    assert "ml::Lanes<2, 2, 2>" in generate(loaded).source  # tiles of 2 heads (16 processors)
+    with pytest.raises(ml.errors.GraphBuildError, match=r"decode_attention: must be an int in \[0, 1\], got 2"):
+        make_plan(g, processors=16, options=KernelOptions(decode_attention=2))
+
+
+def _decode_operands(dtype: str, hq: int, hkv: int, tk: int, d: int, dv: int | None = None) -> list[Operand]:
+    dt = ml.as_dtype(dtype)
+    shapes = ((hq, 1, d), (hkv, tk, d), (hkv, tk, dv or d))
+    return [Operand(dt, (1, h, t, w), (h * t * w, t * w, w, 1)) for h, t, w in shapes]
+
+
+def test_the_emitter_sizes_the_tile_and_leaves_what_it_cannot_take() -> None:
+    """Key blocks as the range needs, within the warps and LANES_MAX_BYTES, stages as even as they go,
+    the rows over the warps left; heads not of whole packs, values not of 32 .. 128 dims (16 bytes a
+    lane at most), more than LANES_MAX_ROWS rows or unaligned key rows keep the other paths."""
+
+    def lanes(ins: list[Operand], rows: int, splits: int | None = 4, option: int = 1) -> Lanes | None:
+        hints = {"warps": WARPS, "decode_attention": option, "rows": rows}
+        return decode_lanes({"codegen": hints, **({"splits": splits} if splits else {})}, ins)
+
+    bf64 = _decode_operands("bfloat16", 32, 8, 256, 64)
+    assert lanes(bf64, 1) == Lanes(1, 2, 1)  # the 1B step: 64 keys a range, a head a tile
+    assert lanes(bf64, 4) == Lanes(4, 2, 4)  # the group's 4 heads: one a warp of each key block
+    assert lanes(bf64, 4, option=0) is None
+    assert lanes(bf64, 9) is None  # too many rows for a warp's registers
+    assert lanes(bf64, 4, splits=None) == Lanes(4, 3, 2)  # 256 keys, 4 blocks do not fit: 3 stages (3, 3, 2)
+    f128 = _decode_operands("float32", 8, 8, 1000, 128)
+    assert lanes(f128, 1, splits=None) == Lanes(1, 1, 1)  # 33 KB a block of 32 keys: one at a time
+    assert lanes_shared_bytes(f128, Lanes(1, 1, 1)) <= 40 * 1024
+    assert lanes(_decode_operands("bfloat16", 8, 2, 256, 40), 1) is None  # 5 packs of 8
+    assert lanes(_decode_operands("bfloat16", 8, 2, 256, 64, 48), 1) is None  # 48 values over 32 lanes
+    assert lanes(_decode_operands("float32", 8, 2, 256, 256), 1) is None  # 8 float32 values a lane
+    q, k, v = bf64
+    odd = Operand(k.dtype, k.shape, (k.strides[0], k.strides[1], 68, 1))  # rows of 68: not 16-byte aligned
+    assert lanes([q, odd, v], 1) is None
+    hints = {"warps": WARPS, "decode_attention": 1, "rows": 1}
+    attrs = {"causal": True, "window": None, "scale": 0.125, "splits": 4, "absent": (3, 4), "codegen": hints}
+    parts = Operand(ml.float32, (1, 32, 1, 4, 66), (8448, 264, 264, 66, 1))
+    body = "\n".join(attention_partial("attention_partial", attrs, bf64, parts))
+    assert "ml::attention_partial<ml::AttnShape<4, 1, 256, 64, 64, true, 0>, 64, true, ml::Lanes<1, 2, 1>>(" in body
+
+
+@pytest.mark.parametrize("arch, target", [("sm_90", "sm_90a"), ("sm_80", "sm_80")])
+@pytest.mark.parametrize("fusion", [None, ml.FuseOptions(on=("attention_merge",))], ids=["partial", "merged"])
+def test_llama_decode_compiles_without_spills(arch: str, target: str, fusion: ml.FuseOptions | None) -> None:
+    """Llama-3.2-1B's decode step (the append form, bf16, 4 ranges of 64 keys) with the option, its
+    attention_partial and (rule attention_merge) attention_merged tiles: lanes over keys, no spills."""
+    from tests.test_attention_templates import assert_compiles_without_spills
+    from tests.test_row_templates import tile_functions
+
+    cfg = dataclasses.replace(PRESETS["llama3.2-1b"], max_seq=256, layers=1)
+    graph = build_llama_generator(cfg, 1, kv_splits="auto")
+    src = generate(make_plan(graph, processors=132, arch=arch, options=LANES, fusion=fusion)).source
+    call = "ml::attention_merged<" if fusion else "ml::attention_partial<"
+    sigs = {sig for sig, (op, body) in tile_functions(src).items() if call in body}
+    assert sigs and all("ml::Lanes<1, 2, 1>" in tile_functions(src)[s][1] for s in sigs), sigs
+    assert_compiles_without_spills(src, target, f"Llama-3.2-1B decode, lanes over keys, on {target}", sigs)
