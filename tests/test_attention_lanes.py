@@ -113,7 +113,9 @@ template <class T, int N> inline float dot(const Pack<T, N>& a, const Pack<T, N>
     for (int i = 0; i < N; ++i) s += get(a, i) * get(b, i);
     return s;
 }
+static int misaligned_copies = 0;  // (a GPU faults on them)
 inline void cp_async16(void* dst, const void* src, bool valid) {
+    misaligned_copies += ((uintptr_t)dst | (valid ? (uintptr_t)src : 0)) & 15 ? 1 : 0;
     if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16);
 }
 inline void cp_async_commit() {}
@@ -168,6 +170,7 @@ float4 ml_smem4[1 << 14];  // the dynamic shared memory (poisoned by the caller)
 void tile(const ml::Args& a, const ml::Task& t, int tid, const ml::i64* off) {
 BODY
 }
+extern "C" int misaligned() { return ml::misaligned_copies; }
 extern "C" long long* shared() { return reinterpret_cast<long long*>(ml::ml_smem4); }
 extern "C" void run(char* arena, const int* lo, const int* hi, int tasks, const long long* off, int threads,
                     long long* info) {
@@ -221,15 +224,17 @@ def _compile(body: list[str], tmp_path: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def run_tiles(body: list[str], shared: int, tmp_path: Path, arrays: list[np.ndarray], boxes: list) -> tuple:
+def run_tiles(body: list[str], shared: int, tmp_path: Path, arrays: list[np.ndarray], boxes: list,
+              misalign: int = 0) -> tuple:  # fmt: skip
     """Every box run as one block of WARPS warps by the tile function ``body`` over ``arrays`` (its
-    operands, then its output, each 64-byte aligned in one arena). Returns the output, the error info,
-    and whether the shared memory past ``shared`` bytes kept its poison."""
+    operands, then its output, each 64-byte aligned in one arena; k and v ``misalign`` bytes past).
+    Returns the output, the error info, and whether the shared memory past ``shared`` bytes kept its
+    poison."""
     lib = _compile(body, tmp_path)
     offsets, at = [], 0
-    for a in arrays:
-        offsets.append(at)
-        at += -(-a.nbytes // 64) * 64
+    for n, a in enumerate(arrays):
+        offsets.append(at + (misalign if n in (1, 2) else 0))
+        at += -(-(a.nbytes + misalign) // 64) * 64
     arena = np.zeros(at, np.uint8)
     for a, o in zip(arrays, offsets):
         arena[o : o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
@@ -246,6 +251,7 @@ def run_tiles(body: list[str], shared: int, tmp_path: Path, arrays: list[np.ndar
     out = arrays[-1]
     got = arena[offsets[-1] : offsets[-1] + out.nbytes].view(out.dtype).reshape(out.shape).copy()
     kept = bool((words[-(-shared // 8) :] == POISON).all())
+    assert lib.misaligned() == 0, f"{lib.misaligned()} copies to or from addresses not 16-byte aligned"
     return got, info, kept
 
 
@@ -365,7 +371,7 @@ def _ulps(got: np.ndarray, want: np.ndarray, eps: float) -> float:
 
 @needs_cxx
 @pytest.mark.parametrize("c", CASES, ids=lambda c: f"{c.dtype}-h{c.hq}/{c.hkv}-d{c.d}-tk{c.tk}-s{c.splits}")
-def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path) -> None:
+def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path, misalign: int = 0) -> None:
     g, node = _graph(c)
     feeds = _feeds(c, g)
     names = {id(t): n for n, t in g.inputs.items()}
@@ -384,7 +390,7 @@ def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path) -> None:
     body = emit(node.op.name, attrs, ops, _operand(out, node.outputs[0].dtype))
     assert any("ml::Lanes<" in line for line in body), body
     shared = attention_shared_bytes(attrs, ops, WARPS)
-    got, info, kept = run_tiles(body, shared, tmp_path, [*arrays, out], boxes)
+    got, info, kept = run_tiles(body, shared, tmp_path, [*arrays, out], boxes, misalign)
     assert info[0] == 0, f"the tile reported an error: {info}"
     assert kept, f"the tile wrote shared memory past the {shared} bytes emit_attention gave it"
     want = reference(c, arrays, node.attrs)
@@ -407,6 +413,12 @@ def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path) -> None:
         worst = {"output": _ulps(got.astype(np.float32), want, eps)}
     print(f"{c}: worst error in ulps of {'bfloat16' if eps > 2.0**-23 else 'float32'} (of |ref| + max |ref|): {worst}")
     assert max(worst.values()) <= bound, worst
+
+
+@needs_cxx
+def test_keys_not_16_byte_aligned_take_the_other_paths(tmp_path: Path) -> None:
+    """k and v 8 bytes off 16-byte boundaries (an arena's view): the call checks and takes a warp a row."""
+    test_the_generated_tile_matches_float64(CASES[1], tmp_path, misalign=8)
 
 
 def test_the_option_is_in_the_plan_and_off_by_default(tmp_path: Path) -> None:

@@ -192,18 +192,19 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
     const int bi = t.lo[0], nq = t.hi[2] - t.lo[2], nrows = (t.hi[1] - t.lo[1]) * nq, kh = t.lo[1] / S::group;
     const i64 key_lo = Chunk > 0 ? (i64)t.lo[3] * Chunk : 0;
     const i64 key_hi = Chunk > 0 && key_lo + Chunk < TK ? key_lo + Chunk : TK;
+    const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>;
+    const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>;
+    // the first stage's copies go out first, waiting for no load (not the length, not the position);
+    // the rows' q and the new key and value meanwhile
+    if (key_lo < key_hi) {
+        const i64 n = key_hi - key_lo;
+        lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, key_lo, n < LN::keys ? (int)n : LN::keys);
+    }
     const auto len = kv_length<TK>(lens, bi);
     bool bad = false;  // a length out of range: reported, no key seen
     if constexpr (is_present<L>::value) {
         bad = len < 0 || len > TK;
         if (bad && threadIdx.x == 0) fail(a, DATA, blockIdx.x, tid, t.op, len, TK, 2, 0);
-    }
-    const T* kp = k.p + (i64)bi * stride_of<0, K> + (i64)kh * stride_of<1, K>;
-    const T* vp = v.p + (i64)bi * stride_of<0, V> + (i64)kh * stride_of<1, V>;
-    // the first stage's copies go out first; the rows' q and the new key and value meanwhile
-    if (key_lo < key_hi) {
-        const i64 n = key_hi - key_lo;
-        lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, key_lo, n < LN::keys ? (int)n : LN::keys);
     }
     const i64 pn = APPEND ? query_position(qpos, bi, t.lo[2]) : -1;  // (the append form: one query)
     lanes_queries<S, LN>(t, qs, kn, vn, q, pn, app);
