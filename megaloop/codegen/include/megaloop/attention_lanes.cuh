@@ -15,7 +15,7 @@
 
 namespace ml {
 
-// The tile's arrangement (emit_attention.py's lanes_plan): at most Rows (head, query) rows a tile,
+// The tile's arrangement (emit_attention.py's decode_lanes): at most Rows (head, query) rows a tile,
 // Blocks blocks of 32 keys staged at once, each block's rows over RowSplit warps (warp w: block
 // w % Blocks, rows w / Blocks + RowSplit x); Blocks * RowSplit warps compute, all of them stage.
 template <int Rows, int Blocks, int RowSplit>
@@ -43,7 +43,7 @@ struct LanesSmem {
     static constexpr int BYTES = PART + LN::warps * LN::per_warp * (DV + 2) * 4;
 };
 
-// keys [s0, s0 + n) of the kv head's k and v rows (kp, vp; rows K2 / V2 apart) into the staged rows,
+// keys [s0, s0 + n) of the kv head's k and v rows (kp, vp; rows k2 / v2 apart) into the staged rows,
 // zeros past n: 16 bytes a copy, every thread
 template <class T, int D, int DV, class LN>
 __device__ __forceinline__ void lanes_stage(T* ks, T* vs, const T* kp, const T* vp, i64 k2, i64 v2, i64 s0, int n) {
@@ -83,7 +83,9 @@ __device__ __forceinline__ void lanes_queries(const Task& t, float* qs, T* kn, T
         const T* kr = app.k.p + (i64)bi * stride_of<0, KN> + (i64)kh * stride_of<1, KN>;
         const T* vr = app.v.p + (i64)bi * stride_of<0, VN> + (i64)kh * stride_of<1, VN>;
         for (int d = threadIdx.x; d < D + DV; d += ml::block_threads()) {
-            if (d < D) store(kn + d, rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, d, (double)pn, app.inv_freq));
+            if (d < D) {
+                store(kn + d, rope_head_dim<App::rd, App::neox>(kr, stride_of<3, KN>, d, (double)pn, app.inv_freq));
+            }
             else vn[d - D] = vr[(i64)(d - D) * stride_of<3, VN>];
         }
     }
@@ -167,8 +169,8 @@ __device__ __forceinline__ void lanes_merge(const Task& t, O out, float* part, b
 
 // The lanes-over-keys tile of attention (Chunk 0: all keys, out [B, Hq, Tq, Dv] normalised) or of
 // attention_partial (Chunk > 0: key range t.lo[3], out [B, Hq, Tq, splits, Dv + 2] float32: the
-// unnormalised sums, their max score m and exp-sum l). The caller checked the 16-byte alignment of q,
-// k, v (and of the append form's k_new, v_new); LN: Lanes<Rows, Blocks, RowSplit>.
+// unnormalised sums, their max score m and exp-sum l). The caller checked that k and v are 16-byte
+// aligned (q and the append form's k_new, v_new are read by element); LN: Lanes<Rows, Blocks, RowSplit>.
 template <class S, int Chunk, class LN, class O, class Q, class K, class V, class QP, class L, class M, class App>
 __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
                                                 V v, QP qpos, L lens, M mask, App app) {
@@ -178,7 +180,7 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
     using Sm = LanesSmem<T, S::d, S::dv, LN>;
     constexpr int D = S::d, DV = S::dv, TK = S::tk, VPL = DV / 32, R = LN::per_warp, W = 16 / (int)sizeof(T);
     static_assert(D % W == 0 && DV % 32 == 0 && (VPL & (VPL - 1)) == 0 && VPL * (int)sizeof(T) <= 16,
-                  "attention_lanes: heads of whole 16-byte packs, values of 32, 64 or 128 dims (up to 16 bytes a lane)");
+                  "attention_lanes: heads of whole 16-byte packs, values of 32 to 128 dims (16 bytes a lane at most)");
     extern __shared__ float4 ml_smem4[];
     char* smem = reinterpret_cast<char*>(ml_smem4);
     T* ks = reinterpret_cast<T*>(smem + Sm::K);
@@ -198,7 +200,8 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
     // the rows' q and the new key and value meanwhile
     if (key_lo < key_hi) {
         const i64 n = key_hi - key_lo;
-        lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, key_lo, n < LN::keys ? (int)n : LN::keys);
+        const int staged = n < LN::keys ? (int)n : LN::keys;
+        lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, key_lo, staged);
     }
     const auto len = kv_length<TK>(lens, bi);
     bool bad = false;  // a length out of range: reported, no key seen
@@ -226,7 +229,8 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
         if (s0 > key_lo) {  // a later stage (whole-range attention): the last one's keys all read
             ml::block_sync();
             const i64 n = key_hi - s0;
-            lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, s0, n < LN::keys ? (int)n : LN::keys);
+            const int staged = n < LN::keys ? (int)n : LN::keys;
+            lanes_stage<T, D, DV, LN>(ks, vs, kp, vp, stride_of<2, K>, stride_of<2, V>, s0, staged);
         }
         cp_async_wait<0>();
         ml::block_sync();
