@@ -1,10 +1,11 @@
 """The decode attention tile of lanes over keys (KernelOptions.decode_attention = 1, megaloop/attention_lanes.cuh)
 without a GPU. (1) The generated tile functions of attention_partial (plain and append form) and of
 attention run on the CPU through g++ (a shim for the CUDA headers: every thread of a block a coroutine,
-a warp's shuffles and the block's barriers meeting points, cp.async a copy) against a float64 numpy
-reference: GQA groups of 4 and 1, head_dim 64 and 128, key ranges that are not multiples of 32,
-lengths that are not multiples of the range, a sliding window, softcap, a bool mask, bfloat16 and
-float32; the worst error printed in ulps. (2) The option is in the plan and off by default; the emitter
+a warp's shuffles and the block's barriers meeting points, cp.async a copy that must be 16-byte
+aligned) against a float64 numpy reference: GQA groups of 4, 6 and 1, head_dim 64 and 128, key ranges
+that are not multiples of 32, several stages a range, lengths that are not multiples of the range, a
+sliding window, softcap, a bool mask, bfloat16, float16 and float32; the worst error printed in ulps;
+keys not 16-byte aligned take the other paths. (2) The option is in the plan and off by default; the emitter
 sizes the tile; paths it does not take fall back. (3) Llama-3.2-1B's decode step with attention_partial
 and with attention_merged compiles for sm_90a and sm_80 without spills. The loop kernel on a GPU:
 tests/test_gpu_lanes.py."""
@@ -273,6 +274,7 @@ class Case:
     splits: int | None  # None: attention over all keys
     positions: tuple[int, ...]
     processors: int  # the plan's: few make tiles of the whole group of heads, many of one head
+    lanes: tuple[int, int, int]  # the Lanes<rows, blocks, row split> emit_attention gives it
     append: str | None = None  # rope's layout: the append form
     window: int | None = None
     softcap: float | None = None
@@ -281,16 +283,18 @@ class Case:
 
 
 CASES = [
-    # GQA 4, a tile of the group's 4 heads (2 warps a block of keys), ranges of 100, the new key at a
-    # range's start and at the last slot
-    Case("bfloat16", 2, 8, 2, 300, 64, 3, (100, 299), processors=4, append="neox"),
+    # GQA 4, a tile of the group's 4 heads (a warp a head of each of 2 key blocks), ranges of 100 in 2
+    # stages, the new key at a range's start and at the last slot
+    Case("bfloat16", 2, 8, 2, 300, 64, 3, (100, 299), 4, (4, 2, 4), append="neox"),
     # Llama-3.2-1B's decode shape (a head a tile, ranges of 64)
-    Case("bfloat16", 1, 8, 2, 256, 64, 4, (171,), processors=132, append="neox"),
+    Case("bfloat16", 1, 8, 2, 256, 64, 4, (171,), 132, (1, 2, 1), append="neox"),
     # group 1, head 128, float32: one block of 32 keys staged at a time (4 stages a range of 100)
-    Case("float32", 1, 4, 4, 200, 128, 2, (150,), processors=64, window=40, softcap=30.0, length=170),
-    # attention over all keys, a bool mask, lengths: 5 stages of 32 keys, rows over 4 warps
-    Case("bfloat16", 1, 8, 2, 150, 128, None, (120,), processors=4, length=131, mask=True),
-    Case("float32", 1, 8, 2, 70, 64, 2, (69,), processors=132, append="interleaved", window=9),
+    Case("float32", 1, 4, 4, 200, 128, 2, (150,), 64, (1, 1, 1), window=40, softcap=30.0, length=170),
+    # attention over all keys, a bool mask, lengths: 3 stages of 64 keys, 2 heads a tile
+    Case("bfloat16", 1, 8, 2, 150, 128, None, (120,), 4, (2, 2, 2), length=131, mask=True),
+    Case("float32", 1, 8, 2, 70, 64, 2, (69,), 132, (1, 2, 1), append="interleaved", window=9),
+    # GQA 6 in float16: 6 rows over 2 warps of each of 3 key blocks (3 rows a warp), ranges of 70
+    Case("float16", 1, 12, 2, 140, 64, 2, (139,), 4, (6, 3, 2), window=100, softcap=20.0),
 ]
 
 
@@ -388,7 +392,7 @@ def test_the_generated_tile_matches_float64(c: Case, tmp_path: Path, misalign: i
     out = np.zeros(node.outputs[0].shape, node.outputs[0].dtype.np)
     emit = attention_partial if c.splits else attention
     body = emit(node.op.name, attrs, ops, _operand(out, node.outputs[0].dtype))
-    assert any("ml::Lanes<" in line for line in body), body
+    assert any("ml::Lanes<{}, {}, {}>".format(*c.lanes) in line for line in body), body
     shared = attention_shared_bytes(attrs, ops, WARPS)
     got, info, kept = run_tiles(body, shared, tmp_path, [*arrays, out], boxes, misalign)
     assert info[0] == 0, f"the tile reported an error: {info}"
