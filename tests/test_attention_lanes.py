@@ -280,6 +280,7 @@ class Case:
     softcap: float | None = None
     length: int | None = None  # kv_lengths (every sequence)
     mask: bool = False
+    nan_after: bool = False  # the caches past every position NaN: keys nobody sees, never read into a sum
 
 
 CASES = [
@@ -287,7 +288,7 @@ CASES = [
     # stages, the new key at a range's start and at the last slot
     Case("bfloat16", 2, 8, 2, 300, 64, 3, (100, 299), 4, (4, 2, 4), append="neox"),
     # Llama-3.2-1B's decode shape (a head a tile, ranges of 64)
-    Case("bfloat16", 1, 8, 2, 256, 64, 4, (171,), 132, (1, 2, 1), append="neox"),
+    Case("bfloat16", 1, 8, 2, 256, 64, 4, (171,), 132, (1, 2, 1), append="neox", nan_after=True),
     # group 1, head 128, float32: one block of 32 keys staged at a time (4 stages a range of 100)
     Case("float32", 1, 4, 4, 200, 128, 2, (150,), 64, (1, 1, 1), window=40, softcap=30.0, length=170),
     # attention over all keys, a bool mask, lengths: 3 stages of 64 keys, 2 heads a tile
@@ -331,6 +332,9 @@ def _feeds(c: Case, g: ml.Graph) -> dict[str, np.ndarray]:
             feeds[name] = rng.random(t.shape) < 0.8
         else:
             feeds[name] = ml.dtypes.round_to(rng.standard_normal(t.shape), dt)
+    if c.nan_after:
+        for name in ("k", "v"):
+            feeds[name][:, :, max(c.positions) + 1 :] = np.nan
     return feeds
 
 
@@ -340,6 +344,7 @@ def reference(c: Case, arrays: list[np.ndarray], attrs: dict) -> np.ndarray:
     if c.append:
         arrays = _appended(arrays, attrs)
     q, k, v = (a.astype(np.float64) for a in arrays[:3])
+    k, v = np.nan_to_num(k, nan=0.0), np.nan_to_num(v, nan=0.0)  # (nan_after: keys no query sees)
     named = dict(zip(["pos", *(["lens"] if c.length is not None else [])], arrays[3:]))
     group = c.hq // c.hkv
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)

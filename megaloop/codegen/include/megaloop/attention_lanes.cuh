@@ -272,9 +272,9 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
             for (int x = 0; x < R; ++x) {
                 const float p = ps[((warp * R) + x) * 32 + jj];
 #pragma unroll
-                for (int c = 0; c < VPL; ++c) {  // a key no row sees adds nothing (its value may be anything)
-                    const float y = fmaf(p, pack_at<VPL>(vv, c), sum[jj & 1][x][c]);
-                    sum[jj & 1][x][c] = p != 0.0f ? y : sum[jj & 1][x][c];
+                for (int c = 0; c < VPL; ++c) {  // a key no row sees adds 0 (its value in the cache may be anything)
+                    const float value = p != 0.0f ? pack_at<VPL>(vv, c) : 0.0f;  // (off the chain of sums)
+                    sum[jj & 1][x][c] = fmaf(p, value, sum[jj & 1][x][c]);
                 }
             }
         }
