@@ -48,6 +48,10 @@ LOADER_COMPARE = (
     "{}",
 )
 
+# --compare-lanes: the decode attention tile of lanes over keys (KernelOptions.decode_attention), then the
+# default again (its drift within the run); KernelOptions as JSON, as --compare-options
+LANES_COMPARE = ('{"decode_attention": 1}', "{}")
+
 
 def _splits() -> int | str | None:
     return None if KV_SPLITS == "none" else KV_SPLITS if KV_SPLITS == "auto" else int(KV_SPLITS)
@@ -196,6 +200,7 @@ def main() -> None:
         "--compare-options", nargs="*", default=[], help="more KernelOptions (JSON) to time the greedy generator with"
     )
     ap.add_argument("--compare-loader", action="store_true", help="time the LOADER_COMPARE options too")
+    ap.add_argument("--compare-lanes", action="store_true", help="time the LANES_COMPARE options too")
     ap.add_argument("--compare-prefill", nargs="*", default=[], help="more FuseOptions to time the prefill with")
     args = ap.parse_args()
     fusion = FuseOptions.parse(args.fusion)
@@ -245,6 +250,7 @@ def main() -> None:
         results.setdefault("compare", {})[text] = entry
         print(text, results["compare"][text], flush=True)
     compare_options = [*args.compare_options, *(LOADER_COMPARE if args.compare_loader else ())]
+    compare_options += LANES_COMPARE if args.compare_lanes else ()
     for text in compare_options:  # the same greedy generation with other kernel options, in this run
         plan = make_plan(gen_graph, processors=132, options=KernelOptions(**json.loads(text)))
         s, toks = _greedy(plan, params, start)

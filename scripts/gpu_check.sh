@@ -20,6 +20,8 @@
 # (LOOPCOST_ARGS its arguments), then the options' GPU tests and the default path's runtime tests (~4 min).
 # `gpu_check.sh merge` runs the attention_merge rule (the combine by the last key range's tile):
 # bench.generate --shape 1b --compare +attention_merge "" (with it, then the default again), its GPU tests.
+# `gpu_check.sh lanes` runs the decode attention tile of lanes over keys (KernelOptions.decode_attention):
+# bench.generate --shape 1b --compare-lanes (the default, the option, the default again), its GPU tests.
 # `gpu_check.sh ab` runs BENCHES (AB_ARGS their arguments) from BASE_TREE and from this tree, twice, alternating.
 # Results land in $OUT (or bench/results); logs in $OUT/gpu_check.log.
 # The device copy of the tree has no .git: pass MEGALOOP_COMMIT=$(git rev-parse --short HEAD) in the run
@@ -101,6 +103,12 @@ if [ "$what" = merge ]; then  # docs/runtime.md, "The decode attention chain sho
   timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile \
     --compare +attention_merge "" ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_merged.py -m gpu -rA \
+    --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
+fi
+if [ "$what" = lanes ]; then  # docs/runtime.md, "Lanes over keys"
+  timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile --compare-lanes \
+    ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lanes.py -m gpu -rA \
     --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = probe ]; then  # loop kernel v2's weight ring against today's design (docs/runtime.md)

@@ -7,7 +7,8 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
 
 Targets: ``generate[:SHAPE]`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
---compare; GENERATE_COMPARE_LOADER=1 as --compare-loader), ``profile:CASE`` (scripts/profile_cases.py's
+--compare; GENERATE_COMPARE_LOADER=1 as --compare-loader, GENERATE_COMPARE_LANES=1 as --compare-lanes),
+``profile:CASE`` (scripts/profile_cases.py's
 case with PROFILE_OPTIONS), ``serve`` (bench/serve's Generator batches and engines, planned and
 compiled through their own code against a stand-in H100 whose LoopKernel never starts; plans land in
 the plan cache), ``every_op[:DTYPE]`` (tests/test_gpu.py's op table kernels), ``train:BxS[:STEPS]``
@@ -47,6 +48,8 @@ def generate_plans(shape: str = "1b") -> list:
     compare = json.loads(os.environ.get("GENERATE_COMPARE_OPTIONS", "[]"))
     if os.environ.get("GENERATE_COMPARE_LOADER"):  # (as --compare-loader)
         compare += [json.loads(text) for text in bg.LOADER_COMPARE]
+    if os.environ.get("GENERATE_COMPARE_LANES"):  # (as --compare-lanes)
+        compare += [json.loads(text) for text in bg.LANES_COMPARE]
     for text in compare:
         plans.append(make_plan(graph, processors=132, options=KernelOptions(**text)))
     for text in json.loads(os.environ.get("GENERATE_COMPARE", "[]")):  # (as --compare: FuseOptions.parse)

@@ -8,6 +8,7 @@ an online softmax for the rest. Part of megaloop/codegen/emit.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,13 +75,14 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     pointers are not 16-byte aligned) a warp a row (see megaloop/frontend/ops/attention.py for the mask)."""
     mma = attention_mma_split(attrs, ins) if _mma_applies(attrs, ins) else 0
     split = _split_applies(ins)
+    lanes = decode_lanes(attrs, ins) if not mma else None
     scale, scale_log2 = float_literal(attrs["scale"]), float_literal(attrs["scale"] * math.log2(math.e))
     paths = ([f"tensor cores ({mma} warp(s) a unit of 16 queries)"] if mma else []) + (["split keys"] if split else [])
     return [
         *pointers(ins + [out], len(ins)),
-        f"// {', then '.join(paths + ['a warp per (head, query)'])}",
-        f"ml::attention<{attn_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}>(a, t, tid, {scale}, "
-        f"{scale_log2}, {_operands(attrs, ins, out)});",
+        f"// {', then '.join(_lanes_path(lanes) + paths + ['a warp per (head, query)'])}",
+        f"ml::attention<{attn_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}{_lanes_arg(lanes)}>(a, t, tid, "
+        f"{scale}, {scale_log2}, {_operands(attrs, ins, out)});",
     ]
 
 
@@ -89,7 +91,9 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     output, then m and l, as float32 (megaloop/frontend/ops/attention_split.py)."""
     chunk = -(-ins[1].shape[2] // attrs["splits"])
     split = _split_applies(ins) and _append_packs(attrs, ins)
+    lanes = decode_lanes(attrs, ins)
     append = "theta" in attrs
+    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
     return [
         *([rope_frequencies(attrs)] if append else []),
         *pointers(ins + [out], len(ins)),
@@ -98,9 +102,9 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
             if append
             else []
         ),
-        f"// key ranges of {chunk}: {'split keys, then ' if split else ''}a warp per (head, query)",
-        f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}>(a, t, tid, "
-        f"{float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
+        f"// key ranges of {chunk}: {', then '.join(paths)}",
+        f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}{_lanes_arg(lanes)}>("
+        f"a, t, tid, {float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
     ]
 
 
@@ -112,15 +116,17 @@ def attention_merged(op: str, attrs: dict[str, Any], ins: list[Operand], outs: l
     splits = attrs["splits"]
     chunk = -(-ins[1].shape[2] // splits)
     split = _split_applies(ins) and _append_packs(attrs, ins)
+    lanes = decode_lanes(attrs, ins)
     held = "true" if splits <= COMBINE_HELD_SPLITS else "false"
+    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
     return [
         *([rope_frequencies(attrs)] if "theta" in attrs else []),
         *pointers(ins + outs, len(ins)),
-        f"// key ranges of {chunk}: {'split keys, then ' if split else ''}a warp per (head, query); the last of "
-        f"the {splits} ranges of these rows to arrive merges them",
-        f"ml::attention_merged<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}, {splits}, {held}>("
-        f"a, t, tid, k, {float_literal(attrs['scale'])}, {at(out, 'out1')}, {at(arrivals, 'out2')}, "
-        f"{_operands(attrs, ins, parts)});",
+        f"// key ranges of {chunk}: {', then '.join(paths)}; the last of the {splits} ranges of these rows to "
+        "arrive merges them",
+        f"ml::attention_merged<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}, {splits}, {held}"
+        f"{_lanes_arg(lanes)}>(a, t, tid, k, {float_literal(attrs['scale'])}, {at(out, 'out1')}, "
+        f"{at(arrivals, 'out2')}, {_operands(attrs, ins, parts)});",
     ]
 
 
@@ -141,11 +147,99 @@ def attention_combine(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
 
 
 def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int) -> int:
-    """Dynamic shared memory the tensor-core and split-key attention paths need (0 when neither applies)."""
+    """Dynamic shared memory the tensor-core, lanes-over-keys and split-key attention paths need (0 when
+    none applies)."""
     split = warps * (ins[0].shape[3] + 2) * 4 if _split_applies(ins) and _append_packs(attrs, ins) else 0
     if not _mma_applies(attrs, ins):
-        return split
+        lanes = decode_lanes(attrs, ins)
+        return max(split, lanes_shared_bytes(ins, lanes) if lanes else 0)
     return max(split, attention_mma_bytes(ins[0].shape[3], attention_mma_split(attrs, ins)))
+
+
+# ---- lanes over keys (megaloop/attention_lanes.cuh) -------------------------------------------------------
+
+LANES_MAX_ROWS = 8  # (head, query) rows a tile: a warp's scores and sums of its rows live in registers
+LANES_MAX_BYTES = 40 * 1024  # its staged keys and values and the rest: beside a weight ring of 8-10 slots
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """attention_lanes.cuh's Lanes<Rows, Blocks, RowSplit>: at most ``rows`` rows a tile, ``blocks``
+    blocks of 32 keys staged at once, each block's rows over ``row_split`` warps."""
+
+    rows: int
+    blocks: int
+    row_split: int
+
+    @property
+    def per_warp(self) -> int:
+        return -(-self.rows // self.row_split)
+
+    @property
+    def warps(self) -> int:
+        return self.blocks * self.row_split
+
+
+def decode_lanes(attrs: dict[str, Any], ins: list[Operand]) -> Lanes | None:
+    """The one place that reads KernelOptions.decode_attention (``attrs["codegen"]``): the lanes-over-keys
+    tile where it is 1 and it applies (``_lanes_applies``), sized to the block's warps: as many blocks of
+    32 keys staged at once as the tile's key range needs and the warps and LANES_MAX_BYTES allow (the
+    stages as even as they go: each is a memory round trip), then the rows split over the warps left
+    (a lane then computes fewer rows' dot products: a shorter chain)."""
+    hints = attrs.get("codegen", {})
+    rows, warps = hints.get("rows", 0), hints.get("warps", 0)
+    if hints.get("decode_attention", 0) != 1 or not 0 < rows <= LANES_MAX_ROWS or not warps:
+        return None
+    if not _lanes_applies(ins):
+        return None
+    keys = -(-ins[1].shape[2] // attrs["splits"]) if "splits" in attrs else ins[1].shape[2]
+    needed = -(-keys // 32)
+    for blocks in range(min(needed, warps), 0, -1):
+        stages = -(-needed // blocks)
+        lanes = Lanes(rows, -(-needed // stages), max(1, min(rows, warps // -(-needed // stages))))
+        if lanes_shared_bytes(ins, lanes) <= LANES_MAX_BYTES:  # (the stages as even as they go)
+            return lanes
+    return None
+
+
+def _lanes_applies(ins: list[Operand]) -> bool:
+    """Lanes over keys: q, k, v of one type; heads of whole 16-byte packs, keys and values contiguous
+    with pack-aligned rows (copied to shared memory 16 bytes at a time); values of 32 .. 128 dims (up
+    to 16 bytes a lane). q is read element by element (any strides)."""
+    q, k, v = ins[:3]
+    d, dv, size = q.shape[3], v.shape[3], q.dtype.itemsize
+    width = 16 // size
+    return (
+        q.dtype == k.dtype == v.dtype
+        and d % width == 0
+        and d <= 256
+        and dv % 32 == 0
+        and dv // 32 in (1, 2, 4, 8)
+        and dv // 32 * size <= 16
+        and k.strides[3] == v.strides[3] == 1
+        and all(st % width == 0 for o in (k, v) for st, n in zip(o.strides[:3], o.shape[:3]) if n > 1)
+    )
+
+
+def lanes_shared_bytes(ins: list[Operand], lanes: Lanes) -> int:
+    """attention_lanes.cuh's LanesSmem<T, D, DV, Lanes>::BYTES: staged keys and values (rows padded by 16
+    bytes), the rows' q (float32), the new key and value, the warps' weights and partial sums."""
+    d, dv, size = ins[0].shape[3], ins[2].shape[3], ins[0].dtype.itemsize
+    pad, keys = 16 // size, 32 * lanes.blocks
+    staged = keys * (d + pad) * size + keys * (dv + pad) * size
+    new = -(-d * size // 16) * 16 + -(-dv * size // 16) * 16
+    per_row = lanes.warps * lanes.per_warp
+    return staged + lanes.rows * d * 4 + new + per_row * 32 * 4 + per_row * (dv + 2) * 4
+
+
+def _lanes_arg(lanes: Lanes | None) -> str:
+    return f", ml::Lanes<{lanes.rows}, {lanes.blocks}, {lanes.row_split}>" if lanes else ""
+
+
+def _lanes_path(lanes: Lanes | None) -> list[str]:
+    if lanes is None:
+        return []
+    return [f"lanes over keys ({lanes.blocks} block(s) of 32 keys, rows over {lanes.row_split} warp(s) a block)"]
 
 
 ATT_BK = 64  # keys staged a block (attention.cuh)

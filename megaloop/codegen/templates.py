@@ -163,21 +163,31 @@ def _arena_offset(plan: Plan, rank: int, tid: int) -> int:
     return owner.buffers[t.buffer].offset + t.offset * t.dtype.itemsize
 
 
+def _attention_hints(call: TileCall) -> dict[str, Any]:
+    """The block, its shared memory, the decode tile the options ask for and the tiles' most rows."""
+    plan = call.plan
+    return {
+        "warps": plan.warps,
+        "shared_memory": plan.shared_memory or 0,
+        "decode_attention": plan.options.decode_attention,
+        "rows": call.extent[0],  # (heads x queries of a tile)
+    }
+
+
 def _attention_with(emitter: Callable[..., list[str]], limits: bool) -> Template:
     def template(call: TileCall) -> Lowered:
         if not limits:
             return Lowered(emitter(call.op.op, call.attrs, call.ins, call.outs[0]))
-        plan = call.plan
-        attrs = _with(call, {"warps": plan.warps, "shared_memory": plan.shared_memory or 0})
+        attrs = _with(call, _attention_hints(call))
         body = emitter(call.op.op, attrs, call.ins, call.outs[0])
-        return Lowered(body, attention_shared_bytes(attrs, call.ins, plan.warps))
+        return Lowered(body, attention_shared_bytes(attrs, call.ins, call.plan.warps))
 
     return template
 
 
 def _attention_merged(call: TileCall) -> Lowered:
     plan = call.plan
-    attrs = _with(call, {"warps": plan.warps, "shared_memory": plan.shared_memory or 0})
+    attrs = _with(call, _attention_hints(call))
     body = attention_merged(call.op.op, attrs, call.ins, call.outs)
     return Lowered(body, attention_shared_bytes(attrs, call.ins, plan.warps))
 

@@ -166,6 +166,9 @@ class KernelOptions:
     # block 0's doorbell poll: 0 an L2 check of the abort flag and of the grant around every PCIe read;
     # n: n reads in flight at once, spaced over one read's trip, the abort flag every 8th round
     doorbell_reads: int = 0
+    # decode attention tiles (queries too few for tensor cores): 0 split keys (a head's dims over a few
+    # lanes, keys over warps); 1 lanes over keys, built for latency (megaloop/attention_lanes.cuh)
+    decode_attention: int = 0
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
@@ -180,6 +183,7 @@ class KernelOptions:
             ("task_records", self.task_records, 0, 1),
             ("completion_word", self.completion_word, 0, 1),
             ("doorbell_reads", self.doorbell_reads, 0, 4),
+            ("decode_attention", self.decode_attention, 0, 1),
         )
         for name, value, low, high in limits:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

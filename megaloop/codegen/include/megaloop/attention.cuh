@@ -2,7 +2,9 @@
 // megaloop/codegen/emit_attention.py instantiates them with the op's shapes and mask (AttnShape), the
 // operands' strides (At, elementwise.cuh) and the paths it chose.
 //
-// Three paths compute a tile of (query head, query) rows, each in float32 with an online softmax:
+// Four paths compute a tile of (query head, query) rows, each in float32 with an online softmax:
+// - lanes over keys (attention_lanes, megaloop/attention_lanes.cuh): decode tiles built for latency,
+//   where KernelOptions.decode_attention asks for it;
 // - tensor cores (attention_mma, mma.sync m16n8k16, sm_80 on): the FlashAttention-2 scheme inside one
 //   tile, for blocks of 16 queries or more of 16-bit heads;
 // - split keys (attention_split_keys): flash-decoding inside one tile, the keys of each row split over
@@ -11,6 +13,8 @@
 // attention_partial runs the last two over one key range (its split), attention_combine merges them;
 // its append form (AttnAppend) rotates q on load and takes the key at q's position from k_new.
 #pragma once
+#include "megaloop/attention_keys.cuh"
+#include "megaloop/attention_lanes.cuh"
 #include "megaloop/elementwise.cuh"
 #include "megaloop/math.cuh"
 #include "megaloop/mma.cuh"
@@ -19,88 +23,6 @@
 #include "megaloop/vec.cuh"
 
 namespace ml {
-
-// An op's shapes and mask (megaloop/frontend/ops/attention.py): Group query heads a kv head, Tq queries
-// and Tk keys a batch item, heads of D and values of Dv; Causal, with a sliding Window (0: none); the
-// scores' softcap as the bits of its float32 (0: none; C++17 takes no float template arguments; ml::softcap).
-template <int Group, int Tq, int Tk, int D, int Dv, bool Causal = false, int Window = 0, unsigned CapBits = 0u>
-struct AttnShape {
-    static_assert(Group > 0 && D > 0 && Dv > 0 && Window >= 0, "AttnShape: query heads a kv head, dims, window >= 0");
-    static_assert(Window == 0 || Causal, "AttnShape: a sliding window needs causal attention");
-    static constexpr int group = Group, tq = Tq, tk = Tk, d = D, dv = Dv, window = Window;
-    static constexpr bool causal = Causal;
-    static constexpr unsigned cap_bits = CapBits;
-};
-
-// an i64 the front end folds as it would a literal: a length of Tk passed on as a value instead made
-// the visible range's code a few instructions longer
-template <i64 V>
-struct Known {
-    __device__ __forceinline__ constexpr operator i64() const { return V; }
-};
-
-// batch item bi's keys: lens[bi] (checked by the caller), or all Tk where the op has no lengths
-template <int Tk, class L>
-__device__ __forceinline__ auto kv_length(const L& lens, int bi) {
-    if constexpr (is_present<L>::value) return (i64)load(lens.p + (i64)bi * stride_of<0, L>);
-    else return Known<Tk>{};
-}
-
-// the keys [begin, end) query i of batch item bi sees among its first len: up to its position (qpos,
-// else the last Tq of len are the queries) where causal, at most Window of them
-template <class S, class QP, class Len>
-__device__ __forceinline__ void visible_keys(const QP& qpos, int bi, int i, Len len, i64& begin, i64& end) {
-    i64 qp;
-    if constexpr (is_present<QP>::value) qp = load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
-    else qp = len - S::tq + i;
-    if constexpr (S::causal) {
-        end = qp + 1 < len ? qp + 1 : len;
-        if constexpr (S::window > 0) begin = qp - S::window + 1;
-        else begin = 0;
-        if (begin < 0) begin = 0;
-    } else {
-        begin = 0;
-        end = len;
-    }
-}
-
-// attention_partial's append form (a decode step): rope's frequencies, rotary dims and layout, and
-// the step's un-roped key and value kn, vn [B, Hkv, 1, D] (axis 2 never indexed). q arrives un-roped:
-// the tiles rotate it at its position, where the key is rope(kn) and the value vn (not in the caches).
-template <int RD, bool Neox, class KN, class VN>
-struct AttnAppend {
-    static constexpr int rd = RD;
-    static constexpr bool neox = Neox;
-    const double* inv_freq;
-    KN k;
-    VN v;
-};
-template <int RD, bool Neox, class KN, class VN>
-__device__ __forceinline__ AttnAppend<RD, Neox, KN, VN> attn_append(const double* inv_freq, KN k, VN v) {
-    return {inv_freq, k, v};
-}
-
-// query i of batch item bi's position (the append form's new key's slot)
-template <class QP>
-__device__ __forceinline__ i64 query_position(const QP& qpos, int bi, int i) {
-    return load(qpos.p + (i64)bi * stride_of<0, QP> + (i64)i * stride_of<1, QP>);
-}
-
-// The mask operand's term for key j of query i of head h, batch item bi (its strides in the scores'
-// [batch, heads, queries, keys] index space, 0 where it broadcasts): 0 or -inf for a bool mask
-// (False hides the key), the value of a float one (added to the softcapped score); 0 without one.
-__device__ __forceinline__ float mask_score(bool seen) { return seen ? 0.0f : neg_inf(); }
-__device__ __forceinline__ float mask_score(float added) { return added; }
-// s with the mask's term added (s itself without a mask)
-template <class M>
-__device__ __forceinline__ float with_mask(float s, const M& mask, int bi, int h, int i, i64 j) {
-    if constexpr (!is_present<M>::value) {
-        return s;
-    } else {
-        return s + mask_score(load(mask.p + (i64)bi * stride_of<0, M> + (i64)h * stride_of<1, M> +
-                                   (i64)i * stride_of<2, M> + j * stride_of<3, M>));
-    }
-}
 
 // The tensor-core path's mask (attention_mma's Bias): row(hh, r) is the mask row of head hh, query r
 // of the tile, its term of key j row(j); found once a unit of queries, so the loop over keys adds
@@ -735,13 +657,20 @@ __device__ __forceinline__ bool aligned_heads(const Q& q, const K& k, const V& v
     return aligned(q.p, 16) && aligned(k.p, 16) && aligned(v.p, 16);
 }
 
-// One tile of attention (queries of the query heads of one kv head; out [B, Hq, Tq, Dv]): on tensor
-// cores where Mma (attention_mma's Split, 1 or 2), else split keys where SplitKeys, either only where q,
+// One tile of attention (queries of the query heads of one kv head; out [B, Hq, Tq, Dv]): lanes over
+// keys where LN is a Lanes (k and v 16-byte aligned), else on tensor cores where Mma (attention_mma's Split, 1 or 2), else split keys where SplitKeys, either only where q,
 // k and v are 16-byte aligned; else a warp per row. scale_log2: scale * log2(e), rounded once.
-template <class S, int Mma, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class M>
+template <class S, int Mma, bool SplitKeys, class LN = NoLanes, class O, class Q, class K, class V, class QP, class L,
+          class M>
 __device__ __forceinline__ void attention(const Args& a, const Task& t, int tid, float scale, float scale_log2, O out,
                                           Q q, K k, V v, QP qpos, L lens, M mask) {
     static_assert(Q::rank == 4 && K::rank == 4 && V::rank == 4 && O::rank == 4, "attention: 4-D q, k, v, out");
+    if constexpr (LN::present) {
+        if (aligned(k.p, 16) && aligned(v.p, 16)) {
+            attention_lanes<S, 0, LN>(a, t, tid, scale, out, q, k, v, qpos, lens, mask, Absent{});
+            return;
+        }
+    }
     if constexpr (Mma > 0) {
         if (aligned_heads(q, k, v)) {
             attention_mma_tile<S, Mma>(a, t, tid, scale_log2, out, q, k, v, qpos, lens, mask);
@@ -758,13 +687,20 @@ __device__ __forceinline__ void attention(const Args& a, const Task& t, int tid,
 }
 
 // One tile of attention_partial: key range t.lo[3] of Chunk keys; out [B, Hq, Tq, splits, Dv + 2]
-// float32, the unnormalised output, its max score m and exp-sum l. Split keys where SplitKeys and aligned
-// (the append form's k_new and v_new too). app: AttnAppend for the append form, else Absent.
-template <class S, int Chunk, bool SplitKeys, class O, class Q, class K, class V, class QP, class L, class M,
-          class App = Absent>
+// float32, the unnormalised output, its max score m and exp-sum l. Lanes over keys where LN is a Lanes
+// and k and v are aligned, else split keys where SplitKeys and aligned (the append form's k_new and
+// v_new too). app: AttnAppend for the append form, else Absent.
+template <class S, int Chunk, bool SplitKeys, class LN = NoLanes, class O, class Q, class K, class V, class QP, class L,
+          class M, class App = Absent>
 __device__ __forceinline__ void attention_partial(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
                                                   V v, QP qpos, L lens, M mask, App app = {}) {
     static_assert(Chunk > 0 && O::rank == 5, "attention_partial: key ranges of Chunk keys, 5-D out");
+    if constexpr (LN::present) {
+        if (aligned(k.p, 16) && aligned(v.p, 16)) {
+            attention_lanes<S, Chunk, LN>(a, t, tid, scale, out, q, k, v, qpos, lens, mask, app);
+            return;
+        }
+    }
     if constexpr (SplitKeys) {
         bool ok = aligned_heads(q, k, v);
         if constexpr (is_present<App>::value) ok = ok && aligned(app.k.p, 16) && aligned(app.v.p, 16);
@@ -873,14 +809,14 @@ __device__ __forceinline__ bool arrive_last(i64* word_p, u64 k, int n) {
 // arrival on the word of its rows (t.lo[0..2]); the last of the Splits ranges to arrive merges them
 // as attention_combine does into out [B, Hq, Tq, Dv]. Release: every thread's parts stored, a block
 // barrier, then thread 0's fence before the arrival; acquire: its fence after it, then a barrier.
-template <class S, int Chunk, bool SplitKeys, int Splits, bool Held, class O, class R, class P, class Q, class K,
-          class V, class QP, class L, class M, class App = Absent>
+template <class S, int Chunk, bool SplitKeys, int Splits, bool Held, class LN = NoLanes, class O, class R, class P,
+          class Q, class K, class V, class QP, class L, class M, class App = Absent>
 __device__ __forceinline__ void attention_merged(const Args& a, const Task& t, int tid, u64 k, float scale, O out,
                                                  R arrivals, P parts, Q q, K kc, V v, QP qpos, L lens, M mask,
                                                  App app = {}) {
     static_assert(O::rank == 4 && R::rank == 3 && P::rank == 5, "attention_merged: 4-D out, 3-D arrivals, 5-D parts");
     __shared__ int ml_merge_last;
-    attention_partial<S, Chunk, SplitKeys>(a, t, tid, scale, parts, q, kc, v, qpos, lens, mask, app);
+    attention_partial<S, Chunk, SplitKeys, LN>(a, t, tid, scale, parts, q, kc, v, qpos, lens, mask, app);
     ml::block_sync();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -901,3 +837,4 @@ __device__ __forceinline__ void attention_merged(const Args& a, const Task& t, i
 #undef ML_CHUNKS
 
 }  // namespace ml
+
