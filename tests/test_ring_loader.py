@@ -26,7 +26,7 @@ SMALL = LlamaConfig(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=1,
 
 
 def test_a_ring_kernel_with_the_loader_gets_a_ninth_warp_and_its_slots_barriers() -> None:
-    off = generate(make_plan(decode_matmuls(), processors=8))
+    off = generate(make_plan(decode_matmuls(), processors=8, options=dataclasses.replace(LOADER, weight_ring_loader=0)))
     plan = make_plan(decode_matmuls(), processors=8, options=LOADER)
     on = generate(plan)
     assert (off.threads, on.threads) == (256, 288)
@@ -95,12 +95,13 @@ def test_loader_options_travel_in_the_plan_file_and_bad_ones_name_the_field(tmp_
         {"weight_ring_loader": True},
         {"weight_ring_loader_bytes": 512},
         {"weight_ring_loader": 1, "weight_ring_slots": 33},  # a lane of the loader warp a slot
+        {"weight_ring_slots": 33},  # (the loader is on by default)
     )
     for fields in bad:
         field = list(fields)[-1]
         with pytest.raises(ml.errors.MegaloopError, match=field):
             make_plan(decode_matmuls(), processors=8, options=KernelOptions(**fields))
-    make_plan(decode_matmuls(), processors=8, options=KernelOptions(weight_ring_slots=33))  # (fine without it)
+    make_plan(decode_matmuls(), processors=8, options=KernelOptions(weight_ring_loader=0, weight_ring_slots=33))
 
 
 def test_the_plan_interpreter_runs_a_loader_plan_as_the_reference() -> None:
@@ -141,14 +142,25 @@ def test_tiles_count_and_synchronise_only_the_compute_threads() -> None:
     assert [(name, text) for name, _, text in found] == [("loop_body.cuh", "__syncthreads();")], found
 
 
-def test_the_loader_with_several_programs_is_refused_by_name() -> None:
-    """The loader warp numbers one program's chunks: a kernel of several programs with it would copy the
-    wrong rows after a switch, so codegen refuses it and names the option."""
-    from megaloop.errors import GraphBuildError
+def test_a_kernel_of_several_programs_has_the_ring_without_its_loader_warp() -> None:
+    """The loader warp numbers one program's chunks: after a program switch it would copy the wrong rows,
+    so a kernel of several programs keeps the ring (its tiles issue the copies) and has no loader warp."""
     from megaloop.plan.cache import make_programs
 
     plan = make_programs({"a": decode_matmuls(), "b": decode_matmuls()}, use_cache=False, processors=8, options=LOADER)
-    with pytest.raises(GraphBuildError, match="weight_ring_loader=0"):
-        generate(plan)
-    plain = make_programs({"a": decode_matmuls(), "b": decode_matmuls()}, use_cache=False, processors=8)
-    assert generate(plain).threads == 256
+    prog = generate(plan)
+    assert prog.threads == 256 and "ml::WeightRing" in prog.source and "ML_RING_LOADER" not in prog.source
+    single = generate(make_plan(decode_matmuls(), processors=8, options=LOADER))
+    assert single.threads == 288 and "ml::LoaderRing" in single.source
+
+
+def test_the_ring_takes_as_many_slots_as_fit_up_to_the_option() -> None:
+    """weight_ring_slots is the most: 30 slots of 16 KB cannot sit beside the tiles in 227 KB, so the
+    kernel gets the most that fit (and its shared memory stays within the plan's)."""
+    plan = make_plan(decode_matmuls(), processors=8, options=KernelOptions(weight_ring_slots=30))
+    prog = generate(plan)
+    slots = int(re.search(r"#define ML_RING_SLOTS (\d+)\n", prog.source).group(1))
+    assert 4 <= slots < 30 and prog.shared_bytes <= plan.shared_memory
+    assert prog.shared_bytes + (16384 + 20) > plan.shared_memory - 8 * 1024  # one more would not fit
+    few = generate(make_plan(decode_matmuls(), processors=8, options=KernelOptions(weight_ring_slots=3)))
+    assert "#define ML_RING_SLOTS 3\n" in few.source

@@ -105,13 +105,17 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     lowered = [_lower(p, rank, box, ring_bytes) for p, box in zip(programs, pushed)]
     shared = max((low.shared_bytes for lows in lowered for low in lows), default=0)
     ring_layout = None
+    # the loader warp walks one program's chunks: a kernel of several programs has none
+    with_loader = options.weight_ring_loader > 0 and len(programs) == 1
     if any(low.ring for lows in lowered for low in lows):
         offset = -(-shared // 128) * 128
         # a slot's full barrier and pending phase; with the loader warp its empty barrier too
-        total = offset + options.weight_ring_slots * (ring_bytes + (20 if options.weight_ring_loader else 12))
-        if total <= (plan.shared_memory or 0) - RING_STATIC_RESERVE:
-            ring_layout = (options.weight_ring_slots, ring_bytes, offset)
-            shared = total
+        slot = ring_bytes + (20 if with_loader else 12)
+        room = (plan.shared_memory or 0) - RING_STATIC_RESERVE - offset
+        slots = min(options.weight_ring_slots, max(room, 0) // slot)  # as many as fit, at most the option's
+        if slots >= max(min(options.weight_ring_slots, MIN_RING_SLOTS), 1):
+            ring_layout = (slots, ring_bytes, offset)
+            shared = offset + slots * slot
         else:  # no room beside the other tiles' shared memory: the ring stays out of this kernel
             lowered = [_lower(p, rank, box, 0) for p, box in zip(programs, pushed)]
             shared = max((low.shared_bytes for lows in lowered for low in lows), default=0)
@@ -120,12 +124,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     bodies: dict[str, int] = {}
     kernel = (bodies, functions, comments)
     tables = [_tables(p, rank, mirrors, lows, box, kernel) for p, lows, box in zip(programs, lowered, pushed)]
-    loader = ring_layout is not None and options.weight_ring_loader > 0  # a warp beside the tiles' warps
-    if loader and len(programs) > 1:
-        raise GraphBuildError(
-            "codegen: the weight ring's loader warp walks one program's chunks; plan several programs with "
-            "KernelOptions(weight_ring_loader=0)"
-        )
+    loader = ring_layout is not None and with_loader  # a warp beside the tiles' warps
     threads = plan.warps * 32 + (32 if loader else 0)
     source = _source(functions, threads, plan.warps * 32, plan.ranks[rank].graph.name,
                      sum(len(t.tasks) for t in tables), plan.options, ring_layout, len(programs))  # fmt: skip
@@ -227,6 +226,7 @@ def _tables(plan: Plan, rank: int, mirrors: bool, lowered: list[Lowered], pushed
 
 
 RING_STATIC_RESERVE = 8 * 1024  # the loop kernel's static shared memory, beside the ring
+MIN_RING_SLOTS = 4  # fewer slots than this stream too little ahead to pay for the ring's waits
 
 
 def _lower(plan: Plan, rank: int, pushed: dict, ring_bytes: int) -> list[Lowered]:
@@ -352,7 +352,7 @@ def _source(
         slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))
         include += '#include "megaloop/ring.cuh"\n'
         hooks = "ml::WeightRing"
-        if options.weight_ring_loader:  # its copies issued by a warp of their own (megaloop/ring_loader.cuh)
+        if options.weight_ring_loader and programs == 1:  # a warp of its own issues the copies (ring_loader.cuh)
             slot += f"#define ML_RING_LOADER {options.weight_ring_loader}\n"
             slot += f"#define ML_RING_IN_FLIGHT {options.weight_ring_loader_bytes}\n"
             slot += f"#define ML_COMPUTE_THREADS {compute_threads}\n"

@@ -147,12 +147,13 @@ class KernelOptions:
     poll_sleep_ns: int = 256  # the longest sleep between two polls of a wait's counters (0: none)
     # shared-memory slots of the weight ring (megaloop/ring.cuh) that streams decode matmuls' weights
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
-    weight_ring_slots: int = 8
+    # (the most slots: as many as fit beside the kernel's tiles)
+    weight_ring_slots: int = 12
     weight_ring_slot_bytes: int = 16384
     # a ninth warp a block issues the ring's copies across tasks, waits and iterations, at most
     # weight_ring_loader_bytes not yet landed (megaloop/ring_loader.cuh): 1 strictly in order, 2 the
-    # oldest chunk whose slot is free; 0: the tiles do (at most 32 slots with it)
-    weight_ring_loader: int = 0
+    # oldest chunk whose slot is free; 0: the tiles do (at most 32 slots with it; one program a kernel)
+    weight_ring_loader: int = 2
     weight_ring_loader_bytes: int = 49152
     # the loop's own cost (docs/runtime.md, "The loop's own cost"): 1 stamps each block's grant, doorbell
     # read (with the host's clock read in it) and completion (LoopKernel.grant_ns); 0 compiles none of it
