@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -430,19 +431,23 @@ def test_keys_not_16_byte_aligned_take_the_other_paths(tmp_path: Path) -> None:
     test_the_generated_tile_matches_float64(CASES[1], tmp_path, misalign=8)
 
 
-def test_the_option_is_in_the_plan_and_off_by_default(tmp_path: Path) -> None:
-    """decode_attention is saved with the plan (a file without it: 0) and only 1 puts the tile in the
-    kernel; other values are refused, naming the field."""
+def test_the_option_is_in_the_plan_and_on_by_default(tmp_path: Path) -> None:
+    """decode_attention is saved with the plan (a file without it was built with 0: the split-key tile)
+    and only 1 puts the tile in the kernel; other values are refused, naming the field."""
     c = CASES[1]
     g, _ = _graph(c)
-    assert KernelOptions().decode_attention == 0
-    plain = generate(make_plan(g, processors=16, arch="sm_90")).source
-    assert "ml::Lanes<" not in plain and "ml::attention_partial<" in plain
+    assert KernelOptions().decode_attention == 1
+    split = generate(make_plan(g, processors=16, arch="sm_90", options=KernelOptions(decode_attention=0))).source
+    assert "ml::Lanes<" not in split and "ml::attention_partial<" in split
     plan = make_plan(g, processors=16, arch="sm_90", options=LANES)
     plan.save(tmp_path / "plan.json")
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.options.decode_attention == 1
     assert "ml::Lanes<2, 2, 2>" in generate(loaded).source  # tiles of 2 heads (16 processors)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["options"]["decode_attention"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert generate(Plan.load(tmp_path / "old.json")).source == split
     with pytest.raises(ml.errors.GraphBuildError, match=r"decode_attention: must be an int in \[0, 1\], got 2"):
         make_plan(g, processors=16, options=KernelOptions(decode_attention=2))
 

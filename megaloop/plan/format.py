@@ -21,6 +21,7 @@ from megaloop.parallel.ranks import match_ranks
 from megaloop.plan.build import check_settings
 from megaloop.plan.edit import check_structure, check_tasks_match_tiles, rederive_plan
 from megaloop.plan.model import (
+    ABSENT_OPTIONS,
     BUFFER_KINDS,
     FORMAT,
     VERSION,
@@ -323,8 +324,9 @@ def _options(r: _Reader) -> KernelOptions:
     unknown = sorted(set(r.obj) - set(fields))
     if unknown:
         raise PlanFormatError(f"{r.path}: unknown option {unknown[0]!r}; the options are {fields}")
-    # an option a plan file lacks came later: its kernel was built without it (the default)
-    options = KernelOptions(**{name: r.get(name, int) for name in fields if name in r.obj})
+    # an option a plan file lacks came later: its kernel was built without it
+    present = {name: r.get(name, int) for name in fields if name in r.obj}
+    options = KernelOptions(**{**{n: v for n, v in ABSENT_OPTIONS.items() if n in fields}, **present})
     options.check(PlanFormatError, r.path)
     return options
 

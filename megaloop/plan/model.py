@@ -136,6 +136,11 @@ class RankPlan:
         return out
 
 
+# what a plan file without the field was built with: the defaults before they changed (the others'
+# defaults are what their kernels had before the field existed)
+ABSENT_OPTIONS = {"weight_ring_slots": 8, "weight_ring_loader": 0, "decode_attention": 0}
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """How the loop kernel is built beyond each op's tile parameters; saved in the plan as "options",
@@ -169,7 +174,7 @@ class KernelOptions:
     doorbell_reads: int = 0
     # decode attention tiles (queries too few for tensor cores): 0 split keys (a head's dims over a few
     # lanes, keys over warps); 1 lanes over keys, built for latency (megaloop/attention_lanes.cuh)
-    decode_attention: int = 0
+    decode_attention: int = 1
 
     def check(self, error: type, where: str) -> None:
         """Raise ``error`` naming the field unless every field is in range."""
