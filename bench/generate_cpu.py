@@ -163,6 +163,10 @@ def summarize(runs: list[dict]) -> dict:
         "first_token_s_all": [round(c["first_token_s"], 4) for c in warm],
         "decode_tokens_per_s_all": [round(c["decode_tokens_per_s"], 2) for c in warm],
     }
+    if "setup" in cold[0]:  # (megaloop's: the first call's setup phases and prefill, where its start went)
+        phases = dict.fromkeys(k for c in cold for k in c["setup"])
+        out["cold_setup_s"] = {k: med([c["setup"].get(k, 0.0) for c in cold]) for k in phases}
+        out["cold_prefill_s"] = med([c["first_token_s"] for c in cold])
     if "dtype" in runs[0]:
         out["torch_dtype"] = runs[0]["dtype"]
     if "backend" in warm[0]:

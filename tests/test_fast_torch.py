@@ -237,15 +237,29 @@ def test_a_run_drops_each_value_after_its_last_reader(activations: str) -> None:
     np.testing.assert_array_equal(got, run.run(feeds)["logits"])
 
 
-def test_a_bfloat16_prefill_packs_its_weights_once_in_setup(tmp_path) -> None:
-    """torch form, bfloat16: the linear weights are packed for oneDNN in the first call's "pack" setup
-    phase (not inside a prefill), not again; both calls give the same tokens."""
+def test_a_bfloat16_prefill_packs_its_weights_ahead_once(tmp_path) -> None:
+    """torch form, bfloat16: the linear weights are packed for oneDNN on the weights' ``ahead`` thread
+    (no setup phase before the prefill), each before its product's first run, once a backend; both
+    calls give the same tokens, and a prefill packed ahead gives the bits of one packed in setup."""
     from megaloop.models.tiny import make_tiny_checkpoint
 
     folder = make_tiny_checkpoint(tmp_path)
     gen = ml.Generator(folder, backend="cpu", progress=False, eos_token_ids=(), cpu_activations="torch")
-    first = gen.generate([1, 5, 9, 2, 7, 3, 8, 4, 6], max_new_tokens=4)
-    again = gen.generate([1, 5, 9, 2, 7, 3, 8, 4, 6], max_new_tokens=4)
+    prompt = [1, 5, 9, 2, 7, 3, 8, 4, 6]
+    first = gen.generate(prompt, max_new_tokens=4)
+    (backend,) = gen._backends.values()
+    prefill, jobs = backend.runs[0], dict(gen.params.ahead._jobs)
+    again = gen.generate(prompt, max_new_tokens=4)
     assert "the prefill by torch" in first.stats.backend
-    assert ("pack" in first.stats.setup) == (_torch.onednn_linear() is not None), first.stats.setup
-    assert "pack" not in again.stats.setup and first[0].tokens == again[0].tokens
+    assert "pack" not in first.stats.setup and "pack" not in again.stats.setup, first.stats.setup
+    packs = [k for k in jobs if k[0] is prefill.key]
+    assert len(packs) == len(prefill._prepares) and (len(packs) > 0) == (_torch.onednn_linear() is not None)
+    assert gen.params.ahead._jobs == jobs and gen.params.pending() == 0  # (nothing packed again)
+    assert first[0].tokens == again[0].tokens
+    cfg, params = load_llama(folder, max_seq=16)
+    graph = build_llama_prefill(cfg, 1, len(prompt))
+    feeds = {"tokens": np.array([prompt]), "positions": np.arange(len(prompt))[None], "last": np.array([8])}
+    runs = [FastGraph(graph, ComputeWeights(params, activations="torch"), activations="torch") for _ in "ab"]
+    assert runs[0].prepare() == runs[1].prepare_ahead()
+    got = [run.run(feeds)["logits"] for run in runs]
+    assert np.array_equal(got[0].view(np.uint16), got[1].view(np.uint16))

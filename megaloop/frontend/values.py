@@ -44,8 +44,9 @@ def _rounded(arr: np.ndarray, dt: DType, what: str, copy: bool = True) -> np.nda
         out = round_to(arr, dt)
     if copy and np.may_share_memory(out, arr):
         out = out.copy()
-    # no wider temporaries: an upload converts a memory-mapped checkpoint piece by piece
-    inf = np.isinf(out) if arr.dtype != dt.np and arr.size else None
+    # no wider temporaries: an upload converts a memory-mapped checkpoint piece by piece; a wider
+    # dtype's range holds every value (bfloat16 to float32: no pass over the result)
+    inf = np.isinf(out) if arr.dtype != dt.np and arr.size and not _widens(arr.dtype, dt) else None
     if inf is not None and inf.any():
         overflow = inf & np.isfinite(arr)
         if np.any(overflow):
@@ -56,3 +57,10 @@ def _rounded(arr: np.ndarray, dt: DType, what: str, copy: bool = True) -> np.nda
                 f"{np.count_nonzero(overflow)} values in all); scale it, or give the tensor a wider dtype"
             )
     return out
+
+
+def _widens(stored: np.dtype, dt: DType) -> bool:
+    """Whether every finite value of float dtype ``stored`` is finite in ``dt``."""
+    if stored.kind != "f" and stored != bfloat16.np:
+        return False
+    return float(ml_dtypes.finfo(stored).max) <= float(ml_dtypes.finfo(dt.np).max)

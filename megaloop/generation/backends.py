@@ -137,6 +137,9 @@ class CpuBackend:
             return
         weights, graphs = self.weights, (self.prefill_graph, self.generator)
         in_torch = self.activations == "torch"
+        if in_torch:
+            self.runs = (self._prefill_ahead(), None)
+            return
         torch = {g: g is graphs[0] and self.products == "torch" and not in_torch for g in graphs}  # (twins)
         todo = [(n, t, torch[g]) for g in graphs for n, t in g.parameters.items() if not weights.has(n, t, torch[g])]
         if todo:  # (a Generator's weights are converted by its first call only)
@@ -145,13 +148,34 @@ class CpuBackend:
                 for name, t, twin in todo:
                     weights.get(name, t, twin)
                     bar.update(t.size)
-        products = "numpy" if in_torch else self.products
-        prefill = FastGraph(graphs[0], weights, products=products, activations=self.activations)
-        if prefill.preparing:  # (torch form: bfloat16 weights packed for oneDNN, once a backend)
-            with self.progress.phase("pack", 1, unit="graph") as bar:
-                prefill.prepare()
-                bar.update(1)
+        prefill = FastGraph(graphs[0], weights, products=self.products, activations=self.activations)
         self.runs = (prefill, FastGraph(graphs[1], weights))
+
+    def _prefill_ahead(self) -> FastGraph:
+        """The prefill in torch form, what it needs made on the weights' ``ahead`` thread while it runs,
+        each op waiting for its own (docs/generate.md, start to first token): a float32 model's float32
+        weights in the prefill's order, a bfloat16 model's packed weights (torch form reads the
+        checkpoint's bfloat16 memory as it is); the decode's float32 copies on the weights' ``later``
+        thread (a lower priority: cores the prefill leaves idle). A setup phase ("convert") is what
+        the decode still waits for after the prefill (setup_generator)."""
+        weights, graph = self.weights, self.prefill_graph
+        weights.convert_ahead((n, t) for n, t in graph.parameters.items() if weights.copied_for_torch(n, t))
+        prefill = FastGraph(graph, weights, activations="torch")  # (torch imported)
+        prefill.prepare_ahead()  # (bfloat16: each linear layer's weight packed for oneDNN, once a backend)
+        weights.convert_ahead(self.generator.parameters.items(), later=True)  # (after torch's import: it slowed)
+        return prefill
+
+    def _decode_run(self) -> FastGraph:
+        """The generator's graph on the float32 weights: those still being made ahead waited for, as the
+        "convert" setup phase."""
+        weights = self.weights
+        todo = [(n, t) for n, t in self.generator.parameters.items() if not weights.has(n, t)]
+        if todo:
+            with self.progress.phase("convert", sum(t.size for _, t in todo), unit="weight", unit_scale=True) as bar:
+                for name, t in todo:
+                    weights.get(name, t)
+                    bar.update(t.size)
+        return FastGraph(self.generator, weights)
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         if self.runs is None:  # (callers that go straight to the prefill, as the reference allowed)
@@ -163,6 +187,9 @@ class CpuBackend:
 
     def setup_generator(self, start: Mapping[str, np.ndarray]) -> None:
         prefill, generator = self.runs
+        if generator is None:
+            generator = self._decode_run()
+            self.runs = (prefill, generator)
         generator.reset()
         generator.set_state(prefill.state, adopt=True)  # the caches, no copy
         generator.set_state(start_state(self.generator, start))
@@ -179,7 +206,8 @@ class CpuBackend:
     def close(self) -> None:
         if self.runs is not None:
             for run in self.runs:
-                run.reset()
+                if run is not None:
+                    run.reset()
 
 
 class ReferenceBackend(CpuBackend):

@@ -11,6 +11,9 @@ the same rounding points), but:
 - the graph is checked and ordered once, when it is prepared; no view layouts are checked per run;
 - glibc's heap is padded (pad_the_heap), so the arrays freed between ops are reused, and a run drops
   each value after its last reader;
+- what a run needs can be made ahead on the weights' background threads (megaloop.reference.ahead:
+  ``ComputeWeights.convert_ahead``, ``FastGraph.prepare_ahead``), each step's first run waiting for
+  its own parameters and packing, so a prefill starts before the decode's float32 copies exist;
 - with activations="torch" (a prefill), values between ops are torch tensors of their dtype and each
   op runs its ``Fast.torch`` kernel where it has one (megaloop.frontend.ops._torch): within each op's
   accuracy contract, not the reference's bits.
@@ -30,7 +33,7 @@ import importlib.util
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, Kernel, Weight, comput
 from megaloop.frontend.tensor import Tensor
 from megaloop.frontend.values import coerce
 from megaloop.parallel.ranks import match_ranks
+from megaloop.reference.ahead import Ahead
 
 PRODUCTS = ("numpy", "torch", "auto")
 ACTIVATIONS = ("numpy", "torch", "auto")
@@ -81,13 +85,14 @@ def _import_quietly() -> None:
         pass
 
 
-def _bfloat16_bits(stored: Any, found: np.ndarray) -> np.ndarray:
+def _bfloat16_bits(stored: Any, found: np.ndarray | None) -> np.ndarray | None:
     """A bfloat16 parameter's bits as int16 for torch: the stored array itself where it is one dense
-    bfloat16 array (a checkpoint's: no copy, no conversion), else ``found`` (compute form) rounded."""
-    if isinstance(stored, np.ndarray) and stored.dtype == bfloat16.np and stored.shape == found.shape:
-        if stored.flags.c_contiguous:
+    bfloat16 array (a checkpoint's: no copy, no conversion), else ``found`` (compute form) rounded
+    (None where ``found`` is None)."""
+    if isinstance(stored, np.ndarray) and stored.dtype == bfloat16.np and stored.flags.c_contiguous:
+        if found is None or stored.shape == found.shape:
             return stored.view(np.int16)
-    return found.astype(bfloat16.np).view(np.int16)
+    return None if found is None else found.astype(bfloat16.np).view(np.int16)
 
 
 def choose_products(products: str) -> str:
@@ -138,6 +143,9 @@ class ComputeWeights(Mapping[str, Any]):
         self._twins: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self._torch_forms: dict[tuple[str, tuple[int, ...], str], Any] = {}
         self._importing: threading.Thread | None = None
+        # made ahead (convert_ahead, FastGraph.prepare_ahead): what a prefill will wait for, and at a
+        # lower priority, what only the decode reads (idle cores only, while the prefill runs)
+        self.ahead, self.later = Ahead("megaloop-weights"), Ahead("megaloop-weights-later", nice=10)
         pad_the_heap()  # (before the weights' float32 copies, which glibc would give fresh mapped pages)
 
     def import_torch_early(self) -> None:
@@ -176,15 +184,16 @@ class ComputeWeights(Mapping[str, Any]):
 
     def get(self, name: str, t: Tensor, torch: bool = False) -> np.ndarray:
         """Parameter ``name`` for tensor ``t`` (its shape and dtype checked as ml.evaluate checks them);
-        ``torch``: a bfloat16 matrix (``twinned``) as a Weight with its torch twin (the same float32 memory)."""
+        ``torch``: a bfloat16 matrix (``twinned``) as a Weight with its torch twin (the same float32 memory).
+        Where ``convert_ahead`` queued it, this waits for it (or converts it, where not started yet)."""
         key = (name, t.shape, t.dtype.name)
         found = self._converted.get(key)
         if found is None:
-            # no copy of a 16-bit weight before its float32 one (a checkpoint's bytes read once)
-            converts = t.dtype.is_float and t.dtype.np != np.float32
-            found = to_compute_form(coerce(self.params[name], t, f"parameter {name!r}", copy=not converts), t.dtype)
-            found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
-            self._converted[key] = found
+            self.ahead.wait(key)
+            self.later.wait(key)
+            found = self._converted.get(key)
+        if found is None:
+            found = self._convert(name, t)
         if not torch or not self.twinned(t):
             return found
         if self.products != "torch":
@@ -200,22 +209,68 @@ class ComputeWeights(Mapping[str, Any]):
             self._twins[key] = twin
         return self._twins[key]
 
+    def _convert(self, name: str, t: Tensor) -> np.ndarray:
+        key, stored = (name, t.shape, t.dtype.name), self.params[name]
+        # no copy of a 16-bit weight before its float32 one (a checkpoint's bytes read once), nor of a
+        # read-only array (a memory-mapped checkpoint's) that is its compute form already
+        converts = t.dtype.is_float and t.dtype.np != np.float32
+        kept = isinstance(stored, np.ndarray) and not stored.flags.writeable
+        found = to_compute_form(coerce(stored, t, f"parameter {name!r}", copy=not (converts or kept)), t.dtype)
+        found.setflags(write=False)  # shared by graphs and steps: nobody writes into a weight
+        self._converted[key] = found
+        return found
+
+    def convert_ahead(self, parameters: Iterable[tuple[str, Tensor]], later: bool = False) -> int:
+        """Queue the conversion of each (name, tensor) not converted nor queued yet on ``ahead``'s
+        thread (``later``: ``later``'s, at a lower priority), in the order given (``get`` waits for one,
+        or converts it where not started); how many were queued."""
+        queued = 0
+        for name, t in parameters:
+            key = (name, t.shape, t.dtype.name)
+            if key not in self._converted and not self.ahead.has(key) and not self.later.has(key):
+                what = f"parameter {name!r} (its float32 copy)"
+                (self.later if later else self.ahead).submit(key, what, lambda n=name, x=t: self._convert(n, x))
+                queued += 1
+        return queued
+
+    def pending(self) -> int:
+        """Conversions and packings queued or under way on the threads."""
+        return self.ahead.pending() + self.later.pending()
+
+    def ready(self, name: str, t: Tensor, torch_form: bool = False) -> bool:
+        """Whether ``get`` (``torch_form``: ``torch_form``) has ``name`` for ``t`` without waiting for
+        ``ahead``'s thread (a bfloat16 checkpoint's torch form needs no float32 copy)."""
+        key = (name, t.shape, t.dtype.name)
+        return (torch_form and not self.copied_for_torch(name, t)) or not (self.ahead.has(key) or self.later.has(key))
+
+    def copied_for_torch(self, name: str, t: Tensor) -> bool:
+        """Whether ``torch_form`` makes ``name``'s compute form (float32 copy) first: all but a bfloat16
+        tensor whose stored array is its dense bfloat16 bits (a checkpoint's)."""
+        return t.dtype != bfloat16 or self._own_bits(name, t) is None
+
+    def _own_bits(self, name: str, t: Tensor) -> np.ndarray | None:
+        stored = self.params[name]
+        return _bfloat16_bits(stored, None) if np.shape(stored) == t.shape else None
+
     def torch_form(self, name: str, t: Tensor) -> Any:
         """Parameter ``name`` for tensor ``t`` as a torch tensor of its dtype, made once: a bfloat16
-        checkpoint's own memory where it can be (no copy), a float32 one over its compute form."""
+        checkpoint's own memory where it can be (no copy, no float32 copy first), a float32 one over
+        its compute form."""
         key = (name, t.shape, t.dtype.name)
         if key not in self._torch_forms:
-            found = self.get(name, t)
             self.torch()
-            if t.dtype == bfloat16:
-                self._torch_forms[key] = _torch.from_numpy(_bfloat16_bits(self.params[name], found).view(bfloat16.np))
+            if t.dtype == bfloat16:  # (a checkpoint's own bits where they are t's: no float32 copy first)
+                bits = self._own_bits(name, t)
+                bits = bits if bits is not None else _bfloat16_bits(self.params[name], self.get(name, t))
+                made = _torch.from_numpy(bits.view(bfloat16.np))
             else:
-                self._torch_forms[key] = _torch.to_torch(found, t.dtype)
+                made = _torch.to_torch(self.get(name, t), t.dtype)
+            return self._torch_forms.setdefault(key, made)  # (one object for all: a packing keys on it)
         return self._torch_forms[key]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._converted.values())
+        return sum(a.nbytes for a in list(self._converted.values()))  # (ahead's thread may add some)
 
 
 class FastGraph:
@@ -268,7 +323,10 @@ class FastGraph:
         self._states: dict[str, int] = {}
         self.nodes: list[Node] = []  # the nodes that run, in order (a step each)
         self._steps: list[tuple[Kernel, list[int], list[int]]] = []
-        self._prepares: list[tuple[Callable[[list[Any]], None], list[int]]] = []
+        self._prepares: list[tuple[Callable[[list[Any]], None], list[int], Kernel]] = []
+        self._later: dict[int, Callable[[], Any]] = {}  # parameters fetched where first read (ahead's)
+        self._before: dict[int, list[Callable[[list[Any]], None]]] = {}  # a step's first run waits for
+        self.key = object()  # (its jobs' keys: unlike an id, never another graph's once this one is gone)
         snapshots = _read_after_overwrite(graph, order)
         for node in order:
             self._prepare(node, verify)
@@ -277,6 +335,9 @@ class FastGraph:
         self._outputs = {name: (self._slot[t], t) for name, t in graph.outputs.items()}
         self._updates = {name: self._slot[t] for name, t in graph.state_updates.items()}
         self._dead = self._last_uses()
+        for slot in self._later:  # (a parameter queued on weights.ahead: fetched by its first reader)
+            first = next(i for i, (_, ins, _) in enumerate(self._steps) if slot in ins)
+            self._before.setdefault(first, []).append(lambda values, j=slot: values.__setitem__(j, self._value(j)))
         self.state: dict[str, np.ndarray] = {}
         self.reset()
 
@@ -290,10 +351,11 @@ class FastGraph:
         if op.kind == "source":
             slot = self._new_slot(node.outputs[0])
             name, t = node.attrs["name"], node.outputs[0]
-            if op.name == "parameter" and self.in_torch:
-                self._fixed[slot] = self.weights.torch_form(name, t)
-            elif op.name == "parameter":
-                self._fixed[slot] = self.weights.get(name, t, self.torch)
+            if op.name == "parameter":
+                self._fixed[slot] = None
+                self._later[slot] = self._fetcher(name, t)
+                if self.weights.ready(name, t, self.in_torch):  # (else fetched where first read)
+                    self._value(slot)
             elif op.name == "constant":
                 value = to_compute_form(np.asarray(node.attrs["value"]), t.dtype)
                 self._fixed[slot] = _torch.to_torch(value, t.dtype) if self.in_torch else value
@@ -312,13 +374,14 @@ class FastGraph:
         if self.in_torch:
             own = op.fast.torch(node) if op.fast is not None and op.fast.torch is not None else None
             kernel = own if own is not None else _torch.in_numpy(node, kernel)
-            if hasattr(kernel, "prepare"):  # (what it keeps between runs, made by prepare())
-                self._prepares.append((kernel.prepare, [self._slot[t] for t in node.inputs]))
+        prepare = getattr(kernel, "prepare", None) if self.in_torch else None  # (kept between runs)
         if checks:
             kernel = _checked(kernel, node, self.in_torch)
         if verify:
             kernel = _verified(kernel, node, self.in_torch)
         ins = [self._slot[t] for t in node.inputs]
+        if prepare is not None:
+            self._prepares.append((prepare, ins, kernel))
         self.nodes.append(node)
         self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
 
@@ -331,9 +394,40 @@ class FastGraph:
         """Let the kernels make what they keep between runs from the parameters (torch form: bfloat16
         linear weights packed for oneDNN) now, a setup phase, rather than not at all; how many did."""
         with self._torch_mode():
-            for prepare, ins in self._prepares:
-                prepare([self._fixed.get(j) for j in ins])
+            for prepare, ins, _ in self._prepares:
+                prepare([self._value(j) if j in self._fixed else None for j in ins])
         return len(self._prepares)
+
+    def prepare_ahead(self) -> int:
+        """``prepare`` each kernel on ``weights.ahead``'s thread instead (urgent jobs: before the weights'
+        conversions), each step's first run waiting for its own: the same kernels whatever the timing;
+        how many were queued."""
+        steps = {id(kernel): i for i, (kernel, _, _) in enumerate(self._steps)}
+        for k, (prepare, ins, kernel) in enumerate(self._prepares):
+            key, node = (self.key, k), self.nodes[steps[id(kernel)]]
+
+            def job(prepare: Callable[[list[Any]], None] = prepare, ins: list[int] = ins) -> None:
+                with self._torch_mode():  # (thread-local: entered on the thread that packs)
+                    prepare([self._value(j) if j in self._fixed else None for j in ins])
+
+            what = f"{node.op.name} {node.name} (graph {self.graph.name!r}: its packed weight)"
+            self.weights.ahead.submit(key, what, job, urgent=True)
+            wait = self.weights.ahead.wait
+            self._before.setdefault(steps[id(kernel)], []).append(lambda values, key=key, wait=wait: wait(key))
+        return len(self._prepares)
+
+    def _fetcher(self, name: str, t: Tensor) -> Callable[[], Any]:
+        if self.in_torch:
+            return lambda: self.weights.torch_form(name, t)
+        return lambda: self.weights.get(name, t, self.torch)
+
+    def _value(self, slot: int) -> Any:
+        """A parameter's value, fetched from the weights (waiting for ahead's thread) where not yet."""
+        fetch = self._later.get(slot)
+        if fetch is not None:
+            self._fixed[slot] = fetch()  # (the same object from either thread: the weights keep it)
+            self._later.pop(slot, None)
+        return self._fixed[slot]
 
     def _last_uses(self) -> list[list[int]]:
         """For each step, the slots no later step reads (nor the end of the run): dropped after it, so
@@ -436,9 +530,13 @@ class FastGraph:
         for name, slot in self._states.items():
             state, t = self.state[name], self.graph.states[name]
             values[slot] = _torch.to_torch(state, t.dtype, keep_float32=True) if self.in_torch else state
-        i = 0
+        i, before = 0, self._before
         try:
             for i, (kernel, ins, outs) in enumerate(self._steps):
+                if before and i in before:  # (a first run: a parameter or a packing made ahead)
+                    for first in before[i]:
+                        first(values)
+                    del before[i]
                 for o, r in zip(outs, kernel([values[j] for j in ins])):
                     values[o] = r
                 for j in self._dead[i]:
