@@ -270,7 +270,7 @@ def test_generation_with_append_through_the_plan(processors) -> None:
 def test_the_append_tiles_compile_without_spills(arch, target) -> None:
     """Llama-3.2-1B's decode step (split keys, bf16) and the table's variants: fp32, fp16, interleaved
     pairs, partial rotary dims, heads the split-key path does not take (a warp a row)."""
-    from tests.test_attention_templates import assert_compiles_without_spills, template_calls
+    from tests.test_attention_templates import PARTIAL, assert_compiles_without_spills, template_calls
 
     g = ml.Graph("append-variants")
     for n, (dtype, d, rope) in enumerate([
@@ -294,6 +294,6 @@ def test_the_append_tiles_compile_without_spills(arch, target) -> None:
         src = generate(make_plan(graph, processors=132, arch=arch)).source
         partial = {s: c for s, c in template_calls(src).items() if c.startswith("ml::attention_partial<")}
         assert partial and all("ml::attn_append<" in c for c in partial.values()), partial
-        paths = {c.split(">(")[0].rsplit(", ", 1)[1] for c in partial.values()}  # SplitKeys
+        paths = {PARTIAL.search(c)[9] for c in partial.values()}  # SplitKeys
         assert paths == ({"true", "false"} if graph is g else {"true"}), (graph.name, paths)
         assert_compiles_without_spills(src, target, f"{graph.name} on {target}", set(partial))

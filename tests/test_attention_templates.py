@@ -29,8 +29,9 @@ from tests.test_row_templates import tile_functions
 OPS = ("attention", "attention_partial", "attention_combine")
 CALLS = {op: f"ml::{op}<" for op in OPS}
 SHAPE = r"ml::AttnShape<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+)(?:, /\* softcap [^*]* \*/ \d+u)?>"
-ATTENTION = re.compile(rf"ml::attention<{SHAPE}, (\d+), (true|false)>\(")
-PARTIAL = re.compile(rf"ml::attention_partial<{SHAPE}, (\d+), (true|false)>\(")
+LANES = r"(?:, ml::Lanes<\d+, \d+, \d+>)?"  # the decode tile of lanes over keys, where it applies
+ATTENTION = re.compile(rf"ml::attention<{SHAPE}, (\d+), (true|false){LANES}>\(")
+PARTIAL = re.compile(rf"ml::attention_partial<{SHAPE}, (\d+), (true|false){LANES}>\(")
 HEADER = Path(emit_attention.__file__).parent / "include" / "megaloop" / "attention.cuh"
 
 

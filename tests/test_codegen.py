@@ -650,7 +650,8 @@ def test_tensor_core_tiles_keep_accumulators_in_registers(warps: int) -> None:
 def attention_mma_warps(src: str) -> list[int]:
     """Each ml::attention call's tensor-core warps a unit (attention.cuh's Mma: 0 where the tile has no
     tensor-core path)."""
-    return [int(m[1]) for m in re.finditer(r"ml::attention<ml::AttnShape<[^>]*>, (\d+), (?:true|false)>", src)]
+    calls = r"ml::attention<ml::AttnShape<[^>]*>, (\d+), (?:true|false)(?:, ml::Lanes<[^>]*>)?>"
+    return [int(m[1]) for m in re.finditer(calls, src)]
 
 
 @pytest.mark.parametrize(

@@ -264,7 +264,7 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
         for (int x = 0; x < R; ++x)
 #pragma unroll
             for (int c = 0; c < VPL; ++c) sum[0][x][c] = sum[1][x][c] = 0.0f;
-#pragma unroll
+#pragma unroll 8  // (unrolled whole, ptxas hoists all 32 values and spills under the loader warp's 224 registers)
         for (int jj = 0; jj < 32; ++jj) {
             const T* vrow = APPEND && s0 + 32 * kb + jj == pn ? vn : vs + (32 * kb + jj) * Sm::LDV;
             const Pack<T, VPL> vv = load_pack<T, VPL>(vrow + lane * VPL);
