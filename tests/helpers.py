@@ -204,3 +204,51 @@ def save_tiny_transformers_llama(folder, vocab: int):
     )  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
     return folder
+
+
+def assert_generator_matches_reference(loop_kernel, **plan_args) -> None:
+    """12 greedy steps of a float32 Llama generator on the loop kernel (``loop_kernel(plan, params,
+    state)``, the plan made with ``plan_args``): the numpy reference's tokens, and its states within
+    float32's tolerance."""
+    from megaloop.models import LlamaConfig, random_parameters
+    from megaloop.models.llama import build_llama_generator
+    from megaloop.plan import make_plan
+
+    cfg = LlamaConfig(hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2, max_seq=64, vocab=300)
+    params = random_parameters(cfg, seed=6)
+    state = {"token": np.array([[5]]), "position": np.array([[0]])}
+    g = build_llama_generator(cfg, 1, kv_splits=3)
+    want = ml.evaluate(g, {}, params, state, iterations=12)
+    with loop_kernel(make_plan(g, processors=132, **plan_args), params, state) as k:
+        k.run(iterations=12)
+        got = k.state()
+    assert got["token"].tolist() == want.state["token"].tolist()
+    for n, w in want.state.items():
+        if w.dtype.kind == "f":
+            assert np.abs(got[n] - w).max() <= 1e-4 * max(1.0, np.abs(w).max()), f"state {n}"
+
+
+def assert_watchdog_names_the_stuck_wait(options=None) -> None:
+    """A tiny Llama step on the loop kernel (``options``: its KernelOptions) whose first wait has a target
+    no counter reaches: the watchdog names it within 0.5 s, and the next kernel runs normally."""
+    import pytest
+
+    from megaloop.codegen import generate
+    from megaloop.models import LlamaConfig, build_llama, random_parameters
+    from megaloop.plan import make_plan
+    from megaloop.runtime.loop import LoopKernel, LoopKernelError
+
+    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
+    plan = make_plan(build_llama(cfg, 1, 1), processors=16, options=options)
+    params = random_parameters(cfg)
+    program = generate(plan)
+    first = int(np.flatnonzero(program.waits["lag"] == 0)[0])
+    program.waits["per_iteration"][first] = 1_000_000  # a target no counter will reach
+    feeds = {"tokens": [[3]], "positions": [[0]]}
+    stuck = r"watchdog: rank 0 processor \d+ waited more than 0.5 s .* counter \d+ \(done"
+    with pytest.raises(LoopKernelError, match=stuck):
+        with LoopKernel(plan, params, timeout_s=0.5, program=program) as k:
+            k.run(feeds)
+    with LoopKernel(plan, params) as k:  # and the next kernel runs normally
+        out = k.run(feeds)
+    assert np.isfinite(out["logits"].astype(np.float32)).all()

@@ -18,7 +18,7 @@ from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import make_plan
 from megaloop.runtime.compile import compile_many
 from megaloop.runtime.device import gpus
-from tests.helpers import assert_close, random_values, to_torch64
+from tests.helpers import assert_close, assert_watchdog_names_the_stuck_wait, random_values, to_torch64
 from tests.op_table import ROWS, build_row
 from tests.random_graphs import random_graph
 
@@ -149,22 +149,7 @@ def test_hundred_runs_are_bitwise_identical() -> None:
 
 
 def test_watchdog_names_the_stuck_wait_and_the_gpu_stays_usable() -> None:
-    from megaloop.runtime.loop import LoopKernelError
-
-    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
-    plan = make_plan(build_llama(cfg, 1, 1), processors=16)
-    params = random_parameters(cfg)
-    program = generate(plan)
-    first = int(np.flatnonzero(program.waits["lag"] == 0)[0])
-    program.waits["per_iteration"][first] = 1_000_000  # a target no counter will reach
-    feeds = {"tokens": [[3]], "positions": [[0]]}
-    stuck = r"watchdog: rank 0 processor \d+ waited more than 0.5 s .* counter \d+ \(done"
-    with pytest.raises(LoopKernelError, match=stuck):
-        with loop_kernel(plan, params, timeout_s=0.5, program=program) as k:
-            k.run(feeds)
-    with loop_kernel(plan, params) as k:  # and the next kernel runs normally
-        out = k.run(feeds)
-    assert np.isfinite(out["logits"].astype(np.float32)).all()
+    assert_watchdog_names_the_stuck_wait()
 
 
 def test_task_stuck_outside_a_wait_is_reported_and_stopped() -> None:

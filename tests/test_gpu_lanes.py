@@ -19,7 +19,7 @@ from megaloop.models import LlamaConfig, random_parameters
 from megaloop.models.llama import build_llama_generator
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.runtime.device import gpus
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_generator_matches_reference
 from tests.test_attention_append import _append_graph, rounded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
@@ -117,15 +117,4 @@ def test_a_hundred_decode_steps_in_one_run(dtype) -> None:
 def test_the_generator_with_the_option_equals_the_reference() -> None:
     """12 greedy steps of a float32 generator on the loop kernel with the option: the numpy reference's
     tokens and caches within float32's tolerance."""
-    cfg = LlamaConfig(hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2, max_seq=64, vocab=300)
-    params = random_parameters(cfg, seed=6)
-    state = {"token": np.array([[5]]), "position": np.array([[0]])}
-    g = build_llama_generator(cfg, 1, kv_splits=3)
-    want = ml.evaluate(g, {}, params, state, iterations=12)
-    with loop_kernel(make_plan(g, processors=132, options=LANES), params, state) as k:
-        k.run(iterations=12)
-        got = k.state()
-    assert got["token"].tolist() == want.state["token"].tolist()
-    for n, w in want.state.items():
-        if w.dtype.kind == "f":
-            assert np.abs(got[n] - w).max() <= 1e-4 * max(1.0, np.abs(w).max()), f"state {n}"
+    assert_generator_matches_reference(loop_kernel, options=LANES)

@@ -12,11 +12,11 @@ import pytest
 
 import megaloop as ml
 import megaloop.frontend.ops as ops
-from megaloop.codegen import generate
 from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import KernelOptions, make_plan
 from megaloop.plan.cache import make_programs
 from megaloop.runtime.device import gpus
+from tests.helpers import assert_watchdog_names_the_stuck_wait
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
 
@@ -97,22 +97,7 @@ def test_hundred_runs_are_bitwise_identical_with_every_option() -> None:
 def test_watchdog_names_the_stuck_wait_with_every_option() -> None:
     """The stuck wait's waits are read from the task's record (task_records): the record is built from
     the edited table, so the edit reaches the kernel and the report names it."""
-    from megaloop.runtime.loop import LoopKernelError
-
-    cfg = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, max_seq=8, vocab=50)
-    plan = make_plan(build_llama(cfg, 1, 1), processors=16, options=SETTINGS["all"])
-    params = random_parameters(cfg)
-    program = generate(plan)
-    first = int(np.flatnonzero(program.waits["lag"] == 0)[0])
-    program.waits["per_iteration"][first] = 1_000_000  # a target no counter will reach
-    feeds = {"tokens": [[3]], "positions": [[0]]}
-    stuck = r"watchdog: rank 0 processor \d+ waited more than 0.5 s .* counter \d+ \(done"
-    with pytest.raises(LoopKernelError, match=stuck):
-        with kernel(plan, params, timeout_s=0.5, program=program) as k:
-            k.run(feeds)
-    with kernel(plan, params) as k:  # and the next kernel runs normally
-        out = k.run(feeds)
-    assert np.isfinite(out["logits"].astype(np.float32)).all()
+    assert_watchdog_names_the_stuck_wait(SETTINGS["all"])
 
 
 def _counting(name: str, rows: int) -> ml.Graph:

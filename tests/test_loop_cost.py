@@ -11,8 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-import megaloop as ml
-from bench.loop_overhead import parts_of
+from bench.loop_overhead import parts_of, tiny_graph
 from megaloop.codegen import generate
 from megaloop.codegen.abi import MAX_OPERANDS
 from megaloop.codegen.kernel import LOOP_COST_MACROS
@@ -32,18 +31,10 @@ TINY = LlamaConfig(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=1, ma
 ALL = KernelOptions(task_records=1, completion_word=1, doorbell_reads=4, round_trip_stamps=1)
 
 
-def chain() -> ml.Graph:
-    g = ml.Graph("chain")
-    s = g.state("s", (4,), ml.float32)
-    g.assign(s, s + 1.0)
-    g.output("s", s + 0.0)
-    return g
-
-
 def test_the_options_are_saved_in_the_plan_and_switch_only_their_macros() -> None:
-    base = generate(make_plan(chain(), processors=2)).source
+    base = generate(make_plan(tiny_graph(), processors=2)).source
     assert not any(macro in base for macro in LOOP_COST_MACROS.values()), "the defaults changed the kernel's text"
-    plan = make_plan(chain(), processors=2, options=ALL)
+    plan = make_plan(tiny_graph(), processors=2, options=ALL)
     source = generate(plan).source
     for name, macro in LOOP_COST_MACROS.items():
         assert f"#define {macro} {getattr(ALL, name)}\n" in source, macro
@@ -51,7 +42,7 @@ def test_the_options_are_saved_in_the_plan_and_switch_only_their_macros() -> Non
     data = plan_to_dict(plan)
     assert plan_from_dict(data).options == ALL
     with pytest.raises(GraphBuildError, match=r"doorbell_reads: must be an int in \[0, 4\], got 9"):
-        make_plan(chain(), processors=2, options=KernelOptions(doorbell_reads=9))
+        make_plan(tiny_graph(), processors=2, options=KernelOptions(doorbell_reads=9))
     data["options"]["task_records"] = 2
     with pytest.raises(PlanFormatError, match=r"task_records: must be an int in \[0, 1\], got 2"):
         plan_from_dict(data)
@@ -153,7 +144,7 @@ def test_the_hosts_wait_reads_the_completion_word(monkeypatch, tmp_path) -> None
     monkeypatch.setattr(resident, "_deferred", [])
     fake = install(monkeypatch, FakeDriver(gpus=1))
     try:
-        with LoopKernel(make_plan(chain(), processors=4, options=KernelOptions(completion_word=1))) as k:
+        with LoopKernel(make_plan(tiny_graph(), processors=4, options=KernelOptions(completion_word=1))) as k:
             k.run({}, iterations=3)
             assert k.completed() == 3 and k.finished()
             k.control[STOP] = 1  # the fake's blocks leave: the words stay as set below
@@ -163,7 +154,7 @@ def test_the_hosts_wait_reads_the_completion_word(monkeypatch, tmp_path) -> None
             assert not k.finished(), "finished by the blocks' progress, not the completion word"
             k.control[DONE] = 5
             assert k.finished() and k.completed() == 5
-        with LoopKernel(make_plan(chain(), processors=4)) as k:
+        with LoopKernel(make_plan(tiny_graph(), processors=4)) as k:
             k.run({}, iterations=2)
             assert k.completed() == 2 and k.finished()
     finally:

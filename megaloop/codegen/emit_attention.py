@@ -89,11 +89,8 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
 def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """The same rows over one key range (the tile's split, ceil(tk / splits) keys): the unnormalised
     output, then m and l, as float32 (megaloop/frontend/ops/attention_split.py)."""
-    chunk = -(-ins[1].shape[2] // attrs["splits"])
-    split = _split_applies(ins) and _append_packs(attrs, ins)
-    lanes = decode_lanes(attrs, ins)
+    chunk, split, lanes, paths = _key_range_paths(attrs, ins)
     append = "theta" in attrs
-    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
     return [
         *([rope_frequencies(attrs)] if append else []),
         *pointers(ins + [out], len(ins)),
@@ -108,17 +105,22 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
     ]
 
 
+def _key_range_paths(attrs: dict[str, Any], ins: list[Operand]) -> tuple[int, bool, Lanes | None, list[str]]:
+    """A key-range tile's range, whether split keys apply, the lanes tile, and its paths in order."""
+    split = _split_applies(ins) and _append_packs(attrs, ins)
+    lanes = decode_lanes(attrs, ins)
+    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
+    return -(-ins[1].shape[2] // attrs["splits"]), split, lanes, paths
+
+
 def attention_merged(op: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]) -> list[str]:
     """attention_partial's tile into the parts (outs[0]), then its arrival on the rows' word (outs[2]);
     the last of the rows' key ranges to arrive merges them as attention_combine into outs[1]
     (megaloop/frontend/ops/attention_merged.py)."""
     parts, out, arrivals = outs
     splits = attrs["splits"]
-    chunk = -(-ins[1].shape[2] // splits)
-    split = _split_applies(ins) and _append_packs(attrs, ins)
-    lanes = decode_lanes(attrs, ins)
+    chunk, split, lanes, paths = _key_range_paths(attrs, ins)
     held = "true" if splits <= COMBINE_HELD_SPLITS else "false"
-    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
     return [
         *([rope_frequencies(attrs)] if "theta" in attrs else []),
         *pointers(ins + outs, len(ins)),
@@ -159,7 +161,7 @@ def attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand], warps: int
 # ---- lanes over keys (megaloop/attention_lanes.cuh) -------------------------------------------------------
 
 LANES_MAX_ROWS = 8  # (head, query) rows a tile: a warp's scores and sums of its rows live in registers
-LANES_MAX_BYTES = 40 * 1024  # its staged keys and values and the rest: beside a weight ring of 8-10 slots
+LANES_MAX_BYTES = 40 * 1024  # its staged keys and values and the rest: beside most of a 12-slot weight ring
 
 
 @dataclass(frozen=True)

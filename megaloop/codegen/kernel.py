@@ -127,7 +127,7 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     loader = ring_layout is not None and with_loader  # a warp beside the tiles' warps
     threads = plan.warps * 32 + (32 if loader else 0)
     source = _source(functions, threads, plan.warps * 32, plan.ranks[rank].graph.name,
-                     sum(len(t.tasks) for t in tables), plan.options, ring_layout, len(programs))  # fmt: skip
+                     sum(len(t.tasks) for t in tables), plan.options, ring_layout, len(programs), loader)  # fmt: skip
     for t in tables:
         t.source, t.threads, t.shared_bytes, t.signatures = source, threads, shared, comments
     first = tables[0]
@@ -339,6 +339,7 @@ def _source(
     options: KernelOptions,
     ring: tuple[int, int, int] | None,
     programs: int = 1,
+    loader: bool = False,
 ) -> str:
     cases = "\n".join(f"        case {i}: sig_{i}(a, t, tid, off, k, proc); break;" for i in range(len(functions)))
     # (only where a tile uses it: other kernels keep their text)
@@ -352,7 +353,7 @@ def _source(
         slot += "".join(f"#define ML_RING_{n} {v}\n" for n, v in zip(("SLOTS", "SLOT_BYTES", "OFFSET"), ring))
         include += '#include "megaloop/ring.cuh"\n'
         hooks = "ml::WeightRing"
-        if options.weight_ring_loader and programs == 1:  # a warp of its own issues the copies (ring_loader.cuh)
+        if loader:  # its copies issued by a warp of their own (megaloop/ring_loader.cuh)
             slot += f"#define ML_RING_LOADER {options.weight_ring_loader}\n"
             slot += f"#define ML_RING_IN_FLIGHT {options.weight_ring_loader_bytes}\n"
             slot += f"#define ML_COMPUTE_THREADS {compute_threads}\n"

@@ -21,6 +21,7 @@ import numpy as np
 from megaloop.errors import MegaloopError
 from megaloop.frontend.graph import Graph
 from megaloop.frontend.ops._fast import TORCH_MIN_WEIGHT, TORCH_ROWS
+from megaloop.frontend.tensor import Tensor
 from megaloop.fuse import FuseOptions, fuse
 from megaloop.generation.progress import Progress
 from megaloop.models.decoding import PLAIN, Decoding
@@ -136,18 +137,11 @@ class CpuBackend:
         if self.runs is not None:
             return
         weights, graphs = self.weights, (self.prefill_graph, self.generator)
-        in_torch = self.activations == "torch"
-        if in_torch:
+        if self.activations == "torch":
             self.runs = (self._prefill_ahead(), None)
             return
-        torch = {g: g is graphs[0] and self.products == "torch" and not in_torch for g in graphs}  # (twins)
-        todo = [(n, t, torch[g]) for g in graphs for n, t in g.parameters.items() if not weights.has(n, t, torch[g])]
-        if todo:  # (a Generator's weights are converted by its first call only)
-            size = sum(t.size for _, t, _ in todo)
-            with self.progress.phase("convert", size, unit="weight", unit_scale=True) as bar:
-                for name, t, twin in todo:
-                    weights.get(name, t, twin)
-                    bar.update(t.size)
+        torch = {g: g is graphs[0] and self.products == "torch" for g in graphs}  # (twins)
+        self._convert([(n, t, torch[g]) for g in graphs for n, t in g.parameters.items()])
         prefill = FastGraph(graphs[0], weights, products=self.products, activations=self.activations)
         self.runs = (prefill, FastGraph(graphs[1], weights))
 
@@ -168,14 +162,19 @@ class CpuBackend:
     def _decode_run(self) -> FastGraph:
         """The generator's graph on the float32 weights: those still being made ahead waited for, as the
         "convert" setup phase."""
+        self._convert([(n, t, False) for n, t in self.generator.parameters.items()])
+        return FastGraph(self.generator, self.weights)
+
+    def _convert(self, wanted: list[tuple[str, Tensor, bool]]) -> None:
+        """The weights (name, tensor, torch's twin) not made yet, made here as the "convert" setup phase
+        (a Generator's weights are converted by its first call only)."""
         weights = self.weights
-        todo = [(n, t) for n, t in self.generator.parameters.items() if not weights.has(n, t)]
+        todo = [(n, t, twin) for n, t, twin in wanted if not weights.has(n, t, twin)]
         if todo:
-            with self.progress.phase("convert", sum(t.size for _, t in todo), unit="weight", unit_scale=True) as bar:
-                for name, t in todo:
-                    weights.get(name, t)
+            with self.progress.phase("convert", sum(t.size for _, t, _ in todo), unit="weight", unit_scale=True) as bar:
+                for name, t, twin in todo:
+                    weights.get(name, t, twin)
                     bar.update(t.size)
-        return FastGraph(self.generator, weights)
 
     def prefill(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         if self.runs is None:  # (callers that go straight to the prefill, as the reference allowed)

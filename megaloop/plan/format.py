@@ -326,7 +326,7 @@ def _options(r: _Reader) -> KernelOptions:
         raise PlanFormatError(f"{r.path}: unknown option {unknown[0]!r}; the options are {fields}")
     # an option a plan file lacks came later: its kernel was built without it
     present = {name: r.get(name, int) for name in fields if name in r.obj}
-    options = KernelOptions(**{**{n: v for n, v in ABSENT_OPTIONS.items() if n in fields}, **present})
+    options = KernelOptions(**{**ABSENT_OPTIONS, **present})
     options.check(PlanFormatError, r.path)
     return options
 

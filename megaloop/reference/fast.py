@@ -385,18 +385,16 @@ class FastGraph:
         self.nodes.append(node)
         self._steps.append((kernel, ins, [self._new_slot(t) for t in node.outputs]))
 
-    @property
-    def preparing(self) -> bool:
-        """Whether some kernel has something for ``prepare`` to make."""
-        return bool(self._prepares)
-
     def prepare(self) -> int:
         """Let the kernels make what they keep between runs from the parameters (torch form: bfloat16
         linear weights packed for oneDNN) now, a setup phase, rather than not at all; how many did."""
-        with self._torch_mode():
-            for prepare, ins, _ in self._prepares:
-                prepare([self._value(j) if j in self._fixed else None for j in ins])
+        for prepare, ins, _ in self._prepares:
+            self._prepare_kernel(prepare, ins)
         return len(self._prepares)
+
+    def _prepare_kernel(self, prepare: Callable[[list[Any]], None], ins: list[int]) -> None:
+        with self._torch_mode():  # (thread-local: entered on the thread that packs)
+            prepare([self._value(j) if j in self._fixed else None for j in ins])
 
     def prepare_ahead(self) -> int:
         """``prepare`` each kernel on ``weights.ahead``'s thread instead (urgent jobs: before the weights'
@@ -405,12 +403,8 @@ class FastGraph:
         steps = {id(kernel): i for i, (kernel, _, _) in enumerate(self._steps)}
         for k, (prepare, ins, kernel) in enumerate(self._prepares):
             key, node = (self.key, k), self.nodes[steps[id(kernel)]]
-
-            def job(prepare: Callable[[list[Any]], None] = prepare, ins: list[int] = ins) -> None:
-                with self._torch_mode():  # (thread-local: entered on the thread that packs)
-                    prepare([self._value(j) if j in self._fixed else None for j in ins])
-
             what = f"{node.op.name} {node.name} (graph {self.graph.name!r}: its packed weight)"
+            job = lambda prepare=prepare, ins=ins: self._prepare_kernel(prepare, ins)
             self.weights.ahead.submit(key, what, job, urgent=True)
             wait = self.weights.ahead.wait
             self._before.setdefault(steps[id(kernel)], []).append(lambda values, key=key, wait=wait: wait(key))
