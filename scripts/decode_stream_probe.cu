@@ -16,12 +16,16 @@
 //           running ahead across stages and iterations; so fast processors take more units, and a
 //           stage ends when the chip's stream does, not when its slowest processor's share does.
 //   cstream: claim with no waits at all (wrong results): what the claimed ring alone can stream.
+//   ll:     ahead, with each handoff one trip: producers also store their outputs as 8-byte words of two
+//           bf16 and a flag (the iteration), and consumers read those words until every flag is theirs,
+//           without waiting on the counter first (the counters are still released, as a kernel would).
 // Checks layer 0's products and a sample of the LM head's against float64 on the host.
 // Measures the design docs/runtime.md proposes for loop kernel v2; not part of the package.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I megaloop/codegen/include -o scripts/decode_stream_probe.bin scripts/decode_stream_probe.cu
-//   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD]]  (DELAYS: today | fused | none
+//   scripts/decode_stream_probe.bin MODE SLOTS DELAYS [ITERATIONS [LEAD [CAP]]]  (DELAYS: today | fused | none
 //   | v3 (attention one 4.5 us stage, its combine a 1 us prologue of o) | v3fast (attention 2.5 us);
-//   LEAD: chunks of 16 KB the loader also prefetches into L2 ahead of its copies)
+//   LEAD: chunks of 16 KB the loader also prefetches into L2 ahead of its copies; CAP: the most chunks a
+//   loader has in flight, as the loop kernel's weight_ring_loader_bytes, 0: as many as slots free)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -53,7 +57,7 @@ constexpr int THREADS = CONSUMERS + 32;
 constexpr int SLOT_BYTES = 16384;
 constexpr int MAX_K = 8192;
 constexpr int MAX_ROWS = 1024;
-enum Mode { DIRECT = 0, GATED = 1, AHEAD = 2, STREAM = 3, CLAIM = 4, CSTREAM = 5 };
+enum Mode { DIRECT = 0, GATED = 1, AHEAD = 2, STREAM = 3, CLAIM = 4, CSTREAM = 5, LL = 6 };
 constexpr int CLAIMS_IN_FLIGHT = 4;  // a loader's claims outstanding (an L2 atomic's round trip each)
 constexpr int ENDS = 64;             // stage ends a loader may run ahead of its consumers
 
@@ -142,6 +146,39 @@ __device__ bool wait_counter(const u32* c, u32 target, u32* abort_flag) {
     return true;
 }
 
+// ll mode: a word is two bf16 (low half) and the iteration that wrote them (high half); 8-byte accesses are
+// single-copy atomic, so a word whose flag is the reader's holds that iteration's values
+__device__ __forceinline__ void ll_store(u64* p, u32 pair, u32 flag) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(((u64)flag << 32) | pair) : "memory");
+}
+__device__ __forceinline__ void ll_load2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+// pieces [0, n8) of 8 bf16 each (piece j: words 4j .. 4j + 3), a thread every CONSUMERS-th, into xs;
+// every word re-read until its flag is `flag`
+__device__ bool ll_read(const u64* ll, uint4* xs, int n8, u32 flag, u32* abort_flag) {
+    const u64 start = now_ns();
+    for (int j = threadIdx.x; j < n8; j += CONSUMERS) {
+        u64 w[4];
+        for (unsigned polls = 1;; ++polls) {
+            ll_load2(ll + 4 * j, w[0], w[1]);
+            ll_load2(ll + 4 * j + 2, w[2], w[3]);
+            if ((u32)(w[0] >> 32) == flag && (u32)(w[1] >> 32) == flag && (u32)(w[2] >> 32) == flag &&
+                (u32)(w[3] >> 32) == flag)
+                break;
+            if ((polls & 15) == 0 && *(volatile u32*)abort_flag) return false;
+            if (now_ns() - start > 2000000000ull) {
+                atomicExch(abort_flag, 1u);
+                printf("probe watchdog: block %d ll word %d wants flag %u has %u\n", blockIdx.x, 4 * j, flag,
+                       (u32)(w[0] >> 32));
+                return false;
+            }
+        }
+        xs[j] = make_uint4((u32)w[0], (u32)w[1], (u32)w[2], (u32)w[3]);
+    }
+    return true;
+}
+
 struct Ring {
     u32 data, full, empty;  // shared addresses: the slots, their full barriers, their empty barriers
 };
@@ -203,7 +240,7 @@ __device__ __forceinline__ void gemv_rows(const void* w, const uint4* xs, float*
 
 __global__ void __launch_bounds__(THREADS, 1)
 probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __nv_bfloat16* const* bufs, u32* counters,
-      u64* stamps, int iterations, int mode, int slots, int lead, u32* abort_flag) {
+      u64* stamps, int iterations, int mode, int slots, int lead, u32* abort_flag, u64* const* lls, int cap) {
     extern __shared__ __align__(128) unsigned char smem[];
     uint4* xs = (uint4*)smem;                                   // MAX_K bf16
     float* acc = (float*)(smem + MAX_K * 2);                    // MAX_ROWS floats
@@ -252,6 +289,10 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                     const int rows = min(per, task.rows - r), slot = g % slots;
                     const u32 use = g / slots;
                     if (use > 0) mbar_wait(ring.empty + 8 * slot, (use - 1) & 1);
+                    if (cap > 0 && g >= (u32)cap) {  // at most `cap` copies landing: chunk g - cap's has
+                        const u32 old = g - cap;
+                        mbar_wait(ring.full + 8 * (old % slots), (old / slots) & 1);
+                    }
                     const u32 bytes = rows * task.k * 2;
                     mbar_expect_tx(ring.full + 8 * slot, bytes);
                     bulk_copy(ring.data + slot * SLOT_BYTES, weights + task.w_off + (long long)r * task.k, bytes,
@@ -265,10 +306,13 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
     for (int it = 0; it < iterations; it++)
         for (int i = first; i < end; i++) {
             const Task& task = tasks[i];
-            if (t == 0 && task.dep >= 0 && mode != STREAM) {
+            // (ll: a small op reading more than a product's vector, the argmax over the logits, waits as before)
+            const bool ll_in = mode == LL && (task.gemv || task.n_in <= MAX_K);
+            if (t == 0 && task.dep >= 0 && mode != STREAM && !ll_in) {
                 u32 target = task.first ? (u32)it * task.dep_per_iter : (u32)(it + 1) * task.dep_per_iter;
                 if (!wait_counter(counters + task.dep, target, abort_flag)) atomicExch(abort_flag, 1u);
             }
+            const u32 in_flag = task.first ? (u32)it : (u32)it + 1;  // the iteration + 1 that wrote the input
             consumers_sync();
             if (*(volatile u32*)abort_flag) return;
             const u64 start = now_ns();
@@ -276,7 +320,11 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
             const __nv_bfloat16* in = bufs[task.in_buf];
             __nv_bfloat16* out = bufs[task.out_buf];
             if (task.gemv) {
-                for (int j = t; j < task.k / 8; j += CONSUMERS) xs[j] = ld_cg((const uint4*)in + j);
+                if (mode == LL) {
+                    if (!ll_read(lls[task.in_buf], xs, task.k / 8, in_flag, abort_flag)) return;
+                } else {
+                    for (int j = t; j < task.k / 8; j += CONSUMERS) xs[j] = ld_cg((const uint4*)in + j);
+                }
                 consumers_sync();
                 const int per = rows_per_chunk(task.k, !use_ring);
                 for (int r = 0; r < task.rows; r += per) {
@@ -297,10 +345,34 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                     }
                 }
                 consumers_sync();
+                if (mode == LL)  // (tiles start at even rows: a word's two values are one tile's)
+                    for (int r = 2 * t; r < task.rows; r += 2 * CONSUMERS) {
+                        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[r], r + 1 < task.rows ? acc[r + 1] : 0.f);
+                        ll_store(lls[task.out_buf] + (task.row0 + r) / 2, *(const u32*)&v, (u32)it + 1);
+                    }
                 for (int r = t; r < task.rows; r += CONSUMERS) {
                     out[task.row0 + r] = __float2bfloat16(acc[r]);
                     acc[r] = 0.f;
                 }
+            } else if (ll_in) {  // the small op's input through its words, its output both ways
+                uint4* tmp = xs;  // (the products' vector: free between tiles)
+                for (int j0 = 0; j0 < task.n_out / 8; j0 += task.n_in / 8) {
+                    consumers_sync();
+                    if (!ll_read(lls[task.in_buf], tmp, min(task.n_in / 8, MAX_K / 8), in_flag, abort_flag)) return;
+                    consumers_sync();
+                    for (int j = j0 + t; j < min(task.n_out / 8, j0 + task.n_in / 8); j += CONSUMERS) {
+                        const uint4 v = tmp[j - j0];
+                        ((uint4*)out)[j] = v;
+                        u64* o = lls[task.out_buf] + 4 * j;
+                        ll_store(o, v.x, (u32)it + 1);
+                        ll_store(o + 1, v.y, (u32)it + 1);
+                        ll_store(o + 2, v.z, (u32)it + 1);
+                        ll_store(o + 3, v.w, (u32)it + 1);
+                    }
+                }
+                if (t == 0)
+                    while (now_ns() - start < (u64)task.delay_ns) {
+                    }
             } else {
                 uint4 v[8];  // n_out <= 16384: all loads in flight before the first store
 #pragma unroll
@@ -312,6 +384,13 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                 for (int u = 0; u < 8; u++) {
                     const int j = t + u * CONSUMERS;
                     if (j < task.n_out / 8) ((uint4*)out)[j] = v[u];
+                    if (mode == LL && j < task.n_out / 8) {
+                        u64* o = lls[task.out_buf] + 4 * j;
+                        ll_store(o, v[u].x, (u32)it + 1);
+                        ll_store(o + 1, v[u].y, (u32)it + 1);
+                        ll_store(o + 2, v[u].z, (u32)it + 1);
+                        ll_store(o + 3, v[u].w, (u32)it + 1);
+                    }
                 }
                 if (t == 0)
                     while (now_ns() - start < (u64)task.delay_ns) {
@@ -525,11 +604,13 @@ int main(int argc, char** argv) {
     const std::string delays = argc > 3 ? argv[3] : "today";
     const int iterations = argc > 4 ? atoi(argv[4]) : 20;
     const int lead = argc > 5 ? atoi(argv[5]) : 0;  // chunks prefetched into L2 ahead of the ring
+    const int cap = argc > 6 ? atoi(argv[6]) : 0;   // chunks in flight a loader, at most (0: no cap)
     const int mode = mode_s == "direct"  ? DIRECT
                      : mode_s == "gated"   ? GATED
                      : mode_s == "stream"  ? STREAM
                      : mode_s == "claim"   ? CLAIM
                      : mode_s == "cstream" ? CSTREAM
+                     : mode_s == "ll"      ? LL
                                            : AHEAD;
     const bool claiming = mode == CLAIM || mode == CSTREAM;
     cudaDeviceProp prop;
@@ -580,6 +661,22 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < x.size(); i++) x[i] = __float2bfloat16(0.5f * sinf(0.37f * i));
         CK(cudaMemcpy(bufs[S - 1], x.data(), x.size() * 2, cudaMemcpyHostToDevice));
     }
+    // ll mode's words: flags no iteration has (all ones), the start vector's with flag 0 (iteration 0 reads it)
+    std::vector<u64*> lls(S);
+    for (int s = 0; s < S; s++) {
+        CK(cudaMalloc(&lls[s], (size_t)st[s].n * 4));
+        CK(cudaMemset(lls[s], 0xff, (size_t)st[s].n * 4));
+    }
+    {
+        std::vector<__nv_bfloat16> x(st[S - 1].n);
+        CK(cudaMemcpy(x.data(), bufs[S - 1], x.size() * 2, cudaMemcpyDeviceToHost));
+        std::vector<u64> w(x.size() / 2);
+        for (size_t i = 0; i < w.size(); i++) memcpy(&w[i], &x[2 * i], 4);  // (flag 0 in the high half)
+        CK(cudaMemcpy(lls[S - 1], w.data(), w.size() * 8, cudaMemcpyHostToDevice));
+    }
+    u64** d_lls;
+    CK(cudaMalloc(&d_lls, S * sizeof(void*)));
+    CK(cudaMemcpy(d_lls, lls.data(), S * sizeof(void*), cudaMemcpyHostToDevice));
     __nv_bfloat16* weights;
     CK(cudaMalloc(&weights, weight_elems * 2));
     // tasks, per processor in stage order; small stage s runs on processor (7 s) % P
@@ -605,8 +702,8 @@ int main(int argc, char** argv) {
             w_off[s] = off;
             const int n = st[s].n;
             tiles[s] = std::min(P, n);
-            for (int p = 0; p < tiles[s]; p++) {
-                const int r0 = (long long)n * p / tiles[s], r1 = (long long)n * (p + 1) / tiles[s];
+            for (int p = 0; p < tiles[s]; p++) {  // (at even rows: ll mode's words hold two)
+                const int r0 = 2 * (int)((long long)(n / 2) * p / tiles[s]), r1 = 2 * (int)((long long)(n / 2) * (p + 1) / tiles[s]);
                 Task tk{1, s, -1, 0, s == 0, st[s].k, r0, r1 - r0, off + (long long)r0 * st[s].k, prev, s, st[prev].n, n, 0,
                         0, st[s].prologue_ns};
                 per[p].push_back(tk);
@@ -674,7 +771,7 @@ int main(int argc, char** argv) {
                                              mode, ring_slots, abort_flag);
         else
             probe<<<P, THREADS, shm>>>(d_tasks, d_start, weights, d_bufs, counters, stamps, iterations, mode,
-                                       ring_slots, lead, abort_flag);
+                                       ring_slots, lead, abort_flag, d_lls, cap);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         CK(cudaGetLastError());
@@ -724,11 +821,11 @@ int main(int argc, char** argv) {
         }
     }
     const double gb = weight_elems * 2 / 1e9;
-    printf("{\"mode\": \"%s\", \"l2_lead_kb\": %d, \"slots\": %d, \"ring_kb\": %d, \"delays\": \"%s\", \"stages\": %d, \"weights_gb\": %.3f, "
+    printf("{\"mode\": \"%s\", \"cap_kb\": %d, \"l2_lead_kb\": %d, \"slots\": %d, \"ring_kb\": %d, \"delays\": \"%s\", \"stages\": %d, \"weights_gb\": %.3f, "
            "\"us_per_token_median\": %.1f, \"us_per_token_min\": %.1f, \"tb_per_s\": %.2f, \"worst_error_over_bound\": %.3f, "
            "\"worst_at\": [%d, %d], \"last_step_us\": %.1f, \"gemv_stages_us\": %.1f, \"small_stages_us\": %.1f, "
            "\"handoffs_us\": %.1f}\n",
-           mode_s.c_str(), lead * SLOT_BYTES / 1024, ring_slots, ring_slots * SLOT_BYTES / 1024, delays.c_str(), S, gb, times[times.size() / 2],
+           mode_s.c_str(), cap * SLOT_BYTES / 1024, lead * SLOT_BYTES / 1024, ring_slots, ring_slots * SLOT_BYTES / 1024, delays.c_str(), S, gb, times[times.size() / 2],
            times[0], gb * 1e3 / times[times.size() / 2], worst, worst_stage, worst_row, step_us, gemv_us,
            small_us, handoff_us);
     return mode != STREAM && mode != CSTREAM && worst > 1.0 ? 2 : 0;
