@@ -18,8 +18,6 @@
 # `gpu_check.sh loopcost` measures the loop's own cost (docs/runtime.md, "The loop's own cost"): bench.loop_overhead's
 # A/B of KernelOptions task_records / completion_word / doorbell_reads and its round trip split into parts
 # (LOOPCOST_ARGS its arguments), then the options' GPU tests and the default path's runtime tests (~4 min).
-# `gpu_check.sh merge` runs the attention_merge rule (the combine by the last key range's tile):
-# bench.generate --shape 1b --compare +attention_merge "" (with it, then the default again), its GPU tests.
 # `gpu_check.sh lanes` runs the decode attention tile of lanes over keys (KernelOptions.decode_attention):
 # bench.generate --shape 1b --compare-lanes (the default, the option, the default again), its GPU tests.
 # `gpu_check.sh ab` runs BENCHES (AB_ARGS their arguments) from BASE_TREE and from this tree, twice, alternating.
@@ -97,12 +95,6 @@ if [ "$what" = loader ]; then  # docs/runtime.md, "The loader warp": the numbers
   timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile --compare-loader \
     ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ring_loader.py -m gpu -rA \
-    --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
-fi
-if [ "$what" = merge ]; then  # docs/runtime.md, "The decode attention chain shortened"
-  timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile \
-    --compare +attention_merge "" ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
-  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_merged.py -m gpu -rA \
     --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = lanes ]; then  # docs/runtime.md, "Lanes over keys"

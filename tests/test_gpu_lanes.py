@@ -1,9 +1,9 @@
 """The decode attention tile of lanes over keys (KernelOptions.decode_attention = 1) on the loop kernel
-(skipped without a GPU). attention_partial with its combine and attention_merged against the numpy
-reference for decode shapes (GQA 4 and 1, head_dim 64 and 128, several key ranges, positions at a
-range's boundary and at the last slot, bf16 and f32), three runs bit for bit alike; attention over all
-keys (lengths, a window); a Llama generator for 100 iterations in one run against the same without
-the option, bit for bit alike in two runs, and 12 steps against the reference. The CPU side:
+(skipped without a GPU). attention_partial with its combine against the numpy reference for decode
+shapes (GQA 4 and 1, head_dim 64 and 128, several key ranges, positions at a range's boundary and at
+the last slot, bf16 and f32), three runs bit for bit alike; attention over all keys (lengths, a
+window); a Llama generator for 100 iterations in one run against the same without the option, bit
+for bit alike in two runs, and 12 steps against the reference. The CPU side:
 tests/test_attention_lanes.py."""
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from tests.test_attention_append import _append_graph, rounded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpus()[0], reason="no GPU: " + gpus()[1])]
 LANES = KernelOptions(decode_attention=1)
-MERGE = ml.FuseOptions(on=("attention_merge",))
 
 
 def loop_kernel(plan, params=None, state=None):
@@ -33,7 +32,6 @@ def loop_kernel(plan, params=None, state=None):
     return LoopKernel(plan, params, state)
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["partial", "merged"])
 @pytest.mark.parametrize(
     "dtype, hq, hkv, d, tk, splits, positions",
     [
@@ -44,7 +42,7 @@ def loop_kernel(plan, params=None, state=None):
         ("bfloat16", 32, 8, 64, 256, 4, [7, 64, 200]),  # Llama-3.2-1B's shape
     ],
 )
-def test_the_op_against_the_reference(merged, dtype, hq, hkv, d, tk, splits, positions) -> None:
+def test_the_op_against_the_reference(dtype, hq, hkv, d, tk, splits, positions) -> None:
     dt = ml.as_dtype(dtype)
     b = len(positions)
     g = _append_graph(dt, b, hq, hkv, tk, splits, d, {}, None)
@@ -52,7 +50,7 @@ def test_the_op_against_the_reference(merged, dtype, hq, hkv, d, tk, splits, pos
     feeds = {n: rounded(rng.standard_normal(t.shape), dt) for n, t in g.inputs.items() if n != "pos"}
     feeds["pos"] = np.array(positions, np.int64).reshape(b, 1)
     want = ml.evaluate(g, feeds).outputs["out"]
-    plan = make_plan(g, processors=132, options=LANES, fusion=MERGE if merged else None)
+    plan = make_plan(g, processors=132, options=LANES)
     assert "ml::Lanes<" in generate(plan).source
     with loop_kernel(plan) as k:
         first = None

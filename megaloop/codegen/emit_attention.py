@@ -89,7 +89,10 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
 def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
     """The same rows over one key range (the tile's split, ceil(tk / splits) keys): the unnormalised
     output, then m and l, as float32 (megaloop/frontend/ops/attention_split.py)."""
-    chunk, split, lanes, paths = _key_range_paths(attrs, ins)
+    chunk = -(-ins[1].shape[2] // attrs["splits"])
+    split = _split_applies(ins) and _append_packs(attrs, ins)
+    lanes = decode_lanes(attrs, ins)
+    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
     append = "theta" in attrs
     return [
         *([rope_frequencies(attrs)] if append else []),
@@ -102,33 +105,6 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
         f"// key ranges of {chunk}: {', then '.join(paths)}",
         f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}{_lanes_arg(lanes)}>("
         f"a, t, tid, {float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
-    ]
-
-
-def _key_range_paths(attrs: dict[str, Any], ins: list[Operand]) -> tuple[int, bool, Lanes | None, list[str]]:
-    """A key-range tile's range, whether split keys apply, the lanes tile, and its paths in order."""
-    split = _split_applies(ins) and _append_packs(attrs, ins)
-    lanes = decode_lanes(attrs, ins)
-    paths = _lanes_path(lanes) + (["split keys"] if split else []) + ["a warp per (head, query)"]
-    return -(-ins[1].shape[2] // attrs["splits"]), split, lanes, paths
-
-
-def attention_merged(op: str, attrs: dict[str, Any], ins: list[Operand], outs: list[Operand]) -> list[str]:
-    """attention_partial's tile into the parts (outs[0]), then its arrival on the rows' word (outs[2]);
-    the last of the rows' key ranges to arrive merges them as attention_combine into outs[1]
-    (megaloop/frontend/ops/attention_merged.py)."""
-    parts, out, arrivals = outs
-    splits = attrs["splits"]
-    chunk, split, lanes, paths = _key_range_paths(attrs, ins)
-    held = "true" if splits <= COMBINE_HELD_SPLITS else "false"
-    return [
-        *([rope_frequencies(attrs)] if "theta" in attrs else []),
-        *pointers(ins + outs, len(ins)),
-        f"// key ranges of {chunk}: {', then '.join(paths)}; the last of the {splits} ranges of these rows to "
-        "arrive merges them",
-        f"ml::attention_merged<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}, {splits}, {held}"
-        f"{_lanes_arg(lanes)}>(a, t, tid, k, {float_literal(attrs['scale'])}, {at(out, 'out1')}, "
-        f"{at(arrivals, 'out2')}, {_operands(attrs, ins, parts)});",
     ]
 
 

@@ -165,7 +165,7 @@ def _tables(plan: Plan, rank: int, mirrors: bool, lowered: list[Lowered], pushed
     # a counter no task waits on is never bumped: its release is ~0.5 us on a chain's path
     waited = remote | {w.counter for t in rp.tasks for w in t.waits if w.rank == rank}
     for t in rp.tasks:
-        if len(t.writes) != 1 and REGISTRY[rp.ops[t.op].op].merge is None:  # (a merging op's first box is its own)
+        if len(t.writes) != 1:
             raise GraphBuildError(f"codegen: {rp.task_name(t)} writes {len(t.writes)} boxes; tiles write exactly one")
         box = t.writes[0].box
         if len(box.lo) > MAX_DIMS:

@@ -25,13 +25,7 @@ from megaloop.codegen.emit import (
     scatter_add,
     step_batch,
 )
-from megaloop.codegen.emit_attention import (
-    attention,
-    attention_combine,
-    attention_merged,
-    attention_partial,
-    attention_shared_bytes,
-)
+from megaloop.codegen.emit_attention import attention, attention_combine, attention_partial, attention_shared_bytes
 from megaloop.codegen.emit_attention_grad import attention_grad
 from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
@@ -185,13 +179,6 @@ def _attention_with(emitter: Callable[..., list[str]], limits: bool) -> Template
     return template
 
 
-def _attention_merged(call: TileCall) -> Lowered:
-    plan = call.plan
-    attrs = _with(call, _attention_hints(call))
-    body = attention_merged(call.op.op, attrs, call.ins, call.outs)
-    return Lowered(body, attention_shared_bytes(attrs, call.ins, plan.warps))
-
-
 def _sample(name: str) -> Template:
     def template(call: TileCall) -> Lowered:
         body = emit_sample.tile(name, call.attrs, call.ins, call.outs[0])
@@ -303,7 +290,6 @@ TEMPLATES: dict[str, Template] = {
     "attention": _attention_with(attention, limits=True),
     "attention_partial": _attention_with(attention_partial, limits=True),
     "attention_combine": _attention_with(attention_combine, limits=False),
-    "attention_merged": _attention_merged,
     "attention_grad": lambda c: Lowered(attention_grad(c.op.op, c.attrs, c.ins, c.outs[0])),
     "paged_attention": lambda c: Lowered(paged_attention(c.op.op, c.attrs, c.ins, c.outs[0])),
     "paged_kv_update": lambda c: Lowered(paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),

@@ -100,19 +100,6 @@ class Fast:
 
 
 @dataclass(frozen=True)
-class Merge:
-    """Tiles that finish together (the last to arrive merges): each tile writes its own box of output
-    ``parts`` and shares its boxes of the other outputs with the tiles writing the same ones; the last
-    of them to arrive in an iteration writes those, ``merge(parts, attrs)`` (the parts array complete
-    over the group's boxes; returns every output but ``parts``, in order). The plan orders one
-    iteration's tiles of a group before the next one's (megaloop/plan/hazards.py); the interpreter
-    merges when the last arrives (megaloop/reference/interpreter.py)."""
-
-    parts: int
-    merge: Callable[[np.ndarray, dict[str, Any]], list[np.ndarray]]
-
-
-@dataclass(frozen=True)
 class OpDef:
     name: str
     kind: str
@@ -143,7 +130,6 @@ class OpDef:
     # (megaloop/frontend/autodiff.py refuses it by name)
     vjp: Callable[[VjpCall], Sequence[Tensor | None]] | None = None
     fast: Fast | None = None  # a faster CPU implementation (Fast); None: the reference runs there too
-    merge: Merge | None = None  # its tiles' outputs merged by the last of a group to arrive (Merge)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

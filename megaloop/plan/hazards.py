@@ -13,12 +13,7 @@ an epoch of its own. A correct plan orders
   (lag 1: the next iteration overwrites what this one still reads).
 
 That is enough: any two conflicting accesses of an element are then ordered through the chain of
-epochs between them. The tiles of an op whose last tile of a group merges (``OpDef.merge``) share
-boxes of its outputs: their accesses are shared, never an overlap of the op's tiles, and a cell whose
-only epoch is theirs is ordered with itself one iteration later (every tile of the group before every
-other one of the next iteration, so the next iteration's arrivals follow this one's merge).
-
-Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
+epochs between them. Buffers that share bytes (scratch reuse) are ordered as wholes: the last users
 of the earlier one before the first writers of the later one, and back across iterations. Those are
 kept as groups of two task sets (``ReuseOrderings``): with thousands of tiles on each side, pair by
 pair they would be millions of orderings.
@@ -34,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megaloop.frontend.opdef import REGISTRY
 from megaloop.frontend.shapes import contiguous_strides
 from megaloop.frontend.tiling import Box
 from megaloop.plan.bytes import overlapping_pairs
@@ -128,13 +122,12 @@ class AccessTable:
     exact: list[np.ndarray]  # bool: the box is not widened
     lo: list[list[tuple[int, ...]]]
     hi: list[list[tuple[int, ...]]]
-    shared: list[np.ndarray]  # bool: a task of an op whose tiles merge (OpDef.merge) accesses it
     read_only_writes: list[tuple[int, int, int]]  # (gid, owner rank, buffer) of writes to read-only buffers
 
 
 def build_access_table(plan: Plan) -> AccessTable:
     base = task_bases(plan)
-    cols = [([], [], [], [], [], [], []) for _ in plan.ranks]  # buffer, task, write, exact, lo, hi, shared
+    cols = [([], [], [], [], [], []) for _ in plan.ranks]  # buffer, task, write, exact, lo, hi
     bad: list[tuple[int, int, int]] = []
     info = [
         [
@@ -150,11 +143,9 @@ def build_access_table(plan: Plan) -> AccessTable:
         ]
         for rp in plan.ranks
     ]
-    merging = [{op.id for op in rp.ops if op.op in REGISTRY and REGISTRY[op.op].merge} for rp in plan.ranks]
     for r, rp in enumerate(plan.ranks):
         for task in rp.tasks:
             gid = base[r] + task.id
-            shared = task.op in merging[r]
             for accesses, is_write in ((task.reads, False), (task.writes, True)):
                 for tensor, box, owner in accesses:
                     strides, offset, buf, shape, read_only, is_root = info[owner][tensor]
@@ -173,7 +164,6 @@ def build_access_table(plan: Plan) -> AccessTable:
                     c[3].append(exact)
                     c[4].append(sbox.lo)
                     c[5].append(sbox.hi)
-                    c[6].append(shared)
     return AccessTable(
         base,
         [np.array(c[0], np.int64) for c in cols],
@@ -182,7 +172,6 @@ def build_access_table(plan: Plan) -> AccessTable:
         [np.array(c[3], bool) for c in cols],
         [c[4] for c in cols],
         [c[5] for c in cols],
-        [np.array(c[6], bool) for c in cols],
         bad,
     )
 
@@ -286,7 +275,7 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
     for r in range(len(table.task)):
         if not len(table.task[r]):
             continue
-        t, w, b, ex, sh = table.task[r], table.write[r], table.buffer[r], table.exact[r], table.shared[r]
+        t, w, b, ex = table.task[r], table.write[r], table.buffer[r], table.exact[r]
         acc, cell = _cells(table, r)
         order = np.lexsort((t[acc], seq_of[t[acc]], cell))
         acc, cell = acc[order], cell[order]
@@ -300,7 +289,7 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
         np.logical_or.at(g_write, group, wr)
         g_cell = cell[g_first]
         if not overlapping:
-            clash = ex[acc] & ex[acc[g_first]][group] & g_write[group] & (gid != gid[g_first][group]) & ~sh[acc]
+            clash = ex[acc] & ex[acc[g_first]][group] & g_write[group] & (gid != gid[g_first][group])
             if np.any(clash):
                 i = int(np.argmax(clash))
                 overlapping.append((int(gid[g_first][group][i]), int(gid[i]), r, int(b[acc[i]])))
@@ -315,8 +304,7 @@ def find_orderings(plan: Plan, table: AccessTable, seq_of: np.ndarray) -> Orderi
         nxt = np.flatnonzero(e_cell[1:] == e_cell[:-1])
         cell_first = np.flatnonzero(np.append(True, e_cell[1:] != e_cell[:-1]))
         cell_last = np.append(cell_first[1:] - 1, len(e_first) - 1)
-        # a cell of one epoch wraps onto itself where a merging op's tiles share it (several tasks)
-        wrap = (cell_last != cell_first) | (sh[acc[e_first[cell_first]]] & e_write[cell_first])
+        wrap = cell_last != cell_first
         for ea, eb, lag in ((nxt, nxt + 1, 0), (cell_last[wrap], cell_first[wrap], 1)):
             left, right, which = _pairs(e_first[ea], e_size[ea], e_first[eb], e_size[eb])
             keep = gid[left] != gid[right]

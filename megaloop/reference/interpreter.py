@@ -184,14 +184,6 @@ class _Machine:
         self.meetings = meetings(plan)  # pushing all_reduce tiles (megaloop.plan.rendezvous)
         self.meeting_of = {member: (m, j) for m, group in enumerate(self.meetings) for j, member in enumerate(group)}
         self.arrived: dict[tuple[int, int], dict[int, tuple[int, int, Task, np.ndarray]]] = {}
-        # merging ops' tiles (OpDef.merge): (rank, op, shared box) -> its tasks; and who arrived, by iteration
-        self.merge_groups: dict[tuple[int, int, Any], list[Task]] = {}
-        for r, rank in enumerate(ranks):
-            for t in rank.rp.tasks:
-                merge = REGISTRY[rank.rp.ops[t.op].op].merge
-                if merge is not None:
-                    self.merge_groups.setdefault(_merge_key(rank.rp, r, t, merge.parts), []).append(t)
-        self.merging: dict[tuple[int, int, Any], tuple[int, int]] = {}  # key -> (iteration, tiles arrived)
 
     def run(self, iterations: int) -> None:
         """Event-driven: a processor is either ready or parked on the first counter it still waits
@@ -337,48 +329,12 @@ class _Machine:
                 results = out if isinstance(out, list) else [out]
         except DataError as e:
             raise DataError(f"{op.op} task {self.plan.task_label(r, task.id)} (iteration {k}): {e}") from None
-        if opdef.merge is not None:
-            self._arrive_merging(r, task, k, results)
-            return
         self._store(r, task, k, results)
 
-    def _arrive_merging(self, r: int, task: Task, k: int, results: list[Any]) -> None:
-        """A merging op's tile (OpDef.merge): its own box of the parts stored, then, if it is the last of
-        its group to arrive this iteration, the group's parts read back and merged into the shared boxes."""
-        rp = self.ranks[r].rp
-        op = rp.ops[task.op]
-        merge = REGISTRY[op.op].merge
-        parts = op.outputs[merge.parts]
-        key = _merge_key(rp, r, task, merge.parts)
-        self._store(r, task, k, results, only=lambda acc: acc.tensor == parts)
-        seen, count = self.merging.get(key, (k, 0))
-        if seen != k:
-            raise InterpreterError(
-                f"{self.plan.task_label(r, task.id)} (iteration {k}) arrives while its group's tiles of iteration "
-                f"{seen} have not all arrived ({count} of {len(self.merge_groups[key])}): the plan does not order "
-                "one iteration's tiles of a merging op before the next one's"
-            )
-        group = self.merge_groups[key]
-        if count + 1 < len(group):
-            self.merging[key] = (k, count + 1)
-            return
-        del self.merging[key]
-        own = [Access(acc.tensor, acc.box, acc.rank) for t in group for acc in t.writes if acc.tensor == parts]
-        read = Task(task.id, task.op, task.coords, own, [], 0, 0, 0.0)
-        for acc in own:
-            self._check_read(r, task, acc, k)
-        merged = merge.merge(self._operand(r, read, acc_rank=r, tensor=parts), op.attrs)
-        results = list(merged)
-        results.insert(merge.parts, None)
-        self._store(r, task, k, results, only=lambda acc: acc.tensor != parts)
-
-    def _store(self, r: int, task: Task, k: int, results: list[Any], only: Any = None) -> None:
-        """Write the task's declared boxes of its op's ``results`` (one per output); ``only``: those
-        boxes for which it is true."""
+    def _store(self, r: int, task: Task, k: int, results: list[Any]) -> None:
+        """Write the task's declared boxes of its op's ``results`` (one per output)."""
         op = self.ranks[r].rp.ops[task.op]
         for acc in task.writes:
-            if only is not None and not only(acc):
-                continue
             owner = self.ranks[acc.rank]  # another rank's: a pushing send storing into the recv's output
             t = owner.rp.tensors[acc.tensor]
             result = results[0] if acc.rank != r else results[op.outputs.index(acc.tensor)]
@@ -452,10 +408,3 @@ class _Machine:
                 f"{self.plan.task_label(r, task.id)} (iteration {k}) reads {t.name!r} of rank {acc.rank}, "
                 f"box {acc.box}: byte {int(idx[j]) - buf.offset} of buffer {buf.name!r} was {found}; expected {expect}"
             )
-
-
-def _merge_key(rp: Any, r: int, task: Task, parts_output: int) -> tuple[int, int, Any]:
-    """A merging op's tile group: the tiles sharing its first box of an output other than the parts."""
-    parts = rp.ops[task.op].outputs[parts_output]
-    shared = next(acc.box for acc in task.writes if acc.tensor != parts)
-    return (r, task.op, shared)

@@ -226,23 +226,6 @@ row(
 )
 
 
-def _merged_ref(q, k, v, *, tk, d, splits, dtype):
-    """The key ranges merged: softmax attention over every key."""
-    rep = q.shape[1] // k.shape[1]
-    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(d)
-    return torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)
-
-
-row(
-    "attention_merged",
-    "all-visible",
-    lambda g, q, k, v, tk, d, splits: ml.attention_merged(ml.attention_partial(q, k, v, splits=splits)),
-    _merged_ref,
-    _partial_sample,
-    reduce_len=lambda s: s.kw["tk"] + s.kw["d"],
-)
-
-
 # attention_partial's append form (a decode step): q [b, 1, hq, d] and the new key and value [b, 1, hkv, d]
 # as the projections give them (taken as transposed views), the caches' old values, one position a
 # sequence; head widths for both the split-key path and the warp-a-row one

@@ -22,7 +22,6 @@ from megaloop.frontend.ops._arguments import argument_error as _argument_error
 from megaloop.frontend.ops.argmax_split import argmax, argmax_combine, argmax_partial
 from megaloop.frontend.ops.attention import kv_cache_update
 from megaloop.frontend.ops.attention_grad import attention_grad
-from megaloop.frontend.ops.attention_merged import attention_merged
 from megaloop.frontend.ops.attention_split import attention, attention_combine, attention_partial
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
@@ -69,7 +68,6 @@ __all__ = [
     "attention",
     "attention_combine",
     "attention_grad",
-    "attention_merged",
     "attention_partial",
     "broadcast_to",
     "concat",

@@ -789,51 +789,6 @@ __device__ __forceinline__ void attention_combine(const Task& t, O out, X x) {
     });
 }
 
-// The arrival of one key range's tile on its rows' word (int64: the iteration's stamp k + 1 in the
-// high 32 bits, the count in the low 32): true for the last of the n ranges to arrive. A word holding
-// another iteration's stamp (an older one, or the arena's poison) starts the count at 1, so it needs
-// no zeroing and no reset; the plan orders each iteration's tiles of the rows before the next's.
-__device__ __forceinline__ bool arrive_last(i64* word_p, u64 k, int n) {
-    auto* word = reinterpret_cast<unsigned long long*>(word_p);
-    const unsigned long long stamp = (unsigned long long)(u32)(k + 1) << 32;
-    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word);
-    for (;;) {
-        const unsigned long long next = (seen >> 32) == (stamp >> 32) ? seen + 1 : stamp | 1ull;
-        const unsigned long long got = atomicCAS(word, seen, next);
-        if (got == seen) return (int)(next & 0xffffffffull) == n;
-        seen = got;
-    }
-}
-
-// One tile of attention_merged: attention_partial's tile (key range t.lo[3]) into parts, then its
-// arrival on the word of its rows (t.lo[0..2]); the last of the Splits ranges to arrive merges them
-// as attention_combine does into out [B, Hq, Tq, Dv]. Release: every thread's parts stored, a block
-// barrier, then thread 0's fence before the arrival; acquire: its fence after it, then a barrier.
-template <class S, int Chunk, bool SplitKeys, int Splits, bool Held, class LN = NoLanes, class O, class R, class P,
-          class Q, class K, class V, class QP, class L, class M, class App = Absent>
-__device__ __forceinline__ void attention_merged(const Args& a, const Task& t, int tid, u64 k, float scale, O out,
-                                                 R arrivals, P parts, Q q, K kc, V v, QP qpos, L lens, M mask,
-                                                 App app = {}) {
-    static_assert(O::rank == 4 && R::rank == 3 && P::rank == 5, "attention_merged: 4-D out, 3-D arrivals, 5-D parts");
-    __shared__ int ml_merge_last;
-    attention_partial<S, Chunk, SplitKeys, LN>(a, t, tid, scale, parts, q, kc, v, qpos, lens, mask, app);
-    ml::block_sync();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        i64* word = arrivals.p + (i64)t.lo[0] * stride_of<0, R> + (i64)t.lo[1] * stride_of<1, R> +
-                    (i64)t.lo[2] * stride_of<2, R>;
-        ml_merge_last = arrive_last(word, k, Splits);
-        __threadfence();
-    }
-    ml::block_sync();
-    if (ml_merge_last) {
-        Task rows = t;  // the tile's (batch, head, query) rows, every key range
-        rows.lo[3] = 0;
-        rows.hi[3] = 1;
-        attention_combine<Splits, S::dv, Held>(rows, out, parts);
-    }
-}
-
 #undef ML_CHUNKS
 
 }  // namespace ml
