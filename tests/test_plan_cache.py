@@ -4,6 +4,7 @@ source), anything else plans anew, and a damaged entry is planned again and repl
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import pytest
 
@@ -76,6 +77,20 @@ def test_a_damaged_entry_is_planned_again(cache, damage) -> None:
     assert not hit and generate(again).source == generate(plan).source
     assert entry.read_bytes() == good  # replaced by a sound entry
     assert load_or_make_plan(build_llama_generator(CFG, 1), processors=16)[1]
+
+
+def test_entries_are_compressed_and_the_uncompressed_format_is_planned_again(cache) -> None:
+    plan, _ = load_or_make_plan(build_llama_generator(CFG, 2), processors=16)
+    (entry,) = entries(cache)
+    head, _, body = entry.read_bytes().partition(b"\n")
+    pickled = zlib.decompress(body)
+    print(f"entry {len(body)} bytes, its pickle {len(pickled)}")
+    assert head.startswith(HEADER) and len(body) * 4 < len(pickled)
+    # an entry of the format before (the pickle as it is, its digest) is not read: planned again
+    entry.write_bytes(b"megaloop plan cache, sha256 " + hashlib.sha256(pickled).hexdigest().encode() + b"\n" + pickled)
+    again, hit = load_or_make_plan(build_llama_generator(CFG, 2), processors=16)
+    assert not hit and generate(again).source == generate(plan).source
+    assert entry.read_bytes().startswith(HEADER)
 
 
 def test_no_cache_or_an_unusable_one(cache, tmp_path, monkeypatch) -> None:
