@@ -86,7 +86,8 @@ def test_runs_that_switch_programs_with_the_loader_give_the_bits_without_it() ->
     graphs = ring_programs()
     gpu = gpus()[0][0]
     rng = np.random.default_rng(3)
-    params = {w: (rng.standard_normal((512, 512)) / 16).astype(ml.bfloat16.np) for w in ("w1", "w2")}
+    # (a gain about 1: the rows stay ~0.35 and a 1-ulp start grows to 3 % in a run of 5 steps, not 5 %)
+    params = {w: (rng.standard_normal((512, 512)) / 20).astype(ml.bfloat16.np) for w in ("w1", "w2")}
     got: dict[str, list] = {}
     for variant, options in RING_VARIANTS.items():
         plan = make_programs(graphs, processors=min(gpu.sm_count, RING_PROCESSORS), arch=gpu.plan_arch,
@@ -99,7 +100,8 @@ def test_runs_that_switch_programs_with_the_loader_give_the_bits_without_it() ->
                 before = kernel.state()
                 out = kernel.run(iterations=n, program=name)
                 runs.append((out["y"], kernel.state()["h"]))
-                want = ml.evaluate(graphs[name], {}, params, before, iterations=n)
+                mine = {w: params[w] for w in graphs[name].parameters}  # (decode_2 has w1 only)
+                want = ml.evaluate(graphs[name], {}, mine, before, iterations=n)
                 _close(runs[-1][1], want.state["h"], f"{variant}, run {step} ({name} x{n})")
             for name, n in (("decode_1", 2), ("decode_2", 1), ("mixed", 1), ("decode_1", 3)):
                 kernel.start(n, name)

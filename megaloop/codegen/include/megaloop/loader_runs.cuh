@@ -17,7 +17,7 @@ __device__ __forceinline__ u64 run_grant(u64 taken, u64 iterations, int chunks, 
 }
 
 struct LoaderRun {
-    u64 first;    // a chunk of the run's first iteration's start: chunk g is entry (g - first) % n
+    u64 first;    // where the run's first iteration starts: chunk g is its list's entry (g - first) % n
     u64 end;      // the chunks granted so far: the loader issues those below
     int program;  // whose list
 };

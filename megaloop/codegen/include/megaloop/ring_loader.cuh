@@ -148,6 +148,7 @@ __device__ __noinline__ void ring_loader(const Args& a, int proc) {
         const int* begin = g.ring_begin;
         my_list = g.ring_chunks + begin[proc];
         my_n = begin[proc + 1] - begin[proc];
+        if (!__any_sync(0xffffffffu, my_n > 0)) return;  // no program has chunks here
     }
     LoaderRun run{0, 0, -1};  // several programs: the run walked (program -1: none yet)
     if constexpr (PROGRAMS) loader_follow(run, granted, my_list, my_n, list, n, near, far, base, lane);
