@@ -1,7 +1,9 @@
 """The weight ring's loader warp (KernelOptions.weight_ring_loader, megaloop/ring_loader.cuh) without a
-GPU: which kernels get the ninth warp, its shared memory, that every kernel with it compiles for
-sm_80/86/89/90a without spills, that kernels without it keep their exact source, and that tiles count
-and synchronise only the compute threads (megaloop/block.cuh). The GPU runs: tests/test_gpu_ring_loader.py."""
+GPU: which kernels get the ninth warp (kernels of several programs too), its shared memory, that the decode
+kernels with it compile for sm_80/86/89/90a without spills, that kernels without it keep their exact
+source, that tiles count and synchronise only the compute threads (megaloop/block.cuh), and the
+loader's chunk numbering across program switches (megaloop/loader_runs.cuh through g++). The GPU
+runs: tests/test_gpu_ring_loader.py, tests/test_gpu_programs.py."""
 
 from __future__ import annotations
 
