@@ -100,8 +100,8 @@ def test_runs_that_switch_programs_with_the_loader_give_the_bits_without_it() ->
                 before = kernel.state()
                 out = kernel.run(iterations=n, program=name)
                 runs.append((out["y"], kernel.state()["h"]))
-                mine = {w: params[w] for w in graphs[name].parameters}  # (decode_2 has w1 only)
-                want = ml.evaluate(graphs[name], {}, mine, before, iterations=n)
+                used = {w: params[w] for w in graphs[name].parameters}  # (decode_2 has w1 only)
+                want = ml.evaluate(graphs[name], {}, used, before, iterations=n)
                 _close(runs[-1][1], want.state["h"], f"{variant}, run {step} ({name} x{n})")
             for name, n in (("decode_1", 2), ("decode_2", 1), ("mixed", 1), ("decode_1", 3)):
                 kernel.start(n, name)
