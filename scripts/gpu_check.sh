@@ -15,6 +15,8 @@
 # e.g. "ahead_8_fused": the probe's arguments joined by underscores).
 # `gpu_check.sh loader` runs the weight ring's loader warp (KernelOptions.weight_ring_loader):
 # bench.generate --shape 1b --compare-loader (the default, both orders and caps, one run), its GPU tests.
+# `gpu_check.sh programs` runs kernels of several programs with the ring's loader warp (docs/serving.md, "Programs"):
+# their GPU tests and the engine's, then bench.serve for one client (SERVE_ARGS more arguments): the batch-1 TPOT.
 # `gpu_check.sh loopcost` measures the loop's own cost (docs/runtime.md, "The loop's own cost"): bench.loop_overhead's
 # A/B of KernelOptions task_records / completion_word / doorbell_reads and its round trip split into parts
 # (LOOPCOST_ARGS its arguments), then the options' GPU tests and the default path's runtime tests (~4 min).
@@ -96,6 +98,12 @@ if [ "$what" = loader ]; then  # docs/runtime.md, "The loader warp": the numbers
     ${GENERATE_ARGS:-} 2>&1 | tail -n 12 | tee -a "$OUT/gpu_check.log" || status=1
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ring_loader.py -m gpu -rA \
     --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
+fi
+if [ "$what" = programs ]; then  # docs/serving.md, "Measured": the prediction for the batch-1 step
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_programs.py tests/test_gpu_serve.py \
+    -m gpu -rA --durations=0 2>&1 | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
+  timeout "$bench_timeout" python3 -m bench.serve --clients 1 ${SERVE_ARGS:-} 2>&1 | tail -n 20 \
+    | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = lanes ]; then  # docs/runtime.md, "Lanes over keys"
   timeout "$bench_timeout" python3 -m bench.generate --shape 1b --skip-transformers --skip-torch-compile --compare-lanes \

@@ -54,16 +54,19 @@ def test_the_options_are_saved_in_the_plan_and_switch_only_their_macros() -> Non
         ("sm_90a", ALL, False),  # a decode step with the weight ring
         ("sm_90a", dataclasses.replace(ALL, weight_ring_loader=1), False),  # its loader warp
         ("sm_80", ALL, True),  # a kernel of several programs (the switch refills the records)
+        ("sm_90a", ALL, True),  # ... with the weight ring and its loader warp
     ],
 )
 def test_every_option_compiles(arch: str, options: KernelOptions, programs: bool) -> None:
     decode = build_llama(TINY, 1, 1, "decode")
     if programs:
         plan = make_programs({"decode": decode, "prefill": build_llama(TINY, 1, 4, "prefill")},
-                             processors=16, arch="sm_80", options=options)  # fmt: skip
+                             processors=16, arch=arch.removesuffix("a"), options=options)  # fmt: skip
     else:
         plan = make_plan(decode, processors=16, arch="sm_90", options=options)
-    assert compile_cubin(generate(plan).source, arch, use_cache=False)[:4] == b"\x7fELF"
+    source = generate(plan).source
+    assert ("ml::LoaderRing" in source) == (arch == "sm_90a" and options.weight_ring_loader > 0), "the loader warp"
+    assert compile_cubin(source, arch, use_cache=False)[:4] == b"\x7fELF"
 
 
 def test_task_records_hold_each_list_positions_task_waits_and_offsets() -> None:

@@ -340,7 +340,8 @@ def test_the_page_pools_rules_catch_a_shared_page() -> None:
 
 def test_the_programs_kernel_compiles(gen) -> None:
     """The engine's loop kernel of two programs (the mixed step and a decode-only step: every op of
-    them, the int embedding and the paged ops among them) under NVRTC, for sm_90a and sm_80."""
+    them, the int embedding and the paged ops among them) under NVRTC, for sm_90a and sm_80; with the
+    weight ring's loader warp (the default options), which walks each run's program's chunks."""
     from megaloop.codegen import generate
     from megaloop.runtime.compile import compile_cubin
 
@@ -348,6 +349,8 @@ def test_the_programs_kernel_compiles(gen) -> None:
     programs = build_serving_programs(gen.cfg, shape, gen.eos_token_ids, (1,))
     program = generate(make_programs(programs, processors=16, arch="sm_90"))
     assert len(program.others) == 1 and "#define ML_PROGRAMS 2" in program.source
+    assert "ml::LoaderRing" in program.source and program.threads == 288
+    assert len(program.others[0].ring_chunks) > 0, "the decode-only step streams no weight through the ring"
     assert "ml::paged_attention<" in program.source
     for arch in ("sm_90a", "sm_80"):
         assert compile_cubin(program.source, arch, use_cache=False)[:4] == b"\x7fELF", arch

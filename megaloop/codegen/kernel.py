@@ -105,8 +105,8 @@ def generate(plan: Plan, rank: int = 0, mirrors: bool = True) -> LoopProgram:
     lowered = [_lower(p, rank, box, ring_bytes) for p, box in zip(programs, pushed)]
     shared = max((low.shared_bytes for lows in lowered for low in lows), default=0)
     ring_layout = None
-    # the loader warp walks one program's chunks: a kernel of several programs has none
-    with_loader = options.weight_ring_loader > 0 and len(programs) == 1
+    # (a kernel of several programs too: its loader walks each grant's program's chunks)
+    with_loader = options.weight_ring_loader > 0
     if any(low.ring for lows in lowered for low in lows):
         offset = -(-shared // 128) * 128
         # a slot's full barrier and pending phase; with the loader warp its empty barrier too

@@ -15,7 +15,7 @@ struct NoRing {
     static __device__ __forceinline__ void advance(const Args&, int) {}
     static __device__ __forceinline__ void start(const Args&, u64, int) {}
     static __device__ __forceinline__ void drain(const Args&, u64, int) {}
-    static __device__ __forceinline__ void grant(u64) {}
+    static __device__ __forceinline__ void grant(const Args&, int, u64, u64, int) {}
     static __device__ __forceinline__ void leave() {}
     static __device__ __forceinline__ void load(const Args&, int) {}
 };
@@ -108,7 +108,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                 granted = wait_requested(a, iteration);
                 // a grant of another program comes only once every block finished the iterations before it
                 granted_program = ML_PROGRAMS > 1 ? (int)*(volatile u64*)&a.doorbell[2] : 0;
-                Ring::grant(granted);
+                if constexpr (ML_PROGRAMS == 1) Ring::grant(a, proc, iteration, granted, 0);
             }
             go = iteration < granted;
             switched = 0;
@@ -120,6 +120,7 @@ __device__ __forceinline__ void loop_body(const Args* args, RunTask run_task) {
                         program = p;
                         switched = 1;
                     }
+                    if (ask) Ring::grant(a, proc, iteration, granted, p);  // (its chunks: from p's tables)
                 }
                 local = runs[p]++;
                 if (blockIdx.x != 0 || !ask) stamp(a, iteration, STAMP_SEEN, now_ns());  // (block 0's: its doorbell read)

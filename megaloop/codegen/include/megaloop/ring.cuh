@@ -209,7 +209,7 @@ struct WeightRing {
     static __device__ __forceinline__ void advance(const Args& a, int proc) { ring_advance(a, proc); }
     static __device__ __forceinline__ void start(const Args& a, u64 k, int proc) { ring_start(a, k, proc); }
     static __device__ __forceinline__ void drain(const Args& a, u64 k, int proc) { ring_drain(a, k, proc); }
-    static __device__ __forceinline__ void grant(u64) {}
+    static __device__ __forceinline__ void grant(const Args&, int, u64, u64, int) {}
     static __device__ __forceinline__ void leave() {}
     static __device__ __forceinline__ void load(const Args&, int) {}
 };

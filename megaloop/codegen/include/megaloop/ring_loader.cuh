@@ -8,8 +8,12 @@
 // oldest chunk whose slot is free (2). So a handoff's loads queue behind that many bytes at most
 // while the ring fills whenever the processor waits. It leaves once the compute warps leave (a stop,
 // or a failed wait) or another block aborted, after its copies land; a consumer whose chunk never
-// lands is still reported by ring_wait's watchdog.
+// lands is still reported by ring_wait's watchdog. In a kernel of several programs each grant names
+// its program and the ring's chunk count at its end, and the loader walks that program's list
+// (megaloop/loader_runs.cuh).
 #pragma once
+#include "megaloop/loader_runs.cuh"
+#include "megaloop/loop_body.cuh"  // ML_PROGRAMS
 #include "megaloop/ring.cuh"
 
 namespace ml {
@@ -19,9 +23,10 @@ constexpr int RING_IN_FLIGHT = ML_RING_IN_FLIGHT;  // bytes of copies not landed
 // 1: the chunks copied strictly in order; 2: the oldest whose slot is free, within one lap
 constexpr int RING_LOADER_ORDER = ML_RING_LOADER;
 static_assert(RING_SLOTS <= 32 && (RING_LOADER_ORDER == 1 || RING_LOADER_ORDER == 2), "a lane a slot; two orders");
+static_assert(ML_PROGRAMS <= 32 && ML_PROGRAMS < (1 << RUN_PROGRAM_BITS), "a lane a program's list");
 
-// What thread 0 tells the loader warp: the iterations the host granted so far, and that the compute
-// warps left.
+// What thread 0 tells the loader warp: the iterations the host granted so far (several programs: the
+// grant word, megaloop/loader_runs.cuh), and that the compute warps left.
 struct LoaderShared {
     u64 granted;
     int leaving;
@@ -94,24 +99,59 @@ __device__ __forceinline__ RingChunk ring_chunk_at(const RingChunk& near, const 
     return c;
 }
 
+// Several programs, the whole loader warp, every chunk granted before issued: grant word `word` read;
+// on a switch, the run's program's list (from lane `program`: lane p holds program p's) and the
+// descriptions of chunks base + lane and base + 32 + lane.
+__device__ __forceinline__ void loader_follow(LoaderRun& run, u64 word, const RingChunk* my_list, int my_n,
+                                              const RingChunk*& list, int& n, RingChunk& near, RingChunk& far,
+                                              u64 base, int lane) {
+    if (!run_follow(run, word)) return;
+    list = reinterpret_cast<const RingChunk*>(__shfl_sync(0xffffffffu, (u64)my_list, run.program));
+    n = __shfl_sync(0xffffffffu, my_n, run.program);
+    if (n > 0) {
+        near = list[run_entry(run, base + lane, n)];
+        far = list[run_entry(run, base + 32 + lane, n)];
+    }
+}
+
 // The whole loader warp, until the block leaves. Lane s < RING_SLOTS keeps slot s: its copies issued
 // so far (`uses`: its next chunk is s + RING_SLOTS uses), whether the last one may still be landing,
 // and its bytes. A round: note the copies that landed; every slot whose next chunk is granted, within
 // one lap of the oldest chunk not issued (RING_LOADER_ORDER 1: that chunk only), whose consumer
 // released its last use and whose bytes fit the cap is ready; the lowest ready chunk is copied. With
-// none ready the warp waits in try_wait on what holds the oldest chunk back, or for a grant.
+// none ready the warp waits in try_wait on what holds the oldest chunk back, or for a grant. Several
+// programs: lane p < ML_PROGRAMS keeps program p's list here; a grant of another program, read once
+// every chunk granted before was issued, swaps its list in (megaloop/loader_runs.cuh).
 __device__ __noinline__ void ring_loader(const Args& a, int proc) {
 #if __CUDA_ARCH__ >= 900  // (before it the tiles read global memory themselves: the warp just leaves)
-    const int n = ring_chunks(a, proc), lane = threadIdx.x & 31;
-    if (n == 0) return;
-    const RingChunk* list = a.ring_chunks + a.ring_begin[proc];
+    constexpr bool PROGRAMS = ML_PROGRAMS > 1;
+    int n = PROGRAMS ? 0 : ring_chunks(a, proc);  // the chunks of the list walked (several programs: the run's)
+    const int lane = threadIdx.x & 31;
+    if (!PROGRAMS && n == 0) return;
+    const RingChunk* list = PROGRAMS ? nullptr : a.ring_chunks + a.ring_begin[proc];
     const Ring r = ring();
     const bool keeper = lane < RING_SLOTS;  // (lanes past the slots only shuffle descriptions)
     const u32 full = ring_bar(r, lane % RING_SLOTS), empty = shared_address(r.empty + lane % RING_SLOTS);
-    u64 uses = 0, base = 0, granted = loader_granted();
+    u64 uses = 0, base = 0, granted = loader_granted();  // several programs: the grant word
     bool landing = false;
     int bytes = 0;
-    RingChunk near = list[lane % n], far = list[(32 + lane) % n];
+    RingChunk near, far;
+    if constexpr (!PROGRAMS) {
+        near = list[lane % n];
+        far = list[(32 + lane) % n];
+    }
+    const RingChunk* my_list = nullptr;  // several programs: lane p's, program p's list and its chunks
+    int my_n = 0;
+    if constexpr (PROGRAMS) {  // (from the programs' tables: thread 0 rewrites the block's Args)
+        near = far = RingChunk{};
+        const Program& g = a.programs[lane % ML_PROGRAMS];
+        const int* begin = g.ring_begin;
+        my_list = g.ring_chunks + begin[proc];
+        my_n = begin[proc + 1] - begin[proc];
+        if (!__any_sync(0xffffffffu, my_n > 0)) return;  // no program has chunks here
+    }
+    LoaderRun run{0, 0, -1};  // several programs: the run walked (program -1: none yet)
+    if constexpr (PROGRAMS) loader_follow(run, granted, my_list, my_n, list, n, near, far, base, lane);
     u64 deadline = 0;  // leaving: the drain's end
     for (unsigned idle = 1;; ++idle) {
         if (landing && phase_done<false>(full, (u32)((uses - 1) & 1))) landing = false;
@@ -123,15 +163,19 @@ __device__ __noinline__ void ring_loader(const Args& a, int proc) {
         while (oldest - base >= 32) {  // (uniform: every lane has oldest and base)
             base += 32;
             near = far;
-            far = list[(int)((base + 32 + lane) % (u64)n)];
+            if constexpr (PROGRAMS) {
+                if (n > 0) far = list[run_entry(run, base + 32 + lane, n)];
+            } else {
+                far = list[(int)((base + 32 + lane) % (u64)n)];
+            }
         }
         const RingChunk c = ring_chunk_at(near, far, next, base);
         const int want = c.rows * c.row_bytes;
         int in_flight = landing ? bytes : 0;
         for (int o = 16; o > 0; o >>= 1) in_flight += __shfl_xor_sync(0xffffffffu, in_flight, o);
         const bool released = uses == 0 || phase_done<false>(empty, (u32)((uses - 1) & 1));
-        const bool ready = keeper && next < granted * (u64)n && next < oldest + RING_SLOTS &&
-                           (RING_LOADER_ORDER != 1 || next == oldest) && released &&
+        const bool ready = keeper && next < (PROGRAMS ? run.end : granted * (u64)n) &&
+                           next < oldest + RING_SLOTS && (RING_LOADER_ORDER != 1 || next == oldest) && released &&
                            (in_flight == 0 || in_flight + want <= RING_IN_FLIGHT);
         const u64 pick = warp_min_u64(ready ? next : ~0ull);
         if (pick != ~0ull) {
@@ -148,9 +192,11 @@ __device__ __noinline__ void ring_loader(const Args& a, int proc) {
             deadline = now_ns() + 10000000ull;
             continue;
         }
-        if (oldest >= granted * (u64)n) {  // the next iteration's chunks: only once the host granted it
+        // the next iteration's chunks: only once the host granted it
+        if (oldest >= (PROGRAMS ? run.end : granted * (u64)n)) {
             __nanosleep(128);  // (a grant is on the critical path of a step: short)
             granted = loader_granted();
+            if constexpr (PROGRAMS) loader_follow(run, granted, my_list, my_n, list, n, near, far, base, lane);
             continue;
         }
         // the oldest chunk's slot not released yet: its lane suspends in try_wait on the release; else
@@ -180,7 +226,13 @@ struct LoaderRing {
     static __device__ __forceinline__ void drain(const Args&, u64, int) {
         if (threadIdx.x == 0) loader_leave();
     }
-    static __device__ __forceinline__ void grant(u64 granted) { loader_grant(granted); }
+    // (thread 0; several programs: after the grant's program's tables were loaded, before ring_advance)
+    static __device__ __forceinline__ void grant(const Args& a, int proc, u64 iteration, u64 granted, int program) {
+        if constexpr (ML_PROGRAMS > 1)
+            loader_grant(run_grant(ring_taken, granted - iteration, ring_chunks(a, proc), program));
+        else
+            loader_grant(granted);
+    }
     static __device__ __forceinline__ void leave() { loader_leave(); }
     static __device__ __forceinline__ void load(const Args& a, int proc) { ring_loader(a, proc); }
 };
