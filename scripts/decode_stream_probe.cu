@@ -662,18 +662,22 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(bufs[S - 1], x.data(), x.size() * 2, cudaMemcpyHostToDevice));
     }
     // ll mode's words: flags no iteration has (all ones), the start vector's with flag 0 (iteration 0 reads it)
+    // (again before every run: a run's flags start from iteration 0)
     std::vector<u64*> lls(S);
-    for (int s = 0; s < S; s++) {
-        CK(cudaMalloc(&lls[s], (size_t)st[s].n * 4));
-        CK(cudaMemset(lls[s], 0xff, (size_t)st[s].n * 4));
-    }
+    for (int s = 0; s < S; s++) CK(cudaMalloc(&lls[s], (size_t)st[s].n * 4));
+    std::vector<u64> start_words(st[S - 1].n / 2);
     {
         std::vector<__nv_bfloat16> x(st[S - 1].n);
         CK(cudaMemcpy(x.data(), bufs[S - 1], x.size() * 2, cudaMemcpyDeviceToHost));
-        std::vector<u64> w(x.size() / 2);
-        for (size_t i = 0; i < w.size(); i++) memcpy(&w[i], &x[2 * i], 4);  // (flag 0 in the high half)
-        CK(cudaMemcpy(lls[S - 1], w.data(), w.size() * 8, cudaMemcpyHostToDevice));
+        for (size_t i = 0; i < start_words.size(); i++) {
+            start_words[i] = 0;  // (flag 0 in the high half)
+            memcpy(&start_words[i], &x[2 * i], 4);
+        }
     }
+    auto reset_words = [&]() {
+        for (int s = 0; s < S; s++) CK(cudaMemset(lls[s], 0xff, (size_t)st[s].n * 4));
+        CK(cudaMemcpy(lls[S - 1], start_words.data(), start_words.size() * 8, cudaMemcpyHostToDevice));
+    };
     u64** d_lls;
     CK(cudaMalloc(&d_lls, S * sizeof(void*)));
     CK(cudaMemcpy(d_lls, lls.data(), S * sizeof(void*), cudaMemcpyHostToDevice));
@@ -761,6 +765,7 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < 4; rep++) {
         CK(cudaMemset(counters, 0, S * 4));
         CK(cudaMemset(abort_flag, 0, 4));
+        if (mode == LL) reset_words();
         std::vector<u64> init(2 * S, 0);
         for (int s = 0; s < S; s++) init[2 * s] = ~0ull;
         CK(cudaMemcpy(stamps, init.data(), S * 16, cudaMemcpyHostToDevice));
