@@ -732,13 +732,13 @@ def test_kernel_options_are_the_plans_and_change_only_their_defines() -> None:
     g = dependent_decode_graph(cfg, np.zeros((1, 1, 2048), np.float32), "auto")
     plan = make_plan(g, processors=132)
     default = generate(plan).source
-    assert "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 256\n" in default
-    for options in (KernelOptions(slot_waits=128), KernelOptions(poll_sleep_ns=0), KernelOptions(poll_sleep_ns=64)):
+    assert "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 0\n" in default
+    for options in (KernelOptions(slot_waits=128), KernelOptions(poll_sleep_ns=256), KernelOptions(poll_sleep_ns=64)):
         other = dataclasses.replace(plan, options=options)
         src = generate(other).source
         defines = f"#define ML_SLOT_WAITS {options.slot_waits}\n#define ML_POLL_SLEEP_NS {options.poll_sleep_ns}\n"
         assert defines in src
-        assert src.replace(defines, "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 256\n") == default
+        assert src.replace(defines, "#define ML_SLOT_WAITS 16\n#define ML_POLL_SLEEP_NS 0\n") == default
         assert spills(src) == {}
 
 
@@ -748,11 +748,17 @@ def test_kernel_options_round_trip_and_bad_ones_name_the_field(tmp_path) -> None
     g = ml.Graph("opts")
     x = g.input("x", (4, 64), "float32")
     g.output("y", ml.relu(x))
-    plan = make_plan(g, processors=4, options=KernelOptions(slot_waits=32, poll_sleep_ns=0))
+    plan = make_plan(g, processors=4, options=KernelOptions(slot_waits=32, poll_sleep_ns=64))
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
-    assert loaded.options == KernelOptions(slot_waits=32, poll_sleep_ns=0)
+    assert loaded.options == KernelOptions(slot_waits=32, poll_sleep_ns=64)
     assert generate(loaded).source == generate(plan).source
+    # a file without poll_sleep_ns was built with the sleeps of 256 ns the default was then
+    assert KernelOptions().poll_sleep_ns == 0
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["options"]["poll_sleep_ns"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert "#define ML_POLL_SLEEP_NS 256\n" in generate(Plan.load(tmp_path / "old.json")).source
     with pytest.raises(errors.GraphBuildError, match=r"options\.slot_waits: must be an int in \[1, 128\], got 0"):
         make_plan(g, processors=4, options=KernelOptions(slot_waits=0))
     data = json.loads((tmp_path / "p.json").read_text())

@@ -138,7 +138,7 @@ class RankPlan:
 
 # what a plan file without the field was built with: the defaults before they changed (the others'
 # defaults are what their kernels had before the field existed)
-ABSENT_OPTIONS = {"weight_ring_slots": 8, "weight_ring_loader": 0, "decode_attention": 0}
+ABSENT_OPTIONS = {"weight_ring_slots": 8, "weight_ring_loader": 0, "decode_attention": 0, "poll_sleep_ns": 256}
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,9 @@ class KernelOptions:
     # waits warp 1 copies into a task's slot ahead (the rest are read when it waits); above 16 the
     # kernel's static shared memory grows past the 8 KB that wgmma and attention tiles leave it
     slot_waits: int = 16
-    poll_sleep_ns: int = 256  # the longest sleep between two polls of a wait's counters (0: none)
+    # the longest sleep between two polls of a wait's counters (0: none, polls back to back: a sleep
+    # adds its remainder to every handoff of a decode step's chain)
+    poll_sleep_ns: int = 0
     # shared-memory slots of the weight ring (megaloop/ring.cuh) that streams decode matmuls' weights
     # ahead of their waits on sm_90 (0: off), and the bytes of one slot (whole weight rows each)
     # (the most slots: as many as fit beside the kernel's tiles)

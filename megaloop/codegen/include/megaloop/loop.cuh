@@ -184,7 +184,7 @@ constexpr int WAIT_BATCH = 4;
 // The longest sleep between two polls of a wait's counters, in ns (the sleeps double from 32 up to it);
 // 0: no sleep, the polls back to back (set from the plan's options: KernelOptions.poll_sleep_ns).
 #ifndef ML_POLL_SLEEP_NS
-#define ML_POLL_SLEEP_NS 256
+#define ML_POLL_SLEEP_NS 0
 #endif
 __device__ inline bool wait_task(const Args& a, const TaskSlot& s, u64 k, int proc) {
     // The abort flag is read while polling, not before: a task whose producers are done runs anyway
