@@ -94,6 +94,29 @@ def generate_case(splits: int | str | None = "auto", preset: str = "llama3.2-1b"
     return graph, random_parameters(cfg, seed=0), {}, state
 
 
+def serve_decode_case(position: int = 192):
+    """The serving engine's one-row decode step (megaloop/serving/step.py's decode_1 program, planned
+    alone) with one live greedy slot at ``position`` of 512: what the engine's batch-1 step costs in
+    its own tiles, beside generate1b's (docs/serving.md, "Measured")."""
+    from megaloop.cli import PRESETS
+    from megaloop.serving.step import StepShape, build_serving_programs
+
+    base = PRESETS["llama3.2-1b"]
+    cfg = type(base)(**{**base.__dict__, "max_seq": 512})
+    shape = StepShape(slots=1, chunk=32, page_size=16, pages=32, max_seq=512)
+    graph = build_serving_programs(cfg, shape, (), (1,))["decode_1"]
+    col = (1, 1)
+    state = {
+        "sequence": np.random.default_rng(1).integers(0, cfg.vocab, (1, 512)),
+        "length": np.full(col, position),  # the slot feeds its last token: one row a step
+        "cursor": np.full(col, position - 1),
+        "limit": np.full(col, 512),
+        "temperature": np.zeros(col, np.float32),
+        "page_table": np.arange(32, dtype=graph.states["page_table"].dtype.np).reshape(1, 32),
+    }
+    return graph, random_parameters(cfg, seed=0), {}, state
+
+
 CASES = {
     "decode2048": lambda: llama_case(2048, 1),
     "decode2048_unsplit": lambda: llama_case(2048, 1, None),
@@ -107,6 +130,7 @@ CASES = {
     "generate1b_noappend": generate_case,  # without attention's append form (FUSION)
     "generate8b": lambda: generate_case(preset="llama3-8b"),  # bench/generate --shape 8b's step
     "prefill1b": prefill_case,  # bench/generate's 128-token prefill
+    "serve_decode1": serve_decode_case,  # the serving engine's batch-1 decode step (decode_1) alone
     "silu_chain": lambda: chain_case("silu"),
     "add_chain": lambda: chain_case("add", 2048),
     "rmsnorm8192": lambda: rows_case("rmsnorm"),
