@@ -5,6 +5,10 @@ MEGALOOP_CACHE at it there (scripts/gpu_check.sh takes MEGALOOP_CACHE from the e
     MEGALOOP_CACHE=$PWD/.cubin-cache python scripts/precompile.py generate profile:generate1b
     # device call: carry [".cubin-cache"], command "MEGALOOP_CACHE=$PWD/.cubin-cache bash scripts/gpu_check.sh ..."
 
+A carried folder counts with the tree against the call's 64 MiB: past it, carry one archive (cubins
+and plans compress ~2x and ~27x) and unpack it there first (`tar -C /tmp/c -xzf .carry/cache.tgz`,
+MEGALOOP_CACHE=/tmp/c). Plans land in the cache too (generators, serve), so the GPU does not plan.
+
 Targets: ``generate[:SHAPE]`` (bench/generate's prefill, greedy and sampling generators; GENERATE_OPTIONS,
 GENERATE_COMPARE_OPTIONS and GENERATE_COMPARE as JSON, as its --options / --compare-options /
 --compare; GENERATE_COMPARE_LOADER=1 as --compare-loader, GENERATE_COMPARE_LANES=1 as --compare-lanes),
