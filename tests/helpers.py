@@ -3,9 +3,14 @@ tolerance check that every numeric test uses (it prints the worst element on fai
 
 from __future__ import annotations
 
+import ctypes
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import megaloop as ml
@@ -252,3 +257,18 @@ def assert_watchdog_names_the_stuck_wait(options=None) -> None:
     with LoopKernel(plan, params) as k:  # and the next kernel runs normally
         out = k.run(feeds)
     assert np.isfinite(out["logits"].astype(np.float32)).all()
+
+
+def host_library(root: Path, headers: dict[str, str], main: str, *flags: str) -> ctypes.CDLL:
+    """``main`` (C++ with ``extern "C"`` entries) built by g++ into a shared library over ``headers``
+    (name -> text, placed as megaloop/<name>): device code run on the CPU. Skips without g++."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs a host C++ compiler (g++)")
+    (root / "megaloop").mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        (root / "megaloop" / name).write_text(text)
+    (root / "main.cpp").write_text(main)
+    lib = root / "host.so"
+    cmd = ["g++", "-std=c++17", "-O1", *flags, "-shared", "-fPIC", "-I", str(root), "-o", str(lib)]
+    subprocess.run([*cmd, str(root / "main.cpp")], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))

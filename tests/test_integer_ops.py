@@ -7,8 +7,6 @@ a negative integer exponent, and the generated kernel compiled for sm_90a and sm
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from megaloop.errors import DataError, GraphBuildError
 from megaloop.plan import make_plan
 from megaloop.reference.fast import evaluate_fast
 from megaloop.runtime.compile import compile_cubin
+from tests.helpers import host_library
 
 INCLUDE = Path(ml.__file__).parent / "codegen" / "include" / "megaloop"
 I64 = np.iinfo(np.int64)
@@ -101,17 +100,8 @@ extern "C" void run_f32(int op, const float* a, const float* b, float* out, int 
 
 @pytest.fixture(scope="module")
 def host_math(tmp_path_factory) -> ctypes.CDLL:
-    if shutil.which("g++") is None:
-        pytest.skip("needs a host C++ compiler (g++)")
-    root = tmp_path_factory.mktemp("math")
-    (root / "megaloop").mkdir()
-    (root / "megaloop" / "types.cuh").write_text(HOST_TYPES)
-    (root / "megaloop" / "math.cuh").write_text((INCLUDE / "math.cuh").read_text())
-    (root / "main.cpp").write_text(HOST_MAIN)
-    lib = root / "math.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I", str(root), "-o", str(lib)]
-    subprocess.run([*cmd, str(root / "main.cpp")], check=True, capture_output=True)
-    dll = ctypes.CDLL(str(lib))
+    headers = {"types.cuh": HOST_TYPES, "math.cuh": (INCLUDE / "math.cuh").read_text()}
+    dll = host_library(tmp_path_factory.mktemp("math"), headers, HOST_MAIN, "-ffp-contract=off")
     for fn in (dll.run_i64, dll.run_f32):
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return dll

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from megaloop.models import LlamaConfig, build_llama, random_parameters
 from megaloop.plan import KernelOptions, Plan, make_plan
 from megaloop.reference.interpreter import run_plan
 from megaloop.runtime.compile import compile_cubin, spills
+from tests.helpers import host_library
 from tests.test_ring import decode_matmuls, replay_ring
 
 LOADER = KernelOptions(weight_ring_loader=1)
@@ -237,18 +236,9 @@ extern "C" int entry(const u64* r, u64 g, int n) { return ml::run_entry(load(r),
 
 @pytest.fixture(scope="module")
 def loader_runs(tmp_path_factory) -> ctypes.CDLL:
-    if shutil.which("g++") is None:
-        pytest.skip("needs a host C++ compiler (g++)")
+    header = (CODEGEN / "include" / "megaloop" / "loader_runs.cuh").read_text()
     root = tmp_path_factory.mktemp("loader_runs")
-    (root / "megaloop").mkdir()
-    (root / "megaloop" / "types.cuh").write_text(HOST_TYPES)
-    header = CODEGEN / "include" / "megaloop" / "loader_runs.cuh"
-    (root / "megaloop" / "loader_runs.cuh").write_text(header.read_text())
-    (root / "main.cpp").write_text(HOST_MAIN)
-    lib = root / "loader_runs.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(root), "-o", str(lib), str(root / "main.cpp")]
-    subprocess.run(cmd, check=True, capture_output=True)
-    dll = ctypes.CDLL(str(lib))
+    dll = host_library(root, {"types.cuh": HOST_TYPES, "loader_runs.cuh": header}, HOST_MAIN)
     u64 = ctypes.c_uint64
     dll.grant_word.argtypes, dll.grant_word.restype = [u64, u64, ctypes.c_int, ctypes.c_int], u64
     dll.follow.argtypes, dll.follow.restype = [ctypes.POINTER(u64), u64], ctypes.c_int
