@@ -151,6 +151,13 @@ __device__ bool wait_counter(const u32* c, u32 target, u32* abort_flag) {
 __device__ __forceinline__ void ll_store(u64* p, u32 pair, u32 flag) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(((u64)flag << 32) | pair) : "memory");
 }
+// piece j of 8 bf16 (a uint4) as its four words
+__device__ __forceinline__ void ll_store_piece(u64* words, int j, uint4 v, u32 flag) {
+    ll_store(words + 4 * j, v.x, flag);
+    ll_store(words + 4 * j + 1, v.y, flag);
+    ll_store(words + 4 * j + 2, v.z, flag);
+    ll_store(words + 4 * j + 3, v.w, flag);
+}
 __device__ __forceinline__ void ll_load2(const u64* p, u64& a, u64& b) {
     asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
 }
@@ -363,11 +370,7 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                     for (int j = j0 + t; j < min(task.n_out / 8, j0 + task.n_in / 8); j += CONSUMERS) {
                         const uint4 v = tmp[j - j0];
                         ((uint4*)out)[j] = v;
-                        u64* o = lls[task.out_buf] + 4 * j;
-                        ll_store(o, v.x, (u32)it + 1);
-                        ll_store(o + 1, v.y, (u32)it + 1);
-                        ll_store(o + 2, v.z, (u32)it + 1);
-                        ll_store(o + 3, v.w, (u32)it + 1);
+                        ll_store_piece(lls[task.out_buf], j, v, (u32)it + 1);
                     }
                 }
                 if (t == 0)
@@ -384,13 +387,7 @@ probe(const Task* tasks, const int* task_start, const __nv_bfloat16* weights, __
                 for (int u = 0; u < 8; u++) {
                     const int j = t + u * CONSUMERS;
                     if (j < task.n_out / 8) ((uint4*)out)[j] = v[u];
-                    if (mode == LL && j < task.n_out / 8) {
-                        u64* o = lls[task.out_buf] + 4 * j;
-                        ll_store(o, v[u].x, (u32)it + 1);
-                        ll_store(o + 1, v[u].y, (u32)it + 1);
-                        ll_store(o + 2, v[u].z, (u32)it + 1);
-                        ll_store(o + 3, v[u].w, (u32)it + 1);
-                    }
+                    if (mode == LL && j < task.n_out / 8) ll_store_piece(lls[task.out_buf], j, v[u], (u32)it + 1);
                 }
                 if (t == 0)
                     while (now_ns() - start < (u64)task.delay_ns) {

@@ -59,6 +59,14 @@ def rows_case(op: str, rows: int = 8192, cols: int = 8192):
     )
 
 
+def preset_config(name: str = "llama3.2-1b", max_seq: int = 256):
+    """The CLI's preset ``name`` (megaloop.cli.PRESETS) with a context of ``max_seq``."""
+    from megaloop.cli import PRESETS
+
+    base = PRESETS[name]
+    return type(base)(**{**base.__dict__, "max_seq": max_seq})
+
+
 def chain_case(op: str, n: int = 5504, length: int = 12):
     """``length`` dependent one-task ops of a decode step's size in a small kernel: whether a small task's
     1-4 us in the decode layer are its own (the same here) or its surroundings' (cold code, caches)."""
@@ -72,10 +80,7 @@ def chain_case(op: str, n: int = 5504, length: int = 12):
 
 def prefill_case():
     """bench/generate.py's prefill: the 1B-shaped model over a 128-token prompt, every position's logits."""
-    from megaloop.cli import PRESETS
-
-    base = PRESETS["llama3.2-1b"]
-    cfg = type(base)(**{**base.__dict__, "max_seq": 256})
+    cfg = preset_config()
     rng = np.random.default_rng(1)
     feeds = {"tokens": rng.integers(0, cfg.vocab, (1, 128)), "positions": np.arange(128)[None]}
     return build_llama(cfg, 1, 128), random_parameters(cfg, seed=0), feeds
@@ -84,11 +89,9 @@ def prefill_case():
 def generate_case(splits: int | str | None = "auto", preset: str = "llama3.2-1b"):
     """bench/generate.py's self-feeding Llama-3.2-1B-shaped generator (16 layers, the LM head, the argmax)
     at position 128 of 256: the whole decode step that the benchmark times per token."""
-    from megaloop.cli import PRESETS
     from megaloop.models import build_llama_generator
 
-    base = PRESETS[preset]
-    cfg = type(base)(**{**base.__dict__, "max_seq": 256})
+    cfg = preset_config(preset)
     state = {"token": np.array([[17]]), "position": np.array([[128]])}
     graph = build_llama_generator(cfg, 1, kv_splits=splits)
     return graph, random_parameters(cfg, seed=0), {}, state
@@ -98,11 +101,9 @@ def serve_decode_case(position: int = 192):
     """The serving engine's one-row decode step (megaloop/serving/step.py's decode_1 program, planned
     alone) with one live greedy slot at ``position`` of 512: what the engine's batch-1 step costs in
     its own tiles, beside generate1b's (docs/serving.md, "Measured")."""
-    from megaloop.cli import PRESETS
     from megaloop.serving.step import StepShape, build_serving_programs
 
-    base = PRESETS["llama3.2-1b"]
-    cfg = type(base)(**{**base.__dict__, "max_seq": 512})
+    cfg = preset_config(max_seq=512)
     shape = StepShape(slots=1, chunk=32, page_size=16, pages=32, max_seq=512)
     graph = build_serving_programs(cfg, shape, (), (1,))["decode_1"]
     col = (1, 1)
