@@ -81,6 +81,10 @@ inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+template <int W> inline float lanes_sum(float v) {
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 inline float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) {
         const float w = __shfl_xor_sync(0xffffffffu, v, o);
@@ -164,7 +168,7 @@ inline void run_block(int threads, std::function<void()> body) {
 """
 
 TILE = r"""
-#include "megaloop/attention.cuh"
+#include "megaloop/HEADER"
 namespace ml {
 float4 ml_smem4[1 << 14];  // the dynamic shared memory (poisoned by the caller)
 }
@@ -207,7 +211,7 @@ WARPS = 8  # the plan's default block
 POISON = 0x5A5A5A5A5A5A5A5A
 
 
-def _compile(body: list[str], tmp_path: Path) -> ctypes.CDLL:
+def _compile(body: list[str], tmp_path: Path, header: str = "attention.cuh") -> ctypes.CDLL:
     stub = tmp_path / "stub" / "megaloop"
     stub.mkdir(parents=True, exist_ok=True)
     shim = SHIM.replace("inline unsigned block_threads() { return blockDim.x; }", "")
@@ -215,7 +219,7 @@ def _compile(body: list[str], tmp_path: Path) -> ctypes.CDLL:
     for name, text in STUBS.items():
         (stub / name).write_text(text)
     src = tmp_path / "tile.cpp"
-    src.write_text(TILE.replace("BODY", "\n".join("    " + line for line in body)))
+    src.write_text(TILE.replace("HEADER", header).replace("BODY", "\n".join("    " + line for line in body)))
     lib = tmp_path / "tile.so"
     subprocess.run(
         ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-D__shared__=", "-D__host__=", "-shared", "-fPIC",
@@ -226,12 +230,12 @@ def _compile(body: list[str], tmp_path: Path) -> ctypes.CDLL:
 
 
 def run_tiles(body: list[str], shared: int, tmp_path: Path, arrays: list[np.ndarray], boxes: list,
-              misalign: int = 0) -> tuple:  # fmt: skip
-    """Every box run as one block of WARPS warps by the tile function ``body`` over ``arrays`` (its
-    operands, then its output, each 64-byte aligned in one arena; k and v ``misalign`` bytes past).
-    Returns the output, the error info, and whether the shared memory past ``shared`` bytes kept its
-    poison."""
-    lib = _compile(body, tmp_path)
+              misalign: int = 0, header: str = "attention.cuh") -> tuple:  # fmt: skip
+    """Every box run as one block of WARPS warps by the tile function ``body`` (of an op of megaloop/
+    ``header``) over ``arrays`` (its operands, then its output, each 64-byte aligned in one arena; k
+    and v ``misalign`` bytes past). Returns the output, the error info, and whether the shared memory
+    past ``shared`` bytes kept its poison."""
+    lib = _compile(body, tmp_path, header)
     offsets, at = [], 0
     for n, a in enumerate(arrays):
         offsets.append(at + (misalign if n in (1, 2) else 0))

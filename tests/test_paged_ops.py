@@ -3,15 +3,13 @@
 (1) The reference against dense attention on each row's slot gathered (bit for bit) and the update
 against a scatter written here; (2) the data rules name the row, slot, page or position; (3) the plan
 interpreter, under random legal orders, gives the reference's bits; (4) the kernels compile for sm_90a
-and sm_80; (5) the generated tile functions themselves run on the CPU through g++ (a shim for the CUDA
-headers; each warp's 32 lanes as 32 threads, warp_sum as the GPU's butterfly) against the reference.
+and sm_80; (5) the generated tile functions themselves run on the CPU through g++ (tests/test_attention_lanes.py's
+shim for the CUDA headers: every thread of a block a coroutine, shuffles as the GPU's butterflies)
+against the reference: the warp path (16-byte packs or elements) and the lanes tile over pages.
 The op table (tests/op_table/caches.py) checks both ops against PyTorch float64 in every float dtype."""
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +19,15 @@ import megaloop as ml
 from megaloop.codegen import generate
 from megaloop.codegen.emit import Operand
 from megaloop.codegen.emit_paged import paged_attention as emit_attention
+from megaloop.codegen.emit_paged import paged_attention_shared_bytes, paged_lanes
 from megaloop.codegen.emit_paged import paged_kv_update as emit_update
 from megaloop.frontend.ops.paged import PAGED_ATTENTION_TILING
 from megaloop.frontend.tiling import Box, TileContext
 from megaloop.plan import make_plan
 from megaloop.reference.interpreter import run_plan
-from megaloop.runtime.compile import INCLUDE, compile_cubin
-from tests.test_rope_kv_codegen import SHIM
+from megaloop.runtime.compile import compile_cubin
+from tests.test_attention_lanes import WARPS, needs_cxx
+from tests.test_attention_lanes import run_tiles as run_block
 
 RNG = np.random.default_rng(7)
 
@@ -204,142 +204,19 @@ def test_shape_rules_name_the_operand() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_kernels_compile(arch: str) -> None:
-    c = case("bfloat16", window=4)
-    plan = make_plan(step_graph(c), processors=8, arch="sm_90" if arch == "sm_90a" else "sm_80")
-    source = generate(plan).source
-    assert "ml::paged_attention<2, 8, 8, 15, 4, 3, 4, 4>" in source
+    """head_dim 8: the warp path in 16-byte packs; 64: the lanes tile (the default options) and its fallback."""
+    small = make_plan(step_graph(case("bfloat16", window=4)), processors=8, arch=arch.removesuffix("a"))
+    source = generate(small).source
+    assert "ml::paged_attention<2, 8, 8, 15, 4, 3, 4, 4, true, ml::NoLanes>" in source  # (packs of 8 dims)
     assert "ml::paged_kv_update<1, 9, 8, 15, 4, 3, 4>" in source
+    assert compile_cubin(source, arch)
+    wide = make_plan(step_graph(case("bfloat16", d=64, group=4, page=16)), processors=8, arch=arch.removesuffix("a"))
+    source = generate(wide).source
+    assert "ml::paged_attention<4, 64, 64, 15, 16, 3, 4, 0, true, ml::Lanes<4, " in source
     assert compile_cubin(source, arch)
 
 
 # ---- the generated tiles on the CPU -----------------------------------------------------------------------
-
-# The lanes of a warp as coroutines of one thread (ucontext): each exchange of __shfl_xor_sync is a point
-# where every lane yields to the next, so the lanes run in lockstep as a warp's do, without 32 threads
-# and their barriers (slow on a loaded 2-core machine); warp_sum is the GPU's butterfly (v += the value
-# of lane ^ o, o = 16 .. 1), so the sums are the GPU's bit for bit.
-WARPS = r"""
-#include <functional>
-#include <ucontext.h>
-#include <vector>
-namespace ml {
-inline float neg_inf() { return -INFINITY; }
-static int lane_id;
-static float exchange[32];
-static ucontext_t scheduler, lane_context[32];
-static std::function<void(int)>* lane_body;
-inline void lanes_meet() { swapcontext(&lane_context[lane_id], &scheduler); }  // resumed after every lane came
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    exchange[lane_id] = v;
-    lanes_meet();
-    const float w = exchange[lane_id ^ o];
-    lanes_meet();
-    return w;
-}
-template <int W> inline float lanes_sum(float v) {
-    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-static void lane_entry(int lane) { (*lane_body)(lane); }
-template <int N, class F> inline void for_box_warps(const Task& t, F f) {  // one warp, its elements in turn
-    constexpr size_t STACK = 1 << 18;
-    static std::vector<char> stacks(32 * STACK);
-    int ext[N + 1];
-    i64 total = 1;
-    for (int d = 0; d < N; ++d) { ext[d] = t.hi[d] - t.lo[d]; total *= ext[d]; }
-    for (i64 e = 0; e < total; ++e) {
-        int i[N + 1];
-        i64 r = e;
-        for (int d = N - 1; d >= 0; --d) { i[d] = t.lo[d] + (int)(r % ext[d]); r /= ext[d]; }
-        bool done[32] = {};
-        std::function<void(int)> body = [&](int lane) { f(i, lane); done[lane] = true; };
-        lane_body = &body;
-        for (int lane = 0; lane < 32; ++lane) {
-            getcontext(&lane_context[lane]);
-            lane_context[lane].uc_stack.ss_sp = stacks.data() + lane * STACK;
-            lane_context[lane].uc_stack.ss_size = STACK;
-            lane_context[lane].uc_link = &scheduler;
-            makecontext(&lane_context[lane], (void (*)())lane_entry, 1, lane);
-        }
-        for (bool running = true; running;) {  // rounds: each lane on to its next meeting point (or its end)
-            running = false;
-            for (int lane = 0; lane < 32; ++lane) {
-                if (done[lane]) continue;
-                lane_id = lane;
-                swapcontext(&scheduler, &lane_context[lane]);
-                running = true;
-            }
-        }
-    }
-}
-}  // namespace ml
-"""
-
-TILE = r"""
-#include "megaloop/paged.cuh"
-void tile(const ml::Args& a, const ml::Task& t, int tid, const ml::i64* off) {
-BODY
-}
-extern "C" void run(char* arena, const int* lo, const int* hi, int tasks, const long long* off, int threads,
-                    long long* info) {
-    const ml::Args a{arena, info};
-    blockDim.x = threads;
-    for (int k = 0; k < tasks; ++k) {
-        ml::Task t{};
-        memcpy(t.lo, lo + k * ml::MAX_DIMS, sizeof t.lo);
-        memcpy(t.hi, hi + k * ml::MAX_DIMS, sizeof t.hi);
-        blockIdx.x = k;
-        for (int x = 0; x < threads; ++x) { threadIdx.x = x; tile(a, t, k, off); }
-    }
-}
-"""
-
-needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
-
-
-def run_tiles(body: list[str], tmp_path: Path, arrays: list[np.ndarray], plan_op, threads: int) -> list[np.ndarray]:
-    """Every task of ``plan_op`` run by the tile function ``body`` over ``arrays`` (its operands, then its
-    output) laid out contiguously in one arena; the output afterwards, and the error info."""
-    stub = tmp_path / "stub" / "megaloop"
-    stub.mkdir(parents=True, exist_ok=True)
-    (stub / "loop.cuh").write_text(SHIM + WARPS)
-    (stub / "vec.cuh").write_text("#pragma once\n")
-    src = tmp_path / "tile.cpp"
-    src.write_text(TILE.replace("BODY", "\n".join("    " + line for line in body)))
-    lib = tmp_path / "tile.so"
-    subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-I", str(stub.parent),
-         "-I", str(INCLUDE), "-o", str(lib), str(src)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    offsets, at = [], 0
-    for a in arrays:
-        offsets.append(at)
-        at += -(-a.nbytes // 64) * 64
-    arena = np.zeros(at, np.uint8)
-    for a, o in zip(arrays, offsets):
-        arena[o : o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
-    boxes = [t.box for t in plan_op]
-    lo, hi = np.zeros((len(boxes), 6), np.int32), np.ones((len(boxes), 6), np.int32)
-    for k, box in enumerate(boxes):
-        lo[k, : len(box.lo)], hi[k, : len(box.hi)] = box.lo, box.hi
-    info = np.zeros(9, np.int64)
-    off = np.array(offsets, np.int64)
-    fn = ctypes.CDLL(str(lib)).run
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    fn(arena.ctypes.data, lo.ctypes.data, hi.ctypes.data, len(boxes), off.ctypes.data, threads, info.ctypes.data)
-    out = arrays[-1]
-    return [arena[offsets[-1] : offsets[-1] + out.nbytes].view(out.dtype).reshape(out.shape), info]
-
-
-class _Box:
-    def __init__(self, box) -> None:
-        self.box = box
-
 
 def _operand(a: np.ndarray, dtype: ml.DType) -> Operand:
     strides = [1] * a.ndim
@@ -349,10 +226,17 @@ def _operand(a: np.ndarray, dtype: ml.DType) -> Operand:
 
 
 @needs_cxx
-@pytest.mark.parametrize("dtype,window,d", [("float32", None, 40), ("bfloat16", 3, 96), ("float32", 5, 8)])
-def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, d: int, tmp_path: Path) -> None:
-    """head_dim 40 and 8: a lane a key; 96: two lanes a key (48 dims each)."""
-    c = case(dtype, window=window, d=d, rows=5, seed=4, per_slot=3, page=4)  # (32 threads a warp: kept small)
+@pytest.mark.parametrize(
+    "dtype,window,d,shift,packs",
+    [("float32", None, 40, 0, True), ("bfloat16", 3, 96, 0, True), ("float32", 5, 8, 0, True),
+     ("bfloat16", None, 20, 0, False), ("bfloat16", 2, 16, 2, True)],
+)  # fmt: skip
+def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, d: int, shift: int, packs: bool,
+                                        tmp_path: Path) -> None:  # fmt: skip
+    """head_dim 40, 8, 20 and 16: a lane a key; 96: two lanes a key (48 dims each). Keys and values in
+    16-byte packs where a lane's dims are whole packs (not 20 bf16); the pools 2 bytes past a 16-byte
+    boundary take the element path of a kernel built with packs."""
+    c = case(dtype, window=window, d=d, rows=5, seed=4, per_slot=3, page=4)
     g = step_graph(c)
     want = ml.evaluate(g, feeds(c)[0], state=feeds(c)[1])
     dt, i64 = c["dtype"], ml.int64
@@ -360,8 +244,8 @@ def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, d: int, 
     ins = [c["k_pool"], c["k_new"], c["table"], c["slots"], c["positions"]]
     ops_ = [_operand(a, dt if a.dtype != np.int64 else i64) for a in ins]
     body = emit_update("paged_kv_cache_update", {}, ops_, ops_[0])
-    boxes = [_Box(Box((0, h, 0, 0), (c["k_pool"].shape[0], h + 1, 4, d))) for h in range(c["k_pool"].shape[1])]
-    got, info = run_tiles(body, tmp_path, [*ins, c["k_pool"].copy()], boxes, 64)
+    boxes = [Box((0, h, 0, 0), (c["k_pool"].shape[0], h + 1, 4, d)) for h in range(c["k_pool"].shape[1])]
+    got, info, _ = run_block(body, 0, tmp_path, [*ins, c["k_pool"].copy()], boxes, header="paged.cuh")
     assert info[0] == 0, info
     assert np.array_equal(got.view(np.uint8), want.state["k_pool"].view(np.uint8))
     # attention over the updated pools, a tile per (kv head, block of rows) as the tiling makes them
@@ -372,10 +256,74 @@ def test_generated_tiles_run_on_the_cpu(dtype: str, window: int | None, d: int, 
     out = np.zeros(want.outputs["o"].shape, want.outputs["o"].dtype)
     scale = node.attrs["scale"]
     body = emit_attention("paged_attention", {"window": window, "scale": scale}, ops_, _operand(out, dt))
-    got, info = run_tiles(body, tmp_path / "attn", [*ins, out], [_Box(t.writes[0].box) for t in tiles], 64)
+    assert (", true, ml::NoLanes>(a, t, tid" in "".join(body)) == packs, body
+    boxes = [t.writes[0].box for t in tiles]
+    got, info, _ = run_block(body, 0, tmp_path / "attn", [*ins, out], boxes, shift, header="paged.cuh")
     assert info[0] == 0, info
     ref = want.outputs["o"].astype(np.float32)
     err = np.abs(got.astype(np.float32) - ref) / (np.abs(ref) + np.abs(ref).max())
     eps = 2.0**-23 if dtype == "float32" else 2.0**-8
     print(f"worst error {err.max() / eps:.2f} ulps of {dtype} (of |ref| + max |ref|)")
     assert err.max() <= 8 * eps, f"worst {err.max() / eps:.1f} ulps at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+@needs_cxx
+@pytest.mark.parametrize(
+    "dtype,window,d,group,misalign",
+    [("bfloat16", None, 64, 4, 0), ("bfloat16", 50, 128, 2, 0), ("float32", None, 32, 1, 0), ("float16", 7, 64, 3, 0),
+     ("bfloat16", None, 64, 2, 8)],
+)  # fmt: skip
+def test_the_lanes_tile_runs_on_the_cpu(dtype: str, window: int | None, d: int, group: int, misalign: int,
+                                        tmp_path: Path) -> None:  # fmt: skip
+    """The lanes-over-keys path (KernelOptions.decode_attention 1: the keys staged through the page table,
+    several stages a row, rows of several slots in one tile), every thread of a block a coroutine
+    (tests/test_attention_lanes.py's shim), against the reference; pools 8 bytes past a 16-byte boundary
+    take the warp path of the same kernel."""
+    c = case(dtype, window=window, d=d, group=group, rows=7, seed=5, per_slot=16, page=16)
+    g = step_graph(c)
+    want = ml.evaluate(g, feeds(c)[0], state=feeds(c)[1])
+    node = next(n for n in g.nodes if n.op.name == "paged_attention")
+    tiles = PAGED_ATTENTION_TILING.make(node, {"rounds": 1}, TileContext(0, 1, 4, warps=WARPS))
+    ins = [c["q"], want.state["k_pool"], want.state["v_pool"], c["table"], c["slots"], c["positions"]]
+    dt, i64 = c["dtype"], ml.int64
+    ops_ = [_operand(a, dt if a.dtype != np.int64 else i64) for a in ins]
+    out = np.zeros(want.outputs["o"].shape, want.outputs["o"].dtype)
+    attrs = {"window": window, "scale": node.attrs["scale"], "codegen": {"decode_attention": 1, "warps": WARPS}}
+    lanes = paged_lanes(attrs, ops_)
+    assert lanes is not None and 32 * lanes.blocks < 16 * 16, lanes  # (several stages for the late positions)
+    body = emit_attention("paged_attention", attrs, ops_, _operand(out, dt))
+    assert f"ml::Lanes<{group}, {lanes.blocks}, {lanes.row_split}>" in "".join(body), body
+    shared = paged_attention_shared_bytes(attrs, ops_)
+    boxes = [t.writes[0].box for t in tiles]
+    assert any(b.hi[2] - b.lo[2] > 1 for b in boxes) or group > 4  # (a tile of several rows, one at a time)
+    got, info, kept = run_block(body, shared, tmp_path, [*ins, out], boxes, misalign, header="paged.cuh")
+    assert info[0] == 0, info
+    assert kept, f"wrote shared memory past the {shared} bytes it asked for"
+    ref = want.outputs["o"].astype(np.float32)
+    err = np.abs(got.astype(np.float32) - ref) / (np.abs(ref) + np.abs(ref).max())
+    eps = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    print(f"worst error {err.max() / eps:.2f} ulps of {dtype} (of |ref| + max |ref|)")
+    assert err.max() <= 8 * eps, f"worst {err.max() / eps:.1f} ulps at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+@needs_cxx
+def test_the_lanes_tile_reports_a_page_out_of_range(tmp_path: Path) -> None:
+    """A table entry of -1 where a row's keys live: the lanes path reports the page (DATA, PAGED_PAGE)."""
+    c = case("bfloat16", d=64, group=4, rows=3, seed=2, per_slot=4, page=16)
+    g = step_graph(c)
+    want = ml.evaluate(g, feeds(c)[0], state=feeds(c)[1])
+    row = int(np.argmax(c["positions"][0] >= 16))  # a row that reads its slot's first page
+    assert c["positions"][0, row] >= 16
+    table = c["table"].copy()
+    table[c["slots"][0, row], 0] = -1
+    node = next(n for n in g.nodes if n.op.name == "paged_attention")
+    tiles = PAGED_ATTENTION_TILING.make(node, {"rounds": 1}, TileContext(0, 1, 4, warps=WARPS))
+    ins = [c["q"], want.state["k_pool"], want.state["v_pool"], table, c["slots"], c["positions"]]
+    ops_ = [_operand(a, c["dtype"] if a.dtype != np.int64 else ml.int64) for a in ins]
+    out = np.zeros(want.outputs["o"].shape, want.outputs["o"].dtype)
+    attrs = {"window": None, "scale": node.attrs["scale"], "codegen": {"decode_attention": 1, "warps": WARPS}}
+    body = emit_attention("paged_attention", attrs, ops_, _operand(out, c["dtype"]))
+    assert "ml::Lanes<" in "".join(body)
+    shared = paged_attention_shared_bytes(attrs, ops_)
+    _, info, _ = run_block(body, shared, tmp_path, [*ins, out], [t.writes[0].box for t in tiles], header="paged.cuh")
+    assert info[0] == 2 and info[4] == -1 and info[6] == 4, info  # DATA: page -1 of PAGED_PAGE

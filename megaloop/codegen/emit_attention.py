@@ -81,7 +81,7 @@ def attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) 
     return [
         *pointers(ins + [out], len(ins)),
         f"// {', then '.join(_lanes_path(lanes) + paths + ['a warp per (head, query)'])}",
-        f"ml::attention<{attn_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}{_lanes_arg(lanes)}>(a, t, tid, "
+        f"ml::attention<{attn_shape(attrs, ins)}, {mma}, {'true' if split else 'false'}{lanes_arg(lanes)}>(a, t, tid, "
         f"{scale}, {scale_log2}, {_operands(attrs, ins, out)});",
     ]
 
@@ -103,7 +103,7 @@ def attention_partial(op: str, attrs: dict[str, Any], ins: list[Operand], out: O
             else []
         ),
         f"// key ranges of {chunk}: {', then '.join(paths)}",
-        f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}{_lanes_arg(lanes)}>("
+        f"ml::attention_partial<{attn_shape(attrs, ins)}, {chunk}, {'true' if split else 'false'}{lanes_arg(lanes)}>("
         f"a, t, tid, {float_literal(attrs['scale'])}, {_operands(attrs, ins, out)});",
     ]
 
@@ -160,7 +160,7 @@ class Lanes:
 
 def decode_lanes(attrs: dict[str, Any], ins: list[Operand]) -> Lanes | None:
     """The one place that reads KernelOptions.decode_attention (``attrs["codegen"]``): the lanes-over-keys
-    tile where it is 1 and it applies (``_lanes_applies``), sized to the block's warps: as many blocks of
+    tile where it is 1 and it applies (``lanes_applies``), sized to the block's warps: as many blocks of
     32 keys staged at once as the tile's key range needs and the warps and LANES_MAX_BYTES allow (the
     stages as even as they go: each is a memory round trip), then the rows split over the warps left
     (a lane then computes fewer rows' dot products: a shorter chain)."""
@@ -168,9 +168,15 @@ def decode_lanes(attrs: dict[str, Any], ins: list[Operand]) -> Lanes | None:
     rows, warps = hints.get("rows", 0), hints.get("warps", 0)
     if hints.get("decode_attention", 0) != 1 or not 0 < rows <= LANES_MAX_ROWS or not warps:
         return None
-    if not _lanes_applies(ins):
+    if not lanes_applies(ins):
         return None
     keys = -(-ins[1].shape[2] // attrs["splits"]) if "splits" in attrs else ins[1].shape[2]
+    return lanes_for(rows, warps, keys, ins)
+
+
+def lanes_for(rows: int, warps: int, keys: int, ins: list[Operand]) -> Lanes | None:
+    """The Lanes of a tile of ``rows`` rows over up to ``keys`` keys on ``warps`` warps (decode_lanes),
+    or None where not even one block of 32 keys fits LANES_MAX_BYTES."""
     needed = -(-keys // 32)
     for blocks in range(min(needed, warps), 0, -1):
         stages = -(-needed // blocks)
@@ -180,7 +186,7 @@ def decode_lanes(attrs: dict[str, Any], ins: list[Operand]) -> Lanes | None:
     return None
 
 
-def _lanes_applies(ins: list[Operand]) -> bool:
+def lanes_applies(ins: list[Operand]) -> bool:
     """Lanes over keys: q, k, v of one type; heads of whole 16-byte packs, keys and values contiguous
     with pack-aligned rows (copied to shared memory 16 bytes at a time); values of 32 .. 128 dims (up
     to 16 bytes a lane). q is read element by element (any strides)."""
@@ -210,7 +216,7 @@ def lanes_shared_bytes(ins: list[Operand], lanes: Lanes) -> int:
     return staged + lanes.rows * d * 4 + new + per_row * 32 * 4 + per_row * (dv + 2) * 4
 
 
-def _lanes_arg(lanes: Lanes | None) -> str:
+def lanes_arg(lanes: Lanes | None) -> str:
     return f", ml::Lanes<{lanes.rows}, {lanes.blocks}, {lanes.row_split}>" if lanes else ""
 
 

@@ -30,7 +30,7 @@ from megaloop.codegen.emit_attention_grad import attention_grad
 from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
-from megaloop.codegen.emit_paged import paged_attention, paged_kv_update
+from megaloop.codegen.emit_paged import paged_attention, paged_attention_shared_bytes, paged_kv_update
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.emit_swiglu import swiglu_linear
@@ -179,6 +179,12 @@ def _attention_with(emitter: Callable[..., list[str]], limits: bool) -> Template
     return template
 
 
+def _paged_attention(call: TileCall) -> Lowered:
+    attrs = _with(call, _attention_hints(call))
+    body = paged_attention(call.op.op, attrs, call.ins, call.outs[0])
+    return Lowered(body, paged_attention_shared_bytes(attrs, call.ins))
+
+
 def _sample(name: str) -> Template:
     def template(call: TileCall) -> Lowered:
         body = emit_sample.tile(name, call.attrs, call.ins, call.outs[0])
@@ -291,7 +297,7 @@ TEMPLATES: dict[str, Template] = {
     "attention_partial": _attention_with(attention_partial, limits=True),
     "attention_combine": _attention_with(attention_combine, limits=False),
     "attention_grad": lambda c: Lowered(attention_grad(c.op.op, c.attrs, c.ins, c.outs[0])),
-    "paged_attention": lambda c: Lowered(paged_attention(c.op.op, c.attrs, c.ins, c.outs[0])),
+    "paged_attention": _paged_attention,
     "paged_kv_update": lambda c: Lowered(paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),
     "sample": _sample("sample"),
     "sample_partial": _sample("sample_partial"),

@@ -113,6 +113,68 @@ __device__ __forceinline__ float lanes_dot(const float* qr, const T* krow) {
     return s;
 }
 
+// One stage's keys [s0, s0 + 32 Blocks) (staged in ks, vs; the append form's new key and value at
+// pn in kn, vn) for a computing warp's rows rg + RowSplit x: each lane its key's scores, the warp's
+// online softmax, then the lanes over the value dims. begin/end: each row's visible keys.
+template <class S, class LN, bool APPEND, class T, class M, int R, int VPL>
+__device__ __forceinline__ void lanes_keys(const Task& t, float scale, const M& mask, const float* qs, const T* ks,
+                                           const T* vs, const T* kn, const T* vn, float* ps, i64 s0, i64 key_hi,
+                                           i64 pn, int nrows, const i64 (&begin)[R], const i64 (&end)[R],
+                                           float (&m)[R], float (&l)[R], float (&acc)[R][VPL]) {
+    using Sm = LanesSmem<T, S::d, S::dv, LN>;
+    constexpr int D = S::d;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kb = warp % LN::blocks, rg = warp / LN::blocks;
+    const int bi = t.lo[0], nq = t.hi[2] - t.lo[2];
+    const i64 j = s0 + 32 * kb + lane;  // this lane's key
+    const T* krow = APPEND && j == pn ? kn : ks + (32 * kb + lane) * Sm::LD;
+    float corr[R];
+#pragma unroll
+    for (int x = 0; x < R; ++x) {
+        const int r = rg + LN::row_split * x;
+        float s = neg_inf();
+        if (r < nrows) {
+            const int h = t.lo[1] + r / nq, i = t.lo[2] + r % nq;
+            const float dot = lanes_dot<D>(qs + r * D, krow);
+            if (j >= begin[x] && j < end[x] && j < key_hi) {
+                s = with_mask(softcap<S::cap_bits>(dot * scale), mask, bi, h, i, j);
+            }
+        }
+        const float mx = warp_max(s), mn = mx > m[x] ? mx : m[x];
+        const float base = mn == neg_inf() ? 0.0f : mn;  // no key seen yet: every weight 0
+        const float p = expf(s - base);
+        corr[x] = expf(m[x] - base);
+        m[x] = mn;
+        ps[((warp * R) + x) * 32 + lane] = p;
+        l[x] = l[x] * corr[x] + warp_sum(p);
+    }
+    __syncwarp();
+    // lanes over the value dims: the 32 keys' values with their weights, in two chains of 16
+    float sum[2][R][VPL];
+#pragma unroll
+    for (int x = 0; x < R; ++x)
+#pragma unroll
+        for (int c = 0; c < VPL; ++c) sum[0][x][c] = sum[1][x][c] = 0.0f;
+#pragma unroll 8  // (unrolled whole, ptxas hoists all 32 values and spills under the loader warp's 224 registers)
+    for (int jj = 0; jj < 32; ++jj) {
+        const T* vrow = APPEND && s0 + 32 * kb + jj == pn ? vn : vs + (32 * kb + jj) * Sm::LDV;
+        const Pack<T, VPL> vv = load_pack<T, VPL>(vrow + lane * VPL);
+#pragma unroll
+        for (int x = 0; x < R; ++x) {
+            const float p = ps[((warp * R) + x) * 32 + jj];
+#pragma unroll
+            for (int c = 0; c < VPL; ++c) {  // a key no row sees adds 0 (its value in the cache may be anything)
+                const float value = p != 0.0f ? pack_at<VPL>(vv, c) : 0.0f;  // (off the chain of sums)
+                sum[jj & 1][x][c] = fmaf(p, value, sum[jj & 1][x][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int x = 0; x < R; ++x)
+#pragma unroll
+        for (int c = 0; c < VPL; ++c) acc[x][c] = fmaf(acc[x][c], corr[x], sum[0][x][c] + sum[1][x][c]);
+    __syncwarp();  // ps is rewritten by the next stage
+}
+
 // The warps' states merged a row at a time: each computing warp leaves its rows' m, l and value sums
 // in shared memory; then a thread an output element weighs the row's Blocks warps by exp(m - max m)
 // and writes the range's sums, m and l (Chunk > 0) or the normalised output (zeros where no key).
@@ -190,7 +252,7 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
     T* vn = reinterpret_cast<T*>(smem + Sm::VN);
     float* ps = reinterpret_cast<float*>(smem + Sm::P);
     float* part = reinterpret_cast<float*>(smem + Sm::PART);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kb = warp % LN::blocks, rg = warp / LN::blocks;
+    const int warp = threadIdx.x >> 5, rg = warp / LN::blocks;
     const int bi = t.lo[0], nq = t.hi[2] - t.lo[2], nrows = (t.hi[1] - t.lo[1]) * nq, kh = t.lo[1] / S::group;
     const i64 key_lo = Chunk > 0 ? (i64)t.lo[3] * Chunk : 0;
     const i64 key_hi = Chunk > 0 && key_lo + Chunk < TK ? key_lo + Chunk : TK;
@@ -235,54 +297,8 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
         cp_async_wait<0>();
         ml::block_sync();
         if (!computes) continue;
-        const i64 j = s0 + 32 * kb + lane;  // this lane's key
-        const T* krow = APPEND && j == pn ? kn : ks + (32 * kb + lane) * Sm::LD;
-        float corr[R];
-#pragma unroll
-        for (int x = 0; x < R; ++x) {
-            const int r = rg + LN::row_split * x;
-            float s = neg_inf();
-            if (r < nrows) {
-                const int h = t.lo[1] + r / nq, i = t.lo[2] + r % nq;
-                const float dot = lanes_dot<D>(qs + r * D, krow);
-                if (j >= begin[x] && j < end[x] && j < key_hi) {
-                    s = with_mask(softcap<S::cap_bits>(dot * scale), mask, bi, h, i, j);
-                }
-            }
-            const float mx = warp_max(s), mn = mx > m[x] ? mx : m[x];
-            const float base = mn == neg_inf() ? 0.0f : mn;  // no key seen yet: every weight 0
-            const float p = expf(s - base);
-            corr[x] = expf(m[x] - base);
-            m[x] = mn;
-            ps[((warp * R) + x) * 32 + lane] = p;
-            l[x] = l[x] * corr[x] + warp_sum(p);
-        }
-        __syncwarp();
-        // lanes over the value dims: the 32 keys' values with their weights, in two chains of 16
-        float sum[2][R][VPL];
-#pragma unroll
-        for (int x = 0; x < R; ++x)
-#pragma unroll
-            for (int c = 0; c < VPL; ++c) sum[0][x][c] = sum[1][x][c] = 0.0f;
-#pragma unroll 8  // (unrolled whole, ptxas hoists all 32 values and spills under the loader warp's 224 registers)
-        for (int jj = 0; jj < 32; ++jj) {
-            const T* vrow = APPEND && s0 + 32 * kb + jj == pn ? vn : vs + (32 * kb + jj) * Sm::LDV;
-            const Pack<T, VPL> vv = load_pack<T, VPL>(vrow + lane * VPL);
-#pragma unroll
-            for (int x = 0; x < R; ++x) {
-                const float p = ps[((warp * R) + x) * 32 + jj];
-#pragma unroll
-                for (int c = 0; c < VPL; ++c) {  // a key no row sees adds 0 (its value in the cache may be anything)
-                    const float value = p != 0.0f ? pack_at<VPL>(vv, c) : 0.0f;  // (off the chain of sums)
-                    sum[jj & 1][x][c] = fmaf(p, value, sum[jj & 1][x][c]);
-                }
-            }
-        }
-#pragma unroll
-        for (int x = 0; x < R; ++x)
-#pragma unroll
-            for (int c = 0; c < VPL; ++c) acc[x][c] = fmaf(acc[x][c], corr[x], sum[0][x][c] + sum[1][x][c]);
-        __syncwarp();  // ps is rewritten by the next stage
+        lanes_keys<S, LN, APPEND>(t, scale, mask, qs, ks, vs, kn, vn, ps, s0, key_hi, pn, nrows, begin, end, m, l,
+                                  acc);
     }
     lanes_merge<S, Chunk, LN>(t, out, part, computes, rg, nrows, m, l, acc);
 }

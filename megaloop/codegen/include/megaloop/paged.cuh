@@ -4,6 +4,7 @@
 // positions [j P, (j + 1) P); a row (b, t) of the step belongs to slot slots[b, t] at position
 // pos[b, t] (negative: unused). A page, slot or position out of range is reported (DATA), never used.
 #pragma once
+#include "megaloop/attention_lanes.cuh"
 #include "megaloop/elementwise.cuh"
 
 namespace ml {
@@ -55,20 +56,113 @@ __device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, in
     }
 }
 
-// paged_attention: a warp per (b, query head, row) of the task's box of out [B, Hq, Tokens, Dv]. The
+// keys [s0, s0 + n) of slot s's kv head kh into the staged rows (megaloop/attention_lanes.cuh's
+// LanesSmem), each through its page (one out of range is reported and its row left zero), zeros past
+// n: 16 bytes a copy, every thread
+template <class T, int D, int DV, class LN, int Pages, int P, int Slots, int PerSlot, class K, class V, class PT>
+__device__ __forceinline__ void paged_stage(const Args& a, const Task& t, int tid, T* ks, T* vs, const K& k,
+                                            const V& v, const PT& table, i64 s, int kh, i64 s0, int n) {
+    using L = LanesSmem<T, D, DV, LN>;
+    constexpr int W = 16 / (int)sizeof(T), KC = D / W, VC = DV / W;
+    for (int c = threadIdx.x; c < LN::keys * (KC + VC); c += ml::block_threads()) {
+        const bool key = c < LN::keys * KC;
+        const int e = key ? c : c - LN::keys * KC, r = key ? e / KC : e / VC, col = (key ? e % KC : e % VC) * W;
+        const i64 j = s0 + r;
+        const i64 page = r < n ? page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, j) : -1;
+        const bool ok = page >= 0;
+        const T* src = key ? k.p + page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K> + col
+                           : v.p + page * stride_of<0, V> + (i64)kh * stride_of<1, V> + (j % P) * stride_of<2, V> + col;
+        cp_async16(key ? ks + r * L::LD + col : vs + r * L::LDV + col, ok ? src : k.p, ok);
+    }
+    cp_async_commit();
+}
+
+// The lanes-over-keys tile (megaloop/attention_lanes.cuh) over a slot's pages, a row of the task at a
+// time (its query heads of one kv head): the row's visible keys staged through the page table, LN::keys
+// at a time, then attention_lanes' scores, softmax and merge. The caller checked that the pools are
+// 16-byte aligned.
+template <class S, class LN, int Pages, int P, int Slots, int PerSlot, class O, class Q, class K, class V, class PT,
+          class SL, class PS>
+__device__ __forceinline__ void paged_attention_lanes(const Args& a, const Task& t, int tid, float scale, O out, Q q,
+                                                      K k, V v, PT table, SL slots, PS pos) {
+    using T = typename Q::type;
+    using Sm = LanesSmem<T, S::d, S::dv, LN>;
+    constexpr int D = S::d, DV = S::dv, R = LN::per_warp, VPL = DV / 32;
+    static_assert(LN::rows >= S::group, "paged_attention_lanes: a tile's rows are the query heads of one kv head");
+    extern __shared__ float4 ml_smem4[];
+    char* smem = reinterpret_cast<char*>(ml_smem4);
+    T* ks = reinterpret_cast<T*>(smem + Sm::K);
+    T* vs = reinterpret_cast<T*>(smem + Sm::V);
+    float* qs = reinterpret_cast<float*>(smem + Sm::Q);
+    float* ps = reinterpret_cast<float*>(smem + Sm::P);
+    float* part = reinterpret_cast<float*>(smem + Sm::PART);
+    const int warp = threadIdx.x >> 5, rg = warp / LN::blocks, kh = t.lo[1] / S::group, bi = t.lo[0];
+    const int nrows = t.hi[1] - t.lo[1];
+    const bool computes = warp < LN::warps;
+    for (int i = t.lo[2]; i < t.hi[2]; ++i) {
+        Task row = t;
+        row.lo[2] = i;
+        row.hi[2] = i + 1;
+        const i64 p = load(pos.p + (i64)bi * stride_of<0, PS> + (i64)i * stride_of<1, PS>);
+        const i64 s = p >= 0 ? load(slots.p + (i64)bi * stride_of<0, SL> + (i64)i * stride_of<1, SL>) : 0;
+        const bool row_ok = p >= 0 && page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, p) >= 0;
+        i64 lo = S::window > 0 ? p - S::window + 1 : 0;
+        if (lo < 0) lo = 0;
+        const i64 hi = row_ok ? p + 1 : 0;
+        if (lo < hi) {
+            const int n = hi - lo < LN::keys ? (int)(hi - lo) : LN::keys;
+            paged_stage<T, D, DV, LN, Pages, P, Slots, PerSlot>(a, t, tid, ks, vs, k, v, table, s, kh, lo, n);
+        }
+        lanes_queries<S, LN>(row, qs, (T*)nullptr, (T*)nullptr, q, -1, Absent{});
+        float m[R], l[R], acc[R][VPL];
+        i64 begin[R], end[R];
+#pragma unroll
+        for (int x = 0; x < R; ++x) {
+            m[x] = neg_inf();
+            l[x] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < VPL; ++c) acc[x][c] = 0.0f;
+            begin[x] = lo;
+            end[x] = hi;
+        }
+        for (i64 s0 = lo; s0 < hi; s0 += LN::keys) {
+            if (s0 > lo) {  // a later stage: the last one's keys all read
+                ml::block_sync();
+                const int n = hi - s0 < LN::keys ? (int)(hi - s0) : LN::keys;
+                paged_stage<T, D, DV, LN, Pages, P, Slots, PerSlot>(a, t, tid, ks, vs, k, v, table, s, kh, s0, n);
+            }
+            cp_async_wait<0>();
+            ml::block_sync();
+            if (computes) {
+                lanes_keys<S, LN, false>(row, scale, Absent{}, qs, ks, vs, (const T*)nullptr, (const T*)nullptr, ps, s0,
+                                         hi, -1, nrows, begin, end, m, l, acc);
+            }
+        }
+        lanes_merge<S, 0, LN>(row, out, part, computes, rg, nrows, m, l, acc);  // (ends with a block barrier)
+    }
+}
+
+// paged_attention_warps: a warp per (b, query head, row) of the task's box of out [B, Hq, Tokens, Dv]. The
 // lanes take different keys (flash-decoding inside the warp): G = ceil(D / 64) lanes a key, each with
 // D / G of q's dims, 32 / G keys a step, so a lane's keys need no shuffle but the G-lane sum of a dot;
 // each lane keeps its own online softmax (m, l, acc), merged over the lanes at the end. A page's table
-// entry is read once per key a lane takes from it. Zeros for a row that sees no key.
-template <int Group, int D, int Dv, int Pages, int P, int Slots, int PerSlot, int Window, class O, class Q, class K,
-          class V, class PT, class SL, class PS>
-__device__ __forceinline__ void paged_attention(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
-                                                V v, PT table, SL slots, PS pos) {
+// entry is read once per key a lane takes from it. Zeros for a row that sees no key. Packs: a lane's
+// dims of a key in 16-byte loads (emit_paged.py proved them consecutive and pack-aligned; the pools'
+// starts are checked here), where one load an element costs a cache wavefront per lane and element.
+template <int Group, int D, int Dv, int Pages, int P, int Slots, int PerSlot, int Window, bool Packs, class O, class Q,
+          class K, class V, class PT, class SL, class PS>
+__device__ __forceinline__ void paged_attention_warps(const Args& a, const Task& t, int tid, float scale, O out, Q q,
+                                                      K k, V v, PT table, SL slots, PS pos) {
     static_assert(O::rank == 4 && Q::rank == 4 && K::rank == 4 && V::rank == 4,
                   "paged_attention: out and q [B, H, Tokens, D], pools [Pages, Hkv, P, D]");
     constexpr int G = D <= 64 ? 1 : D <= 128 ? 2 : 4, KW = 32 / G;  // lanes a key, keys a step
     constexpr int DL = (D + G - 1) / G, VL = (Dv + G - 1) / G;      // dims a lane
     static_assert(D <= 256, "paged_attention: head_dim up to 256");
+    using T = typename K::type;
+    constexpr int W = 16 / (int)sizeof(T);  // elements a pack
+    static_assert(!Packs || (DL * G == D && VL * G == Dv && DL % W == 0 && VL % W == 0),
+                  "paged_attention: packs need whole packs of a lane's dims (emit_paged.py's _packs)");
+    const bool packed = Packs && aligned(k.p, 16) && aligned(v.p, 16);
     Task rowt = t;
     rowt.hi[3] = rowt.lo[3] + 1;  // a warp per (batch, head, row)
     for_box_warps<4>(rowt, [&](const int* o, int lane) {
@@ -96,10 +190,22 @@ __device__ __forceinline__ void paged_attention(const Args& a, const Task& t, in
             const i64 kb = page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K>;
             float sc = 0.0f;
             if (page >= 0) {
+                if constexpr (Packs) {
+                    if (packed) {
 #pragma unroll
-                for (int c = 0; c < DL; ++c) {
-                    const int dd = part * DL + c;
-                    if (dd < D) sc += qv[c] * load(k.p + kb + (i64)dd * stride_of<3, K>);
+                        for (int c = 0; c < DL; c += W) {
+                            const Pack<T, W> kp = load_pack<T, W>(k.p + kb + part * DL + c);
+#pragma unroll
+                            for (int w = 0; w < W; ++w) sc += qv[c + w] * get(kp, w);
+                        }
+                    }
+                }
+                if (!packed) {
+#pragma unroll
+                    for (int c = 0; c < DL; ++c) {
+                        const int dd = part * DL + c;
+                        if (dd < D) sc += qv[c] * load(k.p + kb + (i64)dd * stride_of<3, K>);
+                    }
                 }
             }
             sc = lanes_sum<G>(sc) * scale;  // (loop.cuh: over the key's G lanes)
@@ -108,10 +214,22 @@ __device__ __forceinline__ void paged_attention(const Args& a, const Task& t, in
                 const float mn = sc > m ? sc : m;
                 const float corr = expf(m - mn), e = expf(sc - mn);
                 l = l * corr + e;
+                if constexpr (Packs) {
+                    if (packed) {
 #pragma unroll
-                for (int c = 0; c < VL; ++c) {
-                    const int dd = part * VL + c;
-                    acc[c] = acc[c] * corr + (dd < Dv ? e * load(v.p + vb + (i64)dd * stride_of<3, V>) : 0.0f);
+                        for (int c = 0; c < VL; c += W) {
+                            const Pack<T, W> vp = load_pack<T, W>(v.p + vb + part * VL + c);
+#pragma unroll
+                            for (int w = 0; w < W; ++w) acc[c + w] = acc[c + w] * corr + e * get(vp, w);
+                        }
+                    }
+                }
+                if (!packed) {
+#pragma unroll
+                    for (int c = 0; c < VL; ++c) {
+                        const int dd = part * VL + c;
+                        acc[c] = acc[c] * corr + (dd < Dv ? e * load(v.p + vb + (i64)dd * stride_of<3, V>) : 0.0f);
+                    }
                 }
                 m = mn;
             }
@@ -136,6 +254,35 @@ __device__ __forceinline__ void paged_attention(const Args& a, const Task& t, in
             }
         }
     });
+}
+
+// The same (noinline): the lanes tile's fallback, its registers kept out of the lanes path's function
+template <int Group, int D, int Dv, int Pages, int P, int Slots, int PerSlot, int Window, bool Packs, class O, class Q,
+          class K, class V, class PT, class SL, class PS>
+__device__ __noinline__ void paged_attention_warps_apart(const Args& a, const Task& t, int tid, float scale, O out,
+                                                         Q q, K k, V v, PT table, SL slots, PS pos) {
+    paged_attention_warps<Group, D, Dv, Pages, P, Slots, PerSlot, Window, Packs>(a, t, tid, scale, out, q, k, v, table,
+                                                                                 slots, pos);
+}
+
+// paged_attention: out [B, Hq, Tokens, Dv] of the task's box. LN a Lanes: paged_attention_lanes where the
+// pools are 16-byte aligned, else (and with NoLanes) paged_attention_warps.
+template <int Group, int D, int Dv, int Pages, int P, int Slots, int PerSlot, int Window, bool Packs, class LN,
+          class O, class Q, class K, class V, class PT, class SL, class PS>
+__device__ __forceinline__ void paged_attention(const Args& a, const Task& t, int tid, float scale, O out, Q q, K k,
+                                                V v, PT table, SL slots, PS pos) {
+    if constexpr (LN::present) {
+        if (aligned(k.p, 16) && aligned(v.p, 16)) {
+            using S = AttnShape<Group, 1, PerSlot * P, D, Dv, true, Window>;
+            paged_attention_lanes<S, LN, Pages, P, Slots, PerSlot>(a, t, tid, scale, out, q, k, v, table, slots, pos);
+        } else {
+            paged_attention_warps_apart<Group, D, Dv, Pages, P, Slots, PerSlot, Window, Packs>(a, t, tid, scale, out, q,
+                                                                                               k, v, table, slots, pos);
+        }
+    } else {
+        paged_attention_warps<Group, D, Dv, Pages, P, Slots, PerSlot, Window, Packs>(a, t, tid, scale, out, q, k, v,
+                                                                                     table, slots, pos);
+    }
 }
 
 }  // namespace ml
