@@ -139,6 +139,28 @@ def decode_attention(
     return build
 
 
+def paged_write(shift: int = 0, read_k: bool = False, clamp: bool = True):
+    """k rotated at each row's position (clamped at 0, as a serving step builds it) and written into a
+    paged pool, v written, attention over both (plain)."""
+
+    def build(g: ml.Graph, dt: ml.DType) -> None:
+        t, hkv, d = 3, 2, 16
+        pos, slot = g.input("pos", (1, t), "int64"), g.input("slot", (1, t), "int64")
+        table = g.state("table", (1, 4), "int64")
+        q = g.input("q", (1, 2 * hkv, t, d), dt)
+        k, v = g.input("k", (1, hkv, t, d), dt), g.input("v", (1, hkv, t, d), dt)
+        rpos = ml.maximum(pos, 0) if clamp else pos
+        k_roped = ml.rope(k, (rpos + shift if shift else rpos).reshape(1, 1, t), theta=500.0)
+        kp, vp = (g.state(n, (4, hkv, 4, d), dt) for n in ("kp", "vp"))
+        k_all = ml.paged_kv_cache_update(kp, k_roped, table, slot, pos)
+        v_all = ml.paged_kv_cache_update(vp, v, table, slot, pos)
+        g.output("o", ml.paged_attention(q, k_all, v_all, table, slot, pos))
+        if read_k:
+            g.output("k_roped", k_roped)
+
+    return build
+
+
 def split_products(rows: int = 32, n: int = 64, k: int = 1024, batch: int = 1):
     def build(g: ml.Graph, dt: ml.DType) -> None:
         x = _x(g, dt, rows, batch, k)
@@ -158,6 +180,7 @@ def empty_operand(concat: bool = False):
     return build
 
 
+PAGED_CHANGES = {"rope": -1, "paged_kv_cache_update": -1, "rope_paged_kv_cache_update": 1}
 CASES = [
     Case("residual", residual_norm(), "norm_residual", True, {"add": -1}),
     Case("residual-kept-add", residual_norm(share=True), "norm_residual", True, {}),
@@ -187,6 +210,10 @@ CASES = [
     Case("append-not-unsplit", decode_attention(splits=None), "attention_append", False, {}),
     Case("append-not-shifted", decode_attention(shift=1), "attention_append", False, {}),
     Case("append-not-lengths", decode_attention(lengths=True), "attention_append", False, {}),
+    Case("rope-paged", paged_write(), "rope_paged_kv_cache_update", True, PAGED_CHANGES),
+    Case("rope-paged-unclamped", paged_write(clamp=False), "rope_paged_kv_cache_update", True, PAGED_CHANGES),
+    Case("rope-paged-not-shifted", paged_write(shift=1), "rope_paged_kv_cache_update", False, {}),
+    Case("rope-paged-not-read-k", paged_write(read_k=True), "rope_paged_kv_cache_update", False, {}),
     Case("split-k", split_products(), "split_k_linear", True, {"sum": 1}),
     Case("split-k-two-sequences", split_products(batch=2), "split_k_linear", True, {"sum": 1}),
     Case("split-k-not-decode", split_products(rows=1), "split_k_linear", False, {}),
@@ -209,6 +236,8 @@ def _feeds(g: ml.Graph, dt: ml.DType, rng: np.random.Generator) -> tuple[dict, d
             )
             if name == "len":
                 inputs[name] = np.array([12, 9], np.int64)
+            if name == "slot":  # (every row of a paged write in slot 0)
+                inputs[name] = np.zeros(t.shape, np.int64)
         else:
             inputs[name] = random_values(rng, t.shape, t.dtype)
     params = {n: random_values(rng, t.shape, t.dtype) * (0.2 if t.ndim == 2 else 1.0) for n, t in g.parameters.items()}
@@ -237,6 +266,8 @@ def test_each_rule_fires_where_it_should_and_keeps_the_values(case: Case, dtype:
     assert fused is not plain and all(delta[op] == n for op, n in case.changes.items()), dict(delta)
     inputs, params = _feeds(plain, dt, np.random.default_rng(7))
     state = {n: random_values(np.random.default_rng(8), t.shape, t.dtype) for n, t in plain.states.items()}
+    if "table" in state:  # (a paged pool's table: its pages in order)
+        state["table"] = np.arange(state["table"].size).reshape(state["table"].shape)
     want = ml.evaluate(plain, inputs, params, state)
     got = ml.evaluate(fused, inputs, params, state)
     for name in want.outputs:

@@ -21,6 +21,7 @@ from megaloop.codegen.emit import Operand
 from megaloop.codegen.emit_paged import paged_attention as emit_attention
 from megaloop.codegen.emit_paged import paged_attention_shared_bytes, paged_lanes
 from megaloop.codegen.emit_paged import paged_kv_update as emit_update
+from megaloop.codegen.emit_paged import rope_paged_kv_update as emit_rope_update
 from megaloop.frontend.ops.paged import PAGED_ATTENTION_TILING
 from megaloop.frontend.tiling import Box, TileContext
 from megaloop.plan import make_plan
@@ -54,14 +55,17 @@ def case(dtype: str = "float32", slots: int = 3, per_slot: int = 4, page: int = 
     }  # fmt: skip
 
 
-def step_graph(c: dict) -> ml.Graph:
-    """The update of both pools, then attention over them (as in the serving step)."""
+def step_graph(c: dict, rope: bool = False) -> ml.Graph:
+    """The update of both pools, then attention over them (as in the serving step; with ``rope``, the
+    key rotated at each row's position clamped at 0 first, as the serving step builds it)."""
     g = ml.Graph("paged")
     dt = c["dtype"]
     q = g.input("q", c["q"].shape, dt)
     kn, vn = g.input("k_new", c["k_new"].shape, dt), g.input("v_new", c["v_new"].shape, dt)
     table = g.state("table", c["table"].shape, "int64")
     slots, pos = g.input("slots", c["slots"].shape, "int64"), g.input("positions", c["positions"].shape, "int64")
+    if rope:
+        kn = ml.rope(kn, ml.maximum(pos, 0).reshape(1, 1, pos.shape[1]), theta=500.0)
     kp, vp = g.state("k_pool", c["k_pool"].shape, dt), g.state("v_pool", c["v_pool"].shape, dt)
     k_all = ml.paged_kv_cache_update(kp, kn, table, slots, pos)
     v_all = ml.paged_kv_cache_update(vp, vn, table, slots, pos)
@@ -204,15 +208,18 @@ def test_shape_rules_name_the_operand() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_kernels_compile(arch: str) -> None:
-    """head_dim 8: the warp path in 16-byte packs; 64: the lanes tile (the default options) and its fallback."""
+    """head_dim 8: the warp path in 16-byte packs; 64: the lanes tile (the default options) and its fallback,
+    and the key's write with its rope (fuse rule rope_paged_kv_cache_update)."""
     small = make_plan(step_graph(case("bfloat16", window=4)), processors=8, arch=arch.removesuffix("a"))
     source = generate(small).source
     assert "ml::paged_attention<2, 8, 8, 15, 4, 3, 4, 4, true, ml::NoLanes>" in source  # (packs of 8 dims)
     assert "ml::paged_kv_update<1, 9, 8, 15, 4, 3, 4>" in source
     assert compile_cubin(source, arch)
-    wide = make_plan(step_graph(case("bfloat16", d=64, group=4, page=16)), processors=8, arch=arch.removesuffix("a"))
+    wide = make_plan(step_graph(case("bfloat16", d=64, group=4, page=16), rope=True), processors=8,
+                     arch=arch.removesuffix("a"))  # fmt: skip
     source = generate(wide).source
     assert "ml::paged_attention<4, 64, 64, 15, 16, 3, 4, 0, true, ml::Lanes<4, " in source
+    assert "ml::paged_write<1, 9, 64, 15, 16, 3, 4, 64, true>(a, t, tid, inv_freq" in source  # (the key's rope inside)
     assert compile_cubin(source, arch)
 
 
@@ -327,3 +334,36 @@ def test_the_lanes_tile_reports_a_page_out_of_range(tmp_path: Path) -> None:
     shared = paged_attention_shared_bytes(attrs, ops_)
     _, info, _ = run_block(body, shared, tmp_path, [*ins, out], [t.writes[0].box for t in tiles], header="paged.cuh")
     assert info[0] == 2 and info[4] == -1 and info[6] == 4, info  # DATA: page -1 of PAGED_PAGE
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype,layout,rotary", [("bfloat16", "neox", None), ("float32", "interleaved", 6)])
+def test_the_rotating_write_runs_on_the_cpu(dtype: str, layout: str, rotary: int | None, tmp_path: Path) -> None:
+    """rope_paged_kv_cache_update's generated tile (a kv head a task, rows of several slots, an unused row)
+    against its reference: within rope's 2 ulps (its float32 formula against the float64 reference),
+    every place no row writes unchanged."""
+    c = case(dtype, d=16, rows=6, seed=3, per_slot=3, page=4)
+    c["positions"][0, 1] = -1  # (an unused row: rotated at 0 by the reference, written by neither)
+    g = ml.Graph("rope-paged")
+    dt = c["dtype"]
+    pool = g.state("k_pool", c["k_pool"].shape, dt)
+    table = g.state("table", c["table"].shape, "int64")
+    new = g.input("k_new", c["k_new"].shape, dt)
+    slots, pos = g.input("slots", c["slots"].shape, "int64"), g.input("positions", c["positions"].shape, "int64")
+    ml.rope_paged_kv_cache_update(pool, new, table, slots, pos, theta=500.0, layout=layout, rotary_dim=rotary)
+    feeds_ = {"k_new": c["k_new"], "slots": c["slots"], "positions": c["positions"]}
+    want = ml.evaluate(g, feeds_, state={"k_pool": c["k_pool"], "table": c["table"]}).state["k_pool"]
+    node = next(n for n in g.nodes if n.op.name == "rope_paged_kv_cache_update")
+    ins = [c["k_pool"], c["k_new"], c["table"], c["slots"], c["positions"]]
+    ops_ = [_operand(a, dt if a.dtype != np.int64 else ml.int64) for a in ins]
+    body = emit_rope_update("rope_paged_kv_cache_update", node.attrs, ops_, ops_[0])
+    boxes = [Box((0, h, 0, 0), (c["k_pool"].shape[0], h + 1, 4, 16)) for h in range(c["k_pool"].shape[1])]
+    got, info, _ = run_block(body, 0, tmp_path, [*ins, c["k_pool"].copy()], boxes, header="paged.cuh")
+    assert info[0] == 0, info
+    a, b = got.astype(np.float64), want.astype(np.float64)
+    err = np.abs(a - b) / (np.abs(b) + np.abs(b).max())
+    eps = 2.0**-23 if dtype == "float32" else 2.0**-8
+    print(f"worst error {err.max() / eps:.2f} ulps of {dtype} (of |ref| + max |ref|)")
+    assert err.max() <= 2 * eps, f"worst {err.max() / eps:.1f} ulps at {np.unravel_index(err.argmax(), err.shape)}"
+    kept = want.view(np.uint8) == c["k_pool"].view(np.uint8)  # (the places no row writes, and a few more)
+    assert (got.view(np.uint8)[kept] == want.view(np.uint8)[kept]).all(), "a place no row writes changed"

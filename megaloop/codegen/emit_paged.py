@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaloop.codegen.emit import Operand, float_literal, pointers
+from megaloop.codegen.emit import Operand, float_literal, pointers, rope_frequencies
 from megaloop.codegen.emit_attention import Lanes, lanes_applies, lanes_arg, lanes_for, lanes_shared_bytes
 
 
@@ -62,6 +62,22 @@ def paged_lanes(attrs: dict[str, Any], ins: list[Operand]) -> Lanes | None:
 def paged_attention_shared_bytes(attrs: dict[str, Any], ins: list[Operand]) -> int:
     lanes = paged_lanes(attrs, ins)
     return lanes_shared_bytes(ins, lanes) if lanes else 0
+
+
+def rope_paged_kv_update(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:
+    """paged_kv_update's write with each row's rotary dims turned at its position (rope's bits)."""
+    pool, new, table, slots, pos = ins
+    b, _, tokens, dim = new.shape
+    neox = "true" if attrs["layout"] == "neox" else "false"
+    return [
+        rope_frequencies(attrs),
+        *pointers([*ins, out], len(ins)),
+        f"// {b * tokens} row(s) of {dim}, rotated ({attrs['rotary_dim']} dims, {attrs['layout']}), into pages of "
+        f"{pool.shape[2]} positions (a page table of {table.shape[0]} slots x {table.shape[1]} pages)",
+        f"ml::paged_write<{b}, {tokens}, {dim}, {_table_sizes(pool, table)}, {attrs['rotary_dim']}, {neox}>(a, t, tid, "
+        f"inv_freq, {_at(out, 'out0')}, {_at(new, 'in1')}, {_at(table, 'in2')}, {_at(slots, 'in3')}, "
+        f"{_at(pos, 'in4')});",
+    ]
 
 
 def paged_attention(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand) -> list[str]:

@@ -30,7 +30,12 @@ from megaloop.codegen.emit_attention_grad import attention_grad
 from megaloop.codegen.emit_loss import cross_entropy
 from megaloop.codegen.emit_matmul import matmul, matmul_shared_bytes, ring_stream
 from megaloop.codegen.emit_norm_linear import rmsnorm_linear
-from megaloop.codegen.emit_paged import paged_attention, paged_attention_shared_bytes, paged_kv_update
+from megaloop.codegen.emit_paged import (
+    paged_attention,
+    paged_attention_shared_bytes,
+    paged_kv_update,
+    rope_paged_kv_update,
+)
 from megaloop.codegen.emit_reduce import argmax_combine, argmax_partial, reduction
 from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.emit_swiglu import swiglu_linear
@@ -299,6 +304,7 @@ TEMPLATES: dict[str, Template] = {
     "attention_grad": lambda c: Lowered(attention_grad(c.op.op, c.attrs, c.ins, c.outs[0])),
     "paged_attention": _paged_attention,
     "paged_kv_update": lambda c: Lowered(paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),
+    "rope_paged_kv_update": lambda c: Lowered(rope_paged_kv_update(c.op.op, c.attrs, c.ins, c.outs[0])),
     "sample": _sample("sample"),
     "sample_partial": _sample("sample_partial"),
     "sample_combine": _sample("sample_combine"),

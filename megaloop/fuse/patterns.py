@@ -43,6 +43,20 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     return a.size == b.size and unreshaped(a) is unreshaped(b)
 
 
+def same_where_used(a: Tensor, positions: Tensor) -> bool:
+    """Whether ``a`` holds ``positions`` wherever they are not negative: the same values, or maximum(positions,
+    0) (the rotary positions of a paged write, whose rows at negative positions write nothing)."""
+    if same_values(a, positions):
+        return True
+    clamp = made_by(unreshaped(a), "maximum")
+    return (
+        clamp is not None
+        and len(clamp.inputs) == 1
+        and list(clamp.attrs.get("scalars", {}).values()) == [0]
+        and same_values(clamp.inputs[0], positions)
+    )
+
+
 def few_rows(x: Tensor) -> bool:
     """One sequence of at most NORMED_ROWS rows (a decode step): the rows a product's tile norms itself."""
     return x.ndim >= 2 and math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= NORMED_ROWS

@@ -171,3 +171,36 @@ row(
     fixed={2: "int64", 3: "int64", 4: "int64", 5: "bool"},
     states=(0,),
 )
+
+
+# the key rotated at each row's position and written through the page table in one op: both layouts,
+# partial rotary dims (head_dim even here)
+def _rope_paged_sample(rng: np.random.Generator) -> Sample:
+    base = _paged_sample(update=True)(rng)
+    d = 2 * int(rng.choice([2, 3, 8, 20]))
+    shapes = [(*base.shapes[0][:3], d), (*base.shapes[1][:3], d), *base.shapes[2:]]
+    kw = {
+        **base.kw,
+        "layout": str(rng.choice(["neox", "interleaved"])),
+        "rotary_dim": None if rng.random() < 0.6 else 2 * int(rng.integers(1, d // 2 + 1)),
+        "theta": float(rng.choice([10000.0, 500000.0])),
+    }
+    return Sample(shapes, kw, base.domains)
+
+
+def _rope_paged_ref(pool, new, table, slot, pos, used, *, dtype, layout, rotary_dim, theta, **kw):
+    turned = rnd(rope_ref(new, pos.clamp(min=0)[:, None, :], layout=layout, rotary_dim=rotary_dim, theta=theta), dtype)
+    return _paged_update_ref(pool, turned, table, slot, pos, used, dtype=dtype, **kw)
+
+
+row(
+    "rope_paged_kv_cache_update",
+    "rows-of-slots",
+    lambda g, pool, new, tab, sl, pos, used, slots, per_slot, window, **kw: ml.rope_paged_kv_cache_update(
+        pool, new, tab.reshape(slots, per_slot), sl, ml.where(used, pos, -1), **kw
+    ),
+    _rope_paged_ref,
+    _rope_paged_sample,
+    fixed={2: "int64", 3: "int64", 4: "int64", 5: "bool"},
+    states=(0,),
+)

@@ -49,6 +49,7 @@ from megaloop.frontend.ops.paged import paged_attention, paged_kv_cache_update
 from megaloop.frontend.ops.reduce import max, mean, min, sum
 from megaloop.frontend.ops.rope import inv_frequencies, rope
 from megaloop.frontend.ops.rope_cache import rope_kv_cache_update
+from megaloop.frontend.ops.rope_paged import rope_paged_kv_cache_update
 from megaloop.frontend.ops.rope_table import rope_table
 from megaloop.frontend.ops.sample_penalty import penalize
 from megaloop.frontend.ops.sample_split import sample, sample_combine, sample_partial
@@ -98,6 +99,7 @@ __all__ = [
     "rmsnorm_linear",
     "rope",
     "rope_kv_cache_update",
+    "rope_paged_kv_cache_update",
     "rope_table",
     "sample",
     "sample_combine",

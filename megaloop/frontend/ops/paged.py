@@ -453,13 +453,18 @@ def paged_attention(
 def paged_kv_cache_update(pool: Tensor, new: Tensor, page_table: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
     """Write ``new`` into the pool's pages at each row's slot and position; the result is the pool's next
     value (module docstring)."""
+    return assign_pool(PAGED_KV_CACHE_UPDATE, pool, [pool, new, page_table, slots, positions], {})
+
+
+def assign_pool(op: OpDef, pool: Tensor, operands: list[Tensor], attrs: dict[str, Any]) -> Tensor:
+    """``op`` (a write into ``pool``) applied, its result assigned to the pool state."""
     if isinstance(pool, Tensor) and pool.node.op is sources.STATE:
         name = pool.node.attrs["name"]
         if name in pool.graph.state_updates:  # checked first, so a refused call adds no node
             raise GraphBuildError(
-                f"paged_kv_cache_update: state {name!r} already receives {pool.graph.state_updates[name]!r} this "
+                f"{op.name}: state {name!r} already receives {pool.graph.state_updates[name]!r} this "
                 "iteration; a state takes one new value per iteration"
             )
-    out = apply(PAGED_KV_CACHE_UPDATE, [pool, new, page_table, slots, positions])
+    out = apply(op, operands, **attrs)
     pool.graph.assign(pool, out)
     return out

@@ -6,6 +6,7 @@
 #pragma once
 #include "megaloop/attention_lanes.cuh"
 #include "megaloop/elementwise.cuh"
+#include "megaloop/rope.cuh"
 
 namespace ml {
 
@@ -32,11 +33,12 @@ __device__ __forceinline__ i64 page_of(const Args& a, const Task& t, int tid, co
 }
 
 // paged_kv_cache_update: the task's kv head h (its box [0:Pages, h, 0:P, 0:Dim] of the pool, in place):
-// element (b, t, d) of every row copied, bit for bit, to its page and offset. Rows [B, Tokens].
-template <int B, int Tokens, int Dim, int Pages, int P, int Slots, int PerSlot, class O, class N, class PT, class SL,
-          class PS>
-__device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, int tid, O out, N nw, PT table, SL slots,
-                                                PS pos) {
+// element (b, t, d) of every row copied, bit for bit, to its page and offset. Rows [B, Tokens]. RD > 0
+// (rope_paged_kv_cache_update): dims below RD rotated at the row's position first (rope's bits).
+template <int B, int Tokens, int Dim, int Pages, int P, int Slots, int PerSlot, int RD, bool Neox, class O, class N,
+          class PT, class SL, class PS>
+__device__ __forceinline__ void paged_write(const Args& a, const Task& t, int tid, const double* inv_freq, O out, N nw,
+                                            PT table, SL slots, PS pos) {
     static_assert(O::rank == 4 && N::rank == 4 && PT::rank == 2 && SL::rank == 2 && PS::rank == 2,
                   "paged_kv_update: pool [Pages, H, P, Dim], new [B, H, Tokens, Dim], table [Slots, PerSlot], "
                   "slots and positions [B, Tokens]");
@@ -50,10 +52,24 @@ __device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, in
         const i64 s = load(slots.p + (i64)b * stride_of<0, SL> + (i64)tok * stride_of<1, SL>);
         const i64 page = page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, p);
         if (page < 0) return;
-        out.p[page * stride_of<0, O> + (i64)h * stride_of<1, O> + (p % P) * stride_of<2, O> + (i64)d * stride_of<3, O>] =
-            nw.p[(i64)b * stride_of<0, N> + (i64)h * stride_of<1, N> + (i64)tok * stride_of<2, N> +
-                 (i64)d * stride_of<3, N>];
+        auto* dst = out.p + page * stride_of<0, O> + (i64)h * stride_of<1, O> + (p % P) * stride_of<2, O> +
+                    (i64)d * stride_of<3, O>;
+        const auto* row = nw.p + (i64)b * stride_of<0, N> + (i64)h * stride_of<1, N> + (i64)tok * stride_of<2, N>;
+        if constexpr (RD > 0) {
+            if (d < RD) {
+                store(dst, rope_head_dim<RD, Neox>(row, stride_of<3, N>, d, (double)p, inv_freq));
+                continue;
+            }
+        }
+        *dst = row[(i64)d * stride_of<3, N>];
     }
+}
+
+template <int B, int Tokens, int Dim, int Pages, int P, int Slots, int PerSlot, class O, class N, class PT, class SL,
+          class PS>
+__device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, int tid, O out, N nw, PT table, SL slots,
+                                                PS pos) {
+    paged_write<B, Tokens, Dim, Pages, P, Slots, PerSlot, 0, true>(a, t, tid, nullptr, out, nw, table, slots, pos);
 }
 
 // keys [s0, s0 + n) of slot s's kv head kh into the staged rows (megaloop/attention_lanes.cuh's
