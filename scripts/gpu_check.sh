@@ -18,7 +18,8 @@
 # `gpu_check.sh programs` runs kernels of several programs with the ring's loader warp (docs/serving.md, "Programs"):
 # their GPU tests and the engine's, then bench.serve for one client (SERVE_ARGS more arguments): the batch-1 TPOT.
 # `gpu_check.sh paged` runs the serving step's paged attention tile (docs/serving.md, "The paged attention tile"):
-# the engine's GPU tests, the decode_1 step's profile (serve_decode1, its traces in $OUT/serve_decode1), bench.serve --clients 1.
+# the engine's and fused_elementwise's GPU tests, the decode_1 step's profile (serve_decode1; again with the fuse rule
+# elementwise_chain; traces in $OUT/serve_decode1*), bench.serve --clients 1.
 # `gpu_check.sh loopcost` measures the loop's own cost (docs/runtime.md, "The loop's own cost"): bench.loop_overhead's
 # A/B of KernelOptions task_records / completion_word / doorbell_reads and its round trip split into parts
 # (LOOPCOST_ARGS its arguments), then the options' GPU tests and the default path's runtime tests (~4 min).
@@ -108,10 +109,14 @@ if [ "$what" = programs ]; then  # docs/serving.md, "Measured": the prediction f
     | tee -a "$OUT/gpu_check.log" || status=1
 fi
 if [ "$what" = paged ]; then  # docs/serving.md, "The paged attention tile": correctness, the step's windows, TPOT
-  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serve.py -m gpu -rA --durations=0 2>&1 \
+  timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serve.py tests/test_fuse_elementwise.py \
+    -m gpu -rA --durations=0 2>&1 \
     | tail -n 30 | tee -a "$OUT/gpu_check.log" || status=1
-  OUT="$OUT/serve_decode1" timeout "$bench_timeout" python3 scripts/profile_cases.py serve_decode1 2>&1 \
-    | grep -v -E 'layers\.([0-24-9]|1[0-5])\.' | tee -a "$OUT/gpu_check.log" || status=1
+  for fusion in all +elementwise_chain; do  # (the second: its small ops fused, off by default until measured)
+    PROFILE_FUSION="$fusion" OUT="$OUT/serve_decode1${fusion//[^a-z]/_}" timeout "$bench_timeout" \
+      python3 scripts/profile_cases.py serve_decode1 2>&1 | grep -v -E 'layers\.([0-24-9]|1[0-5])\.' \
+      | tee -a "$OUT/gpu_check.log" || status=1
+  done
   timeout "$bench_timeout" python3 -m bench.serve --clients 1 ${SERVE_ARGS:-} 2>&1 | tail -n 20 \
     | tee -a "$OUT/gpu_check.log" || status=1
 fi

@@ -161,6 +161,21 @@ def paged_write(shift: int = 0, read_k: bool = False, clamp: bool = True):
     return build
 
 
+def small_ops(single: bool = False):
+    """A serving step's bookkeeping in miniature: comparisons, logic, a cast and a where over [S, 1]."""
+
+    def build(g: ml.Graph, dt: ml.DType) -> None:
+        length, limit = g.input("length", (3, 1), "int64"), g.input("limit", (3, 1), "int64")
+        x = g.input("x", (3, 1), dt)
+        if single:
+            g.output("y", ml.less(length, limit))
+            return
+        active = ml.logical_and(ml.less(length, limit), ml.equal(limit - length, 1))
+        g.output("y", ml.where(active, ml.cast(x, "float32") * 2.0, -1.0))
+
+    return build
+
+
 def split_products(rows: int = 32, n: int = 64, k: int = 1024, batch: int = 1):
     def build(g: ml.Graph, dt: ml.DType) -> None:
         x = _x(g, dt, rows, batch, k)
@@ -214,6 +229,8 @@ CASES = [
     Case("rope-paged-unclamped", paged_write(clamp=False), "rope_paged_kv_cache_update", True, PAGED_CHANGES),
     Case("rope-paged-not-shifted", paged_write(shift=1), "rope_paged_kv_cache_update", False, {}),
     Case("rope-paged-not-read-k", paged_write(read_k=True), "rope_paged_kv_cache_update", False, {}),
+    Case("elementwise-chain", small_ops(), "elementwise_chain", True, {"fused_elementwise": 1, "less": -1}),
+    Case("elementwise-chain-not-one-op", small_ops(single=True), "elementwise_chain", False, {}),
     Case("split-k", split_products(), "split_k_linear", True, {"sum": 1}),
     Case("split-k-two-sequences", split_products(batch=2), "split_k_linear", True, {"sum": 1}),
     Case("split-k-not-decode", split_products(rows=1), "split_k_linear", False, {}),

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from megaloop.dtypes import DType, round_to
+from megaloop.dtypes import DType, as_dtype, round_to
 from megaloop.frontend.ops._tilings import ELEMENTS, SCATTER_COLUMNS
 from megaloop.frontend.ops.rope import inv_frequencies
 
@@ -92,17 +92,6 @@ def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], o
     (megaloop/elementwise.cuh) with the expression as a lambda over the tensors' compute values (the
     numbers are constants in it), each operand's strides in the output's index space, and the packed
     path's width and packs in flight where the layout allows it (width 0: element by element only)."""
-    scalars = attrs.get("scalars", {})
-    slots = len(ins) + len(scalars)
-    tensor_slots = [s for s in range(slots) if s not in scalars]
-    compare = out.dtype.is_bool and not all(o.dtype.is_bool for o in ins)
-    value_dtype = ins[-1].dtype if ins else out.dtype  # dtype the scalars stand in for
-    names = "abc"
-    params = ", ".join(f"const {compute_type(o.dtype)} {names[s]}" for s, o in zip(tensor_slots, ins))
-    consts = "".join(
-        f"const {compute_type(value_dtype)} {names[s]} = {_scalar(v, value_dtype, compare)}; "
-        for s, v in sorted(scalars.items())
-    )
     nd = len(out.shape)
     width, unroll = _elementwise_packs(ins, out, attrs.get("codegen", {}))
     operands = [_at(out.strides, "out0")] + [
@@ -111,10 +100,46 @@ def elementwise(op: str, attrs: dict[str, Any], expr: str, ins: list[Operand], o
     ]
     return [
         *pointers(ins + [out], len(ins)),
-        f"const auto f = []({params}) {{ {consts}return {converter(out.dtype)}({expr}); }};",
+        f"const auto f = {_lambda(expr, attrs, [o.dtype for o in ins], out.dtype)};",
         *([f"// packed path: {width} elements a load, {unroll} per operand in flight"] if width else []),
         f"ml::elementwise<{width}, {unroll}>(t, f, {', '.join(operands)});",
     ]
+
+
+NAMES = "abcdefgh"  # an elementwise lambda's operands (ops: a .. c; fused_elementwise: up to 8)
+
+
+def _lambda(expr: str, attrs: dict[str, Any], dtypes: list[DType], out: DType) -> str:
+    """An op's expression as a lambda over its tensors' compute values (its numbers constants in it, of
+    the dtype they stand in for: the last tensor's), converted to ``out``'s compute type."""
+    scalars = attrs.get("scalars", {})
+    tensor_slots = [s for s in range(len(dtypes) + len(scalars)) if s not in scalars]
+    compare = out.is_bool and not all(d.is_bool for d in dtypes)
+    value_dtype = dtypes[-1] if dtypes else out
+    params = ", ".join(f"const {compute_type(d)} {NAMES[s]}" for s, d in zip(tensor_slots, dtypes))
+    consts = "".join(
+        f"const {compute_type(value_dtype)} {NAMES[s]} = {_scalar(v, value_dtype, compare)}; "
+        for s, v in sorted(scalars.items())
+    )
+    return f"[]({params}) {{ {consts}return {converter(out)}({expr}); }}"
+
+
+def fused_elementwise(op: str, attrs: dict[str, Any], ins: list[Operand], out: Operand,
+                      expression_of: Callable[[dict[str, Any]], str]) -> list[str]:  # fmt: skip
+    """fused_elementwise's steps (megaloop/frontend/ops/fused_elementwise.py) as one expression over the
+    operands: each step its op's lambda, its result rounded to its dtype (ml::stored) but the last's,
+    which ``elementwise`` stores. ``expression_of(step)``: the step's op's C++ expression."""
+    steps, lines = attrs["steps"], []
+    for k, step in enumerate(steps):
+        args = [(NAMES[i], ins[i].dtype) if kind == "in" else (f"s{i}", as_dtype(steps[i]["dtype"]))
+                for kind, i in step["args"]]  # fmt: skip
+        dtype = as_dtype(step["dtype"])
+        value = f"{_lambda(expression_of(step), step['attrs'], [d for _, d in args], dtype)}"
+        value += f"({', '.join(name for name, _ in args)})"
+        last = k == len(steps) - 1
+        lines.append(f"return {value};" if last else f"const auto s{k} = ml::stored<{CTYPE[dtype.name]}>({value});")
+    expr = "[&] { " + " ".join(lines) + " }()"
+    return elementwise(op, {k: v for k, v in attrs.items() if k != "steps"}, expr, ins, out)
 
 
 def _at(strides: Sequence[int], pointer: str, nd: int | None = None) -> str:

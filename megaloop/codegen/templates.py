@@ -18,6 +18,7 @@ from megaloop.codegen.emit import (
     concat,
     elementwise,
     embedding,
+    fused_elementwise,
     kv_update,
     rope,
     rope_kv_update,
@@ -41,7 +42,7 @@ from megaloop.codegen.emit_rows import rows, rows_shared_bytes
 from megaloop.codegen.emit_swiglu import swiglu_linear
 from megaloop.codegen.exchange import all_reduce_push
 from megaloop.errors import GraphBuildError
-from megaloop.frontend.opdef import OpDef
+from megaloop.frontend.opdef import REGISTRY, OpDef
 from megaloop.frontend.tiling import PEER_SEND
 from megaloop.plan.model import Plan, PlanOp
 from megaloop.plan.tasks import peer_operand, peer_output
@@ -101,6 +102,14 @@ Template = Callable[[TileCall], Lowered]
 
 def _with(call: TileCall, hints: dict[str, Any]) -> dict[str, Any]:
     return {**call.attrs, "codegen": hints}
+
+
+def _fused_elementwise(call: TileCall) -> Lowered:
+    def expression_of(step: dict[str, Any]) -> str:
+        return REGISTRY[step["op"]].lowering.expression(step["attrs"])  # type: ignore[union-attr]
+
+    attrs = _with(call, call.block_hints())
+    return Lowered(fused_elementwise(call.op.op, attrs, call.ins, call.outs[0], expression_of))
 
 
 def _elementwise(call: TileCall) -> Lowered:
@@ -282,6 +291,7 @@ def _plain(emitter: Callable[..., list[str]], hints: bool = False) -> Template:
 
 TEMPLATES: dict[str, Template] = {
     "elementwise": _elementwise,
+    "fused_elementwise": _fused_elementwise,
     "reduction": lambda c: Lowered(reduction(c.op.op, c.attrs, c.ins[0], c.outs[0])),
     "argmax_partial": lambda c: Lowered(argmax_partial(c.attrs, c.ins[0], c.outs[0])),
     "argmax_combine": lambda c: Lowered(argmax_combine(c.attrs, c.ins[0], c.ins[1], c.outs[0])),

@@ -221,6 +221,11 @@ ATTR_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a dict from operand slots to finite numbers",
     ),
     "scaling": (_scaling, "null or a dict from names to numbers (or tuples of numbers)"),
+    "steps": (
+        lambda v: isinstance(v, list)
+        and all(isinstance(s, dict) and set(s) == {"op", "attrs", "args", "dtype"} for s in v),
+        "a list of steps {op, attrs, args, dtype} (megaloop/frontend/ops/fused_elementwise.py)",
+    ),
 }
 
 

@@ -26,6 +26,7 @@ from megaloop.frontend.ops.attention_split import attention, attention_combine, 
 from megaloop.frontend.ops.collective import all_gather, all_reduce, recv, reduce_scatter, send
 from megaloop.frontend.ops.elementwise import *  # noqa: F403 - its __all__: the elementwise builders
 from megaloop.frontend.ops.embedding import embedding, scatter_add
+from megaloop.frontend.ops.fused_elementwise import fused_elementwise
 from megaloop.frontend.ops.layout import (
     broadcast_to,
     concat,
@@ -76,6 +77,7 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_grad",
     "embedding",
+    "fused_elementwise",
     "getitem",
     "grad_accumulate",
     "inv_frequencies",

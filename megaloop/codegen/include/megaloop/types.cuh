@@ -51,6 +51,14 @@ __device__ __forceinline__ void store(int* p, i64 v) { *p = (int)v; }  // wraps,
 __device__ __forceinline__ void store(i64* p, i64 v) { *p = v; }
 __device__ __forceinline__ void store(bool* p, bool v) { *p = v; }
 
+// v rounded to T as storing it would, back in compute type (fused_elementwise's intermediates)
+template <class T, class V>
+__device__ __forceinline__ auto stored(V v) {
+    T s;
+    store(&s, v);
+    return load(&s);
+}
+
 // conversions between compute types (casts); float -> int is refused by the graph builder
 __device__ __forceinline__ float to_compute_float(float v) { return v; }
 __device__ __forceinline__ float to_compute_float(i64 v) { return (float)v; }  // via float32, as torch
