@@ -41,6 +41,20 @@ struct LanesSmem {
     static constexpr int KN = Q + LN::rows * D * 4, VN = KN + (D * (int)sizeof(T) + 15) / 16 * 16;
     static constexpr int P = VN + (DV * (int)sizeof(T) + 15) / 16 * 16, PART = P + LN::warps * LN::per_warp * 32 * 4;
     static constexpr int BYTES = PART + LN::warps * LN::per_warp * (DV + 2) * 4;
+    struct Views {
+        T *ks, *vs;
+        float* qs;
+        T *kn, *vn;
+        float *ps, *part;
+    };
+    // the regions above in the block's dynamic shared memory
+    __device__ __forceinline__ static Views views() {
+        extern __shared__ float4 ml_smem4[];
+        char* s = reinterpret_cast<char*>(ml_smem4);
+        return {reinterpret_cast<T*>(s + K),    reinterpret_cast<T*>(s + V),     reinterpret_cast<float*>(s + Q),
+                reinterpret_cast<T*>(s + KN),   reinterpret_cast<T*>(s + VN),    reinterpret_cast<float*>(s + P),
+                reinterpret_cast<float*>(s + PART)};
+    }
 };
 
 // keys [s0, s0 + n) of the kv head's k and v rows (kp, vp; rows k2 / v2 apart) into the staged rows,
@@ -243,15 +257,7 @@ __device__ __forceinline__ void attention_lanes(const Args& a, const Task& t, in
     constexpr int D = S::d, DV = S::dv, TK = S::tk, VPL = DV / 32, R = LN::per_warp, W = 16 / (int)sizeof(T);
     static_assert(D % W == 0 && DV % 32 == 0 && (VPL & (VPL - 1)) == 0 && VPL * (int)sizeof(T) <= 16,
                   "attention_lanes: heads of whole 16-byte packs, values of 32 to 128 dims (16 bytes a lane at most)");
-    extern __shared__ float4 ml_smem4[];
-    char* smem = reinterpret_cast<char*>(ml_smem4);
-    T* ks = reinterpret_cast<T*>(smem + Sm::K);
-    T* vs = reinterpret_cast<T*>(smem + Sm::V);
-    float* qs = reinterpret_cast<float*>(smem + Sm::Q);
-    T* kn = reinterpret_cast<T*>(smem + Sm::KN);
-    T* vn = reinterpret_cast<T*>(smem + Sm::VN);
-    float* ps = reinterpret_cast<float*>(smem + Sm::P);
-    float* part = reinterpret_cast<float*>(smem + Sm::PART);
+    const auto [ks, vs, qs, kn, vn, ps, part] = Sm::views();
     const int warp = threadIdx.x >> 5, rg = warp / LN::blocks;
     const int bi = t.lo[0], nq = t.hi[2] - t.lo[2], nrows = (t.hi[1] - t.lo[1]) * nq, kh = t.lo[1] / S::group;
     const i64 key_lo = Chunk > 0 ? (i64)t.lo[3] * Chunk : 0;

@@ -105,13 +105,9 @@ __device__ __forceinline__ void paged_attention_lanes(const Args& a, const Task&
     using Sm = LanesSmem<T, S::d, S::dv, LN>;
     constexpr int D = S::d, DV = S::dv, R = LN::per_warp, VPL = DV / 32;
     static_assert(LN::rows >= S::group, "paged_attention_lanes: a tile's rows are the query heads of one kv head");
-    extern __shared__ float4 ml_smem4[];
-    char* smem = reinterpret_cast<char*>(ml_smem4);
-    T* ks = reinterpret_cast<T*>(smem + Sm::K);
-    T* vs = reinterpret_cast<T*>(smem + Sm::V);
-    float* qs = reinterpret_cast<float*>(smem + Sm::Q);
-    float* ps = reinterpret_cast<float*>(smem + Sm::P);
-    float* part = reinterpret_cast<float*>(smem + Sm::PART);
+    const auto views = Sm::views();
+    T *ks = views.ks, *vs = views.vs;
+    float *qs = views.qs, *ps = views.ps, *part = views.part;
     const int warp = threadIdx.x >> 5, rg = warp / LN::blocks, kh = t.lo[1] / S::group, bi = t.lo[0];
     const int nrows = t.hi[1] - t.lo[1];
     const bool computes = warp < LN::warps;
