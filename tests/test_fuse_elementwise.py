@@ -111,25 +111,28 @@ def test_the_trees_fuse_somewhere() -> None:
     assert before - after >= 20
 
 
-def chain(kept: bool = False, shared: bool = False, broadcast: bool = False) -> ml.Graph:
+def chain(kept: bool = False, shared: bool = False, broadcast: bool = False, split: bool = False) -> ml.Graph:
     g = ml.Graph("chain")
     x, n = g.input("x", (4, 6), "float32"), g.input("n", (4, 1) if broadcast else (4, 6), "float32")
     u = ml.maximum(n * 2.0, 0.0)  # (4, 1) where broadcast: the root's shape is not its
     y = ml.add(x, u)
     if kept:
         g.output("u", u)
+    if split:  # (u read by two trees: each of them an output)
+        g.output("z", ml.mul(x, u))
     g.output("y", y if not shared else y + ml.exp(u))
     return g
 
 
 @pytest.mark.parametrize(
     "graph,fused_ops",
-    [(chain(), 1), (chain(kept=True), 2), (chain(shared=True), 2), (chain(broadcast=True), 2)],
-    ids=["chain", "intermediate-kept", "intermediate-shared", "intermediate-broadcast"],
+    [(chain(), 1), (chain(kept=True), 2), (chain(shared=True), 1), (chain(broadcast=True), 2), (chain(split=True), 3)],
+    ids=["chain", "intermediate-kept", "intermediate-shared", "intermediate-broadcast", "intermediate-in-two-trees"],
 )  # fmt: skip
 def test_what_the_rule_takes(graph: ml.Graph, fused_ops: int) -> None:
-    """A chain is one op; an intermediate read as an output, by two ops, or of another shape than its
-    reader's stays an op's result (its maker a root of its own tree)."""
+    """A chain is one op, an intermediate read by two ops of the tree too (computed once in it); one read
+    as an output, by two trees, or of another shape than its reader's, stays an op's result (a root of
+    its own)."""
     fused = ml.fuse(graph, ON)
     assert sum(ops_of(fused).values()) == fused_ops, ops_of(fused)
     inputs = feeds(graph, 1)

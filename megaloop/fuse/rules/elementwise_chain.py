@@ -1,10 +1,13 @@
 """A tree of elementwise ops -> one fused_elementwise: an elementwise node (the root) with the elementwise
-nodes that feed only it, or only others of the tree, all of the root's shape, made one op whose steps
+nodes of its shape whose every reader is in the tree (nothing else reading them), made one op whose steps
 round each intermediate as storing it would (the plain ops' bits). A chain of small ops (a serving
 step's bookkeeping over its slots, a generator's next-token bookkeeping) is then one task and one
 handoff where it was one each. Off by default until measured on the GPU (FuseOptions(on=...))."""
 
 from __future__ import annotations
+
+import weakref
+from collections import Counter
 
 import megaloop.frontend.ops as ops
 from megaloop.frontend.graph import Node
@@ -27,27 +30,34 @@ def _candidate(node: Node) -> bool:
     return op.lowering is not None and op.lowering.template == "elementwise" and op.check_data is None
 
 
-def _absorbed(t: Tensor, rw: Rewriter) -> bool:
-    """Whether ``t``'s maker goes into its reader's tree: one reader, elementwise, of the same shape."""
-    user = rw.sole_user(t)
-    return user is not None and _candidate(t.node) and _candidate(user) and user.outputs[0].shape == t.shape
+_TREES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rewriter -> {node: its tree's root}
 
 
-def _tree(root: Node, rw: Rewriter) -> list[Node]:
-    """The root and the nodes absorbed into it, in graph order (each after its operands' makers)."""
-    members, stack = {root}, [root]
-    while stack:
-        for t in stack.pop().inputs:
-            if t.node not in members and t.index == 0 and _absorbed(t, rw):
-                members.add(t.node)
-                stack.append(t.node)
-    return sorted(members, key=lambda n: rw.key[n])
+def _trees(rw: Rewriter) -> dict[Node, Node]:
+    """Each elementwise node's tree (its root), for the graph under rewrite: from the last node back, a
+    node joins the tree of its readers when they all are in one tree of its shape and nothing else
+    reads it; else it roots its own. (Fusing one tree leaves the others' members as they were.)"""
+    if rw not in _TREES:
+        root: dict[Node, Node] = {}
+        size: Counter = Counter()
+        for n in reversed([n for n in rw.graph.nodes if rw.alive(n)]):
+            if not _candidate(n):
+                continue
+            t, users = n.outputs[0], rw.users(n.outputs[0])
+            roots = {root.get(u) for u in users}
+            joins = users and not rw.kept(t) and len(roots) == 1 and None not in roots
+            joins = joins and all(u.outputs[0].shape == t.shape for u in users) and size[root.get(users[0])] < MAX_STEPS
+            root[n] = root[users[0]] if joins else n
+            size[root[n]] += 1
+        _TREES[rw] = root
+    return _TREES[rw]
 
 
 def _fire(node: Node, rw: Rewriter) -> bool:
-    if not _candidate(node) or _absorbed(node.outputs[0], rw):
-        return False  # (not a root: its reader's tree takes it)
-    members = _tree(node, rw)
+    trees = _trees(rw)
+    if trees.get(node) is not node:
+        return False  # (not elementwise, or its readers' tree takes it)
+    members = sorted((m for m, r in trees.items() if r is node and rw.alive(m)), key=lambda n: rw.key[n])
     index = {m: k for k, m in enumerate(members)}
     operands: list[Tensor] = []
     steps = []
@@ -62,7 +72,7 @@ def _fire(node: Node, rw: Rewriter) -> bool:
                 args.append(["in", operands.index(t)])
         steps.append({"op": m.op.name, "attrs": dict(m.attrs), "args": args, "dtype": m.outputs[0].dtype.name})
     shape = node.outputs[0].shape
-    if len(members) < 2 or len(members) > MAX_STEPS or len(operands) > MAX_INPUTS:
+    if len(members) < 2 or len(operands) > MAX_INPUTS:
         return False
     if tuple(broadcast_shapes(*[t.shape for t in operands])) != shape:
         return False  # (the operands alone must span the root's shape)
@@ -78,8 +88,8 @@ register_rule(
         name="elementwise_chain",
         makes="fused_elementwise",
         roots=tuple(name for name, op in REGISTRY.items() if op.lowering and op.lowering.template == "elementwise"),
-        doc="an elementwise node and the elementwise nodes of its shape that feed only it (or only others "
-        "of the tree), at least 2 and at most 32, at most 8 operands from outside",
+        doc="an elementwise node and the elementwise nodes of its shape whose every reader is in its tree, "
+        "at least 2 and at most 32, at most 8 operands from outside",
         fire=_fire,
         after=AFTER,
         default=False,
