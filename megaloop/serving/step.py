@@ -221,6 +221,7 @@ def _row_tokens(sequence: Tensor, rows: Rows, shape: StepShape) -> Tensor:
 def _decoder(g: Graph, cfg: LlamaConfig, shape: StepShape, ids: Tensor, rows: Rows, table: Tensor) -> Tensor:
     """The embedding and the decoder layers on the step's rows: the residual stream [1, T, hidden]."""
     x = ops.embedding(g.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), cfg.dtype), ids)
+    rope_pos = ops.maximum(rows.positions, 0).reshape(1, 1, rows.positions.shape[1])  # (every layer's)
     update = None
     for layer in range(cfg.layers):
         p = f"model.layers.{layer}."
@@ -233,16 +234,17 @@ def _decoder(g: Graph, cfg: LlamaConfig, shape: StepShape, ids: Tensor, rows: Ro
             ln2 = g.parameter(p + "post_attention_layernorm.weight", (cfg.hidden,), cfg.dtype)
             with g.scope("attn"):
                 normed = ops.rmsnorm(stream, ln1, eps=cfg.rms_eps)
-                h = stream + _paged_attention_block(g, cfg, shape, normed, rows, table, layer)
+                h = stream + _paged_attention_block(g, cfg, shape, normed, rows, table, rope_pos, layer)
             with g.scope("mlp"):
                 x, update = h, mlp_block(g, cfg, ops.rmsnorm(h, ln2, eps=cfg.rms_eps), layer)
     return x if update is None else x + update
 
 
 def _paged_attention_block(g: Graph, cfg: LlamaConfig, shape: StepShape, x: Tensor, rows: Rows, table: Tensor,
-                           layer: int) -> Tensor:  # fmt: skip
-    """The Llama attention block (q/k/v projections, Qwen3's q/k norms, rope at each row's position)
-    with the keys and values written into, and read from, the layer's paged pools."""
+                           rope_pos: Tensor, layer: int) -> Tensor:  # fmt: skip
+    """The Llama attention block (q/k/v projections, Qwen3's q/k norms, rope at each row's position:
+    ``rope_pos`` [1, 1, T], unused rows at 0) with the keys and values written into, and read from, the
+    layer's paged pools."""
     t, hd, p = rows.slots.shape[1], cfg.head_dim, f"model.layers.{layer}.self_attn."
     w = {name: g.parameter(p + name, s, cfg.dtype) for name, s in cfg.attention_shapes().items()}
 
@@ -252,7 +254,6 @@ def _paged_attention_block(g: Graph, cfg: LlamaConfig, shape: StepShape, x: Tens
             y = ops.rmsnorm(y, w[f"{n}_norm.weight"], eps=cfg.rms_eps)
         return y.transpose(1, 2)
 
-    rope_pos = ops.maximum(rows.positions, 0).reshape(1, 1, t)
     rope_args = {"theta": cfg.rope_theta, "scaling": cfg.rope_scaling}
     q = ops.rope(heads("q", cfg.heads), rope_pos, **rope_args)
     k = ops.rope(heads("k", cfg.kv_heads), rope_pos, **rope_args)

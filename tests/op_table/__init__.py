@@ -29,7 +29,6 @@ TESTED_ELSEWHERE = {
     "reduce_scatter": "test_collectives.py",
     "send": "test_collectives.py",
     "recv": "test_collectives.py",
-    "fused_elementwise": "test_fuse_elementwise.py",  # (made by the fuse stage from ops the table tests)
 }
 
 __all__ = ["ROWS", "TESTED_ELSEWHERE", "Row", "Sample", "attention_ref", "build_row", "rope_ref"]

@@ -163,3 +163,24 @@ for to in ("float32", "float16", "bfloat16", "bool"):
         FLOATS + (("int32", "int64") if to != "bool" else ()) + ("bool",),
     )
 row("cast", "int64-to-int32", lambda g, a: a.astype("int32"), lambda a, **k: a.to(torch.int32), one(), ("int64",))
+
+
+# fused_elementwise (the fuse stage's elementwise_chain makes it): three steps over broadcast operands,
+# each rounded to the dtype (the reference rounds them too), a number among the last step's operands
+def _fused_steps(dtype: str) -> list[dict[str, Any]]:
+    return [
+        {"op": "div", "attrs": {}, "args": [["in", 0], ["in", 1]], "dtype": dtype},
+        {"op": "add", "attrs": {}, "args": [["step", 0], ["in", 0]], "dtype": dtype},
+        {"op": "maximum", "attrs": {"scalars": {1: 0.25}}, "args": [["step", 1]], "dtype": dtype},
+    ]
+
+
+row(
+    "fused_elementwise",
+    "div-add-maximum",
+    lambda g, a, b: ml.fused_elementwise([a, b], _fused_steps(a.dtype.name)),
+    lambda a, b, dtype, **k: torch.clamp_min(rnd(rnd(a / b, dtype) + a, dtype), 0.25),
+    many(2),
+    FLOATS,
+    domains=("normal", "positive"),
+)

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from megaloop.dtypes import as_dtype, round_to
-from megaloop.errors import GraphBuildError
+from megaloop.errors import DtypeError, GraphBuildError, MegaloopError, ShapeError
+from megaloop.frontend.graph import Graph
 from megaloop.frontend.opdef import REGISTRY, Accuracy, Lowering, OpCall, OpDef, OutSpec, register
 from megaloop.frontend.ops import _placements, _tilings
 from megaloop.frontend.ops._build import apply
@@ -26,20 +27,37 @@ MAX_INPUTS = 8  # (the emitted lambda names its operands a .. h)
 
 
 def _infer(call: OpCall) -> list[OutSpec]:
+    """Each step's own shape and dtype rules (the step built on a scratch graph of the operands' kinds),
+    its result's dtype as the step says, the last one spanning the operands' broadcast shape."""
     steps = call.attrs["steps"]
     n = len(call.operands)
     if not steps or n > MAX_INPUTS:
         raise call.error(GraphBuildError, f"needs 1 or more steps and at most {MAX_INPUTS} operands, got "
                                           f"{len(steps)} and {n}")  # fmt: skip
-    shape = broadcast_shapes(*[call.shape(i) for i in range(n)]) if n else ()
+    scratch = Graph("fused_elementwise-steps")
+    values = [scratch.input(f"in{i}", call.shape(i), t.dtype) for i, t in enumerate(call.operands)]
+    made: list[Tensor] = []
     for k, step in enumerate(steps):
         opdef = REGISTRY.get(step["op"])
         if opdef is None or opdef.lowering is None or opdef.lowering.template != "elementwise":
             raise call.error(GraphBuildError, f"step {k}: {step['op']!r} is not an elementwise op")
+        args = []
         for kind, i in step["args"]:
             if not (kind == "in" and 0 <= i < n) and not (kind == "step" and 0 <= i < k):
                 raise call.error(GraphBuildError, f"step {k}: operand {[kind, i]} names no operand or earlier step")
-    return [OutSpec(tuple(shape), as_dtype(steps[-1]["dtype"]))]
+            args.append(values[i] if kind == "in" else made[i])
+        try:
+            out = apply(opdef, args, **step["attrs"])
+        except MegaloopError as e:
+            raise call.error(type(e), f"step {k} ({step['op']}): {e}") from None
+        if out.dtype.name != step["dtype"]:
+            what = f"step {k} ({step['op']}) gives {out.dtype.name}, the step says {step['dtype']}"
+            raise call.error(DtypeError, what)
+        made.append(out)
+    shape = tuple(broadcast_shapes(*[call.shape(i) for i in range(n)])) if n else ()
+    if made[-1].shape != shape:
+        raise call.error(ShapeError, f"the last step's result is {made[-1].shape}, the operands span {shape}")
+    return [OutSpec(shape, made[-1].dtype)]
 
 
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -64,7 +82,7 @@ FUSED_ELEMENTWISE = register(
         attrs={"steps": "steps"},
         infer=_infer,
         reference=_reference,
-        accuracy=Accuracy(ulps=0.0),
+        accuracy=Accuracy(ulps=1.0),  # (its steps' roundings: the plain ops' values against float64)
         tiling=_tilings.ELEMENTWISE,
         lowering=Lowering("fused_elementwise"),
         placement=_placements.rule(_placements.elementwise_dims),
