@@ -175,7 +175,8 @@ class KernelOptions:
     # n: n reads in flight at once, spaced over one read's trip, the abort flag every 8th round
     doorbell_reads: int = 0
     # decode attention tiles (queries too few for tensor cores): 0 split keys (a head's dims over a few
-    # lanes, keys over warps); 1 lanes over keys, built for latency (megaloop/attention_lanes.cuh)
+    # lanes, keys over warps); 1 lanes over keys, built for latency (megaloop/attention_lanes.cuh; the
+    # paged pools' too, their keys staged through the page table: megaloop/paged.cuh)
     decode_attention: int = 1
 
     def check(self, error: type, where: str) -> None:
