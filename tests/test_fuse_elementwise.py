@@ -188,3 +188,10 @@ def test_the_loop_kernel_gives_the_plain_graphs_bits(seed: int) -> None:
         got = kernel.run(inputs)
     for name in want.outputs:
         assert got[name].tobytes() == want.outputs[name].tobytes(), name
+
+
+def test_the_rule_runs_after_every_other() -> None:
+    """Other rules' patterns hold elementwise ops (silu_mul, norm_residual, rope's positions): they go first."""
+    from megaloop.fuse import ordered_rules
+
+    assert [r.name for r in ordered_rules()][-1] == "elementwise_chain"

@@ -25,7 +25,8 @@ class Rule:
     whose rewrites must be made first (their result is this rule's pattern, or must not be taken by
     it). ``differs``: "" when the rewrite gives the plain ops' values bit for bit, else how it does not.
     ``default``: whether it runs unless turned off (False: only when FuseOptions name it in ``on``, for a
-    fused op not yet measured on the GPU).
+    fused op not yet measured on the GPU). ``last``: it runs after every rule that is not (it takes what
+    the others leave, e.g. the plain ops their patterns did not hold).
     """
 
     name: str  # what FuseOptions call it
@@ -36,6 +37,7 @@ class Rule:
     after: tuple[str, ...] = ()
     differs: str = ""
     default: bool = True
+    last: bool = False
 
 
 RULES: dict[str, Rule] = {}
@@ -63,7 +65,7 @@ def load_rules() -> None:
 
 
 def ordered_rules() -> list[Rule]:
-    """Every rule, each after the rules it names in ``after`` (otherwise by name)."""
+    """Every rule, each after the rules it names in ``after`` (otherwise by name), the ``last`` ones last."""
     load_rules()
     done: list[Rule] = []
     placed: set[str] = set()
@@ -73,7 +75,8 @@ def ordered_rules() -> list[Rule]:
         if unknown:
             raise ValueError(f"fusion rule {r.name!r} runs after {sorted(unknown)}, which no module defines")
     while pending:
-        ready = [r for r in pending if set(r.after) <= placed]
+        firsts = [r for r in pending if not r.last]
+        ready = [r for r in firsts or pending if set(r.after) <= placed]
         if not ready:
             raise ValueError(f"fusion rules {[r.name for r in pending]} each wait for another ('after' has a cycle)")
         done.append(ready[0])

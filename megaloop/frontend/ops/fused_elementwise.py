@@ -62,13 +62,12 @@ def _infer(call: OpCall) -> list[OutSpec]:
 
 def _reference(arrays: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
     """Each step's reference on its operands, rounded to its dtype as the evaluator stores it."""
-    shape = np.broadcast_shapes(*[a.shape for a in arrays]) if arrays else ()
     values: list[np.ndarray] = []
     for step in attrs["steps"]:
         operands = [arrays[i] if kind == "in" else values[i] for kind, i in step["args"]]
         out = round_to(np.asarray(REGISTRY[step["op"]].reference(operands, step["attrs"])), as_dtype(step["dtype"]))
         values.append(out)
-    return np.broadcast_to(values[-1], shape).copy() if values[-1].shape != shape else values[-1]
+    return values[-1]  # (of the operands' broadcast shape: the shape rule checked it)
 
 
 FUSED_ELEMENTWISE = register(

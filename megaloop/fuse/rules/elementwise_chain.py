@@ -19,9 +19,6 @@ from megaloop.fuse.rewrite import Rewriter
 from megaloop.fuse.rule import Rule, register_rule
 
 MAX_STEPS = 32  # (a tile's code: each step is a few instructions an element)
-# the rules whose patterns hold elementwise ops (or reach them): they take theirs first
-AFTER = ("silu_mul", "norm_residual", "swiglu_linear", "rmsnorm_linear", "rope_paged_kv_cache_update",
-         "attention_append", "rope_kv_cache_update", "empty_inputs", "split_k_linear")
 
 
 def _candidate(node: Node) -> bool:
@@ -91,7 +88,7 @@ register_rule(
         doc="an elementwise node and the elementwise nodes of its shape whose every reader is in its tree, "
         "at least 2 and at most 32, at most 8 operands from outside",
         fire=_fire,
-        after=AFTER,
+        last=True,  # (other rules' patterns hold elementwise ops: they take theirs first)
         default=False,
     )
 )

@@ -57,20 +57,29 @@ struct LanesSmem {
     }
 };
 
-// keys [s0, s0 + n) of the kv head's k and v rows (kp, vp; rows k2 / v2 apart) into the staged rows,
-// zeros past n: 16 bytes a copy, every thread
-template <class T, int D, int DV, class LN>
-__device__ __forceinline__ void lanes_stage(T* ks, T* vs, const T* kp, const T* vp, i64 k2, i64 v2, i64 s0, int n) {
+// LN::keys rows of keys and values into the staged rows, 16 bytes a copy, every thread: row r's key
+// (value) from row(true, r) (row(false, r)), zeros where that is nullptr (``any``: a global address
+// the zero copies name, reading nothing)
+template <class T, int D, int DV, class LN, class Row>
+__device__ __forceinline__ void lanes_stage_rows(T* ks, T* vs, const T* any, Row row) {
     using L = LanesSmem<T, D, DV, LN>;
     constexpr int W = 16 / (int)sizeof(T), KC = D / W, VC = DV / W;
     for (int c = threadIdx.x; c < LN::keys * (KC + VC); c += ml::block_threads()) {
         const bool key = c < LN::keys * KC;
         const int e = key ? c : c - LN::keys * KC, r = key ? e / KC : e / VC, col = (key ? e % KC : e % VC) * W;
-        const bool ok = r < n;
-        const T* src = key ? kp + (s0 + r) * k2 + col : vp + (s0 + r) * v2 + col;
-        cp_async16(key ? ks + r * L::LD + col : vs + r * L::LDV + col, ok ? src : kp, ok);
+        const T* src = row(key, r);
+        cp_async16(key ? ks + r * L::LD + col : vs + r * L::LDV + col, src ? src + col : any, src != nullptr);
     }
     cp_async_commit();
+}
+
+// keys [s0, s0 + n) of the kv head's k and v rows (kp, vp; rows k2 / v2 apart) into the staged rows,
+// zeros past n
+template <class T, int D, int DV, class LN>
+__device__ __forceinline__ void lanes_stage(T* ks, T* vs, const T* kp, const T* vp, i64 k2, i64 v2, i64 s0, int n) {
+    lanes_stage_rows<T, D, DV, LN>(ks, vs, kp, [&](bool key, int r) -> const T* {
+        return r >= n ? nullptr : key ? kp + (s0 + r) * k2 : vp + (s0 + r) * v2;
+    });
 }
 
 // row r of the tile's rows (heads, then queries) into q's float32 rows in shared memory, rotated at

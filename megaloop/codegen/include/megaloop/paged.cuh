@@ -72,25 +72,17 @@ __device__ __forceinline__ void paged_kv_update(const Args& a, const Task& t, in
     paged_write<B, Tokens, Dim, Pages, P, Slots, PerSlot, 0, true>(a, t, tid, nullptr, out, nw, table, slots, pos);
 }
 
-// keys [s0, s0 + n) of slot s's kv head kh into the staged rows (megaloop/attention_lanes.cuh's
-// LanesSmem), each through its page (one out of range is reported and its row left zero), zeros past
-// n: 16 bytes a copy, every thread
+// keys [s0, s0 + n) of slot s's kv head kh into the staged rows (attention_lanes.cuh's
+// lanes_stage_rows), each through its page (one out of range is reported and its row left zero)
 template <class T, int D, int DV, class LN, int Pages, int P, int Slots, int PerSlot, class K, class V, class PT>
 __device__ __forceinline__ void paged_stage(const Args& a, const Task& t, int tid, T* ks, T* vs, const K& k,
                                             const V& v, const PT& table, i64 s, int kh, i64 s0, int n) {
-    using L = LanesSmem<T, D, DV, LN>;
-    constexpr int W = 16 / (int)sizeof(T), KC = D / W, VC = DV / W;
-    for (int c = threadIdx.x; c < LN::keys * (KC + VC); c += ml::block_threads()) {
-        const bool key = c < LN::keys * KC;
-        const int e = key ? c : c - LN::keys * KC, r = key ? e / KC : e / VC, col = (key ? e % KC : e % VC) * W;
-        const i64 j = s0 + r;
-        const i64 page = r < n ? page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, j) : -1;
-        const bool ok = page >= 0;
-        const T* src = key ? k.p + page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K> + col
-                           : v.p + page * stride_of<0, V> + (i64)kh * stride_of<1, V> + (j % P) * stride_of<2, V> + col;
-        cp_async16(key ? ks + r * L::LD + col : vs + r * L::LDV + col, ok ? src : k.p, ok);
-    }
-    cp_async_commit();
+    lanes_stage_rows<T, D, DV, LN>(ks, vs, k.p, [&](bool key, int r) -> const T* {
+        const i64 j = s0 + r, page = r < n ? page_of<Pages, P, Slots, PerSlot>(a, t, tid, table, s, j) : -1;
+        if (page < 0) return nullptr;
+        return key ? k.p + page * stride_of<0, K> + (i64)kh * stride_of<1, K> + (j % P) * stride_of<2, K>
+                   : v.p + page * stride_of<0, V> + (i64)kh * stride_of<1, V> + (j % P) * stride_of<2, V>;
+    });
 }
 
 // The lanes-over-keys tile (megaloop/attention_lanes.cuh) over a slot's pages, a row of the task at a
